@@ -1,0 +1,120 @@
+"""The I/O backend interface and its selection.
+
+An operation is a tuple (op, fd, addr, length, offset): read or write `length`
+bytes at `offset` of `fd` from/into the caller-owned memory at `addr`. A backend
+runs a batch of them and returns, per operation, the byte count or -errno.
+
+Failure contract (both backends):
+- An I/O error fails only its own operation (its -errno is returned); `run` raises
+  only for programming errors.
+- Cancelling the task awaiting `run` returns only once no operation of the batch
+  can still touch its buffer: queued operations are dropped, submitted ones are
+  cancelled through the kernel (io_uring) or waited for (threads). Then the
+  CancelledError propagates. So the caller may reuse or free its buffers as soon
+  as `run` has returned or raised.
+
+Threading contract: a backend belongs to one asyncio event loop and is called from
+that loop's thread only.
+
+Selection: io_uring is probed at start; where it is refused (EPERM/ENOSYS under a
+container's seccomp profile) the thread-pool backend takes over, said once in the
+log. AIOKV_IO=uring|threads forces one.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import errno
+import logging
+import os
+
+OP_READ = 0
+OP_WRITE = 1
+
+log = logging.getLogger("aiokv")
+_said: set[str] = set()
+
+
+def say_once(msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        log.warning(msg)
+
+
+class _Batch:
+    """Completion state of one `run` call (loop thread only)."""
+
+    __slots__ = ("results", "remaining", "fut", "cancelled")
+
+    def __init__(self, n: int, fut: asyncio.Future):
+        self.results = [-errno.ECANCELED] * n
+        self.remaining = n
+        self.fut = fut
+        self.cancelled = False
+
+    def complete(self, i: int, res: int) -> None:
+        self.results[i] = res
+        self.remaining -= 1
+        if self.remaining == 0 and not self.fut.done():
+            self.fut.set_result(self.results)
+
+
+class IOBackend(abc.ABC):
+    """Runs batches of reads and writes; see the module docstring for the contract."""
+
+    name = "abstract"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+
+    async def run(self, ops) -> list[int]:
+        if not ops:
+            return []
+        batch = _Batch(len(ops), self.loop.create_future())
+        self._start(batch, ops)
+        try:
+            return await asyncio.shield(batch.fut)
+        except asyncio.CancelledError:
+            batch.cancelled = True
+            self._cancel(batch)
+            # The kernel or a thread may still own a buffer: wait, even if
+            # cancelled again, until every operation of the batch has ended.
+            while not batch.fut.done():
+                try:
+                    await asyncio.shield(batch.fut)
+                except asyncio.CancelledError:
+                    continue
+            raise
+
+    @abc.abstractmethod
+    def _start(self, batch: _Batch, ops) -> None: ...
+
+    @abc.abstractmethod
+    def _cancel(self, batch: _Batch) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def in_flight(self) -> int:
+        """Operations handed to the kernel or a thread and not yet completed."""
+
+    def close(self) -> None:
+        pass
+
+
+def open_backend(loop: asyncio.AbstractEventLoop, kind: str | None = None, depth: int = 64) -> IOBackend:
+    """The io_uring backend if the kernel allows it, else the thread-pool one."""
+    kind = kind or os.environ.get("AIOKV_IO", "auto")
+    if kind not in ("auto", "uring", "threads"):
+        raise ValueError(f"aiokv: AIOKV_IO={kind!r} is not one of auto, uring, threads")
+    if kind in ("auto", "uring"):
+        try:
+            from aiokv.io.uring import UringBackend
+
+            return UringBackend(loop, depth=depth)
+        except OSError as e:
+            if kind == "uring":
+                raise
+            say_once(f"aiokv: io_uring unavailable ({os.strerror(e.errno or 0)}); using the thread-pool I/O backend")
+    from aiokv.io.threads import ThreadBackend
+
+    return ThreadBackend(loop, threads=min(depth, 16))

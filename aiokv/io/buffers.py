@@ -1,0 +1,98 @@
+"""Aligned, huge-page-backed host memory for O_DIRECT I/O.
+
+O_DIRECT needs buffers, offsets and lengths aligned to the device's logical block
+size; `torch.empty` is only 64-byte aligned. Buffers made of scattered 4 KiB pages
+also cost up to half the read bandwidth (the block layer splits each I/O), so the
+staging memory is one 2 MiB-aligned anonymous mapping with MADV_HUGEPAGE
+(see docs/design.md, "Staging memory").
+
+Threading contract: an Arena is immutable after construction and may be read from
+any thread. A SlotPool is called from one thread only (the worker's event loop).
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+HUGE = 2 << 20
+ALIGN = 4096
+
+
+def round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class Arena:
+    """One aligned anonymous mapping. `addr` is 2 MiB aligned, `size` bytes long."""
+
+    def __init__(self, size: int):
+        self.size = round_up(max(size, ALIGN), ALIGN)
+        self._map = mmap.mmap(-1, self.size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self.offset = (-base) % HUGE
+        self.addr = base + self.offset
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE, self.offset, round_up(self.size, HUGE))
+            except (OSError, ValueError):
+                pass  # transparent huge pages disabled: still correct, slower
+        self.view = memoryview(self._map)[self.offset:self.offset + self.size]
+
+    def tensor(self):
+        """The arena as a flat torch uint8 tensor sharing its memory."""
+        import torch
+
+        return torch.frombuffer(self.view, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.view.release()
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a tensor still views it; the mapping lives until that is gone
+
+
+class SlotPool:
+    """A bounded pool of equal, aligned slots carved from one Arena.
+
+    acquire(n) returns n slot indices or None when the pool cannot give that many:
+    callers drop work instead of waiting, so a full pool never stalls the engine.
+    """
+
+    def __init__(self, slot_bytes: int, count: int):
+        if slot_bytes % ALIGN:
+            raise ValueError("slot size must be a multiple of 4096")
+        self.slot_bytes = slot_bytes
+        self.count = count
+        self.arena = Arena(slot_bytes * count)
+        self._free = list(range(count - 1, -1, -1))
+        self._used: set[int] = set()
+
+    def addr(self, slot: int) -> int:
+        return self.arena.addr + slot * self.slot_bytes
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def acquire(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        out = self._free[-n:]
+        del self._free[-n:]
+        self._used.update(out)
+        return out
+
+    def release(self, slots: list[int]) -> None:
+        for s in slots:
+            if s not in self._used:
+                raise RuntimeError(f"staging slot {s} released twice")
+            self._used.remove(s)
+            self._free.append(s)
+
+    @property
+    def in_use(self) -> int:
+        return len(self._used)
+
+    def close(self) -> None:
+        self.arena.close()

@@ -1,0 +1,91 @@
+"""Reads and writes of whole slots in one (namespace, rank) data file.
+
+This is the data plane: it needs no index and no lock, so a vLLM worker process
+uses it directly on slot numbers chosen by the engine that owns the index.
+
+Failure contract: every item gets its own result: 0, or -errno for an I/O
+error or short transfer, or -EBADMSG for a slot that does not verify (wrong
+magic, version, namespace, rank, key, length or checksum). Nothing raises for a
+bad block; a bad block is never reported as loaded.
+
+Threading contract: one asyncio loop thread (the one that owns the backend).
+Buffers are staging slots: 4096-aligned, `slot_bytes` long, header first.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import time
+
+from aiokv import _native
+from aiokv.io.backend import OP_READ, OP_WRITE, say_once
+from aiokv.store import format as fmt
+
+EBADMSG = -errno.EBADMSG
+
+
+def open_data_file(path: str) -> tuple[int, bool]:
+    """Open (creating, 0600) a data file with O_DIRECT; buffered where the FS lacks it."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o600), True
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    say_once(f"aiokv: {os.path.dirname(path)} does not support O_DIRECT; using buffered I/O there")
+    return os.open(path, flags, 0o600), False
+
+
+def data_path(ns_dir: str, rank: int) -> str:
+    return os.path.join(ns_dir, f"rank{rank}.data")
+
+
+class BlockIO:
+    def __init__(self, backend, ns_dir: str, nsid: bytes, rank: int, payload_bytes: int):
+        self.backend = backend
+        self.nsid = nsid
+        self.rank = rank
+        self.payload_bytes = payload_bytes
+        self.slot_bytes = fmt.slot_bytes(payload_bytes)
+        self.fd, self.direct = open_data_file(data_path(ns_dir, rank))
+
+    def stamp(self, key: bytes, addr: int) -> None:
+        """Fill the header of the staging slot at addr for `key` (payload already there)."""
+        crc = _native.crc32c(addr + fmt.HEADER_BYTES, self.payload_bytes)
+        hdr = fmt.pack_header(self.nsid, self.rank, key, self.payload_bytes, crc, time.time_ns())
+        ctypes.memset(addr, 0, fmt.HEADER_BYTES)
+        ctypes.memmove(addr, hdr, len(hdr))
+
+    def verify(self, key: bytes, addr: int) -> bool:
+        try:
+            crc = fmt.verify_header(ctypes.string_at(addr, fmt.HDR_USED), self.nsid, self.rank, key,
+                                    self.payload_bytes)
+        except fmt.BadBlock:
+            return False
+        return _native.crc32c(addr + fmt.HEADER_BYTES, self.payload_bytes) == crc
+
+    async def write(self, items) -> list[int]:
+        """items: (slot, key, addr). Stamps headers, writes, returns per-item 0/-errno."""
+        sb, fd = self.slot_bytes, self.fd
+        for _, key, addr in items:
+            self.stamp(key, addr)
+        res = await self.backend.run([(OP_WRITE, fd, addr, sb, slot * sb) for slot, _, addr in items])
+        return [0 if r == sb else (r if r < 0 else -errno.EIO) for r in res]
+
+    async def read(self, items) -> list[int]:
+        """items: (slot, key, addr). Reads and verifies; per-item 0/-errno/-EBADMSG."""
+        sb, fd = self.slot_bytes, self.fd
+        res = await self.backend.run([(OP_READ, fd, addr, sb, slot * sb) for slot, _, addr in items])
+        out = []
+        for r, (_, key, addr) in zip(res, items):
+            if r != sb:
+                out.append(r if r < 0 else -errno.EIO)
+            else:
+                out.append(0 if self.verify(key, addr) else EBADMSG)
+        return out
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

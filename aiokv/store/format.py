@@ -1,0 +1,137 @@
+"""The on-disk format, version 1: constants, packing and checking. Nothing else.
+
+docs/format.md describes the same layout for people; change both together and
+bump FORMAT_VERSION when the bytes change.
+
+    DIR/aiokv.json                      store marker: {"magic": "aiokv", "format": 1}
+    DIR/lock                            flock held by the engine that owns the index; holds its pid
+    DIR/ns/<nsid hex>/namespace.json    descriptive fields, slot payload size, ranks
+    DIR/ns/<nsid hex>/rank<R>.data      slots: slot s at offset s * slot_bytes
+    DIR/ns/<nsid hex>/checkpoint        index snapshot (header + records)
+    DIR/ns/<nsid hex>/journal.<gen>     records appended since checkpoint generation <gen>
+
+A slot is a 4096-byte header followed by the payload padded to 4096 bytes, so
+every slot, offset and length is aligned for O_DIRECT. The header is verified
+on every read: magic, version, namespace, rank, key, length, payload CRC32C and
+a CRC32C of the header itself. Any mismatch is a miss.
+"""
+from __future__ import annotations
+
+import struct
+
+from aiokv import _native
+
+FORMAT_VERSION = 1
+STORE_MAGIC = "aiokv"
+HEADER_BYTES = 4096
+ALIGN = 4096
+MIN_KEY, MAX_KEY = 16, 32
+NSID_BYTES = 16
+
+# ---- slot header ----
+BLOCK_MAGIC = b"AIOKVBLK"
+# magic, version, header bytes, rank, nsid, key len, payload crc, payload len, key, seq
+_HDR = struct.Struct("<8sHHI16sB3xIQ32sQ")
+_HDR_CRC = struct.Struct("<I")
+HDR_USED = _HDR.size + _HDR_CRC.size
+
+
+def slot_bytes(payload_bytes: int) -> int:
+    return HEADER_BYTES + (payload_bytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def check_key(key: bytes) -> None:
+    if not isinstance(key, (bytes, bytearray)) or not MIN_KEY <= len(key) <= MAX_KEY:
+        raise ValueError(f"aiokv: keys are {MIN_KEY}-{MAX_KEY} bytes, got {len(key)!r}")
+
+
+def pack_header(nsid: bytes, rank: int, key: bytes, payload_len: int, payload_crc: int, seq: int) -> bytes:
+    body = _HDR.pack(BLOCK_MAGIC, FORMAT_VERSION, HEADER_BYTES, rank, nsid, len(key), payload_crc,
+                     payload_len, key, seq)
+    return body + _HDR_CRC.pack(_native.crc32c_bytes(body))
+
+
+class BadBlock(Exception):
+    """A slot whose header or payload does not verify; reason says which check."""
+
+
+def unpack_header(raw: bytes) -> dict:
+    """Parse a header without checking it against expectations (for inspect)."""
+    body, (crc,) = raw[:_HDR.size], _HDR_CRC.unpack_from(raw, _HDR.size)
+    if _native.crc32c_bytes(body) != crc:
+        raise BadBlock("header checksum")
+    magic, ver, hbytes, rank, nsid, klen, pcrc, plen, key, seq = _HDR.unpack(body)
+    if magic != BLOCK_MAGIC:
+        raise BadBlock("magic")
+    if ver != FORMAT_VERSION or hbytes != HEADER_BYTES:
+        raise BadBlock(f"format version {ver}")
+    return {"rank": rank, "nsid": nsid, "key": key[:klen], "payload_crc": pcrc, "payload_len": plen, "seq": seq}
+
+
+def verify_header(raw: bytes, nsid: bytes, rank: int, key: bytes, payload_len: int) -> int:
+    """Check a header against what the reader expects; return the payload CRC."""
+    h = unpack_header(raw)
+    if h["nsid"] != nsid:
+        raise BadBlock("namespace")
+    if h["rank"] != rank:
+        raise BadBlock("rank")
+    if h["key"] != key:
+        raise BadBlock("key")
+    if h["payload_len"] != payload_len:
+        raise BadBlock("length")
+    return h["payload_crc"]
+
+
+# ---- index records (checkpoint body and journal) ----
+REC_COMMIT = 1
+REC_DROP = 2
+# type, key len, slot, last access (ns since epoch), key, crc
+_REC = struct.Struct("<BB2xIQ32s12x")
+REC_BYTES = _REC.size + 4
+assert REC_BYTES == 64
+
+JOURNAL_MAGIC = b"AIOKVJNL"
+CKPT_MAGIC = b"AIOKVCKP"
+# magic, version, generation, record count, body crc
+_FILE_HDR = struct.Struct("<8sHxxQQI")
+FILE_HDR_BYTES = 64
+
+
+def pack_record(kind: int, key: bytes, slot: int, atime: int) -> bytes:
+    body = _REC.pack(kind, len(key), slot, atime, key)
+    return body + struct.pack("<I", _native.crc32c_bytes(body))
+
+
+def iter_records(buf: bytes, verify_each: bool = True):
+    """Yield (kind, key, slot, atime) up to the first record that does not verify.
+
+    Returns (via StopIteration value) the byte length of the valid prefix.
+    """
+    n = len(buf) // REC_BYTES
+    crc = _native.crc32c_bytes
+    for i in range(n):
+        off = i * REC_BYTES
+        body = buf[off:off + _REC.size]
+        if verify_each and crc(body) != int.from_bytes(buf[off + _REC.size:off + REC_BYTES], "little"):
+            return off
+        kind, klen, slot, atime, key = _REC.unpack(body)
+        if kind not in (REC_COMMIT, REC_DROP) or not MIN_KEY <= klen <= MAX_KEY:
+            return off
+        yield kind, key[:klen], slot, atime
+    return n * REC_BYTES
+
+
+def pack_file_header(magic: bytes, gen: int, count: int = 0, body_crc: int = 0) -> bytes:
+    return _FILE_HDR.pack(magic, FORMAT_VERSION, gen, count, body_crc).ljust(FILE_HDR_BYTES, b"\0")
+
+
+def unpack_file_header(raw: bytes, magic: bytes) -> tuple[int, int, int]:
+    """(generation, count, body crc); raises BadBlock if it is not ours."""
+    if len(raw) < FILE_HDR_BYTES:
+        raise BadBlock("short file header")
+    m, ver, gen, count, crc = _FILE_HDR.unpack_from(raw)
+    if m != magic:
+        raise BadBlock("file magic")
+    if ver != FORMAT_VERSION:
+        raise BadBlock(f"format version {ver} (this aiokv reads {FORMAT_VERSION})")
+    return gen, count, crc

@@ -1,0 +1,172 @@
+"""Crash-consistent persistence of one namespace's index: checkpoint + journal.
+
+Why a journal of fixed 64-byte records and not SQLite: commits come in batches
+from one thread, a replay must be fast for millions of entries, and a torn tail
+must simply end the replay. Each record carries its own CRC32C, so replay stops
+at the first record that does not verify and the owner truncates the file there
+(docs/format.md, "Index"). Bench: tools/bench_index.py.
+
+Durability: records reach the kernel with write(2) at every commit batch, so a
+kill -9 loses nothing committed; fdatasync runs at most every `sync_interval`
+seconds and at close, so a power cut loses at most that window. Data blocks
+verify themselves, so an index record whose block never reached the disk is a
+miss on read, never wrong bytes.
+
+Threading contract: an IndexLog is used by one thread, the Store's owner. A
+read-only IndexLog (inspect) never writes and tolerates a writer beside it.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from aiokv import _native
+from aiokv.store import format as fmt
+
+O_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+def _read_file(path: str) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | O_FLAGS)
+    except FileNotFoundError:
+        return None
+    try:
+        chunks = []
+        while True:
+            b = os.read(fd, 1 << 24)
+            if not b:
+                return b"".join(chunks)
+            chunks.append(b)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class IndexLog:
+    """Checkpoint + journal files of one namespace directory."""
+
+    def __init__(self, ns_dir: str, readonly: bool = False, sync_interval: float = 1.0):
+        self.dir = ns_dir
+        self.readonly = readonly
+        self.sync_interval = sync_interval
+        self.gen = 0
+        self.records = 0  # records in the current journal
+        self.fd: int | None = None
+        self._last_sync = time.monotonic()
+        self.torn_bytes = 0  # bytes dropped from a torn journal tail at open
+
+    def _journal_path(self, gen: int) -> str:
+        return os.path.join(self.dir, f"journal.{gen}")
+
+    def load(self) -> dict[bytes, tuple[int, int]]:
+        """Replay checkpoint then journal; return key -> (slot, atime)."""
+        entries: dict[bytes, tuple[int, int]] = {}
+        raw = _read_file(os.path.join(self.dir, "checkpoint"))
+        if raw is not None:
+            try:
+                gen, count, crc = fmt.unpack_file_header(raw, fmt.CKPT_MAGIC)
+                body = raw[fmt.FILE_HDR_BYTES:fmt.FILE_HDR_BYTES + count * fmt.REC_BYTES]
+                if len(body) != count * fmt.REC_BYTES or _native.crc32c_bytes(body) != crc:
+                    raise fmt.BadBlock("checkpoint checksum")
+                for kind, key, slot, atime in fmt.iter_records(body, verify_each=False):
+                    entries[key] = (slot, atime)
+                self.gen = gen
+            except fmt.BadBlock as e:
+                raise fmt.BadBlock(f"{self.dir}/checkpoint is corrupt ({e}); run: aiokv inspect --repair") from e
+        jpath = self._journal_path(self.gen)
+        raw = _read_file(jpath)
+        valid = 0
+        journal_ok = False
+        if raw is not None and len(raw) >= fmt.FILE_HDR_BYTES:
+            try:
+                gen, _, _ = fmt.unpack_file_header(raw, fmt.JOURNAL_MAGIC)
+            except fmt.BadBlock:
+                gen = -1
+            if gen == self.gen:
+                journal_ok = True
+                body = raw[fmt.FILE_HDR_BYTES:]
+                it = fmt.iter_records(body)
+                while True:
+                    try:
+                        kind, key, slot, atime = next(it)
+                    except StopIteration as stop:
+                        valid = stop.value
+                        break
+                    self.records += 1
+                    if kind == fmt.REC_COMMIT:
+                        entries[key] = (slot, atime)
+                    else:
+                        entries.pop(key, None)
+                self.torn_bytes = len(body) - valid
+        if not self.readonly:
+            self._open_journal(valid, journal_ok)
+        # A slot claimed twice means a bug or a hand-made file: keep the newest claim only.
+        by_slot: dict[int, tuple[int, bytes]] = {}
+        for key, (slot, atime) in entries.items():
+            if slot in by_slot and by_slot[slot][0] >= atime:
+                continue
+            by_slot[slot] = (atime, key)
+        keep = {k for _, k in by_slot.values()}
+        return {k: v for k, v in entries.items() if k in keep}
+
+    def _open_journal(self, valid: int, exists: bool) -> None:
+        path = self._journal_path(self.gen)
+        if exists:
+            self.fd = os.open(path, os.O_RDWR | O_FLAGS)
+            os.ftruncate(self.fd, fmt.FILE_HDR_BYTES + valid)  # cut a torn tail
+            os.lseek(self.fd, 0, os.SEEK_END)
+        else:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | O_FLAGS, 0o600)
+            os.write(self.fd, fmt.pack_file_header(fmt.JOURNAL_MAGIC, self.gen))
+            os.fsync(self.fd)
+        # journals of other generations are leftovers of an interrupted checkpoint
+        for name in os.listdir(self.dir):
+            if name.startswith("journal.") and name != f"journal.{self.gen}":
+                os.unlink(os.path.join(self.dir, name))
+
+    def append(self, records: list[bytes]) -> None:
+        if not records:
+            return
+        os.write(self.fd, b"".join(records))
+        self.records += len(records)
+        now = time.monotonic()
+        if now - self._last_sync >= self.sync_interval:
+            os.fdatasync(self.fd)
+            self._last_sync = now
+
+    def checkpoint(self, entries) -> None:
+        """Write a snapshot of (key, slot, atime) and start an empty journal."""
+        gen = self.gen + 1
+        body = b"".join(fmt.pack_record(fmt.REC_COMMIT, k, s, a) for k, s, a in entries)
+        count = len(body) // fmt.REC_BYTES
+        tmp = os.path.join(self.dir, "checkpoint.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FLAGS, 0o600)
+        try:
+            os.write(fd, fmt.pack_file_header(fmt.CKPT_MAGIC, gen, count, _native.crc32c_bytes(body)))
+            view = memoryview(body)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.path.join(self.dir, "checkpoint"))
+        _fsync_dir(self.dir)
+        old = self.fd
+        self.gen, self.records = gen, 0
+        self._open_journal(0, exists=False)
+        if old is not None:
+            os.close(old)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.fdatasync(self.fd)
+            os.close(self.fd)
+            self.fd = None

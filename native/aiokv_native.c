@@ -1,0 +1,370 @@
+/*
+ * aiokv._native: a small CPython extension over liburing, plus the two helpers
+ * the store needs in C (CRC32C and fallocate).
+ *
+ * Threading contract: a Ring belongs to one thread (the asyncio loop that owns
+ * it). Nothing here is shared between threads; the GIL is released around the
+ * system calls (io_uring_submit, fallocate) and around CRC32C of large buffers.
+ *
+ * Buffers are given as raw addresses (an aligned host arena, a tensor's
+ * data_ptr()). The caller owns them and must keep them alive until the
+ * operation's completion has been reaped: the kernel writes into them until
+ * then. Cancellation (Ring.cancel) only asks the kernel; the completion of the
+ * original operation still arrives and must still be waited for.
+ *
+ * Only the liburing 2.1-2.3 API is used, so Debian 11/12 and Ubuntu 22.04 build.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <liburing.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
+#define OP_READ 0
+#define OP_WRITE 1
+/* user_data of our own cancel requests; their completions are not reported. */
+#define CANCEL_TAG UINT64_MAX
+
+typedef struct {
+    PyObject_HEAD
+    struct io_uring ring;
+    int efd;
+    int open;
+    unsigned entries;
+} RingObject;
+
+static void ring_close_impl(RingObject *self) {
+    if (self->open) {
+        io_uring_queue_exit(&self->ring);
+        close(self->efd);
+        self->open = 0;
+    }
+}
+
+static void Ring_dealloc(RingObject *self) {
+    ring_close_impl(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Ring_init(RingObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"entries", NULL};
+    unsigned entries = 128;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|I", kwlist, &entries))
+        return -1;
+    if (self->open) {
+        PyErr_SetString(PyExc_RuntimeError, "Ring already initialised");
+        return -1;
+    }
+    int ret = io_uring_queue_init(entries, &self->ring, 0);
+    if (ret < 0) {
+        errno = -ret;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    self->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (self->efd < 0) {
+        io_uring_queue_exit(&self->ring);
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    ret = io_uring_register_eventfd(&self->ring, self->efd);
+    if (ret < 0) {
+        io_uring_queue_exit(&self->ring);
+        close(self->efd);
+        errno = -ret;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    self->entries = entries;
+    self->open = 1;
+    return 0;
+}
+
+#define REQUIRE_OPEN(self)                                              \
+    if (!(self)->open) {                                                \
+        PyErr_SetString(PyExc_ValueError, "Ring is closed");            \
+        return NULL;                                                    \
+    }
+
+static PyObject *Ring_fileno(RingObject *self, PyObject *unused) {
+    REQUIRE_OPEN(self);
+    return PyLong_FromLong(self->efd);
+}
+
+/* submit(ops) -> int: ops is a sequence of (op, fd, addr, length, offset,
+ * user_data). Prepares as many as the submission queue has room for, submits
+ * them with one system call and returns how many were taken. */
+static PyObject *Ring_submit(RingObject *self, PyObject *arg) {
+    REQUIRE_OPEN(self);
+    PyObject *seq = PySequence_Fast(arg, "submit() takes a sequence of tuples");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t taken = 0;
+    for (; taken < n; taken++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, taken);
+        int op, fd;
+        unsigned long long addr, offset, ud;
+        unsigned int length;
+        if (!PyArg_ParseTuple(item, "iiKIKK", &op, &fd, &addr, &length, &offset, &ud)) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (ud == CANCEL_TAG) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "user_data value is reserved");
+            return NULL;
+        }
+        struct io_uring_sqe *sqe = io_uring_get_sqe(&self->ring);
+        if (!sqe) break;
+        if (op == OP_READ)
+            io_uring_prep_read(sqe, fd, (void *)(uintptr_t)addr, length, offset);
+        else if (op == OP_WRITE)
+            io_uring_prep_write(sqe, fd, (const void *)(uintptr_t)addr, length, offset);
+        else {
+            io_uring_prep_nop(sqe);
+        }
+        io_uring_sqe_set_data(sqe, (void *)(uintptr_t)ud);
+    }
+    Py_DECREF(seq);
+    int ret = 0;
+    if (taken > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        do {
+            ret = io_uring_submit(&self->ring);
+        } while (ret == -EINTR);
+        Py_END_ALLOW_THREADS
+        if (ret < 0) {
+            errno = -ret;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+    }
+    return PyLong_FromSsize_t(taken);
+}
+
+/* reap() -> list of (user_data, result): every completion available now.
+ * result is a byte count or -errno. Also drains the eventfd. */
+static PyObject *Ring_reap(RingObject *self, PyObject *unused) {
+    REQUIRE_OPEN(self);
+    uint64_t junk;
+    while (read(self->efd, &junk, sizeof junk) > 0) {
+    }
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    struct io_uring_cqe *cqe;
+    while (io_uring_peek_cqe(&self->ring, &cqe) == 0 && cqe) {
+        uint64_t ud = (uint64_t)(uintptr_t)io_uring_cqe_get_data(cqe);
+        int res = cqe->res;
+        io_uring_cqe_seen(&self->ring, cqe);
+        if (ud == CANCEL_TAG) continue;
+        PyObject *t = Py_BuildValue("(Ki)", (unsigned long long)ud, res);
+        if (!t || PyList_Append(out, t) < 0) {
+            Py_XDECREF(t);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(t);
+    }
+    return out;
+}
+
+/* cancel(user_data) -> bool: ask the kernel to cancel one operation. Its own
+ * completion (-ECANCELED or its real result) still arrives through reap(). */
+static PyObject *Ring_cancel(RingObject *self, PyObject *arg) {
+    REQUIRE_OPEN(self);
+    unsigned long long ud = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&self->ring);
+    if (!sqe) {
+        io_uring_submit(&self->ring);
+        sqe = io_uring_get_sqe(&self->ring);
+        if (!sqe) Py_RETURN_FALSE;
+    }
+    io_uring_prep_cancel(sqe, (void *)(uintptr_t)ud, 0);
+    io_uring_sqe_set_data(sqe, (void *)(uintptr_t)CANCEL_TAG);
+    int ret = io_uring_submit(&self->ring);
+    if (ret < 0) {
+        errno = -ret;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_TRUE;
+}
+
+/* wait(min_complete=1): block (GIL released) until at least one completion is
+ * ready. Used by the synchronous drain in close paths and the probe. */
+static PyObject *Ring_wait(RingObject *self, PyObject *unused) {
+    REQUIRE_OPEN(self);
+    struct io_uring_cqe *cqe = NULL;
+    int ret;
+    Py_BEGIN_ALLOW_THREADS
+    do {
+        ret = io_uring_wait_cqe(&self->ring, &cqe);
+    } while (ret == -EINTR);
+    Py_END_ALLOW_THREADS
+    if (ret < 0) {
+        errno = -ret;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_close(RingObject *self, PyObject *unused) {
+    ring_close_impl(self);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Ring_methods[] = {
+    {"fileno", (PyCFunction)Ring_fileno, METH_NOARGS, "eventfd signalled on completions"},
+    {"submit", (PyCFunction)Ring_submit, METH_O, "submit((op, fd, addr, len, off, ud), ...) -> taken"},
+    {"reap", (PyCFunction)Ring_reap, METH_NOARGS, "[(user_data, res), ...] available now"},
+    {"cancel", (PyCFunction)Ring_cancel, METH_O, "request cancellation of one operation"},
+    {"wait", (PyCFunction)Ring_wait, METH_NOARGS, "block until a completion is ready"},
+    {"close", (PyCFunction)Ring_close, METH_NOARGS, "tear the ring down"},
+    {NULL}};
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "aiokv._native.Ring",
+    .tp_basicsize = sizeof(RingObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Ring_init,
+    .tp_dealloc = (destructor)Ring_dealloc,
+    .tp_methods = Ring_methods,
+    .tp_doc = "One io_uring instance with an eventfd for completions.",
+};
+
+/* ---- CRC32C (Castagnoli), hardware where the CPU has SSE4.2 ---- */
+static uint32_t crc_table[8][256];
+static int have_sse42 = 0;
+
+static void crc_init(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1)));
+        crc_table[0][i] = c;
+    }
+    for (int t = 1; t < 8; t++)
+        for (int i = 0; i < 256; i++)
+            crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xff];
+#if defined(__x86_64__)
+    unsigned a, b, c, d;
+    if (__get_cpuid(1, &a, &b, &c, &d)) have_sse42 = (c & bit_SSE4_2) != 0;
+#endif
+}
+
+static uint32_t crc_sw(uint32_t crc, const uint8_t *p, size_t n) {
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        v ^= crc;
+        crc = crc_table[7][v & 0xff] ^ crc_table[6][(v >> 8) & 0xff] ^
+              crc_table[5][(v >> 16) & 0xff] ^ crc_table[4][(v >> 24) & 0xff] ^
+              crc_table[3][(v >> 32) & 0xff] ^ crc_table[2][(v >> 40) & 0xff] ^
+              crc_table[1][(v >> 48) & 0xff] ^ crc_table[0][v >> 56];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) crc = (crc >> 8) ^ crc_table[0][(crc ^ *p++) & 0xff];
+    return crc;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n) {
+    uint64_t c = crc;
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c = __builtin_ia32_crc32di(c, v);
+        p += 8;
+        n -= 8;
+    }
+    uint32_t c32 = (uint32_t)c;
+    while (n--) c32 = __builtin_ia32_crc32qi(c32, *p++);
+    return c32;
+}
+#endif
+
+static uint32_t crc32c(uint32_t seed, const uint8_t *p, size_t n) {
+    uint32_t crc = ~seed;
+#if defined(__x86_64__)
+    if (have_sse42) return ~crc_hw(crc, p, n);
+#endif
+    return ~crc_sw(crc, p, n);
+}
+
+/* crc32c(addr, length, seed=0) -> int */
+static PyObject *py_crc32c(PyObject *self, PyObject *args) {
+    unsigned long long addr, length;
+    unsigned int seed = 0;
+    if (!PyArg_ParseTuple(args, "KK|I", &addr, &length, &seed)) return NULL;
+    uint32_t r;
+    if (length > 65536) {
+        Py_BEGIN_ALLOW_THREADS
+        r = crc32c(seed, (const uint8_t *)(uintptr_t)addr, (size_t)length);
+        Py_END_ALLOW_THREADS
+    } else {
+        r = crc32c(seed, (const uint8_t *)(uintptr_t)addr, (size_t)length);
+    }
+    return PyLong_FromUnsignedLong(r);
+}
+
+/* crc32c_bytes(buffer, seed=0) -> int, for small Python-side records. */
+static PyObject *py_crc32c_bytes(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    unsigned int seed = 0;
+    if (!PyArg_ParseTuple(args, "y*|I", &view, &seed)) return NULL;
+    uint32_t r = crc32c(seed, view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(r);
+}
+
+/* fallocate(fd, mode, offset, length): Linux fallocate(2), GIL released. */
+static PyObject *py_fallocate(PyObject *self, PyObject *args) {
+    int fd, mode;
+    long long off, len;
+    if (!PyArg_ParseTuple(args, "iiLL", &fd, &mode, &off, &len)) return NULL;
+    int ret;
+    Py_BEGIN_ALLOW_THREADS
+    ret = fallocate(fd, mode, (off_t)off, (off_t)len);
+    Py_END_ALLOW_THREADS
+    if (ret < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"crc32c", py_crc32c, METH_VARARGS, "crc32c(addr, length, seed=0) -> int"},
+    {"crc32c_bytes", py_crc32c_bytes, METH_VARARGS, "crc32c_bytes(buffer, seed=0) -> int"},
+    {"fallocate", py_fallocate, METH_VARARGS, "fallocate(fd, mode, offset, length)"},
+    {NULL}};
+
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "aiokv._native",
+                                       "io_uring ring, CRC32C and fallocate for aiokv", -1,
+                                       module_methods};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    crc_init();
+    if (PyType_Ready(&RingType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m) return NULL;
+    Py_INCREF(&RingType);
+    if (PyModule_AddObject(m, "Ring", (PyObject *)&RingType) < 0) {
+        Py_DECREF(&RingType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "OP_READ", OP_READ);
+    PyModule_AddIntConstant(m, "OP_WRITE", OP_WRITE);
+    PyModule_AddIntConstant(m, "OP_NOP", 2);
+    PyModule_AddIntConstant(m, "FALLOC_FL_KEEP_SIZE", 0x01);
+    PyModule_AddIntConstant(m, "FALLOC_FL_PUNCH_HOLE", 0x02);
+    PyModule_AddIntConstant(m, "HAVE_HW_CRC", have_sse42);
+    return m;
+}
