@@ -17,6 +17,7 @@ read-only IndexLog (inspect) never writes and tolerates a writer beside it.
 """
 from __future__ import annotations
 
+import errno
 import os
 import time
 
@@ -60,6 +61,7 @@ class IndexLog:
         self.gen = 0
         self.records = 0  # records in the current journal
         self.fd: int | None = None
+        self.size = 0  # bytes of the journal file that hold whole records
         self._last_sync = time.monotonic()
         self.torn_bytes = 0  # bytes dropped from a torn journal tail at open
 
@@ -122,20 +124,31 @@ class IndexLog:
         if exists:
             self.fd = os.open(path, os.O_RDWR | O_FLAGS)
             os.ftruncate(self.fd, fmt.FILE_HDR_BYTES + valid)  # cut a torn tail
-            os.lseek(self.fd, 0, os.SEEK_END)
+            self.size = os.lseek(self.fd, 0, os.SEEK_END)
         else:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | O_FLAGS, 0o600)
             os.write(self.fd, fmt.pack_file_header(fmt.JOURNAL_MAGIC, self.gen))
             os.fsync(self.fd)
+            self.size = fmt.FILE_HDR_BYTES
         # journals of other generations are leftovers of an interrupted checkpoint
         for name in os.listdir(self.dir):
             if name.startswith("journal.") and name != f"journal.{self.gen}":
                 os.unlink(os.path.join(self.dir, name))
 
     def append(self, records: list[bytes]) -> None:
+        """Append records, all or none: a failed or short write is cut off again,
+        so a later append never lands behind a torn record."""
         if not records:
             return
-        os.write(self.fd, b"".join(records))
+        data = b"".join(records)
+        try:
+            if os.write(self.fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short journal write")
+        except OSError:
+            os.ftruncate(self.fd, self.size)
+            os.lseek(self.fd, self.size, os.SEEK_SET)
+            raise
+        self.size += len(data)
         self.records += len(records)
         now = time.monotonic()
         if now - self._last_sync >= self.sync_interval:

@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import errno
 import json
+import logging
 import os
 import time
 
@@ -36,7 +37,13 @@ from aiokv.store.index import Index, Namespace
 from aiokv.store.journal import IndexLog
 from aiokv.store.lock import DirLock
 
-GROW_BYTES = 64 << 20  # disk space is reserved for new slots this much at a time
+GROW_BYTES = 64 << 20
+log = logging.getLogger("aiokv")
+
+
+def log_warning(msg: str) -> None:
+    log.warning("aiokv: %s", msg)
+  # disk space is reserved for new slots this much at a time
 
 
 class NotAStore(ValueError):
@@ -150,7 +157,17 @@ class Store:
         info = _read_json(os.path.join(d, "namespace.json"))
         ns = Namespace(nsid, info["payload_bytes"], info["slot_bytes"], info["ranks"], info.get("fields", {}))
         log = IndexLog(d, readonly=self.readonly, sync_interval=self.sync_interval)
-        self.index.load(ns, log.load())
+        try:
+            entries = log.load()
+        except fmt.BadBlock as e:
+            if self.readonly:
+                raise
+            # The index is lost but the blocks describe themselves: rebuild from them.
+            log_warning(f"{e}; rebuilding the index from the data files")
+            entries = self._scan(ns)
+            log.gen = 1 + max([int(n.split(".")[1]) for n in os.listdir(d) if n.startswith("journal.")] + [0])
+            log.checkpoint([(k, s, a) for k, (s, a) in entries.items()])
+        self.index.load(ns, entries)
         self.logs[nsid] = log
         if not self.readonly:
             # Space the index does not account for (free slots of the last life,
@@ -203,16 +220,26 @@ class Store:
     def commit(self, ns: Namespace, items) -> None:
         """Make written (key, slot) pairs visible to lookups, durably."""
         now = time.time_ns()
-        recs = []
+        recs, done = [], []
         for key, slot in items:
             if ns.pending.get(key) != slot:
                 continue  # aborted meanwhile
             del ns.pending[key]
             self.index.commit(ns, key, slot, now)
+            done.append(key)
             recs.append(fmt.pack_record(fmt.REC_COMMIT, key, slot, now))
-        self.logs[ns.nsid].append(recs)
-        self.stats.commits += len(recs)
         log = self.logs[ns.nsid]
+        try:
+            log.append(recs)
+        except OSError as e:
+            # Not durable, so not committed: undo, and give the file system room.
+            for key in done:
+                ns.alloc.release(self.index.remove(ns, key))
+            self.stats.save_failures += len(recs)
+            self.stats.enospc += e.errno in (errno.ENOSPC, errno.EDQUOT)
+            self._make_room()
+            return
+        self.stats.commits += len(recs)
         if log.records > self.checkpoint_every and log.records > len(ns.entries):
             log.checkpoint(self._snapshot(ns))
 
@@ -253,18 +280,44 @@ class Store:
                 ns.alloc.release(slot)
                 recs.append(fmt.pack_record(fmt.REC_DROP, k, slot, 0))
                 self.stats.corrupt_dropped += corrupt
-        self.logs[ns.nsid].append(recs)
+        self._append_drops(ns, recs)
 
     # ---- space ----
     def _evict(self, ns: Namespace, key: bytes, punch: bool) -> None:
         slot = self.index.remove(ns, key)
-        self.logs[ns.nsid].append([fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
+        self._append_drops(ns, [fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
         self.stats.evictions += 1
         if punch:
             self._punch(ns, slot)
             ns.alloc.punch(slot)
         else:
             ns.alloc.release(slot)
+
+    def _append_drops(self, ns: Namespace, recs: list[bytes]) -> None:
+        # Best effort: a DROP that is not persisted resurrects an entry whose slot
+        # was punched or reused; its header then fails verification: a miss.
+        try:
+            self.logs[ns.nsid].append(recs)
+        except OSError:
+            pass
+
+    def _make_room(self, nbytes: int = 4 << 20) -> None:
+        """Punch LRU blocks worth nbytes and cap the capacity at what remains."""
+        target = self.index.physical_bytes - nbytes
+        while self.index.physical_bytes > max(target, 0):
+            freed = False
+            for ns in self.index.namespaces.values():
+                while ns.alloc.free and self.index.physical_bytes > target:
+                    slot = ns.alloc.take()
+                    self._punch(ns, slot)
+                    ns.alloc.punch(slot)
+                    freed = True
+            victim = self.index.victim() if self.index.physical_bytes > target else None
+            if victim is not None:
+                self._evict(*victim, punch=True)
+            elif not freed:
+                break
+        self.limit = self.index.physical_bytes
 
     def _shrink_to_limit(self) -> None:
         while self.limit is not None and self.index.physical_bytes > self.limit:
@@ -314,22 +367,49 @@ class Store:
         self._fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, [slot], ignore_errors=True)
 
     def _grow(self, ns: Namespace) -> bool:
+        """Reserve disk space for more slots: a chunk, halved on ENOSPC down to one slot."""
         room = (self.limit - self.index.physical_bytes) if self.limit is not None else GROW_BYTES
         n = min(max(1, GROW_BYTES // ns.slot_cost), room // ns.slot_cost)
         if n <= 0:
             return False
-        slots = ns.alloc.plan_grow(n)
-        try:
-            self._fallocate(ns, 0, slots)
-        except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            self.stats.enospc += 1
-            # the disk is full below our capacity: cap ourselves where we are
-            self.limit = self.index.physical_bytes
-            return False
-        ns.alloc.grow(slots)
-        return True
+        while n > 0:
+            slots = ns.alloc.plan_grow(n)
+            try:
+                self._fallocate(ns, 0, slots)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # a failed fallocate may have allocated part of the range: give it back
+                self._fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, slots,
+                                ignore_errors=True)
+                for rank in range(ns.ranks):
+                    os.ftruncate(self._rank_fd(ns, rank), ns.alloc.hwm * ns.slot_bytes)
+                self.stats.enospc += 1
+                n //= 2
+                continue
+            ns.alloc.grow(slots)
+            return True
+        # the disk is full below our capacity: leave the file system some room
+        # (journal, other users) and cap ourselves there
+        self._make_room()
+        return False
+
+    def _scan(self, ns: Namespace) -> dict[bytes, tuple[int, int]]:
+        """key -> (slot, write time) for every slot whose header verifies on every rank."""
+        found: dict[bytes, tuple[int, int]] | None = None
+        sb = ns.slot_bytes
+        for rank in range(ns.ranks):
+            fd = self._rank_fd(ns, rank)
+            here = {}
+            for slot in range(os.fstat(fd).st_size // sb):
+                try:
+                    h = fmt.unpack_header(os.pread(fd, fmt.HDR_USED, slot * sb))
+                except fmt.BadBlock:
+                    continue
+                if h["nsid"] == ns.nsid and h["rank"] == rank and h["payload_len"] == ns.payload_bytes:
+                    here[(h["key"], slot)] = h["seq"]
+            found = here if found is None else {ks: t for ks, t in here.items() if ks in found}
+        return {k: (s, t) for (k, s), t in sorted((found or {}).items(), key=lambda x: x[1])}
 
     # ---- persistence ----
     def _snapshot(self, ns: Namespace):
@@ -387,8 +467,8 @@ class Store:
             raise
         self.commit(ns, [(k, s) for (_, s, k, _), r in zip(todo, out) if r == 0])
         self.abort(ns, [(k, s) for (_, s, k, _), r in zip(todo, out) if r != 0])
-        for (i, *_), r in zip(todo, out):
-            res[i] = r
+        for (i, _, k, _), r in zip(todo, out):
+            res[i] = r if r or k in ns.entries else -errno.EIO  # written but not committed
         return res
 
     async def load(self, ns: Namespace, items, rank: int = 0) -> list[int]:

@@ -1,0 +1,63 @@
+"""Shared fixtures: both I/O backends, staging buffers, small stores."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+
+from aiokv.io.buffers import SlotPool
+from aiokv.store import format as fmt
+
+PAYLOAD = 64 << 10
+
+
+@pytest.fixture(params=["uring", "threads"])
+def backend_kind(request, monkeypatch):
+    """Every store test runs on both I/O backends."""
+    monkeypatch.setenv("AIOKV_IO", request.param)
+    return request.param
+
+
+class Blocks:
+    """Staging slots filled with a deterministic pattern per key."""
+
+    def __init__(self, payload: int, count: int):
+        self.payload = payload
+        self.pool = SlotPool(fmt.slot_bytes(payload), count)
+        self.slots = self.pool.acquire(count)
+
+    def addr(self, i: int) -> int:
+        return self.pool.addr(self.slots[i])
+
+    def fill(self, i: int, key: bytes) -> None:
+        pattern = (key * (self.payload // len(key) + 1))[: self.payload]
+        ctypes.memmove(self.addr(i) + fmt.HEADER_BYTES, pattern, self.payload)
+
+    def clear(self, i: int) -> None:
+        ctypes.memset(self.addr(i), 0xEE, self.pool.slot_bytes)
+
+    def holds(self, i: int, key: bytes) -> bool:
+        pattern = (key * (self.payload // len(key) + 1))[: self.payload]
+        return ctypes.string_at(self.addr(i) + fmt.HEADER_BYTES, self.payload) == pattern
+
+
+@pytest.fixture
+def blocks():
+    b = Blocks(PAYLOAD, 64)
+    yield b
+    b.pool.close()
+
+
+def key(i: int, salt: int = 0) -> bytes:
+    return (i.to_bytes(8, "little") + salt.to_bytes(8, "little")) * 2
+
+
+NS = bytes(range(16))
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """The store runs on uvloop in production; tests run there too."""
+    import uvloop
+
+    return {"uvloop": uvloop.new_event_loop}
