@@ -42,8 +42,9 @@ def data_path(ns_dir: str, rank: int) -> str:
 
 
 class BlockIO:
-    def __init__(self, backend, ns_dir: str, nsid: bytes, rank: int, payload_bytes: int):
+    def __init__(self, backend, ns_dir: str, nsid: bytes, rank: int, payload_bytes: int, layout: int = 0):
         self.backend = backend
+        self.layout = layout
         self.nsid = nsid
         self.rank = rank
         self.payload_bytes = payload_bytes
@@ -53,14 +54,14 @@ class BlockIO:
     def stamp(self, key: bytes, addr: int) -> None:
         """Fill the header of the staging slot at addr for `key` (payload already there)."""
         crc = _native.crc32c(addr + fmt.HEADER_BYTES, self.payload_bytes)
-        hdr = fmt.pack_header(self.nsid, self.rank, key, self.payload_bytes, crc, time.time_ns())
+        hdr = fmt.pack_header(self.nsid, self.rank, key, self.payload_bytes, crc, time.time_ns(), self.layout)
         ctypes.memset(addr, 0, fmt.HEADER_BYTES)
         ctypes.memmove(addr, hdr, len(hdr))
 
     def verify(self, key: bytes, addr: int) -> bool:
         try:
             crc = fmt.verify_header(ctypes.string_at(addr, fmt.HDR_USED), self.nsid, self.rank, key,
-                                    self.payload_bytes)
+                                    self.payload_bytes, self.layout)
         except fmt.BadBlock:
             return False
         return _native.crc32c(addr + fmt.HEADER_BYTES, self.payload_bytes) == crc

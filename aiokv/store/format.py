@@ -10,6 +10,10 @@ bump FORMAT_VERSION when the bytes change.
     DIR/ns/<nsid hex>/checkpoint        index snapshot (header + records)
     DIR/ns/<nsid hex>/journal.<gen>     records appended since checkpoint generation <gen>
 
+The layout tag is a hash of the reader's in-memory KV layout (tensor shapes,
+strides, dtype per layer) so blocks written under one attention backend are a
+miss, never bytes, under another that the namespace id failed to tell apart.
+
 A slot is a 4096-byte header followed by the payload padded to 4096 bytes, so
 every slot, offset and length is aligned for O_DIRECT. The header is verified
 on every read: magic, version, namespace, rank, key, length, payload CRC32C and
@@ -30,8 +34,8 @@ NSID_BYTES = 16
 
 # ---- slot header ----
 BLOCK_MAGIC = b"AIOKVBLK"
-# magic, version, header bytes, rank, nsid, key len, payload crc, payload len, key, seq
-_HDR = struct.Struct("<8sHHI16sB3xIQ32sQ")
+# magic, version, header bytes, rank, nsid, key len, payload crc, payload len, key, seq, layout tag
+_HDR = struct.Struct("<8sHHI16sB3xIQ32sQQ")
 _HDR_CRC = struct.Struct("<I")
 HDR_USED = _HDR.size + _HDR_CRC.size
 
@@ -45,9 +49,10 @@ def check_key(key: bytes) -> None:
         raise ValueError(f"aiokv: keys are {MIN_KEY}-{MAX_KEY} bytes, got {len(key)!r}")
 
 
-def pack_header(nsid: bytes, rank: int, key: bytes, payload_len: int, payload_crc: int, seq: int) -> bytes:
+def pack_header(nsid: bytes, rank: int, key: bytes, payload_len: int, payload_crc: int, seq: int,
+                layout: int = 0) -> bytes:
     body = _HDR.pack(BLOCK_MAGIC, FORMAT_VERSION, HEADER_BYTES, rank, nsid, len(key), payload_crc,
-                     payload_len, key, seq)
+                     payload_len, key, seq, layout)
     return body + _HDR_CRC.pack(_native.crc32c_bytes(body))
 
 
@@ -60,17 +65,20 @@ def unpack_header(raw: bytes) -> dict:
     body, (crc,) = raw[:_HDR.size], _HDR_CRC.unpack_from(raw, _HDR.size)
     if _native.crc32c_bytes(body) != crc:
         raise BadBlock("header checksum")
-    magic, ver, hbytes, rank, nsid, klen, pcrc, plen, key, seq = _HDR.unpack(body)
+    magic, ver, hbytes, rank, nsid, klen, pcrc, plen, key, seq, layout = _HDR.unpack(body)
     if magic != BLOCK_MAGIC:
         raise BadBlock("magic")
     if ver != FORMAT_VERSION or hbytes != HEADER_BYTES:
         raise BadBlock(f"format version {ver}")
-    return {"rank": rank, "nsid": nsid, "key": key[:klen], "payload_crc": pcrc, "payload_len": plen, "seq": seq}
+    return {"rank": rank, "nsid": nsid, "key": key[:klen], "payload_crc": pcrc, "payload_len": plen, "seq": seq,
+            "layout": layout}
 
 
-def verify_header(raw: bytes, nsid: bytes, rank: int, key: bytes, payload_len: int) -> int:
+def verify_header(raw: bytes, nsid: bytes, rank: int, key: bytes, payload_len: int, layout: int = 0) -> int:
     """Check a header against what the reader expects; return the payload CRC."""
     h = unpack_header(raw)
+    if h["layout"] != layout:
+        raise BadBlock("layout")
     if h["nsid"] != nsid:
         raise BadBlock("namespace")
     if h["rank"] != rank:
