@@ -1,0 +1,107 @@
+"""The `aiokv` command (also `python -m aiokv`).
+
+    aiokv inspect DIR                    summary per namespace
+    aiokv inspect DIR --keys             stored keys, least recently used first
+    aiokv inspect DIR --verify           read and check every block; exit 1 if any is corrupt
+    aiokv inspect DIR --verify --repair  ...and drop the corrupt ones (engine must be stopped)
+    --format json                        one JSON document on stdout instead of text
+
+Exit status: 0 fine, 1 corruption found (also when --repair dropped it),
+2 a usage or environment error (one line on stderr, no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="aiokv", description="aiokv: a persistent NVMe KV-cache tier for vLLM")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    ins = sub.add_parser(
+        "inspect", help="show, list or verify what a cache directory holds",
+        description="Show what an aiokv cache directory holds. Read-only and safe beside a running engine, "
+                    "except --repair, which needs the engine stopped.")
+    ins.add_argument("dir", metavar="DIR", help="the cache directory")
+    ins.add_argument("--keys", action="store_true", help="list stored keys (hex) with size and last access")
+    ins.add_argument("--verify", action="store_true",
+                     help="read every committed block of every rank and check its header and CRC32C; "
+                          "exit 1 if any is corrupt")
+    ins.add_argument("--repair", action="store_true",
+                     help="with --verify (implied): drop corrupt blocks from the index, or rebuild a corrupt "
+                          "index from the slot headers; takes the directory's lock")
+    ins.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
+    ins.add_argument("--no-progress", action="store_true", help="no progress bar on stderr during --verify")
+    return p
+
+
+def _emit(doc: dict, text: str, fmt: str) -> None:
+    if fmt == "json":
+        json.dump(doc, sys.stdout, indent=1, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _inspect(args) -> int:
+    from aiokv import inspect as ins
+
+    if args.repair:
+        args.verify = True
+    if args.verify:
+        if args.keys:
+            raise ins.InspectError("aiokv: --keys and --verify are separate runs; give one of them")
+        doc = ins.verify(args.dir, repair=args.repair, progress=False if args.no_progress else None)
+        _emit(doc, ins.render_verify(doc), args.format)
+        return 0 if doc["ok"] else 1
+    st = ins.open_readonly(args.dir)
+    try:
+        if args.keys:
+            doc = ins.keys(st)
+            _emit(doc, ins.render_keys(doc), args.format)
+        else:
+            doc = ins.summary(st)
+            _emit(doc, ins.render_summary(doc), args.format)
+    finally:
+        st.close()
+    return 0
+
+
+def _one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split()) or type(e).__name__
+    return msg if msg.startswith("aiokv:") else f"aiokv: {msg}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from aiokv.inspect import InspectError
+    from aiokv.store import format as fmt
+
+    try:
+        return _inspect(args)
+    except InspectError as e:
+        print(_one_line(e), file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print("aiokv: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # stdout closed early (| head): not an error of ours; keep Python quiet at exit
+        try:
+            sys.stdout = open("/dev/null", "w")  # noqa: SIM115
+        except OSError:
+            pass
+        return 0
+    except (OSError, ValueError, fmt.BadBlock, RuntimeError) as e:
+        if isinstance(e, OSError) and e.filename:
+            print(f"aiokv: {e.filename}: {e.strerror or e}", file=sys.stderr)
+        else:
+            print(_one_line(e), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

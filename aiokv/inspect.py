@@ -1,0 +1,502 @@
+"""`aiokv inspect`: what a cache directory holds, and whether its blocks verify.
+
+Read-only by default and safe beside a running engine: the index is replayed
+with Store(readonly=True) (no lock, no writes; a torn journal tail just ends
+the replay) and data files are opened O_RDONLY. A replay that raced with a
+checkpoint (the journal it wanted was deleted, or a namespace was half made)
+is tried again, up to three replays in all. Only --repair writes, and only as
+the owner: it takes the lock like an engine would, so it refuses to run while
+an engine holds the directory.
+
+--verify reads every committed block of every rank and checks the slot header
+(magic, version, namespace, rank, key, length, header CRC32C) and the payload
+CRC32C. The layout tag is not checked: inspect does not know the reader's KV
+layout, and a block written under another layout is not damaged. A block that
+fails while an engine is writing is re-checked against a fresh replay, so a
+slot the engine evicted and rewrote meanwhile is not reported as corrupt.
+
+Errors a user can cause (not a store, locked, unreadable) are InspectError:
+one line, exit status 2.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import datetime
+import errno
+import json
+import os
+import sys
+import time
+
+from aiokv import _native
+from aiokv.io.backend import OP_READ, open_backend
+from aiokv.io.buffers import SlotPool
+from aiokv.store import format as fmt
+from aiokv.store.blockio import data_path
+from aiokv.store.lock import StoreLocked, holder_pid
+from aiokv.store.store import NotAStore, Store, ns_dir
+
+IN_FLIGHT = 32            # verify reads in flight
+STAGING_LIMIT = 256 << 20  # staging memory for verify reads, at most
+RETRY_PAUSE = 0.05
+ATTEMPTS = 3               # replays tried when the engine moved files meanwhile
+
+
+class InspectError(Exception):
+    """One line for the user; `code` is the exit status."""
+
+    def __init__(self, msg: str, code: int = 2):
+        super().__init__(msg)
+        self.code = code
+
+
+# ---------------------------------------------------------------- opening
+
+def _not_a_store(root: str, why: str) -> InspectError:
+    return InspectError(f"aiokv: {root} is not an aiokv store ({why})")
+
+
+def _check_root(root: str) -> None:
+    if not os.path.exists(root):
+        raise _not_a_store(root, "no such directory")
+    if not os.path.isdir(root):
+        raise _not_a_store(root, "not a directory")
+    if not os.path.isfile(os.path.join(root, "aiokv.json")):
+        raise _not_a_store(root, "no aiokv.json")
+
+
+def _journal_missing(st: Store) -> list[str]:
+    """Namespaces whose current journal file is absent: a replay that raced with
+    a checkpoint (which deletes the old generation) or with namespace creation."""
+    out = []
+    for nsid, log in st.logs.items():
+        if not os.path.exists(os.path.join(log.dir, f"journal.{log.gen}")):
+            out.append(nsid.hex())
+    return out
+
+
+def open_readonly(root: str) -> Store:
+    """Replay the index without the lock; retried if the engine moved files meanwhile."""
+    root = os.path.abspath(root)
+    _check_root(root)
+    for attempt in range(ATTEMPTS):
+        try:
+            st = Store(root, readonly=True)
+        except NotAStore as e:
+            raise InspectError(str(e)) from None
+        except json.JSONDecodeError as e:
+            if attempt < ATTEMPTS - 1:  # namespace.json being replaced? (it is written to a temp file first)
+                time.sleep(RETRY_PAUSE)
+                continue
+            raise InspectError(f"aiokv: {root} is not an aiokv store or is damaged (bad JSON: {e})") from None
+        except FileNotFoundError as e:
+            if attempt < ATTEMPTS - 1:  # a namespace being created, a file vanishing under a checkpoint
+                time.sleep(RETRY_PAUSE)
+                continue
+            raise InspectError(f"aiokv: {root}: {e.strerror}: {e.filename} (a damaged store? an owner "
+                               "opening it rebuilds what it can)") from None
+        except KeyError as e:
+            raise InspectError(f"aiokv: {root}: a namespace.json lacks {e}") from None
+        if _journal_missing(st) and attempt < ATTEMPTS - 1:
+            st.close()
+            time.sleep(RETRY_PAUSE)
+            continue
+        return st
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------- summary and keys
+
+def iso(ns_time: int | None) -> str | None:
+    if not ns_time:
+        return None
+    dt = datetime.datetime.fromtimestamp(ns_time / 1e9, tz=datetime.timezone.utc)
+    return dt.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _disk_bytes(root: str, ns) -> int:
+    total = 0
+    for rank in range(ns.ranks):
+        try:
+            total += os.stat(data_path(ns_dir(root, ns.nsid), rank)).st_blocks * 512
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def summary(st: Store) -> dict:
+    root = st.root
+    pid = holder_pid(root)
+    out_ns = []
+    for nsid, ns in sorted(st.index.namespaces.items()):
+        blocks = len(ns.entries)
+        atimes = [a for a in ns.atime.values() if a]
+        log = st.logs[nsid]
+        out_ns.append({
+            "nsid": ns.hex,
+            "fields": ns.fields,
+            "blocks": blocks,
+            "bytes": blocks * ns.slot_bytes * ns.ranks,
+            "payload_bytes": ns.payload_bytes,
+            "slot_bytes": ns.slot_bytes,
+            "ranks": ns.ranks,
+            "disk_bytes": _disk_bytes(root, ns),
+            "oldest_access": iso(min(atimes)) if atimes else None,
+            "newest_access": iso(max(atimes)) if atimes else None,
+            "journal": {"generation": log.gen, "records": log.records, "torn_bytes": log.torn_bytes},
+        })
+    return {
+        "root": root,
+        "format": fmt.FORMAT_VERSION,
+        "owner_pid": pid,
+        # The capacity is the engine's setting, not recorded in the directory.
+        "capacity_bytes": st.capacity,
+        "namespaces": out_ns,
+        "total": {
+            "namespaces": len(out_ns),
+            "blocks": sum(n["blocks"] for n in out_ns),
+            "bytes": sum(n["bytes"] for n in out_ns),
+            "disk_bytes": sum(n["disk_bytes"] for n in out_ns),
+        },
+    }
+
+
+def keys(st: Store) -> dict:
+    out = []
+    for nsid, ns in sorted(st.index.namespaces.items()):
+        items = sorted(ns.entries.items(), key=lambda kv: (ns.atime.get(kv[0], 0), kv[0]))
+        out.append({
+            "nsid": ns.hex,
+            "keys": [{"key": k.hex(), "slot": s, "bytes": ns.slot_bytes * ns.ranks,
+                      "payload_bytes": ns.payload_bytes * ns.ranks, "last_access": iso(ns.atime.get(k))}
+                     for k, s in items],
+        })
+    return {"root": st.root, "order": "least recently used first", "namespaces": out}
+
+
+# ---------------------------------------------------------------- verify
+
+@dataclasses.dataclass(frozen=True)
+class Bad:
+    nsid: bytes
+    key: bytes
+    rank: int
+    slot: int
+    reason: str
+
+    def as_dict(self) -> dict:
+        return {"nsid": self.nsid.hex(), "key": self.key.hex(), "rank": self.rank, "slot": self.slot,
+                "reason": self.reason}
+
+
+class Progress:
+    """A one-line progress bar on stderr, only when stderr is a terminal."""
+
+    def __init__(self, total_blocks: int, total_bytes: int, enabled: bool | None = None):
+        self.total, self.total_bytes = total_blocks, total_bytes
+        self.done = self.bytes = 0
+        self.on = sys.stderr.isatty() if enabled is None else enabled
+        self.t0 = self.last = time.monotonic()
+
+    def add(self, blocks: int, nbytes: int) -> None:
+        self.done += blocks
+        self.bytes += nbytes
+        now = time.monotonic()
+        if self.on and (now - self.last >= 0.1 or self.done == self.total):
+            self.last = now
+            frac = self.done / self.total if self.total else 1.0
+            bar = "#" * int(frac * 30)
+            rate = self.bytes / max(now - self.t0, 1e-9) / 1e9
+            sys.stderr.write(f"\rverifying [{bar:<30}] {self.done}/{self.total} blocks "
+                             f"{frac * 100:5.1f}% {rate:5.2f} GB/s")
+            sys.stderr.flush()
+
+    def end(self) -> None:
+        if self.on:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def _open_data(path: str) -> int:
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags | os.O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    return os.open(path, flags)  # no O_DIRECT on this file system
+
+
+def check_slot(addr: int, nsid: bytes, rank: int, key: bytes, payload_len: int) -> str | None:
+    """None if the slot at addr holds `key` intact; else what is wrong."""
+    try:
+        h = fmt.unpack_header(ctypes.string_at(addr, fmt.HDR_USED))
+    except fmt.BadBlock as e:
+        return str(e) if str(e).startswith("header") else f"header {e}"
+    for field, want in (("nsid", nsid), ("rank", rank), ("key", key), ("payload_len", payload_len)):
+        if h[field] != want:
+            return f"header names another {field.replace('_', ' ')}"
+    if _native.crc32c(addr + fmt.HEADER_BYTES, payload_len) != h["payload_crc"]:
+        return "payload checksum"
+    return None
+
+
+async def _verify_ns(backend, root: str, ns, items, progress: Progress | None) -> list[Bad]:
+    """items: (rank, key, slot). Reads each slot and checks it; returns the bad ones."""
+    sb = ns.slot_bytes
+    depth = max(1, min(IN_FLIGHT, STAGING_LIMIT // sb, len(items)))
+    bad: list[Bad] = []
+    fds: dict[int, int | str] = {}
+    for rank in sorted({r for r, _, _ in items}):
+        try:
+            fds[rank] = _open_data(data_path(ns_dir(root, ns.nsid), rank))
+        except FileNotFoundError:
+            fds[rank] = "data file missing"
+        except OSError as e:
+            fds[rank] = f"cannot open data file: {e.strerror}"
+    todo = []
+    for rank, key, slot in sorted(items, key=lambda x: (x[0], x[2])):
+        if isinstance(fds[rank], str):
+            bad.append(Bad(ns.nsid, key, rank, slot, fds[rank]))
+            if progress:
+                progress.add(1, 0)
+        else:
+            todo.append((rank, key, slot))
+    pool = SlotPool(sb, depth) if todo else None
+    try:
+        workers = min(4, depth)
+        per = max(1, depth // workers)
+        it = iter(range(0, len(todo), per))
+
+        async def worker(w: int) -> None:
+            bufs = [pool.addr(w * per + i) for i in range(per)]
+            for start in it:
+                chunk = todo[start:start + per]
+                ops = [(OP_READ, fds[r], bufs[i], sb, s * sb) for i, (r, _, s) in enumerate(chunk)]
+                res = await backend.run(ops)
+                for i, (r, (rank, key, slot)) in enumerate(zip(res, chunk)):
+                    if r < 0:
+                        why = f"I/O error: {os.strerror(-r)}"
+                    elif r != sb:
+                        why = "short read (data file truncated)"
+                    else:
+                        why = check_slot(bufs[i], ns.nsid, rank, key, ns.payload_bytes)
+                    if why:
+                        bad.append(Bad(ns.nsid, key, rank, slot, why))
+                if progress:
+                    progress.add(len(chunk), len(chunk) * sb)
+
+        if todo:
+            await asyncio.gather(*(worker(w) for w in range(min(workers, -(-len(todo) // per)))))
+    finally:
+        for fd in fds.values():
+            if isinstance(fd, int):
+                os.close(fd)
+        if pool is not None:
+            pool.close()
+    return bad
+
+
+async def _verify_items(root: str, namespaces: dict, work: dict, progress: Progress | None) -> list[Bad]:
+    """work: nsid -> [(rank, key, slot)]."""
+    backend = open_backend(asyncio.get_running_loop())
+    try:
+        bad: list[Bad] = []
+        for nsid, items in work.items():
+            if items:
+                bad += await _verify_ns(backend, root, namespaces[nsid], items, progress)
+        return bad
+    finally:
+        backend.close()
+
+
+def _run(coro):
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def _work_of(st: Store) -> dict:
+    return {nsid: [(r, k, s) for k, s in ns.entries.items() for r in range(ns.ranks)]
+            for nsid, ns in st.index.namespaces.items()}
+
+
+def _recheck(root: str, bad: list[Bad], rounds: int = 3) -> list[Bad]:
+    """Keep only failures still committed at the same slot that still fail.
+
+    A running engine may evict a key and rewrite its slot between our replay and
+    our read; each round replays again, so only a block that stays committed and
+    stays bad is reported. Without an engine one round settles it."""
+    for _ in range(rounds):
+        st = open_readonly(root)
+        try:
+            work: dict = {}
+            for b in bad:
+                ns = st.index.namespaces.get(b.nsid)
+                if ns is not None and ns.entries.get(b.key) == b.slot:
+                    work.setdefault(b.nsid, []).append((b.rank, b.key, b.slot))
+            bad = _run(_verify_items(root, st.index.namespaces, work, None)) if work else []
+        finally:
+            st.close()
+        if not bad or holder_pid(root) is None:
+            break
+    return bad
+
+
+def verify(root: str, repair: bool = False, progress: bool | None = None) -> dict:
+    root = os.path.abspath(root)
+    _check_root(root)
+    t0 = time.monotonic()
+    index_problems = []
+    try:
+        st = open_readonly(root)
+    except fmt.BadBlock as e:
+        # A corrupt checkpoint: read-only openers cannot replay it; an owner rebuilds
+        # the index from the slot headers (with --repair, that is us).
+        if not repair:
+            return {"root": root, "ok": False, "index_errors": [str(e)], "checked_blocks": 0, "checked_bytes": 0,
+                    "corrupt": [], "repaired": None, "seconds": round(time.monotonic() - t0, 3)}
+        index_problems.append(str(e))
+        owner = _open_owner(root)
+        owner.close()
+        st = open_readonly(root)
+    try:
+        work = _work_of(st)
+        total_blocks = sum(len(v) for v in work.values())
+        total_bytes = sum(len(v) * st.index.namespaces[n].slot_bytes for n, v in work.items())
+        bar = Progress(total_blocks, total_bytes, progress)
+        try:
+            bad = _run(_verify_items(root, st.index.namespaces, work, bar))
+        finally:
+            bar.end()
+    finally:
+        st.close()
+    if bad:
+        bad = _recheck(root, bad)
+    bad.sort(key=lambda b: (b.nsid, b.rank, b.slot))
+    repaired = None
+    if repair:
+        repaired = _repair(root, bad) if bad else []
+    return {
+        "root": root,
+        "ok": not bad and not index_problems,
+        "index_errors": index_problems,
+        "checked_blocks": total_blocks,
+        "checked_bytes": total_bytes,
+        "corrupt": [b.as_dict() for b in bad],
+        "repaired": None if repaired is None else [b.as_dict() for b in repaired],
+        "index_rebuilt": bool(index_problems) if repair else None,
+        "seconds": round(time.monotonic() - t0, 3),
+    }
+
+
+def _open_owner(root: str) -> Store:
+    try:
+        return Store(root)
+    except StoreLocked:
+        pid = holder_pid(root)
+        raise InspectError(f"aiokv: cannot repair {root}: an engine holds its lock (pid "
+                           f"{pid if pid and pid > 0 else 'unknown'}); stop it, then run --repair again") from None
+
+
+def _repair(root: str, bad: list[Bad]) -> list[Bad]:
+    """As the owner: drop the keys whose blocks are still bad now that nobody writes."""
+    st = _open_owner(root)
+    try:
+        work: dict = {}
+        for b in bad:
+            ns = st.index.namespaces.get(b.nsid)
+            if ns is not None and ns.entries.get(b.key) == b.slot:
+                work.setdefault(b.nsid, []).append((b.rank, b.key, b.slot))
+        still = _run(_verify_items(root, st.index.namespaces, work, None)) if work else []
+        by_ns: dict = {}
+        for b in still:
+            by_ns.setdefault(b.nsid, set()).add(b.key)
+        for nsid, ks in by_ns.items():
+            st.drop(st.index.namespaces[nsid], sorted(ks))
+        return still
+    finally:
+        st.close()
+
+
+# ---------------------------------------------------------------- text rendering
+
+def human(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fields_text(fields: dict) -> str:
+    if not fields:
+        return "(none)"
+    return ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in sorted(fields.items()))
+
+
+def render_summary(d: dict) -> str:
+    pid = d["owner_pid"]
+    owner = ("none (no engine holds the lock)" if pid is None else
+             f"pid {pid if pid > 0 else 'unknown'} (an engine holds the lock; this view may already be stale)")
+    cap = (human(d["capacity_bytes"]) if d["capacity_bytes"] is not None else
+           "unknown (the engine's setting, not recorded in the directory)")
+    t = d["total"]
+    lines = [f"aiokv store {d['root']} (format {d['format']})",
+             f"owner:     {owner}",
+             f"capacity:  {cap}",
+             f"total:     {t['namespaces']} namespace(s), {t['blocks']} block(s), {human(t['bytes'])} "
+             f"({human(t['disk_bytes'])} allocated on disk)"]
+    for n in d["namespaces"]:
+        lines += ["",
+                  f"namespace {n['nsid']}",
+                  f"  fields:        {_fields_text(n['fields'])}",
+                  f"  blocks:        {n['blocks']}",
+                  f"  bytes:         {human(n['bytes'])} ({n['bytes']} = {n['blocks']} x {n['slot_bytes']}-byte "
+                  f"slots x {n['ranks']} rank(s))",
+                  f"  payload:       {n['payload_bytes']} bytes per block per rank",
+                  f"  ranks:         {n['ranks']}",
+                  f"  on disk:       {human(n['disk_bytes'])} allocated in data files",
+                  f"  oldest access: {n['oldest_access'] or '-'}",
+                  f"  newest access: {n['newest_access'] or '-'}"]
+    return "\n".join(lines)
+
+
+def render_keys(d: dict) -> str:
+    lines = []
+    for n in d["namespaces"]:
+        if lines:
+            lines.append("")
+        lines.append(f"namespace {n['nsid']}: {len(n['keys'])} key(s), least recently used first")
+        if n["keys"]:
+            w = max(len(k["key"]) for k in n["keys"])
+            lines.append(f"  {'KEY':<{w}}  {'SLOT':>8}  {'SIZE':>10}  LAST ACCESS")
+            for k in n["keys"]:
+                lines.append(f"  {k['key']:<{w}}  {k['slot']:>8}  {human(k['bytes']):>10}  {k['last_access'] or '-'}")
+    return "\n".join(lines) if lines else "(no namespaces)"
+
+
+def render_verify(d: dict) -> str:
+    lines = []
+    for e in d["index_errors"]:
+        lines.append(f"index: {e}")
+    if d.get("index_rebuilt"):
+        lines.append("index: rebuilt from the slot headers (--repair)")
+    nbad = len(d["corrupt"])
+    lines.append(f"verified {d['checked_blocks']} block(s), {human(d['checked_bytes'])} in {d['seconds']:.2f} s: "
+                 + (f"{nbad} corrupt" if nbad else "all intact" if not d["index_errors"] else "index damaged"))
+    for b in d["corrupt"]:
+        lines.append(f"corrupt: namespace {b['nsid']} key {b['key']} rank {b['rank']} slot {b['slot']}: "
+                     f"{b['reason']}")
+    if d["repaired"] is not None and nbad:
+        keys_dropped = {(b["nsid"], b["key"]) for b in d["repaired"]}
+        lines.append(f"repaired: dropped {len(keys_dropped)} key(s) from the index")
+    elif nbad:
+        lines.append("run again with --repair to drop them from the index (needs the engine stopped)")
+    return "\n".join(lines)
