@@ -1,0 +1,67 @@
+"""aiokv's settings, read from vLLM's kv_connector_extra_config.
+
+Every wrong or missing setting fails at start with one line that names the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from aiokv.store.store import parse_size
+
+
+class ConfigError(ValueError):
+    pass
+
+
+DEFAULT_PATH = "~/.cache/aiokv"
+
+
+@dataclasses.dataclass
+class AioKVConfig:
+    path: str
+    capacity: int = 64 << 30          # bytes on disk across all namespaces
+    staging: int = 256 << 20          # host staging memory per worker
+    io: str = "auto"                  # auto | uring | threads
+    queue_depth: int = 32             # I/O operations in flight per worker
+    load_timeout: float = 30.0        # seconds before a load is abandoned and recomputed
+    strict_load_failures: bool = False  # keep vLLM's kv_load_failure_policy="fail"
+
+    @classmethod
+    def from_extra(cls, extra: dict | None) -> "AioKVConfig":
+        extra = dict(extra or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"aiokv: unknown setting(s) {', '.join(unknown)} in kv_connector_extra_config; "
+                              f"known: {', '.join(sorted(known))}")
+        path = extra.pop("path", None) or os.environ.get("AIOKV_PATH") or DEFAULT_PATH
+        if not isinstance(path, str):
+            raise ConfigError(f"aiokv: path must be a directory path string, got {path!r}")
+        cfg = cls(path=os.path.abspath(os.path.expanduser(path)))
+        for name in ("capacity", "staging"):
+            if name in extra:
+                try:
+                    setattr(cfg, name, parse_size(extra.pop(name)))
+                except ValueError as e:
+                    raise ConfigError(f"aiokv: {name}: {e}") from None
+                if getattr(cfg, name) <= 0:
+                    raise ConfigError(f"aiokv: {name} must be positive")
+        if "io" in extra:
+            cfg.io = extra.pop("io")
+            if cfg.io not in ("auto", "uring", "threads"):
+                raise ConfigError(f"aiokv: io must be auto, uring or threads, not {cfg.io!r}")
+        for name, typ in (("queue_depth", int), ("load_timeout", float)):
+            if name in extra:
+                try:
+                    setattr(cfg, name, typ(extra.pop(name)))
+                except (TypeError, ValueError):
+                    raise ConfigError(f"aiokv: {name} must be a number") from None
+                if getattr(cfg, name) <= 0:
+                    raise ConfigError(f"aiokv: {name} must be positive")
+        if "strict_load_failures" in extra:
+            v = extra.pop("strict_load_failures")
+            if not isinstance(v, bool):
+                raise ConfigError("aiokv: strict_load_failures must be true or false")
+            cfg.strict_load_failures = v
+        return cfg

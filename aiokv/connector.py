@@ -1,0 +1,351 @@
+"""AioKVConnector: the thin, vLLM-facing layer.
+
+It translates vLLM's objects into plain data for the scheduler side
+(scheduler.py, EngineCore process) and the worker side (worker/transfer.py,
+each worker process) and back. No policy lives here.
+
+    --kv-transfer-config '{"kv_connector": "AioKVConnector", "kv_role": "kv_both",
+        "kv_connector_module_path": "aiokv.connector",
+        "kv_connector_extra_config": {"path": "/mnt/nvme/aiokv", "capacity": "200GiB"}}'
+
+Threading contract: vLLM creates one instance per role. The scheduler-role
+instance is called from the EngineCore scheduler thread only; the worker-role
+instance from the model runner's thread only (its pipelines run on the event
+loop thread owned by TransferWorker). No method lets an exception reach vLLM
+on the hot path: failures become misses, recomputes or dropped saves, counted.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from aiokv.config import AioKVConfig
+from aiokv.jobs import StepPlan, WorkerReport
+from aiokv.keys import namespace_id, request_root
+
+log = logging.getLogger("aiokv")
+
+
+class AioKVMetadata(KVConnectorMetadata):
+    def __init__(self, plan: StepPlan):
+        self.plan = plan
+
+
+class AioKVWorkerMetadata(KVConnectorWorkerMetadata):
+    def __init__(self, report: WorkerReport):
+        self.report = report
+
+    def aggregate(self, other: "AioKVWorkerMetadata") -> "AioKVWorkerMetadata":
+        return AioKVWorkerMetadata(self.report.merge(other.report))
+
+
+class AioKVStats(KVConnectorStats):
+    """Counters (hits, loads, saves, failures, evictions) summed across workers."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def describe(vllm_config, kv_cache_config) -> tuple[dict, int]:
+    """Namespace fields (all that changes the bytes of a block) and payload bytes per rank."""
+    from aiokv.fingerprint import weights_fingerprint
+
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError("aiokv: hybrid models (several KV cache groups) need SupportsHMA, which aiokv does not "
+                         "support yet; run this model without aiokv")
+    spec = groups[0].kv_cache_spec
+    if not hasattr(spec, "num_kv_heads"):
+        raise ValueError(f"aiokv: KV cache spec {type(spec).__name__} is not attention KV; not supported")
+    if pc.pipeline_parallel_size != 1:
+        raise ValueError("aiokv: pipeline parallelism is not supported yet; use tensor parallelism")
+    model = mc.model
+    weights = weights_fingerprint(model) if os.path.isdir(model) else f"hub:{model}@{mc.revision}"
+    import vllm
+
+    fields = {
+        "model": model,
+        "weights": weights,
+        "revision": mc.revision,
+        "hf_overrides": repr(mc.hf_overrides),
+        "dtype": str(mc.dtype),
+        "kv_cache_dtype": str(cc.cache_dtype),
+        "block_size": spec.block_size,
+        "spec": type(spec).__name__,
+        "kv_dtype": str(spec.dtype),
+        "num_kv_heads": spec.num_kv_heads,
+        "head_size": spec.head_size,
+        "sliding_window": getattr(spec, "sliding_window", None),
+        "layers": len(groups[0].layer_names),
+        "tp": pc.tensor_parallel_size,
+        "pp": pc.pipeline_parallel_size,
+        "device": str(vllm_config.device_config.device_type),
+        "attention": repr(getattr(getattr(vllm_config, "attention_config", None), "backend", None)),
+        "attention_env": os.environ.get("VLLM_ATTENTION_BACKEND"),
+        "vllm": ".".join(vllm.__version__.split(".")[:2]),
+    }
+    payload = spec.page_size_bytes * len(groups[0].layer_names)
+    return fields, payload
+
+
+def request_extras(request) -> list:
+    """Per-request factors that change the KV of the same tokens (catalogue A2)."""
+    extras: list = []
+    if request.cache_salt:
+        extras.append(["salt", request.cache_salt])
+    lora = request.lora_request
+    if lora is not None:
+        extras.append(["lora", lora.lora_name, getattr(lora, "lora_path", None)])
+    for f in request.mm_features or ():
+        pos = f.mm_position
+        extras.append(["mm", f.identifier, pos.offset, pos.length])
+    if request.prompt_embeds is not None:
+        t = request.prompt_embeds.detach().to("cpu").contiguous()
+        extras.append(["embeds", str(t.dtype), list(t.shape),
+                       hashlib.blake2b(t.view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()])
+    return extras
+
+
+class AioKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = AioKVConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self.fields, self.payload = describe(vllm_config, kv_cache_config)
+        self.nsid = namespace_id(self.fields)
+        self.block_size = self.fields["block_size"]
+        self.ranks = vllm_config.parallel_config.tensor_parallel_size
+        self.sched = None
+        self.worker = None
+        self._roots: dict[str, bytes] = {}
+        self._errors: set[int] = set()
+        self._report: WorkerReport | None = None
+        self._stats: dict[str, int] = {}     # worker counters not yet handed to vLLM's stats
+        self._totals: dict[str, int] = {}    # worker counters since start
+        self._sched_last: dict[str, int] = {}
+        self._failed_recv: set[str] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+
+    # ================= scheduler role =================
+    def _init_scheduler(self) -> None:
+        from aiokv.scheduler import SchedulerSide
+        from aiokv.store import Store, StoreLocked
+
+        ktc = self._kv_transfer_config
+        if ktc.kv_load_failure_policy == "fail" and not self.cfg.strict_load_failures:
+            # A cache miss must never fail a request: a failed load is recomputed.
+            ktc.kv_load_failure_policy = "recompute"
+            log.info("aiokv: kv_load_failure_policy set to 'recompute' (a failed cache load is recomputed); "
+                     "set strict_load_failures=true in kv_connector_extra_config to keep 'fail'")
+        try:
+            store = Store(self.cfg.path, capacity=self.cfg.capacity)
+        except StoreLocked:
+            raise
+        except OSError as e:
+            log.error("aiokv: cannot use cache directory %s (%s); aiokv is disabled and vLLM runs without it",
+                      self.cfg.path, e.strerror or e)
+            return
+        ns = store.namespace(self.nsid, self.payload, ranks=self.ranks, fields=self.fields)
+        self.sched = SchedulerSide(store, ns, self.block_size)
+        log.info("aiokv: cache %s, namespace %s, %d blocks stored", self.cfg.path, ns.hex, len(ns.entries))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # best effort: a preempted request's output need not wait for us
+
+    def _root(self, request) -> bytes:
+        root = self._roots.get(request.request_id)
+        if root is None:
+            root = self._roots[request.request_id] = request_root(self.nsid, request_extras(request))
+        return root
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.sched is None or getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        try:
+            n = self.sched.match(request.request_id, request.all_token_ids, self._root(request), num_computed_tokens)
+        except Exception:
+            log.exception("aiokv: lookup failed; treated as a miss")
+            return 0, False
+        return n, n > 0
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self.sched is None:
+            return
+        self.sched.on_alloc(request.request_id, request.all_token_ids, self._root(request),
+                            blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        if self.sched is None:
+            return AioKVMetadata(StepPlan())
+        from aiokv.scheduler import Scheduled
+
+        spec = scheduler_output.scheduled_spec_decode_tokens or {}
+        n_sched = scheduler_output.num_scheduled_tokens
+
+        def count(req_id: str) -> int:
+            return n_sched.get(req_id, 0) - len(spec.get(req_id, ()))
+
+        items = [Scheduled(r.req_id, r.num_computed_tokens, count(r.req_id), r.block_ids[0], True)
+                 for r in scheduler_output.scheduled_new_reqs]
+        c = scheduler_output.scheduled_cached_reqs
+        resumed = c.resumed_req_ids or set()
+        for i, req_id in enumerate(c.req_ids):
+            new = c.new_block_ids[i]
+            items.append(Scheduled(req_id, c.num_computed_tokens[i], count(req_id),
+                                   new[0] if new is not None else None, req_id in resumed))
+        return AioKVMetadata(self.sched.plan(items))
+
+    def update_connector_output(self, connector_output) -> None:
+        if self.sched is None:
+            return
+        meta = connector_output.kv_connector_worker_meta
+        report = meta.report if isinstance(meta, AioKVWorkerMetadata) else None
+        if report is not None:
+            for k, v in report.counters.items():
+                self._stats[k] = self._stats.get(k, 0) + v
+                self._totals[k] = self._totals.get(k, 0) + v
+        self.sched.on_report(report, connector_output.finished_recving)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._roots.pop(request.request_id, None)
+        if self.sched is None:
+            return False, None
+        return self.sched.finished(request.request_id), None
+
+    # ================= worker role =================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from aiokv.store.store import ns_dir
+        from aiokv.worker.device import make_device
+        from aiokv.worker.transfer import TransferWorker
+
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        except Exception:
+            rank = 0
+        try:
+            names = self._kv_cache_config.kv_cache_groups[0].layer_names
+            ordered = {n: kv_caches[n] for n in names if n in kv_caches}
+            device = make_device(ordered, self._kv_cache_config.num_blocks)
+            if device.payload_bytes != self.payload:
+                raise ValueError(f"aiokv: the KV tensors hold {device.payload_bytes} bytes per block, the "
+                                 f"KV cache spec says {self.payload}; this layout is not supported")
+            self.worker = TransferWorker(device, ns_dir(self.cfg.path, self.nsid), self.nsid, rank, self.cfg.staging, self.cfg.io,
+                                         self.cfg.queue_depth, self.cfg.load_timeout)
+        except Exception as e:
+            # Loads the scheduler promises are then reported failed, saves dropped.
+            log.error("aiokv: worker %d disabled: %s", rank, e)
+            self.worker = None
+
+    def _plan(self) -> StepPlan:
+        meta = self._connector_metadata
+        return meta.plan if isinstance(meta, AioKVMetadata) else StepPlan()
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        plan = self._plan()
+        if self.worker is None:
+            for t in plan.loads:  # promised but impossible: recompute
+                self._errors.update(t.block_ids)
+                self._failed_recv.add(t.req_id)
+            return
+        if plan.cancel:
+            self.worker.cancel(plan.cancel)
+        if plan.loads:
+            self.worker.load(plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete before vLLM schedules the request
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        return  # whole blocks are copied once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if plan.saves and self.worker is not None:
+            self.worker.save(plan.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            done, self._failed_recv = self._failed_recv, set()
+            return None, done or None
+        finished, errors, report = self.worker.poll()
+        self._errors |= errors
+        self._report = report
+        return None, finished or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def build_connector_worker_meta(self):
+        report, self._report = self._report, None
+        if report is None or report.empty():
+            return None
+        return AioKVWorkerMetadata(report)
+
+    def get_kv_connector_stats(self):
+        if self.sched is None:
+            return None
+        data = dict(self._stats)
+        self._stats.clear()
+        now = self._scheduler_counters()
+        for k, v in now.items():  # vLLM sums what we hand it: hand it deltas
+            data[k] = v - self._sched_last.get(k, 0)
+        self._sched_last = now
+        return AioKVStats(data=data) if any(data.values()) else None
+
+    def _scheduler_counters(self) -> dict[str, int]:
+        out = dict(vars(self.sched.counters))
+        out.update({f"store_{k}": v for k, v in vars(self.sched.store.stats).items()})
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return AioKVStats(data=dict(data or {}))
+
+    # ================= both =================
+    def counters(self) -> dict[str, int]:
+        """Everything this instance counted so far (tests, the demo)."""
+        out: dict[str, int] = {}
+        if self.sched is not None:
+            out.update(self._totals)
+            out.update(self._scheduler_counters())
+            out["pending_saves"] = self.sched.pending_saves
+            out["pinned"] = len(self.sched.store.index.pins)
+        if self.worker is not None:
+            out["worker_in_flight"] = self.worker.in_flight
+            out["staging_in_use"] = self.worker.pool.in_use
+        return out
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+        if self.sched is not None:
+            self.sched.store.close()
+            self.sched = None

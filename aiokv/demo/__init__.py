@@ -1,0 +1,1 @@
+"""The demo and the tiny models it (and the tests) build locally, without a hub."""

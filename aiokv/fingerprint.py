@@ -1,0 +1,56 @@
+"""A fingerprint of a model's weights, so that new weights at the same path are a
+new namespace (catalogue A2: "model weights, not just the path").
+
+Small models (all weight files together up to FULL_HASH_LIMIT) are hashed in
+full. Larger ones hash each file's size, its first and last 4 MiB (safetensors
+headers hold every tensor's name, dtype, shape and offsets) and 64 chunks of
+64 KiB spread across it: seconds for hundreds of GB, and any re-save,
+fine-tune or re-quantisation changes it. An edit that keeps the size and
+touches none of the sampled bytes is not seen; set the model's revision or a
+cache_salt when you patch weights in place.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5")
+META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+FULL_HASH_LIMIT = 2 << 30
+EDGE, CHUNK, CHUNKS = 4 << 20, 64 << 10, 64
+
+
+def _sampled(path: str, size: int, h) -> None:
+    with open(path, "rb") as f:
+        if size <= 2 * EDGE + CHUNK * CHUNKS:
+            while b := f.read(1 << 24):
+                h.update(b)
+            return
+        h.update(f.read(EDGE))
+        for i in range(CHUNKS):
+            f.seek(EDGE + (size - 2 * EDGE - CHUNK) * i // (CHUNKS - 1))
+            h.update(f.read(CHUNK))
+        f.seek(size - EDGE)
+        h.update(f.read(EDGE))
+
+
+def weights_fingerprint(model_dir: str) -> str:
+    """Hex digest of the weight and config files under model_dir (not following symlinked dirs)."""
+    files = []
+    for base, dirs, names in os.walk(model_dir):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for n in sorted(names):
+            if n.endswith(WEIGHT_SUFFIXES) or n in META_FILES:
+                p = os.path.join(base, n)
+                files.append((os.path.relpath(p, model_dir), p, os.path.getsize(p)))
+    total = sum(s for _, _, s in files if s)
+    h = hashlib.blake2b(digest_size=16)
+    for rel, p, size in files:
+        h.update(f"{rel}\0{size}\0".encode())
+        if total <= FULL_HASH_LIMIT:
+            with open(p, "rb") as f:
+                while b := f.read(1 << 24):
+                    h.update(b)
+        else:
+            _sampled(p, size, h)
+    return h.hexdigest()

@@ -1,0 +1,52 @@
+"""Job records that travel from the scheduler side to the workers and back.
+
+One explicit list of (key, slot, block id) per request and direction, built once
+by the scheduler side (catalogue B9): the worker never recomputes keys or block
+ranges, so the two sides cannot disagree about what is loaded or saved.
+Plain dataclasses of lists and bytes: they pickle across vLLM's processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Transfer:
+    """Blocks of one request moving in one direction."""
+
+    req_id: str
+    keys: list[bytes]
+    slots: list[int]      # store slots (same slot number in every rank's data file)
+    block_ids: list[int]  # vLLM KV block ids
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What the workers do in one engine step."""
+
+    loads: list[Transfer] = dataclasses.field(default_factory=list)
+    saves: list[Transfer] = dataclasses.field(default_factory=list)
+    cancel: list[str] = dataclasses.field(default_factory=list)  # requests whose loads stop
+
+    def empty(self) -> bool:
+        return not (self.loads or self.saves or self.cancel)
+
+
+@dataclasses.dataclass
+class WorkerReport:
+    """What workers tell the scheduler side after a step (merged across ranks)."""
+
+    saved: list[tuple[int, bytes, int]] = dataclasses.field(default_factory=list)   # (rank, key, slot) written
+    save_failed: list[tuple[int, bytes, int]] = dataclasses.field(default_factory=list)
+    load_bad: list[bytes] = dataclasses.field(default_factory=list)  # keys whose blocks did not verify
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def merge(self, other: "WorkerReport") -> "WorkerReport":
+        counters = dict(self.counters)
+        for k, v in other.counters.items():
+            counters[k] = counters.get(k, 0) + v
+        return WorkerReport(self.saved + other.saved, self.save_failed + other.save_failed,
+                            self.load_bad + other.load_bad, counters)
+
+    def empty(self) -> bool:
+        return not (self.saved or self.save_failed or self.load_bad or self.counters)

@@ -1,0 +1,191 @@
+"""The scheduler side: keys, the index of committed blocks, and per-request
+load/save intents. Runs in vLLM's EngineCore process; imports no vLLM.
+
+Rules it keeps (docs/design.md):
+- A hit is the run of committed keys at the start of the request's full blocks,
+  capped so at least one token is left to compute. `match` has no side effects
+  beyond memoising the request's keys; vLLM may call it many times.
+- A load is one explicit Transfer (keys, slots, block ids) built once at
+  allocation; its keys are pinned (not evictable) until the workers report the
+  request in finished_recving, whatever happened to the request meanwhile.
+- A block is saved only when all its tokens were computed in the current life
+  of the request (blocks from before a preemption, a local prefix hit or a load
+  are never re-saved from a rebuilt table), and committed only after every rank
+  reported it written.
+- Blocks are never held after a request finishes: the workers copy a step's
+  blocks out before the step ends (see worker/device.py), so request_finished
+  never delays a free.
+
+Threading contract: one thread, the EngineCore scheduler thread.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from aiokv.jobs import StepPlan, Transfer, WorkerReport
+from aiokv.keys import extend_keys
+from aiokv.store import Store
+from aiokv.store.index import Namespace
+
+
+@dataclasses.dataclass
+class Scheduled:
+    """One request in this step's SchedulerOutput, as plain data."""
+
+    req_id: str
+    num_computed: int         # tokens computed before this step
+    num_scheduled: int        # tokens computed in this step (spec tokens excluded)
+    block_ids: list[int] | None  # new requests/resumed: the whole table; running: appended ids
+    replace: bool             # True: block_ids is the whole table (new or resumed request)
+
+
+@dataclasses.dataclass
+class _Req:
+    tokens: object            # the live token list of the request (prompt + output)
+    root: bytes
+    keys: list[bytes] = dataclasses.field(default_factory=list)
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    next_save: int = 0        # first block index not yet considered for saving in this life
+
+
+@dataclasses.dataclass
+class SchedulerCounters:
+    hit_requests: int = 0
+    hit_blocks: int = 0
+    hit_tokens: int = 0
+    saves_planned: int = 0
+    saves_committed: int = 0
+    save_failures: int = 0
+    load_bad_blocks: int = 0
+    loads_cancelled: int = 0
+
+
+class SchedulerSide:
+    def __init__(self, store: Store, ns: Namespace, block_size: int):
+        self.store = store
+        self.ns = ns
+        self.bs = block_size
+        self.ranks = ns.ranks
+        self.counters = SchedulerCounters()
+        self._reqs: dict[str, _Req] = {}
+        self._local_blocks: dict[str, int] = {}        # from the last match, used by on_alloc
+        self._new_loads: list[Transfer] = []
+        self._loading: dict[str, list[bytes]] = {}     # req -> pinned keys, until finished_recving
+        self._cancel: list[str] = []
+        self._saving: dict[bytes, tuple[int, set[int]]] = {}  # key -> (slot, ranks written)
+
+    # ---- matching and allocation ----
+    def _state(self, req_id: str, tokens, root: bytes) -> _Req:
+        st = self._reqs.get(req_id)
+        if st is None or st.root != root:
+            st = self._reqs[req_id] = _Req(tokens, root)
+        st.tokens = tokens
+        return st
+
+    def match(self, req_id: str, tokens, root: bytes, num_computed: int) -> int:
+        """External hit tokens beyond the num_computed local ones (block multiple)."""
+        st = self._state(req_id, tokens, root)
+        usable = (len(tokens) - 1) // self.bs
+        extend_keys(st.keys, root, tokens, self.bs, usable)
+        hit = self.store.lookup(self.ns, st.keys[:usable] if len(st.keys) > usable else st.keys)
+        local = num_computed // self.bs
+        self._local_blocks[req_id] = local
+        return (hit - local) * self.bs if hit > local else 0
+
+    def on_alloc(self, req_id: str, tokens, root: bytes, block_ids: list[int], num_external: int) -> None:
+        st = self._state(req_id, tokens, root)
+        if num_external <= 0:
+            return
+        local = self._local_blocks.get(req_id, 0)
+        n = num_external // self.bs
+        keys = st.keys[local:local + n]
+        slots = self.store.pin(self.ns, keys)
+        # a key gone since match cannot be loaded: slot -1 makes the worker report it failed
+        self._new_loads.append(Transfer(req_id, keys, [-1 if s is None else s for s in slots],
+                                        list(block_ids[local:local + n])))
+        self._loading[req_id] = [k for k, s in zip(keys, slots) if s is not None]
+        self.counters.hit_requests += 1
+        self.counters.hit_blocks += n
+        self.counters.hit_tokens += n * self.bs
+
+    # ---- per step ----
+    def plan(self, scheduled: list[Scheduled]) -> StepPlan:
+        plan = StepPlan(loads=self._new_loads, cancel=self._cancel)
+        self._new_loads, self._cancel = [], []
+        bs = self.bs
+        for s in scheduled:
+            st = self._reqs.get(s.req_id)
+            if st is None:
+                continue
+            if s.replace:
+                # a new life: only blocks computed from here on may be saved
+                st.block_ids = list(s.block_ids or [])
+                st.next_save = -(-s.num_computed // bs)
+            elif s.block_ids:
+                st.block_ids.extend(s.block_ids)
+            full = min((s.num_computed + s.num_scheduled) // bs, len(st.block_ids), len(st.tokens) // bs)
+            if full <= st.next_save:
+                continue
+            extend_keys(st.keys, st.root, st.tokens, bs, full)
+            keys, slots, blocks = [], [], []
+            for i in range(st.next_save, full):
+                slot = self.store.reserve(self.ns, st.keys[i])
+                if slot is not None:
+                    keys.append(st.keys[i])
+                    slots.append(slot)
+                    blocks.append(st.block_ids[i])
+                    self._saving[st.keys[i]] = (slot, set())
+            st.next_save = full
+            if keys:
+                plan.saves.append(Transfer(s.req_id, keys, slots, blocks))
+                self.counters.saves_planned += len(keys)
+        return plan
+
+    def on_report(self, report: WorkerReport | None, finished_recving) -> None:
+        if report is not None:
+            done = []
+            for rank, key, slot in report.saved:
+                entry = self._saving.get(key)
+                if entry is None or entry[0] != slot:
+                    continue
+                entry[1].add(rank)
+                if len(entry[1]) == self.ranks:
+                    del self._saving[key]
+                    done.append((key, slot))
+            if done:
+                before = self.store.stats.commits
+                self.store.commit(self.ns, done)
+                self.counters.saves_committed += self.store.stats.commits - before
+            failed = []
+            for rank, key, slot in report.save_failed:
+                entry = self._saving.pop(key, None)
+                if entry is not None and entry[0] == slot:
+                    failed.append((key, slot))
+            self.store.abort(self.ns, failed)
+            self.counters.save_failures += len(failed)
+            if report.load_bad:
+                bad = list(collections.OrderedDict.fromkeys(report.load_bad))
+                self.store.drop(self.ns, bad)
+                self.counters.load_bad_blocks += len(bad)
+        for req_id in finished_recving or ():
+            keys = self._loading.pop(req_id, None)
+            if keys is not None:
+                self.store.unpin(self.ns, keys)
+
+    def finished(self, req_id: str) -> bool:
+        """The request is gone from vLLM. Returns whether to delay freeing its blocks: never."""
+        self._reqs.pop(req_id, None)
+        self._local_blocks.pop(req_id, None)
+        if req_id in self._loading:
+            self._cancel.append(req_id)  # vLLM keeps its blocks until we report the load
+            self.counters.loads_cancelled += 1
+        return False
+
+    @property
+    def pending_saves(self) -> int:
+        return len(self._saving)
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._reqs)

@@ -1,0 +1,169 @@
+"""Device copies: whole KV blocks between vLLM's KV tensors and staging slots.
+
+The layout is detected from the registered tensors: for each layer, the block
+dimension is the one whose size is the number of blocks (GPU backends put it
+first or second, e.g. [2, num_blocks, ...]); a block's bytes in the payload are
+that layer's [block] slice, made contiguous, layers in registration order.
+Whole blocks only, never token slices: inside a block the layout is backend
+and ISA specific (the CPU backend stores K transposed).
+
+Two implementations of one interface:
+- CpuDevice (every test): copies run synchronously. copy_out returns when the
+  staging slots hold the blocks, so vLLM may free or reuse the blocks as soon
+  as the step that saved them has ended.
+- CudaDevice: gathers on the GPU and copies to pinned staging memory on a side
+  stream; copy_out records an event that the compute stream waits on before the
+  next step's kernels can overwrite any block (so blocks freed after the step
+  are safe), and the save pipeline waits for the event before writing to disk.
+  copy_in scatters on the side stream and synchronises before the load is
+  reported. Checked by tools/gpu_check.py on a CUDA machine.
+
+Threading contract: copy_out/after_step run on the vLLM worker's main thread;
+copy_in and wait_out run on the worker's event-loop thread.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from aiokv.io.buffers import SlotPool
+from aiokv.store import format as fmt
+
+
+class LayoutError(ValueError):
+    pass
+
+
+class Layer:
+    """One KV tensor seen as [num_blocks, *block_shape] (a view, no copy)."""
+
+    def __init__(self, name: str, t: torch.Tensor, num_blocks: int):
+        dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
+        if len(dims) != 1:
+            raise LayoutError(f"aiokv: cannot tell the block dimension of KV tensor {name} {tuple(t.shape)} "
+                              f"for {num_blocks} blocks; this attention backend's layout is not supported")
+        self.name = name
+        self.dim = dims[0]
+        self.view = t.movedim(self.dim, 0)
+        self.block_shape = tuple(self.view.shape[1:])
+        self.dtype = t.dtype
+        self.nbytes = t.element_size() * int(torch.Size(self.block_shape).numel())
+        # not the block count (it changes with memory settings), but the dim order in memory
+        order = tuple(sorted(range(t.dim()), key=lambda i: (-t.stride(i), i)))
+        self.signature = (name, self.dim, self.block_shape, order, str(t.dtype))
+
+
+class Device:
+    """Copies blocks of the registered layers to and from staging slots."""
+
+    asynchronous = False  # True: copy_out returns before the bytes are in staging
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, pool: SlotPool | None = None):
+        self.layers = [Layer(n, t, num_blocks) for n, t in kv_caches.items()]
+        self.payload_bytes = sum(layer.nbytes for layer in self.layers)
+        sig = repr([layer.signature for layer in self.layers]).encode()
+        # the layout tag binds the in-memory layout into every block header
+        self.layout_tag = int.from_bytes(hashlib.blake2b(sig, digest_size=8).digest(), "little")
+        self.pool = pool
+
+    def attach(self, pool: SlotPool) -> None:
+        self.pool = pool
+        self._rows = pool.arena.tensor().view(pool.count, pool.slot_bytes)
+
+    def _cols(self):
+        off = fmt.HEADER_BYTES
+        for layer in self.layers:
+            yield layer, off, off + layer.nbytes
+            off += layer.nbytes
+
+    def copy_out(self, block_ids: list[int], slots: list[int]) -> None:
+        raise NotImplementedError
+
+    def wait_out(self) -> None:
+        """Block until the last copy_out has landed in staging memory."""
+
+    def after_step(self) -> None:
+        """Called once per step after copy_out, before the next step's kernels."""
+
+    def copy_in(self, block_ids: list[int], slots: list[int]) -> None:
+        raise NotImplementedError
+
+
+class CpuDevice(Device):
+    def copy_out(self, block_ids, slots):
+        src_idx = torch.tensor(block_ids, dtype=torch.long)
+        dst_idx = torch.tensor(slots, dtype=torch.long)
+        n = len(block_ids)
+        for layer, a, b in self._cols():
+            src = layer.view.index_select(0, src_idx).reshape(n, -1).view(torch.uint8)
+            self._rows[:, a:b].index_copy_(0, dst_idx, src)
+
+    def copy_in(self, block_ids, slots):
+        dst_idx = torch.tensor(block_ids, dtype=torch.long)
+        src_idx = torch.tensor(slots, dtype=torch.long)
+        n = len(block_ids)
+        for layer, a, b in self._cols():
+            src = self._rows[:, a:b].index_select(0, src_idx).view(layer.dtype).view(n, *layer.block_shape)
+            layer.view.index_copy_(0, dst_idx, src)
+
+
+class CudaDevice(Device):
+    asynchronous = True
+
+    def attach(self, pool: SlotPool) -> None:
+        super().attach(pool)
+        import ctypes
+
+        # pin the staging arena so copies are DMA and can be asynchronous
+        rc = torch.cuda.cudart().cudaHostRegister(ctypes.c_void_p(pool.arena.addr), pool.arena.size, 0)
+        if rc != 0:
+            raise RuntimeError(f"aiokv: cudaHostRegister of the staging arena failed ({rc})")
+        self.device = self.layers[0].view.device
+        self.out_stream = torch.cuda.Stream(self.device)
+        self.in_stream = torch.cuda.Stream(self.device)
+        self._out_event = None
+
+    def copy_out(self, block_ids, slots):
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.out_stream):
+            self.out_stream.wait_stream(compute)  # the forward that wrote the blocks comes first
+            n = len(block_ids)
+            for layer, a, b in self._cols():
+                gathered = layer.view.index_select(0, idx).reshape(n, -1).view(torch.uint8)
+                for i, s in enumerate(slots):
+                    self._rows[s, a:b].copy_(gathered[i], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.out_stream)
+        self._out_event = ev
+
+    def after_step(self) -> None:
+        # the next step's kernels may overwrite freed blocks only after our reads
+        if self._out_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._out_event)
+
+    def wait_out(self) -> None:
+        if self._out_event is not None:
+            self._out_event.synchronize()
+
+    def copy_in(self, block_ids, slots):
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        n = len(block_ids)
+        with torch.cuda.stream(self.in_stream):
+            for layer, a, b in self._cols():
+                host = self._rows[torch.tensor(slots, dtype=torch.long), a:b]  # gathered on the host
+                dev = host.to(self.device, non_blocking=False).view(layer.dtype).view(n, *layer.block_shape)
+                layer.view.index_copy_(0, idx, dev)
+        self.in_stream.synchronize()
+
+    def close(self) -> None:
+        import ctypes
+
+        torch.cuda.cudart().cudaHostUnregister(ctypes.c_void_p(self.pool.arena.addr))
+
+
+def make_device(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> Device:
+    first = next(iter(kv_caches.values()))
+    cls = CudaDevice if first.is_cuda else CpuDevice
+    return cls(kv_caches, num_blocks)

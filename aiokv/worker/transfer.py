@@ -1,0 +1,293 @@
+"""The worker side: one uvloop event loop on a dedicated thread runs a save and
+a load pipeline per request as asyncio tasks.
+
+  save: device -> staging copy (vLLM's thread, at the end of the step)
+        -> io_uring write (loop) -> report (rank, key, slot) written or failed
+  load: io_uring read -> verify -> staging -> device copy (loop)
+        -> report the request finished, with the block ids that failed
+
+Failure contract (catalogue B7, B8, B11, B12):
+- A job's failure affects only its request: a failed save is reported so its
+  reservation is released; a failed or timed-out load reports its blocks in
+  the load errors and the request as finished receiving, so vLLM recomputes.
+- Every load handed in is reported finished exactly once, cancelled ones too,
+  and only after none of its I/O can still write into staging or the KV cache.
+- The loop never dies of a job: each pipeline catches everything. If the loop
+  thread dies anyway, poll() reports every outstanding load as failed and
+  every outstanding save as failed, and the worker stops taking jobs.
+- Staging slots come from a bounded pool: a save that finds it full is
+  dropped (counted), never waited for; a load waits for slots.
+
+Threading contract: save/load/cancel/poll/close are called from the vLLM worker
+thread; pipelines run on the loop thread; they meet in `_lock`-protected state.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import errno
+import logging
+import threading
+
+import uvloop
+
+from aiokv.io.backend import open_backend
+from aiokv.io.buffers import SlotPool
+from aiokv.jobs import Transfer, WorkerReport
+from aiokv.store import format as fmt
+from aiokv.store.blockio import BlockIO
+
+log = logging.getLogger("aiokv")
+
+COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_timeouts", "loads_cancelled", "saves_ok_blocks",
+            "save_failed_blocks", "save_skipped_staging_full", "bytes_read", "bytes_written")
+
+
+class TransferWorker:
+    def __init__(self, device, ns_dir: str, nsid: bytes, rank: int, staging_bytes: int, io: str = "auto",
+                 queue_depth: int = 32, load_timeout: float = 30.0):
+        self.device = device
+        self.rank = rank
+        self.load_timeout = load_timeout
+        slot_bytes = fmt.slot_bytes(device.payload_bytes)
+        self.pool = SlotPool(slot_bytes, max(4, staging_bytes // slot_bytes))
+        device.attach(self.pool)
+        self._lock = threading.Lock()
+        self._slots_freed: asyncio.Event | None = None
+        self._loads: dict[str, tuple[Transfer, object]] = {}   # req -> (transfer, future)
+        self._saves: dict[int, tuple[Transfer, list[int]]] = {}  # save job id -> (transfer, staging)
+        self._save_ids = 0
+        self._done_loads: list[tuple[str, list[int]]] = []   # (req, failed block ids)
+        self._report = WorkerReport()
+        self._counts = collections.Counter()
+        self._dead = False
+        self._cancel_early: set[str] = set()
+        self.loop = uvloop.new_event_loop()
+        self.loop.set_exception_handler(self._on_loop_error)
+        self.thread = threading.Thread(target=self.loop.run_forever, name=f"aiokv-worker{rank}", daemon=True)
+        self.thread.start()
+        self.slot_bytes = slot_bytes
+        # The data file is opened at the first job: the engine that owns the
+        # store creates the directory after the workers have started.
+        self._io_args = (ns_dir, nsid)
+        self.io = None
+        self._call(self._setup(io, queue_depth))
+
+    # ---- loop plumbing ----
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def _setup(self, io, depth):
+        self._slots_freed = asyncio.Event()
+        self.backend = open_backend(self.loop, io, depth=depth)
+
+    def _blockio(self) -> BlockIO:
+        if self.io is None:
+            ns_dir, nsid = self._io_args
+            self.io = BlockIO(self.backend, ns_dir, nsid, self.rank, self.device.payload_bytes, self.device.layout_tag)
+        return self.io
+
+    def _on_loop_error(self, loop, context):
+        log.error("aiokv: unexpected error in the worker loop: %s", context.get("message"),
+                  exc_info=context.get("exception"))
+
+    def _release(self, slots: list[int]) -> None:
+        with self._lock:
+            self.pool.release(slots)
+        if self._slots_freed is not None:
+            self.loop.call_soon_threadsafe(self._slots_freed.set)
+
+    def _count(self, **kw) -> None:
+        with self._lock:
+            self._counts.update(kw)
+
+    # ---- saves ----
+    def save(self, transfers: list[Transfer]) -> None:
+        """Copy this step's blocks to staging now; write them to disk in the background."""
+        for t in transfers:
+            if self._dead:
+                self._save_done(t, None, [-errno.EIO] * len(t.keys))
+                continue
+            with self._lock:
+                slots = self.pool.acquire(len(t.keys))
+            if slots is None:
+                self._count(save_skipped_staging_full=len(t.keys))
+                self._save_done(t, None, [-errno.ENOBUFS] * len(t.keys))
+                continue
+            try:
+                self.device.copy_out(t.block_ids, slots)
+            except Exception:
+                log.exception("aiokv: copying blocks out for a save failed; that save is dropped")
+                self._release(slots)
+                self._save_done(t, None, [-errno.EIO] * len(t.keys))
+                continue
+            with self._lock:
+                self._save_ids += 1
+                self._saves[self._save_ids] = (t, slots)
+            asyncio.run_coroutine_threadsafe(self._save(self._save_ids, t, slots), self.loop)
+        self.device.after_step()
+
+    async def _save(self, job: int, t: Transfer, slots: list[int]) -> None:
+        res = [-errno.EIO] * len(t.keys)
+        try:
+            if self.device.asynchronous:  # the device copy may still be landing
+                await self.loop.run_in_executor(None, self.device.wait_out)
+            addr = self.pool.addr
+            res = await self._blockio().write([(s, k, addr(b)) for s, k, b in zip(t.slots, t.keys, slots)])
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("aiokv: a save failed; only that request's save is dropped")
+        finally:
+            self._release(slots)
+            with self._lock:
+                self._saves.pop(job, None)
+            self._save_done(t, slots, res)
+
+    def _save_done(self, t: Transfer, slots, res: list[int]) -> None:
+        ok = [(self.rank, k, s) for k, s, r in zip(t.keys, t.slots, res) if r == 0]
+        bad = [(self.rank, k, s) for k, s, r in zip(t.keys, t.slots, res) if r != 0]
+        with self._lock:
+            self._report.saved += ok
+            self._report.save_failed += bad
+            self._counts.update(saves_ok_blocks=len(ok), save_failed_blocks=len(bad),
+                                bytes_written=len(ok) * self.slot_bytes)
+
+    # ---- loads ----
+    def load(self, transfers: list[Transfer]) -> None:
+        for t in transfers:
+            if self._dead:
+                self._load_done(t.req_id, list(t.block_ids))
+                continue
+            with self._lock:  # registered before it can finish, so _load_done finds it
+                self._loads[t.req_id] = (t, None)
+            fut = asyncio.run_coroutine_threadsafe(self._load(t), self.loop)
+            with self._lock:
+                if t.req_id in self._loads:
+                    self._loads[t.req_id] = (t, fut)
+
+    def cancel(self, req_ids) -> None:
+        for r in req_ids:
+            with self._lock:
+                entry = self._loads.get(r)
+            if entry is not None:
+                if entry[1] is None:
+                    self._cancel_early.add(r)
+                else:
+                    entry[1].cancel()  # cancels the task on the loop; its finally still reports
+
+    async def _acquire(self, n: int) -> list[int]:
+        while True:
+            with self._lock:
+                slots = self.pool.acquire(min(n, self.pool.count))
+            if slots is not None:
+                return slots
+            self._slots_freed.clear()
+            await self._slots_freed.wait()
+
+    async def _load(self, t: Transfer) -> None:
+        failed = set(t.block_ids)  # until proven loaded
+        bad_keys: list[bytes] = []
+        try:
+            if t.req_id in self._cancel_early:
+                self._cancel_early.discard(t.req_id)
+                raise asyncio.CancelledError
+            await asyncio.wait_for(self._load_body(t, failed, bad_keys), self.load_timeout)
+        except asyncio.TimeoutError:
+            self._count(load_timeouts=1)
+            log.warning("aiokv: a load took over %.0f s; it is recomputed instead", self.load_timeout)
+        except asyncio.CancelledError:
+            self._count(loads_cancelled=1)
+        except Exception:
+            log.exception("aiokv: a load failed; its blocks are recomputed")
+        finally:
+            with self._lock:
+                self._report.load_bad += bad_keys
+            self._load_done(t.req_id, sorted(failed))
+
+    async def _load_body(self, t: Transfer, failed: set, bad_keys: list) -> None:
+        todo = [(k, s, b) for k, s, b in zip(t.keys, t.slots, t.block_ids) if s >= 0]
+        i = 0
+        while i < len(todo):
+            slots = await self._acquire(len(todo) - i)
+            chunk = todo[i:i + len(slots)]
+            try:
+                addr = self.pool.addr
+                res = await self._blockio().read([(s, k, addr(b)) for (k, s, _), b in zip(chunk, slots)])
+                good = [(blk, st) for (k, s, blk), st, r in zip(chunk, slots, res) if r == 0]
+                bad_keys += [k for (k, _, _), r in zip(chunk, res) if r != 0]
+                if good:
+                    await self._copy_in([g[0] for g in good], [g[1] for g in good])
+                    failed.difference_update(g[0] for g in good)
+                self._count(bytes_read=len(good) * self.slot_bytes)
+            finally:
+                self._release(slots)
+            i += len(chunk)
+
+    async def _copy_in(self, block_ids, slots) -> None:
+        # not cancellable half-way: a cancelled load waits for the copy it started
+        fut = self.loop.run_in_executor(None, self.device.copy_in, block_ids, slots)
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+
+    def _load_done(self, req_id: str, failed: list[int]) -> None:
+        with self._lock:
+            t = self._loads.pop(req_id, None)
+            n = len(t[0].block_ids) if t else len(failed)
+            self._done_loads.append((req_id, failed))
+            self._counts.update(loads_ok_blocks=n - len(failed), load_failed_blocks=len(failed))
+
+    # ---- results ----
+    def poll(self) -> tuple[set[str], set[int], WorkerReport]:
+        """(requests finished loading, block ids that failed to load, report for the scheduler)."""
+        if not self._dead and not self.thread.is_alive():
+            self._die()
+        with self._lock:
+            done, self._done_loads = self._done_loads, []
+            report, self._report = self._report, WorkerReport()
+            report.counters = dict(self._counts)
+            self._counts.clear()
+        finished = {r for r, _ in done}
+        errors = {b for _, f in done for b in f}
+        return finished, errors, report
+
+    def _die(self) -> None:
+        log.error("aiokv: the worker loop thread died; outstanding loads are recomputed, saves dropped")
+        self._dead = True
+        with self._lock:
+            loads, self._loads = list(self._loads.values()), {}
+            saves, self._saves = list(self._saves.values()), {}
+        for t, _ in loads:
+            self._load_done(t.req_id, list(t.block_ids))
+        for t, _ in saves:
+            self._save_done(t, None, [-errno.EIO] * len(t.keys))
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._loads) + len(self._saves)
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until no save or load is outstanding (tests, shutdown)."""
+        import time
+
+        end = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < end and self.thread.is_alive():
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.drain()
+            for _, fut in list(self._loads.values()):
+                fut.cancel()
+            self._call(self._shutdown())
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+    async def _shutdown(self) -> None:
+        self.backend.close()
+        if self.io is not None:
+            self.io.close()
