@@ -230,6 +230,10 @@ class AioKVConnector(KVConnectorBase_V1):
                 self._totals[k] = self._totals.get(k, 0) + v
         self.sched.on_report(report, connector_output.finished_recving)
 
+    def has_pending_push_work(self) -> bool:
+        # keeps the engine stepping until the workers have reported every save
+        return self.sched is not None and self.sched.pending_saves > 0
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._roots.pop(request.request_id, None)
         if self.sched is None:
@@ -347,5 +351,5 @@ class AioKVConnector(KVConnectorBase_V1):
             self.worker.close()
             self.worker = None
         if self.sched is not None:
-            self.sched.store.close()
+            self.sched.close()
             self.sched = None

@@ -182,6 +182,18 @@ class SchedulerSide:
             self.counters.loads_cancelled += 1
         return False
 
+    def close(self) -> None:
+        """Commit saves whose reports can no longer arrive (the workers are gone)
+        if their blocks verify on disk; give the other reservations back."""
+        done, lost = [], []
+        for key, (slot, _) in self._saving.items():
+            (done if self.store.verify_slot(self.ns, key, slot) else lost).append((key, slot))
+        self._saving.clear()
+        self.store.commit(self.ns, done)
+        self.store.abort(self.ns, lost, failed=False)
+        self.counters.saves_committed += len(done)
+        self.store.close()
+
     @property
     def pending_saves(self) -> int:
         return len(self._saving)

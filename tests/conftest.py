@@ -61,3 +61,12 @@ def pytest_asyncio_loop_factories(config, item):
     import uvloop
 
     return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny Llama built locally once per session (random weights, BPE trained on the spot)."""
+    from aiokv.demo.tiny_model import build
+
+    return build(str(tmp_path_factory.mktemp("models") / "tiny"), layers=2, hidden=128, heads=2, kv_heads=2,
+                 intermediate=256)

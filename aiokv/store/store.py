@@ -411,6 +411,24 @@ class Store:
             found = here if found is None else {ks: t for ks, t in here.items() if ks in found}
         return {k: (s, t) for (k, s), t in sorted((found or {}).items(), key=lambda x: x[1])}
 
+    def verify_slot(self, ns: Namespace, key: bytes, slot: int) -> bool:
+        """Whether `slot` holds a complete, verifying block of `key` on every rank
+        (whatever layout tag it was written with; the reader checks its own)."""
+        sb = ns.slot_bytes
+        for rank in range(ns.ranks):
+            raw = os.pread(self._rank_fd(ns, rank), sb, slot * sb)
+            if len(raw) != sb:
+                return False
+            try:
+                h = fmt.unpack_header(raw[:fmt.HDR_USED])
+            except fmt.BadBlock:
+                return False
+            if (h["nsid"], h["rank"], h["key"], h["payload_len"]) != (ns.nsid, rank, key, ns.payload_bytes):
+                return False
+            if _native.crc32c_bytes(raw[fmt.HEADER_BYTES:fmt.HEADER_BYTES + ns.payload_bytes]) != h["payload_crc"]:
+                return False
+        return True
+
     # ---- persistence ----
     def _snapshot(self, ns: Namespace):
         return [(k, s, ns.atime.get(k, 0)) for k, s in ns.entries.items()]

@@ -1,0 +1,112 @@
+"""Runs a real vLLM engine (CPU) in this process, with or without aiokv, and
+prints one line `RESULT <json>`: generated token ids, per-request cached tokens,
+aiokv's counters and vLLM's free-block count. Tests start it as a subprocess
+so that every run is a true restart.
+
+    python -m tests.vllm_run '<spec json>'
+
+spec: model, cache (null: no connector), block_size, dtype, max_model_len,
+num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config),
+phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps}}],
+stagger (add one request per step instead of all at once).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def main(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    kw = dict(model=spec["model"], tokenizer=spec["model"], enforce_eager=True, block_size=spec.get("block_size", 32),
+              dtype=spec.get("dtype", "float32"), enable_prefix_caching=True,
+              max_model_len=spec.get("max_model_len", 1024), seed=0)
+    if spec.get("num_gpu_blocks"):
+        kw["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
+        kw["kv_cache_memory_bytes"] = 256 << 20
+        kw["max_num_seqs"] = spec.get("max_num_seqs", 8)
+    else:
+        kw["kv_cache_memory_bytes"] = 64 << 20
+    if spec.get("cache"):
+        extra = {"path": spec["cache"], "capacity": "2GiB", "staging": "32MiB"}
+        extra.update(spec.get("extra", {}))
+        kw["kv_transfer_config"] = {"kv_connector": "AioKVConnector", "kv_role": "kv_both",
+                                    "kv_connector_extra_config": extra}
+        if not spec.get("no_module_path"):
+            kw["kv_transfer_config"]["kv_connector_module_path"] = "aiokv.connector"
+    llm = LLM(**kw)
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    sched = core.scheduler
+    result: dict = {"tokens": [], "cached": [], "finish": []}
+    n_req = 0
+    for phase in spec["phases"]:
+        prompts = phase["prompts"]
+        salts = phase.get("salts") or [None] * len(prompts)
+        aborts = {int(k): v for k, v in (phase.get("abort_after") or {}).items()}
+        ids = []
+        pending = list(range(len(prompts)))
+        outs: dict[str, object] = {}
+        step = 0
+        while pending or engine.has_unfinished_requests():
+            take = pending[:1] if phase.get("stagger") else pending
+            for i in list(take):
+                rid = f"r{n_req}"
+                n_req += 1
+                p = {"prompt_token_ids": prompts[i]}
+                if salts[i] is not None:
+                    p["cache_salt"] = salts[i]
+                engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=phase.get("max_tokens", 8),
+                                                          ignore_eos=True))
+                ids.append((i, rid, step))
+                pending.remove(i)
+            for i, rid, added in ids:
+                if i in aborts and step - added == aborts[i] and rid not in outs:
+                    engine.abort_request([rid])
+                    outs[rid] = None
+            for o in engine.step():
+                if o.finished and outs.get(o.request_id) is None and o.request_id not in outs:
+                    outs[o.request_id] = o
+            step += 1
+            if step > 5000:
+                raise RuntimeError("engine did not finish")
+        toks, cached, fin = [], [], []
+        for i, rid, _ in sorted(ids):
+            o = outs.get(rid)
+            toks.append(list(o.outputs[0].token_ids) if o is not None else None)
+            cached.append(o.num_cached_tokens if o is not None else None)
+            fin.append(o.outputs[0].finish_reason if o is not None else "aborted")
+        result["tokens"].append(toks)
+        result["cached"].append(cached)
+        result["finish"].append(fin)
+    # let in-flight saves and loads report: keep stepping while aiokv has work
+    conn = sched.connector
+    if conn is not None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        wc = get_kv_transfer_group()
+        for _ in range(2000):
+            if wc.worker is not None:
+                wc.worker.drain()
+            if not sched.has_requests():
+                break
+            engine.step()
+        result["counters"] = {**conn.counters(), **wc.counters()}
+        result["pool_size"] = wc.worker.pool.count if wc.worker is not None else 0
+    pool = sched.kv_cache_manager.block_pool
+    result["free_blocks"] = pool.get_num_free_blocks()
+    result["total_blocks"] = pool.num_gpu_blocks
+    result["requests_left"] = len(sched.requests)
+    core.shutdown()
+    return result
+
+
+if __name__ == "__main__":
+    res = main(json.loads(sys.argv[1]))
+    sys.stdout.write("RESULT " + json.dumps(res) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # skip slow interpreter teardown of torch/vLLM
