@@ -42,7 +42,14 @@ def main(spec: dict) -> dict:
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     sched = core.scheduler
-    result: dict = {"tokens": [], "cached": [], "finish": []}
+    result: dict = {"tokens": [], "cached": [], "finish": [], "preemptions": 0}
+    preempt = sched._preempt_request
+
+    def counting_preempt(*a, **k):
+        result["preemptions"] += 1
+        return preempt(*a, **k)
+
+    sched._preempt_request = counting_preempt
     n_req = 0
     for phase in spec["phases"]:
         prompts = phase["prompts"]
