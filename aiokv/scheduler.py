@@ -111,6 +111,7 @@ class SchedulerSide:
 
     # ---- per step ----
     def plan(self, scheduled: list[Scheduled]) -> StepPlan:
+        self.store.flush_if_due()
         plan = StepPlan(loads=self._new_loads, cancel=self._cancel)
         self._new_loads, self._cancel = [], []
         bs = self.bs

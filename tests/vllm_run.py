@@ -17,6 +17,7 @@ import os
 import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+MP = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
 def main(spec: dict) -> dict:
@@ -40,16 +41,17 @@ def main(spec: dict) -> dict:
             kw["kv_transfer_config"]["kv_connector_module_path"] = "aiokv.connector"
     llm = LLM(**kw)
     engine = llm.llm_engine
-    core = engine.engine_core.engine_core
-    sched = core.scheduler
     result: dict = {"tokens": [], "cached": [], "finish": [], "preemptions": 0}
-    preempt = sched._preempt_request
+    if not MP:  # the engine core lives in this process: look inside
+        core = engine.engine_core.engine_core
+        sched = core.scheduler
+        preempt = sched._preempt_request
 
-    def counting_preempt(*a, **k):
-        result["preemptions"] += 1
-        return preempt(*a, **k)
+        def counting_preempt(*a, **k):
+            result["preemptions"] += 1
+            return preempt(*a, **k)
 
-    sched._preempt_request = counting_preempt
+        sched._preempt_request = counting_preempt
     n_req = 0
     for phase in spec["phases"]:
         prompts = phase["prompts"]
@@ -90,6 +92,9 @@ def main(spec: dict) -> dict:
         result["tokens"].append(toks)
         result["cached"].append(cached)
         result["finish"].append(fin)
+    if MP:
+        llm.llm_engine.engine_core.shutdown()
+        return result
     # let in-flight saves and loads report: keep stepping while aiokv has work
     conn = sched.connector
     if conn is not None:

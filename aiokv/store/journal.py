@@ -18,6 +18,7 @@ read-only IndexLog (inspect) never writes and tolerates a writer beside it.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
 
@@ -43,7 +44,7 @@ def _read_file(path: str) -> bytes | None:
         os.close(fd)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -64,6 +65,8 @@ class IndexLog:
         self.size = 0  # bytes of the journal file that hold whole records
         self._last_sync = time.monotonic()
         self.torn_bytes = 0  # bytes dropped from a torn journal tail at open
+        self.lost_journal = 0  # bytes of a journal whose header did not verify (dropped at open)
+        self._dirty = False
 
     def _journal_path(self, gen: int) -> str:
         return os.path.join(self.dir, f"journal.{gen}")
@@ -82,7 +85,8 @@ class IndexLog:
                     entries[key] = (slot, atime)
                 self.gen = gen
             except fmt.BadBlock as e:
-                raise fmt.BadBlock(f"{self.dir}/checkpoint is corrupt ({e}); run: aiokv inspect --repair") from e
+                raise fmt.BadBlock(f"{self.dir}/checkpoint is corrupt ({e}); the engine rebuilds it from the blocks "
+                                  f"when it opens the store, or run: aiokv inspect --repair {os.path.dirname(os.path.dirname(self.dir))}") from e
         jpath = self._journal_path(self.gen)
         raw = _read_file(jpath)
         valid = 0
@@ -92,6 +96,11 @@ class IndexLog:
                 gen, _, _ = fmt.unpack_file_header(raw, fmt.JOURNAL_MAGIC)
             except fmt.BadBlock:
                 gen = -1
+            if gen != self.gen:
+                self.lost_journal = len(raw)
+                logging.getLogger("aiokv").warning(
+                    "aiokv: %s has a bad header; the %d index records in it since the last checkpoint are "
+                    "dropped (their blocks become misses)", jpath, (len(raw) - fmt.FILE_HDR_BYTES) // fmt.REC_BYTES)
             if gen == self.gen:
                 journal_ok = True
                 body = raw[fmt.FILE_HDR_BYTES:]
@@ -150,10 +159,16 @@ class IndexLog:
             raise
         self.size += len(data)
         self.records += len(records)
-        now = time.monotonic()
-        if now - self._last_sync >= self.sync_interval:
-            os.fdatasync(self.fd)
-            self._last_sync = now
+        self._dirty = True
+        self.sync_if_due()
+
+    def sync_if_due(self) -> None:
+        if self._dirty and self.fd is not None:
+            now = time.monotonic()
+            if now - self._last_sync >= self.sync_interval:
+                os.fdatasync(self.fd)
+                self._last_sync = now
+                self._dirty = False
 
     def checkpoint(self, entries) -> None:
         """Write a snapshot of (key, slot, atime) and start an empty journal."""
@@ -171,7 +186,7 @@ class IndexLog:
         finally:
             os.close(fd)
         os.replace(tmp, os.path.join(self.dir, "checkpoint"))
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         old = self.fd
         self.gen, self.records = gen, 0
         self._open_journal(0, exists=False)

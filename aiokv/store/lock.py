@@ -9,9 +9,12 @@ Threading contract: created and released by the Store's owner thread.
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
+import sys
+import time
+
+RETRIES = 10
 
 
 class StoreLocked(RuntimeError):
@@ -23,17 +26,29 @@ class DirLock:
         self.path = os.path.join(root, "lock")
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
+            self._take()
+        except BaseException:
             holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(self.fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            self.fd = None
+            if sys.exc_info()[0] is BlockingIOError:
                 raise StoreLocked(
                     f"aiokv: cache directory {root} is in use by another engine (pid {holder}); "
                     "stop it or give this engine its own path") from None
             raise
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def _take(self) -> None:
+        for attempt in range(RETRIES):
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                # holder_pid() holds a shared lock for an instant: try again briefly
+                if attempt == RETRIES - 1:
+                    raise
+                time.sleep(0.02)
 
     def release(self) -> None:
         if self.fd is not None:

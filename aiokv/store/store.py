@@ -34,7 +34,7 @@ from aiokv.io.backend import open_backend
 from aiokv.store import format as fmt
 from aiokv.store.blockio import BlockIO, data_path
 from aiokv.store.index import Index, Namespace
-from aiokv.store.journal import IndexLog
+from aiokv.store.journal import IndexLog, fsync_dir
 from aiokv.store.lock import DirLock
 
 GROW_BYTES = 64 << 20
@@ -79,6 +79,7 @@ def _write_json(path: str, obj: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
 
 
 def _read_json(path: str) -> dict:
@@ -147,7 +148,9 @@ class Store:
             raise NotAStore(f"aiokv: {self.root} has format {meta.get('format')}, this aiokv reads "
                             f"{fmt.FORMAT_VERSION}; use a new directory")
         for name in sorted(os.listdir(os.path.join(self.root, "ns"))):
-            self._load_namespace(bytes.fromhex(name))
+            # a namespace whose namespace.json never made it (a crash at creation) holds nothing
+            if os.path.exists(os.path.join(self.root, "ns", name, "namespace.json")):
+                self._load_namespace(bytes.fromhex(name))
         if not readonly:
             self._shrink_to_limit()
 
@@ -432,6 +435,11 @@ class Store:
     # ---- persistence ----
     def _snapshot(self, ns: Namespace):
         return [(k, s, ns.atime.get(k, 0)) for k, s in ns.entries.items()]
+
+    def flush_if_due(self) -> None:
+        """fdatasync journals whose last sync is older than sync_interval (call often; cheap)."""
+        for log in self.logs.values():
+            log.sync_if_due()
 
     def checkpoint(self) -> None:
         for nsid, log in self.logs.items():

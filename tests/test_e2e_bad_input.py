@@ -1,0 +1,63 @@
+"""End to end: bad input gets one clear line, loses nothing, and where it can,
+vLLM runs on without aiokv.
+
+- wrong settings fail at start naming the setting;
+- a second engine on a directory in use fails at start naming the holder's pid;
+- a read-only cache directory disables aiokv with one line; vLLM serves on and
+  the stored blocks are untouched.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from aiokv.store import Store
+from tests.e2e import prompts, run
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"capcity": "1GiB"}, "aiokv: unknown setting(s) capcity"),
+    ({"capacity": "lots"}, "aiokv: capacity: not a size: 'lots'"),
+    ({"io": "dma"}, "aiokv: io must be auto, uring or threads"),
+])
+def test_wrong_settings_fail_at_start(tiny_model, tmp_path, extra, needle):
+    with pytest.raises(AssertionError) as e:
+        run(dict(model=tiny_model, cache=str(tmp_path / "c"), extra=extra, phases=[dict(prompts=prompts(1, 40))]))
+    assert needle in str(e.value)
+
+
+def test_second_engine_on_same_directory(tiny_model, tmp_path):
+    owner = Store(tmp_path / "c")
+    try:
+        with pytest.raises(AssertionError) as e:
+            run(dict(model=tiny_model, cache=str(tmp_path / "c"), phases=[dict(prompts=prompts(1, 40))]))
+        assert f"is in use by another engine (pid {os.getpid()})" in str(e.value)
+    finally:
+        owner.close()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    yield d
+    subprocess.run(["umount", str(d)], check=False)
+
+
+def test_read_only_directory_disables_aiokv(tiny_model, read_only_dir):
+    cache = str(read_only_dir / "c")
+    ps = prompts(2, 120, seed=3)
+    cold = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=ps)]))
+    before = sorted(os.listdir(os.path.join(cache, "ns")))
+    d = str(read_only_dir)
+    subprocess.run(["mount", "--bind", d, d], check=True)
+    subprocess.run(["mount", "-o", "remount,ro,bind", d], check=True)
+    res = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=ps)]))
+    assert res["tokens"] == cold["tokens"]
+    assert "aiokv is disabled and vLLM runs without it" in res["log"]
+    assert res["counters"].get("hit_blocks", 0) == 0
+    assert sorted(os.listdir(os.path.join(cache, "ns"))) == before
