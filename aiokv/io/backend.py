@@ -102,7 +102,19 @@ class IOBackend(abc.ABC):
 
 
 def open_backend(loop: asyncio.AbstractEventLoop, kind: str | None = None, depth: int = 64) -> IOBackend:
-    """The io_uring backend if the kernel allows it, else the thread-pool one."""
+    """The io_uring backend if the kernel allows it, else the thread-pool one
+    (wrapped by the test-only fault injector when tests deliberately ask for it)."""
+    backend = _open_backend(loop, kind, depth)
+    if os.environ.get("AIOKV_FAULTS"):
+        from aiokv.io.faults import FaultyBackend, rules_from_env
+
+        rules = rules_from_env()
+        if rules:
+            return FaultyBackend(backend, rules)
+    return backend
+
+
+def _open_backend(loop: asyncio.AbstractEventLoop, kind: str | None, depth: int) -> IOBackend:
     kind = kind or os.environ.get("AIOKV_IO", "auto")
     if kind not in ("auto", "uring", "threads"):
         raise ValueError(f"aiokv: AIOKV_IO={kind!r} is not one of auto, uring, threads")
