@@ -1,31 +1,39 @@
 #!/usr/bin/env python3
-"""Store save/load bandwidth against fio on the same directory, same block size,
-same queue depth, same total bytes.
+"""Store save/load bandwidth against fio and against vLLM's own file-system
+tier I/O, on the same directory, same block size, same queue depth, same bytes.
 
-    PYTHONPATH=. .venv/bin/python tools/bench_store.py [--json] [--blocks N] [--sizes 256K,1M,2M]
-        [--depth 8] [--workers W] [--rounds 3] [--dir PATH]
+    PYTHONPATH=. .venv/bin/python tools/bench_store.py [--json] [--out FILE] [--plot DIR]
+        [--sizes 64K,256K,1M,2M] [--depth 1,4,16,64] [--mib 64] [--rounds 3] [--dir PATH]
 
-For each payload size B a round is:
+For each payload size B and queue depth D a round is, interleaved and on one
+directory (medians of the rounds are reported):
 - aiokv: a fresh Store in DIR, one namespace of B-byte payloads; N blocks saved
   with Store.save, then loaded with Store.load (headers stamped, CRC32C
   computed on save and verified on load, index committed to the journal), on
   uvloop. Staging slots come from one SlotPool (a huge-page-advised arena).
-  `depth` blocks are kept in flight as W concurrent save()/load() loops, each
-  issuing depth/W blocks per call (W=1: one call of `depth` blocks at a time,
-  the pipe drains between calls; W=depth: one block per call, always ~depth
-  in flight, most calls). See --workers for the measured choice.
-- fio: io_uring, direct=1, bs = the slot size (B + 4096 header), iodepth=depth,
-  a fresh file of N slots written then read. Buffers are huge pages
-  (--mem=mmaphuge) when /proc/sys/vm/nr_hugepages can be raised (root): it is
-  raised for the run and set back after; otherwise fio's default buffers, said
-  in the output (its reads are then capped and ratios flatter aiokv).
-Rounds interleave (aiokv, fio, aiokv, fio, ...); medians are reported.
+  D blocks are kept in flight as W concurrent save()/load() loops (default
+  W = D, one block per call). N = --mib MiB / slot.
+- fio: io_uring, direct=1, bs = the slot size (B + 4096 header), iodepth=D,
+  a fresh file of N slots written then read: the same I/Os as aiokv. Buffers
+  are huge pages (--mem=mmaphuge) when /proc/sys/vm/nr_hugepages can be raised
+  (root): raised for the run and set back after.
+- vllm-fs: vLLM's file-system tier I/O (vllm/v1/kv_offload/tiering/fs/io.py:
+  batch_store_block / batch_load_block over its C helper vllm.fs_io_C: a file
+  per block, O_DIRECT, written to a temp file then renamed; read whole) driven
+  by its DualQueueThreadPool with D threads (D - D//2 load-priority, D//2
+  store-priority), one block per task, all N tasks queued at once: D blocks in
+  flight. Buffers: one huge-page-advised arena holding all N blocks (the
+  primary KV view it copies from in vLLM). It moves B bytes per block (no
+  header), so the vLLM ratio compares payload (KV) bytes per second.
 
-aiokv CPU per block is time.process_time() over the phase divided by N (all
-threads of this process, user + system). fio's is (usr_cpu + sys_cpu) x its
-runtime / N. "null I/O" re-runs save/load with a backend that completes every
-operation at once: the CPU aiokv spends per block outside the kernel's I/O
-(Python, header stamping, CRC32C, index), and "crc" is CRC32C of one payload.
+GB/s columns are bytes moved to/from the disk by each contender; payload GB/s
+is that x B / bytes per block (B / slot for aiokv and fio, 1 for vllm-fs).
+CPU is process CPU time (user + system, all threads) per GB of payload moved:
+time.process_time() over the phase for aiokv and vllm-fs (run in this
+process), (usr_cpu + sys_cpu) x job_runtime for fio (from its JSON).
+"null I/O" re-runs aiokv's save/load with a backend that completes every
+operation at once: the CPU aiokv spends per block outside the kernel's I/O;
+"crc" is CRC32C of one payload.
 """
 from __future__ import annotations
 
@@ -91,16 +99,23 @@ def _anon_huge_kb() -> int:
 
 
 async def _aiokv_round(root: str, payload: int, n: int, depth: int, workers: int, salt: int,
-                       null_io: bool = False) -> dict:
+                       null_io: bool = False, mode: str = "calls") -> dict:
     shutil.rmtree(root, ignore_errors=True)
-    per = max(1, depth // workers)
+    batch = mode == "batch" and not null_io
+    per = n if batch else max(1, depth // workers)
+    if batch:
+        workers = 1
     if null_io:  # one staging slot per key, so a "load" finds the header its save stamped
         n = min(n, 128)
-    pool = SlotPool(fmt.slot_bytes(payload), n if null_io else per * workers)
+    pool = SlotPool(fmt.slot_bytes(payload), n if (null_io or batch) else per * workers)
     st = Store(root)
     try:
         if null_io:
             st._backend = NullBackend(asyncio.get_running_loop())  # bench only: no I/O at all
+        elif batch:  # bench only: the worker's pattern, one call of all blocks, `depth` in the kernel
+            st._backend = open_backend(asyncio.get_running_loop(), depth=depth)
+            if hasattr(st._backend, "min_bytes"):
+                st._backend.min_bytes = 0  # exactly `depth` operations in flight, as fio's iodepth
         ns = st.namespace(NSID, payload, fields={"bench": "bench_store"})
         # random payloads (written once; save stamps only the header of each slot)
         rand = os.urandom(payload)
@@ -158,7 +173,7 @@ def crc_us(payload: int, reps: int = 50) -> float:
 
 # ------------------------------------------------------------------ fio side
 
-def fio_round(path: str, slot: int, n: int, depth: int, mem: str) -> dict:
+def fio_round(path: str, slot: int, n: int, depth: int, mem: str, fixedbufs: bool = False) -> dict:
     out = {}
     try:
         os.unlink(path)
@@ -171,6 +186,8 @@ def fio_round(path: str, slot: int, n: int, depth: int, mem: str) -> dict:
                    "--output-format=json"]
             if mem == "mmaphuge":
                 cmd += ["--mem=mmaphuge", "--hugepage-size=2M"]
+            if fixedbufs:
+                cmd += ["--fixedbufs"]
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 raise RuntimeError(f"fio failed: {p.stderr.strip() or p.stdout.strip()}")
@@ -217,6 +234,58 @@ class HugePages:
                 f.write(str(self.orig))
 
 
+# ------------------------------------------------------------------ vLLM fs tier side
+
+def vllm_fs_available() -> str:
+    """'' if vLLM's fs tier I/O imports here, else why not."""
+    try:
+        from vllm.v1.kv_offload.tiering.fs import io as fsio  # noqa: F401
+        from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "" if fsio._HAS_FSIO_C else "vllm.fs_io_C missing (pure-Python path)"
+
+
+def vllm_fs_round(root: str, payload: int, n: int, depth: int, arena) -> dict:
+    """vLLM's fs tier: one file per block, D pool threads, one block per task."""
+    import functools
+    import logging
+
+    from vllm.v1.kv_offload.tiering.fs.io import batch_load_block, batch_store_block, probe_o_direct
+    from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
+
+    logging.getLogger("vllm").setLevel(logging.CRITICAL)
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    direct = probe_o_direct(root)
+    view = arena.view
+    # vLLM's file mapper spreads blocks over subdirectories; one level of 256 here
+    paths = [os.path.join(root, f"{i & 0xff:02x}", f"{i:08x}.bin") for i in range(n)]
+    for d in {os.path.dirname(p) for p in paths}:
+        os.makedirs(d, exist_ok=True)
+    pool = DualQueueThreadPool(depth - depth // 2, depth // 2, thread_name_prefix="bench_fs")
+    out = {"o_direct": direct}
+    try:
+        for rw, fn in (("write", batch_store_block), ("read", batch_load_block)):
+            tasks = [functools.partial(fn, [paths[i]], view, [i * payload], payload, direct) for i in range(n)]
+            enqueue = pool.enqueue_store if rw == "write" else pool.enqueue_load
+            p0, t0 = time.process_time(), time.perf_counter()
+            for i, t in enumerate(tasks):
+                enqueue(i, 1, [t])
+            pool.wait_idle()
+            dt, dc = time.perf_counter() - t0, time.process_time() - p0
+            bad = [j for j, ok, _ in pool.get_finished() if not ok]
+            if bad:
+                raise RuntimeError(f"vllm-fs: {len(bad)} {rw} jobs failed")
+            out[f"{rw}_gbps"] = n * payload / dt / 1e9
+            out[f"{rw}_cpu_s_per_gb"] = dc / (n * payload / 1e9)
+            out[f"{rw}_s"] = dt
+    finally:
+        pool.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 # ------------------------------------------------------------------ machine
 
 def _sh(cmd: list[str]) -> str:
@@ -247,34 +316,51 @@ def machine(path: str) -> dict:
 
 # ------------------------------------------------------------------ main
 
+def _sizes(text: str) -> list[int]:
+    return [parse_size(x) for x in text.split(",") if x]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    ap.add_argument("--blocks", type=int, default=512)
-    ap.add_argument("--sizes", default="256K,1M,2M", help="payload sizes, comma separated")
-    ap.add_argument("--depth", type=int, default=8, help="blocks in flight")
+    ap.add_argument("--out", default=None, help="also write the JSON document to this file")
+    ap.add_argument("--plot", default=None, help="write PNG plots into this directory (needs matplotlib)")
+    ap.add_argument("--mib", type=int, default=64, help="MiB moved per phase (write, then read) and contender")
+    ap.add_argument("--blocks", type=int, default=None, help="blocks per phase (overrides --mib)")
+    ap.add_argument("--sizes", default="64K,256K,1M,2M", help="payload sizes, comma separated")
+    ap.add_argument("--depth", default="1,4,16,64", help="queue depths, comma separated")
+    ap.add_argument("--mode", choices=("batch", "calls"), default="batch",
+                    help="aiokv: batch = one save()/load() call of all N blocks with `depth` operations in the "
+                         "kernel (how the vLLM worker drives BlockIO); calls = `workers` concurrent loops of "
+                         "depth/workers blocks per call")
     ap.add_argument("--workers", type=int, default=None,
-                    help="concurrent save()/load() loops sharing the depth (default: depth, one block per "
-                         "call; measured best, see docs/benchmarks.md)")
+                    help="aiokv: concurrent save()/load() loops sharing the depth (default: depth, one block "
+                         "per call; see docs/benchmarks.md)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--no-null", action="store_true", help="skip the null-I/O overhead runs")
+    ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's fs tier")
+    ap.add_argument("--fixedbufs", action="store_true",
+                    help="also run fio with registered buffers (--fixedbufs): what registering would gain")
     args = ap.parse_args()
-    workers = args.workers or args.depth
-    if workers < 1 or workers > args.depth:
-        ap.error("--workers must be between 1 and --depth")
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = _sizes(args.sizes)
+    depths = [int(x) for x in args.depth.split(",") if x]
     if any(s % 4096 for s in sizes):
         ap.error("sizes must be multiples of 4 KiB")
+    if args.workers is not None and (args.workers < 1 or args.workers > min(depths)):
+        ap.error("--workers must be between 1 and the smallest --depth")
     if shutil.which("fio") is None:
         ap.error("fio is not installed")
+    vllm_note = "skipped (--no-vllm)" if args.no_vllm else vllm_fs_available()
+    use_vllm = not vllm_note
     base = args.dir or tempfile.mkdtemp(prefix="aiokv-bench-")
     os.makedirs(base, exist_ok=True)
     work = tempfile.mkdtemp(prefix="run-", dir=base)
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     backend_name = asyncio.run(_backend_name())
-    pages = max(-(-args.depth * fmt.slot_bytes(s) // HUGE) for s in sizes) + 4
+    pages = max(-(-d * fmt.slot_bytes(s) // HUGE) for s in sizes for d in depths) + 4
     results = []
+    overhead = []
     t_start = time.monotonic()
     mach = machine(base)
     try:
@@ -282,25 +368,69 @@ def main() -> int:
             mem = "mmaphuge" if hp.ok else "malloc"
             for size in sizes:
                 slot = fmt.slot_bytes(size)
-                rounds = {"aiokv": [], "fio": []}
-                for r in range(args.rounds):
-                    a = aiokv_round(os.path.join(work, "store"), size, args.blocks, args.depth, workers, r)
-                    rounds["aiokv"].append(a)
-                    f = fio_round(os.path.join(work, "fio.dat"), slot, args.blocks, args.depth, mem)
-                    rounds["fio"].append(f)
-                    log(f"{size >> 10:>5} KiB round {r + 1}: aiokv W {a['write_gbps']:.2f} R {a['read_gbps']:.2f}"
-                        f" | fio W {f['write_gbps']:.2f} R {f['read_gbps']:.2f} GB/s")
-                med = {who: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for who, rs in rounds.items()}
-                row = {"size": size, "slot_bytes": slot, "aiokv": med["aiokv"], "fio": med["fio"],
-                       "ratio": {"write": med["aiokv"]["write_gbps"] / med["fio"]["write_gbps"],
-                                 "read": med["aiokv"]["read_gbps"] / med["fio"]["read_gbps"]},
-                       "rounds": rounds}
-                if not args.no_null:
-                    nul = aiokv_round(os.path.join(work, "store"), size, args.blocks, args.depth, workers, 99,
-                                      null_io=True)
-                    row["null_io"] = {"write_cpu_us": nul["write_cpu_us"], "read_cpu_us": nul["read_cpu_us"]}
-                    row["crc_us"] = crc_us(size)
-                results.append(row)
+                n = args.blocks or max(16, (args.mib << 20) // slot)
+                arena = None
+                if use_vllm:
+                    from aiokv.io.buffers import Arena
+
+                    arena = Arena(n * size)  # touched: vLLM's KV view is live memory, not fresh pages
+                    ctypes.memset(arena.addr, 0x5A, n * size)
+                    k = min(n * size, 1 << 20)
+                    ctypes.memmove(arena.addr, os.urandom(k), k)
+                try:
+                    for depth in depths:
+                        workers = args.workers or depth
+                        rounds = {"aiokv": [], "fio": []}
+                        if use_vllm:
+                            rounds["vllm_fs"] = []
+                        if args.fixedbufs:
+                            rounds["fio_fixedbufs"] = []
+                        for r in range(args.rounds):
+                            a = aiokv_round(os.path.join(work, "store"), size, n, depth, workers, r, mode=args.mode)
+                            rounds["aiokv"].append(a)
+                            f = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem)
+                            rounds["fio"].append(f)
+                            msg = (f"{size >> 10:>5} KiB depth {depth:>2} round {r + 1}: aiokv W "
+                                   f"{a['write_gbps']:.2f} R {a['read_gbps']:.2f} | fio W {f['write_gbps']:.2f} "
+                                   f"R {f['read_gbps']:.2f}")
+                            if use_vllm:
+                                v = vllm_fs_round(os.path.join(work, "vllmfs"), size, n, depth, arena)
+                                rounds["vllm_fs"].append(v)
+                                msg += f" | vllm-fs W {v['write_gbps']:.2f} R {v['read_gbps']:.2f}"
+                            if args.fixedbufs:
+                                fx = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem, fixedbufs=True)
+                                rounds["fio_fixedbufs"].append(fx)
+                                msg += f" | fio fixedbufs W {fx['write_gbps']:.2f} R {fx['read_gbps']:.2f}"
+                            log(msg + " GB/s")
+                        med = {who: {k: statistics.median(x[k] for x in rs) for k in rs[0]
+                                     if isinstance(rs[0][k], (int, float)) and not isinstance(rs[0][k], bool)}
+                               for who, rs in rounds.items()}
+                        for who in ("aiokv", "fio", "fio_fixedbufs"):
+                            if who in med:  # disk bytes are slots; CPU per GB of payload
+                                for rw in ("write", "read"):
+                                    m = med[who]
+                                    m[f"{rw}_payload_gbps"] = m[f"{rw}_gbps"] * size / slot
+                                    m[f"{rw}_cpu_s_per_gb"] = m[f"{rw}_cpu_us"] * 1e-6 / (size / 1e9)
+                        if use_vllm:
+                            for rw in ("write", "read"):
+                                med["vllm_fs"][f"{rw}_payload_gbps"] = med["vllm_fs"][f"{rw}_gbps"]
+                        row = {"size": size, "slot_bytes": slot, "depth": depth, "blocks": n, "workers": workers,
+                               **med, "rounds": rounds,
+                               "ratio_fio": {rw: med["aiokv"][f"{rw}_gbps"] / med["fio"][f"{rw}_gbps"]
+                                             for rw in ("write", "read")}}
+                        if use_vllm:
+                            row["ratio_vllm_fs"] = {rw: med["aiokv"][f"{rw}_payload_gbps"] /
+                                                    med["vllm_fs"][f"{rw}_payload_gbps"] for rw in ("write", "read")}
+                        results.append(row)
+                finally:
+                    if arena is not None:
+                        arena.close()
+            if not args.no_null:
+                for size in sizes:
+                    d = 16
+                    nul = aiokv_round(os.path.join(work, "store"), size, 128, d, d, 99, null_io=True)
+                    overhead.append({"size": size, "depth": d, "write_cpu_us": nul["write_cpu_us"],
+                                     "read_cpu_us": nul["read_cpu_us"], "crc_us": crc_us(size)})
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if args.dir is None:
@@ -308,15 +438,22 @@ def main() -> int:
     doc = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "params": {"blocks": args.blocks, "depth": args.depth, "workers": workers,
-                   "per_call": max(1, args.depth // workers), "rounds": args.rounds, "dir": base},
+        "params": {"mib": args.mib, "blocks": args.blocks, "sizes": sizes, "depths": depths,
+                   "workers": args.workers, "mode": args.mode, "rounds": args.rounds, "dir": base},
         "aiokv_backend": backend_name,
         "fio_mem": mem,
         "fio_mem_note": hp.note or (f"nr_hugepages raised by {pages} for the run and set back" if hp.ok else ""),
+        "vllm_fs": vllm_note or "vllm.fs_io_C (C helper), DualQueueThreadPool",
         "machine": mach,
         "seconds": round(time.monotonic() - t_start, 1),
         "results": results,
+        "overhead": overhead,
     }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.plot:
+        plot(doc, args.plot)
     if args.json:
         json.dump(doc, sys.stdout, indent=1)
         print()
@@ -335,27 +472,86 @@ async def _backend_name() -> str:
 
 def render(doc: dict) -> str:
     p = doc["params"]
-    lines = [f"aiokv {doc['aiokv_backend']} vs fio io_uring, direct, {p['blocks']} blocks, depth {p['depth']} "
-             f"({p['workers']} x {p['per_call']} per call), median of {p['rounds']} rounds; fio buffers: "
-             f"{doc['fio_mem']}{' (' + doc['fio_mem_note'] + ')' if doc['fio_mem_note'] else ''}",
+    vl = any("vllm_fs" in r for r in doc["results"])
+    lines = [f"aiokv {doc['aiokv_backend']} vs fio io_uring direct vs vLLM fs tier ({doc['vllm_fs']}); "
+             f"aiokv mode {p.get('mode', 'calls')}, {p['mib']} MiB per phase, median of {p['rounds']} rounds; fio buffers: {doc['fio_mem']}"
+             f"{' (' + doc['fio_mem_note'] + ')' if doc['fio_mem_note'] else ''}",
              "",
-             "| payload | aiokv write GB/s | fio write GB/s | ratio | aiokv read GB/s | fio read GB/s | ratio "
-             "| aiokv CPU µs/block W/R | fio CPU µs/block W/R | null-I/O CPU µs/block W/R | CRC32C µs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| payload | depth | aiokv W/R GB/s | fio W/R GB/s | aiokv/fio W/R |"
+             + (" vLLM fs W/R GB/s | aiokv/vLLM W/R (payload) |" if vl else "")
+             + " CPU s/GB W/R aiokv | fio |" + (" vLLM fs |" if vl else ""),
+             "|---|---|---|---|---|" + ("---|---|" if vl else "") + "---|---|" + ("---|" if vl else "")]
     for r in doc["results"]:
         a, f = r["aiokv"], r["fio"]
-        nul = r.get("null_io")
-        null_s = f"{nul['write_cpu_us']:.0f} / {nul['read_cpu_us']:.0f}" if nul else "-"
-        crc_s = f"{r['crc_us']:.0f}" if "crc_us" in r else "-"
-        lines.append(
-            f"| {r['size'] >> 10} KiB | {a['write_gbps']:.2f} | {f['write_gbps']:.2f} | {r['ratio']['write']:.2f} "
-            f"| {a['read_gbps']:.2f} | {f['read_gbps']:.2f} | {r['ratio']['read']:.2f} "
-            f"| {a['write_cpu_us']:.0f} / {a['read_cpu_us']:.0f} | {f['write_cpu_us']:.0f} / {f['read_cpu_us']:.0f} "
-            f"| {null_s} | {crc_s} |")
+        line = (f"| {r['size'] >> 10} KiB | {r['depth']} | {a['write_gbps']:.2f} / {a['read_gbps']:.2f} "
+                f"| {f['write_gbps']:.2f} / {f['read_gbps']:.2f} "
+                f"| {r['ratio_fio']['write']:.2f} / {r['ratio_fio']['read']:.2f} |")
+        if vl:
+            v = r["vllm_fs"]
+            line += (f" {v['write_gbps']:.2f} / {v['read_gbps']:.2f} "
+                     f"| {r['ratio_vllm_fs']['write']:.2f} / {r['ratio_vllm_fs']['read']:.2f} |")
+        line += (f" {a['write_cpu_s_per_gb']:.3f} / {a['read_cpu_s_per_gb']:.3f} "
+                 f"| {f['write_cpu_s_per_gb']:.3f} / {f['read_cpu_s_per_gb']:.3f} |")
+        if vl:
+            line += f" {r['vllm_fs']['write_cpu_s_per_gb']:.3f} / {r['vllm_fs']['read_cpu_s_per_gb']:.3f} |"
+        lines.append(line)
+    if any("fio_fixedbufs" in r for r in doc["results"]):
+        lines += ["", "| payload | depth | fio W/R GB/s | fio --fixedbufs W/R GB/s | fio CPU s/GB W/R | fixedbufs |",
+                  "|---|---|---|---|---|---|"]
+        for r in doc["results"]:
+            f, x = r["fio"], r["fio_fixedbufs"]
+            lines.append(f"| {r['size'] >> 10} KiB | {r['depth']} | {f['write_gbps']:.2f} / {f['read_gbps']:.2f} "
+                         f"| {x['write_gbps']:.2f} / {x['read_gbps']:.2f} "
+                         f"| {f['write_cpu_s_per_gb']:.3f} / {f['read_cpu_s_per_gb']:.3f} "
+                         f"| {x['write_cpu_s_per_gb']:.3f} / {x['read_cpu_s_per_gb']:.3f} |")
+    if doc.get("overhead"):
+        lines += ["", "| payload | null-I/O CPU µs/block W/R (depth 16) | CRC32C µs |", "|---|---|---|"]
+        for o in doc["overhead"]:
+            lines.append(f"| {o['size'] >> 10} KiB | {o['write_cpu_us']:.0f} / {o['read_cpu_us']:.0f} "
+                         f"| {o['crc_us']:.0f} |")
     lines.append("")
-    lines.append("GB/s: bytes moved to/from the disk (slots of payload + 4 KiB header), the same I/Os for both; "
-                 "payload GB/s = that x payload / slot.")
+    lines.append("GB/s: bytes each contender moved to/from the disk (aiokv and fio: slots of payload + 4 KiB "
+                 "header, the same I/Os; vLLM fs: the payload). aiokv/vLLM compares payload GB/s. "
+                 "CPU s/GB: process CPU seconds per GB of payload.")
     return "\n".join(lines)
+
+
+def plot(doc: dict, outdir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(outdir, exist_ok=True)
+    res = doc["results"]
+    depths = sorted({r["depth"] for r in res})
+    who = [("aiokv", "aiokv", "o-"), ("fio", "fio io_uring", "s--"), ("vllm_fs", "vLLM fs tier", "^:")]
+    fig, axes = plt.subplots(2, len(depths), figsize=(3.2 * len(depths), 6), sharey="row", squeeze=False)
+    for col, d in enumerate(depths):
+        rows = sorted((r for r in res if r["depth"] == d), key=lambda r: r["size"])
+        xs = [r["size"] >> 10 for r in rows]
+        for row, rw in enumerate(("write", "read")):
+            ax = axes[row][col]
+            for key, label, style in who:
+                if key in rows[0]:
+                    ax.plot(xs, [r[key][f"{rw}_payload_gbps"] for r in rows], style, label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs)
+            ax.set_xticklabels([f"{x}K" if x < 1024 else f"{x >> 10}M" for x in xs])
+            ax.set_title(f"{rw}, depth {d}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if col == 0:
+                ax.set_ylabel("payload GB/s")
+            if row == 1:
+                ax.set_xlabel("block (payload) size")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"KV block I/O on one disk, median of {doc['params']['rounds']} rounds ({doc['date'][:10]})",
+                 fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(outdir, "store_throughput.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
 
 
 if __name__ == "__main__":

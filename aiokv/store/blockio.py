@@ -10,9 +10,17 @@ bad block; a bad block is never reported as loaded.
 
 Threading contract: one asyncio loop thread (the one that owns the backend).
 Buffers are staging slots: 4096-aligned, `slot_bytes` long, header first.
+
+Pipelining: a call with more than PIPELINE_MIN items runs as several backend
+batches of `chunk` items, so the CPU work overlaps the disk: a write stamps
+(CRC32C) the next chunk while the previous ones are in the kernel, a read
+verifies a chunk as soon as it has arrived while later chunks are still being
+read. Cancelling a call returns only once every batch it started has ended
+(each batch waits for its own operations, backend.py), so buffers are free.
 """
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import errno
 import os
@@ -23,6 +31,7 @@ from aiokv.io.backend import OP_READ, OP_WRITE, say_once
 from aiokv.store import format as fmt
 
 EBADMSG = -errno.EBADMSG
+PIPELINE_MIN = 4  # up to this many items: one backend batch
 
 
 def open_data_file(path: str) -> tuple[int, bool]:
@@ -55,8 +64,9 @@ class BlockIO:
         """Fill the header of the staging slot at addr for `key` (payload already there)."""
         crc = _native.crc32c(addr + fmt.HEADER_BYTES, self.payload_bytes)
         hdr = fmt.pack_header(self.nsid, self.rank, key, self.payload_bytes, crc, time.time_ns(), self.layout)
-        ctypes.memset(addr, 0, fmt.HEADER_BYTES)
-        ctypes.memmove(addr, hdr, len(hdr))
+        n = len(hdr)
+        ctypes.memmove(addr, hdr, n)
+        ctypes.memset(addr + n, 0, fmt.HEADER_BYTES - n)
 
     def verify(self, key: bytes, addr: int) -> bool:
         try:
@@ -66,24 +76,76 @@ class BlockIO:
             return False
         return _native.crc32c(addr + fmt.HEADER_BYTES, self.payload_bytes) == crc
 
+    def _chunk(self) -> int:
+        return max(2, getattr(self.backend, "depth", 16) // 4)
+
     async def write(self, items) -> list[int]:
         """items: (slot, key, addr). Stamps headers, writes, returns per-item 0/-errno."""
         sb, fd = self.slot_bytes, self.fd
-        for _, key, addr in items:
-            self.stamp(key, addr)
-        res = await self.backend.run([(OP_WRITE, fd, addr, sb, slot * sb) for slot, _, addr in items])
+        if len(items) <= PIPELINE_MIN:
+            for _, key, addr in items:
+                self.stamp(key, addr)
+            res = await self.backend.run([(OP_WRITE, fd, addr, sb, slot * sb) for slot, _, addr in items])
+        else:
+            res = await self._pipelined(OP_WRITE, items)
         return [0 if r == sb else (r if r < 0 else -errno.EIO) for r in res]
 
     async def read(self, items) -> list[int]:
         """items: (slot, key, addr). Reads and verifies; per-item 0/-errno/-EBADMSG."""
         sb, fd = self.slot_bytes, self.fd
-        res = await self.backend.run([(OP_READ, fd, addr, sb, slot * sb) for slot, _, addr in items])
+        if len(items) <= PIPELINE_MIN:
+            res = await self.backend.run([(OP_READ, fd, addr, sb, slot * sb) for slot, _, addr in items])
+            return self._checked(items, res)
+        return await self._pipelined(OP_READ, items)
+
+    def _checked(self, items, res) -> list[int]:
+        sb, verify = self.slot_bytes, self.verify
         out = []
         for r, (_, key, addr) in zip(res, items):
             if r != sb:
                 out.append(r if r < 0 else -errno.EIO)
             else:
-                out.append(0 if self.verify(key, addr) else EBADMSG)
+                out.append(0 if verify(key, addr) else EBADMSG)
+        return out
+
+    async def _pipelined(self, op: int, items) -> list:
+        """Several backend batches: writes stamped chunk by chunk just before their
+        batch starts; reads verified chunk by chunk as their batch ends. Returns
+        raw byte counts (writes) or per-item results (reads)."""
+        sb, fd, run = self.slot_bytes, self.fd, self.backend.run
+        step = self._chunk()
+        parts = [items[i:i + step] for i in range(0, len(items), step)]
+        futs: list[asyncio.Future] = []
+        out: list[int] = []
+        try:
+            if op == OP_WRITE:
+                for k, part in enumerate(parts):
+                    for _, key, addr in part:
+                        self.stamp(key, addr)
+                    futs.append(asyncio.ensure_future(
+                        run([(OP_WRITE, fd, addr, sb, slot * sb) for slot, _, addr in part])))
+                    if k + 1 < len(parts):
+                        await asyncio.sleep(0)  # that batch reaches the kernel before the next is stamped
+                for f in futs:
+                    out += await f
+            else:
+                futs = [asyncio.ensure_future(run([(OP_READ, fd, addr, sb, slot * sb) for slot, _, addr in part]))
+                        for part in parts]
+                for part, f in zip(parts, futs):
+                    out += self._checked(part, await f)
+        except BaseException:
+            # no buffer may still be in use when this call ends: stop and wait for every batch
+            for f in futs:
+                f.cancel()
+            while not all(f.done() for f in futs):
+                try:
+                    await asyncio.wait(futs)
+                except asyncio.CancelledError:
+                    continue
+            for f in futs:
+                if not f.cancelled():
+                    f.exception()  # retrieved: the error that matters is re-raised below
+            raise
         return out
 
     def close(self) -> None:
