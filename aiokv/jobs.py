@@ -39,6 +39,7 @@ class WorkerReport:
     saved: list[tuple[int, bytes, int]] = dataclasses.field(default_factory=list)   # (rank, key, slot) written
     save_failed: list[tuple[int, bytes, int]] = dataclasses.field(default_factory=list)
     load_bad: list[bytes] = dataclasses.field(default_factory=list)  # keys whose blocks did not verify
+    load_failed: list[str] = dataclasses.field(default_factory=list)  # requests with any block not loaded
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":
@@ -46,7 +47,7 @@ class WorkerReport:
         for k, v in other.counters.items():
             counters[k] = counters.get(k, 0) + v
         return WorkerReport(self.saved + other.saved, self.save_failed + other.save_failed,
-                            self.load_bad + other.load_bad, counters)
+                            self.load_bad + other.load_bad, self.load_failed + other.load_failed, counters)
 
     def empty(self) -> bool:
-        return not (self.saved or self.save_failed or self.load_bad or self.counters)
+        return not (self.saved or self.save_failed or self.load_bad or self.load_failed or self.counters)

@@ -74,6 +74,9 @@ class SchedulerSide:
         self._loading: dict[str, list[bytes]] = {}     # req -> pinned keys, until finished_recving
         self._cancel: list[str] = []
         self._saving: dict[bytes, tuple[int, set[int]]] = {}  # key -> (slot, ranks written)
+        # requests whose load failed: vLLM recomputes them, and must not be offered
+        # the same hit again (a slow disk would make it wait and fail forever)
+        self._no_hits: set[str] = set()
 
     # ---- matching and allocation ----
     def _state(self, req_id: str, tokens, root: bytes) -> _Req:
@@ -85,6 +88,8 @@ class SchedulerSide:
 
     def match(self, req_id: str, tokens, root: bytes, num_computed: int) -> int:
         """External hit tokens beyond the num_computed local ones (block multiple)."""
+        if req_id in self._no_hits:
+            return 0
         st = self._state(req_id, tokens, root)
         usable = (len(tokens) - 1) // self.bs
         extend_keys(st.keys, root, tokens, self.bs, usable)
@@ -165,6 +170,7 @@ class SchedulerSide:
                     failed.append((key, slot))
             self.store.abort(self.ns, failed)
             self.counters.save_failures += len(failed)
+            self._no_hits.update(r for r in report.load_failed if r in self._reqs)
             if report.load_bad:
                 bad = list(collections.OrderedDict.fromkeys(report.load_bad))
                 self.store.drop(self.ns, bad)
@@ -178,6 +184,7 @@ class SchedulerSide:
         """The request is gone from vLLM. Returns whether to delay freeing its blocks: never."""
         self._reqs.pop(req_id, None)
         self._local_blocks.pop(req_id, None)
+        self._no_hits.discard(req_id)
         if req_id in self._loading:
             self._cancel.append(req_id)  # vLLM keeps its blocks until we report the load
             self.counters.loads_cancelled += 1

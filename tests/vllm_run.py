@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 MP = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
@@ -61,6 +62,7 @@ def main(spec: dict) -> dict:
         pending = list(range(len(prompts)))
         outs: dict[str, object] = {}
         step = 0
+        deadline = time.monotonic() + spec.get("phase_timeout", 300)
         while pending or engine.has_unfinished_requests():
             take = pending[:1] if phase.get("stagger") else pending
             for i in list(take):
@@ -81,7 +83,7 @@ def main(spec: dict) -> dict:
                 if o.finished and outs.get(o.request_id) is None and o.request_id not in outs:
                     outs[o.request_id] = o
             step += 1
-            if step > 5000:
+            if time.monotonic() > deadline:
                 raise RuntimeError("engine did not finish")
         toks, cached, fin = [], [], []
         for i, rid, _ in sorted(ids):

@@ -238,6 +238,8 @@ class TransferWorker:
             t = self._loads.pop(req_id, None)
             n = len(t[0].block_ids) if t else len(failed)
             self._done_loads.append((req_id, failed))
+            if failed:
+                self._report.load_failed.append(req_id)
             self._counts.update(loads_ok_blocks=n - len(failed), load_failed_blocks=len(failed))
 
     # ---- results ----

@@ -1,0 +1,297 @@
+#!/usr/bin/env python3
+"""End to end on vLLM (CPU): time to first token cold vs warm after a restart,
+per prompt length, next to what the loaded bytes cost at fio's read bandwidth.
+
+    PYTHONPATH=. .venv/bin/python tools/bench_e2e.py [--json] [--out FILE] [--plot DIR]
+        [--lengths 2048,4096,8192] [--layers 8 --hidden 512 ...] [--dir PATH] [--baseline] [--switch-interval S]
+
+A mid-size Llama-style model is built locally (aiokv.demo.tiny_model.build,
+random weights, no hub). Then, each in its own process (a real restart):
+- base (with --baseline): vLLM without a connector; TTFT per prompt.
+- cold: vLLM with aiokv on an empty cache directory; TTFT per prompt (full
+  prefill; aiokv saves every full block). At exit the saves are committed.
+- warm: vLLM with aiokv on that same directory, the same prompts; TTFT per
+  prompt (aiokv loads every full block but the last token's; vLLM computes the
+  rest). Then each prompt once more in the same process: "hot", a hit in
+  vLLM's own in-memory prefix cache (no disk I/O, same tail compute): the
+  engine's floor for this prompt.
+Prompts are distinct random token sequences (no prefix shared between them),
+one request at a time, max_tokens=1, temperature 0.
+
+The byte-cost bound of a warm TTFT is hot + bytes / B, where bytes = the slots
+aiokv read (hit blocks x slot bytes) and B = fio's read bandwidth measured in
+the same run on the same file system (io_uring, O_DIRECT, bs = slot size,
+iodepth 32 = the worker's default queue_depth, huge-page buffers).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+BLOCK = 32
+
+
+def prompts(lengths: list[int]) -> list[list[int]]:
+    rnd = random.Random(1234)
+    return [[1] + [rnd.randrange(3, 500) for _ in range(n - 1)] for n in lengths]
+
+
+# ------------------------------------------------------------------ child (one vLLM life)
+
+def child(args) -> None:
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)  # experiment: GIL hand-over latency between threads
+    from vllm import LLM, SamplingParams
+
+    kw = dict(model=args.model, tokenizer=args.model, enforce_eager=True, block_size=BLOCK, dtype="float32",
+              enable_prefix_caching=True, max_model_len=max(args.lengths) + 64,
+              max_num_batched_tokens=max(args.lengths) + 64, kv_cache_memory_bytes=args.kv_mib << 20)
+    if args.label != "base":
+        kw["kv_transfer_config"] = {"kv_connector": "AioKVConnector", "kv_role": "kv_both",
+                                    "kv_connector_module_path": "aiokv.connector",
+                                    "kv_connector_extra_config": {"path": args.cache, "capacity": "8GiB"}}
+    llm = LLM(**kw)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    ps = prompts(args.lengths)
+    # warm-up on an unrelated short prompt: first-call costs (allocations, kernels) out of the way
+    llm.generate([{"prompt_token_ids": [1] + [7] * 95}], one, use_tqdm=False)
+    rows = []
+    passes = ["first"] + (["hot"] if args.label == "warm" else [])
+    for kind in passes:
+        for p in ps:
+            t = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)[0]
+            rows.append({"pass": kind, "prompt_tokens": len(p), "ttft_s": time.perf_counter() - t,
+                         "cached_tokens": out.num_cached_tokens, "token": out.outputs[0].token_ids[0]})
+    counters = {}
+    try:
+        conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        counters = {k: v for k, v in conn.counters().items() if isinstance(v, int)}
+    except Exception:  # noqa: BLE001
+        pass
+    print("RESULT " + json.dumps({"rows": rows, "counters": counters}), flush=True)
+    try:
+        llm.llm_engine.engine_core.shutdown()  # commits pending saves
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def life(label: str, model: str, cache: str, args) -> dict:
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", TQDM_DISABLE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", label, "--model", model, "--cache", cache,
+           "--lengths", ",".join(map(str, args.lengths)), "--kv-mib", str(args.kv_mib)]
+    if args.switch_interval:
+        cmd += ["--switch-interval", str(args.switch_interval)]
+    t = time.monotonic()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[7:])
+            r["process_s"] = time.monotonic() - t
+            return r
+    sys.stderr.write(p.stderr[-6000:])
+    raise SystemExit(f"bench_e2e: the {label} run failed (exit {p.returncode})")
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------ parent
+
+def model_kv(model: str) -> dict:
+    with open(os.path.join(model, "config.json")) as f:
+        c = json.load(f)
+    head = c["hidden_size"] // c["num_attention_heads"]
+    per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head * 4  # fp32
+    params = None
+    try:
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
+            params = sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
+                         else _prod(f.get_slice(k).get_shape()) for k in f.keys())
+    except Exception:  # noqa: BLE001
+        pass
+    return {"layers": c["num_hidden_layers"], "hidden": c["hidden_size"], "heads": c["num_attention_heads"],
+            "kv_heads": c["num_key_value_heads"], "intermediate": c["intermediate_size"], "head_dim": head,
+            "kv_bytes_per_token": per_token, "params": params}
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def fio_read_gbps(d: str, slot: int, nbytes: int, depth: int = 32) -> float:
+    import bench_store as bs
+
+    n = max(64, nbytes // slot)
+    with bs.HugePages(-(-depth * slot // bs.HUGE) + 4) as hp:
+        vals = [bs.fio_round(os.path.join(d, "fio.dat"), slot, n, depth, "mmaphuge" if hp.ok else "malloc")
+                ["read_gbps"] for _ in range(3)]
+    vals.sort()
+    return vals[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--label", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--lengths", default="2048,4096,8192", help="prompt lengths in tokens")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=1408)
+    ap.add_argument("--kv-mib", type=int, default=768, help="vLLM KV cache memory (MiB)")
+    ap.add_argument("--dir", default=None, help="where the model and the cache go (default: a temp dir)")
+    ap.add_argument("--baseline", action="store_true", help="also run vLLM without a connector (one more life)")
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="experiment: sys.setswitchinterval in the vLLM processes (default: Python's 0.005 s)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args()
+    args.lengths = [int(x) for x in args.lengths.split(",") if x]
+    if args.child:
+        args.label = args.child
+        child(args)
+        return 0
+
+    from aiokv.demo.tiny_model import build
+    from aiokv.store import format as fmt
+
+    base = args.dir or tempfile.mkdtemp(prefix="aiokv-e2e-")
+    os.makedirs(base, exist_ok=True)
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    t0 = time.monotonic()
+    model = build(os.path.join(base, "model"), layers=args.layers, hidden=args.hidden, heads=args.heads,
+                  kv_heads=args.kv_heads, intermediate=args.intermediate,
+                  max_positions=max(8192, max(args.lengths) + 64))
+    kv = model_kv(model)
+    payload = kv["kv_bytes_per_token"] * BLOCK
+    slot = fmt.slot_bytes(payload)
+    cache = os.path.join(base, "cache")
+    shutil.rmtree(cache, ignore_errors=True)
+    runs = {}
+    try:
+        for label in (["base"] if args.baseline else []) + ["cold", "warm"]:
+            log(f"bench_e2e: {label} ...")
+            runs[label] = life(label, model, cache, args)
+        fio_d = tempfile.mkdtemp(prefix="fio-", dir=base)
+        try:
+            fio_bw = fio_read_gbps(fio_d, slot, max(args.lengths) * kv["kv_bytes_per_token"])
+        finally:
+            shutil.rmtree(fio_d, ignore_errors=True)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    rows = []
+    for i, n in enumerate(args.lengths):
+        cold = runs["cold"]["rows"][i]
+        warm = runs["warm"]["rows"][i]
+        hot = runs["warm"]["rows"][len(args.lengths) + i]
+        base_r = runs["base"]["rows"][i] if "base" in runs else None
+        hit_tokens = warm["cached_tokens"]
+        nbytes = hit_tokens // BLOCK * slot
+        io_s = nbytes / (fio_bw * 1e9)
+        bound = hot["ttft_s"] + io_s
+        rows.append({"prompt_tokens": n, "base_s": base_r["ttft_s"] if base_r else None, "cold_s": cold["ttft_s"],
+                     "warm_s": warm["ttft_s"], "hot_s": hot["ttft_s"], "hit_tokens": hit_tokens,
+                     "bytes_loaded": nbytes, "fio_io_s": io_s, "bound_s": bound,
+                     "warm_over_cold": warm["ttft_s"] / cold["ttft_s"], "warm_over_bound": warm["ttft_s"] / bound,
+                     "same_token": cold["token"] == warm["token"] == hot["token"]})
+    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+           "model": kv, "block_size": BLOCK, "payload_bytes": payload, "slot_bytes": slot,
+           "fio_read_gbps": fio_bw, "rows": rows, "counters": {k: r.get("counters") for k, r in runs.items()},
+           "process_s": {k: round(r["process_s"], 1) for k, r in runs.items()},
+           "seconds": round(time.monotonic() - t0, 1)}
+    try:
+        import bench_store as bs
+
+        doc["machine"] = bs.machine(base if os.path.exists(base) else tempfile.gettempdir())
+    except Exception:  # noqa: BLE001
+        pass
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.plot:
+        plot(doc, args.plot)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+    else:
+        print(render(doc))
+    return 0
+
+
+def render(doc: dict) -> str:
+    m = doc["model"]
+    lines = [f"model: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads / {m['kv_heads']} KV heads, "
+             f"{(m['params'] or 0) / 1e6:.0f} M params, fp32; block {doc['block_size']} tokens = "
+             f"{doc['payload_bytes'] >> 10} KiB payload ({doc['slot_bytes'] >> 10} KiB slot); "
+             f"fio read {doc['fio_read_gbps']:.2f} GB/s (bs = slot, depth 32)",
+             "",
+             "| prompt tokens | no connector s | cold s | warm s | hot (vLLM prefix cache) s | hit tokens | MiB loaded "
+             "| bytes at fio s | bound = hot + bytes s | warm/cold | warm/bound | same token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        base = f"{r['base_s']:.3f}" if r["base_s"] is not None else "-"
+        lines.append(f"| {r['prompt_tokens']} | {base} | {r['cold_s']:.3f} | {r['warm_s']:.3f} | {r['hot_s']:.3f} "
+                     f"| {r['hit_tokens']} | {r['bytes_loaded'] / 2**20:.0f} | {r['fio_io_s']:.3f} "
+                     f"| {r['bound_s']:.3f} | {r['warm_over_cold']:.3f} | {r['warm_over_bound']:.2f} "
+                     f"| {r['same_token']} |")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, outdir: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(outdir, exist_ok=True)
+    rows = doc["rows"]
+    xs = [r["prompt_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if rows[0]["base_s"] is not None:
+        ax.plot(xs, [r["base_s"] for r in rows], "x:", label="no connector")
+    ax.plot(xs, [r["cold_s"] for r in rows], "o-", label="aiokv cold (prefill + save)")
+    ax.plot(xs, [r["warm_s"] for r in rows], "s-", label="aiokv warm after restart (load)")
+    ax.plot(xs, [r["bound_s"] for r in rows], "--", label="bound: hot + bytes at fio read")
+    ax.plot(xs, [r["hot_s"] for r in rows], "^:", label="hot (vLLM in-memory prefix hit)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(xs)
+    ax.set_xticklabels([str(x) for x in xs])
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token, s")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    ax.set_title(f"TTFT on vLLM CPU, {doc['model']['layers']}-layer model ({doc['date'][:10]})", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(outdir, "ttft.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
