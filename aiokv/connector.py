@@ -35,6 +35,7 @@ from aiokv.jobs import StepPlan, WorkerReport
 from aiokv.keys import namespace_id, request_root
 
 log = logging.getLogger("aiokv")
+IDLE_WAIT_S = 0.002  # how long an engine step with nothing to compute waits for a load
 
 
 class AioKVMetadata(KVConnectorMetadata):
@@ -146,6 +147,7 @@ class AioKVConnector(KVConnectorBase_V1):
         self._totals: dict[str, int] = {}    # worker counters since start
         self._sched_last: dict[str, int] = {}
         self._failed_recv: set[str] = set()
+        self._idle_step = False
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
 
@@ -271,6 +273,8 @@ class AioKVConnector(KVConnectorBase_V1):
         return meta.plan if isinstance(meta, AioKVMetadata) else StepPlan()
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
+        # a step without a forward pass (vLLM only waits for transfers)
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
         plan = self._plan()
         if self.worker is None:
             for t in plan.loads:  # promised but impossible: recompute
@@ -297,6 +301,8 @@ class AioKVConnector(KVConnectorBase_V1):
         if self.worker is None:
             done, self._failed_recv = self._failed_recv, set()
             return None, done or None
+        if self._idle_step:
+            self.worker.wait_for_loads(IDLE_WAIT_S)
         finished, errors, report = self.worker.poll()
         self._errors |= errors
         self._report = report

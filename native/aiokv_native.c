@@ -451,7 +451,32 @@ static PyObject *py_fallocate(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* memcpy_many(dst_addrs, src_addrs, nbytes): for each i, copy nbytes from
+ * src_addrs[i] to dst_addrs[i]; the address lists are native int64 arrays
+ * (bytes-like). Whole-block device copies on the CPU: one call per step and
+ * layer set, the GIL released for the copying. */
+static PyObject *py_memcpy_many(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    unsigned long long nbytes;
+    if (!PyArg_ParseTuple(args, "y*y*K", &dst, &src, &nbytes)) return NULL;
+    if (dst.len != src.len || dst.len % 8) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        PyErr_SetString(PyExc_ValueError, "address arrays must be int64 arrays of equal length");
+        return NULL;
+    }
+    Py_ssize_t n = dst.len / 8;
+    const uint64_t *d = dst.buf, *s = src.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) memcpy((void *)(uintptr_t)d[i], (const void *)(uintptr_t)s[i], nbytes);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"memcpy_many", py_memcpy_many, METH_VARARGS, "memcpy_many(dst_addrs, src_addrs, nbytes)"},
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(addr, length, seed=0) -> int"},
     {"crc32c_bytes", py_crc32c_bytes, METH_VARARGS, "crc32c_bytes(buffer, seed=0) -> int"},
     {"crc32c_sw", py_crc32c_sw, METH_VARARGS, "crc32c_sw(buffer, seed=0) -> int (table path, for tests)"},

@@ -27,6 +27,7 @@ import hashlib
 
 import torch
 
+from aiokv import _native
 from aiokv.io.buffers import SlotPool
 from aiokv.store import format as fmt
 
@@ -60,6 +61,7 @@ class Device:
     asynchronous = False  # True: copy_out returns before the bytes are in staging
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, pool: SlotPool | None = None):
+        self.num_blocks = num_blocks
         self.layers = [Layer(n, t, num_blocks) for n, t in kv_caches.items()]
         self.payload_bytes = sum(layer.nbytes for layer in self.layers)
         sig = repr([layer.signature for layer in self.layers]).encode()
@@ -91,7 +93,36 @@ class Device:
 
 
 class CpuDevice(Device):
+    """Layers whose blocks are contiguous (the CPU backend's layout) are copied
+    with one native call per step (memcpy per block and layer, GIL released);
+    others with torch gathers/scatters."""
+
+    def attach(self, pool: SlotPool) -> None:
+        super().attach(pool)
+        flat = []
+        for layer, a, _ in self._cols():
+            if layer.view[0].is_contiguous():
+                flat.append((layer.view.data_ptr(), layer.view.stride(0) * layer.view.element_size(), a,
+                             layer.nbytes))
+        self._flat = flat if len(flat) == len(self.layers) and len({f[3] for f in flat}) == 1 else None
+
+    def _addrs(self, block_ids, slots):
+        """(device addresses, staging addresses) as int64 arrays, layer-major."""
+        # raw addresses: an id out of range would be memory corruption, not an IndexError
+        if len(block_ids) != len(slots) or min(block_ids) < 0 or max(block_ids) >= self.num_blocks \
+                or min(slots) < 0 or max(slots) >= self.pool.count:
+            raise IndexError(f"aiokv: block ids or staging slots out of range ({len(block_ids)} blocks)")
+        blocks = torch.tensor(block_ids, dtype=torch.int64)
+        rows = torch.tensor(slots, dtype=torch.int64) * self.pool.slot_bytes + self.pool.arena.addr
+        dev = torch.cat([base + blocks * stride for base, stride, _, _ in self._flat])
+        stg = torch.cat([rows + col for _, _, col, _ in self._flat])
+        return dev.numpy().tobytes(), stg.numpy().tobytes(), self._flat[0][3]
+
     def copy_out(self, block_ids, slots):
+        if self._flat is not None:
+            dev, stg, nbytes = self._addrs(block_ids, slots)
+            _native.memcpy_many(stg, dev, nbytes)
+            return
         src_idx = torch.tensor(block_ids, dtype=torch.long)
         dst_idx = torch.tensor(slots, dtype=torch.long)
         n = len(block_ids)
@@ -100,6 +131,10 @@ class CpuDevice(Device):
             self._rows[:, a:b].index_copy_(0, dst_idx, src)
 
     def copy_in(self, block_ids, slots):
+        if self._flat is not None:
+            dev, stg, nbytes = self._addrs(block_ids, slots)
+            _native.memcpy_many(dev, stg, nbytes)
+            return
         dst_idx = torch.tensor(block_ids, dtype=torch.long)
         src_idx = torch.tensor(slots, dtype=torch.long)
         n = len(block_ids)

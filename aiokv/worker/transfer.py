@@ -62,6 +62,7 @@ class TransferWorker:
         self._counts = collections.Counter()
         self._dead = False
         self._cancel_early: set[str] = set()
+        self.load_done = threading.Event()  # set when a load finishes; see wait_for_loads
         self.loop = uvloop.new_event_loop()
         self.loop.set_exception_handler(self._on_loop_error)
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"aiokv-worker{rank}", daemon=True)
@@ -225,19 +226,16 @@ class TransferWorker:
             i += len(chunk)
 
     async def _copy_in(self, block_ids, slots) -> None:
-        # not cancellable half-way: a cancelled load waits for the copy it started
-        fut = self.loop.run_in_executor(None, self.device.copy_in, block_ids, slots)
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await asyncio.wait([fut])
-            raise
+        # On the loop thread, in one go: a cancellation cannot interrupt it half-way,
+        # and no hop to another thread waits for the GIL a second time.
+        self.device.copy_in(block_ids, slots)
 
     def _load_done(self, req_id: str, failed: list[int]) -> None:
         with self._lock:
             t = self._loads.pop(req_id, None)
             n = len(t[0].block_ids) if t else len(failed)
             self._done_loads.append((req_id, failed))
+            self.load_done.set()
             if failed:
                 self._report.load_failed.append(req_id)
             self._counts.update(loads_ok_blocks=n - len(failed), load_failed_blocks=len(failed))
@@ -266,6 +264,17 @@ class TransferWorker:
             self._load_done(t.req_id, list(t.block_ids))
         for t, _ in saves:
             self._save_done(t, None, [-errno.EIO] * len(t.keys))
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block (GIL released) until some load finishes or `timeout` passes; returns
+        at once when none is outstanding. An engine with nothing to compute but
+        waiting loads calls this instead of spinning empty steps, which would
+        keep the loop thread from the GIL."""
+        with self._lock:
+            if not self._loads or self._done_loads:
+                return
+            self.load_done.clear()
+        self.load_done.wait(timeout)
 
     @property
     def in_flight(self) -> int:
