@@ -91,6 +91,9 @@ class Device:
     def copy_in(self, block_ids: list[int], slots: list[int]) -> None:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Give back what attach() took (pinned registrations)."""
+
 
 class CpuDevice(Device):
     """Layers whose blocks are contiguous (the CPU backend's layout) are copied
@@ -148,29 +151,33 @@ class CudaDevice(Device):
 
     def attach(self, pool: SlotPool) -> None:
         super().attach(pool)
-        import ctypes
-
-        # pin the staging arena so copies are DMA and can be asynchronous
-        rc = torch.cuda.cudart().cudaHostRegister(ctypes.c_void_p(pool.arena.addr), pool.arena.size, 0)
-        if rc != 0:
+        # pin the staging arena once (not many small pinned buffers) so copies are DMA
+        rc = torch.cuda.cudart().cudaHostRegister(pool.arena.addr, pool.arena.size, 0)
+        if int(rc) != 0:
             raise RuntimeError(f"aiokv: cudaHostRegister of the staging arena failed ({rc})")
         self.device = self.layers[0].view.device
         self.out_stream = torch.cuda.Stream(self.device)
         self.in_stream = torch.cuda.Stream(self.device)
         self._out_event = None
+        self._keep: list = []  # GPU gather buffers alive until their copies have landed
 
     def copy_out(self, block_ids, slots):
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        n = len(block_ids)
+        h = fmt.HEADER_BYTES
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.out_stream):
             self.out_stream.wait_stream(compute)  # the forward that wrote the blocks comes first
-            n = len(block_ids)
+            buf = torch.empty(n, self.payload_bytes, dtype=torch.uint8, device=self.device)
             for layer, a, b in self._cols():
-                gathered = layer.view.index_select(0, idx).reshape(n, -1).view(torch.uint8)
-                for i, s in enumerate(slots):
-                    self._rows[s, a:b].copy_(gathered[i], non_blocking=True)
+                buf[:, a - h:b - h] = layer.view.index_select(0, idx).reshape(n, -1).view(torch.uint8)
+            for i, s in enumerate(slots):
+                self._rows[s, h:h + self.payload_bytes].copy_(buf[i], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.out_stream)
+        if self._out_event is not None and self._out_event.query():
+            self._keep.clear()
+        self._keep.append(buf)
         self._out_event = ev
 
     def after_step(self) -> None:
@@ -179,23 +186,26 @@ class CudaDevice(Device):
             torch.cuda.current_stream(self.device).wait_event(self._out_event)
 
     def wait_out(self) -> None:
-        if self._out_event is not None:
-            self._out_event.synchronize()
+        ev = self._out_event
+        if ev is not None:
+            ev.synchronize()
 
     def copy_in(self, block_ids, slots):
+        torch.cuda.set_device(self.device)  # called from the loop thread
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        rows = torch.tensor(slots, dtype=torch.long)
         n = len(block_ids)
         with torch.cuda.stream(self.in_stream):
+            # blocks freed by earlier steps: their last kernels come first
+            self.in_stream.wait_stream(torch.cuda.default_stream(self.device))
             for layer, a, b in self._cols():
-                host = self._rows[torch.tensor(slots, dtype=torch.long), a:b]  # gathered on the host
-                dev = host.to(self.device, non_blocking=False).view(layer.dtype).view(n, *layer.block_shape)
+                host = self._rows[rows, a:b]  # gathered on the host (pageable)
+                dev = host.to(self.device).view(layer.dtype).view(n, *layer.block_shape)
                 layer.view.index_copy_(0, idx, dev)
         self.in_stream.synchronize()
 
     def close(self) -> None:
-        import ctypes
-
-        torch.cuda.cudart().cudaHostUnregister(ctypes.c_void_p(self.pool.arena.addr))
+        torch.cuda.cudart().cudaHostUnregister(self.pool.arena.addr)
 
 
 def make_device(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> Device:

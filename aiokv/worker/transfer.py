@@ -297,6 +297,7 @@ class TransferWorker:
             self._call(self._shutdown())
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=10)
+        self.device.close()
 
     async def _shutdown(self) -> None:
         self.backend.close()
