@@ -32,8 +32,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BS = 32
 
 
-def make_prompts(rnd: random.Random, n: int) -> list[list[int]]:
-    prefixes = [[rnd.randrange(3, 500) for _ in range(rnd.choice([40, 64, 100, 150]))] for _ in range(4)]
+def make_prefixes(rnd: random.Random) -> list[list[int]]:
+    """System prompts shared by requests of every life (so restarts hit)."""
+    return [[rnd.randrange(3, 500) for _ in range(rnd.choice([40, 64, 100, 150, 220]))] for _ in range(5)]
+
+
+def make_prompts(rnd: random.Random, n: int, prefixes: list[list[int]]) -> list[list[int]]:
     out = []
     for _ in range(n):
         pre = rnd.choice(prefixes) if rnd.random() < 0.7 else []
@@ -63,6 +67,14 @@ def life(args) -> dict:
     sched = engine.engine_core.engine_core.scheduler
     manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
     violations: list[str] = []
+    counts = {"preemptions": 0}
+    preempt = sched._preempt_request
+
+    def counting_preempt(*a, **k):
+        counts["preemptions"] += 1
+        return preempt(*a, **k)
+
+    sched._preempt_request = counting_preempt
     wc = get_kv_transfer_group() if spec["cache"] else None
     conn = sched.connector
 
@@ -127,7 +139,7 @@ def life(args) -> dict:
             break
         engine.step()
     res = {"outs": {str(k): v for k, v in outs.items()}, "steps": steps, "violations": violations,
-           "preemptions": 0}
+           "preemptions": counts["preemptions"]}
     pool = sched.kv_cache_manager.block_pool
     res["leaked_blocks"] = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
     res["requests_left"] = len(sched.requests)
@@ -166,6 +178,9 @@ def check_stored_bytes(args) -> dict:
     from aiokv.store.store import ns_dir
 
     spec = json.loads(args.check)
+    import shutil
+
+    shutil.rmtree(spec["scratch"], ignore_errors=True)  # must be empty: no hits in the recomputation
     store = Store(spec["cache"], readonly=True)
     (ns,) = store.index.namespaces.values()
     root = request_root(ns.nsid, [])
@@ -180,7 +195,10 @@ def check_stored_bytes(args) -> dict:
               enable_prefix_caching=False, max_model_len=512, seed=0, kv_cache_memory_bytes=64 << 20,
               kv_transfer_config={"kv_connector": "AioKVConnector", "kv_role": "kv_both",
                                   "kv_connector_module_path": "aiokv.connector",
-                                  "kv_connector_extra_config": {"path": spec["scratch"], "staging": "4MiB"}})
+                                  # a capacity below one block: it never stores, so it never hits; it is
+                                  # here only to hand us the KV tensors in payload order
+                                  "kv_connector_extra_config": {"path": spec["scratch"], "staging": "4MiB",
+                                                                "capacity": "4KiB"}})
     engine = llm.llm_engine
     sched = engine.engine_core.engine_core.scheduler
     manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
@@ -191,9 +209,13 @@ def check_stored_bytes(args) -> dict:
         rid = f"c{n}"
         n += 1
         engine.add_request(rid, {"prompt_token_ids": prompt[:(idx + 1) * BS + 1]},
-                           SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+                           SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
         engine.step()  # prefill: the block's KV is computed from its own prefix only
-        block = manager.req_to_blocks[rid][idx].block_id
+        internal = next(k for k in sched.requests if k == rid or k.startswith(rid + "-"))  # vLLM adds a suffix
+        if sched.requests[internal].num_computed_tokens <= (idx + 1) * BS:
+            r = sched.requests[internal]
+            raise RuntimeError(f"request {rid} was not prefilled in one step: {r.status} {r.num_computed_tokens} {len(prompt)} {idx}")
+        block = manager.req_to_blocks[internal][idx].block_id
         raw = os.pread(fd, ns.slot_bytes, ns.entries[key] * ns.slot_bytes)
         off = fmt.HEADER_BYTES
         for layer in layers:
@@ -219,7 +241,8 @@ def main() -> int:
     ap.add_argument("--lives", type=int, default=3, help="engine lives (restarts) on the same cache")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=40)
-    ap.add_argument("--blocks", type=int, default=40, help="vLLM KV blocks (small: preemption)")
+    ap.add_argument("--blocks", type=int, default=28, help="vLLM KV blocks (small: preemption)")
+    ap.add_argument("--capacity", default="8MiB", help="aiokv capacity (small: eviction)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--life", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--check", default=None, help=argparse.SUPPRESS)
@@ -238,14 +261,18 @@ def main() -> int:
     d = args.dir or tempfile.mkdtemp(prefix="aiokv-fuzz-")
     model = build(os.path.join(d, "model"), layers=2, hidden=128, heads=2, kv_heads=2, intermediate=256)
     cache = os.path.join(d, "cache")
+    import shutil
+
+    shutil.rmtree(cache, ignore_errors=True)  # every fuzz starts from an empty cache
     rnd = random.Random(args.seed)
     summary = {"seed": args.seed, "lives": [], "ok": True}
     t0 = time.monotonic()
     all_prompts: list[list[int]] = []
+    prefixes = make_prefixes(rnd)
     for n in range(args.lives):
-        ps = make_prompts(rnd, args.prompts)
+        ps = make_prompts(rnd, args.prompts, prefixes)
         all_prompts += ps
-        common = dict(model=model, prompts=ps, steps=args.steps, blocks=args.blocks, life=n)
+        common = dict(model=model, prompts=ps, steps=args.steps, blocks=args.blocks, life=n, capacity=args.capacity)
         got = run_life(dict(common, cache=cache, seed=args.seed * 100 + n))
         # the reference: the same prompts without aiokv, one at a time, no aborts, no step limit
         finished = [int(k) for k, v in got["outs"].items() if v is not None]
@@ -269,6 +296,7 @@ def main() -> int:
         if c.get("loads_ok_blocks", 0) + c.get("load_failed_blocks", 0) != c.get("hit_blocks", 0):
             problems.append("loads do not add up to hits")
         summary["lives"].append({"life": n, "steps": got["steps"], "finished": len(finished),
+                                 "preemptions": got["preemptions"],
                                  "aborted": sum(v is None for v in got["outs"].values()),
                                  "hit_blocks": c.get("hit_blocks"), "saves": c.get("saves_committed"),
                                  "evictions": c.get("store_evictions"), "problems": problems})

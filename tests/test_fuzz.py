@@ -1,0 +1,35 @@
+"""A short seeded fuzz of aiokv on the real vLLM engine (tools/fuzz.py):
+random arrivals, prompt lengths, shared prefixes, aborts, preemption under a
+tiny KV cache, eviction under a tiny capacity, and restarts (three engine lives
+on one cache directory), with invariant checks every step and at the end (see
+tools/fuzz.py). The long run is `tools/fuzz.py --steps N`; docs/reliability.md
+records the longest clean run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e import ROOT
+
+pytestmark = pytest.mark.vllm
+
+
+def test_short_fuzz(tmp_path):
+    p = subprocess.run([sys.executable, "tools/fuzz.py", "--steps", "80", "--lives", "3", "--prompts", "24",
+                        "--seed", "7", "--dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=ROOT), timeout=1200)
+    start = p.stdout.index("{")
+    summary = json.loads(p.stdout[start:])
+    problems = [x for life in summary["lives"] for x in life["problems"]]
+    assert not problems, problems
+    assert summary["stored_bytes"]["checked"] > 0 and not summary["stored_bytes"]["bad"]
+    assert summary["ok"] and p.returncode == 0
+    lives = summary["lives"]
+    assert sum(life["hit_blocks"] for life in lives[1:]) > 0, "restarts must hit"
+    assert sum(life["aborted"] for life in lives) > 0
+    assert sum(life["saves"] for life in lives) > 0
