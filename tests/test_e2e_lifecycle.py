@@ -63,3 +63,33 @@ def test_many_concurrent_and_repeated_generate(tiny_model, tmp_path):
     assert warm["tokens"] == base["tokens"]
     assert warm["counters"]["hit_blocks"] >= 16
     assert_clean(warm)
+
+
+def test_aborts_at_every_point(tiny_model, tmp_path):
+    """Queued, waiting for a load, mid-load (reads made slow), mid-save, in the
+    step it finishes, and while preempted under a tiny KV cache."""
+    import json
+
+    from aiokv.io.faults import ACK
+
+    cache = str(tmp_path / "c")
+    ps = prompts(12, 230, seed=33)
+    spec = dict(model=tiny_model, num_gpu_blocks=30, max_num_seqs=6, max_model_len=512)
+    cold = run(dict(spec, cache=cache, phases=[dict(prompts=ps[:6], max_tokens=6)]))
+    assert_clean(cold)
+    slow = {"AIOKV_FAULTS": json.dumps([{"op": "read", "kind": "late", "delay": 0.3}]), "AIOKV_FAULTS_ACK": ACK}
+    # 0-5 hit (slow loads), 6-11 are new. max_tokens=6: a request finishes about 6 steps after its prefill.
+    aborts = {0: 0, 1: 1, 2: 3, 3: 6, 4: 7, 6: 1, 7: 5, 8: 6, 9: 7, 10: 12, 11: 20}
+    base = run(dict(spec, phases=[dict(prompts=ps, max_tokens=6)]))
+    res = run(dict(spec, cache=cache, phases=[dict(prompts=ps, max_tokens=6, abort_after=aborts, stagger=True)]),
+              env=slow)
+    for i, fin in enumerate(res["finish"][0]):
+        if fin != "aborted":
+            assert res["tokens"][0][i] == base["tokens"][0][i], i
+    assert res["finish"][0].count("aborted") >= 3
+    c = res["counters"]
+    assert c["loads_cancelled"] >= 1, "some abort must land while its load is in flight"
+    assert_clean(res, allow_load_errors=True)
+    again = run(dict(spec, cache=cache, phases=[dict(prompts=ps, max_tokens=6)]))
+    assert again["tokens"] == base["tokens"]
+    assert_clean(again)

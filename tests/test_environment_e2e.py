@@ -1,0 +1,110 @@
+"""Environment faults under real vLLM (catalogue C13, C17, C18).
+
+- io_uring refused by the kernel: the thread-pool backend takes over, said
+  once, and the cache still works;
+- a cache directory on a file system without O_DIRECT (ramfs): buffered I/O,
+  said once, the cache still works;
+- a small file system that fills up during a run: saves are skipped and
+  eviction makes room; the engine never stops; usage stays under the capacity
+  bound; a later run still hits what stayed.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.e2e import assert_clean, prompts, run
+
+pytestmark = pytest.mark.vllm
+
+PS = prompts(3, 200, seed=91)
+SYSCTL = "/proc/sys/kernel/io_uring_disabled"
+
+
+def _mount(kind: str, where, size: str):
+    where.mkdir()
+    if kind == "ramfs":  # no O_DIRECT there (tmpfs has it since Linux 6.6), no fallocate either
+        subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], check=True)
+    else:
+        img = str(where) + ".img"
+        subprocess.run(["truncate", "-s", size, img], check=True)
+        subprocess.run(["mkfs.ext4", "-q", "-F", img], check=True)
+        subprocess.run(["mount", "-o", "loop", img, str(where)], check=True)
+    return where
+
+
+@pytest.fixture
+def io_uring_refused():
+    if not os.path.exists(SYSCTL):
+        pytest.fail(f"{SYSCTL} is missing: this kernel cannot refuse io_uring for the test")
+    old = open(SYSCTL).read().strip()
+    with open(SYSCTL, "w") as f:
+        f.write("2")
+    try:
+        yield
+    finally:
+        with open(SYSCTL, "w") as f:
+            f.write(old)
+
+
+def test_io_uring_refused_falls_back(tiny_model, tmp_path, io_uring_refused):
+    cache = str(tmp_path / "c")
+    cold = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]))
+    warm = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]))
+    msg = "io_uring unavailable (Operation not permitted); using the thread-pool I/O backend"
+    assert warm["log"].count(msg) == 1, warm["log"]
+    assert warm["tokens"] == cold["tokens"]
+    assert warm["counters"]["hit_blocks"] == 3 * (199 // 32)
+    assert_clean(warm)
+
+
+def test_no_o_direct_file_system(tiny_model, tmp_path):
+    mnt = _mount("ramfs", tmp_path / "t", "")
+    try:
+        cache = str(mnt / "c")
+        cold = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]))
+        warm = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]))
+        assert warm["log"].count("does not support O_DIRECT; using buffered I/O") == 1
+        assert warm["tokens"] == cold["tokens"]
+        assert warm["counters"]["hit_blocks"] == 3 * (199 // 32)
+        assert_clean(warm)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_fills_up_during_a_run(tiny_model, tmp_path):
+    mnt = _mount("ext4", tmp_path / "d", "8M")  # ~6 MiB usable: ~170 of our 36 KiB slots
+    try:
+        cache = str(mnt / "c")
+        many = prompts(40, 250, seed=92)  # 40 x 7 blocks = 280 blocks > the disk
+        base = run(dict(model=tiny_model, phases=[dict(prompts=many, max_tokens=4)]))
+        cold = run(dict(model=tiny_model, cache=cache, extra={"capacity": "1GiB"},
+                        phases=[dict(prompts=many, max_tokens=4, stagger=True)]))
+        assert cold["tokens"] == base["tokens"]
+        c = cold["counters"]
+        assert c["store_enospc"] > 0 and c["store_evictions"] > 0, c
+        assert_clean(cold)
+        st = os.statvfs(str(mnt))
+        assert st.f_bfree > 0
+        warm = run(dict(model=tiny_model, cache=cache, extra={"capacity": "1GiB"},
+                        phases=[dict(prompts=many[-8:], max_tokens=4)]))
+        assert warm["tokens"][0] == base["tokens"][0][-8:]
+        assert warm["counters"]["hit_blocks"] > 0, "what stayed on the full disk still hits"
+        assert_clean(warm)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_capacity_bound_holds_during_a_run(tiny_model, tmp_path):
+    cache = str(tmp_path / "c")
+    many = prompts(30, 250, seed=93)
+    res = run(dict(model=tiny_model, cache=cache, extra={"capacity": "2MiB"},
+                   phases=[dict(prompts=many, max_tokens=4, stagger=True)]))
+    c = res["counters"]
+    assert c["store_evictions"] > 0
+    ns = os.path.join(cache, "ns", os.listdir(os.path.join(cache, "ns"))[0])
+    on_disk = sum(os.stat(os.path.join(ns, f)).st_blocks * 512 for f in os.listdir(ns) if f.endswith(".data"))
+    assert on_disk <= 2 << 20, on_disk
+    assert_clean(res)
