@@ -56,8 +56,10 @@ def life(args) -> dict:
     spec = json.loads(args.life)
     rnd = random.Random(spec["seed"])
     extra = {"path": spec["cache"], "capacity": spec.get("capacity", "64MiB"), "staging": "4MiB"}
+    # vLLM's own prefix cache is off so that a freed block holds nothing anyone may
+    # read: the fuzz poisons it, and any read after release shows in the tokens.
     kw = dict(model=spec["model"], tokenizer=spec["model"], enforce_eager=True, block_size=BS, dtype="float32",
-              enable_prefix_caching=True, max_model_len=512, seed=0, num_gpu_blocks_override=spec["blocks"],
+              enable_prefix_caching=False, max_model_len=512, seed=0, num_gpu_blocks_override=spec["blocks"],
               kv_cache_memory_bytes=256 << 20, max_num_seqs=6)
     if spec["cache"]:
         kw["kv_transfer_config"] = {"kv_connector": "AioKVConnector", "kv_role": "kv_both",
@@ -76,6 +78,21 @@ def life(args) -> dict:
 
     sched._preempt_request = counting_preempt
     wc = get_kv_transfer_group() if spec["cache"] else None
+    if wc is not None and wc.worker is not None:
+        pool = sched.kv_cache_manager.block_pool
+        free_blocks = pool.free_blocks
+        views = [layer.view for layer in wc.worker.device.layers]
+
+        def poisoning_free(blocks):
+            blocks = list(blocks)
+            free_blocks(blocks)
+            for b in blocks:
+                if b.ref_cnt == 0 and b.block_id:
+                    for v in views:
+                        v[b.block_id].fill_(7.0)  # finite: masked positions must stay harmless
+            counts["poisoned"] = counts.get("poisoned", 0) + len(blocks)
+
+        pool.free_blocks = poisoning_free
     conn = sched.connector
 
     def owned(req_id: str) -> set[int]:
@@ -139,7 +156,7 @@ def life(args) -> dict:
             break
         engine.step()
     res = {"outs": {str(k): v for k, v in outs.items()}, "steps": steps, "violations": violations,
-           "preemptions": counts["preemptions"]}
+           "preemptions": counts["preemptions"], "poisoned": counts.get("poisoned", 0)}
     pool = sched.kv_cache_manager.block_pool
     res["leaked_blocks"] = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
     res["requests_left"] = len(sched.requests)
@@ -296,7 +313,7 @@ def main() -> int:
         if c.get("loads_ok_blocks", 0) + c.get("load_failed_blocks", 0) != c.get("hit_blocks", 0):
             problems.append("loads do not add up to hits")
         summary["lives"].append({"life": n, "steps": got["steps"], "finished": len(finished),
-                                 "preemptions": got["preemptions"],
+                                 "preemptions": got["preemptions"], "poisoned_blocks": got["poisoned"],
                                  "aborted": sum(v is None for v in got["outs"].values()),
                                  "hit_blocks": c.get("hit_blocks"), "saves": c.get("saves_committed"),
                                  "evictions": c.get("store_evictions"), "problems": problems})
