@@ -35,6 +35,8 @@ from aiokv.jobs import StepPlan, WorkerReport
 from aiokv.keys import namespace_id, request_root
 
 log = logging.getLogger("aiokv")
+HYBRID_ERROR = ("aiokv: hybrid models (attention mixed with recurrent/Mamba or other KV cache groups) need "
+                "vLLM's SupportsHMA, which aiokv does not support yet; run this model without aiokv")
 IDLE_WAIT_S = 0.002  # how long an engine step with nothing to compute waits for a load
 
 
@@ -76,8 +78,7 @@ def describe(vllm_config, kv_cache_config) -> tuple[dict, int]:
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise ValueError("aiokv: hybrid models (several KV cache groups) need SupportsHMA, which aiokv does not "
-                         "support yet; run this model without aiokv")
+        raise ValueError(HYBRID_ERROR)
     spec = groups[0].kv_cache_spec
     if not hasattr(spec, "num_kv_heads"):
         raise ValueError(f"aiokv: KV cache spec {type(spec).__name__} is not attention KV; not supported")
@@ -173,6 +174,17 @@ class AioKVConnector(KVConnectorBase_V1):
         ns = store.namespace(self.nsid, self.payload, ranks=self.ranks, fields=self.fields)
         self.sched = SchedulerSide(store, ns, self.block_size)
         log.info("aiokv: cache %s, namespace %s, %d blocks stored", self.cfg.path, ns.hex, len(ns.entries))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config):
+        # vLLM asks this while it sets up attention, before it builds the KV cache
+        # spec: the one early place to refuse a hybrid model with a clear line
+        # (otherwise vLLM, which turns HMA off for connectors without SupportsHMA,
+        # fails later with "Failed to promote local KV cache specs").
+        mc = getattr(vllm_config, "model_config", None)
+        if mc is not None and getattr(mc, "is_hybrid", False):
+            raise ValueError(HYBRID_ERROR)
+        return None
 
     @property
     def requires_kv_delivery(self) -> bool:

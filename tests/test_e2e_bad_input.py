@@ -61,3 +61,17 @@ def test_read_only_directory_disables_aiokv(tiny_model, read_only_dir):
     assert "aiokv is disabled and vLLM runs without it" in res["log"]
     assert res["counters"].get("hit_blocks", 0) == 0
     assert sorted(os.listdir(os.path.join(cache, "ns"))) == before
+
+
+def test_hybrid_model_is_refused_with_a_clear_line(tmp_path):
+    """A model that needs SupportsHMA (here a tiny Qwen3-Next) fails at start with
+    aiokv's line naming the limitation, not vLLM's "Failed to promote local KV
+    cache specs"; without aiokv the same model runs."""
+    from aiokv.demo.tiny_model import build_hybrid
+
+    model = build_hybrid(str(tmp_path / "hybrid"))
+    spec = dict(model=model, dtype="bfloat16", block_size=None, phases=[dict(prompts=prompts(1, 100))])
+    assert run(spec)["tokens"][0][0]
+    with pytest.raises(AssertionError) as e:
+        run(dict(spec, cache=str(tmp_path / "c")))
+    assert "aiokv: hybrid models" in str(e.value) and "SupportsHMA" in str(e.value)

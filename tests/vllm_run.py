@@ -27,6 +27,8 @@ def main(spec: dict) -> dict:
     kw = dict(model=spec["model"], tokenizer=spec["model"], enforce_eager=True, block_size=spec.get("block_size", 32),
               dtype=spec.get("dtype", "float32"), enable_prefix_caching=True,
               max_model_len=spec.get("max_model_len", 1024), seed=0)
+    if kw["block_size"] is None:  # vLLM chooses (hybrid models need their own)
+        del kw["block_size"]
     if spec.get("num_gpu_blocks"):
         kw["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
         kw["kv_cache_memory_bytes"] = 256 << 20

@@ -57,3 +57,32 @@ def build(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 4, kv_h
     with open(stamp, "w") as f:
         json.dump(settings, f)
     return path
+
+
+def build_hybrid(path: str) -> str:
+    """A tiny Qwen3-Next (gated delta net + attention, bf16): a hybrid model that needs SupportsHMA."""
+    stamp = os.path.join(path, "aiokv-tiny.json")
+    if os.path.exists(stamp):
+        return path
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    tok = build(tempfile.mkdtemp(prefix="aiokv-tok-"))  # borrow the tokenizer files
+    torch.manual_seed(0)
+    cfg = Qwen3NextConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=2,
+                          num_key_value_heads=2, head_dim=64, linear_num_value_heads=2, linear_num_key_heads=2,
+                          linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=64, shared_expert_intermediate_size=64, intermediate_size=256,
+                          layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=2048,
+                          tie_word_embeddings=False)
+    Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    for f in os.listdir(tok):
+        if f.startswith("tokenizer") or f == "special_tokens_map.json":
+            shutil.copy(os.path.join(tok, f), path)
+    shutil.rmtree(tok, ignore_errors=True)
+    with open(stamp, "w") as f:
+        json.dump({"hybrid": "qwen3_next"}, f)
+    return path
