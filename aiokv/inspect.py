@@ -334,11 +334,7 @@ def _recheck(root: str, bad: list[Bad], rounds: int = 3) -> list[Bad]:
     for _ in range(rounds):
         st = open_readonly(root)
         try:
-            work: dict = {}
-            for b in bad:
-                ns = st.index.namespaces.get(b.nsid)
-                if ns is not None and ns.entries.get(b.key) == b.slot:
-                    work.setdefault(b.nsid, []).append((b.rank, b.key, b.slot))
+            work = _still_committed(st, bad)
             bad = _run(_verify_items(root, st.index.namespaces, work, None)) if work else []
         finally:
             st.close()
@@ -403,15 +399,21 @@ def _open_owner(root: str) -> Store:
                            f"{pid if pid and pid > 0 else 'unknown'}); stop it, then run --repair again") from None
 
 
+def _still_committed(st, bad: list) -> dict:
+    """nsid -> [(rank, key, slot)] of the bad blocks whose key still maps to the same slot."""
+    work: dict = {}
+    for b in bad:
+        ns = st.index.namespaces.get(b.nsid)
+        if ns is not None and ns.entries.get(b.key) == b.slot:
+            work.setdefault(b.nsid, []).append((b.rank, b.key, b.slot))
+    return work
+
+
 def _repair(root: str, bad: list[Bad]) -> list[Bad]:
     """As the owner: drop the keys whose blocks are still bad now that nobody writes."""
     st = _open_owner(root)
     try:
-        work: dict = {}
-        for b in bad:
-            ns = st.index.namespaces.get(b.nsid)
-            if ns is not None and ns.entries.get(b.key) == b.slot:
-                work.setdefault(b.nsid, []).append((b.rank, b.key, b.slot))
+        work = _still_committed(st, bad)
         still = _run(_verify_items(root, st.index.namespaces, work, None)) if work else []
         by_ns: dict = {}
         for b in still:

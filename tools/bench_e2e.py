@@ -229,17 +229,9 @@ def main() -> int:
         doc["machine"] = bs.machine(base if os.path.exists(base) else tempfile.gettempdir())
     except Exception:  # noqa: BLE001
         pass
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-    if args.plot:
-        plot(doc, args.plot)
-    if args.json:
-        json.dump(doc, sys.stdout, indent=1)
-        print()
-    else:
-        print(render(doc))
-    return 0
+    import bench_store as bs
+
+    return bs.emit(doc, args, render, plot)
 
 
 def render(doc: dict) -> str:

@@ -282,15 +282,10 @@ def main() -> int:
         doc["seconds"] = round(time.monotonic() - t0, 1)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-    if args.json:
-        json.dump(doc, sys.stdout, indent=1)
-        print()
-    else:
-        print(render(doc))
-    return 0
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_store as bs
+
+    return bs.emit(doc, args, render)
 
 
 def render(doc: dict) -> str:

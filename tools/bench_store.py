@@ -449,17 +449,7 @@ def main() -> int:
         "results": results,
         "overhead": overhead,
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-    if args.plot:
-        plot(doc, args.plot)
-    if args.json:
-        json.dump(doc, sys.stdout, indent=1)
-        print()
-    else:
-        print(render(doc))
-    return 0
+    return emit(doc, args, render, plot)
 
 
 async def _backend_name() -> str:
@@ -553,6 +543,21 @@ def plot(doc: dict, outdir: str) -> list[str]:
     plt.close(fig)
     return [path]
 
+
+
+def emit(doc: dict, args, render, plot=None) -> int:
+    """The benchmarks' common output: --out FILE (JSON), --plot DIR, --json or a table."""
+    if getattr(args, "out", None):
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    if plot is not None and getattr(args, "plot", None):
+        plot(doc, args.plot)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+    else:
+        print(render(doc))
+    return 0
 
 if __name__ == "__main__":
     raise SystemExit(main())
