@@ -38,12 +38,15 @@ def extend_keys(keys: list[bytes], root: bytes, tokens, block_size: int, upto_bl
     start = len(keys)
     if upto_blocks <= start:
         return keys
-    raw = array("I", tokens[start * block_size:upto_blocks * block_size]).tobytes()
+    raw = memoryview(array("I", tokens[start * block_size:upto_blocks * block_size]).tobytes())
     step = block_size * 4
     prev = keys[-1] if keys else root
-    for i in range(upto_blocks - start):
-        h = hashlib.blake2b(prev, digest_size=KEY_BYTES, key=root[:32])
-        h.update(raw[i * step:(i + 1) * step])
+    keyed = hashlib.blake2b(digest_size=KEY_BYTES, key=root[:32])  # keyed once, copied per block
+    append = keys.append
+    for off in range(0, (upto_blocks - start) * step, step):
+        h = keyed.copy()
+        h.update(prev)
+        h.update(raw[off:off + step])
         prev = h.digest()
-        keys.append(prev)
+        append(prev)
     return keys
