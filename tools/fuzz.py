@@ -53,7 +53,7 @@ def life(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    spec = json.loads(args.life)
+    spec = _load_spec(args.life)
     rnd = random.Random(spec["seed"])
     extra = {"path": spec["cache"], "capacity": spec.get("capacity", "64MiB"), "staging": "4MiB"}
     # vLLM's own prefix cache is off so that a freed block holds nothing anyone may
@@ -166,14 +166,31 @@ def life(args) -> dict:
     return res
 
 
-def run_life(spec: dict) -> dict:
-    env = dict(os.environ, PYTHONPATH=ROOT, VLLM_LOGGING_LEVEL="ERROR")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--life", json.dumps(spec)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=spec.get("timeout", 600) + 300)
+def _load_spec(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _child(flag: str, spec: dict, timeout: float) -> dict:
+    """Run one child process (a life or the final check); the spec travels in a file."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        env = dict(os.environ, PYTHONPATH=ROOT, VLLM_LOGGING_LEVEL="ERROR")
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), flag, f.name], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=timeout)
+    finally:
+        os.unlink(f.name)
     for line in p.stdout.splitlines():
         if line.startswith("LIFE "):
             return json.loads(line[5:])
-    raise RuntimeError(f"fuzz life failed (exit {p.returncode}):\n{p.stderr[-5000:]}")
+    raise RuntimeError(f"fuzz {flag} failed (exit {p.returncode}):\n{p.stderr[-5000:]}")
+
+
+def run_life(spec: dict) -> dict:
+    return _child("--life", spec, spec.get("timeout", 600) + 300)
 
 
 # ---------------------------------------------------------------- stored bytes vs recomputation
@@ -194,7 +211,7 @@ def check_stored_bytes(args) -> dict:
     from aiokv.store.blockio import data_path
     from aiokv.store.store import ns_dir
 
-    spec = json.loads(args.check)
+    spec = _load_spec(args.check)
     import shutil
 
     shutil.rmtree(spec["scratch"], ignore_errors=True)  # must be empty: no hits in the recomputation
@@ -327,13 +344,7 @@ def main() -> int:
 
 
 def run_life_check(spec: dict) -> dict:
-    env = dict(os.environ, PYTHONPATH=ROOT, VLLM_LOGGING_LEVEL="ERROR")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--check", json.dumps(spec)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=900)
-    for line in p.stdout.splitlines():
-        if line.startswith("LIFE "):
-            return json.loads(line[5:])
-    raise RuntimeError(f"fuzz check failed (exit {p.returncode}):\n{p.stderr[-5000:]}")
+    return _child("--check", spec, 900)
 
 
 if __name__ == "__main__":
