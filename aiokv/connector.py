@@ -82,10 +82,13 @@ def describe(vllm_config, kv_cache_config) -> tuple[dict, int]:
     spec = groups[0].kv_cache_spec
     if not hasattr(spec, "num_kv_heads"):
         raise ValueError(f"aiokv: KV cache spec {type(spec).__name__} is not attention KV; not supported")
+    if getattr(spec, "sliding_window", None):
+        # vLLM leaves the null block in place of blocks that slid out of the window
+        raise ValueError("aiokv: sliding-window attention models are not supported yet; run this model without aiokv")
     if pc.pipeline_parallel_size != 1:
         raise ValueError("aiokv: pipeline parallelism is not supported yet; use tensor parallelism")
     model = mc.model
-    weights = weights_fingerprint(model) if os.path.isdir(model) else f"hub:{model}@{mc.revision}"
+    weights = weights_fingerprint(_local_model_dir(model, mc.revision))
     import vllm
 
     fields = {
@@ -93,6 +96,8 @@ def describe(vllm_config, kv_cache_config) -> tuple[dict, int]:
         "weights": weights,
         "revision": mc.revision,
         "hf_overrides": repr(mc.hf_overrides),
+        "quantization": str(getattr(mc, "quantization", None)),
+        "model_impl": str(getattr(mc, "model_impl", None)),
         "dtype": str(mc.dtype),
         "kv_cache_dtype": str(cc.cache_dtype),
         "block_size": spec.block_size,
@@ -111,6 +116,19 @@ def describe(vllm_config, kv_cache_config) -> tuple[dict, int]:
     }
     payload = spec.page_size_bytes * len(groups[0].layer_names)
     return fields, payload
+
+
+def _local_model_dir(model: str, revision) -> str:
+    """The directory holding the weights: the path itself, or the hub snapshot vLLM uses."""
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, revision=revision, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"aiokv: cannot find the weight files of {model} to fingerprint them ({e}); "
+                         "give vLLM a local model directory") from None
 
 
 def request_extras(request) -> list:
@@ -149,6 +167,7 @@ class AioKVConnector(KVConnectorBase_V1):
         self._sched_last: dict[str, int] = {}
         self._failed_recv: set[str] = set()
         self._idle_step = False
+        self._rank = 0
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
 
@@ -191,9 +210,12 @@ class AioKVConnector(KVConnectorBase_V1):
         return False  # best effort: a preempted request's output need not wait for us
 
     def _root(self, request) -> bytes:
-        root = self._roots.get(request.request_id)
+        # a streaming-input session keeps its id but may gain multimodal inputs
+        memo = (request.request_id, len(request.mm_features or ()))
+        root = self._roots.get(memo)
         if root is None:
-            root = self._roots[request.request_id] = request_root(self.nsid, request_extras(request))
+            self._roots = {k: v for k, v in self._roots.items() if k[0] != request.request_id}
+            root = self._roots[memo] = request_root(self.nsid, request_extras(request))
         return root
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -209,8 +231,13 @@ class AioKVConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self.sched is None:
             return
-        self.sched.on_alloc(request.request_id, request.all_token_ids, self._root(request),
-                            blocks.get_block_ids()[0], num_external_tokens)
+        try:
+            self.sched.on_alloc(request.request_id, request.all_token_ids, self._root(request),
+                                blocks.get_block_ids()[0], num_external_tokens)
+        except Exception:
+            log.exception("aiokv: preparing a load failed; it is recomputed")
+            if num_external_tokens > 0:  # vLLM now waits for this load: it must be reported, failed
+                self.sched.fail_load(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         if self.sched is None:
@@ -231,7 +258,7 @@ class AioKVConnector(KVConnectorBase_V1):
             new = c.new_block_ids[i]
             items.append(Scheduled(req_id, c.num_computed_tokens[i], count(req_id),
                                    new[0] if new is not None else None, req_id in resumed))
-        return AioKVMetadata(self.sched.plan(items))
+        return AioKVMetadata(self.sched.plan(items))  # plan() contains its own failures
 
     def update_connector_output(self, connector_output) -> None:
         if self.sched is None:
@@ -242,17 +269,24 @@ class AioKVConnector(KVConnectorBase_V1):
             for k, v in report.counters.items():
                 self._stats[k] = self._stats.get(k, 0) + v
                 self._totals[k] = self._totals.get(k, 0) + v
-        self.sched.on_report(report, connector_output.finished_recving)
+        try:
+            self.sched.on_report(report, connector_output.finished_recving)
+        except Exception:
+            log.exception("aiokv: processing the workers' report failed; its saves are not committed")
 
     def has_pending_push_work(self) -> bool:
         # keeps the engine stepping until the workers have reported every save
         return self.sched is not None and self.sched.pending_saves > 0
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._roots.pop(request.request_id, None)
+        self._roots.pop((request.request_id, len(request.mm_features or ())), None)
         if self.sched is None:
             return False, None
-        return self.sched.finished(request.request_id), None
+        try:
+            return self.sched.finished(request.request_id), None
+        except Exception:
+            log.exception("aiokv: request_finished failed; the request's blocks are freed as usual")
+            return False, None
 
     # ================= worker role =================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -260,13 +294,13 @@ class AioKVConnector(KVConnectorBase_V1):
         from aiokv.worker.device import make_device
         from aiokv.worker.transfer import TransferWorker
 
+        rank = 0
         try:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            if self.ranks > 1:  # a wrong rank would read another rank's shard: no fallback
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            rank = get_tensor_model_parallel_rank()
-        except Exception:
-            rank = 0
-        try:
+                rank = get_tensor_model_parallel_rank()
+            self._rank = rank
             names = self._kv_cache_config.kv_cache_groups[0].layer_names
             ordered = {n: kv_caches[n] for n in names if n in kv_caches}
             device = make_device(ordered, self._kv_cache_config.num_blocks)
@@ -276,9 +310,11 @@ class AioKVConnector(KVConnectorBase_V1):
             self.worker = TransferWorker(device, ns_dir(self.cfg.path, self.nsid), self.nsid, rank, self.cfg.staging, self.cfg.io,
                                          self.cfg.queue_depth, self.cfg.load_timeout)
         except Exception as e:
-            # Loads the scheduler promises are then reported failed, saves dropped.
+            # Loads the scheduler promises are then reported failed, saves dropped, and
+            # the scheduler side is told to stop offering hits and saving.
             log.error("aiokv: worker %d disabled: %s", rank, e)
             self.worker = None
+            self._report = WorkerReport(disabled=True)
 
     def _plan(self) -> StepPlan:
         meta = self._connector_metadata
@@ -289,9 +325,11 @@ class AioKVConnector(KVConnectorBase_V1):
         self._idle_step = getattr(forward_context, "attn_metadata", None) is None
         plan = self._plan()
         if self.worker is None:
+            report = self._disabled_report()
             for t in plan.loads:  # promised but impossible: recompute
                 self._errors.update(t.block_ids)
                 self._failed_recv.add(t.req_id)
+                report.load_failed.append(t.req_id)
             return
         if plan.cancel:
             self.worker.cancel(plan.cancel)
@@ -306,15 +344,26 @@ class AioKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         plan = self._plan()
-        if plan.saves and self.worker is not None:
+        if not plan.saves:
+            return
+        if self.worker is not None:
             self.worker.save(plan.saves)
+        else:
+            report = self._disabled_report()
+            for t in plan.saves:
+                report.save_failed += [(self._rank, k, s) for k, s in zip(t.keys, t.slots)]
+
+    def _disabled_report(self) -> WorkerReport:
+        if self._report is None:
+            self._report = WorkerReport(disabled=True)
+        return self._report
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker is None:
             done, self._failed_recv = self._failed_recv, set()
             return None, done or None
         if self._idle_step:
-            self.worker.wait_for_loads(IDLE_WAIT_S)
+            self.worker.wait_for_jobs(IDLE_WAIT_S)
         finished, errors, report = self.worker.poll()
         self._errors |= errors
         self._report = report

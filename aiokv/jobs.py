@@ -38,16 +38,19 @@ class WorkerReport:
 
     saved: list[tuple[int, bytes, int]] = dataclasses.field(default_factory=list)   # (rank, key, slot) written
     save_failed: list[tuple[int, bytes, int]] = dataclasses.field(default_factory=list)
-    load_bad: list[bytes] = dataclasses.field(default_factory=list)  # keys whose blocks did not verify
+    load_bad: list[tuple[bytes, int]] = dataclasses.field(default_factory=list)  # (key, slot) that did not verify
     load_failed: list[str] = dataclasses.field(default_factory=list)  # requests with any block not loaded
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
+    disabled: bool = False  # this worker could not start; its jobs all fail
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":
         counters = dict(self.counters)
         for k, v in other.counters.items():
             counters[k] = counters.get(k, 0) + v
         return WorkerReport(self.saved + other.saved, self.save_failed + other.save_failed,
-                            self.load_bad + other.load_bad, self.load_failed + other.load_failed, counters)
+                            self.load_bad + other.load_bad, self.load_failed + other.load_failed, counters,
+                            self.disabled or other.disabled)
 
     def empty(self) -> bool:
-        return not (self.saved or self.save_failed or self.load_bad or self.load_failed or self.counters)
+        return not (self.saved or self.save_failed or self.load_bad or self.load_failed or self.counters
+                    or self.disabled)

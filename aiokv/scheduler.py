@@ -20,13 +20,15 @@ Threading contract: one thread, the EngineCore scheduler thread.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
+import logging
 
 from aiokv.jobs import StepPlan, Transfer, WorkerReport
 from aiokv.keys import extend_keys
 from aiokv.store import Store
 from aiokv.store.index import Namespace
+
+log = logging.getLogger("aiokv")
 
 
 @dataclasses.dataclass
@@ -77,6 +79,7 @@ class SchedulerSide:
         # requests whose load failed: vLLM recomputes them, and must not be offered
         # the same hit again (a slow disk would make it wait and fail forever)
         self._no_hits: set[str] = set()
+        self.disabled = False  # a worker could not start: no hits, no saves from now on
 
     # ---- matching and allocation ----
     def _state(self, req_id: str, tokens, root: bytes) -> _Req:
@@ -88,7 +91,7 @@ class SchedulerSide:
 
     def match(self, req_id: str, tokens, root: bytes, num_computed: int) -> int:
         """External hit tokens beyond the num_computed local ones (block multiple)."""
-        if req_id in self._no_hits:
+        if req_id in self._no_hits or self.disabled:
             return 0
         st = self._state(req_id, tokens, root)
         usable = (len(tokens) - 1) // self.bs
@@ -114,11 +117,30 @@ class SchedulerSide:
         self.counters.hit_blocks += n
         self.counters.hit_tokens += n * self.bs
 
+    def fail_load(self, req_id: str, block_ids: list[int], num_external: int) -> None:
+        """A load vLLM now waits for but that could not be prepared: emit it with no
+        slots, so the worker reports it finished with every block failed."""
+        local = self._local_blocks.get(req_id, 0)
+        n = num_external // self.bs
+        self._loading.pop(req_id, None)
+        self._new_loads.append(Transfer(req_id, [b"\0" * 32] * n, [-1] * n, list(block_ids[local:local + n])))
+
     # ---- per step ----
     def plan(self, scheduled: list[Scheduled]) -> StepPlan:
-        self.store.flush_if_due()
+        """This step's loads and cancellations (always delivered) and saves (best effort:
+        a store error drops saves, never the step)."""
         plan = StepPlan(loads=self._new_loads, cancel=self._cancel)
         self._new_loads, self._cancel = [], []
+        if self.disabled:
+            return plan
+        try:
+            self.store.flush_if_due()
+            self._plan_saves(scheduled, plan)
+        except Exception:
+            log.exception("aiokv: planning saves failed; this step's saves are dropped")
+        return plan
+
+    def _plan_saves(self, scheduled: list[Scheduled], plan: StepPlan) -> None:
         bs = self.bs
         for s in scheduled:
             st = self._reqs.get(s.req_id)
@@ -146,7 +168,6 @@ class SchedulerSide:
             if keys:
                 plan.saves.append(Transfer(s.req_id, keys, slots, blocks))
                 self.counters.saves_planned += len(keys)
-        return plan
 
     def on_report(self, report: WorkerReport | None, finished_recving) -> None:
         if report is not None:
@@ -165,14 +186,19 @@ class SchedulerSide:
                 self.counters.saves_committed += self.store.stats.commits - before
             failed = []
             for rank, key, slot in report.save_failed:
-                entry = self._saving.pop(key, None)
-                if entry is not None and entry[0] == slot:
+                entry = self._saving.get(key)
+                if entry is not None and entry[0] == slot:  # not a stale report of an older try
+                    del self._saving[key]
                     failed.append((key, slot))
             self.store.abort(self.ns, failed)
             self.counters.save_failures += len(failed)
             self._no_hits.update(r for r in report.load_failed if r in self._reqs)
+            if report.disabled and not self.disabled:
+                self.disabled = True
+                log.error("aiokv: a worker is disabled; aiokv stops offering hits and saving")
             if report.load_bad:
-                bad = list(collections.OrderedDict.fromkeys(report.load_bad))
+                # only where the key still sits in the slot that failed (not a newer copy)
+                bad = [k for k, s in dict.fromkeys(report.load_bad) if self.ns.entries.get(k) == s]
                 self.store.drop(self.ns, bad)
                 self.counters.load_bad_blocks += len(bad)
         for req_id in finished_recving or ():

@@ -244,7 +244,10 @@ class Store:
             return
         self.stats.commits += len(recs)
         if log.records > self.checkpoint_every and log.records > len(ns.entries):
-            log.checkpoint(self._snapshot(ns))
+            try:
+                log.checkpoint(self._snapshot(ns))
+            except OSError as e:  # the journal still holds everything: try again later
+                log_warning(f"checkpoint failed ({os.strerror(e.errno or 0)}); the journal keeps growing")
 
     def abort(self, ns: Namespace, items, failed: bool = True) -> None:
         """Give back reservations whose data was not (fully) written."""
@@ -381,7 +384,9 @@ class Store:
                 self._fallocate(ns, 0, slots)
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    raise
+                    # EIO, EROFS, EFBIG...: no new space now; evicting may still make room
+                    log_warning(f"reserving disk space failed ({os.strerror(e.errno or 0)}); saves reuse evicted slots")
+                    return False
                 # a failed fallocate may have allocated part of the range: give it back
                 self._fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, slots,
                                 ignore_errors=True)
@@ -438,8 +443,11 @@ class Store:
 
     def flush_if_due(self) -> None:
         """fdatasync journals whose last sync is older than sync_interval (call often; cheap)."""
-        for log in self.logs.values():
-            log.sync_if_due()
+        for jlog in self.logs.values():
+            try:
+                jlog.sync_if_due()
+            except OSError as e:
+                log_warning(f"journal fdatasync failed ({os.strerror(e.errno or 0)})")
 
     def checkpoint(self) -> None:
         for nsid, log in self.logs.items():

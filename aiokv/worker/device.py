@@ -88,6 +88,9 @@ class Device:
     def after_step(self) -> None:
         """Called once per step after copy_out, before the next step's kernels."""
 
+    def before_loads(self) -> None:
+        """Called on vLLM's thread when loads are handed to the loop (orders them after its kernels)."""
+
     def copy_in(self, block_ids: list[int], slots: list[int]) -> None:
         raise NotImplementedError
 
@@ -162,12 +165,14 @@ class CudaDevice(Device):
         self._keep: list = []  # GPU gather buffers alive until their copies have landed
 
     def copy_out(self, block_ids, slots):
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         n = len(block_ids)
         h = fmt.HEADER_BYTES
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.out_stream):
             self.out_stream.wait_stream(compute)  # the forward that wrote the blocks comes first
+            # allocated on this stream, so the allocator cannot hand its memory to the
+            # compute stream while our gathers still read it
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
             buf = torch.empty(n, self.payload_bytes, dtype=torch.uint8, device=self.device)
             for layer, a, b in self._cols():
                 buf[:, a - h:b - h] = layer.view.index_select(0, idx).reshape(n, -1).view(torch.uint8)
@@ -177,7 +182,7 @@ class CudaDevice(Device):
             ev.record(self.out_stream)
         if self._out_event is not None and self._out_event.query():
             self._keep.clear()
-        self._keep.append(buf)
+        self._keep += [buf, idx]
         self._out_event = ev
 
     def after_step(self) -> None:
@@ -190,14 +195,21 @@ class CudaDevice(Device):
         if ev is not None:
             ev.synchronize()
 
+    def before_loads(self) -> None:
+        # vLLM computes on its own (non-default) stream: the loads' copies must come
+        # after the kernels already queued there, which may still touch freed blocks
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._compute_event = ev
+
     def copy_in(self, block_ids, slots):
         torch.cuda.set_device(self.device)  # called from the loop thread
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(slots, dtype=torch.long)
         n = len(block_ids)
         with torch.cuda.stream(self.in_stream):
-            # blocks freed by earlier steps: their last kernels come first
-            self.in_stream.wait_stream(torch.cuda.default_stream(self.device))
+            if getattr(self, "_compute_event", None) is not None:
+                self.in_stream.wait_event(self._compute_event)
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
             for layer, a, b in self._cols():
                 host = self._rows[rows, a:b]  # gathered on the host (pageable)
                 dev = host.to(self.device).view(layer.dtype).view(n, *layer.block_shape)

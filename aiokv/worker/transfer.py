@@ -62,7 +62,7 @@ class TransferWorker:
         self._counts = collections.Counter()
         self._dead = False
         self._cancel_early: set[str] = set()
-        self.load_done = threading.Event()  # set when a load finishes; see wait_for_loads
+        self.job_done = threading.Event()  # set when a load or save finishes; see wait_for_jobs
         self.loop = uvloop.new_event_loop()
         self.loop.set_exception_handler(self._on_loop_error)
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"aiokv-worker{rank}", daemon=True)
@@ -109,12 +109,16 @@ class TransferWorker:
             if self._dead:
                 self._save_done(t, None, [-errno.EIO] * len(t.keys))
                 continue
-            with self._lock:
-                slots = self.pool.acquire(len(t.keys))
-            if slots is None:
-                self._count(save_skipped_staging_full=len(t.keys))
-                self._save_done(t, None, [-errno.ENOBUFS] * len(t.keys))
-                continue
+            with self._lock:  # as many as the pool has: a big prefill is saved in part, not dropped
+                take = min(len(t.keys), self.pool.available)
+                slots = self.pool.acquire(take) if take else None
+            if take < len(t.keys):
+                rest = Transfer(t.req_id, t.keys[take:], t.slots[take:], t.block_ids[take:])
+                self._count(save_skipped_staging_full=len(rest.keys))
+                self._save_done(rest, None, [-errno.ENOBUFS] * len(rest.keys))
+                if not take:
+                    continue
+                t = Transfer(t.req_id, t.keys[:take], t.slots[:take], t.block_ids[:take])
             try:
                 self.device.copy_out(t.block_ids, slots)
             except Exception:
@@ -151,11 +155,14 @@ class TransferWorker:
         with self._lock:
             self._report.saved += ok
             self._report.save_failed += bad
+            self.job_done.set()
             self._counts.update(saves_ok_blocks=len(ok), save_failed_blocks=len(bad),
                                 bytes_written=len(ok) * self.slot_bytes)
 
     # ---- loads ----
     def load(self, transfers: list[Transfer]) -> None:
+        if transfers and not self._dead:
+            self.device.before_loads()
         for t in transfers:
             if self._dead:
                 self._load_done(t.req_id, list(t.block_ids))
@@ -178,9 +185,11 @@ class TransferWorker:
                     entry[1].cancel()  # cancels the task on the loop; its finally still reports
 
     async def _acquire(self, n: int) -> list[int]:
+        """Up to n staging slots, at least one: waits only while the pool is empty."""
         while True:
             with self._lock:
-                slots = self.pool.acquire(min(n, self.pool.count))
+                take = min(n, self.pool.available)
+                slots = self.pool.acquire(take) if take else None
             if slots is not None:
                 return slots
             self._slots_freed.clear()
@@ -207,7 +216,8 @@ class TransferWorker:
             self._load_done(t.req_id, sorted(failed))
 
     async def _load_body(self, t: Transfer, failed: set, bad_keys: list) -> None:
-        todo = [(k, s, b) for k, s, b in zip(t.keys, t.slots, t.block_ids) if s >= 0]
+        # no slot: nothing to read; block 0 is vLLM's null block and is never written
+        todo = [(k, s, b) for k, s, b in zip(t.keys, t.slots, t.block_ids) if s >= 0 and b > 0]
         i = 0
         while i < len(todo):
             slots = await self._acquire(len(todo) - i)
@@ -216,7 +226,7 @@ class TransferWorker:
                 addr = self.pool.addr
                 res = await self._blockio().read([(s, k, addr(b)) for (k, s, _), b in zip(chunk, slots)])
                 good = [(blk, st) for (k, s, blk), st, r in zip(chunk, slots, res) if r == 0]
-                bad_keys += [k for (k, _, _), r in zip(chunk, res) if r != 0]
+                bad_keys += [(k, s) for (k, s, _), r in zip(chunk, res) if r != 0]
                 if good:
                     await self._copy_in([g[0] for g in good], [g[1] for g in good])
                     failed.difference_update(g[0] for g in good)
@@ -235,7 +245,7 @@ class TransferWorker:
             t = self._loads.pop(req_id, None)
             n = len(t[0].block_ids) if t else len(failed)
             self._done_loads.append((req_id, failed))
-            self.load_done.set()
+            self.job_done.set()
             if failed:
                 self._report.load_failed.append(req_id)
             self._counts.update(loads_ok_blocks=n - len(failed), load_failed_blocks=len(failed))
@@ -265,16 +275,16 @@ class TransferWorker:
         for t, _ in saves:
             self._save_done(t, None, [-errno.EIO] * len(t.keys))
 
-    def wait_for_loads(self, timeout: float) -> None:
-        """Block (GIL released) until some load finishes or `timeout` passes; returns
-        at once when none is outstanding. An engine with nothing to compute but
-        waiting loads calls this instead of spinning empty steps, which would
-        keep the loop thread from the GIL."""
+    def wait_for_jobs(self, timeout: float) -> None:
+        """Block (GIL released) until some load or save finishes or `timeout` passes;
+        returns at once when none is outstanding or one has just finished. An engine
+        with nothing to compute but waiting jobs calls this instead of spinning empty
+        steps, which would keep the loop thread from the GIL."""
         with self._lock:
-            if not self._loads or self._done_loads:
+            if not (self._loads or self._saves) or self._done_loads:
                 return
-            self.load_done.clear()
-        self.load_done.wait(timeout)
+            self.job_done.clear()
+        self.job_done.wait(timeout)
 
     @property
     def in_flight(self) -> int:
