@@ -108,3 +108,25 @@ def test_capacity_bound_holds_during_a_run(tiny_model, tmp_path):
     on_disk = sum(os.stat(os.path.join(ns, f)).st_blocks * 512 for f in os.listdir(ns) if f.endswith(".data"))
     assert on_disk <= 2 << 20, on_disk
     assert_clean(res)
+
+
+def test_worker_that_cannot_start_disables_aiokv(tiny_model, tmp_path, io_uring_refused):
+    """io="uring" forced where io_uring is refused: the worker cannot start. Loads
+    the scheduler side promised before it learned so are recomputed, then aiokv
+    stops offering hits and saving; vLLM serves on, nothing leaks or waits."""
+    cache = str(tmp_path / "c")
+    base = run(dict(model=tiny_model, phases=[dict(prompts=PS)]))
+    with open(SYSCTL, "w") as f:
+        f.write("0")
+    cold = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]))
+    with open(SYSCTL, "w") as f:
+        f.write("2")
+    res = run(dict(model=tiny_model, cache=cache, extra={"io": "uring"},
+                   phases=[dict(prompts=PS[:1]), dict(prompts=PS[1:])]))
+    assert "worker 0 disabled" in res["log"]
+    assert res["tokens"][0] + res["tokens"][1] == base["tokens"][0] == cold["tokens"][0]
+    c = res["counters"]
+    assert c["pending_saves"] == 0 and c["pinned"] == 0
+    assert c.get("saves_committed", 0) == 0
+    assert c["hit_requests"] <= 1, "after the first report, no more hits are offered"
+    assert res["free_blocks"] == res["total_blocks"] - 1 and res["requests_left"] == 0
