@@ -327,7 +327,8 @@ def main() -> int:
                      "load_bad_blocks"):
             if c.get(name):
                 problems.append(f"{name} = {c[name]} at the end")
-        if c.get("loads_ok_blocks", 0) + c.get("load_failed_blocks", 0) != c.get("hit_blocks", 0):
+        if (c.get("loads_ok_blocks", 0) + c.get("load_failed_blocks", 0) + c.get("load_cancelled_blocks", 0)
+                != c.get("hit_blocks", 0)):
             problems.append("loads do not add up to hits")
         summary["lives"].append({"life": n, "steps": got["steps"], "finished": len(finished),
                                  "preemptions": got["preemptions"], "poisoned_blocks": got["poisoned"],

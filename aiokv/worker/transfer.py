@@ -39,7 +39,8 @@ from aiokv.store.blockio import BlockIO
 
 log = logging.getLogger("aiokv")
 
-COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_timeouts", "loads_cancelled", "saves_ok_blocks",
+COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_cancelled_blocks", "load_timeouts", "loads_cancelled",
+            "saves_ok_blocks",
             "save_failed_blocks", "save_skipped_staging_full", "bytes_read", "bytes_written")
 
 
@@ -198,6 +199,7 @@ class TransferWorker:
     async def _load(self, t: Transfer) -> None:
         failed = set(t.block_ids)  # until proven loaded
         bad_keys: list[bytes] = []
+        cancelled = False
         try:
             if t.req_id in self._cancel_early:
                 self._cancel_early.discard(t.req_id)
@@ -207,13 +209,14 @@ class TransferWorker:
             self._count(load_timeouts=1)
             log.warning("aiokv: a load took over %.0f s; it is recomputed instead", self.load_timeout)
         except asyncio.CancelledError:
+            cancelled = True  # the request is gone: not a failure of the cache
             self._count(loads_cancelled=1)
         except Exception:
             log.exception("aiokv: a load failed; its blocks are recomputed")
         finally:
             with self._lock:
                 self._report.load_bad += bad_keys
-            self._load_done(t.req_id, sorted(failed))
+            self._load_done(t.req_id, sorted(failed), cancelled)
 
     async def _load_body(self, t: Transfer, failed: set, bad_keys: list) -> None:
         # no slot: nothing to read; block 0 is vLLM's null block and is never written
@@ -240,7 +243,7 @@ class TransferWorker:
         # and no hop to another thread waits for the GIL a second time.
         self.device.copy_in(block_ids, slots)
 
-    def _load_done(self, req_id: str, failed: list[int]) -> None:
+    def _load_done(self, req_id: str, failed: list[int], cancelled: bool = False) -> None:
         with self._lock:
             t = self._loads.pop(req_id, None)
             n = len(t[0].block_ids) if t else len(failed)
@@ -248,7 +251,8 @@ class TransferWorker:
             self.job_done.set()
             if failed:
                 self._report.load_failed.append(req_id)
-            self._counts.update(loads_ok_blocks=n - len(failed), load_failed_blocks=len(failed))
+            self._counts.update(loads_ok_blocks=n - len(failed))
+            self._counts.update(**{"load_cancelled_blocks" if cancelled else "load_failed_blocks": len(failed)})
 
     # ---- results ----
     def poll(self) -> tuple[set[str], set[int], WorkerReport]:
