@@ -97,7 +97,10 @@ class TransferWorker:
         with self._lock:
             self.pool.release(slots)
         if self._slots_freed is not None:
-            self.loop.call_soon_threadsafe(self._slots_freed.set)
+            try:
+                self.loop.call_soon_threadsafe(self._slots_freed.set)
+            except RuntimeError:
+                pass  # the loop is closed: nobody waits for slots any more
 
     def _count(self, **kw) -> None:
         with self._lock:
@@ -129,8 +132,16 @@ class TransferWorker:
                 continue
             with self._lock:
                 self._save_ids += 1
-                self._saves[self._save_ids] = (t, slots)
-            asyncio.run_coroutine_threadsafe(self._save(self._save_ids, t, slots), self.loop)
+                job = self._save_ids
+                self._saves[job] = (t, slots)
+            try:
+                asyncio.run_coroutine_threadsafe(self._save(job, t, slots), self.loop)
+            except Exception:  # the loop is gone: this save fails, vLLM goes on
+                log.exception("aiokv: the worker loop did not take a save")
+                with self._lock:
+                    self._saves.pop(job, None)
+                self._release(slots)
+                self._save_done(t, None, [-errno.EIO] * len(t.keys))
         self.device.after_step()
 
     async def _save(self, job: int, t: Transfer, slots: list[int]) -> None:
@@ -170,7 +181,12 @@ class TransferWorker:
                 continue
             with self._lock:  # registered before it can finish, so _load_done finds it
                 self._loads[t.req_id] = (t, None)
-            fut = asyncio.run_coroutine_threadsafe(self._load(t), self.loop)
+            try:
+                fut = asyncio.run_coroutine_threadsafe(self._load(t), self.loop)
+            except Exception:  # the loop is gone: report this load failed, never lose it
+                log.exception("aiokv: the worker loop did not take a load")
+                self._load_done(t.req_id, list(t.block_ids))
+                continue
             with self._lock:
                 if t.req_id in self._loads:
                     self._loads[t.req_id] = (t, fut)
