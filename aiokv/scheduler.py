@@ -96,7 +96,7 @@ class SchedulerSide:
         st = self._state(req_id, tokens, root)
         usable = (len(tokens) - 1) // self.bs
         extend_keys(st.keys, root, tokens, self.bs, usable)
-        hit = self.store.lookup(self.ns, st.keys[:usable] if len(st.keys) > usable else st.keys)
+        hit = self.store.lookup(self.ns, st.keys, usable)  # keys may run past usable (decode)
         local = num_computed // self.bs
         self._local_blocks[req_id] = local
         return (hit - local) * self.bs if hit > local else 0

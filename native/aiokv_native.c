@@ -338,48 +338,43 @@ static inline uint32_t crc_shift(const uint32_t zeros[4][256], uint32_t crc) {
  * throughput of 1 per cycle, so one serial chain runs at a third of the
  * instruction's rate. */
 #if defined(__x86_64__)
+/* Three interleaved crc32q chains over 3 * len-byte stripes, merged with the
+ * shift table for len bytes; consumes whole stripes from *p / *n. */
+__attribute__((target("sse4.2"))) static uint64_t crc_3way(uint64_t c0, const uint8_t **pp, size_t *np,
+                                                          size_t len, const uint32_t table[4][256]) {
+    const uint8_t *p = *pp;
+    size_t n = *np;
+    while (n >= 3 * len) {
+        uint64_t c1 = 0, c2 = 0;
+        const uint8_t *end = p + len;
+        do {
+            uint64_t a, b, d;
+            memcpy(&a, p, 8);
+            memcpy(&b, p + len, 8);
+            memcpy(&d, p + 2 * len, 8);
+            c0 = __builtin_ia32_crc32di(c0, a);
+            c1 = __builtin_ia32_crc32di(c1, b);
+            c2 = __builtin_ia32_crc32di(c2, d);
+            p += 8;
+        } while (p < end);
+        c0 = crc_shift(table, (uint32_t)c0) ^ (uint32_t)c1;
+        c0 = crc_shift(table, (uint32_t)c0) ^ (uint32_t)c2;
+        p += 2 * len;
+        n -= 3 * len;
+    }
+    *pp = p;
+    *np = n;
+    return c0;
+}
+
 __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n) {
-    uint64_t c0 = crc, c1, c2;
+    uint64_t c0 = crc;
     while (n && ((uintptr_t)p & 7)) {
         c0 = __builtin_ia32_crc32qi((uint32_t)c0, *p++);
         n--;
     }
-    while (n >= 3 * CRC_LONG) {
-        c1 = c2 = 0;
-        const uint8_t *end = p + CRC_LONG;
-        do {
-            uint64_t a, b, d;
-            memcpy(&a, p, 8);
-            memcpy(&b, p + CRC_LONG, 8);
-            memcpy(&d, p + 2 * CRC_LONG, 8);
-            c0 = __builtin_ia32_crc32di(c0, a);
-            c1 = __builtin_ia32_crc32di(c1, b);
-            c2 = __builtin_ia32_crc32di(c2, d);
-            p += 8;
-        } while (p < end);
-        c0 = crc_shift(crc_long, (uint32_t)c0) ^ (uint32_t)c1;
-        c0 = crc_shift(crc_long, (uint32_t)c0) ^ (uint32_t)c2;
-        p += 2 * CRC_LONG;
-        n -= 3 * CRC_LONG;
-    }
-    while (n >= 3 * CRC_SHORT) {
-        c1 = c2 = 0;
-        const uint8_t *end = p + CRC_SHORT;
-        do {
-            uint64_t a, b, d;
-            memcpy(&a, p, 8);
-            memcpy(&b, p + CRC_SHORT, 8);
-            memcpy(&d, p + 2 * CRC_SHORT, 8);
-            c0 = __builtin_ia32_crc32di(c0, a);
-            c1 = __builtin_ia32_crc32di(c1, b);
-            c2 = __builtin_ia32_crc32di(c2, d);
-            p += 8;
-        } while (p < end);
-        c0 = crc_shift(crc_short, (uint32_t)c0) ^ (uint32_t)c1;
-        c0 = crc_shift(crc_short, (uint32_t)c0) ^ (uint32_t)c2;
-        p += 2 * CRC_SHORT;
-        n -= 3 * CRC_SHORT;
-    }
+    c0 = crc_3way(c0, &p, &n, CRC_LONG, crc_long);
+    c0 = crc_3way(c0, &p, &n, CRC_SHORT, crc_short);
     while (n >= 8) {
         uint64_t v;
         memcpy(&v, p, 8);

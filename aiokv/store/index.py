@@ -109,13 +109,13 @@ class Index:
     def _atime(self, nsid: bytes, key: bytes) -> int:
         return self.namespaces[nsid].atime.get(key, 0)
 
-    def lookup(self, ns: Namespace, keys) -> int:
-        """Length of the run of committed keys at the start of `keys`. No side effects."""
+    def lookup(self, ns: Namespace, keys, limit: int | None = None) -> int:
+        """Length of the run of committed keys at the start of `keys` (at most `limit`).
+        No side effects."""
         entries = ns.entries
         n = 0
-        for k in keys:
-            if k not in entries:
-                break
+        stop = len(keys) if limit is None else min(limit, len(keys))
+        while n < stop and keys[n] in entries:
             n += 1
         return n
 

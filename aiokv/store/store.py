@@ -201,8 +201,8 @@ class Store:
         return ns
 
     # ---- lookups and commits (owner) ----
-    def lookup(self, ns: Namespace, keys) -> int:
-        return self.index.lookup(ns, keys)
+    def lookup(self, ns: Namespace, keys, limit: int | None = None) -> int:
+        return self.index.lookup(ns, keys, limit)
 
     def reserve(self, ns: Namespace, key: bytes) -> int | None:
         """A slot for `key`, evicting if needed; None if present, pending, or no space."""

@@ -125,28 +125,27 @@ class CpuDevice(Device):
         return dev.numpy().tobytes(), stg.numpy().tobytes(), self._flat[0][3]
 
     def copy_out(self, block_ids, slots):
-        if self._flat is not None:
-            dev, stg, nbytes = self._addrs(block_ids, slots)
-            _native.memcpy_many(stg, dev, nbytes)
-            return
-        src_idx = torch.tensor(block_ids, dtype=torch.long)
-        dst_idx = torch.tensor(slots, dtype=torch.long)
-        n = len(block_ids)
-        for layer, a, b in self._cols():
-            src = layer.view.index_select(0, src_idx).reshape(n, -1).view(torch.uint8)
-            self._rows[:, a:b].index_copy_(0, dst_idx, src)
+        self._copy(block_ids, slots, out=True)
 
     def copy_in(self, block_ids, slots):
+        self._copy(block_ids, slots, out=False)
+
+    def _copy(self, block_ids, slots, out: bool) -> None:
+        """KV blocks -> staging slots (out) or back, whole blocks of every layer."""
         if self._flat is not None:
             dev, stg, nbytes = self._addrs(block_ids, slots)
-            _native.memcpy_many(dev, stg, nbytes)
+            _native.memcpy_many(stg, dev, nbytes) if out else _native.memcpy_many(dev, stg, nbytes)
             return
-        dst_idx = torch.tensor(block_ids, dtype=torch.long)
-        src_idx = torch.tensor(slots, dtype=torch.long)
+        blocks = torch.tensor(block_ids, dtype=torch.long)
+        rows = torch.tensor(slots, dtype=torch.long)
         n = len(block_ids)
         for layer, a, b in self._cols():
-            src = self._rows[:, a:b].index_select(0, src_idx).view(layer.dtype).view(n, *layer.block_shape)
-            layer.view.index_copy_(0, dst_idx, src)
+            if out:
+                self._rows[:, a:b].index_copy_(0, rows, layer.view.index_select(0, blocks).reshape(n, -1)
+                                               .view(torch.uint8))
+            else:
+                src = self._rows[:, a:b].index_select(0, rows).view(layer.dtype).view(n, *layer.block_shape)
+                layer.view.index_copy_(0, blocks, src)
 
 
 class CudaDevice(Device):
