@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 from typing import Any
 
@@ -26,17 +27,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from aiokv.config import AioKVConfig
 from aiokv.jobs import StepPlan, WorkerReport
 from aiokv.keys import namespace_id, request_root
+from aiokv.layout import FULL, STATE, WINDOW, GroupSpec
 
 log = logging.getLogger("aiokv")
-HYBRID_ERROR = ("aiokv: hybrid models (attention mixed with recurrent/Mamba or other KV cache groups) need "
-                "vLLM's SupportsHMA, which aiokv does not support yet; run this model without aiokv")
 IDLE_WAIT_S = 0.002  # how long an engine step with nothing to compute waits for a load
 
 
@@ -71,28 +73,24 @@ class AioKVStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-def describe(vllm_config, kv_cache_config) -> tuple[dict, int]:
-    """Namespace fields (all that changes the bytes of a block) and payload bytes per rank."""
+def describe(vllm_config, kv_cache_config) -> tuple[dict, list[GroupSpec]]:
+    """Namespace fields (all that changes the bytes of a block) and what aiokv stores per KV-cache group."""
     from aiokv.fingerprint import weights_fingerprint
 
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(HYBRID_ERROR)
-    spec = groups[0].kv_cache_spec
-    if not hasattr(spec, "num_kv_heads"):
-        raise ValueError(f"aiokv: KV cache spec {type(spec).__name__} is not attention KV; not supported")
-    if getattr(spec, "sliding_window", None):
-        # vLLM leaves the null block in place of blocks that slid out of the window
-        raise ValueError("aiokv: sliding-window attention models are not supported yet; run this model without aiokv")
     if pc.pipeline_parallel_size != 1:
         raise ValueError("aiokv: pipeline parallelism is not supported yet; use tensor parallelism")
-    model = mc.model
-    weights = weights_fingerprint(_local_model_dir(model, mc.revision))
+    groups = [_group_spec(i, g, cc) for i, g in enumerate(kv_cache_config.kv_cache_groups)]
+    sizes = {g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups}
+    if len(sizes) != 1:
+        raise ValueError(f"aiokv: KV-cache groups with different block sizes {sorted(sizes)} are not supported; "
+                         "run this model without aiokv")
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    weights = weights_fingerprint(_local_model_dir(mc.model, mc.revision))
     import vllm
 
     fields = {
-        "model": model,
+        "model": mc.model,
         "weights": weights,
         "revision": mc.revision,
         "hf_overrides": repr(mc.hf_overrides),
@@ -101,12 +99,6 @@ def describe(vllm_config, kv_cache_config) -> tuple[dict, int]:
         "dtype": str(mc.dtype),
         "kv_cache_dtype": str(cc.cache_dtype),
         "block_size": spec.block_size,
-        "spec": type(spec).__name__,
-        "kv_dtype": str(spec.dtype),
-        "num_kv_heads": spec.num_kv_heads,
-        "head_size": spec.head_size,
-        "sliding_window": getattr(spec, "sliding_window", None),
-        "layers": len(groups[0].layer_names),
         "tp": pc.tensor_parallel_size,
         "pp": pc.pipeline_parallel_size,
         "device": str(vllm_config.device_config.device_type),
@@ -114,8 +106,49 @@ def describe(vllm_config, kv_cache_config) -> tuple[dict, int]:
         "attention_env": os.environ.get("VLLM_ATTENTION_BACKEND"),
         "vllm": ".".join(vllm.__version__.split(".")[:2]),
     }
-    payload = spec.page_size_bytes * len(groups[0].layer_names)
-    return fields, payload
+    if len(groups) == 1 and groups[0].kind == FULL and not groups[0].replicated:
+        # one full-attention group: the fields (so the namespace) of aiokv's first format
+        fields.update({"spec": type(spec).__name__, "kv_dtype": str(spec.dtype), "num_kv_heads": spec.num_kv_heads,
+                       "head_size": spec.head_size, "sliding_window": None, "layers": len(groups[0].layer_names)})
+    else:
+        fields["groups"] = [_group_fields(g, k.kv_cache_spec) for g, k in zip(groups, kv_cache_config.kv_cache_groups)]
+    return fields, groups
+
+
+def _group_spec(index: int, group, cache_config) -> GroupSpec:
+    """What aiokv stores for one of vLLM's KV-cache groups; refuses, with one line, what it cannot."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    spec, names = group.kv_cache_spec, tuple(group.layer_names)
+    kind = type(spec)
+    if kind is FullAttentionSpec or kind is MLAAttentionSpec:
+        return GroupSpec(index, FULL, spec.page_size_bytes * len(names), names, replicated=kind is MLAAttentionSpec)
+    if kind is SlidingWindowSpec:
+        return GroupSpec(index, WINDOW, spec.page_size_bytes * len(names), names,
+                         window=spec.sliding_window + getattr(spec, "extra_retained_tokens", 0))
+    if kind is MambaSpec:
+        mode = getattr(spec, "mamba_cache_mode", None)
+        if mode != "align":
+            raise ValueError(f"aiokv: recurrent-state (Mamba / gated delta net) layers need vLLM's "
+                             f"mamba_cache_mode='align', not {mode!r}: turn prefix caching on "
+                             "(enable_prefix_caching=True, or --mamba-cache-mode align)")
+        if getattr(spec, "num_speculative_blocks", 0):
+            raise ValueError("aiokv: speculative decoding with recurrent-state layers is not supported yet; "
+                             "run without speculative decoding or without aiokv")
+        state = sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(spec.shapes, spec.dtypes))
+        return GroupSpec(index, STATE, state * len(names), names)
+    raise ValueError(f"aiokv: KV cache spec {kind.__name__} (group {index}) is not supported yet; "
+                     "run this model without aiokv")
+
+
+def _group_fields(g: GroupSpec, spec) -> dict:
+    out = {"kind": g.kind, "spec": type(spec).__name__, "layers": list(g.layer_names),
+           "payload": g.payload_bytes, "window": g.window, "replicated": g.replicated}
+    for name in ("dtype", "num_kv_heads", "head_size", "head_size_v", "shapes", "dtypes", "mamba_type",
+                 "kv_quant_mode", "cache_dtype_str"):
+        if hasattr(spec, name):
+            out[name] = str(getattr(spec, name))
+    return out
 
 
 def _local_model_dir(model: str, revision) -> str:
@@ -149,12 +182,15 @@ def request_extras(request) -> list:
     return extras
 
 
-class AioKVConnector(KVConnectorBase_V1):
+class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = AioKVConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
-        self.fields, self.payload = describe(vllm_config, kv_cache_config)
-        self.nsid = namespace_id(self.fields)
+        self.fields, self.groups = describe(vllm_config, kv_cache_config)
+        self.nsid = namespace_id(self.fields)  # the model's; keys are rooted here
+        # one store namespace per group (a single full-attention group keeps the model's)
+        self.group_nsids = [self.nsid] if "groups" not in self.fields else \
+            [namespace_id({"model": self.nsid.hex(), "group": g.index}) for g in self.groups]
         self.block_size = self.fields["block_size"]
         self.ranks = vllm_config.parallel_config.tensor_parallel_size
         self.sched = None
@@ -166,6 +202,7 @@ class AioKVConnector(KVConnectorBase_V1):
         self._totals: dict[str, int] = {}    # worker counters since start
         self._sched_last: dict[str, int] = {}
         self._failed_recv: set[str] = set()
+        self._failed_now: set[str] = set()   # several groups: loads failed, reported as failed_recving
         self._idle_step = False
         self._rank = 0
         if role == KVConnectorRole.SCHEDULER:
@@ -190,20 +227,14 @@ class AioKVConnector(KVConnectorBase_V1):
             log.error("aiokv: cannot use cache directory %s (%s); aiokv is disabled and vLLM runs without it",
                       self.cfg.path, e.strerror or e)
             return
-        ns = store.namespace(self.nsid, self.payload, ranks=self.ranks, fields=self.fields)
-        self.sched = SchedulerSide(store, ns, self.block_size)
-        log.info("aiokv: cache %s, namespace %s, %d blocks stored", self.cfg.path, ns.hex, len(ns.entries))
-
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config):
-        # vLLM asks this while it sets up attention, before it builds the KV cache
-        # spec: the one early place to refuse a hybrid model with a clear line
-        # (otherwise vLLM, which turns HMA off for connectors without SupportsHMA,
-        # fails later with "Failed to promote local KV cache specs").
-        mc = getattr(vllm_config, "model_config", None)
-        if mc is not None and getattr(mc, "is_hybrid", False):
-            raise ValueError(HYBRID_ERROR)
-        return None
+        spaces = []
+        for g, nsid in zip(self.groups, self.group_nsids):
+            fields = self.fields if len(self.groups) == 1 else {**self.fields, "group": g.index}
+            spaces.append((g, store.namespace(nsid, g.payload_bytes, ranks=1 if g.replicated else self.ranks,
+                                              fields=fields)))
+        self.sched = SchedulerSide(store, spaces, self.block_size)
+        log.info("aiokv: cache %s, namespace %s (%s), %d blocks stored", self.cfg.path, self.nsid.hex(),
+                 ", ".join(g.kind for g in self.groups), sum(len(ns.entries) for _, ns in spaces))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -233,11 +264,11 @@ class AioKVConnector(KVConnectorBase_V1):
             return
         try:
             self.sched.on_alloc(request.request_id, request.all_token_ids, self._root(request),
-                                blocks.get_block_ids()[0], num_external_tokens)
+                                blocks.get_block_ids(), num_external_tokens)
         except Exception:
             log.exception("aiokv: preparing a load failed; it is recomputed")
             if num_external_tokens > 0:  # vLLM now waits for this load: it must be reported, failed
-                self.sched.fail_load(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+                self.sched.fail_load(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         if self.sched is None:
@@ -250,15 +281,16 @@ class AioKVConnector(KVConnectorBase_V1):
         def count(req_id: str) -> int:
             return n_sched.get(req_id, 0) - len(spec.get(req_id, ()))
 
-        items = [Scheduled(r.req_id, r.num_computed_tokens, count(r.req_id), r.block_ids[0], True)
+        items = [Scheduled(r.req_id, r.num_computed_tokens, count(r.req_id), r.block_ids, True)
                  for r in scheduler_output.scheduled_new_reqs]
         c = scheduler_output.scheduled_cached_reqs
         resumed = c.resumed_req_ids or set()
         for i, req_id in enumerate(c.req_ids):
             new = c.new_block_ids[i]
-            items.append(Scheduled(req_id, c.num_computed_tokens[i], count(req_id),
-                                   new[0] if new is not None else None, req_id in resumed))
-        return AioKVMetadata(self.sched.plan(items))  # plan() contains its own failures
+            items.append(Scheduled(req_id, c.num_computed_tokens[i], count(req_id), new, req_id in resumed))
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        boundary = state.boundary_state_offloads if state is not None else None
+        return AioKVMetadata(self.sched.plan(items, boundary))  # plan() contains its own failures
 
     def update_connector_output(self, connector_output) -> None:
         if self.sched is None:
@@ -278,6 +310,9 @@ class AioKVConnector(KVConnectorBase_V1):
         # keeps the engine stepping until the workers have reported every save
         return self.sched is not None and self.sched.pending_saves > 0
 
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])  # nothing is held past the step: block ids unused
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._roots.pop((request.request_id, len(request.mm_features or ())), None)
         if self.sched is None:
@@ -292,27 +327,39 @@ class AioKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from aiokv.store.store import ns_dir
         from aiokv.worker.device import make_device
+        from aiokv.worker.groups import GroupedWorker
         from aiokv.worker.transfer import TransferWorker
 
         rank = 0
+        workers: dict = {}
         try:
             if self.ranks > 1:  # a wrong rank would read another rank's shard: no fallback
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
                 rank = get_tensor_model_parallel_rank()
             self._rank = rank
-            names = self._kv_cache_config.kv_cache_groups[0].layer_names
-            ordered = {n: kv_caches[n] for n in names if n in kv_caches}
-            device = make_device(ordered, self._kv_cache_config.num_blocks)
-            if device.payload_bytes != self.payload:
-                raise ValueError(f"aiokv: the KV tensors hold {device.payload_bytes} bytes per block, the "
-                                 f"KV cache spec says {self.payload}; this layout is not supported")
-            self.worker = TransferWorker(device, ns_dir(self.cfg.path, self.nsid), self.nsid, rank, self.cfg.staging, self.cfg.io,
-                                         self.cfg.queue_depth, self.cfg.load_timeout)
+            staging = max(1, self.cfg.staging // len(self.groups))
+            for g, nsid in zip(self.groups, self.group_nsids):
+                ordered = {n: kv_caches[n] for n in g.layer_names if n in kv_caches}
+                device = make_device(ordered, self._kv_cache_config.num_blocks)
+                if device.payload_bytes != g.payload_bytes:
+                    raise ValueError(f"aiokv: the KV tensors of group {g.index} hold {device.payload_bytes} bytes "
+                                     f"per block, the KV cache spec says {g.payload_bytes}; this layout is not "
+                                     "supported")
+                # replicated KV (MLA) is stored once, as rank 0's, and read by every rank
+                workers[g.index] = TransferWorker(device, ns_dir(self.cfg.path, nsid), nsid,
+                                                  0 if g.replicated else rank, staging, self.cfg.io,
+                                                  self.cfg.queue_depth, self.cfg.load_timeout)
+            self.worker = GroupedWorker(workers, {g.index for g in self.groups if rank == 0 or not g.replicated})
         except Exception as e:
             # Loads the scheduler promises are then reported failed, saves dropped, and
             # the scheduler side is told to stop offering hits and saving.
             log.error("aiokv: worker %d disabled: %s", rank, e)
+            for w in workers.values():
+                try:
+                    w.close()
+                except Exception:
+                    pass
             self.worker = None
             self._report = WorkerReport(disabled=True)
 
@@ -327,7 +374,8 @@ class AioKVConnector(KVConnectorBase_V1):
         if self.worker is None:
             report = self._disabled_report()
             for t in plan.loads:  # promised but impossible: recompute
-                self._errors.update(t.block_ids)
+                if len(self.groups) == 1:
+                    self._errors.update(t.block_ids)
                 self._failed_recv.add(t.req_id)
                 report.load_failed.append(t.req_id)
             return
@@ -351,7 +399,7 @@ class AioKVConnector(KVConnectorBase_V1):
         else:
             report = self._disabled_report()
             for t in plan.saves:
-                report.save_failed += [(self._rank, k, s) for k, s in zip(t.keys, t.slots)]
+                report.save_failed += [(self._rank, k, s, t.group) for k, s in zip(t.keys, t.slots)]
 
     def _disabled_report(self) -> WorkerReport:
         if self._report is None:
@@ -361,13 +409,25 @@ class AioKVConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker is None:
             done, self._failed_recv = self._failed_recv, set()
+            if len(self.groups) > 1:
+                self._failed_now |= done
             return None, done or None
         if self._idle_step:
             self.worker.wait_for_jobs(IDLE_WAIT_S)
-        finished, errors, report = self.worker.poll()
-        self._errors |= errors
+        finished, errors, failed, report = self.worker.poll()
+        if len(self.groups) == 1:
+            self._errors |= errors  # per block: vLLM keeps the blocks that did load
+        else:
+            # vLLM's per-block path refuses several groups: the whole request is recomputed
+            self._failed_now |= failed
         self._report = report
         return None, finished or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_now = self._failed_now, set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -410,7 +470,7 @@ class AioKVConnector(KVConnectorBase_V1):
             out["pinned"] = len(self.sched.store.index.pins)
         if self.worker is not None:
             out["worker_in_flight"] = self.worker.in_flight
-            out["staging_in_use"] = self.worker.pool.in_use
+            out["staging_in_use"] = self.worker.staging_in_use
         return out
 
     def shutdown(self) -> None:

@@ -18,6 +18,7 @@ class Transfer:
     keys: list[bytes]
     slots: list[int]      # store slots (same slot number in every rank's data file)
     block_ids: list[int]  # vLLM KV block ids
+    group: int = 0        # vLLM KV-cache group (aiokv/layout.py): its own store namespace
 
 
 @dataclasses.dataclass
@@ -36,9 +37,9 @@ class StepPlan:
 class WorkerReport:
     """What workers tell the scheduler side after a step (merged across ranks)."""
 
-    saved: list[tuple[int, bytes, int]] = dataclasses.field(default_factory=list)   # (rank, key, slot) written
-    save_failed: list[tuple[int, bytes, int]] = dataclasses.field(default_factory=list)
-    load_bad: list[tuple[bytes, int]] = dataclasses.field(default_factory=list)  # (key, slot) that did not verify
+    saved: list[tuple[int, bytes, int, int]] = dataclasses.field(default_factory=list)  # (rank, key, slot, group)
+    save_failed: list[tuple[int, bytes, int, int]] = dataclasses.field(default_factory=list)
+    load_bad: list[tuple[bytes, int, int]] = dataclasses.field(default_factory=list)  # (key, slot, group) not verified
     load_failed: list[str] = dataclasses.field(default_factory=list)  # requests with any block not loaded
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
     disabled: bool = False  # this worker could not start; its jobs all fail

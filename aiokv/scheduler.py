@@ -2,11 +2,14 @@
 load/save intents. Runs in vLLM's EngineCore process; imports no vLLM.
 
 Rules it keeps (docs/design.md):
-- A hit is the run of committed keys at the start of the request's full blocks,
-  capped so at least one token is left to compute. `match` has no side effects
-  beyond memoising the request's keys; vLLM may call it many times.
-- A load is one explicit Transfer (keys, slots, block ids) built once at
-  allocation; its keys are pinned (not evictable) until the workers report the
+- A hit is the longest run of full blocks, capped so at least one token is left
+  to compute, for which every KV-cache group has what vLLM will load: every
+  block for full attention, the blocks inside the window that ends at the hit
+  for sliding-window groups, the state checkpoint at the hit's end for
+  recurrent-state groups (aiokv/layout.py). `match` has no side effects beyond
+  memoising the request's keys; vLLM may call it many times.
+- A load is one explicit Transfer (keys, slots, block ids) per group built once
+  at allocation from the block ids vLLM allocated (null blocks are skipped); its keys are pinned (not evictable) until the workers report the
   request in finished_recving, whatever happened to the request meanwhile.
 - A block is saved only when all its tokens were computed in the current life
   of the request (blocks from before a preemption, a local prefix hit or a load
@@ -25,6 +28,7 @@ import logging
 
 from aiokv.jobs import StepPlan, Transfer, WorkerReport
 from aiokv.keys import extend_keys
+from aiokv.layout import FULL, STATE, GroupSpec
 from aiokv.store import Store
 from aiokv.store.index import Namespace
 
@@ -38,8 +42,14 @@ class Scheduled:
     req_id: str
     num_computed: int         # tokens computed before this step
     num_scheduled: int        # tokens computed in this step (spec tokens excluded)
-    block_ids: list[int] | None  # new requests/resumed: the whole table; running: appended ids
-    replace: bool             # True: block_ids is the whole table (new or resumed request)
+    block_ids: tuple[list[int], ...] | None  # per group; new/resumed: whole tables; running: appended ids
+    replace: bool             # True: block_ids are the whole tables (new or resumed request)
+
+
+@dataclasses.dataclass
+class _Group:
+    spec: GroupSpec
+    ns: Namespace
 
 
 @dataclasses.dataclass
@@ -47,8 +57,8 @@ class _Req:
     tokens: object            # the live token list of the request (prompt + output)
     root: bytes
     keys: list[bytes] = dataclasses.field(default_factory=list)
-    block_ids: list[int] = dataclasses.field(default_factory=list)
-    next_save: int = 0        # first block index not yet considered for saving in this life
+    block_ids: list[list[int]] = dataclasses.field(default_factory=list)  # per group
+    next_save: list[int] = dataclasses.field(default_factory=list)  # per group: first block not yet considered
 
 
 @dataclasses.dataclass
@@ -64,18 +74,22 @@ class SchedulerCounters:
 
 
 class SchedulerSide:
-    def __init__(self, store: Store, ns: Namespace, block_size: int):
+    def __init__(self, store: Store, groups: "list[tuple[GroupSpec, Namespace]] | Namespace", block_size: int):
+        if isinstance(groups, Namespace):  # one full-attention group
+            groups = [(GroupSpec(0, FULL, groups.payload_bytes, ()), groups)]
         self.store = store
-        self.ns = ns
+        self.groups = [_Group(spec, ns) for spec, ns in groups]
+        self.ns = self.groups[0].ns
         self.bs = block_size
-        self.ranks = ns.ranks
+        self._full = [g for g in self.groups if g.spec.kind == FULL]
+        self._partial = [g for g in self.groups if g.spec.kind != FULL]
         self.counters = SchedulerCounters()
         self._reqs: dict[str, _Req] = {}
         self._local_blocks: dict[str, int] = {}        # from the last match, used by on_alloc
         self._new_loads: list[Transfer] = []
-        self._loading: dict[str, list[bytes]] = {}     # req -> pinned keys, until finished_recving
+        self._loading: dict[str, list[tuple[int, list[bytes]]]] = {}  # req -> pinned (group, keys)
         self._cancel: list[str] = []
-        self._saving: dict[bytes, tuple[int, set[int]]] = {}  # key -> (slot, ranks written)
+        self._saving: dict[tuple[int, bytes], tuple[int, set[int]]] = {}  # (group, key) -> (slot, ranks written)
         # requests whose load failed: vLLM recomputes them, and must not be offered
         # the same hit again (a slow disk would make it wait and fail forever)
         self._no_hits: set[str] = set()
@@ -85,7 +99,8 @@ class SchedulerSide:
     def _state(self, req_id: str, tokens, root: bytes) -> _Req:
         st = self._reqs.get(req_id)
         if st is None or st.root != root:
-            st = self._reqs[req_id] = _Req(tokens, root)
+            n = len(self.groups)
+            st = self._reqs[req_id] = _Req(tokens, root, block_ids=[[] for _ in range(n)], next_save=[0] * n)
         st.tokens = tokens
         return st
 
@@ -96,39 +111,74 @@ class SchedulerSide:
         st = self._state(req_id, tokens, root)
         usable = (len(tokens) - 1) // self.bs
         extend_keys(st.keys, root, tokens, self.bs, usable)
-        hit = self.store.lookup(self.ns, st.keys, usable)  # keys may run past usable (decode)
         local = num_computed // self.bs
+        hit = self._hit(st.keys, usable, local)
         self._local_blocks[req_id] = local
         return (hit - local) * self.bs if hit > local else 0
 
-    def on_alloc(self, req_id: str, tokens, root: bytes, block_ids: list[int], num_external: int) -> None:
+    def _hit(self, keys: list[bytes], usable: int, local: int) -> int:
+        """The longest hit (in blocks, at most `usable`) every group can serve, or 0."""
+        hi = usable
+        for g in self._full:  # keys may run past usable (decode)
+            hi = self.store.lookup(g.ns, keys, hi)
+        if not self._partial:
+            return hi
+        for h in range(hi, local, -1):  # the hit falls back to an earlier window end / checkpoint
+            if all(self._serves(g, keys, h, local) for g in self._partial):
+                return h
+        return 0
+
+    def _serves(self, g: _Group, keys: list[bytes], h: int, local: int) -> bool:
+        entries = g.ns.entries
+        first = max(g.spec.first_needed_block(h, self.bs), local)
+        return all(keys[i] in entries for i in range(first, h))
+
+    def on_alloc(self, req_id: str, tokens, root: bytes, block_ids: tuple[list[int], ...], num_external: int) -> None:
         st = self._state(req_id, tokens, root)
         if num_external <= 0:
             return
         local = self._local_blocks.get(req_id, 0)
         n = num_external // self.bs
-        keys = st.keys[local:local + n]
-        slots = self.store.pin(self.ns, keys)
-        # a key gone since match cannot be loaded: slot -1 makes the worker report it failed
-        self._new_loads.append(Transfer(req_id, keys, [-1 if s is None else s for s in slots],
-                                        list(block_ids[local:local + n])))
-        self._loading[req_id] = [k for k, s in zip(keys, slots) if s is not None]
+        pinned = []
+        for gi, g in enumerate(self.groups):
+            ids = block_ids[gi]
+            if g.spec.kind == STATE:  # only the state at the hit's end is read by vLLM
+                idx = [local + n - 1]
+            else:  # null blocks (before a window) are neither needed nor written
+                idx = [i for i in range(local, min(local + n, len(ids))) if ids[i] != 0]
+            keys = [st.keys[i] for i in idx]
+            blocks = [ids[i] if i < len(ids) else 0 for i in idx]
+            slots = self.store.pin(g.ns, keys)
+            # a key gone since match, or no block to load into, cannot be loaded:
+            # slot -1 makes the worker report it failed (vLLM recomputes)
+            self._new_loads.append(Transfer(req_id, keys, [-1 if s is None or b == 0 else s
+                                                           for s, b in zip(slots, blocks)], blocks, gi))
+            pinned.append((gi, [k for k, s in zip(keys, slots) if s is not None]))
+        self._loading[req_id] = pinned
         self.counters.hit_requests += 1
         self.counters.hit_blocks += n
         self.counters.hit_tokens += n * self.bs
 
-    def fail_load(self, req_id: str, block_ids: list[int], num_external: int) -> None:
+    def fail_load(self, req_id: str, block_ids: tuple[list[int], ...], num_external: int) -> None:
         """A load vLLM now waits for but that could not be prepared: emit it with no
         slots, so the worker reports it finished with every block failed."""
         local = self._local_blocks.get(req_id, 0)
         n = num_external // self.bs
-        self._loading.pop(req_id, None)
-        self._new_loads.append(Transfer(req_id, [b"\0" * 32] * n, [-1] * n, list(block_ids[local:local + n])))
+        self._unpin_loading(req_id)
+        blocks = [b for b in block_ids[0][local:local + n] if b != 0] or [0]
+        self._new_loads.append(Transfer(req_id, [b"\0" * 32] * len(blocks), [-1] * len(blocks), blocks, 0))
+
+    def _unpin_loading(self, req_id: str) -> list[tuple[int, list[bytes]]]:
+        pinned = self._loading.pop(req_id, None) or []
+        for gi, keys in pinned:
+            self.store.unpin(self.groups[gi].ns, keys)
+        return pinned
 
     # ---- per step ----
-    def plan(self, scheduled: list[Scheduled]) -> StepPlan:
+    def plan(self, scheduled: list[Scheduled], boundary: dict | None = None) -> StepPlan:
         """This step's loads and cancellations (always delivered) and saves (best effort:
-        a store error drops saves, never the step)."""
+        a store error drops saves, never the step). `boundary`: vLLM's recurrent-state
+        checkpoints written this step, {req_id: [(group, block id, tokens)]}."""
         plan = StepPlan(loads=self._new_loads, cancel=self._cancel)
         self._new_loads, self._cancel = [], []
         if self.disabled:
@@ -136,9 +186,25 @@ class SchedulerSide:
         try:
             self.store.flush_if_due()
             self._plan_saves(scheduled, plan)
+            if boundary:
+                self._plan_state_saves(boundary, plan)
         except Exception:
             log.exception("aiokv: planning saves failed; this step's saves are dropped")
         return plan
+
+    def _reserve(self, gi: int, keys: list[bytes], blocks: list[int], req_id: str, plan: StepPlan) -> None:
+        ns = self.groups[gi].ns
+        out_k, out_s, out_b = [], [], []
+        for key, block in zip(keys, blocks):
+            slot = self.store.reserve(ns, key)
+            if slot is not None:
+                out_k.append(key)
+                out_s.append(slot)
+                out_b.append(block)
+                self._saving[(gi, key)] = (slot, set())
+        if out_k:
+            plan.saves.append(Transfer(req_id, out_k, out_s, out_b, gi))
+            self.counters.saves_planned += len(out_k)
 
     def _plan_saves(self, scheduled: list[Scheduled], plan: StepPlan) -> None:
         bs = self.bs
@@ -148,63 +214,78 @@ class SchedulerSide:
                 continue
             if s.replace:
                 # a new life: only blocks computed from here on may be saved
-                st.block_ids = list(s.block_ids or [])
-                st.next_save = -(-s.num_computed // bs)
+                st.block_ids = [list(ids) for ids in s.block_ids or ()] or [[] for _ in self.groups]
+                st.next_save = [-(-s.num_computed // bs)] * len(self.groups)
             elif s.block_ids:
-                st.block_ids.extend(s.block_ids)
-            full = min((s.num_computed + s.num_scheduled) // bs, len(st.block_ids), len(st.tokens) // bs)
-            if full <= st.next_save:
+                for ids, new in zip(st.block_ids, s.block_ids):
+                    ids.extend(new)
+            full = min((s.num_computed + s.num_scheduled) // bs, len(st.tokens) // bs)
+            for gi, g in enumerate(self.groups):
+                if g.spec.kind == STATE:
+                    continue  # states are saved from vLLM's checkpoints (_plan_state_saves)
+                ids = st.block_ids[gi]
+                upto = min(full, len(ids))
+                if upto <= st.next_save[gi]:
+                    continue
+                extend_keys(st.keys, st.root, st.tokens, bs, upto)
+                # a null block slid out of the window before this life computed it
+                idx = [i for i in range(st.next_save[gi], upto) if ids[i] != 0]
+                st.next_save[gi] = upto
+                self._reserve(gi, [st.keys[i] for i in idx], [ids[i] for i in idx], s.req_id, plan)
+
+    def _plan_state_saves(self, boundary: dict, plan: StepPlan) -> None:
+        bs = self.bs
+        for req_id, items in boundary.items():
+            st = self._reqs.get(req_id)
+            if st is None:
                 continue
-            extend_keys(st.keys, st.root, st.tokens, bs, full)
-            keys, slots, blocks = [], [], []
-            for i in range(st.next_save, full):
-                slot = self.store.reserve(self.ns, st.keys[i])
-                if slot is not None:
-                    keys.append(st.keys[i])
-                    slots.append(slot)
-                    blocks.append(st.block_ids[i])
-                    self._saving[st.keys[i]] = (slot, set())
-            st.next_save = full
-            if keys:
-                plan.saves.append(Transfer(s.req_id, keys, slots, blocks))
-                self.counters.saves_planned += len(keys)
+            for gi, block, tokens in items:
+                if not (0 <= gi < len(self.groups)) or self.groups[gi].spec.kind != STATE or block == 0 \
+                        or tokens <= 0 or tokens % bs or tokens > len(st.tokens):
+                    continue
+                i = tokens // bs - 1
+                extend_keys(st.keys, st.root, st.tokens, bs, i + 1)
+                self._reserve(gi, [st.keys[i]], [block], req_id, plan)
 
     def on_report(self, report: WorkerReport | None, finished_recving) -> None:
         if report is not None:
-            done = []
-            for rank, key, slot in report.saved:
-                entry = self._saving.get(key)
+            done: dict[int, list] = {}
+            for rank, key, slot, gi in report.saved:
+                entry = self._saving.get((gi, key))
                 if entry is None or entry[0] != slot:
                     continue
                 entry[1].add(rank)
-                if len(entry[1]) == self.ranks:
-                    del self._saving[key]
-                    done.append((key, slot))
-            if done:
+                if len(entry[1]) == self.groups[gi].ns.ranks:
+                    del self._saving[(gi, key)]
+                    done.setdefault(gi, []).append((key, slot))
+            for gi, items in done.items():
                 before = self.store.stats.commits
-                self.store.commit(self.ns, done)
+                self.store.commit(self.groups[gi].ns, items)
                 self.counters.saves_committed += self.store.stats.commits - before
-            failed = []
-            for rank, key, slot in report.save_failed:
-                entry = self._saving.get(key)
+            failed: dict[int, list] = {}
+            for rank, key, slot, gi in report.save_failed:
+                entry = self._saving.get((gi, key))
                 if entry is not None and entry[0] == slot:  # not a stale report of an older try
-                    del self._saving[key]
-                    failed.append((key, slot))
-            self.store.abort(self.ns, failed)
-            self.counters.save_failures += len(failed)
+                    del self._saving[(gi, key)]
+                    failed.setdefault(gi, []).append((key, slot))
+            for gi, items in failed.items():
+                self.store.abort(self.groups[gi].ns, items)
+                self.counters.save_failures += len(items)
             self._no_hits.update(r for r in report.load_failed if r in self._reqs)
             if report.disabled and not self.disabled:
                 self.disabled = True
                 log.error("aiokv: a worker is disabled; aiokv stops offering hits and saving")
             if report.load_bad:
-                # only where the key still sits in the slot that failed (not a newer copy)
-                bad = [k for k, s in dict.fromkeys(report.load_bad) if self.ns.entries.get(k) == s]
-                self.store.drop(self.ns, bad)
-                self.counters.load_bad_blocks += len(bad)
+                bad: dict[int, list] = {}
+                for key, slot, gi in dict.fromkeys(report.load_bad):
+                    # only where the key still sits in the slot that failed (not a newer copy)
+                    if 0 <= gi < len(self.groups) and self.groups[gi].ns.entries.get(key) == slot:
+                        bad.setdefault(gi, []).append(key)
+                for gi, keys in bad.items():
+                    self.store.drop(self.groups[gi].ns, keys)
+                    self.counters.load_bad_blocks += len(keys)
         for req_id in finished_recving or ():
-            keys = self._loading.pop(req_id, None)
-            if keys is not None:
-                self.store.unpin(self.ns, keys)
+            self._unpin_loading(req_id)
 
     def finished(self, req_id: str) -> bool:
         """The request is gone from vLLM. Returns whether to delay freeing its blocks: never."""
@@ -219,13 +300,17 @@ class SchedulerSide:
     def close(self) -> None:
         """Commit saves whose reports can no longer arrive (the workers are gone)
         if their blocks verify on disk; give the other reservations back."""
-        done, lost = [], []
-        for key, (slot, _) in self._saving.items():
-            (done if self.store.verify_slot(self.ns, key, slot) else lost).append((key, slot))
+        done: dict[int, list] = {}
+        lost: dict[int, list] = {}
+        for (gi, key), (slot, _) in self._saving.items():
+            ns = self.groups[gi].ns
+            (done if self.store.verify_slot(ns, key, slot) else lost).setdefault(gi, []).append((key, slot))
         self._saving.clear()
-        self.store.commit(self.ns, done)
-        self.store.abort(self.ns, lost, failed=False)
-        self.counters.saves_committed += len(done)
+        for gi, items in done.items():
+            self.store.commit(self.groups[gi].ns, items)
+            self.counters.saves_committed += len(items)
+        for gi, items in lost.items():
+            self.store.abort(self.groups[gi].ns, items, failed=False)
         self.store.close()
 
     @property

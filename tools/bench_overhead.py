@@ -224,7 +224,7 @@ def _drain(conn, meta=None) -> None:
 
     if meta is None:
         return
-    saved = [(0, k, s) for t in meta.plan.saves for k, s in zip(t.keys, t.slots)]
+    saved = [(0, k, s, t.group) for t in meta.plan.saves for k, s in zip(t.keys, t.slots)]
     if saved:
         conn.sched.on_report(WorkerReport(saved=saved), set())
 

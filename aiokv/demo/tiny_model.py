@@ -59,30 +59,104 @@ def build(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 4, kv_h
     return path
 
 
-def build_hybrid(path: str) -> str:
-    """A tiny Qwen3-Next (gated delta net + attention, bf16): a hybrid model that needs SupportsHMA."""
+def _with_tokenizer(path: str, stamp_value: dict, make_model) -> str:
+    """Build a model with make_model(bos, eos, pad) into path, with build()'s tokenizer beside it."""
     stamp = os.path.join(path, "aiokv-tiny.json")
     if os.path.exists(stamp):
-        return path
+        with open(stamp) as f:
+            if json.load(f) == stamp_value:
+                return path
     import shutil
     import tempfile
 
     import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers import AutoTokenizer
 
     tok = build(tempfile.mkdtemp(prefix="aiokv-tok-"))  # borrow the tokenizer files
-    torch.manual_seed(0)
-    cfg = Qwen3NextConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=2,
-                          num_key_value_heads=2, head_dim=64, linear_num_value_heads=2, linear_num_key_heads=2,
-                          linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
-                          moe_intermediate_size=64, shared_expert_intermediate_size=64, intermediate_size=256,
-                          layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=2048,
-                          tie_word_embeddings=False)
-    Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    os.makedirs(path, exist_ok=True)
     for f in os.listdir(tok):
         if f.startswith("tokenizer") or f == "special_tokens_map.json":
             shutil.copy(os.path.join(tok, f), path)
+    t = AutoTokenizer.from_pretrained(tok)
     shutil.rmtree(tok, ignore_errors=True)
+    torch.manual_seed(0)
+    make_model(t.bos_token_id, t.eos_token_id, t.pad_token_id).save_pretrained(path, safe_serialization=True)
     with open(stamp, "w") as f:
-        json.dump({"hybrid": "qwen3_next"}, f)
+        json.dump(stamp_value, f)
     return path
+
+
+def build_hybrid(path: str) -> str:
+    """A tiny Qwen3-Next (gated delta net + attention, bf16): recurrent state plus attention KV."""
+
+    def make(bos, eos, pad):
+        import torch
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        cfg = Qwen3NextConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=2,
+                              num_key_value_heads=2, head_dim=64, linear_num_value_heads=2, linear_num_key_heads=2,
+                              linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=64, shared_expert_intermediate_size=64, intermediate_size=256,
+                              layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=4096,
+                              tie_word_embeddings=False, initializer_range=0.2, bos_token_id=bos, eos_token_id=eos,
+                              pad_token_id=pad)
+        return Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
+
+    return _with_tokenizer(path, {"hybrid": "qwen3_next", "v": 2}, make)
+
+
+def build_gemma2(path: str, window: int = 64) -> str:
+    """A tiny Gemma 2 (layers alternate sliding-window and full attention; float32)."""
+
+    def make(bos, eos, pad):
+        import torch
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        cfg = Gemma2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                           num_attention_heads=2, num_key_value_heads=2, head_dim=64, sliding_window=window,
+                           layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=64,
+                           max_position_embeddings=4096, initializer_range=0.2, bos_token_id=bos, eos_token_id=eos,
+                           pad_token_id=pad)
+        cfg.dtype = "float32"
+        model = Gemma2ForCausalLM(cfg).to(torch.float32)
+        with torch.no_grad():  # tied embeddings: let the layers outweigh them, or greedy output repeats a token
+            for name, p in model.named_parameters():
+                if ".post_" in name:
+                    p.fill_(10.0)
+        return model
+
+    return _with_tokenizer(path, {"gemma2": window, "v": 4}, make)
+
+
+def build_mistral(path: str, window: int = 64) -> str:
+    """A tiny Mistral-style model: every layer sliding-window attention (float32)."""
+
+    def make(bos, eos, pad):
+        import torch
+        from transformers import MistralConfig, MistralForCausalLM
+
+        cfg = MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=2, head_dim=64, sliding_window=window,
+                            max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False,
+                            bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+        cfg.dtype = "float32"
+        return MistralForCausalLM(cfg).to(torch.float32)
+
+    return _with_tokenizer(path, {"mistral": window, "v": 1}, make)
+
+
+def build_mla(path: str) -> str:
+    """A tiny DeepSeek-V2 (MLA latent KV, bf16; the CPU MLA kernels need kv_lora_rank 512, rope dim 64)."""
+
+    def make(bos, eos, pad):
+        import torch
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        cfg = DeepseekV2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=512, q_lora_rank=None,
+                               qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=4,
+                               first_k_dense_replace=2, max_position_embeddings=4096, initializer_range=0.2,
+                               tie_word_embeddings=False, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+        return DeepseekV2ForCausalLM(cfg).to(torch.bfloat16)
+
+    return _with_tokenizer(path, {"mla": "deepseek_v2", "v": 1}, make)

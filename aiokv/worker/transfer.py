@@ -117,12 +117,12 @@ class TransferWorker:
                 take = min(len(t.keys), self.pool.available)
                 slots = self.pool.acquire(take) if take else None
             if take < len(t.keys):
-                rest = Transfer(t.req_id, t.keys[take:], t.slots[take:], t.block_ids[take:])
+                rest = Transfer(t.req_id, t.keys[take:], t.slots[take:], t.block_ids[take:], t.group)
                 self._count(save_skipped_staging_full=len(rest.keys))
                 self._save_done(rest, None, [-errno.ENOBUFS] * len(rest.keys))
                 if not take:
                     continue
-                t = Transfer(t.req_id, t.keys[:take], t.slots[:take], t.block_ids[:take])
+                t = Transfer(t.req_id, t.keys[:take], t.slots[:take], t.block_ids[:take], t.group)
             try:
                 self.device.copy_out(t.block_ids, slots)
             except Exception:
@@ -162,8 +162,8 @@ class TransferWorker:
             self._save_done(t, slots, res)
 
     def _save_done(self, t: Transfer, slots, res: list[int]) -> None:
-        ok = [(self.rank, k, s) for k, s, r in zip(t.keys, t.slots, res) if r == 0]
-        bad = [(self.rank, k, s) for k, s, r in zip(t.keys, t.slots, res) if r != 0]
+        ok = [(self.rank, k, s, t.group) for k, s, r in zip(t.keys, t.slots, res) if r == 0]
+        bad = [(self.rank, k, s, t.group) for k, s, r in zip(t.keys, t.slots, res) if r != 0]
         with self._lock:
             self._report.saved += ok
             self._report.save_failed += bad
@@ -245,7 +245,7 @@ class TransferWorker:
                 addr = self.pool.addr
                 res = await self._blockio().read([(s, k, addr(b)) for (k, s, _), b in zip(chunk, slots)])
                 good = [(blk, st) for (k, s, blk), st, r in zip(chunk, slots, res) if r == 0]
-                bad_keys += [(k, s) for (k, s, _), r in zip(chunk, res) if r != 0]
+                bad_keys += [(k, s, t.group) for (k, s, _), r in zip(chunk, res) if r != 0]
                 if good:
                     await self._copy_in([g[0] for g in good], [g[1] for g in good])
                     failed.difference_update(g[0] for g in good)

@@ -1,0 +1,101 @@
+"""The worker side of a model with several KV-cache groups: one TransferWorker
+per group (its own device copies, staging slots of its size, data file of its
+namespace), fanned out and merged here.
+
+Contract kept towards the connector, the same as one TransferWorker's:
+- a request's load is reported finished once, when every group that had a part
+  of it reported that part finished; if any part failed, the request is
+  reported failed as a whole (the connector then asks vLLM to recompute it);
+- saves go to the group's worker, except for groups this rank does not save
+  (replicated KV such as MLA's latent: rank 0 stores it once for all ranks).
+
+Threading contract: vLLM's worker thread only, like the TransferWorkers' own
+save/load/cancel/poll/close.
+"""
+from __future__ import annotations
+
+from aiokv.jobs import Transfer, WorkerReport
+
+
+class GroupedWorker:
+    def __init__(self, workers: dict, save_groups: set[int]):
+        self.workers = workers            # group index -> TransferWorker
+        self.save_groups = save_groups
+        self._parts: dict[str, set[int]] = {}   # req -> groups whose part of its load is outstanding
+        self._failed: set[str] = set()           # reqs with a failed part, until reported
+
+    @property
+    def device(self):
+        return next(iter(self.workers.values())).device
+
+    @property
+    def pool(self):
+        return next(iter(self.workers.values())).pool
+
+    @property
+    def devices(self) -> list:
+        return [w.device for w in self.workers.values()]
+
+    def save(self, transfers: list[Transfer]) -> None:
+        by_group: dict[int, list[Transfer]] = {}
+        for t in transfers:
+            if t.group in self.save_groups:
+                by_group.setdefault(t.group, []).append(t)
+        for g, ts in by_group.items():
+            self.workers[g].save(ts)
+
+    def load(self, transfers: list[Transfer]) -> None:
+        by_group: dict[int, list[Transfer]] = {}
+        for t in transfers:
+            self._parts.setdefault(t.req_id, set()).add(t.group)
+            by_group.setdefault(t.group, []).append(t)
+        for g, ts in by_group.items():
+            self.workers[g].load(ts)
+
+    def cancel(self, req_ids) -> None:
+        for w in self.workers.values():
+            w.cancel(req_ids)
+
+    def poll(self) -> tuple[set[str], set[int], set[str], WorkerReport]:
+        """(requests finished loading, block ids that failed, requests whose load failed, report)."""
+        finished: set[str] = set()
+        errors: set[int] = set()
+        report = WorkerReport()
+        for g, w in self.workers.items():
+            done, errs, rep = w.poll()
+            errors |= errs
+            self._failed.update(rep.load_failed)
+            report = report.merge(rep)
+            for req in done:
+                parts = self._parts.get(req)
+                if parts is not None:
+                    parts.discard(g)
+                    if parts:
+                        continue
+                    del self._parts[req]
+                finished.add(req)
+        failed = finished & self._failed
+        self._failed -= finished
+        return finished, errors, failed, report
+
+    def wait_for_jobs(self, timeout: float) -> None:
+        for w in self.workers.values():
+            if w.in_flight:
+                w.wait_for_jobs(timeout)
+                return
+
+    @property
+    def in_flight(self) -> int:
+        return sum(w.in_flight for w in self.workers.values())
+
+    @property
+    def staging_in_use(self) -> int:
+        return sum(w.pool.in_use for w in self.workers.values())
+
+    def drain(self, timeout: float = 30.0) -> None:
+        for w in self.workers.values():
+            w.drain(timeout)
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()
