@@ -63,15 +63,19 @@ def test_read_only_directory_disables_aiokv(tiny_model, read_only_dir):
     assert sorted(os.listdir(os.path.join(cache, "ns"))) == before
 
 
-def test_hybrid_model_is_refused_with_a_clear_line(tmp_path):
-    """A model that needs SupportsHMA (here a tiny Qwen3-Next) fails at start with
-    aiokv's line naming the limitation, not vLLM's "Failed to promote local KV
-    cache specs"; without aiokv the same model runs."""
+def test_recurrent_model_without_align_mode_is_refused_with_a_clear_line(tmp_path):
+    """A hybrid recurrent model (here a tiny Qwen3-Next) needs vLLM's
+    mamba_cache_mode='align', which vLLM sets only with prefix caching on.
+    Without it aiokv cannot tell which state belongs to which block boundary:
+    it refuses at start with one line naming the fix; without aiokv the same
+    model runs."""
     from aiokv.demo.tiny_model import build_hybrid
 
     model = build_hybrid(str(tmp_path / "hybrid"))
-    spec = dict(model=model, dtype="bfloat16", block_size=None, phases=[dict(prompts=prompts(1, 100))])
+    spec = dict(model=model, dtype="bfloat16", block_size=None, prefix_caching=False,
+                phases=[dict(prompts=prompts(1, 100))])
     assert run(spec)["tokens"][0][0]
     with pytest.raises(AssertionError) as e:
         run(dict(spec, cache=str(tmp_path / "c")))
-    assert "aiokv: hybrid models" in str(e.value) and "SupportsHMA" in str(e.value)
+    assert "aiokv: recurrent-state (Mamba / gated delta net) layers need vLLM's mamba_cache_mode='align'" \
+        in str(e.value) and "enable_prefix_caching=True" in str(e.value)

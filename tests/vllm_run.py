@@ -25,7 +25,7 @@ def main(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     kw = dict(model=spec["model"], tokenizer=spec["model"], enforce_eager=True, block_size=spec.get("block_size", 32),
-              dtype=spec.get("dtype", "float32"), enable_prefix_caching=True,
+              dtype=spec.get("dtype", "float32"), enable_prefix_caching=spec.get("prefix_caching", True),
               max_model_len=spec.get("max_model_len", 1024), seed=0)
     if kw["block_size"] is None:  # vLLM chooses (hybrid models need their own)
         del kw["block_size"]
@@ -35,6 +35,12 @@ def main(spec: dict) -> dict:
         kw["max_num_seqs"] = spec.get("max_num_seqs", 8)
     else:
         kw["kv_cache_memory_bytes"] = 64 << 20
+        if spec.get("max_num_seqs"):
+            kw["max_num_seqs"] = spec["max_num_seqs"]
+    tp = spec.get("tp", 1)
+    if tp > 1:  # workers in their own processes (VLLM_CPU_OMP_THREADS_BIND gives each a core)
+        kw["tensor_parallel_size"] = tp
+        kw["distributed_executor_backend"] = "mp"
     if spec.get("cache"):
         extra = {"path": spec["cache"], "capacity": "2GiB", "staging": "32MiB"}
         extra.update(spec.get("extra", {}))
@@ -101,7 +107,14 @@ def main(spec: dict) -> dict:
         return result
     # let in-flight saves and loads report: keep stepping while aiokv has work
     conn = sched.connector
-    if conn is not None:
+    if conn is not None and tp > 1:  # the worker-side connectors live in the worker processes
+        for _ in range(2000):
+            if not sched.has_requests() and not conn.has_pending_push_work():
+                break
+            engine.step()
+            time.sleep(0.005)
+        result["counters"] = conn.counters()
+    elif conn is not None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         wc = get_kv_transfer_group()

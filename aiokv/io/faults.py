@@ -7,7 +7,8 @@ it cannot be switched on by accident; when it is, it says so loudly, once.
 AIOKV_FAULTS is a JSON list of rules; each applies to operations of one kind:
     {"op": "read"|"write", "kind": "eio"|"enospc"|"short"|"late"|"flip",
      "every": N (default 1: every matching op), "skip": K (first K matching ops pass),
-     "limit": M (at most M faults), "delay": seconds (for "late")}
+     "limit": M (at most M faults), "delay": seconds (for "late"),
+     "file": S (only operations on files whose path contains S, e.g. "rank1.data")}
 - eio / enospc: the operation is not performed; it returns -EIO / -ENOSPC.
 - short: the operation moves 4096 bytes less than asked (a real short transfer).
 - late: the operation completes `delay` seconds late.
@@ -40,11 +41,12 @@ class Rule:
         self.skip = int(spec.get("skip", 0))
         self.limit = spec.get("limit")
         self.delay = float(spec.get("delay", 0.5))
+        self.file = spec.get("file")
         self.seen = 0
         self.fired = 0
 
-    def hits(self, op: int) -> bool:
-        if op != self.op:
+    def hits(self, op) -> bool:
+        if op[0] != self.op or (self.file and self.file not in _path(op[1])):
             return False
         self.seen += 1
         n = self.seen - self.skip
@@ -61,6 +63,13 @@ def rules_from_env() -> list[Rule] | None:
     rules = [Rule(r) for r in json.loads(raw)]
     say_once(f"aiokv: FAULT INJECTION ACTIVE ({raw}); this is for tests only")
     return rules
+
+
+def _path(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
 
 
 def _flip(addr: int, length: int) -> None:
@@ -84,7 +93,7 @@ class FaultyBackend(IOBackend):
     async def run(self, ops) -> list[int]:
         plan = []
         for op in ops:
-            kind = next((r.kind for r in self.rules if r.hits(op[0])), None)
+            kind = next((r.kind for r in self.rules if r.hits(op)), None)
             plan.append(kind)
         real = [i for i, k in enumerate(plan) if k not in ("eio", "enospc")]
         for i in real:
