@@ -37,13 +37,13 @@ from aiokv.store.index import Index, Namespace
 from aiokv.store.journal import IndexLog, fsync_dir
 from aiokv.store.lock import DirLock
 
-GROW_BYTES = 64 << 20
+GROW_BYTES = 64 << 20  # disk space is reserved for new slots this much at a time
+HEADROOM = 4 << 20  # left to the file system (journal, other users) when the disk is full
 log = logging.getLogger("aiokv")
 
 
 def log_warning(msg: str) -> None:
     log.warning("aiokv: %s", msg)
-  # disk space is reserved for new slots this much at a time
 
 
 class NotAStore(ValueError):
@@ -115,7 +115,9 @@ class Store:
         self.root = os.path.abspath(root)
         self.readonly = readonly
         self.capacity = parse_size(capacity) if capacity is not None else None
-        self.limit = self.capacity
+        self.limit = self.capacity  # the capacity, or lower while the disk is full
+        self.space_check_interval = 1.0  # seconds between free-space checks while lowered
+        self._space_checked = 0.0
         self.sync_interval = sync_interval
         self.checkpoint_every = checkpoint_every
         self.stats = StoreStats()
@@ -212,10 +214,10 @@ class Store:
         while slot is None:
             if not self._grow(ns):
                 victim = self.index.victim()
-                if victim is None:
+                # another namespace's slot is no use here: its space must be punched
+                if victim is None or not self._evict(*victim, punch=victim[0] is not ns):
                     self.stats.skipped_no_space += 1
                     return None
-                self._evict(*victim, punch=victim[0] is not ns)
             slot = ns.alloc.take()
         ns.pending[key] = slot
         return slot
@@ -235,12 +237,15 @@ class Store:
         try:
             log.append(recs)
         except OSError as e:
-            # Not durable, so not committed: undo, and give the file system room.
+            # Not durable, so not committed: undo; only a full disk needs room.
             for key in done:
                 ns.alloc.release(self.index.remove(ns, key))
             self.stats.save_failures += len(recs)
-            self.stats.enospc += e.errno in (errno.ENOSPC, errno.EDQUOT)
-            self._make_room()
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                self.stats.enospc += 1
+                self._make_room()
+            else:
+                log_warning(f"journal write failed ({os.strerror(e.errno or 0)}); {len(recs)} block(s) not committed")
             return
         self.stats.commits += len(recs)
         if log.records > self.checkpoint_every and log.records > len(ns.entries):
@@ -289,15 +294,29 @@ class Store:
         self._append_drops(ns, recs)
 
     # ---- space ----
-    def _evict(self, ns: Namespace, key: bytes, punch: bool) -> None:
+    def _used(self) -> int:
+        """Bytes the store takes on disk: backed slots, journals and checkpoints."""
+        return self.index.physical_bytes + sum(jl.disk_bytes for jl in self.logs.values())
+
+    def _evict(self, ns: Namespace, key: bytes, punch: bool) -> bool:
+        """Forget the LRU entry `key`; False if its space was to be punched and could not be."""
         slot = self.index.remove(ns, key)
         self._append_drops(ns, [fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
         self.stats.evictions += 1
         if punch:
-            self._punch(ns, slot)
+            return self._unback(ns, slot)
+        ns.alloc.release(slot)
+        return True
+
+    def _unback(self, ns: Namespace, slot: int) -> bool:
+        """Give an in-use slot's disk space back. Where punching fails (a file
+        system without hole punching, an I/O error) the slot stays backed and
+        counted, on the free list, and False says so."""
+        if self._punch(ns, slot):
             ns.alloc.punch(slot)
-        else:
-            ns.alloc.release(slot)
+            return True
+        ns.alloc.release(slot)
+        return False
 
     def _append_drops(self, ns: Namespace, recs: list[bytes]) -> None:
         # Best effort: a DROP that is not persisted resurrects an entry whose slot
@@ -307,37 +326,47 @@ class Store:
         except OSError:
             pass
 
-    def _make_room(self, nbytes: int = 4 << 20) -> None:
-        """Punch LRU blocks worth nbytes and cap the capacity at what remains."""
-        target = self.index.physical_bytes - nbytes
-        while self.index.physical_bytes > max(target, 0):
-            freed = False
+    def _shrink_to(self, target: int) -> None:
+        """Punch free slots, then LRU blocks, until at most `target` bytes are used
+        or nothing more can be given back."""
+        while self._used() > target:
             for ns in self.index.namespaces.values():
-                while ns.alloc.free and self.index.physical_bytes > target:
-                    slot = ns.alloc.take()
-                    self._punch(ns, slot)
-                    ns.alloc.punch(slot)
-                    freed = True
-            victim = self.index.victim() if self.index.physical_bytes > target else None
-            if victim is not None:
-                self._evict(*victim, punch=True)
-            elif not freed:
-                break
-        self.limit = self.index.physical_bytes
+                while ns.alloc.free and self._used() > target:  # unused backed slots go first
+                    if not self._unback(ns, ns.alloc.take()):
+                        return
+            if self._used() <= target:
+                return
+            victim = self.index.victim()
+            if victim is None or not self._evict(*victim, punch=True):
+                return
+
+    def _make_room(self, nbytes: int = HEADROOM) -> None:
+        """Punch LRU blocks worth nbytes and cap the capacity at what remains,
+        until the file system has room again (_regain_space)."""
+        self._shrink_to(max(self._used() - nbytes, 0))
+        self.limit = self._used()
+        self._space_checked = time.monotonic()
 
     def _shrink_to_limit(self) -> None:
-        while self.limit is not None and self.index.physical_bytes > self.limit:
-            for ns in self.index.namespaces.values():
-                while ns.alloc.free:  # unused backed slots go first
-                    slot = ns.alloc.take()
-                    self._punch(ns, slot)
-                    ns.alloc.punch(slot)
-            if self.index.physical_bytes <= self.limit:
-                break
-            victim = self.index.victim()
-            if victim is None:
-                break
-            self._evict(*victim, punch=True)
+        if self.limit is not None:
+            self._shrink_to(self.limit)
+
+    def _regain_space(self) -> None:
+        """While a full disk holds the limit under the capacity: raise it again as
+        far as the file system has room now (checked at most every space_check_interval)."""
+        now = time.monotonic()
+        if self.limit == self.capacity or now - self._space_checked < self.space_check_interval:
+            return
+        self._space_checked = now
+        st = os.statvfs(self.root)
+        avail = st.f_bavail * st.f_frsize - HEADROOM
+        if avail <= 0:
+            return
+        new = self._used() + avail
+        if self.capacity is None:
+            self.limit = None
+        elif new > self.limit:
+            self.limit = min(new, self.capacity)
 
     def _rank_fd(self, ns: Namespace, rank: int) -> int:
         fd = self._rank_fds.get((ns.nsid, rank))
@@ -347,7 +376,7 @@ class Store:
             self._rank_fds[(ns.nsid, rank)] = fd
         return fd
 
-    def _fallocate(self, ns: Namespace, mode: int, slots, ignore_errors: bool = False) -> None:
+    def _fallocate(self, ns: Namespace, mode: int, slots, ignore_errors: bool = False, punch: bool = False) -> None:
         sb = ns.slot_bytes
         runs: list[list[int]] = []  # [first, count] of consecutive slots: one call each
         for s in sorted(slots):
@@ -363,18 +392,24 @@ class Store:
                 except OSError as e:
                     if ignore_errors:
                         continue
-                    if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    if punch or e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
                         raise
                     if not mode:  # no fallocate here: extend the file sparsely
                         os.ftruncate(fd, max(os.fstat(fd).st_size, (first + count) * sb))
 
-    def _punch(self, ns: Namespace, slot: int) -> None:
-        # where punching fails the space stays allocated; accounting counts it released
-        self._fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, [slot], ignore_errors=True)
+    def _punch(self, ns: Namespace, slot: int) -> bool:
+        """Punch one slot on every rank; False if any rank refused."""
+        try:
+            self._fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, [slot], punch=True)
+        except OSError:
+            return False
+        return True
 
     def _grow(self, ns: Namespace) -> bool:
         """Reserve disk space for more slots: a chunk, halved on ENOSPC down to one slot."""
-        room = (self.limit - self.index.physical_bytes) if self.limit is not None else GROW_BYTES
+        if self.limit is not None and self.limit != self.capacity:
+            self._regain_space()
+        room = (self.limit - self._used()) if self.limit is not None else GROW_BYTES
         n = min(max(1, GROW_BYTES // ns.slot_cost), room // ns.slot_cost)
         if n <= 0:
             return False
