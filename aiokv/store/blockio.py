@@ -70,11 +70,11 @@ class BlockIO:
 
     def verify(self, key: bytes, addr: int) -> bool:
         try:
-            crc = fmt.verify_header(ctypes.string_at(addr, fmt.HDR_USED), self.nsid, self.rank, key,
-                                    self.payload_bytes, self.layout)
+            h = fmt.check_header(ctypes.string_at(addr, fmt.HDR_USED), self.nsid, self.rank, self.payload_bytes,
+                                 key, self.layout)
         except fmt.BadBlock:
             return False
-        return _native.crc32c(addr + fmt.HEADER_BYTES, self.payload_bytes) == crc
+        return _native.crc32c(addr + fmt.HEADER_BYTES, self.payload_bytes) == h["payload_crc"]
 
     def _chunk(self) -> int:
         return max(2, getattr(self.backend, "depth", 16) // 4)

@@ -446,11 +446,10 @@ class Store:
             here = {}
             for slot in range(os.fstat(fd).st_size // sb):
                 try:
-                    h = fmt.unpack_header(os.pread(fd, fmt.HDR_USED, slot * sb))
+                    h = fmt.check_header(os.pread(fd, fmt.HDR_USED, slot * sb), ns.nsid, rank, ns.payload_bytes)
                 except fmt.BadBlock:
                     continue
-                if h["nsid"] == ns.nsid and h["rank"] == rank and h["payload_len"] == ns.payload_bytes:
-                    here[(h["key"], slot)] = h["seq"]
+                here[(h["key"], slot)] = h["seq"]
             found = here if found is None else {ks: t for ks, t in here.items() if ks in found}
         return {k: (s, t) for (k, s), t in sorted((found or {}).items(), key=lambda x: x[1])}
 
@@ -463,10 +462,8 @@ class Store:
             if len(raw) != sb:
                 return False
             try:
-                h = fmt.unpack_header(raw[:fmt.HDR_USED])
+                h = fmt.check_header(raw[:fmt.HDR_USED], ns.nsid, rank, ns.payload_bytes, key)
             except fmt.BadBlock:
-                return False
-            if (h["nsid"], h["rank"], h["key"], h["payload_len"]) != (ns.nsid, rank, key, ns.payload_bytes):
                 return False
             if _native.crc32c_bytes(raw[fmt.HEADER_BYTES:fmt.HEADER_BYTES + ns.payload_bytes]) != h["payload_crc"]:
                 return False
