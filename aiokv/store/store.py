@@ -32,9 +32,10 @@ import time
 from aiokv import _native
 from aiokv.io.backend import open_backend
 from aiokv.store import format as fmt
-from aiokv.store.blockio import BlockIO, data_path
+from aiokv.store.blockio import BlockIO
 from aiokv.store.index import Index, Namespace
-from aiokv.store.journal import IndexLog, fsync_dir
+from aiokv.store.dirs import NotAStore, check_private, open_dir
+from aiokv.store.journal import IndexLog
 from aiokv.store.lock import DirLock
 
 GROW_BYTES = 64 << 20  # disk space is reserved for new slots this much at a time
@@ -44,10 +45,6 @@ log = logging.getLogger("aiokv")
 
 def log_warning(msg: str) -> None:
     log.warning("aiokv: %s", msg)
-
-
-class NotAStore(ValueError):
-    pass
 
 
 @dataclasses.dataclass
@@ -62,30 +59,36 @@ class StoreStats:
     load_failures: int = 0
 
 
-def _mkdir(path: str) -> None:
+FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _exists(name: str, dir_fd: int) -> bool:
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    if os.path.islink(path) or not os.path.isdir(path):
-        raise NotAStore(f"aiokv: {path} is not a directory (symlinks are not followed)")
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
-def _write_json(path: str, obj: dict) -> None:
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def _write_json(name: str, obj: dict, dir_fd: int) -> None:
+    tmp = name + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dir_fd)
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    os.fsync(dir_fd)
 
 
-def _read_json(path: str) -> dict:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _read_json(name: str, dir_fd: int, path: str) -> dict:
+    fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
     with os.fdopen(fd) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except ValueError as e:
+            raise NotAStore(f"aiokv: {os.path.join(path, name)} is damaged (bad JSON: {e}); "
+                            f"remove {path} or give aiokv a new directory") from None
 
 
 def parse_size(v) -> int:
@@ -127,41 +130,78 @@ class Store:
         self._io: dict[tuple[bytes, int], BlockIO] = {}
         self._backend = None
         self.lock = None
-        marker = os.path.join(self.root, "aiokv.json")
+        self._root_fd: int | None = None
+        self._ns_fd: int | None = None
+        self._dir_fds: dict[bytes, int] = {}  # namespace directories
+        try:
+            self._open(readonly)
+        except BaseException:
+            self.close(checkpoint=False)
+            raise
+
+    def _open(self, readonly: bool) -> None:
+        # The root itself is not followed if it is a symlink, nor is anything below it.
         if readonly:
-            if not os.path.isfile(marker):
+            if not os.path.isdir(self.root):
+                raise NotAStore(f"aiokv: {self.root} is not an aiokv store (no aiokv.json)")
+            self._root_fd = open_dir(self.root)
+            if not _exists("aiokv.json", self._root_fd):
                 raise NotAStore(f"aiokv: {self.root} is not an aiokv store (no aiokv.json)")
         else:
-            if os.path.isdir(self.root) and not os.path.islink(self.root):
-                if not os.path.exists(marker) and os.listdir(self.root):
-                    raise NotAStore(f"aiokv: {self.root} is not empty and not an aiokv store; "
-                                    "give aiokv an empty or new directory")
-            else:
-                os.makedirs(os.path.dirname(self.root) or "/", exist_ok=True)
-                _mkdir(self.root)
-            self.lock = DirLock(self.root)
-            if not os.path.exists(marker):
-                _write_json(marker, {"magic": fmt.STORE_MAGIC, "format": fmt.FORMAT_VERSION})
-            _mkdir(os.path.join(self.root, "ns"))
-        meta = _read_json(marker)
-        if meta.get("magic") != fmt.STORE_MAGIC:
+            os.makedirs(os.path.dirname(self.root) or "/", exist_ok=True)
+            self._root_fd = open_dir(self.root, create=True)
+            check_private(self._root_fd, self.root)
+            if not _exists("aiokv.json", self._root_fd) and os.listdir(self._root_fd):
+                raise NotAStore(f"aiokv: {self.root} is not empty and not an aiokv store; "
+                                "give aiokv an empty or new directory")
+            self.lock = DirLock(self.root, self._root_fd)
+            if not _exists("aiokv.json", self._root_fd):
+                _write_json("aiokv.json", {"magic": fmt.STORE_MAGIC, "format": fmt.FORMAT_VERSION}, self._root_fd)
+        meta = _read_json("aiokv.json", self._root_fd, self.root)
+        if not isinstance(meta, dict) or meta.get("magic") != fmt.STORE_MAGIC:
             raise NotAStore(f"aiokv: {self.root} is not an aiokv store (bad aiokv.json)")
         if meta.get("format") != fmt.FORMAT_VERSION:
             raise NotAStore(f"aiokv: {self.root} has format {meta.get('format')}, this aiokv reads "
                             f"{fmt.FORMAT_VERSION}; use a new directory")
-        for name in sorted(os.listdir(os.path.join(self.root, "ns"))):
+        ns_path = os.path.join(self.root, "ns")
+        self._ns_fd = open_dir(ns_path, self._root_fd, create=not readonly)
+        if not readonly:
+            check_private(self._ns_fd, ns_path)
+        st = os.fstatvfs(self._root_fd)
+        self._fs_bytes = st.f_blocks * st.f_frsize
+        for name in sorted(os.listdir(self._ns_fd)):
+            try:
+                nsid = bytes.fromhex(name)
+            except ValueError:
+                continue  # not ours
+            if len(nsid) != fmt.NSID_BYTES:
+                continue
+            dfd = self._ns_dir_fd(nsid)
             # a namespace whose namespace.json never made it (a crash at creation) holds nothing
-            if os.path.exists(os.path.join(self.root, "ns", name, "namespace.json")):
-                self._load_namespace(bytes.fromhex(name))
+            if _exists("namespace.json", dfd):
+                self._load_namespace(nsid)
         if not readonly:
             self._shrink_to_limit()
 
     # ---- namespaces ----
+    def _ns_dir_fd(self, nsid: bytes, create: bool = False) -> int:
+        fd = self._dir_fds.get(nsid)
+        if fd is None:
+            path = ns_dir(self.root, nsid)
+            fd = self._dir_fds[nsid] = open_dir(path, self._ns_fd, create=create)
+            if not self.readonly:
+                check_private(fd, path)
+        return fd
+
     def _load_namespace(self, nsid: bytes) -> Namespace:
-        d = ns_dir(self.root, nsid)
-        info = _read_json(os.path.join(d, "namespace.json"))
-        ns = Namespace(nsid, info["payload_bytes"], info["slot_bytes"], info["ranks"], info.get("fields", {}))
-        log = IndexLog(d, readonly=self.readonly, sync_interval=self.sync_interval)
+        d, dfd = ns_dir(self.root, nsid), self._ns_dir_fd(nsid)
+        try:
+            pb, sb, ranks, fields = fmt.check_namespace(_read_json("namespace.json", dfd, d), nsid)
+        except fmt.BadBlock as e:
+            raise NotAStore(f"aiokv: {d}/namespace.json is damaged ({e}); remove {d} (its blocks are lost) "
+                            "or give aiokv a new directory") from None
+        ns = Namespace(nsid, pb, sb, ranks, fields)
+        log = IndexLog(d, dfd, readonly=self.readonly, sync_interval=self.sync_interval)
         try:
             entries = log.load()
         except fmt.BadBlock as e:
@@ -170,8 +210,16 @@ class Store:
             # The index is lost but the blocks describe themselves: rebuild from them.
             log_warning(f"{e}; rebuilding the index from the data files")
             entries = self._scan(ns)
-            log.gen = 1 + max([int(n.split(".")[1]) for n in os.listdir(d) if n.startswith("journal.")] + [0])
+            gens = [n.split(".")[1] for n in os.listdir(dfd) if n.startswith("journal.")]
+            log.gen = 1 + max([int(g) for g in gens if g.isdigit()] + [log.gen])
             log.checkpoint([(k, s, a) for k, (s, a) in entries.items()])
+        # A slot beyond the size of the file system never held a block: such a
+        # record is damage, and would make the allocator count billions of holes.
+        beyond = [k for k, (s, _) in entries.items() if s >= self._max_slots(ns)]
+        if beyond:
+            log_warning(f"{d}: {len(beyond)} index record(s) name slots beyond the file system's size; dropped")
+            for k in beyond:
+                del entries[k]
         self.index.load(ns, entries)
         self.logs[nsid] = log
         if not self.readonly:
@@ -191,11 +239,13 @@ class Store:
         if ns is None:
             if self.readonly:
                 raise KeyError(nsid.hex())
-            d = ns_dir(self.root, nsid)
-            _mkdir(d)
-            _write_json(os.path.join(d, "namespace.json"), {
-                "nsid": nsid.hex(), "payload_bytes": payload_bytes, "slot_bytes": fmt.slot_bytes(payload_bytes),
-                "ranks": ranks, "fields": fields or {}, "created": time.time()})
+            info = {"nsid": nsid.hex(), "payload_bytes": payload_bytes, "ranks": ranks, "fields": fields or {},
+                    "slot_bytes": fmt.slot_bytes(payload_bytes) if type(payload_bytes) is int else None}
+            try:
+                fmt.check_namespace(info, nsid)
+            except fmt.BadBlock as e:
+                raise ValueError(f"aiokv: cannot create namespace {nsid.hex()}: {e}") from None
+            _write_json("namespace.json", dict(info, created=time.time()), self._ns_dir_fd(nsid, create=True))
             ns = self._load_namespace(nsid)
         if ns.payload_bytes != payload_bytes or ns.ranks != ranks:
             raise ValueError(f"aiokv: namespace {nsid.hex()} holds {ns.payload_bytes}-byte blocks on "
@@ -371,8 +421,8 @@ class Store:
     def _rank_fd(self, ns: Namespace, rank: int) -> int:
         fd = self._rank_fds.get((ns.nsid, rank))
         if fd is None:
-            fd = os.open(data_path(ns_dir(self.root, ns.nsid), rank),
-                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = os.open(f"rank{rank}.data", os.O_RDWR | os.O_CREAT | FILE_FLAGS, 0o600,
+                         dir_fd=self._ns_dir_fd(ns.nsid))
             self._rank_fds[(ns.nsid, rank)] = fd
         return fd
 
@@ -444,7 +494,7 @@ class Store:
         for rank in range(ns.ranks):
             fd = self._rank_fd(ns, rank)
             here = {}
-            for slot in range(os.fstat(fd).st_size // sb):
+            for slot in range(min(os.fstat(fd).st_size // sb, self._max_slots(ns))):
                 try:
                     h = fmt.check_header(os.pread(fd, fmt.HDR_USED, slot * sb), ns.nsid, rank, ns.payload_bytes)
                 except fmt.BadBlock:
@@ -469,6 +519,10 @@ class Store:
                 return False
         return True
 
+    def _max_slots(self, ns: Namespace) -> int:
+        """Slots that can exist: a data file never holds more than its file system."""
+        return self._fs_bytes // ns.slot_bytes
+
     # ---- persistence ----
     def _snapshot(self, ns: Namespace):
         return [(k, s, ns.atime.get(k, 0)) for k, s in ns.entries.items()]
@@ -485,20 +539,23 @@ class Store:
         for nsid, log in self.logs.items():
             log.checkpoint(self._snapshot(self.index.namespaces[nsid]))
 
-    def close(self) -> None:
+    def close(self, checkpoint: bool = True) -> None:
         for io in self._io.values():
             io.close()
         self._io.clear()
         if self._backend is not None:
             self._backend.close()
             self._backend = None
-        if not self.readonly and self.lock is not None and self.lock.fd is not None:
+        if checkpoint and not self.readonly and self.lock is not None and self.lock.fd is not None:
             self.checkpoint()
         for log in self.logs.values():
             log.close()
-        for fd in self._rank_fds.values():
-            os.close(fd)
+        for fd in [*self._rank_fds.values(), *self._dir_fds.values(), self._ns_fd, self._root_fd]:
+            if fd is not None:
+                os.close(fd)
         self._rank_fds.clear()
+        self._dir_fds.clear()
+        self._ns_fd = self._root_fd = None
         if self.lock is not None:
             self.lock.release()
 
