@@ -55,8 +55,8 @@ class StoreStats:
     enospc: int = 0             # ENOSPC seen while reserving disk space
     evictions: int = 0
     corrupt_dropped: int = 0    # blocks that failed verification or I/O on read
-    loads: int = 0
-    load_failures: int = 0
+    # Loads are counted where they happen: the workers' reports (inside vLLM,
+    # Store.load is not on the load path).
 
 
 FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -602,10 +602,9 @@ class Store:
             todo = [(s, k, a) for s, (k, a) in zip(slots, items) if s is not None]
             out = iter(await self.blockio(ns, rank).read(todo))
         finally:
-            self.unpin(ns, keys)
+            # only the pins taken above: a key committed and pinned by another
+            # reader meanwhile keeps its pin
+            self.unpin(ns, [k for k, s in zip(keys, slots) if s is not None])
         res = [next(out) if s is not None else -errno.ENOENT for s in slots]
-        bad = [k for k, r in zip(keys, res) if r not in (0, -errno.ENOENT)]
-        self.drop(ns, bad)
-        self.stats.loads += sum(r == 0 for r in res)
-        self.stats.load_failures += len(bad)
+        self.drop(ns, [k for k, r in zip(keys, res) if r not in (0, -errno.ENOENT)])
         return res
