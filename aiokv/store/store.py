@@ -225,8 +225,11 @@ class Store:
         if not self.readonly:
             # Space the index does not account for (free slots of the last life,
             # a tail past the last used slot) is given back to the file system.
-            self._fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, ns.alloc.holes,
-                            ignore_errors=True)
+            try:
+                self._fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, ns.alloc.holes,
+                                punch=True)
+            except OSError:
+                ns.alloc.grow(list(ns.alloc.holes))  # they may still hold space: counted, and reused first
             for rank in range(ns.ranks):
                 os.ftruncate(self._rank_fd(ns, rank), ns.alloc.hwm * ns.slot_bytes)
         return ns
