@@ -411,7 +411,7 @@ class Store:
         if self.limit == self.capacity or now - self._space_checked < self.space_check_interval:
             return
         self._space_checked = now
-        st = os.statvfs(self.root)
+        st = os.fstatvfs(self._root_fd)
         avail = st.f_bavail * st.f_frsize - HEADROOM
         if avail <= 0:
             return
