@@ -232,12 +232,9 @@ def _open_data(path: str) -> int:
 def check_slot(addr: int, nsid: bytes, rank: int, key: bytes, payload_len: int) -> str | None:
     """None if the slot at addr holds `key` intact; else what is wrong."""
     try:
-        h = fmt.unpack_header(ctypes.string_at(addr, fmt.HDR_USED))
+        h = fmt.check_header(ctypes.string_at(addr, fmt.HDR_USED), nsid, rank, payload_len, key)
     except fmt.BadBlock as e:
         return str(e) if str(e).startswith("header") else f"header {e}"
-    for field, want in (("nsid", nsid), ("rank", rank), ("key", key), ("payload_len", payload_len)):
-        if h[field] != want:
-            return f"header names another {field.replace('_', ' ')}"
     if _native.crc32c(addr + fmt.HEADER_BYTES, payload_len) != h["payload_crc"]:
         return "payload checksum"
     return None

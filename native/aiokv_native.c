@@ -31,8 +31,9 @@
 
 #define OP_READ 0
 #define OP_WRITE 1
-/* user_data of our own cancel requests; their completions are not reported. */
-#define CANCEL_TAG UINT64_MAX
+/* user_data of our own cancel requests and of voided entries; their completions
+ * are not reported. */
+#define INTERNAL_TAG UINT64_MAX
 
 typedef struct {
     PyObject_HEAD
@@ -40,6 +41,8 @@ typedef struct {
     int efd;
     int open;
     unsigned entries;
+    int inject_err;      /* test hook: the next enter fails with -inject_err, consuming nothing */
+    int inject_consume;  /* test hook: the next enter consumes only this many entries (0: off) */
 } RingObject;
 
 static void ring_close_impl(RingObject *self) {
@@ -100,28 +103,98 @@ static PyObject *Ring_fileno(RingObject *self, PyObject *unused) {
     return PyLong_FromLong(self->efd);
 }
 
-/* submit(ops) -> int: ops is a sequence of (op, fd, addr, length, offset,
- * user_data). Prepares as many as the submission queue has room for, submits
- * them with one system call and returns how many were taken. */
+/* io_uring_submit, or what the test hook says it should do instead. */
+static int ring_submit_once(RingObject *self) {
+    if (self->inject_err) {
+        int e = self->inject_err;
+        self->inject_err = 0;
+        return -e;
+    }
+    if (self->inject_consume > 0 && io_uring_sq_ready(&self->ring) > (unsigned)self->inject_consume) {
+        /* only the first inject_consume prepared entries are shown to the kernel */
+        unsigned tail = self->ring.sq.sqe_tail;
+        self->ring.sq.sqe_tail = self->ring.sq.sqe_head + self->inject_consume;
+        int ret = io_uring_submit(&self->ring);
+        self->ring.sq.sqe_tail = tail;
+        self->inject_consume = 0;
+        return ret;
+    }
+    return io_uring_submit(&self->ring);
+}
+
+/* Every prepared entry to the kernel: a partial submission is submitted again
+ * while the kernel makes progress. Returns 0 (the submission queue is empty)
+ * or -errno (entries are left; the caller voids them). Called without the GIL. */
+static int ring_enter(RingObject *self) {
+    while (io_uring_sq_ready(&self->ring)) {
+        int ret = ring_submit_once(self);
+        if (ret == -EINTR) continue;
+        if (ret < 0) return ret;
+        if (ret == 0) return -EAGAIN; /* no progress: do not spin */
+    }
+    return 0;
+}
+
+/* Entries the kernel did not take become no-ops tagged INTERNAL_TAG, so a later
+ * enter runs them without touching any buffer; returns the user_data of the
+ * operations so voided (new reference), or NULL on a Python error. Without
+ * SQPOLL the kernel reads entries only inside io_uring_enter, which only the
+ * owning thread calls, so rewriting them here is safe. */
+static PyObject *ring_void_pending(RingObject *self) {
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    struct io_uring_sq *sq = &self->ring.sq;
+    unsigned mask = *sq->kring_mask;
+    for (unsigned p = io_uring_smp_load_acquire(sq->khead); p != sq->sqe_tail; p++) {
+        struct io_uring_sqe *sqe = &sq->sqes[p & mask]; /* liburing >= 2.2 maps the SQ array 1:1 */
+        uint64_t ud = sqe->user_data;
+        io_uring_prep_nop(sqe);
+        io_uring_sqe_set_data(sqe, (void *)(uintptr_t)INTERNAL_TAG);
+        if (ud == INTERNAL_TAG) continue;
+        PyObject *v = PyLong_FromUnsignedLongLong(ud);
+        if (!v || PyList_Append(out, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return out;
+}
+
+static int ring_enter_nogil(RingObject *self) {
+    int ret;
+    Py_BEGIN_ALLOW_THREADS
+    ret = ring_enter(self);
+    Py_END_ALLOW_THREADS
+    return ret;
+}
+
+/* submit(ops) -> (taken, voided, err): ops is a sequence of (op, fd, addr,
+ * length, offset, user_data). Prepares as many as the submission queue has
+ * room for and submits them. Ownership: each of the `taken` operations now
+ * belongs to the ring, and will complete through reap(), except those listed
+ * in `voided` (user_data): the submission failed with `err` (an errno, else 0)
+ * before the kernel took them, they were turned into no-ops and will never
+ * touch their buffers. No exception is raised once anything was prepared. */
 static PyObject *Ring_submit(RingObject *self, PyObject *arg) {
     REQUIRE_OPEN(self);
     PyObject *seq = PySequence_Fast(arg, "submit() takes a sequence of tuples");
     if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    /* entries voided by an earlier failure go first; if they still cannot be
+     * submitted, nothing new is prepared */
+    int ret = io_uring_sq_ready(&self->ring) ? ring_enter_nogil(self) : 0;
+    Py_ssize_t n = ret < 0 ? 0 : PySequence_Fast_GET_SIZE(seq);
     Py_ssize_t taken = 0;
     for (; taken < n; taken++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, taken);
         int op, fd;
         unsigned long long addr, offset, ud;
         unsigned int length;
-        if (!PyArg_ParseTuple(item, "iiKIKK", &op, &fd, &addr, &length, &offset, &ud)) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        if (ud == CANCEL_TAG) {
-            Py_DECREF(seq);
+        if (!PyArg_ParseTuple(item, "iiKIKK", &op, &fd, &addr, &length, &offset, &ud)) break;
+        if (ud == INTERNAL_TAG) {
             PyErr_SetString(PyExc_ValueError, "user_data value is reserved");
-            return NULL;
+            break;
         }
         struct io_uring_sqe *sqe = io_uring_get_sqe(&self->ring);
         if (!sqe) break;
@@ -135,19 +208,15 @@ static PyObject *Ring_submit(RingObject *self, PyObject *arg) {
         io_uring_sqe_set_data(sqe, (void *)(uintptr_t)ud);
     }
     Py_DECREF(seq);
-    int ret = 0;
-    if (taken > 0) {
-        Py_BEGIN_ALLOW_THREADS
-        do {
-            ret = io_uring_submit(&self->ring);
-        } while (ret == -EINTR);
-        Py_END_ALLOW_THREADS
-        if (ret < 0) {
-            errno = -ret;
-            return PyErr_SetFromErrno(PyExc_OSError);
-        }
+    if (PyErr_Occurred()) {
+        /* a malformed item: what was prepared before it is taken back unsubmitted */
+        self->ring.sq.sqe_tail -= (unsigned)taken;
+        return NULL;
     }
-    return PyLong_FromSsize_t(taken);
+    if (taken > 0) ret = ring_enter_nogil(self);
+    PyObject *voided = ret < 0 ? ring_void_pending(self) : PyList_New(0);
+    if (!voided) return NULL;
+    return Py_BuildValue("(nNi)", taken, voided, ret < 0 ? -ret : 0);
 }
 
 /* reap() -> list of (user_data, result): every completion available now.
@@ -165,7 +234,7 @@ static PyObject *Ring_reap(RingObject *self, PyObject *unused) {
         uint64_t ud = (uint64_t)(uintptr_t)io_uring_cqe_get_data(cqe);
         int res = cqe->res;
         io_uring_cqe_seen(&self->ring, cqe);
-        if (ud == CANCEL_TAG) continue;
+        if (ud == INTERNAL_TAG) continue;
         PyObject *t = Py_BuildValue("(Ki)", (unsigned long long)ud, res);
         if (!t || PyList_Append(out, t) < 0) {
             Py_XDECREF(t);
@@ -178,25 +247,31 @@ static PyObject *Ring_reap(RingObject *self, PyObject *unused) {
 }
 
 /* cancel(user_data) -> bool: ask the kernel to cancel one operation. Its own
- * completion (-ECANCELED or its real result) still arrives through reap(). */
+ * completion (-ECANCELED or its real result) still arrives through reap().
+ * False when the request could not be submitted (the operation then simply
+ * runs to its end); the request itself touches no buffer. */
 static PyObject *Ring_cancel(RingObject *self, PyObject *arg) {
     REQUIRE_OPEN(self);
     unsigned long long ud = PyLong_AsUnsignedLongLong(arg);
     if (PyErr_Occurred()) return NULL;
     struct io_uring_sqe *sqe = io_uring_get_sqe(&self->ring);
     if (!sqe) {
-        io_uring_submit(&self->ring);
+        if (ring_enter_nogil(self) < 0) goto failed;
         sqe = io_uring_get_sqe(&self->ring);
         if (!sqe) Py_RETURN_FALSE;
     }
     io_uring_prep_cancel(sqe, (void *)(uintptr_t)ud, 0);
-    io_uring_sqe_set_data(sqe, (void *)(uintptr_t)CANCEL_TAG);
-    int ret = io_uring_submit(&self->ring);
-    if (ret < 0) {
-        errno = -ret;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
+    io_uring_sqe_set_data(sqe, (void *)(uintptr_t)INTERNAL_TAG);
+    if (ring_enter_nogil(self) < 0) goto failed;
     Py_RETURN_TRUE;
+failed: {
+        /* only our own tagged entries can be pending here (submit() leaves no
+         * live operation behind), so nothing needs reporting */
+        PyObject *voided = ring_void_pending(self);
+        if (!voided) return NULL;
+        Py_DECREF(voided);
+        Py_RETURN_FALSE;
+    }
 }
 
 /* wait(min_complete=1): block (GIL released) until at least one completion is
@@ -217,6 +292,16 @@ static PyObject *Ring_wait(RingObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* _inject_submit(err=0, consume=0): test hook for the next submission. */
+static PyObject *Ring_inject_submit(RingObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"err", "consume", NULL};
+    int err = 0, consume = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|ii", kwlist, &err, &consume)) return NULL;
+    self->inject_err = err;
+    self->inject_consume = consume;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Ring_close(RingObject *self, PyObject *unused) {
     ring_close_impl(self);
     Py_RETURN_NONE;
@@ -228,6 +313,8 @@ static PyMethodDef Ring_methods[] = {
     {"reap", (PyCFunction)Ring_reap, METH_NOARGS, "[(user_data, res), ...] available now"},
     {"cancel", (PyCFunction)Ring_cancel, METH_O, "request cancellation of one operation"},
     {"wait", (PyCFunction)Ring_wait, METH_NOARGS, "block until a completion is ready"},
+    {"_inject_submit", (PyCFunction)(void (*)(void))Ring_inject_submit, METH_VARARGS | METH_KEYWORDS,
+     "test hook: _inject_submit(err=0, consume=0) shapes the next submission"},
     {"close", (PyCFunction)Ring_close, METH_NOARGS, "tear the ring down"},
     {NULL}};
 

@@ -60,7 +60,7 @@ async def test_enospc_skips_and_evicts(small_fs, blocks, backend_kind):
 
 
 async def test_capacity_bound_is_kept(tmp_path, blocks):
-    cap = 40 * fmt.slot_bytes(PAYLOAD)
+    cap = 40 * fmt.slot_bytes(PAYLOAD) + (64 << 10)  # 40 slots and room for the journal
     st = Store(tmp_path / "s", capacity=cap)
     ns = st.namespace(NS, PAYLOAD)
     for rnd in range(5):

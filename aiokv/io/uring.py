@@ -9,6 +9,13 @@ drops its queued operations and asks the kernel to cancel its submitted ones
 with IORING_OP_ASYNC_CANCEL; each submitted operation still completes (with
 -ECANCELED or its real result) and only then is its buffer released.
 
+Ownership across the C boundary: once Ring.submit has prepared an operation,
+the ring owns it until its completion is reaped. A partial submission is
+submitted again inside Ring.submit; a refused one (io_uring_enter fails) turns
+the entries the kernel did not take into no-ops and names them, and only those
+operations (and the rest of that chunk) complete here as failed with the
+errno. No buffer is handed back while the kernel may still run its operation.
+
 Submission: a batch started while the ring is idle is submitted at once (one
 io_uring_enter; latency matters). A batch started while operations are in
 flight is queued and submitted at the end of the loop iteration, together with
@@ -98,10 +105,23 @@ class UringBackend(IOBackend):
                 nbytes += sqe[3]
             if not chunk:
                 continue
-            taken = self.ring.submit(chunk)
+            taken, voided, err = self.ring.submit(chunk)
+            voided = set(voided)
             for sqe in chunk[:taken]:
-                submitted[sqe[5]] = sqe[3]
-                self._bytes += sqe[3]
+                if sqe[5] not in voided:  # the ring owns it until its completion is reaped
+                    submitted[sqe[5]] = sqe[3]
+                    self._bytes += sqe[3]
+            if err:
+                # The kernel refused the submission: the entries it did not take
+                # are no-ops now, so their buffers are free and they fail here,
+                # together with the rest of the chunk (retrying a refused
+                # submission at once would most likely be refused again).
+                for sqe in chunk[taken:]:
+                    voided.add(sqe[5])
+                for ud in voided:
+                    batch, i = self._waiting.pop(ud)
+                    batch.complete(i, -err)
+                break
             # whatever the ring had no room for goes back to the head of the queue
             q.extendleft(reversed(chunk[taken:]))
             if taken == 0:

@@ -29,21 +29,30 @@ import time
 from aiokv import _native
 from aiokv.io.backend import OP_READ, OP_WRITE, say_once
 from aiokv.store import format as fmt
+from aiokv.store.dirs import open_under
 
 EBADMSG = -errno.EBADMSG
 PIPELINE_MIN = 4  # up to this many items: one backend batch
 
 
-def open_data_file(path: str) -> tuple[int, bool]:
-    """Open (creating, 0600) a data file with O_DIRECT; buffered where the FS lacks it."""
+def open_data_file(ns_dir: str, rank: int) -> tuple[int, bool]:
+    """Open (creating, 0600) a rank's data file with O_DIRECT; buffered where the
+    FS lacks it. ns_dir is ROOT/ns/<nsid hex>: every directory from ROOT down and
+    the file itself are opened without following a symlink (dirs.py)."""
+    root = os.path.dirname(os.path.dirname(ns_dir))
+    dfd = open_under(root, "ns", os.path.basename(ns_dir))
+    name = os.path.basename(data_path(ns_dir, rank))
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        return os.open(path, flags | os.O_DIRECT, 0o600), True
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-    say_once(f"aiokv: {os.path.dirname(path)} does not support O_DIRECT; using buffered I/O there")
-    return os.open(path, flags, 0o600), False
+        try:
+            return os.open(name, flags | os.O_DIRECT, 0o600, dir_fd=dfd), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+        say_once(f"aiokv: {ns_dir} does not support O_DIRECT; using buffered I/O there")
+        return os.open(name, flags, 0o600, dir_fd=dfd), False
+    finally:
+        os.close(dfd)
 
 
 def data_path(ns_dir: str, rank: int) -> str:
@@ -58,7 +67,7 @@ class BlockIO:
         self.rank = rank
         self.payload_bytes = payload_bytes
         self.slot_bytes = fmt.slot_bytes(payload_bytes)
-        self.fd, self.direct = open_data_file(data_path(ns_dir, rank))
+        self.fd, self.direct = open_data_file(ns_dir, rank)
 
     def stamp(self, key: bytes, addr: int) -> None:
         """Fill the header of the staging slot at addr for `key` (payload already there)."""
@@ -70,11 +79,11 @@ class BlockIO:
 
     def verify(self, key: bytes, addr: int) -> bool:
         try:
-            crc = fmt.verify_header(ctypes.string_at(addr, fmt.HDR_USED), self.nsid, self.rank, key,
-                                    self.payload_bytes, self.layout)
+            h = fmt.check_header(ctypes.string_at(addr, fmt.HDR_USED), self.nsid, self.rank, self.payload_bytes,
+                                 key, self.layout)
         except fmt.BadBlock:
             return False
-        return _native.crc32c(addr + fmt.HEADER_BYTES, self.payload_bytes) == crc
+        return _native.crc32c(addr + fmt.HEADER_BYTES, self.payload_bytes) == h["payload_crc"]
 
     def _chunk(self) -> int:
         return max(2, getattr(self.backend, "depth", 16) // 4)

@@ -31,6 +31,10 @@ HEADER_BYTES = 4096
 ALIGN = 4096
 MIN_KEY, MAX_KEY = 16, 32
 NSID_BYTES = 16
+# Bounds on numbers read from namespace.json (a slot's length must fit the
+# 32-bit length of one I/O operation; a rank is one data file).
+MAX_PAYLOAD_BYTES = 1 << 30
+MAX_RANKS = 1024
 
 # ---- slot header ----
 BLOCK_MAGIC = b"AIOKVBLK"
@@ -61,7 +65,9 @@ class BadBlock(Exception):
 
 
 def unpack_header(raw: bytes) -> dict:
-    """Parse a header without checking it against expectations (for inspect)."""
+    """Parse a header (magic, version, header CRC) without comparing it to expectations."""
+    if len(raw) < HDR_USED:
+        raise BadBlock("header short")
     body, (crc,) = raw[:_HDR.size], _HDR_CRC.unpack_from(raw, _HDR.size)
     if _native.crc32c_bytes(body) != crc:
         raise BadBlock("header checksum")
@@ -74,20 +80,37 @@ def unpack_header(raw: bytes) -> dict:
             "layout": layout}
 
 
-def verify_header(raw: bytes, nsid: bytes, rank: int, key: bytes, payload_len: int, layout: int = 0) -> int:
-    """Check a header against what the reader expects; return the payload CRC."""
+def check_header(raw: bytes, nsid: bytes, rank: int, payload_len: int, key: bytes | None = None,
+                 layout: int | None = None) -> dict:
+    """The one check of a slot header, for every reader (BlockIO, the store's
+    scan and verify, inspect): parse it, then compare it with what the reader
+    expects (key or layout None: any). Returns the header; raises BadBlock
+    naming the first mismatch."""
     h = unpack_header(raw)
-    if h["layout"] != layout:
-        raise BadBlock("layout")
-    if h["nsid"] != nsid:
-        raise BadBlock("namespace")
-    if h["rank"] != rank:
-        raise BadBlock("rank")
-    if h["key"] != key:
-        raise BadBlock("key")
-    if h["payload_len"] != payload_len:
-        raise BadBlock("length")
-    return h["payload_crc"]
+    for field, want in (("layout", layout), ("nsid", nsid), ("rank", rank), ("key", key),
+                        ("payload_len", payload_len)):
+        if want is not None and h[field] != want:
+            raise BadBlock(f"header names another {field.replace('_', ' ')}")
+    return h
+
+
+def check_namespace(info, nsid: bytes) -> tuple[int, int, int, dict]:
+    """(payload_bytes, slot_bytes, ranks, fields) of a parsed namespace.json,
+    every number bounds-checked before anything uses it; raises BadBlock."""
+    if not isinstance(info, dict):
+        raise BadBlock("not a JSON object")
+    pb, sb, ranks, fields = info.get("payload_bytes"), info.get("slot_bytes"), info.get("ranks"), info.get("fields", {})
+    if type(pb) is not int or not 0 < pb <= MAX_PAYLOAD_BYTES:
+        raise BadBlock(f"payload_bytes {pb!r} is not in 1..{MAX_PAYLOAD_BYTES}")
+    if type(sb) is not int or sb != slot_bytes(pb):
+        raise BadBlock(f"slot_bytes {sb!r} does not match payload_bytes {pb} (expected {slot_bytes(pb)})")
+    if type(ranks) is not int or not 1 <= ranks <= MAX_RANKS:
+        raise BadBlock(f"ranks {ranks!r} is not in 1..{MAX_RANKS}")
+    if not isinstance(fields, dict):
+        raise BadBlock("fields is not an object")
+    if info.get("nsid", nsid.hex()) != nsid.hex():
+        raise BadBlock(f"nsid {info.get('nsid')!r} is not its directory's name")
+    return pb, sb, ranks, fields
 
 
 # ---- index records (checkpoint body and journal) ----

@@ -22,9 +22,11 @@ class StoreLocked(RuntimeError):
 
 
 class DirLock:
-    def __init__(self, root: str):
+    def __init__(self, root: str, dir_fd: int | None = None):
+        """dir_fd: the root's descriptor (the lock file is opened relative to it)."""
         self.path = os.path.join(root, "lock")
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.fd = os.open("lock" if dir_fd is not None else self.path,
+                          os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
         try:
             self._take()
         except BaseException:

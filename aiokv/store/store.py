@@ -32,22 +32,19 @@ import time
 from aiokv import _native
 from aiokv.io.backend import open_backend
 from aiokv.store import format as fmt
-from aiokv.store.blockio import BlockIO, data_path
+from aiokv.store.blockio import BlockIO
 from aiokv.store.index import Index, Namespace
-from aiokv.store.journal import IndexLog, fsync_dir
+from aiokv.store.dirs import NotAStore, check_private, open_dir
+from aiokv.store.journal import IndexLog
 from aiokv.store.lock import DirLock
 
-GROW_BYTES = 64 << 20
+GROW_BYTES = 64 << 20  # disk space is reserved for new slots this much at a time
+HEADROOM = 4 << 20  # left to the file system (journal, other users) when the disk is full
 log = logging.getLogger("aiokv")
 
 
 def log_warning(msg: str) -> None:
     log.warning("aiokv: %s", msg)
-  # disk space is reserved for new slots this much at a time
-
-
-class NotAStore(ValueError):
-    pass
 
 
 @dataclasses.dataclass
@@ -58,34 +55,40 @@ class StoreStats:
     enospc: int = 0             # ENOSPC seen while reserving disk space
     evictions: int = 0
     corrupt_dropped: int = 0    # blocks that failed verification or I/O on read
-    loads: int = 0
-    load_failures: int = 0
+    # Loads are counted where they happen: the workers' reports (inside vLLM,
+    # Store.load is not on the load path).
 
 
-def _mkdir(path: str) -> None:
+FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _exists(name: str, dir_fd: int) -> bool:
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    if os.path.islink(path) or not os.path.isdir(path):
-        raise NotAStore(f"aiokv: {path} is not a directory (symlinks are not followed)")
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
-def _write_json(path: str, obj: dict) -> None:
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def _write_json(name: str, obj: dict, dir_fd: int) -> None:
+    tmp = name + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dir_fd)
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    os.fsync(dir_fd)
 
 
-def _read_json(path: str) -> dict:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _read_json(name: str, dir_fd: int, path: str) -> dict:
+    fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
     with os.fdopen(fd) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except ValueError as e:
+            raise NotAStore(f"aiokv: {os.path.join(path, name)} is damaged (bad JSON: {e}); "
+                            f"remove {path} or give aiokv a new directory") from None
 
 
 def parse_size(v) -> int:
@@ -115,7 +118,9 @@ class Store:
         self.root = os.path.abspath(root)
         self.readonly = readonly
         self.capacity = parse_size(capacity) if capacity is not None else None
-        self.limit = self.capacity
+        self.limit = self.capacity  # the capacity, or lower while the disk is full
+        self.space_check_interval = 1.0  # seconds between free-space checks while lowered
+        self._space_checked = 0.0
         self.sync_interval = sync_interval
         self.checkpoint_every = checkpoint_every
         self.stats = StoreStats()
@@ -125,41 +130,78 @@ class Store:
         self._io: dict[tuple[bytes, int], BlockIO] = {}
         self._backend = None
         self.lock = None
-        marker = os.path.join(self.root, "aiokv.json")
+        self._root_fd: int | None = None
+        self._ns_fd: int | None = None
+        self._dir_fds: dict[bytes, int] = {}  # namespace directories
+        try:
+            self._open(readonly)
+        except BaseException:
+            self.close(checkpoint=False)
+            raise
+
+    def _open(self, readonly: bool) -> None:
+        # The root itself is not followed if it is a symlink, nor is anything below it.
         if readonly:
-            if not os.path.isfile(marker):
+            if not os.path.isdir(self.root):
+                raise NotAStore(f"aiokv: {self.root} is not an aiokv store (no aiokv.json)")
+            self._root_fd = open_dir(self.root)
+            if not _exists("aiokv.json", self._root_fd):
                 raise NotAStore(f"aiokv: {self.root} is not an aiokv store (no aiokv.json)")
         else:
-            if os.path.isdir(self.root) and not os.path.islink(self.root):
-                if not os.path.exists(marker) and os.listdir(self.root):
-                    raise NotAStore(f"aiokv: {self.root} is not empty and not an aiokv store; "
-                                    "give aiokv an empty or new directory")
-            else:
-                os.makedirs(os.path.dirname(self.root) or "/", exist_ok=True)
-                _mkdir(self.root)
-            self.lock = DirLock(self.root)
-            if not os.path.exists(marker):
-                _write_json(marker, {"magic": fmt.STORE_MAGIC, "format": fmt.FORMAT_VERSION})
-            _mkdir(os.path.join(self.root, "ns"))
-        meta = _read_json(marker)
-        if meta.get("magic") != fmt.STORE_MAGIC:
+            os.makedirs(os.path.dirname(self.root) or "/", exist_ok=True)
+            self._root_fd = open_dir(self.root, create=True)
+            check_private(self._root_fd, self.root)
+            if not _exists("aiokv.json", self._root_fd) and os.listdir(self._root_fd):
+                raise NotAStore(f"aiokv: {self.root} is not empty and not an aiokv store; "
+                                "give aiokv an empty or new directory")
+            self.lock = DirLock(self.root, self._root_fd)
+            if not _exists("aiokv.json", self._root_fd):
+                _write_json("aiokv.json", {"magic": fmt.STORE_MAGIC, "format": fmt.FORMAT_VERSION}, self._root_fd)
+        meta = _read_json("aiokv.json", self._root_fd, self.root)
+        if not isinstance(meta, dict) or meta.get("magic") != fmt.STORE_MAGIC:
             raise NotAStore(f"aiokv: {self.root} is not an aiokv store (bad aiokv.json)")
         if meta.get("format") != fmt.FORMAT_VERSION:
             raise NotAStore(f"aiokv: {self.root} has format {meta.get('format')}, this aiokv reads "
                             f"{fmt.FORMAT_VERSION}; use a new directory")
-        for name in sorted(os.listdir(os.path.join(self.root, "ns"))):
+        ns_path = os.path.join(self.root, "ns")
+        self._ns_fd = open_dir(ns_path, self._root_fd, create=not readonly)
+        if not readonly:
+            check_private(self._ns_fd, ns_path)
+        st = os.fstatvfs(self._root_fd)
+        self._fs_bytes = st.f_blocks * st.f_frsize
+        for name in sorted(os.listdir(self._ns_fd)):
+            try:
+                nsid = bytes.fromhex(name)
+            except ValueError:
+                continue  # not ours
+            if len(nsid) != fmt.NSID_BYTES:
+                continue
+            dfd = self._ns_dir_fd(nsid)
             # a namespace whose namespace.json never made it (a crash at creation) holds nothing
-            if os.path.exists(os.path.join(self.root, "ns", name, "namespace.json")):
-                self._load_namespace(bytes.fromhex(name))
+            if _exists("namespace.json", dfd):
+                self._load_namespace(nsid)
         if not readonly:
             self._shrink_to_limit()
 
     # ---- namespaces ----
+    def _ns_dir_fd(self, nsid: bytes, create: bool = False) -> int:
+        fd = self._dir_fds.get(nsid)
+        if fd is None:
+            path = ns_dir(self.root, nsid)
+            fd = self._dir_fds[nsid] = open_dir(path, self._ns_fd, create=create)
+            if not self.readonly:
+                check_private(fd, path)
+        return fd
+
     def _load_namespace(self, nsid: bytes) -> Namespace:
-        d = ns_dir(self.root, nsid)
-        info = _read_json(os.path.join(d, "namespace.json"))
-        ns = Namespace(nsid, info["payload_bytes"], info["slot_bytes"], info["ranks"], info.get("fields", {}))
-        log = IndexLog(d, readonly=self.readonly, sync_interval=self.sync_interval)
+        d, dfd = ns_dir(self.root, nsid), self._ns_dir_fd(nsid)
+        try:
+            pb, sb, ranks, fields = fmt.check_namespace(_read_json("namespace.json", dfd, d), nsid)
+        except fmt.BadBlock as e:
+            raise NotAStore(f"aiokv: {d}/namespace.json is damaged ({e}); remove {d} (its blocks are lost) "
+                            "or give aiokv a new directory") from None
+        ns = Namespace(nsid, pb, sb, ranks, fields)
+        log = IndexLog(d, dfd, readonly=self.readonly, sync_interval=self.sync_interval)
         try:
             entries = log.load()
         except fmt.BadBlock as e:
@@ -168,15 +210,26 @@ class Store:
             # The index is lost but the blocks describe themselves: rebuild from them.
             log_warning(f"{e}; rebuilding the index from the data files")
             entries = self._scan(ns)
-            log.gen = 1 + max([int(n.split(".")[1]) for n in os.listdir(d) if n.startswith("journal.")] + [0])
+            gens = [n.split(".")[1] for n in os.listdir(dfd) if n.startswith("journal.")]
+            log.gen = 1 + max([int(g) for g in gens if g.isdigit()] + [log.gen])
             log.checkpoint([(k, s, a) for k, (s, a) in entries.items()])
+        # A slot beyond the size of the file system never held a block: such a
+        # record is damage, and would make the allocator count billions of holes.
+        beyond = [k for k, (s, _) in entries.items() if s >= self._max_slots(ns)]
+        if beyond:
+            log_warning(f"{d}: {len(beyond)} index record(s) name slots beyond the file system's size; dropped")
+            for k in beyond:
+                del entries[k]
         self.index.load(ns, entries)
         self.logs[nsid] = log
         if not self.readonly:
             # Space the index does not account for (free slots of the last life,
             # a tail past the last used slot) is given back to the file system.
-            self._fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, ns.alloc.holes,
-                            ignore_errors=True)
+            try:
+                self._fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, ns.alloc.holes,
+                                punch=True)
+            except OSError:
+                ns.alloc.grow(list(ns.alloc.holes))  # they may still hold space: counted, and reused first
             for rank in range(ns.ranks):
                 os.ftruncate(self._rank_fd(ns, rank), ns.alloc.hwm * ns.slot_bytes)
         return ns
@@ -189,11 +242,13 @@ class Store:
         if ns is None:
             if self.readonly:
                 raise KeyError(nsid.hex())
-            d = ns_dir(self.root, nsid)
-            _mkdir(d)
-            _write_json(os.path.join(d, "namespace.json"), {
-                "nsid": nsid.hex(), "payload_bytes": payload_bytes, "slot_bytes": fmt.slot_bytes(payload_bytes),
-                "ranks": ranks, "fields": fields or {}, "created": time.time()})
+            info = {"nsid": nsid.hex(), "payload_bytes": payload_bytes, "ranks": ranks, "fields": fields or {},
+                    "slot_bytes": fmt.slot_bytes(payload_bytes) if type(payload_bytes) is int else None}
+            try:
+                fmt.check_namespace(info, nsid)
+            except fmt.BadBlock as e:
+                raise ValueError(f"aiokv: cannot create namespace {nsid.hex()}: {e}") from None
+            _write_json("namespace.json", dict(info, created=time.time()), self._ns_dir_fd(nsid, create=True))
             ns = self._load_namespace(nsid)
         if ns.payload_bytes != payload_bytes or ns.ranks != ranks:
             raise ValueError(f"aiokv: namespace {nsid.hex()} holds {ns.payload_bytes}-byte blocks on "
@@ -212,10 +267,10 @@ class Store:
         while slot is None:
             if not self._grow(ns):
                 victim = self.index.victim()
-                if victim is None:
+                # another namespace's slot is no use here: its space must be punched
+                if victim is None or not self._evict(*victim, punch=victim[0] is not ns):
                     self.stats.skipped_no_space += 1
                     return None
-                self._evict(*victim, punch=victim[0] is not ns)
             slot = ns.alloc.take()
         ns.pending[key] = slot
         return slot
@@ -235,12 +290,15 @@ class Store:
         try:
             log.append(recs)
         except OSError as e:
-            # Not durable, so not committed: undo, and give the file system room.
+            # Not durable, so not committed: undo; only a full disk needs room.
             for key in done:
                 ns.alloc.release(self.index.remove(ns, key))
             self.stats.save_failures += len(recs)
-            self.stats.enospc += e.errno in (errno.ENOSPC, errno.EDQUOT)
-            self._make_room()
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                self.stats.enospc += 1
+                self._make_room()
+            else:
+                log_warning(f"journal write failed ({os.strerror(e.errno or 0)}); {len(recs)} block(s) not committed")
             return
         self.stats.commits += len(recs)
         if log.records > self.checkpoint_every and log.records > len(ns.entries):
@@ -289,15 +347,29 @@ class Store:
         self._append_drops(ns, recs)
 
     # ---- space ----
-    def _evict(self, ns: Namespace, key: bytes, punch: bool) -> None:
+    def _used(self) -> int:
+        """Bytes the store takes on disk: backed slots, journals and checkpoints."""
+        return self.index.physical_bytes + sum(jl.disk_bytes for jl in self.logs.values())
+
+    def _evict(self, ns: Namespace, key: bytes, punch: bool) -> bool:
+        """Forget the LRU entry `key`; False if its space was to be punched and could not be."""
         slot = self.index.remove(ns, key)
         self._append_drops(ns, [fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
         self.stats.evictions += 1
         if punch:
-            self._punch(ns, slot)
+            return self._unback(ns, slot)
+        ns.alloc.release(slot)
+        return True
+
+    def _unback(self, ns: Namespace, slot: int) -> bool:
+        """Give an in-use slot's disk space back. Where punching fails (a file
+        system without hole punching, an I/O error) the slot stays backed and
+        counted, on the free list, and False says so."""
+        if self._punch(ns, slot):
             ns.alloc.punch(slot)
-        else:
-            ns.alloc.release(slot)
+            return True
+        ns.alloc.release(slot)
+        return False
 
     def _append_drops(self, ns: Namespace, recs: list[bytes]) -> None:
         # Best effort: a DROP that is not persisted resurrects an entry whose slot
@@ -307,47 +379,57 @@ class Store:
         except OSError:
             pass
 
-    def _make_room(self, nbytes: int = 4 << 20) -> None:
-        """Punch LRU blocks worth nbytes and cap the capacity at what remains."""
-        target = self.index.physical_bytes - nbytes
-        while self.index.physical_bytes > max(target, 0):
-            freed = False
+    def _shrink_to(self, target: int) -> None:
+        """Punch free slots, then LRU blocks, until at most `target` bytes are used
+        or nothing more can be given back."""
+        while self._used() > target:
             for ns in self.index.namespaces.values():
-                while ns.alloc.free and self.index.physical_bytes > target:
-                    slot = ns.alloc.take()
-                    self._punch(ns, slot)
-                    ns.alloc.punch(slot)
-                    freed = True
-            victim = self.index.victim() if self.index.physical_bytes > target else None
-            if victim is not None:
-                self._evict(*victim, punch=True)
-            elif not freed:
-                break
-        self.limit = self.index.physical_bytes
+                while ns.alloc.free and self._used() > target:  # unused backed slots go first
+                    if not self._unback(ns, ns.alloc.take()):
+                        return
+            if self._used() <= target:
+                return
+            victim = self.index.victim()
+            if victim is None or not self._evict(*victim, punch=True):
+                return
+
+    def _make_room(self, nbytes: int = HEADROOM) -> None:
+        """Punch LRU blocks worth nbytes and cap the capacity at what remains,
+        until the file system has room again (_regain_space)."""
+        self._shrink_to(max(self._used() - nbytes, 0))
+        self.limit = self._used()
+        self._space_checked = time.monotonic()
 
     def _shrink_to_limit(self) -> None:
-        while self.limit is not None and self.index.physical_bytes > self.limit:
-            for ns in self.index.namespaces.values():
-                while ns.alloc.free:  # unused backed slots go first
-                    slot = ns.alloc.take()
-                    self._punch(ns, slot)
-                    ns.alloc.punch(slot)
-            if self.index.physical_bytes <= self.limit:
-                break
-            victim = self.index.victim()
-            if victim is None:
-                break
-            self._evict(*victim, punch=True)
+        if self.limit is not None:
+            self._shrink_to(self.limit)
+
+    def _regain_space(self) -> None:
+        """While a full disk holds the limit under the capacity: raise it again as
+        far as the file system has room now (checked at most every space_check_interval)."""
+        now = time.monotonic()
+        if self.limit == self.capacity or now - self._space_checked < self.space_check_interval:
+            return
+        self._space_checked = now
+        st = os.fstatvfs(self._root_fd)
+        avail = st.f_bavail * st.f_frsize - HEADROOM
+        if avail <= 0:
+            return
+        new = self._used() + avail
+        if self.capacity is None:
+            self.limit = None
+        elif new > self.limit:
+            self.limit = min(new, self.capacity)
 
     def _rank_fd(self, ns: Namespace, rank: int) -> int:
         fd = self._rank_fds.get((ns.nsid, rank))
         if fd is None:
-            fd = os.open(data_path(ns_dir(self.root, ns.nsid), rank),
-                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = os.open(f"rank{rank}.data", os.O_RDWR | os.O_CREAT | FILE_FLAGS, 0o600,
+                         dir_fd=self._ns_dir_fd(ns.nsid))
             self._rank_fds[(ns.nsid, rank)] = fd
         return fd
 
-    def _fallocate(self, ns: Namespace, mode: int, slots, ignore_errors: bool = False) -> None:
+    def _fallocate(self, ns: Namespace, mode: int, slots, ignore_errors: bool = False, punch: bool = False) -> None:
         sb = ns.slot_bytes
         runs: list[list[int]] = []  # [first, count] of consecutive slots: one call each
         for s in sorted(slots):
@@ -363,18 +445,24 @@ class Store:
                 except OSError as e:
                     if ignore_errors:
                         continue
-                    if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    if punch or e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
                         raise
                     if not mode:  # no fallocate here: extend the file sparsely
                         os.ftruncate(fd, max(os.fstat(fd).st_size, (first + count) * sb))
 
-    def _punch(self, ns: Namespace, slot: int) -> None:
-        # where punching fails the space stays allocated; accounting counts it released
-        self._fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, [slot], ignore_errors=True)
+    def _punch(self, ns: Namespace, slot: int) -> bool:
+        """Punch one slot on every rank; False if any rank refused."""
+        try:
+            self._fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, [slot], punch=True)
+        except OSError:
+            return False
+        return True
 
     def _grow(self, ns: Namespace) -> bool:
         """Reserve disk space for more slots: a chunk, halved on ENOSPC down to one slot."""
-        room = (self.limit - self.index.physical_bytes) if self.limit is not None else GROW_BYTES
+        if self.limit is not None and self.limit != self.capacity:
+            self._regain_space()
+        room = (self.limit - self._used()) if self.limit is not None else GROW_BYTES
         n = min(max(1, GROW_BYTES // ns.slot_cost), room // ns.slot_cost)
         if n <= 0:
             return False
@@ -409,13 +497,12 @@ class Store:
         for rank in range(ns.ranks):
             fd = self._rank_fd(ns, rank)
             here = {}
-            for slot in range(os.fstat(fd).st_size // sb):
+            for slot in range(min(os.fstat(fd).st_size // sb, self._max_slots(ns))):
                 try:
-                    h = fmt.unpack_header(os.pread(fd, fmt.HDR_USED, slot * sb))
+                    h = fmt.check_header(os.pread(fd, fmt.HDR_USED, slot * sb), ns.nsid, rank, ns.payload_bytes)
                 except fmt.BadBlock:
                     continue
-                if h["nsid"] == ns.nsid and h["rank"] == rank and h["payload_len"] == ns.payload_bytes:
-                    here[(h["key"], slot)] = h["seq"]
+                here[(h["key"], slot)] = h["seq"]
             found = here if found is None else {ks: t for ks, t in here.items() if ks in found}
         return {k: (s, t) for (k, s), t in sorted((found or {}).items(), key=lambda x: x[1])}
 
@@ -428,14 +515,16 @@ class Store:
             if len(raw) != sb:
                 return False
             try:
-                h = fmt.unpack_header(raw[:fmt.HDR_USED])
+                h = fmt.check_header(raw[:fmt.HDR_USED], ns.nsid, rank, ns.payload_bytes, key)
             except fmt.BadBlock:
-                return False
-            if (h["nsid"], h["rank"], h["key"], h["payload_len"]) != (ns.nsid, rank, key, ns.payload_bytes):
                 return False
             if _native.crc32c_bytes(raw[fmt.HEADER_BYTES:fmt.HEADER_BYTES + ns.payload_bytes]) != h["payload_crc"]:
                 return False
         return True
+
+    def _max_slots(self, ns: Namespace) -> int:
+        """Slots that can exist: a data file never holds more than its file system."""
+        return self._fs_bytes // ns.slot_bytes
 
     # ---- persistence ----
     def _snapshot(self, ns: Namespace):
@@ -453,20 +542,23 @@ class Store:
         for nsid, log in self.logs.items():
             log.checkpoint(self._snapshot(self.index.namespaces[nsid]))
 
-    def close(self) -> None:
+    def close(self, checkpoint: bool = True) -> None:
         for io in self._io.values():
             io.close()
         self._io.clear()
         if self._backend is not None:
             self._backend.close()
             self._backend = None
-        if not self.readonly and self.lock is not None and self.lock.fd is not None:
+        if checkpoint and not self.readonly and self.lock is not None and self.lock.fd is not None:
             self.checkpoint()
         for log in self.logs.values():
             log.close()
-        for fd in self._rank_fds.values():
-            os.close(fd)
+        for fd in [*self._rank_fds.values(), *self._dir_fds.values(), self._ns_fd, self._root_fd]:
+            if fd is not None:
+                os.close(fd)
         self._rank_fds.clear()
+        self._dir_fds.clear()
+        self._ns_fd = self._root_fd = None
         if self.lock is not None:
             self.lock.release()
 
@@ -513,10 +605,9 @@ class Store:
             todo = [(s, k, a) for s, (k, a) in zip(slots, items) if s is not None]
             out = iter(await self.blockio(ns, rank).read(todo))
         finally:
-            self.unpin(ns, keys)
+            # only the pins taken above: a key committed and pinned by another
+            # reader meanwhile keeps its pin
+            self.unpin(ns, [k for k, s in zip(keys, slots) if s is not None])
         res = [next(out) if s is not None else -errno.ENOENT for s in slots]
-        bad = [k for k, r in zip(keys, res) if r not in (0, -errno.ENOENT)]
-        self.drop(ns, bad)
-        self.stats.loads += sum(r == 0 for r in res)
-        self.stats.load_failures += len(bad)
+        self.drop(ns, [k for k, r in zip(keys, res) if r not in (0, -errno.ENOENT)])
         return res
