@@ -1,5 +1,8 @@
-"""vLLM plugin entry point (vllm.general_plugins): registers "AioKVConnector" so
-kv_connector_module_path can be left out of --kv-transfer-config."""
+"""vLLM plugin entry point (vllm.general_plugins), run in every vLLM process:
+registers "AioKVConnector" so kv_connector_module_path can be left out of
+--kv-transfer-config, and sends aiokv's log lines through vLLM's log handler
+(otherwise Python drops INFO lines such as the start line with the version)."""
+import logging
 
 
 def register() -> None:
@@ -9,3 +12,9 @@ def register() -> None:
         return
     if "AioKVConnector" not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector("AioKVConnector", "aiokv.connector", "AioKVConnector")
+    ours, theirs = logging.getLogger("aiokv"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:  # vLLM configured logging (VLLM_CONFIGURE_LOGGING)
+        for h in theirs.handlers:
+            ours.addHandler(h)
+        ours.setLevel(theirs.level)
+        ours.propagate = False
