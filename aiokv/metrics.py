@@ -94,6 +94,20 @@ SERIES: tuple[Row, ...] = (
         "Seconds a worker took to write one request's blocks of one step; one per rank."),
 )
 
+# counters aiokv keeps that are deliberately not series (each says why); every other counter
+# needs a row (tests/test_metrics_series_table.py checks that)
+NOT_EXPORTED = {
+    "hit_blocks": "hit_tokens / block size",
+    "saves_ok_blocks": "per-rank twin of saved_blocks (which counts a block once all ranks wrote it)",
+    "save_failed_blocks": "per-rank twin of save_failed_blocks (save_failures, counted once per block)",
+    "load_cancelled_blocks": "blocks of cancelled loads: loads_cancelled counts the loads",
+    "store_commits": "the same as saves_committed",
+    "store_save_failures": "the same as save_failures",
+    "store_corrupt_dropped": "the same as load_failures{cause=corrupt}",
+    "store_loads": "the store's own load path (tools, tests), not the engine's",
+    "store_load_failures": "the store's own load path (tools, tests), not the engine's",
+}
+
 GAUGES = frozenset(r.key for r in SERIES if r.kind == GAUGE)
 PER_RANK = frozenset(r.key for r in SERIES if r.per_rank)
 
@@ -113,25 +127,30 @@ class StatsDelta:
     def __init__(self, ranks: int):
         self.ranks = ranks
         self.worker: dict[str, Any] = {}     # worker counters since the last take()
-        self._last: dict[str, Any] = {}      # scheduler totals and gauges at the last take()
+        self._last: dict[str, Any] = {}      # scheduler totals at the last take()
+        self._gauges: dict[str, Any] = {}    # gauge values last handed to vLLM
 
     def add_worker(self, counters: dict[str, Any]) -> None:
         merge(self.worker, counters)
 
     def take(self, totals: dict[str, Any]) -> dict[str, Any]:
         """totals: scheduler/store counters since start and current gauges."""
-        data = {}
-        for k, v in self.worker.items():
-            if v or k in GAUGES:
-                data[k] = v / self.ranks if k in PER_RANK and self.ranks > 1 else v
+        data = {k: v / self.ranks if k in PER_RANK and self.ranks > 1 else v
+                for k, v in self.worker.items() if v or k in GAUGES}
         self.worker = {}
         for k, v in totals.items():
             if k in GAUGES:
-                if self._last.get(k) != v:  # an unchanged gauge is not resent: idle steps stay empty
-                    data[k] = v
-            elif v != self._last.get(k, 0):
-                data[k] = v - self._last.get(k, 0)
-        self._last = dict(totals)
+                data[k] = v
+            else:  # a scheduler count wins over a worker count of the same name
+                data.pop(k, None)
+                if v != self._last.get(k, 0):
+                    data[k] = v - self._last.get(k, 0)
+                self._last[k] = v
+        for k in [k for k in data if k in GAUGES]:
+            if self._gauges.get(k) == data[k]:  # unchanged gauges are not resent: idle steps stay empty
+                del data[k]
+            else:
+                self._gauges[k] = data[k]
         return data
 
 
