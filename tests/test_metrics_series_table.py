@@ -130,3 +130,23 @@ def test_latency_histogram_matches_direct_observation(seed):
         assert got == reg.get_sample_value("direct_bucket", {"le": le_s}), le_s
     assert sample(reg, "vllm:aiokv_load_seconds_count") == len(latencies)
     assert sample(reg, "vllm:aiokv_load_seconds_sum") == pytest.approx(sum(latencies), rel=1e-6)
+
+
+def test_docs_and_dashboard_name_only_real_series():
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    suffix = {metrics.COUNTER: ("_total",), metrics.GAUGE: ("",),
+              metrics.HISTOGRAM: ("_bucket", "_sum", "_count", "")}
+    real = {f"vllm:aiokv_{r.series}{s}" for r in SERIES for s in suffix[r.kind]}
+    with open(os.path.join(root, "docs", "operations.md")) as f:
+        ops = f.read()
+    with open(os.path.join(root, "docs", "grafana-aiokv.json")) as f:
+        dash = f.read()
+    for text in (ops, dash):
+        named = set(re.findall(r"vllm:aiokv_[a-z_]+", text))
+        assert named <= real, named - real
+    documented = set(re.findall(r"`(vllm:aiokv_[a-z_]+)", ops))
+    assert {f"vllm:aiokv_{r.series}{suffix[r.kind][0] if r.kind == metrics.COUNTER else ''}"
+            for r in SERIES} <= documented

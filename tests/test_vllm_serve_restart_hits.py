@@ -9,8 +9,9 @@ after a restart.
 The invariant: a server started with `"kv_connector": "AioKVConnector"` and no
 module path answers the same prompts identically across a SIGTERM restart; the
 second life reports the stored prefix in `usage.prompt_tokens_details
-.cached_tokens` and in `vllm:aiokv_hit_tokens_total`; the first life exits on
-SIGTERM within a bounded time, with every full block saved (`aiokv inspect`).
+.cached_tokens` and in `vllm:aiokv_hit_tokens_total`; a server stopped with SIGTERM right after
+its last answer (given vLLM's `--shutdown-timeout` grace period) exits cleanly
+within a bounded time, with every full block saved (`aiokv inspect`).
 
 The fix: aiokv's stats hooks (`build_kv_connector_stats`, `build_prom_metrics`,
 aiokv/metrics.py) and the plugin entry point (aiokv/plugin.py).
@@ -64,7 +65,10 @@ class Server:
                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
                "--enforce-eager", "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "1024",
                "--kv-cache-memory-bytes", str(64 << 20), "--enable-prefix-caching", "--seed", "0",
-               "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(ktc)]
+               "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(ktc),
+               # vLLM's default (0) SIGKILLs the engine core at once on SIGTERM: saves in flight are
+               # lost (never corrupt). With a grace period the engine drains, aiokv's saves included.
+               "--shutdown-timeout", str(STOP_TIMEOUT // 2)]
         env = dict(os.environ, PYTHONPATH=ROOT, VLLM_LOGGING_LEVEL="INFO", PYTHONUNBUFFERED="1")
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the production shape: engine core in its own process
         self.log = open(log_path, "w")
@@ -152,19 +156,18 @@ def test_vllm_serve_restart_serves_hits_and_metrics(tiny_model, tmp_path):
     try:
         srv.wait_ready()
         first = [srv.complete(p) for p in ps]
-        m1 = srv.wait_metric("vllm:aiokv_saved_blocks_total", len(ps) * full_blocks)
-        rc = srv.stop()
+        m1 = srv.wait_metric("vllm:aiokv_queried_tokens_total", len(ps) * PROMPT_LEN)
+        rc = srv.stop()  # at once: saves may still be in flight
     finally:
         srv.kill()
     log1 = srv.text()
     assert rc == 0, log1[-4000:]
     assert f"aiokv {__version__}: cache {cache}" in log1  # the start line names the version
-    assert "Traceback" not in log1, log1[-6000:]
+    assert "Traceback" not in log1 and "force killing" not in log1, log1[-6000:]
     for r in first:
         assert (r["usage"]["prompt_tokens_details"] or {}).get("cached_tokens", 0) == 0, r["usage"]
     assert m1.get("vllm:aiokv_queried_tokens_total") == len(ps) * PROMPT_LEN, m1
     assert m1.get("vllm:aiokv_hit_tokens_total", 0) == 0, m1
-    assert m1.get("vllm:aiokv_stored_bytes_total", 0) > 0, m1
     assert m1.get("vllm:aiokv_disk_bytes", 0) > 0 and m1.get("vllm:aiokv_capacity_bytes") == 1 << 30, m1
     # saves flushed by the shutdown: every full block is on disk and in the index
     assert _inspect(cache)["total"]["blocks"] == len(ps) * full_blocks
@@ -180,7 +183,7 @@ def test_vllm_serve_restart_serves_hits_and_metrics(tiny_model, tmp_path):
         srv.kill()
     log2 = srv.text()
     assert rc == 0, log2[-4000:]
-    assert "Traceback" not in log2, log2[-6000:]
+    assert "Traceback" not in log2 and "force killing" not in log2, log2[-6000:]
     assert [r["choices"][0]["text"] for r in second] == [r["choices"][0]["text"] for r in first]
     for r in second:
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == hit_tokens, r["usage"]
