@@ -1,8 +1,9 @@
 """vLLM plugin entry point (vllm.general_plugins), run in every vLLM process:
 registers "AioKVConnector" so kv_connector_module_path can be left out of
---kv-transfer-config, and sends aiokv's log lines through vLLM's log handler
+--kv-transfer-config, and gives aiokv's log lines vLLM's format and level
 (otherwise Python drops INFO lines such as the start line with the version)."""
 import logging
+import sys
 
 
 def register() -> None:
@@ -14,7 +15,9 @@ def register() -> None:
         KVConnectorFactory.register_connector("AioKVConnector", "aiokv.connector", "AioKVConnector")
     ours, theirs = logging.getLogger("aiokv"), logging.getLogger("vllm")
     if not ours.handlers and theirs.handlers:  # vLLM configured logging (VLLM_CONFIGURE_LOGGING)
-        for h in theirs.handlers:
-            ours.addHandler(h)
+        # vLLM's format and level; stderr, where aiokv's warnings always went
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(theirs.handlers[0].formatter)
+        ours.addHandler(handler)
         ours.setLevel(theirs.level)
         ours.propagate = False
