@@ -34,6 +34,7 @@ from aiokv.config import AioKVConfig
 from aiokv.jobs import StepPlan, WorkerReport
 from aiokv.keys import namespace_id, request_root
 from aiokv.metrics import AioKVPromMetrics, AioKVStats, StatsDelta, merge
+from aiokv.plugin import use_vllm_logging
 
 log = logging.getLogger("aiokv")
 HYBRID_ERROR = ("aiokv: hybrid models (attention mixed with recurrent/Mamba or other KV cache groups) need "
@@ -135,6 +136,7 @@ def request_extras(request) -> list:
 class AioKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        use_vllm_logging()
         self.cfg = AioKVConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.fields, self.payload = describe(vllm_config, kv_cache_config)
         self.nsid = namespace_id(self.fields)

@@ -13,9 +13,15 @@ def register() -> None:
         return
     if "AioKVConnector" not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector("AioKVConnector", "aiokv.connector", "AioKVConnector")
+    use_vllm_logging()
+
+
+def use_vllm_logging() -> None:
+    """Once vLLM has configured logging in this process: aiokv's lines get vLLM's
+    format and level, on stderr (where aiokv's warnings always went). Idempotent;
+    also called by the connector, since vLLM may configure logging after plugins load."""
     ours, theirs = logging.getLogger("aiokv"), logging.getLogger("vllm")
-    if not ours.handlers and theirs.handlers:  # vLLM configured logging (VLLM_CONFIGURE_LOGGING)
-        # vLLM's format and level; stderr, where aiokv's warnings always went
+    if not ours.handlers and theirs.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(theirs.handlers[0].formatter)
         ours.addHandler(handler)
