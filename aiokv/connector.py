@@ -439,7 +439,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         st = self.sched.store
         out = dict(vars(self.sched.counters))
         out.update({f"store_{k}": v for k, v in vars(st.stats).items()})
-        out.update(queried_tokens=self._queried_tokens, disk_bytes=st.index.physical_bytes,
+        out.update(queried_tokens=self._queried_tokens, disk_bytes=st._used(),
                    capacity_bytes=st.limit or 0, pending_saves=self.sched.pending_saves,
                    stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()))
         return out
