@@ -12,8 +12,14 @@ seconds and at close, so a power cut loses at most that window. Data blocks
 verify themselves, so an index record whose block never reached the disk is a
 miss on read, never wrong bytes.
 
-Threading contract: an IndexLog is used by one thread, the Store's owner. A
-read-only IndexLog (inspect) never writes and tolerates a writer beside it.
+Other engines on the same directory follow an engine's files with a Follower:
+a full replay (a read-only IndexLog) whenever the checkpoint changes, and in
+between only the records appended since the last look (one fstat when nothing
+changed). A record being appended right now fails its CRC and is read again
+at the next look.
+
+Threading contract: an IndexLog or Follower is used by one thread, the Store's
+owner. A read-only IndexLog (inspect) never writes and tolerates a writer beside it.
 """
 from __future__ import annotations
 
@@ -121,6 +127,7 @@ class IndexLog:
                     else:
                         entries.pop(key, None)
                 self.torn_bytes = len(body) - valid
+                self.size = fmt.FILE_HDR_BYTES + valid
         if not self.readonly:
             self._open_journal(valid, journal_ok)
         # A slot claimed twice means a bug or a hand-made file: keep the newest claim only.
@@ -217,5 +224,93 @@ class IndexLog:
     def close(self) -> None:
         if self.fd is not None:
             os.fdatasync(self.fd)
+            os.close(self.fd)
+            self.fd = None
+
+
+class Follower:
+    """Another engine's checkpoint + journal of one namespace, read-only, followed
+    as it grows. `poll` returns what changed since the last call."""
+
+    def __init__(self, ns_dir: str, dir_fd: int):
+        self.dir = ns_dir
+        self.dir_fd = dir_fd  # owned by the caller
+        self.fd: int | None = None  # journal.<gen>, read-only
+        self.off = 0               # bytes of it applied (whole, verified records)
+        self.ckpt = None           # identity of the checkpoint replayed (inode, size, mtime) or None
+        self.replayed = False
+        self.log: IndexLog | None = None  # the last full replay (gen, records, torn bytes)
+        self.broken: tuple | None = None  # checkpoint identity that did not verify: not retried until it changes
+        self.tail_records = 0
+
+    def _ckpt_ident(self):
+        try:
+            st = os.stat("checkpoint", dir_fd=self.dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.off + (self.log.ckpt_bytes if self.log else 0)
+
+    @property
+    def records(self) -> int:
+        return (self.log.records if self.log else 0) + self.tail_records
+
+    def poll(self):
+        """("reset", {key: (slot, atime)}) after a full replay (first call, or the
+        engine wrote a checkpoint or restarted its journal), ("tail", [(kind, key,
+        slot, atime)]) for records appended since, or None when nothing changed.
+        Raises fmt.BadBlock for a corrupt checkpoint (once per version of it)."""
+        ident = self._ckpt_ident()
+        if self.replayed and ident == self.ckpt:
+            if self.fd is None:  # the journal did not exist yet at the replay
+                self._open(self.log.gen)
+                if self.fd is None:
+                    return None
+            size = os.fstat(self.fd).st_size
+            if size < self.off:  # cut or recreated by a new owner of those files
+                return self._replay(ident)
+            if size == self.off:
+                return None
+            raw = os.pread(self.fd, size - self.off, self.off)
+            it = fmt.iter_records(raw)
+            recs = []
+            while True:
+                try:
+                    recs.append(next(it))
+                except StopIteration as stop:
+                    self.off += stop.value
+                    break
+            self.tail_records += len(recs)
+            return ("tail", recs) if recs else None
+        if ident is not None and ident == self.broken:
+            return None
+        return self._replay(ident)
+
+    def _replay(self, ident):
+        log = IndexLog(self.dir, self.dir_fd, readonly=True)
+        try:
+            entries = log.load()
+        except fmt.BadBlock:
+            self.broken = ident
+            raise
+        self.log, self.ckpt, self.replayed, self.tail_records = log, ident, True, 0
+        self.close()
+        self._open(log.gen)
+        self.off = log.size if self.fd is not None else 0
+        return "reset", entries
+
+    def _open(self, gen: int) -> None:
+        try:
+            self.fd = os.open(IndexLog._journal_name(gen), os.O_RDONLY | O_FLAGS, dir_fd=self.dir_fd)
+        except FileNotFoundError:
+            self.fd = None
+            return
+        self.off = fmt.FILE_HDR_BYTES
+
+    def close(self) -> None:
+        if self.fd is not None:
             os.close(self.fd)
             self.fd = None
