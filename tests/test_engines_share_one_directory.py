@@ -259,3 +259,30 @@ def test_a_symlink_posing_as_an_engine_is_not_followed(tmp_path):
     a.refresh()
     assert 7 not in ns.peers and (NS, 7) not in a.followers
     a.close()
+
+
+async def test_following_survives_half_written_records_and_checkpoints(tmp_path, blocks):
+    root = str(tmp_path / "s")
+    a, b = Store(root), _following(Store(root))
+    na, nb = a.namespace(NS, PAYLOAD), b.namespace(NS, PAYLOAD)
+    await _save(a, na, blocks, range(4))
+    assert b.lookup(nb, [key(i) for i in range(6)]) == 4
+    # a batch caught half-way through its write(2): nothing of it is applied yet
+    log = a.logs[NS]
+    slot = 90
+    rec = fmt.pack_record(fmt.REC_COMMIT, key(4), slot, 1)
+    os.write(log.fd, rec[:40])
+    assert b.lookup(nb, [key(i) for i in range(6)]) == 4
+    os.write(log.fd, rec[40:])
+    assert b.lookup(nb, [key(i) for i in range(6)]) == 5 and nb.entries[key(4)] == fmt.loc(0, slot)
+    log.size += fmt.REC_BYTES
+    # A checkpoints (a new generation, the old journal deleted): B replays and keeps following
+    a.drop(na, [key(0)], corrupt=False)
+    a.checkpoint()
+    await _save(a, na, blocks, [7])
+    # (key 4 was written behind A's back: A's checkpoint, its truth, does not hold it)
+    assert b.lookup(nb, [key(0)]) == 0 and b.lookup(nb, [key(4)]) == 0
+    assert b.lookup(nb, [key(i) for i in (1, 2, 3, 7)]) == 4
+    assert b.followers[(NS, 0)].log.gen == log.gen
+    a.close()
+    b.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import time
 
-from aiokv.store.format import loc
+from aiokv.store.format import REC_COMMIT, loc
 
 
 class SlotAllocator:
@@ -115,12 +115,23 @@ class Namespace:
         else:
             self.entries[key] = where
 
-    def peer_commit(self, engine: int, key: bytes, slot: int, atime: int) -> None:
-        d = self.peers.setdefault(engine, collections.OrderedDict())
-        d[key] = (slot, atime)
-        d.move_to_end(key)
-        if key not in self.own:
-            self.entries[key] = loc(engine, slot)
+    def peer_apply(self, engine: int, records, max_slot: int) -> None:
+        """Apply another engine's journal records (kind, key, slot, atime), in order;
+        a slot at or past max_slot (beyond the file system) is damage and skipped."""
+        d = self.peers.get(engine)
+        if d is None:
+            d = self.peers[engine] = collections.OrderedDict()
+        own, entries, base = self.own, self.entries, loc(engine, 0)
+        for kind, key, slot, atime in records:
+            if kind == REC_COMMIT:
+                if slot >= max_slot:
+                    continue
+                d.pop(key, None)  # a new commit time: to the young end
+                d[key] = (slot, atime)
+                if key not in own:
+                    entries[key] = base | slot
+            elif d.pop(key, None) is not None:
+                self._resolve(key)
 
     def peer_drop(self, engine: int, key: bytes) -> None:
         d = self.peers.get(engine)

@@ -275,14 +275,8 @@ class Follower:
             if size == self.off:
                 return None
             raw = os.pread(self.fd, size - self.off, self.off)
-            it = fmt.iter_records(raw)
-            recs = []
-            while True:
-                try:
-                    recs.append(next(it))
-                except StopIteration as stop:
-                    self.off += stop.value
-                    break
+            recs = list(fmt.iter_records(raw))  # up to the first record that does not verify (yet)
+            self.off += len(recs) * fmt.REC_BYTES
             self.tail_records += len(recs)
             return ("tail", recs) if recs else None
         if ident is not None and ident == self.broken:

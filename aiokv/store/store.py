@@ -346,12 +346,7 @@ class Store:
                 if kind == "reset":
                     ns.peer_reset(e, {k: v for k, v in what.items() if v[0] < self._max_slots(ns)})
                 else:
-                    for rk, k, slot, atime in what:
-                        if rk == fmt.REC_COMMIT:
-                            if slot < self._max_slots(ns):
-                                ns.peer_commit(e, k, slot, atime)
-                        else:
-                            ns.peer_drop(e, k)
+                    ns.peer_apply(e, what, self._max_slots(ns))
             self._peer_bytes[key] = fl.disk_bytes + self._data_bytes(fl.dir_fd, ns)
 
     @staticmethod
@@ -381,6 +376,8 @@ class Store:
                 self._shrink_to_limit()
         except OSError as e:
             log_warning(f"following the other engines failed ({os.strerror(e.errno or 0)}); trying again later")
+        except Exception:  # lookups call this: a bug here must not reach vLLM
+            log.exception("aiokv: following the other engines failed; trying again later")
 
     def namespace(self, nsid: bytes, payload_bytes: int, ranks: int = 1, fields: dict | None = None) -> Namespace:
         """Open or create a namespace. nsid is derived by the caller from all that changes the bytes."""
