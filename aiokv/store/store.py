@@ -6,10 +6,10 @@ Roles:
   lock of its engine number, lock.py) owns its own data files and journal: it
   reserves slots there, commits keys once their data is written, evicts its
   own blocks, and persists all of it (journal.py). It follows the other
-  engines' journals (`refresh`, at most every FOLLOW_INTERVAL), so their
-  blocks are hits here too: `entries` and the locations it hands out name the
-  engine whose file holds the block (format.loc). In vLLM this is the scheduler
-  side, in the EngineCore process.
+  engines' journals (`refresh` once per step, and lookups; at most every
+  FOLLOW_INTERVAL), so their blocks are hits here too: `entries` and the
+  locations it hands out name the engine whose file holds the block
+  (format.loc). In vLLM this is the scheduler side, in the EngineCore process.
 - Data writers/readers (BlockIO, blockio.py) move slot bytes; in vLLM these are
   the worker processes, told locations by their engine.
 - Read-only openers (`aiokv inspect`) follow every engine without a lock and
@@ -360,11 +360,19 @@ class Store:
         return total
 
     def refresh(self) -> None:
-        """Follow the other engines on the directory: their new blocks become hits,
-        their evicted ones misses; then give back space over the capacity if ours
-        are the directory's oldest blocks. Cheap: does something at most every
-        follow_interval seconds. Lookups call it; the scheduler also calls it once
-        per step. Errors are logged, never raised (a stale view is only misses)."""
+        """Follow the other engines on the directory (their new blocks become hits,
+        their evicted ones misses), then give back space over the capacity if ours
+        are the directory's oldest blocks. For the scheduler, once per step (it may
+        evict, like reserve). Cheap: follows at most every follow_interval seconds.
+        Errors are logged, never raised (a stale view is only misses)."""
+        self._follow_all()
+        if not self.readonly and self.limit is not None and self._used() > self.limit:
+            try:
+                self._shrink_to_limit()
+            except OSError as e:
+                log_warning(f"giving back space failed ({os.strerror(e.errno or 0)}); trying again later")
+
+    def _follow_all(self) -> None:
         now = time.monotonic()
         if now - self._followed < self.follow_interval:
             return
@@ -372,8 +380,6 @@ class Store:
         try:
             for ns in list(self.index.namespaces.values()):
                 self._follow(ns)
-            if not self.readonly:
-                self._shrink_to_limit()
         except OSError as e:
             log_warning(f"following the other engines failed ({os.strerror(e.errno or 0)}); trying again later")
         except Exception:  # lookups call this: a bug here must not reach vLLM
@@ -405,8 +411,10 @@ class Store:
 
     # ---- lookups and commits (owner) ----
     def lookup(self, ns: Namespace, keys, limit: int | None = None) -> int:
+        # an engine idle for a while sees the others' blocks at its first lookup
+        # (following only: evicting waits for the step's refresh)
         if time.monotonic() - self._followed >= self.follow_interval:
-            self.refresh()
+            self._follow_all()
         return self.index.lookup(ns, keys, limit)
 
     def reserve(self, ns: Namespace, key: bytes) -> int | None:
