@@ -189,7 +189,7 @@ def main() -> None:
     base = args.dir or tempfile.mkdtemp(prefix="aiokv-engines-")
     if args.sqlite:
         bench_sqlite(os.path.join(base, "sqlite"))
-    for w in [int(x) for x in args.writers.split(",")]:
+    for w in [int(x) for x in args.writers.split(",") if x]:
         r = bench_lookups(os.path.join(base, "store"), w, args.blocks, args.seconds, args.rate)
         rf = f"{r['refresh_mean_us']:.1f} us" if r["refresh_mean_us"] is not None else "n/a"
         print(f"{w} writer engine(s) at {args.rate} blocks/s each: lookup of 64 keys (32 hits) "

@@ -79,6 +79,7 @@ class Namespace:
         self.ranks = ranks
         self.fields = fields
         self.engine = engine
+        self.base = loc(engine, 0) if engine is not None else 0  # our slot s is at location base | s
         self.entries: dict[bytes, int] = {}   # key -> location, every engine's blocks
         self.own: dict[bytes, int] = {}       # key -> slot, this engine's blocks
         self.atime: dict[bytes, int] = {}     # own keys -> last access
@@ -101,7 +102,7 @@ class Namespace:
         lowest-numbered engine that holds one."""
         slot = self.own.get(key)
         if slot is not None:
-            return loc(self.engine, slot)
+            return self.base | slot
         for e in sorted(self.peers):
             got = self.peers[e].get(key)
             if got is not None:
@@ -172,7 +173,7 @@ class Index:
         ns.own = {k: s for k, (s, _) in entries.items()}
         ns.atime = {k: a for k, (_, a) in entries.items()}
         ns.alloc = SlotAllocator(0, set(ns.own.values()))
-        ns.entries = {k: loc(ns.engine, s) for k, s in ns.own.items()} if ns.engine is not None else {}
+        ns.entries = {k: ns.base | s for k, s in ns.own.items()}
         self.namespaces[ns.nsid] = ns
         merged = sorted(((a, ns.nsid, k) for k, a in ns.atime.items()))
         # re-sort the whole LRU so several namespaces interleave by access time
@@ -201,7 +202,7 @@ class Index:
 
     def commit(self, ns: Namespace, key: bytes, slot: int, now: int) -> None:
         ns.own[key] = slot
-        ns.entries[key] = loc(ns.engine, slot)
+        ns.entries[key] = ns.base | slot
         ns.atime[key] = now
         self.lru[(ns.nsid, key)] = None
 
