@@ -28,6 +28,7 @@ import pytest
 
 from aiokv import inspect as insp
 from aiokv.store import Store, StoreLocked
+from aiokv.store import store as store_mod
 from aiokv.store import format as fmt
 from aiokv.store.lock import engines
 from tests.conftest import NS, PAYLOAD, key
@@ -284,5 +285,35 @@ async def test_following_survives_half_written_records_and_checkpoints(tmp_path,
     assert b.lookup(nb, [key(0)]) == 0 and b.lookup(nb, [key(4)]) == 0
     assert b.lookup(nb, [key(i) for i in (1, 2, 3, 7)]) == 4
     assert b.followers[(NS, 0)].log.gen == log.gen
+    a.close()
+    b.close()
+
+
+async def test_hits_from_another_engine_keep_a_block_young(tmp_path, blocks, monkeypatch):
+    monkeypatch.setattr(store_mod, "TOUCH_EVERY_NS", 200_000_000)
+    root = str(tmp_path / "s")
+    cap = 16 * SB + 64 * 1024
+    a, b = _following(Store(root, capacity=cap)), _following(Store(root, capacity=cap))
+    na, nb = a.namespace(NS, PAYLOAD), b.namespace(NS, PAYLOAD)
+    assert await _save(a, na, blocks, range(8)) == [0] * 8  # A's blocks, oldest first
+    b.refresh()
+    time.sleep(0.25)
+    assert await _loads_intact(b, nb, blocks, range(4))  # B hits A's keys 0..3: a TOUCH in B's journal
+    assert await _loads_intact(b, nb, blocks, range(4))  # again within a second: no second record
+    assert b.followers[(NS, 0)] and b.logs[NS].records == 4
+    a.refresh()  # A sees the hits: 0..3 are now younger than 4..7
+    assert [k for _, k in a.index.lru][:4] == [key(i) for i in range(4, 8)]
+    for i in range(100, 112):  # B fills the directory with newer blocks, a block a step
+        b.refresh()
+        assert await _save(b, nb, blocks, [i]) == [0]
+        a.refresh()
+    # A shed the blocks nobody used; the ones B hits stay
+    assert set(range(4)) <= {i for i in range(8) if key(i) in na.own} and len(na.own) < 8
+    assert not any(key(i) in na.own for i in range(4, 4 + 8 - len(na.own)))
+    # a reopened A keeps that order (touches reach its checkpoint)
+    a.close()
+    a = Store(root, capacity=cap)
+    na = a.namespace(NS, PAYLOAD)
+    assert {k for _, k in list(a.index.lru)[-4:]} == {key(i) for i in range(4)}
     a.close()
     b.close()

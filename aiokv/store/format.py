@@ -154,6 +154,11 @@ def check_namespace(info, nsid: bytes) -> tuple[int, int, int, dict]:
 # ---- index records (checkpoint body and journal) ----
 REC_COMMIT = 1
 REC_DROP = 2
+# TOUCH: the engine whose journal holds it used `key` (a hit on a block another
+# engine holds) at `atime`; whichever engine holds the key refreshes its LRU
+# position. slot is 0.
+REC_TOUCH = 3
+REC_KINDS = (REC_COMMIT, REC_DROP, REC_TOUCH)
 # type, key len, slot, last access (ns since epoch), key, crc
 _REC = struct.Struct("<BB2xIQ32s12x")
 REC_BYTES = _REC.size + 4
@@ -184,7 +189,7 @@ def iter_records(buf: bytes, verify_each: bool = True):
         if verify_each and crc(body) != int.from_bytes(buf[off + _REC.size:off + REC_BYTES], "little"):
             return off
         kind, klen, slot, atime, key = _REC.unpack(body)
-        if kind not in (REC_COMMIT, REC_DROP) or not MIN_KEY <= klen <= MAX_KEY:
+        if kind not in REC_KINDS or not MIN_KEY <= klen <= MAX_KEY:
             return off
         yield kind, key[:klen], slot, atime
     return n * REC_BYTES

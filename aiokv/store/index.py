@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import time
 
-from aiokv.store.format import REC_COMMIT, loc
+from aiokv.store.format import REC_COMMIT, REC_DROP, loc
 
 
 class SlotAllocator:
@@ -116,13 +116,15 @@ class Namespace:
         else:
             self.entries[key] = where
 
-    def peer_apply(self, engine: int, records, max_slot: int) -> None:
+    def peer_apply(self, engine: int, records, max_slot: int) -> list[tuple[bytes, int]]:
         """Apply another engine's journal records (kind, key, slot, atime), in order;
-        a slot at or past max_slot (beyond the file system) is damage and skipped."""
+        a slot at or past max_slot (beyond the file system) is damage and skipped.
+        Returns the (key, atime) of TOUCH records for keys we hold (Index.touch them)."""
         d = self.peers.get(engine)
         if d is None:
             d = self.peers[engine] = collections.OrderedDict()
         own, entries, base = self.own, self.entries, loc(engine, 0)
+        touched = []
         for kind, key, slot, atime in records:
             if kind == REC_COMMIT:
                 if slot >= max_slot:
@@ -131,8 +133,29 @@ class Namespace:
                 d[key] = (slot, atime)
                 if key not in own:
                     entries[key] = base | slot
-            elif d.pop(key, None) is not None:
-                self._resolve(key)
+            elif kind == REC_DROP:
+                if d.pop(key, None) is not None:
+                    self._resolve(key)
+            else:  # TOUCH: whoever holds the key saw it used
+                touched += self.peer_touches([(key, atime)])
+        return touched
+
+    def peer_touches(self, touches) -> list[tuple[bytes, int]]:
+        """Apply another engine's hits [(key, atime)]; return those on keys we hold."""
+        out = []
+        for key, atime in touches:
+            self.peer_touch(key, atime)
+            if key in self.own:
+                out.append((key, atime))
+        return out
+
+    def peer_touch(self, key: bytes, atime: int) -> None:
+        """Another engine's copies of key were used at atime: to the young end."""
+        for d in self.peers.values():
+            got = d.get(key)
+            if got is not None and got[1] < atime:
+                d[key] = (got[0], atime)
+                d.move_to_end(key)
 
     def peer_drop(self, engine: int, key: bytes) -> None:
         d = self.peers.get(engine)

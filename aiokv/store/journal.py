@@ -68,6 +68,7 @@ class IndexLog:
         self.lost_journal = 0  # bytes of a journal whose header did not verify (read-only openers drop it)
         self.ckpt_bytes = 0  # size of the current checkpoint file
         self._dirty = False
+        self.touches: list[tuple[bytes, int]] = []  # TOUCH records of keys this journal does not hold
 
     def _journal_path(self, gen: int) -> str:
         return os.path.join(self.dir, self._journal_name(gen))
@@ -124,8 +125,12 @@ class IndexLog:
                     self.records += 1
                     if kind == fmt.REC_COMMIT:
                         entries[key] = (slot, atime)
-                    else:
+                    elif kind == fmt.REC_DROP:
                         entries.pop(key, None)
+                    elif key in entries:  # TOUCH: our key was used by us or another engine
+                        entries[key] = (entries[key][0], max(atime, entries[key][1]))
+                    else:  # a hit on another engine's block: for that engine's followers
+                        self.touches.append((key, atime))
                 self.torn_bytes = len(body) - valid
                 self.size = fmt.FILE_HDR_BYTES + valid
         if not self.readonly:

@@ -18,7 +18,8 @@ Roles:
 Several engines: capacity and LRU are the directory's. `_used` counts every
 engine's files; over the capacity, each engine evicts its own blocks while they
 are the oldest in the directory (an engine holding older ones sheds those at
-its next refresh). An engine short of room whose own blocks are newer than
+its next refresh); a hit on another engine's block is a TOUCH record in our
+journal, so its holder sees it as recently used. An engine short of room whose own blocks are newer than
 another's may overshoot the capacity by SHARE_SLACK (1/16) meanwhile, and past
 that evicts its own. Another engine may evict and rewrite a slot we are about
 to read: the reader verifies the slot header and payload CRC, so that is a
@@ -57,6 +58,7 @@ GROW_BYTES = 64 << 20  # disk space is reserved for new slots this much at a tim
 HEADROOM = 4 << 20  # left to the file system (journal, other users) when the disk is full
 FOLLOW_INTERVAL = 0.1  # seconds between looks at the other engines' journals
 SHARE_SLACK = 16  # overshoot allowed while another engine holds older blocks: capacity / this
+TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
 log = logging.getLogger("aiokv")
 
 
@@ -345,8 +347,12 @@ class Store:
                 kind, what = got
                 if kind == "reset":
                     ns.peer_reset(e, {k: v for k, v in what.items() if v[0] < self._max_slots(ns)})
+                    touched = ns.peer_touches(fl.log.touches)
                 else:
-                    ns.peer_apply(e, what, self._max_slots(ns))
+                    touched = ns.peer_apply(e, what, self._max_slots(ns))
+                for k, atime in touched:
+                    if atime > ns.atime.get(k, 0):  # another engine hit our block
+                        self.index.touch(ns, [k], atime)
             self._peer_bytes[key] = fl.disk_bytes + self._data_bytes(fl.dir_fd, ns)
 
     @staticmethod
@@ -484,8 +490,27 @@ class Store:
             if slot is not None:
                 self.index.pins[(ns.nsid, k)] += 1
             out.append(slot)
-        self.index.touch(ns, keys)
+        now = time.time_ns()
+        self.index.touch(ns, keys, now)
+        self._touch_peers(ns, [k for k, w in zip(keys, out) if w is not None and w >> fmt.ENGINE_SHIFT != self.engine],
+                          now)
         return out
+
+    def _touch_peers(self, ns: Namespace, keys, now: int) -> None:
+        """Tell the engines holding these keys that we used them (TOUCH records in
+        our journal, best effort), so the directory's LRU sees hits from every
+        engine. At most once a second per key."""
+        if self.readonly or not keys:
+            return
+        recs = []
+        for k in keys:
+            where = ns.entries.get(k)
+            e = where >> fmt.ENGINE_SHIFT
+            got = ns.peers.get(e, {}).get(k)
+            if got is not None and now - got[1] >= TOUCH_EVERY_NS:
+                ns.peer_touch(k, now)
+                recs.append(fmt.pack_record(fmt.REC_TOUCH, k, 0, now))
+        self._append_drops(ns, recs)
 
     def unpin(self, ns: Namespace, keys) -> None:
         pins = self.index.pins
@@ -554,7 +579,8 @@ class Store:
 
     def _append_drops(self, ns: Namespace, recs: list[bytes]) -> None:
         # Best effort: a DROP that is not persisted resurrects an entry whose slot
-        # was punched or reused; its header then fails verification: a miss.
+        # was punched or reused; its header then fails verification: a miss. A
+        # TOUCH that is not persisted only leaves a block older in the LRU.
         try:
             self.logs[ns.nsid].append(recs)
         except OSError:
