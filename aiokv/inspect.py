@@ -73,7 +73,7 @@ def _journal_missing(st: Store) -> list[str]:
     a checkpoint (which deletes the old generation) or with namespace creation."""
     out = []
     for (nsid, _), fl in st.followers.items():
-        if fl.log is not None and not os.path.exists(os.path.join(fl.dir, f"journal.{fl.log.gen}")):
+        if fl.replayed and not os.path.exists(os.path.join(fl.dir, f"journal.{fl.gen}")):
             out.append(nsid.hex())
     return out
 
@@ -154,7 +154,7 @@ def summary(st: Store) -> dict:
             pe["blocks"] += held.get(e, 0)
             pe["bytes"] += held.get(e, 0) * ns.slot_bytes * ns.ranks
             pe["disk_bytes"] += ed
-            journals[str(e)] = {"generation": fl.log.gen if fl.log else 0, "records": fl.records,
+            journals[str(e)] = {"generation": fl.gen, "records": fl.records,
                                 "torn_bytes": fl.log.torn_bytes if fl.log else 0}
         out_ns.append({
             "nsid": ns.hex,

@@ -235,18 +235,27 @@ class IndexLog:
 
 class Follower:
     """Another engine's checkpoint + journal of one namespace, read-only, followed
-    as it grows. `poll` returns what changed since the last call."""
+    as it grows. `poll` returns what changed since the last call.
+
+    When the engine writes a checkpoint, a follower that had applied all of the
+    old journal does not replay the new checkpoint (seconds per million blocks,
+    on the scheduler thread): it reads what is left of the old journal through
+    its open descriptor (the owner appends nothing after its checkpoint), checks
+    the new checkpoint's generation and record count against what it holds
+    (`roll`), and follows the new journal. Anything else is a full replay."""
 
     def __init__(self, ns_dir: str, dir_fd: int):
         self.dir = ns_dir
         self.dir_fd = dir_fd  # owned by the caller
         self.fd: int | None = None  # journal.<gen>, read-only
         self.off = 0               # bytes of it applied (whole, verified records)
-        self.ckpt = None           # identity of the checkpoint replayed (inode, size, mtime) or None
+        self.gen = 0               # generation followed
+        self.ckpt = None           # identity of the checkpoint (inode, size, mtime) or None
+        self.ckpt_bytes = 0
         self.replayed = False
-        self.log: IndexLog | None = None  # the last full replay (gen, records, torn bytes)
+        self.log: IndexLog | None = None  # the last full replay (torn bytes, touches)
         self.broken: tuple | None = None  # checkpoint identity that did not verify: not retried until it changes
-        self.tail_records = 0
+        self.records = 0           # records of the current generation seen (replayed or tailed)
 
     def _ckpt_ident(self):
         try:
@@ -257,36 +266,68 @@ class Follower:
 
     @property
     def disk_bytes(self) -> int:
-        return self.off + (self.log.ckpt_bytes if self.log else 0)
-
-    @property
-    def records(self) -> int:
-        return (self.log.records if self.log else 0) + self.tail_records
+        return self.off + self.ckpt_bytes
 
     def poll(self):
-        """("reset", {key: (slot, atime)}) after a full replay (first call, or the
-        engine wrote a checkpoint or restarted its journal), ("tail", [(kind, key,
-        slot, atime)]) for records appended since, or None when nothing changed.
+        """What changed since the last call: ("reset", {key: (slot, atime)}) after a
+        full replay (first call, or the engine restarted its files); ("tail",
+        [(kind, key, slot, atime)]) for records appended since; ("roll", records,
+        count) when the engine wrote a checkpoint of `count` entries after those
+        records (the caller checks it holds `count` of that engine's keys, else
+        calls `forget` for a full replay next time); None when nothing changed.
         Raises fmt.BadBlock for a corrupt checkpoint (once per version of it)."""
         ident = self._ckpt_ident()
         if self.replayed and ident == self.ckpt:
-            if self.fd is None:  # the journal did not exist yet at the replay
-                self._open(self.log.gen)
+            if self.fd is None:  # the journal did not exist yet at the last look
+                self._open(self.gen)
                 if self.fd is None:
                     return None
-            size = os.fstat(self.fd).st_size
-            if size < self.off:  # cut or recreated by a new owner of those files
+            if os.fstat(self.fd).st_size < self.off:  # cut or recreated by a new owner of those files
                 return self._replay(ident)
-            if size == self.off:
-                return None
-            raw = os.pread(self.fd, size - self.off, self.off)
-            recs = list(fmt.iter_records(raw))  # up to the first record that does not verify (yet)
-            self.off += len(recs) * fmt.REC_BYTES
-            self.tail_records += len(recs)
+            recs = self._tail()
             return ("tail", recs) if recs else None
         if ident is not None and ident == self.broken:
             return None
+        if self.replayed and self.fd is not None and ident is not None:
+            rolled = self._roll(ident)
+            if rolled is not None:
+                return rolled
         return self._replay(ident)
+
+    def forget(self) -> None:
+        """The caller's view disagrees with the files: replay them at the next poll."""
+        self.replayed = False
+
+    def _tail(self) -> list:
+        size = os.fstat(self.fd).st_size
+        if size <= self.off:
+            return []
+        raw = os.pread(self.fd, size - self.off, self.off)
+        recs = list(fmt.iter_records(raw))  # up to the first record that does not verify (yet)
+        self.off += len(recs) * fmt.REC_BYTES
+        self.records += len(recs)
+        return recs
+
+    def _roll(self, ident):
+        recs = self._tail()  # the rest of the old journal, still readable through our descriptor
+        try:
+            fd = os.open("checkpoint", os.O_RDONLY | O_FLAGS, dir_fd=self.dir_fd)
+        except FileNotFoundError:
+            return None
+        try:
+            gen, count, _ = fmt.unpack_file_header(os.pread(fd, fmt.FILE_HDR_BYTES, 0), fmt.CKPT_MAGIC)
+            if gen != self.gen + 1 or os.fstat(fd).st_ino != ident[0]:
+                return None
+        except fmt.BadBlock:
+            return None
+        finally:
+            os.close(fd)
+        self.close()
+        self.gen, self.ckpt, self.ckpt_bytes, self.records = gen, ident, fmt.FILE_HDR_BYTES + count * fmt.REC_BYTES, 0
+        self._open(gen)
+        if self.fd is not None:
+            recs += self._tail()
+        return "roll", recs, count
 
     def _replay(self, ident):
         log = IndexLog(self.dir, self.dir_fd, readonly=True)
@@ -295,10 +336,12 @@ class Follower:
         except fmt.BadBlock:
             self.broken = ident
             raise
-        self.log, self.ckpt, self.replayed, self.tail_records = log, ident, True, 0
+        self.log, self.ckpt, self.replayed = log, ident, True
+        self.gen, self.ckpt_bytes, self.records = log.gen, log.ckpt_bytes, log.records
         self.close()
         self._open(log.gen)
-        self.off = log.size if self.fd is not None else 0
+        if self.fd is not None and log.size:
+            self.off = log.size  # the records the replay applied; the rest is tailed
         return "reset", entries
 
     def _open(self, gen: int) -> None:

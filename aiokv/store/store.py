@@ -344,12 +344,14 @@ class Store:
             except FileNotFoundError:
                 continue  # a checkpoint replaced under us: the next look replays it
             if got is not None:
-                kind, what = got
+                kind, what = got[0], got[1]
                 if kind == "reset":
                     ns.peer_reset(e, {k: v for k, v in what.items() if v[0] < self._max_slots(ns)})
                     touched = ns.peer_touches(fl.log.touches)
                 else:
                     touched = ns.peer_apply(e, what, self._max_slots(ns))
+                    if kind == "roll" and got[2] != len(ns.peers.get(e, ())):
+                        fl.forget()  # our view of that engine drifted: replay its files next time
                 for k, atime in touched:
                     if atime > ns.atime.get(k, 0):  # another engine hit our block
                         self.index.touch(ns, [k], atime)
