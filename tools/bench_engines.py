@@ -2,7 +2,7 @@
 """Lookups on the scheduler thread while other engines write to the same directory.
 
     PYTHONPATH=. .venv/bin/python tools/bench_engines.py [--writers 0,1,3] [--blocks 26400]
-                                                         [--seconds 5] [--rate 3200] [--sqlite]
+                                                         [--seconds 5] [--rate 3200] [--sqlite] [--roll N]
 
 This process is engine 0: it holds `--blocks` committed blocks and times
 Store.lookup of a 64-key request (32 hits, then a miss) in a loop, the way
@@ -14,6 +14,7 @@ index, like tools/bench_index.py). `--writers 0` runs on an aiokv from before
 several engines too (PYTHONPATH=that checkout), for the single-engine baseline. Prints per-lookup mean/p50/p99/max, the
 refresh cost, and how many of the writers' blocks engine 0 saw.
 
+--roll N times what another engine's checkpoint of N blocks costs this one.
 --sqlite also times the alternative design of a shared index in SQLite (WAL
 mode): a writer's commit of a batch of 32 rows, and a follower's poll for new
 rows, against this store's journal append and Follower.poll. Results in
@@ -177,6 +178,32 @@ def bench_sqlite(root: str, batches: int = 2000) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def bench_roll(root: str, n: int) -> None:
+    """What another engine's checkpoint costs this engine's scheduler thread: a full
+    replay of its files (first look) vs rolling over to the new generation."""
+    shutil.rmtree(root, ignore_errors=True)
+    st = Store(root, engine=1, checkpoint_every=10**12)
+    ns = st.namespace(NSID, PAYLOAD)
+    for i in range(0, n, 1000):
+        _commit(st, ns, [(j).to_bytes(8, "little") * 4 for j in range(i, min(i + 1000, n))])
+    t = time.perf_counter()
+    me = Store(root, engine=0)  # its first look at engine 1: a full replay of engine 1's journal
+    rns = me.namespace(NSID, PAYLOAD)
+    t_replay = time.perf_counter() - t
+    st.checkpoint()
+    _commit(st, ns, [(n + j).to_bytes(8, "little") * 4 for j in range(BATCH)])
+    me._followed = 0
+    t = time.perf_counter()
+    me._follow_all()
+    t_roll = time.perf_counter() - t
+    assert len(rns.entries) == n + BATCH
+    print(f"another engine with {n} blocks: first look (full replay) {t_replay:.2f} s; after its checkpoint, "
+          f"the look that rolls over {t_roll * 1000:.2f} ms")
+    st.close()
+    me.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--writers", default="0,1,3")
@@ -185,10 +212,13 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=3200, help="blocks committed per second by each writer")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--sqlite", action="store_true")
+    ap.add_argument("--roll", type=int, default=0, help="also time following a checkpoint of N blocks")
     args = ap.parse_args()
     base = args.dir or tempfile.mkdtemp(prefix="aiokv-engines-")
     if args.sqlite:
         bench_sqlite(os.path.join(base, "sqlite"))
+    if args.roll:
+        bench_roll(os.path.join(base, "roll"), args.roll)
     for w in [int(x) for x in args.writers.split(",") if x]:
         r = bench_lookups(os.path.join(base, "store"), w, args.blocks, args.seconds, args.rate)
         rf = f"{r['refresh_mean_us']:.1f} us" if r["refresh_mean_us"] is not None else "n/a"
