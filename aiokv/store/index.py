@@ -85,7 +85,7 @@ class Namespace:
         self.atime: dict[bytes, int] = {}     # own keys -> last access
         self.pending: dict[bytes, int] = {}   # key -> location reserved, not yet committed
         self.alloc = SlotAllocator()
-        # other engines: engine -> key -> (slot, commit time), oldest first
+        # other engines: engine -> key -> (slot, last commit or TOUCH time), oldest first
         self.peers: dict[int, collections.OrderedDict[bytes, tuple[int, int]]] = {}
 
     @property
@@ -98,8 +98,8 @@ class Namespace:
         return self.nsid.hex()
 
     def where(self, key: bytes) -> int | None:
-        """The location lookups should use for key: our own copy first, then the
-        lowest-numbered engine that holds one."""
+        """The location lookups should use for key: our own copy first, else another
+        engine's (the lowest-numbered; a newer commit elsewhere may also take its place)."""
         slot = self.own.get(key)
         if slot is not None:
             return self.base | slot
@@ -174,7 +174,8 @@ class Namespace:
                     self.entries.setdefault(key, loc(engine, slot))
 
     def oldest_peer_atime(self) -> int | None:
-        """Commit time of the oldest block another engine holds (their journals are in time order)."""
+        """Access time of the oldest block another engine holds (each engine's map is
+        kept in commit/TOUCH order)."""
         firsts = [next(iter(d.values()))[1] for d in self.peers.values() if d]
         return min(firsts) if firsts else None
 
