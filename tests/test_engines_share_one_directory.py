@@ -325,3 +325,32 @@ async def test_hits_from_another_engine_keep_a_block_young(tmp_path, blocks, mon
     assert {k for _, k in list(a.index.lru)[-4:]} == {key(i) for i in range(4)}
     a.close()
     b.close()
+
+
+async def test_a_dead_engines_oldest_blocks_are_reclaimed_by_a_live_one(tmp_path, blocks, monkeypatch):
+    monkeypatch.setattr(store_mod, "RECLAIM_INTERVAL", 0)
+    root = str(tmp_path / "s")
+    cap = 16 * SB + 64 * 1024
+    a = Store(root, capacity=cap)
+    na = a.namespace(NS, PAYLOAD)
+    assert await _save(a, na, blocks, range(12)) == [0] * 12
+    a.close(checkpoint=False)  # engine 0 is gone (as after kill -9): its lock is free
+    b = _following(Store(root, capacity=cap, engine=1))
+    nb = b.namespace(NS, PAYLOAD)
+    assert b.lookup(nb, [key(i) for i in range(12)]) == 12  # the dead engine's blocks are hits
+    for i in range(100, 112):  # the directory fills with B's newer blocks, a block a step
+        assert await _save(b, nb, blocks, [i]) == [0]
+        b.refresh()
+    # B evicted the dead engine's oldest blocks, as its owner would, and kept all of its own
+    assert b.lookup(nb, [key(i) for i in range(100, 112)]) == 12
+    left = [i for i in range(12) if key(i) in nb.entries]
+    assert left == list(range(12 - len(left), 12)) and 0 < len(left) < 12
+    assert b._used() <= cap
+    c = Store(root)  # engine 0's number is held by B while it evicts there
+    assert c.engine == 2 and set(c.namespace(NS, PAYLOAD).peers[0]) == {key(i) for i in left}
+    c.close()
+    b.close()
+    # what B dropped stays dropped for the engine that adopts number 0 next
+    d = Store(root)
+    assert d.engine == 0 and {k for k in d.index.namespaces[NS].own} == {key(i) for i in left}
+    d.close()

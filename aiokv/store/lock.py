@@ -40,9 +40,10 @@ def engine_of_lock(name: str) -> int | None:
 
 
 class DirLock:
-    def __init__(self, root: str, dir_fd: int | None = None, engine: int | None = None):
+    def __init__(self, root: str, dir_fd: int | None = None, engine: int | None = None, wait: bool = True):
         """Take the lock of `engine`, or of the lowest free engine number when None.
-        dir_fd: the root's descriptor (lock files are opened relative to it)."""
+        dir_fd: the root's descriptor (lock files are opened relative to it).
+        wait=False: one try only (a running engine's lock is not waited for)."""
         self.engine = None
         self.fd = None
         for e in ([engine] if engine is not None else range(MAX_ENGINES)):
@@ -52,7 +53,7 @@ class DirLock:
             try:
                 # an explicit number waits out holder_pid's instant shared lock;
                 # otherwise a busy-looking number just means trying the next one
-                self._take(fd, RETRIES if engine is not None else 1)
+                self._take(fd, RETRIES if engine is not None and wait else 1)
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
                 os.close(fd)

@@ -52,13 +52,14 @@ from aiokv.store.blockio import BlockIO
 from aiokv.store.index import Index, Namespace
 from aiokv.store.dirs import NotAStore, check_private, open_dir
 from aiokv.store.journal import Follower, IndexLog
-from aiokv.store.lock import DirLock
+from aiokv.store.lock import DirLock, StoreLocked
 
 GROW_BYTES = 64 << 20  # disk space is reserved for new slots this much at a time
 HEADROOM = 4 << 20  # left to the file system (journal, other users) when the disk is full
 FOLLOW_INTERVAL = 0.1  # seconds between looks at the other engines' journals
 SHARE_SLACK = 16  # overshoot allowed while another engine holds older blocks: capacity / this
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
+RECLAIM_INTERVAL = 5.0  # seconds between looks for a dead engine holding the directory's oldest blocks
 log = logging.getLogger("aiokv")
 
 
@@ -170,6 +171,9 @@ class Store:
         self.followers: dict[tuple[bytes, int], Follower] = {}  # (nsid, engine) -> its files
         self._peer_fds: dict[tuple[bytes, int], int] = {}       # (nsid, engine) -> its directory
         self._peer_bytes: dict[tuple[bytes, int], int] = {}     # (nsid, engine) -> bytes its files take
+        # engines found dead whose oldest blocks we evict: engine -> (its lock, {(nsid, what): fd or IndexLog})
+        self._reclaimed: dict[int, tuple[DirLock, dict]] = {}
+        self._reclaim_checked = 0.0
         try:
             self._open(readonly, engine)
         except BaseException:
@@ -377,6 +381,7 @@ class Store:
         if not self.readonly and self.limit is not None and self._used() > self.limit:
             try:
                 self._shrink_to_limit()
+                self._reclaim()
             except OSError as e:
                 log_warning(f"giving back space failed ({os.strerror(e.errno or 0)}); trying again later")
 
@@ -542,6 +547,80 @@ class Store:
                 recs.append(fmt.pack_record(fmt.REC_DROP, k, slot, 0))
                 self.stats.corrupt_dropped += corrupt
         self._append_drops(ns, recs)
+
+    # ---- dead engines ----
+    def _oldest_peer(self) -> tuple[Namespace, int, bytes] | None:
+        """(namespace, engine, key) of the oldest block another engine holds."""
+        best = None
+        for ns in self.index.namespaces.values():
+            for e, d in ns.peers.items():
+                if d:
+                    k, (_, a) = next(iter(d.items()))
+                    if best is None or a < best[0]:
+                        best = (a, ns, e, k)
+        return best[1:] if best else None
+
+    def _reclaim(self) -> None:
+        """Over the capacity, with the directory's oldest blocks in the files of an
+        engine that is not running: take that engine's lock (a new engine then
+        takes another number) and evict its oldest blocks as its owner would — a
+        DROP in its journal, its slots punched — while they are the oldest and the
+        directory is over the capacity. Looks for such an engine at most every
+        RECLAIM_INTERVAL seconds; a running engine (idle or not) is never touched."""
+        while self._used() > self.limit and self._peers_older():
+            ns, e, key = self._oldest_peer()
+            if e not in self._reclaimed:
+                now = time.monotonic()
+                if now - self._reclaim_checked < RECLAIM_INTERVAL:
+                    return
+                self._reclaim_checked = now
+                try:
+                    lock = DirLock(self.root, self._root_fd, engine=e, wait=False)
+                except StoreLocked:
+                    return  # it runs: it sheds its own blocks when it steps
+                self._reclaimed[e] = (lock, {})
+                log.info("aiokv: engine %d of %s is not running; evicting its oldest blocks", e, self.root)
+            if not self._evict_dead(ns, e, key):
+                return
+
+    def _evict_dead(self, ns: Namespace, e: int, key: bytes) -> bool:
+        files = self._reclaimed[e][1]
+        fl = self.followers[(ns.nsid, e)]
+        sb, punch = ns.slot_bytes, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE
+        try:
+            jlog = files.get((ns.nsid, "log"))
+            if jlog is None:
+                jlog = IndexLog(fl.dir, fl.dir_fd, sync_interval=self.sync_interval)
+                jlog.load()  # as its owner: cuts a torn tail so that our records are read
+                files[(ns.nsid, "log")] = jlog
+                fds = [os.open(f"rank{r}.data", os.O_RDWR | FILE_FLAGS, dir_fd=fl.dir_fd) for r in range(ns.ranks)]
+                files.update({(ns.nsid, r): fd for r, fd in enumerate(fds)})
+                # first its space that no block uses (free slots, an unfinished save's)
+                used = sorted(s for s, _ in ns.peers[e].values())
+                for fd in fds:
+                    end = os.fstat(fd).st_size // sb
+                    for first, stop in zip([0] + [u + 1 for u in used], used + [max(end, 0)]):
+                        if stop > first:  # the run of unused slots between two used ones
+                            _native.fallocate(fd, punch, first * sb, (stop - first) * sb)
+                self._peer_bytes[(ns.nsid, e)] = fl.disk_bytes + self._data_bytes(fl.dir_fd, ns)
+                return True
+            slot = ns.peers[e][key][0]
+            jlog.append([fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
+            for rank in range(ns.ranks):
+                _native.fallocate(files[(ns.nsid, rank)], punch, slot * sb, sb)
+        except (OSError, fmt.BadBlock):
+            return False
+        ns.peer_drop(e, key)
+        self._peer_bytes[(ns.nsid, e)] -= ns.slot_cost
+        self.stats.evictions += 1
+        return True
+
+    def _release_reclaimed(self) -> None:
+        for lock, files in self._reclaimed.values():
+            for f in files.values():
+                f.close() if isinstance(f, IndexLog) else os.close(f)
+            lock.release()
+        self._reclaimed.clear()
 
     # ---- space ----
     def _used(self) -> int:
@@ -767,6 +846,7 @@ class Store:
             self.checkpoint()
         for log in self.logs.values():
             log.close()
+        self._release_reclaimed()
         for fl in self.followers.values():
             fl.close()
         self.followers.clear()
