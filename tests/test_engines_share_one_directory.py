@@ -354,3 +354,23 @@ async def test_a_dead_engines_oldest_blocks_are_reclaimed_by_a_live_one(tmp_path
     d = Store(root)
     assert d.engine == 0 and {k for k in d.index.namespaces[NS].own} == {key(i) for i in left}
     d.close()
+
+
+def test_an_engine_stuck_creating_files_does_not_hang_the_others(tmp_path, monkeypatch):
+    import fcntl
+    monkeypatch.setattr(store_mod, "SETUP_WAIT", 0.3)
+    root = str(tmp_path / "s")
+    Store(root).close()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as an engine hung in the middle of creating a namespace
+    try:
+        t = time.monotonic()
+        with pytest.raises(ValueError) as e:
+            Store(root)
+        assert time.monotonic() - t < 5
+        assert "another engine has been creating files there" in str(e.value) and "\n" not in str(e.value)
+        ro = Store(root, readonly=True)  # read-only openers do not wait at all
+        ro.close()
+    finally:
+        os.close(fd)
+    Store(root).close()

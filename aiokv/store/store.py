@@ -111,10 +111,23 @@ def _read_json(name: str, dir_fd: int, path: str) -> dict:
                             f"remove {path} or give aiokv a new directory") from None
 
 
+SETUP_WAIT = 30.0  # seconds an engine waits for another one creating the store or a namespace
+
+
 @contextlib.contextmanager
-def _setup_lock(root_fd: int):
-    """Held while creating or migrating the store or a namespace (moments, at start)."""
-    fcntl.flock(root_fd, fcntl.LOCK_EX)
+def _setup_lock(root_fd: int, root: str = "the cache directory"):
+    """Held while creating or migrating the store or a namespace (moments, at start).
+    Waited for at most SETUP_WAIT: an engine hung there must not hang the others."""
+    end = time.monotonic() + SETUP_WAIT
+    while True:
+        try:
+            fcntl.flock(root_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > end:
+                raise NotAStore(f"aiokv: {root}: another engine has been creating files there for {SETUP_WAIT:.0f} s "
+                                "(a hung disk?); check it, or give this engine its own path") from None
+            time.sleep(0.01)
     try:
         yield
     finally:
@@ -195,7 +208,7 @@ class Store:
             check_private(self._root_fd, self.root)
             # Creating or migrating the store, and creating namespaces, is done
             # under an flock of the root directory: engines starting together.
-            with _setup_lock(self._root_fd):
+            with _setup_lock(self._root_fd, self.root):
                 if not _exists("aiokv.json", self._root_fd) and os.listdir(self._root_fd):
                     raise NotAStore(f"aiokv: {self.root} is not empty and not an aiokv store; "
                                     "give aiokv an empty or new directory")
@@ -412,7 +425,7 @@ class Store:
                 fmt.check_namespace(info, nsid)
             except fmt.BadBlock as e:
                 raise ValueError(f"aiokv: cannot create namespace {nsid.hex()}: {e}") from None
-            with _setup_lock(self._root_fd):  # another engine may be creating it right now
+            with _setup_lock(self._root_fd, self.root):  # another engine may be creating it right now
                 dfd = self._ns_dir_fd(nsid, create=True)
                 if not _exists("namespace.json", dfd):
                     _write_json("namespace.json", dict(info, created=time.time()), dfd)
