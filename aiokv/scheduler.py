@@ -185,6 +185,7 @@ class SchedulerSide:
             return plan
         try:
             self.store.flush_if_due()
+            self.store.refresh()  # other engines on the directory: their blocks become hits here
             self._plan_saves(scheduled, plan)
             if boundary:
                 self._plan_state_saves(boundary, plan)
