@@ -173,6 +173,7 @@ class AioKVConnector(KVConnectorBase_V1):
 
     # ================= scheduler role =================
     def _init_scheduler(self) -> None:
+        from aiokv.breaker import Breaker
         from aiokv.scheduler import SchedulerSide
         from aiokv.store import Store, StoreLocked
 
@@ -191,7 +192,8 @@ class AioKVConnector(KVConnectorBase_V1):
                       self.cfg.path, e.strerror or e)
             return
         ns = store.namespace(self.nsid, self.payload, ranks=self.ranks, fields=self.fields)
-        self.sched = SchedulerSide(store, ns, self.block_size)
+        self.sched = SchedulerSide(store, ns, self.block_size,
+                                   Breaker(self.cfg.breaker_failures, self.cfg.breaker_cooldown))
         log.info("aiokv: cache %s, namespace %s, %d blocks stored", self.cfg.path, ns.hex, len(ns.entries))
 
     @classmethod
@@ -308,7 +310,7 @@ class AioKVConnector(KVConnectorBase_V1):
                 raise ValueError(f"aiokv: the KV tensors hold {device.payload_bytes} bytes per block, the "
                                  f"KV cache spec says {self.payload}; this layout is not supported")
             self.worker = TransferWorker(device, ns_dir(self.cfg.path, self.nsid), self.nsid, rank, self.cfg.staging, self.cfg.io,
-                                         self.cfg.queue_depth, self.cfg.load_timeout)
+                                         self.cfg.queue_depth, self.cfg.load_timeout, self.cfg.save_timeout)
         except Exception as e:
             # Loads the scheduler promises are then reported failed, saves dropped, and
             # the scheduler side is told to stop offering hits and saving.

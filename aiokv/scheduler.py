@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from aiokv.breaker import Breaker
 from aiokv.jobs import StepPlan, Transfer, WorkerReport
 from aiokv.keys import extend_keys
 from aiokv.store import Store
@@ -61,11 +62,14 @@ class SchedulerCounters:
     save_failures: int = 0
     load_bad_blocks: int = 0
     loads_cancelled: int = 0
+    breaker_opens: int = 0
+    saves_skipped_breaker: int = 0
 
 
 class SchedulerSide:
-    def __init__(self, store: Store, ns: Namespace, block_size: int):
+    def __init__(self, store: Store, ns: Namespace, block_size: int, breaker: Breaker | None = None):
         self.store = store
+        self.breaker = breaker or Breaker()  # a sick disk: no hits or saves for a while (breaker.py)
         self.ns = ns
         self.bs = block_size
         self.ranks = ns.ranks
@@ -91,7 +95,7 @@ class SchedulerSide:
 
     def match(self, req_id: str, tokens, root: bytes, num_computed: int) -> int:
         """External hit tokens beyond the num_computed local ones (block multiple)."""
-        if req_id in self._no_hits or self.disabled:
+        if req_id in self._no_hits or self.disabled or not self.breaker.allow_hit(len(self._loading)):
             return 0
         st = self._state(req_id, tokens, root)
         usable = (len(tokens) - 1) // self.bs
@@ -142,6 +146,7 @@ class SchedulerSide:
 
     def _plan_saves(self, scheduled: list[Scheduled], plan: StepPlan) -> None:
         bs = self.bs
+        saving = self.breaker.allow_saves()
         for s in scheduled:
             st = self._reqs.get(s.req_id)
             if st is None:
@@ -158,7 +163,8 @@ class SchedulerSide:
             extend_keys(st.keys, st.root, st.tokens, bs, full)
             keys, slots, blocks = [], [], []
             for i in range(st.next_save, full):
-                slot = self.store.reserve(self.ns, st.keys[i])
+                slot = self.store.reserve(self.ns, st.keys[i]) if saving else None
+                self.counters.saves_skipped_breaker += not saving
                 if slot is not None:
                     keys.append(st.keys[i])
                     slots.append(slot)
@@ -171,6 +177,8 @@ class SchedulerSide:
 
     def on_report(self, report: WorkerReport | None, finished_recving) -> None:
         if report is not None:
+            self.breaker.record(report.counters)
+            self.counters.breaker_opens = self.breaker.opens
             done = []
             for rank, key, slot in report.saved:
                 entry = self._saving.get(key)

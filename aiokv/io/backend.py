@@ -12,6 +12,14 @@ Failure contract (both backends):
   cancelled through the kernel (io_uring) or waited for (threads). Then the
   CancelledError propagates. So the caller may reuse or free its buffers as soon
   as `run` has returned or raised.
+- Abandon mode (a hung disk must not hang the caller): where the task has set
+  ABANDON to a callback, a cancelled `run` drops and cancels as above but does
+  not wait for the operations the kernel or a thread still holds (a read stuck
+  in a FUSE daemon or a dead device cannot be interrupted). It calls
+  `callback(addrs, done)` with the buffer addresses of the batch and a future
+  that completes once none of them can be touched any more, then raises
+  CancelledError at once. The callback's owner sets those buffers aside until
+  `done` completes.
 
 Threading contract: a backend belongs to one asyncio event loop and is called from
 that loop's thread only.
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextvars
 import errno
 import logging
 import os
@@ -33,6 +42,10 @@ OP_WRITE = 1
 
 log = logging.getLogger("aiokv")
 _said: set[str] = set()
+
+# Set by a task (its child tasks inherit it) that would rather set its buffers
+# aside than wait for I/O the kernel will not give back; see the module docstring.
+ABANDON: contextvars.ContextVar = contextvars.ContextVar("aiokv_abandon", default=None)
 
 
 def say_once(msg: str) -> None:
@@ -77,6 +90,10 @@ class IOBackend(abc.ABC):
         except asyncio.CancelledError:
             batch.cancelled = True
             self._cancel(batch)
+            abandon = ABANDON.get()
+            if abandon is not None and not batch.fut.done():
+                abandon([op[2] for op in ops], batch.fut)
+                raise
             # The kernel or a thread may still own a buffer: wait, even if
             # cancelled again, until every operation of the batch has ended.
             while not batch.fut.done():
