@@ -130,7 +130,8 @@ def serve(source: str, mountpoint: str, control: str) -> None:
             return {k: getattr(st, k) for k in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
                                                 "f_ffree", "f_favail", "f_flag", "f_namemax")}
 
-    fuse.FUSE(Passthrough(), mountpoint, foreground=True, direct_io=True)
+    # enough daemon threads that reads held forever leave some for other calls
+    fuse.FUSE(Passthrough(), mountpoint, foreground=True, direct_io=True, max_threads=200)
 
 
 def _mounted_at(mountpoint: str) -> bool:

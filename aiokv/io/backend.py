@@ -26,7 +26,11 @@ that loop's thread only.
 
 Selection: io_uring is probed at start; where it is refused (EPERM/ENOSYS under a
 container's seccomp profile) the thread-pool backend takes over, said once in the
-log. AIOKV_IO=uring|threads forces one.
+log. So it does, said once, where the files are on FUSE or a network file system:
+there an io_uring submission itself can block the event loop's thread (FUSE puts
+a thread that submits past its queue of background requests to sleep until the
+daemon answers; a hung daemon never does), while a pool thread may block alone.
+AIOKV_IO=uring|threads (or the `io` setting) forces one.
 """
 from __future__ import annotations
 
@@ -118,9 +122,38 @@ class IOBackend(abc.ABC):
         pass
 
 
-def open_backend(loop: asyncio.AbstractEventLoop, kind: str | None = None, depth: int = 64) -> IOBackend:
-    """The io_uring backend if the kernel allows it, else the thread-pool one
+# file systems where submitting to io_uring can sleep in the submitting thread
+BLOCKING_SUBMIT_FS = ("fuse", "nfs", "nfs4", "cifs", "smb3", "9p", "ceph")
+
+
+def fs_type(path: str) -> str:
+    """The type of the file system that holds `path` (which need not exist yet)."""
+    path = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                _, mnt, fstype = line.split()[:3]
+                mnt = mnt.replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, fstype
+    except OSError:
+        pass
+    return kind
+
+
+def open_backend(loop: asyncio.AbstractEventLoop, kind: str | None = None, depth: int = 64,
+                 path: str | None = None) -> IOBackend:
+    """The io_uring backend if the kernel allows it and `path` (where the files
+    are) is not on FUSE or a network file system, else the thread-pool one
     (wrapped by the test-only fault injector when tests deliberately ask for it)."""
+    kind = kind or os.environ.get("AIOKV_IO", "auto")
+    if kind == "auto" and path is not None:
+        fs = fs_type(path)
+        if fs.split(".")[0] in BLOCKING_SUBMIT_FS:
+            say_once(f"aiokv: {path} is on {fs}, where an io_uring submission can block; "
+                     "using the thread-pool I/O backend")
+            kind = "threads"
     backend = _open_backend(loop, kind, depth)
     if os.environ.get("AIOKV_FAULTS"):
         from aiokv.io.faults import FaultyBackend, rules_from_env

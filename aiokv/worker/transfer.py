@@ -104,7 +104,7 @@ class TransferWorker:
 
     async def _setup(self, io, depth):
         self._slots_freed = asyncio.Event()
-        self.backend = open_backend(self.loop, io, depth=depth)
+        self.backend = open_backend(self.loop, io, depth=depth, path=self._io_args[0])
 
     def _blockio(self) -> BlockIO:
         if self.io is None:
