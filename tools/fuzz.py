@@ -2,23 +2,26 @@
 """A seeded fuzz of aiokv on the real vLLM engine (CPU).
 
     PYTHONPATH=. .venv/bin/python tools/fuzz.py --steps N [--seed S] [--lives L] [--dir DIR]
-        [--fault-every K]
+        [--prompts P] [--fault-every K] [--life-timeout S]
+
+Each life prints a progress line (JSON) on stderr; the summary (with totals)
+goes to stdout at the end.
 
 Each life is a fresh process (a restart on the same cache directory) driving
 vLLM step by step with random arrivals, prompt lengths and shared prefixes,
 random aborts, and a KV cache small enough to preempt. With --fault-every K,
 every K-th life runs with the test-only I/O fault injector (aiokv/io/faults.py)
 breaking some reads (EIO, short, late, flipped bytes) and writes (EIO): load
-and save errors are then expected and allowed, every other check still holds.
-After every step it
-checks:
+and save errors are then expected and allowed, every other check still holds
+(and the circuit breaker may open). After every step it checks:
 - every block a save reads or a load writes belongs, at that moment, to the
   request it is for (no block read or written after release);
 - staging slots in use never exceed the pool, pins are held only by loads in
   flight, pending saves only by reserved slots.
 At the end of each life: every request that was not aborted produced the same
 tokens as a run without aiokv; the engine's free block count, pins, pending
-saves, staging and in-flight jobs are back to baseline; load errors = 0.
+saves, staging and in-flight jobs are back to baseline; load errors = 0 (in
+lives without faults).
 At the end of the fuzz: a sample of stored blocks is compared with a fresh
 recomputation of its prefix (bytes within float tolerance).
 Exit 0 if every check held; prints a JSON summary.
