@@ -61,7 +61,10 @@ class AioKVConfig:
                     setattr(cfg, name, typ(extra.pop(name)))
                 except (TypeError, ValueError):
                     raise ConfigError(f"aiokv: {name} must be a number") from None
-                if getattr(cfg, name) < 0 or (getattr(cfg, name) == 0 and name != "breaker_failures"):
+                if name == "breaker_failures":  # 0 turns the breaker off
+                    if cfg.breaker_failures < 0:
+                        raise ConfigError("aiokv: breaker_failures must be 0 (off) or more")
+                elif getattr(cfg, name) <= 0:
                     raise ConfigError(f"aiokv: {name} must be positive")
         if "strict_load_failures" in extra:
             v = extra.pop("strict_load_failures")

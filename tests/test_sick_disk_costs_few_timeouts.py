@@ -105,3 +105,17 @@ def test_zero_turns_it_off(tmp_path):
         side.on_report(WorkerReport(counters={"load_timeouts": 10}), None)
     assert _hits(side, tokens, root, "a") == 4 * BS and side.counters.breaker_opens == 0
     side.close()
+
+
+def test_settings_are_checked():
+    from aiokv.config import AioKVConfig, ConfigError
+
+    cfg = AioKVConfig.from_extra({"path": "/tmp/x", "breaker_failures": 0, "breaker_cooldown": 5, "save_timeout": 2})
+    assert (cfg.breaker_failures, cfg.breaker_cooldown, cfg.save_timeout) == (0, 5.0, 2.0)
+    for bad in ({"breaker_failures": -1}, {"breaker_cooldown": 0}, {"save_timeout": "soon"}):
+        try:
+            AioKVConfig.from_extra(dict(bad, path="/tmp/x"))
+        except ConfigError as e:
+            assert next(iter(bad)) in str(e)
+        else:
+            raise AssertionError(f"{bad} accepted")
