@@ -196,6 +196,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ================= scheduler role =================
     def _init_scheduler(self) -> None:
+        from aiokv.breaker import Breaker
         from aiokv.scheduler import SchedulerSide
         from aiokv.store import Store, StoreLocked
 
@@ -218,7 +219,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             fields = self.fields if len(self.groups) == 1 else {**self.fields, "group": g.index}
             spaces.append((g, store.namespace(nsid, g.payload_bytes, ranks=1 if g.replicated else self.ranks,
                                               fields=fields)))
-        self.sched = SchedulerSide(store, spaces, self.block_size)
+        self.sched = SchedulerSide(store, spaces, self.block_size,
+                                   Breaker(self.cfg.breaker_failures, self.cfg.breaker_cooldown))
         log.info("aiokv %s: cache %s, namespace %s (%s), %d blocks stored", __version__, self.cfg.path,
                  self.nsid.hex(), ", ".join(g.kind for g in self.groups), sum(len(ns.entries) for _, ns in spaces))
 
@@ -337,7 +339,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
                 # replicated KV (MLA) is stored once, as rank 0's, and read by every rank
                 workers[g.index] = TransferWorker(device, ns_dir(self.cfg.path, nsid), nsid,
                                                   0 if g.replicated else rank, staging, self.cfg.io,
-                                                  self.cfg.queue_depth, self.cfg.load_timeout)
+                                                  self.cfg.queue_depth, self.cfg.load_timeout, self.cfg.save_timeout)
             self.worker = GroupedWorker(workers, {g.index for g in self.groups if rank == 0 or not g.replicated})
         except Exception as e:
             # Loads the scheduler promises are then reported failed, saves dropped, and
