@@ -43,6 +43,11 @@ class Breaker:
             log.info("aiokv: probing the cache disk again after %.0f s", self.cooldown)
         return self.state
 
+    @property
+    def is_open(self) -> bool:
+        """Open or probing: the disk is not trusted yet."""
+        return self._now_state() != CLOSED
+
     def allow_hit(self, loads_in_flight: int) -> bool:
         s = self._now_state()
         return s == CLOSED or (s == HALF_OPEN and loads_in_flight == 0)

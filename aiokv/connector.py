@@ -443,6 +443,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         out.update({f"store_{k}": v for k, v in vars(st.stats).items()})
         out.update(queried_tokens=self._queried_tokens, disk_bytes=st._used(),
                    capacity_bytes=st.limit or 0, pending_saves=self.sched.pending_saves,
+                   breaker_open=int(self.sched.breaker.is_open),
                    stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()))
         return out
 

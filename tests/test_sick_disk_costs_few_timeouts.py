@@ -61,20 +61,20 @@ def test_breaker_opens_after_failures_and_probes_after_cooldown(tmp_path, caplog
     assert side.counters.breaker_opens == 1
     assert sum("cache disk is failing" in r.message for r in caplog.records) == 1, "said once"
     # no saves while open, counted
-    plan = side.plan([Scheduled("s", 0, 4 * BS + 1, [1, 2, 3, 4, 5], True)])
+    plan = side.plan([Scheduled("s", 0, 4 * BS + 1, ([1, 2, 3, 4, 5],), True)])
     assert plan.saves == [] and side.counters.saves_skipped_breaker == 4
     clock.t += 29
     assert _hits(side, tokens, root, "d") == 0
     clock.t += 2  # cool-down over: half-open, one probe at a time
     assert _hits(side, tokens, root, "d") == 4 * BS
-    side.on_alloc("d", tokens, root, [1, 2, 3, 4], 4 * BS)
+    side.on_alloc("d", tokens, root, ([1, 2, 3, 4],), 4 * BS)
     assert _hits(side, tokens, root, "e") == 0, "only one probe in flight"
     side.on_report(WorkerReport(counters={"load_timeouts": 1}), {"d"})
     assert _hits(side, tokens, root, "e") == 0, "a failed probe opens it again"
     assert side.counters.breaker_opens == 2
     clock.t += 31
     assert _hits(side, tokens, root, "e") == 4 * BS
-    side.on_alloc("e", tokens, root, [1, 2, 3, 4], 4 * BS)
+    side.on_alloc("e", tokens, root, ([1, 2, 3, 4],), 4 * BS)
     with caplog.at_level(logging.WARNING, logger="aiokv"):
         side.on_report(WorkerReport(counters={"loads_ok_blocks": 4}), {"e"})
     assert any("answers again" in r.message for r in caplog.records)

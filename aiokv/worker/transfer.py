@@ -51,6 +51,11 @@ log = logging.getLogger("aiokv")
 
 # results that say nothing about the disk's health (the breaker ignores them)
 NOT_IO_ERRORS = (0, -errno.EBADMSG, -errno.ECANCELED, -errno.ENOBUFS)
+# every counter a worker reports besides its latency histograms (aiokv/metrics.py maps each to a
+# Prometheus series or says why not; tests/test_metrics_series_table.py holds the two together)
+COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_cancelled_blocks", "load_timeouts", "loads_cancelled",
+            "load_staging_stuck", "saves_ok_blocks", "save_failed_blocks", "save_skipped_staging_full",
+            "save_timeouts", "read_errors", "write_errors", "bytes_read", "bytes_written")
 CLOSE_DRAIN_S = 10.0  # close() waits this long for outstanding jobs, then leaves them
 
 
