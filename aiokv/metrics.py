@@ -104,6 +104,7 @@ SERIES: tuple[Row, ...] = (
 # needs a row (tests/test_metrics_series_table.py checks that)
 NOT_EXPORTED = {
     "hit_blocks": "hit_tokens / block size",
+    "load_blocks": "blocks of every KV-cache group a hit loads: loaded_blocks + load_failed_blocks + cancelled add up to it",
     "saves_ok_blocks": "per-rank twin of saved_blocks (which counts a block once all ranks wrote it)",
     "save_failed_blocks": "per-rank twin of save_failed_blocks (save_failures, counted once per block)",
     "load_cancelled_blocks": "blocks of cancelled loads: loads_cancelled counts the loads",

@@ -67,6 +67,7 @@ class SchedulerCounters:
     hit_requests: int = 0
     hit_blocks: int = 0
     hit_tokens: int = 0
+    load_blocks: int = 0      # blocks in the loads of every KV-cache group (hit_blocks when there is one)
     saves_planned: int = 0
     saves_committed: int = 0
     save_failures: int = 0
@@ -160,6 +161,7 @@ class SchedulerSide:
             self._new_loads.append(Transfer(req_id, keys, [-1 if s is None or b == 0 else s
                                                            for s, b in zip(slots, blocks)], blocks, gi))
             pinned.append((gi, [k for k, s in zip(keys, slots) if s is not None]))
+            self.counters.load_blocks += len(keys)
         self._loading[req_id] = pinned
         self.counters.hit_requests += 1
         self.counters.hit_blocks += n
