@@ -26,6 +26,11 @@ class AioKVConfig:
     queue_depth: int = 32             # I/O operations in flight per worker
     load_timeout: float = 30.0        # seconds before a load is abandoned and recomputed
     strict_load_failures: bool = False  # keep vLLM's kv_load_failure_policy="fail"
+    # shared tier (docs/sharing.md): "s3://BUCKET/PREFIX"; endpoint and credentials from AWS_* variables
+    shared: str | None = None
+    remote_timeout: float = 5.0       # seconds any one request to the shared tier may take
+    probe_timeout: float = 0.25       # seconds a lookup waits for the shared tier before giving up on it
+    upload_queue: int = 256 << 20     # bytes of blocks waiting for upload per worker; beyond: dropped
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "AioKVConfig":
@@ -39,7 +44,7 @@ class AioKVConfig:
         if not isinstance(path, str):
             raise ConfigError(f"aiokv: path must be a directory path string, got {path!r}")
         cfg = cls(path=os.path.abspath(os.path.expanduser(path)))
-        for name in ("capacity", "staging"):
+        for name in ("capacity", "staging", "upload_queue"):
             if name in extra:
                 try:
                     setattr(cfg, name, parse_size(extra.pop(name)))
@@ -51,7 +56,8 @@ class AioKVConfig:
             cfg.io = extra.pop("io")
             if cfg.io not in ("auto", "uring", "threads"):
                 raise ConfigError(f"aiokv: io must be auto, uring or threads, not {cfg.io!r}")
-        for name, typ in (("queue_depth", int), ("load_timeout", float)):
+        for name, typ in (("queue_depth", int), ("load_timeout", float), ("remote_timeout", float),
+                          ("probe_timeout", float)):
             if name in extra:
                 try:
                     setattr(cfg, name, typ(extra.pop(name)))
@@ -64,4 +70,13 @@ class AioKVConfig:
             if not isinstance(v, bool):
                 raise ConfigError("aiokv: strict_load_failures must be true or false")
             cfg.strict_load_failures = v
+        if "shared" in extra:
+            from aiokv.shared.naming import parse_url
+
+            cfg.shared = extra.pop("shared") or None
+            if cfg.shared is not None:
+                try:
+                    parse_url(cfg.shared)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
         return cfg
