@@ -31,6 +31,9 @@ class AioKVConfig:
     remote_timeout: float = 5.0       # seconds any one request to the shared tier may take
     probe_timeout: float = 0.25       # seconds a lookup waits for the shared tier before giving up on it
     upload_queue: int = 256 << 20     # bytes of blocks waiting for upload per worker; beyond: dropped
+    flush_timeout: float = 10.0       # seconds a clean shutdown waits for pending uploads
+    # a keyed MAC on every block (local and shared); without the same secret a block is a miss
+    secret: str | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "AioKVConfig":
@@ -57,7 +60,7 @@ class AioKVConfig:
             if cfg.io not in ("auto", "uring", "threads"):
                 raise ConfigError(f"aiokv: io must be auto, uring or threads, not {cfg.io!r}")
         for name, typ in (("queue_depth", int), ("load_timeout", float), ("remote_timeout", float),
-                          ("probe_timeout", float)):
+                          ("probe_timeout", float), ("flush_timeout", float)):
             if name in extra:
                 try:
                     setattr(cfg, name, typ(extra.pop(name)))
@@ -70,6 +73,10 @@ class AioKVConfig:
             if not isinstance(v, bool):
                 raise ConfigError("aiokv: strict_load_failures must be true or false")
             cfg.strict_load_failures = v
+        secret = extra.pop("secret", None) or os.environ.get("AIOKV_SECRET") or None
+        if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
+            raise ConfigError("aiokv: secret (or AIOKV_SECRET) must be a string of at least 16 characters")
+        cfg.secret = secret
         if "shared" in extra:
             from aiokv.shared.naming import parse_url
 
@@ -79,4 +86,8 @@ class AioKVConfig:
                     parse_url(cfg.shared)
                 except ValueError as e:
                     raise ConfigError(str(e)) from None
+                try:
+                    import obstore  # noqa: F401
+                except ImportError:
+                    raise ConfigError("aiokv: shared needs the obstore package: pip install 'aiokv[shared]'") from None
         return cfg

