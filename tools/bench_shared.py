@@ -47,16 +47,16 @@ async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, 
     from aiokv.shared.naming import object_name
     from aiokv.shared.uploader import Uploader
     from aiokv.store import format as fmt
-    from aiokv.store.blockio import BlockIO
+    from aiokv.store import Store
 
     sb = fmt.slot_bytes(slot_payload)
     nsid = os.urandom(16)
     pool = SlotPool(sb, n)
     slots = pool.acquire(n)
     keys = [os.urandom(32) for _ in range(n)]
-    # a BlockIO only for stamp/verify (no file I/O here): built without opening a data file
-    io = BlockIO.__new__(BlockIO)
-    io.nsid, io.rank, io.payload_bytes, io.slot_bytes, io.layout = nsid, 0, slot_payload, sb, 0
+    # a store's BlockIO only for stamp/verify (no disk I/O is timed here)
+    st = Store(tempfile.mkdtemp(prefix="aiokv-bench-"), capacity="1GiB")
+    io = st.blockio(st.namespace(nsid, slot_payload, fields={"bench": True}))
     for k, s in zip(keys, slots):
         ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, os.urandom(1024) * (slot_payload // 1024), slot_payload)
         io.stamp(k, pool.addr(s))
@@ -123,6 +123,7 @@ async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, 
             await asyncio.gather(*(bget(nm) for nm in bnames))
             out["botocore_download_gbps"] = total / (time.perf_counter() - t) / 1e9
     pool.close()
+    st.close()
     return out
 
 
