@@ -42,6 +42,11 @@ class Breaker:
             self._fails = 0
             self._trial = False
 
+    def cancelled(self) -> None:
+        """A request ended without an answer (its caller gave up): it was no trial."""
+        with self._lock:
+            self._trial = False
+
     def failure(self) -> None:
         with self._lock:
             self._fails += 1

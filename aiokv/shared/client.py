@@ -63,6 +63,9 @@ class SharedClient:
         except (FileNotFoundError, NotFoundError, AlreadyExistsError, PreconditionError):
             self.breaker.success()  # the server answered
             raise
+        except asyncio.CancelledError:
+            self.breaker.cancelled()  # no verdict on the server; a trial request may be made again
+            raise
         except Exception as e:
             self.breaker.failure()
             raise SharedError(f"{type(e).__name__}: {str(e)[:200]}") from None
