@@ -1,5 +1,6 @@
 """The `aiokv` command (also `python -m aiokv`).
 
+    aiokv --version                      the installed version
     aiokv inspect DIR                    summary per namespace
     aiokv inspect DIR --keys             stored keys, least recently used first
     aiokv inspect DIR --verify           read and check every block; exit 1 if any is corrupt
@@ -17,7 +18,10 @@ import sys
 
 
 def _parser() -> argparse.ArgumentParser:
+    from aiokv import __version__
+
     p = argparse.ArgumentParser(prog="aiokv", description="aiokv: a persistent NVMe KV-cache tier for vLLM")
+    p.add_argument("--version", action="version", version=f"aiokv {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     ins = sub.add_parser(

@@ -31,12 +31,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from aiokv import __version__
 from aiokv.config import AioKVConfig
 from aiokv.jobs import StepPlan, WorkerReport
 from aiokv.keys import namespace_id, request_root
 from aiokv.layout import FULL, STATE, WINDOW, GroupSpec
+from aiokv.metrics import AioKVPromMetrics, AioKVStats, StatsDelta, merge
+from aiokv.plugin import use_vllm_logging
 
 log = logging.getLogger("aiokv")
 IDLE_WAIT_S = 0.002  # how long an engine step with nothing to compute waits for a load
@@ -53,24 +55,6 @@ class AioKVWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: "AioKVWorkerMetadata") -> "AioKVWorkerMetadata":
         return AioKVWorkerMetadata(self.report.merge(other.report))
-
-
-class AioKVStats(KVConnectorStats):
-    """Counters (hits, loads, saves, failures, evictions) summed across workers."""
-
-    def reset(self):
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for k, v in (other.data or {}).items():
-            self.data[k] = self.data.get(k, 0) + v
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
 
 
 def describe(vllm_config, kv_cache_config) -> tuple[dict, list[GroupSpec]]:
@@ -185,6 +169,7 @@ def request_extras(request) -> list:
 class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        use_vllm_logging()
         self.cfg = AioKVConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.fields, self.groups = describe(vllm_config, kv_cache_config)
         self.nsid = namespace_id(self.fields)  # the model's; keys are rooted here
@@ -198,9 +183,10 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._roots: dict[str, bytes] = {}
         self._errors: set[int] = set()
         self._report: WorkerReport | None = None
-        self._stats: dict[str, int] = {}     # worker counters not yet handed to vLLM's stats
+        self._delta = StatsDelta(self.ranks)  # what vLLM's stats have not been handed yet
         self._totals: dict[str, int] = {}    # worker counters since start
-        self._sched_last: dict[str, int] = {}
+        self._queried: dict[str, int] = {}   # request -> tokens asked of us at its last lookup
+        self._queried_tokens = 0
         self._failed_recv: set[str] = set()
         self._failed_now: set[str] = set()   # several groups: loads failed, reported as failed_recving
         self._idle_step = False
@@ -233,8 +219,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             spaces.append((g, store.namespace(nsid, g.payload_bytes, ranks=1 if g.replicated else self.ranks,
                                               fields=fields)))
         self.sched = SchedulerSide(store, spaces, self.block_size)
-        log.info("aiokv: cache %s, namespace %s (%s), %d blocks stored", self.cfg.path, self.nsid.hex(),
-                 ", ".join(g.kind for g in self.groups), sum(len(ns.entries) for _, ns in spaces))
+        log.info("aiokv %s: cache %s, namespace %s (%s), %d blocks stored", __version__, self.cfg.path,
+                 self.nsid.hex(), ", ".join(g.kind for g in self.groups), sum(len(ns.entries) for _, ns in spaces))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -257,11 +243,13 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception:
             log.exception("aiokv: lookup failed; treated as a miss")
             return 0, False
+        self._queried[request.request_id] = request.num_tokens - num_computed_tokens  # counted at alloc
         return n, n > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self.sched is None:
             return
+        self._queried_tokens += self._queried.pop(request.request_id, 0)
         try:
             self.sched.on_alloc(request.request_id, request.all_token_ids, self._root(request),
                                 blocks.get_block_ids(), num_external_tokens)
@@ -298,9 +286,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         report = meta.report if isinstance(meta, AioKVWorkerMetadata) else None
         if report is not None:
-            for k, v in report.counters.items():
-                self._stats[k] = self._stats.get(k, 0) + v
-                self._totals[k] = self._totals.get(k, 0) + v
+            self._delta.add_worker(report.counters)
+            merge(self._totals, report.counters)
         try:
             self.sched.on_report(report, connector_output.finished_recving)
         except Exception:
@@ -315,6 +302,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._roots.pop((request.request_id, len(request.mm_features or ())), None)
+        self._queried.pop(request.request_id, None)
         if self.sched is None:
             return False, None
         try:
@@ -440,24 +428,29 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         return AioKVWorkerMetadata(report)
 
     def get_kv_connector_stats(self):
+        # vLLM sums what it is handed: deltas of counters, gauges when they change (aiokv/metrics.py)
         if self.sched is None:
             return None
-        data = dict(self._stats)
-        self._stats.clear()
-        now = self._scheduler_counters()
-        for k, v in now.items():  # vLLM sums what we hand it: hand it deltas
-            data[k] = v - self._sched_last.get(k, 0)
-        self._sched_last = now
-        return AioKVStats(data=data) if any(data.values()) else None
+        data = self._delta.take(self._scheduler_counters())
+        return AioKVStats(data=data) if data else None
 
     def _scheduler_counters(self) -> dict[str, int]:
+        """Scheduler and store counters since start, and the store's gauges."""
+        st = self.sched.store
         out = dict(vars(self.sched.counters))
-        out.update({f"store_{k}": v for k, v in vars(self.sched.store.stats).items()})
+        out.update({f"store_{k}": v for k, v in vars(st.stats).items()})
+        out.update(queried_tokens=self._queried_tokens, disk_bytes=st._used(),
+                   capacity_bytes=st.limit or 0, pending_saves=self.sched.pending_saves,
+                   stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()))
         return out
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
         return AioKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return AioKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ================= both =================
     def counters(self) -> dict[str, int]:
@@ -466,7 +459,6 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.sched is not None:
             out.update(self._totals)
             out.update(self._scheduler_counters())
-            out["pending_saves"] = self.sched.pending_saves
             out["pinned"] = len(self.sched.store.index.pins)
         if self.worker is not None:
             out["worker_in_flight"] = self.worker.in_flight

@@ -10,13 +10,19 @@ an engine holds the directory.
 
 --verify reads every committed block of every rank and checks the slot header
 (magic, version, namespace, rank, key, length, header CRC32C) and the payload
-CRC32C. The layout tag is not checked: inspect does not know the reader's KV
+CRC32C, with a progress bar (tqdm) on stderr when it is a terminal. The layout tag is not checked: inspect does not know the reader's KV
 layout, and a block written under another layout is not damaged. A block that
 fails while an engine is writing is re-checked against a fresh replay, so a
 slot the engine evicted and rewrote meanwhile is not reported as corrupt.
 
 Errors a user can cause (not a store, locked, unreadable) are InspectError:
 one line, exit status 2.
+
+`--format json` documents carry "schema": SCHEMA; docs/inspect-json.md and
+docs/inspect-schema.json describe them. Adding a field keeps SCHEMA; renaming,
+removing or changing the meaning of one raises it.
+
+Threading: one thread (the CLI's); --verify runs its own event loop.
 """
 from __future__ import annotations
 
@@ -42,6 +48,8 @@ IN_FLIGHT = 32            # verify reads in flight
 STAGING_LIMIT = 256 << 20  # staging memory for verify reads, at most
 RETRY_PAUSE = 0.05
 ATTEMPTS = 3               # replays tried when the engine moved files meanwhile
+SCHEMA = 1                 # version of the --format json documents
+AGE_WINDOWS = (("hour", 3600), ("day", 86400), ("week", 7 * 86400))
 
 
 class InspectError(Exception):
@@ -126,13 +134,23 @@ def _disk_bytes(root: str, ns) -> int:
     return total
 
 
+def _ages(atimes: list[int], now_ns: int) -> dict:
+    """How recently the blocks were last used (loaded or saved): the index keeps one
+    access time per block, not a hit count."""
+    ages = sorted((now_ns - a) / 1e9 for a in atimes)
+    out = {f"used_last_{name}": sum(a <= s for a in ages) for name, s in AGE_WINDOWS}
+    out["median_age_seconds"] = round(ages[len(ages) // 2], 3) if ages else None
+    return out
+
+
 def summary(st: Store) -> dict:
     root = st.root
     pid = holder_pid(root)
+    now = time.time_ns()
     out_ns = []
     for nsid, ns in sorted(st.index.namespaces.items()):
         blocks = len(ns.entries)
-        atimes = [a for a in ns.atime.values() if a]
+        atimes = [ns.atime[k] for k in ns.entries if ns.atime.get(k)]
         log = st.logs[nsid]
         out_ns.append({
             "nsid": ns.hex,
@@ -145,9 +163,11 @@ def summary(st: Store) -> dict:
             "disk_bytes": _disk_bytes(root, ns),
             "oldest_access": iso(min(atimes)) if atimes else None,
             "newest_access": iso(max(atimes)) if atimes else None,
+            "access": _ages(atimes, now),
             "journal": {"generation": log.gen, "records": log.records, "torn_bytes": log.torn_bytes},
         })
     return {
+        "schema": SCHEMA,
         "root": root,
         "format": fmt.FORMAT_VERSION,
         "owner_pid": pid,
@@ -173,7 +193,7 @@ def keys(st: Store) -> dict:
                       "payload_bytes": ns.payload_bytes * ns.ranks, "last_access": iso(ns.atime.get(k))}
                      for k, s in items],
         })
-    return {"root": st.root, "order": "least recently used first", "namespaces": out}
+    return {"schema": SCHEMA, "root": st.root, "order": "least recently used first", "namespaces": out}
 
 
 # ---------------------------------------------------------------- verify
@@ -192,31 +212,20 @@ class Bad:
 
 
 class Progress:
-    """A one-line progress bar on stderr, only when stderr is a terminal."""
+    """A progress bar on stderr (tqdm), by default only when stderr is a terminal."""
 
     def __init__(self, total_blocks: int, total_bytes: int, enabled: bool | None = None):
-        self.total, self.total_bytes = total_blocks, total_bytes
-        self.done = self.bytes = 0
-        self.on = sys.stderr.isatty() if enabled is None else enabled
-        self.t0 = self.last = time.monotonic()
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="verifying",
+                        file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=0.2,
+                        disable=not (sys.stderr.isatty() if enabled is None else enabled))
 
     def add(self, blocks: int, nbytes: int) -> None:
-        self.done += blocks
-        self.bytes += nbytes
-        now = time.monotonic()
-        if self.on and (now - self.last >= 0.1 or self.done == self.total):
-            self.last = now
-            frac = self.done / self.total if self.total else 1.0
-            bar = "#" * int(frac * 30)
-            rate = self.bytes / max(now - self.t0, 1e-9) / 1e9
-            sys.stderr.write(f"\rverifying [{bar:<30}] {self.done}/{self.total} blocks "
-                             f"{frac * 100:5.1f}% {rate:5.2f} GB/s")
-            sys.stderr.flush()
+        self.bar.update(nbytes)
 
     def end(self) -> None:
-        if self.on:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
+        self.bar.close()
 
 
 def _open_data(path: str) -> int:
@@ -351,8 +360,9 @@ def verify(root: str, repair: bool = False, progress: bool | None = None) -> dic
         # A corrupt checkpoint: read-only openers cannot replay it; an owner rebuilds
         # the index from the slot headers (with --repair, that is us).
         if not repair:
-            return {"root": root, "ok": False, "index_errors": [str(e)], "checked_blocks": 0, "checked_bytes": 0,
-                    "corrupt": [], "repaired": None, "seconds": round(time.monotonic() - t0, 3)}
+            return {"schema": SCHEMA, "root": root, "ok": False, "index_errors": [str(e)], "checked_blocks": 0,
+                    "checked_bytes": 0, "corrupt": [], "repaired": None, "index_rebuilt": None,
+                    "seconds": round(time.monotonic() - t0, 3)}
         index_problems.append(str(e))
         owner = _open_owner(root)
         owner.close()
@@ -375,6 +385,7 @@ def verify(root: str, repair: bool = False, progress: bool | None = None) -> dic
     if repair:
         repaired = _repair(root, bad) if bad else []
     return {
+        "schema": SCHEMA,
         "root": root,
         "ok": not bad and not index_problems,
         "index_errors": index_problems,
@@ -434,6 +445,13 @@ def human(n: int | None) -> str:
     return str(n)
 
 
+def human_age(seconds: float) -> str:
+    for unit, s in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= s:
+            return f"{seconds / s:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
 def _fields_text(fields: dict) -> str:
     if not fields:
         return "(none)"
@@ -463,7 +481,10 @@ def render_summary(d: dict) -> str:
                   f"  ranks:         {n['ranks']}",
                   f"  on disk:       {human(n['disk_bytes'])} allocated in data files",
                   f"  oldest access: {n['oldest_access'] or '-'}",
-                  f"  newest access: {n['newest_access'] or '-'}"]
+                  f"  newest access: {n['newest_access'] or '-'}",
+                  "  used in last:  " + ", ".join(f"{w} {n['access'][f'used_last_{w}']}" for w, _ in AGE_WINDOWS)
+                  + (f" (median age {human_age(n['access']['median_age_seconds'])})"
+                     if n["access"]["median_age_seconds"] is not None else "")]
     return "\n".join(lines)
 
 

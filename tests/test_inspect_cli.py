@@ -2,9 +2,11 @@
 damaged block from a good one without starting vLLM, or `aiokv inspect` itself
 damages a store (writes beside a running engine, crashes with a traceback).
 Invariant: `aiokv inspect` reports exactly what the index holds (blocks, bytes,
-fields, keys), --verify exits 1 and names every block that does not verify and
-0 on a clean store, --repair drops exactly those and only as the lock holder,
-and every user error is one line on stderr with exit status 2.
+fields, keys, how recently blocks were used), --verify exits 1 and names every
+block that does not verify and 0 on a clean store (with a progress bar on a
+terminal), --repair drops exactly those and only as the lock holder, every
+`--format json` document matches docs/inspect-schema.json, and every user
+error is one line on stderr with exit status 2.
 The CLI runs as a subprocess, as a user would run it.
 """
 from __future__ import annotations
@@ -37,10 +39,18 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           env=dict(os.environ, PYTHONPATH=ROOT))
 
 
+with open(os.path.join(ROOT, "docs", "inspect-schema.json")) as _f:
+    SCHEMA = json.load(_f)
+
+
 def cli_json(*args: str) -> tuple[int, dict]:
+    import jsonschema
+
     p = cli(*args, "--format", "json")
     assert p.stdout.strip(), p.stderr
-    return p.returncode, json.loads(p.stdout)  # one JSON document, nothing else on stdout
+    doc = json.loads(p.stdout)  # one JSON document, nothing else on stdout
+    jsonschema.validate(doc, SCHEMA)  # the documented, stable shape
+    return p.returncode, doc
 
 
 async def _save(st: Store, ns, keys, blocks: Blocks) -> None:
@@ -292,3 +302,21 @@ def test_python_m_aiokv_usage_errors(tmp_path):
     p = subprocess.run([sys.executable, "-m", "aiokv", "inspect", "--help"], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0 and "--verify" in p.stdout and "--repair" in p.stdout
+
+
+def test_verify_progress_bar_and_access_ages(tmp_path, blocks, capfd):
+    import asyncio
+
+    from aiokv import inspect as ins
+
+    root = str(tmp_path / "s")
+    asyncio.run(_make(root, blocks))
+    doc = ins.verify(root, progress=True)
+    err = capfd.readouterr().err
+    assert doc["ok"] and "verifying" in err and "B/s" in err, err
+    ins.verify(root, progress=False)
+    assert capfd.readouterr().err == ""
+    code, s = cli_json(root)
+    a = next(n for n in s["namespaces"] if n["nsid"] == NS.hex())["access"]
+    assert a["used_last_hour"] == a["used_last_day"] == a["used_last_week"] == N
+    assert 0 <= a["median_age_seconds"] < 600

@@ -28,6 +28,7 @@ import collections
 import errno
 import logging
 import threading
+import time
 
 import uvloop
 
@@ -36,6 +37,7 @@ from aiokv.io.buffers import SlotPool
 from aiokv.jobs import Transfer, WorkerReport
 from aiokv.store import format as fmt
 from aiokv.store.blockio import BlockIO
+from aiokv.worker.latency import latency_counts
 
 log = logging.getLogger("aiokv")
 
@@ -145,6 +147,7 @@ class TransferWorker:
         self.device.after_step()
 
     async def _save(self, job: int, t: Transfer, slots: list[int]) -> None:
+        t0 = time.monotonic()
         res = [-errno.EIO] * len(t.keys)
         try:
             if self.device.asynchronous:  # the device copy may still be landing
@@ -159,6 +162,7 @@ class TransferWorker:
             self._release(slots)
             with self._lock:
                 self._saves.pop(job, None)
+            self._count(**latency_counts("save", time.monotonic() - t0))
             self._save_done(t, slots, res)
 
     def _save_done(self, t: Transfer, slots, res: list[int]) -> None:
@@ -213,6 +217,7 @@ class TransferWorker:
             await self._slots_freed.wait()
 
     async def _load(self, t: Transfer) -> None:
+        t0 = time.monotonic()
         failed = set(t.block_ids)  # until proven loaded
         bad_keys: list[bytes] = []
         cancelled = False
@@ -232,6 +237,8 @@ class TransferWorker:
         finally:
             with self._lock:
                 self._report.load_bad += bad_keys
+            if not cancelled:  # an aborted request's load says nothing about the disk
+                self._count(**latency_counts("load", time.monotonic() - t0))
             self._load_done(t.req_id, sorted(failed), cancelled)
 
     async def _load_body(self, t: Transfer, failed: set, bad_keys: list) -> None:

@@ -1,0 +1,152 @@
+"""aiokv's counters become `vllm:aiokv_*` Prometheus series correctly.
+
+The bug: aiokv handed vLLM one flat dict of counters that vLLM summed, so a gauge
+(bytes on disk) would have grown with every step, per-rank counts were
+multiplied by the TP size, nothing reached `/metrics`, and a counter added
+later silently had no series.
+
+The invariants: counters reach Prometheus as exact totals however vLLM splits
+and re-aggregates the per-step deltas; gauges show the last value (a return to
+0 included) and idle steps hand vLLM nothing; per-rank counters count a block
+once at any TP size; the latency histograms carried as counters give the same
+bucket counts and sum as observing each latency directly; every counter aiokv
+keeps has a row in metrics.SERIES or a stated reason in metrics.NOT_EXPORTED.
+
+The fix: aiokv/metrics.py (StatsDelta, AioKVStats, AioKVPromMetrics, the
+SERIES table) and aiokv/worker/latency.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from aiokv import metrics
+from aiokv.metrics import SERIES, AioKVPromMetrics, AioKVStats, StatsDelta
+from aiokv.scheduler import SchedulerCounters
+from aiokv.store.store import StoreStats
+from aiokv.worker import transfer
+from aiokv.worker.latency import LATENCY_BUCKETS, latency_counts
+
+LABELS = ["model_name", "engine"]
+
+
+class _Cfg:
+    kv_transfer_config = None
+
+
+def prom(registry: CollectorRegistry) -> AioKVPromMetrics:
+    def bound(cls):
+        return lambda **kw: cls(registry=registry, **kw)
+
+    types = {Counter: bound(Counter), Gauge: bound(Gauge), Histogram: bound(Histogram)}
+    return AioKVPromMetrics(_Cfg(), types, LABELS, {0: ["tiny", "0"]})
+
+
+def sample(reg: CollectorRegistry, name: str, **labels) -> float | None:
+    return reg.get_sample_value(name, {"model_name": "tiny", "engine": "0", **labels})
+
+
+def test_every_counter_has_a_series_or_a_reason():
+    produced = {f.name for f in dataclasses.fields(SchedulerCounters)}
+    produced |= {f"store_{f.name}" for f in dataclasses.fields(StoreStats)}
+    produced |= set(transfer.COUNTERS)
+    rows = {r.key for r in SERIES}
+    missing = produced - rows - set(metrics.NOT_EXPORTED)
+    assert not missing, f"counters with no row in metrics.SERIES and no reason in NOT_EXPORTED: {missing}"
+    assert not rows & set(metrics.NOT_EXPORTED)
+    # one help text, kind and label set per series
+    by_series = {}
+    for r in SERIES:
+        first = by_series.setdefault(r.series, r)
+        assert (first.kind, [k for k, _ in first.labels]) == (r.kind, [k for k, _ in r.labels]), r
+        assert first.help, first
+
+
+def test_counters_gauges_and_ranks_reach_prometheus_exactly():
+    reg = CollectorRegistry()
+    pm = prom(reg)
+    delta = StatsDelta(ranks=2)
+    rnd = random.Random(5)
+    totals = {"hit_tokens": 0, "queried_tokens": 0, "disk_bytes": 0, "store_skipped_no_space": 0}
+    want_loaded = want_bytes = 0
+    accumulated = None  # vLLM's logger folds several steps' stats together: do the same at times
+    for step in range(200):
+        blocks = rnd.randrange(0, 4)
+        for _ in range(2):  # both ranks load their shard of the same blocks
+            delta.add_worker({"loads_ok_blocks": blocks, "bytes_read": blocks * 100, "breaker_open": 0})
+        want_loaded += blocks
+        want_bytes += 2 * blocks * 100
+        totals["hit_tokens"] += rnd.randrange(0, 3) * 32
+        totals["queried_tokens"] += 64
+        totals["disk_bytes"] = rnd.choice([totals["disk_bytes"], rnd.randrange(1, 1 << 30)])
+        if step == 199:
+            totals["disk_bytes"] = 0  # back to zero must be seen
+        data = delta.take(dict(totals))
+        if not data:
+            continue
+        stats = AioKVStats(data=data)
+        if rnd.random() < 0.3:
+            accumulated = stats if accumulated is None else accumulated.aggregate(stats)
+            continue
+        if accumulated is not None:
+            stats = accumulated.aggregate(stats)
+            accumulated = None
+        pm.observe(stats.to_dict(), 0)
+    if accumulated is not None:
+        pm.observe(accumulated.to_dict(), 0)
+    assert sample(reg, "vllm:aiokv_loaded_blocks_total") == want_loaded       # once per block, not per rank
+    assert sample(reg, "vllm:aiokv_loaded_bytes_total") == want_bytes         # bytes: the true sum
+    assert sample(reg, "vllm:aiokv_hit_tokens_total") == totals["hit_tokens"]
+    assert sample(reg, "vllm:aiokv_queried_tokens_total") == totals["queried_tokens"]
+    assert sample(reg, "vllm:aiokv_disk_bytes") == 0
+    # an idle step hands vLLM nothing (no stats, no log line)
+    assert delta.take(dict(totals)) == {}
+    # a labelled cause
+    totals["store_skipped_no_space"] = 7
+    pm.observe(AioKVStats(data=delta.take(dict(totals))).to_dict(), 0)
+    assert sample(reg, "vllm:aiokv_save_dropped_blocks_total", cause="no_space") == 7
+    assert sample(reg, "vllm:aiokv_save_dropped_blocks_total", cause="staging_full") == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_latency_histogram_matches_direct_observation(seed):
+    rnd = random.Random(seed)
+    latencies = [10 ** rnd.uniform(-4, 1.7) for _ in range(500)] + list(LATENCY_BUCKETS)  # edges included
+    reg = CollectorRegistry()
+    pm = prom(reg)
+    direct = Histogram("direct", "", buckets=LATENCY_BUCKETS, registry=reg)
+    for chunk in range(0, len(latencies), 37):
+        data: dict = {}
+        for s in latencies[chunk:chunk + 37]:
+            metrics.merge(data, latency_counts("load", s))
+            direct.observe(s)
+        pm.observe(data, 0)
+    for le in [*LATENCY_BUCKETS, float("inf")]:
+        le_s = "+Inf" if le == float("inf") else str(le)
+        got = sample(reg, "vllm:aiokv_load_seconds_bucket", le=le_s)
+        assert got == reg.get_sample_value("direct_bucket", {"le": le_s}), le_s
+    assert sample(reg, "vllm:aiokv_load_seconds_count") == len(latencies)
+    assert sample(reg, "vllm:aiokv_load_seconds_sum") == pytest.approx(sum(latencies), rel=1e-6)
+
+
+def test_docs_and_dashboard_name_only_real_series():
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    suffix = {metrics.COUNTER: ("_total",), metrics.GAUGE: ("",),
+              metrics.HISTOGRAM: ("_bucket", "_sum", "_count", "")}
+    real = {f"vllm:aiokv_{r.series}{s}" for r in SERIES for s in suffix[r.kind]}
+    with open(os.path.join(root, "docs", "operations.md")) as f:
+        ops = f.read()
+    with open(os.path.join(root, "docs", "grafana-aiokv.json")) as f:
+        dash = f.read()
+    for text in (ops, dash):
+        named = set(re.findall(r"vllm:aiokv_[a-z_]+", text))
+        assert named <= real, named - real
+    documented = set(re.findall(r"`(vllm:aiokv_[a-z_]+)", ops))
+    assert {f"vllm:aiokv_{r.series}{suffix[r.kind][0] if r.kind == metrics.COUNTER else ''}"
+            for r in SERIES} <= documented
