@@ -29,7 +29,7 @@ class AioKVConfig:
     # shared tier (docs/sharing.md): "s3://BUCKET/PREFIX"; endpoint and credentials from AWS_* variables
     shared: str | None = None
     remote_timeout: float = 5.0       # seconds any one request to the shared tier may take
-    probe_timeout: float = 0.25       # seconds a lookup waits for the shared tier before giving up on it
+    probe_timeout: float = 1.0        # seconds a lookup waits for the shared tier before giving up on it
     upload_queue: int = 256 << 20     # bytes of blocks waiting for upload per worker; beyond: dropped
     flush_timeout: float = 10.0       # seconds a clean shutdown waits for pending uploads
     # a keyed MAC on every block (local and shared); without the same secret a block is a miss

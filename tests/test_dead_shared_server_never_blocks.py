@@ -125,5 +125,20 @@ async def test_hung_server_costs_at_most_the_timeout(tmp_path, blocks, s3env):
         await up.flush(TIMEOUT + 0.5)
         assert time.monotonic() - t < TIMEOUT + 1.0
         assert up.counters["upload_failed"] + up.counters["upload_dropped_at_close"] == 1, up.counters
+        # lookups: "not yet" (None) at once, each call short, then given up after the probe timeout
+        prober = Prober(client, timeout=0.5)
+        try:
+            want = [[(object_name(client.prefix, NS, 0, key(i)), SB)] for i in range(8)]
+            answers, slowest, t0 = [], 0.0, time.monotonic()
+            while not answers or answers[-1] is None:
+                t = time.monotonic()
+                answers.append(prober.lookup("r", want))
+                slowest = max(slowest, time.monotonic() - t)
+                assert time.monotonic() - t0 < 2.0
+                time.sleep(0.01)  # one engine step
+            assert answers[0] is None and answers[-1] == 0 and slowest < 0.05, (answers, slowest)
+            assert 0.5 <= time.monotonic() - t0 < 1.0
+        finally:
+            prober.close()
     finally:
         os.killpg(s3env.proc.pid, signal.SIGCONT)

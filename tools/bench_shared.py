@@ -139,7 +139,7 @@ def e2e(url: str, env: dict, args) -> dict:
     model = build(os.path.join(base, "model"), layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1408,
                   max_positions=max(8192, max(a.lengths) + 64))
     os.environ.update(env)
-    os.environ["AIOKV_BENCH_EXTRA"] = json.dumps({"shared": url})
+    os.environ["AIOKV_BENCH_EXTRA"] = json.dumps({"shared": url, **json.loads(args.extra)})
     rows = {}
     for label, cache in (("cold", "a"), ("warm", "a"), ("warm", "b")):
         r = be.life(label, model, os.path.join(base, cache), a)
@@ -160,6 +160,7 @@ def main() -> int:
     ap.add_argument("--botocore", action="store_true")
     ap.add_argument("--e2e", action="store_true")
     ap.add_argument("--lengths", default="2048,4096")
+    ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config settings for --e2e (JSON)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     srv = None

@@ -27,8 +27,9 @@ import uvloop
 
 from aiokv.shared.client import SharedClient, SharedError
 
-BATCH_BLOCKS = 64        # blocks probed by one probe, at most
-CONCURRENCY = 32         # HEADs in flight per probe
+BATCH_BLOCKS = 256       # blocks probed by one probe, at most (8k tokens at block size 32)
+CONCURRENCY = 64         # HEADs in flight per probe
+WAIT_S = 0.002           # a lookup waits this long for its probe before answering "not yet"
 PRESENT_TTL = 300.0      # s: a present object may expire (bucket lifecycle)
 ABSENT_TTL = 5.0         # s: another engine may upload it meanwhile
 MAX_CACHED = 200_000     # names remembered (both caches together)
@@ -44,7 +45,7 @@ class _Probe:
 
 
 class Prober:
-    def __init__(self, client: SharedClient, timeout: float = 0.25, clock=time.monotonic):
+    def __init__(self, client: SharedClient, timeout: float = 1.0, clock=time.monotonic):
         self.client = client
         self.timeout = timeout
         self.clock = clock
@@ -89,7 +90,14 @@ class Prober:
         if p.future is None or p.future.done():
             self.counters["probes"] += 1
             p.future = asyncio.run_coroutine_threadsafe(self._probe(p, unknown), self.loop)
-        return None
+        # Wait a moment, GIL released: the probe's answers need the GIL on the prober's
+        # thread, which an engine spinning empty steps would otherwise hand over only
+        # every switch interval (5 ms) per answer.
+        try:
+            p.future.result(WAIT_S)
+        except Exception:  # not done yet, or failed (p.failed says so)
+            return None
+        return self.lookup(req_id, blocks)
 
     async def _probe(self, p: _Probe, objs: list[tuple[str, int]]) -> None:
         sem = asyncio.Semaphore(CONCURRENCY)
