@@ -8,7 +8,8 @@ so that every run is a true restart.
 spec: model, cache (null: no connector), block_size, dtype, max_model_len,
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config),
 phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps}}],
-stagger (add one request per step instead of all at once).
+stagger (add one request per step instead of all at once), kill_at_step: [step,
+process group] (kill -9 that group at that step of the phase).
 """
 from __future__ import annotations
 
@@ -87,6 +88,10 @@ def main(spec: dict) -> dict:
                 if i in aborts and step - added == aborts[i] and rid not in outs:
                     engine.abort_request([rid])
                     outs[rid] = None
+            if phase.get("kill_at_step") and phase["kill_at_step"][0] == step:  # e.g. the shared tier's server
+                import signal
+
+                os.killpg(phase["kill_at_step"][1], signal.SIGKILL)
             for o in engine.step():
                 if o.finished and outs.get(o.request_id) is None and o.request_id not in outs:
                     outs[o.request_id] = o
