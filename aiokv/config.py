@@ -25,6 +25,9 @@ class AioKVConfig:
     io: str = "auto"                  # auto | uring | threads
     queue_depth: int = 32             # I/O operations in flight per worker
     load_timeout: float = 30.0        # seconds before a load is abandoned and recomputed
+    save_timeout: float = 60.0        # seconds before a save is abandoned (dropped)
+    breaker_failures: int = 3         # load timeouts / I/O errors in a row that stop hits and saves (0: never)
+    breaker_cooldown: float = 30.0    # seconds hits and saves stay off before one probe
     strict_load_failures: bool = False  # keep vLLM's kv_load_failure_policy="fail"
     # shared tier (docs/sharing.md): "s3://BUCKET/PREFIX"; endpoint and credentials from AWS_* variables
     shared: str | None = None
@@ -59,14 +62,18 @@ class AioKVConfig:
             cfg.io = extra.pop("io")
             if cfg.io not in ("auto", "uring", "threads"):
                 raise ConfigError(f"aiokv: io must be auto, uring or threads, not {cfg.io!r}")
-        for name, typ in (("queue_depth", int), ("load_timeout", float), ("remote_timeout", float),
+        for name, typ in (("queue_depth", int), ("load_timeout", float), ("save_timeout", float),
+                          ("breaker_failures", int), ("breaker_cooldown", float), ("remote_timeout", float),
                           ("probe_timeout", float), ("flush_timeout", float)):
             if name in extra:
                 try:
                     setattr(cfg, name, typ(extra.pop(name)))
                 except (TypeError, ValueError):
                     raise ConfigError(f"aiokv: {name} must be a number") from None
-                if getattr(cfg, name) <= 0:
+                if name == "breaker_failures":  # 0 turns the breaker off
+                    if cfg.breaker_failures < 0:
+                        raise ConfigError("aiokv: breaker_failures must be 0 (off) or more")
+                elif getattr(cfg, name) <= 0:
                     raise ConfigError(f"aiokv: {name} must be positive")
         if "strict_load_failures" in extra:
             v = extra.pop("strict_load_failures")

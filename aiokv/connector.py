@@ -196,6 +196,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ================= scheduler role =================
     def _init_scheduler(self) -> None:
+        from aiokv.breaker import Breaker
         from aiokv.scheduler import SchedulerSide
         from aiokv.store import Store, StoreLocked
 
@@ -218,7 +219,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             fields = self.fields if len(self.groups) == 1 else {**self.fields, "group": g.index}
             spaces.append((g, store.namespace(nsid, g.payload_bytes, ranks=1 if g.replicated else self.ranks,
                                               fields=fields)))
-        self.sched = SchedulerSide(store, spaces, self.block_size)
+        self.sched = SchedulerSide(store, spaces, self.block_size,
+                                   Breaker(self.cfg.breaker_failures, self.cfg.breaker_cooldown))
         if self.cfg.shared:
             from aiokv.shared.lookup import SharedLookup
             from aiokv.store.format import slot_bytes
@@ -348,8 +350,9 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
                 # replicated KV (MLA) is stored once, as rank 0's, and read by every rank
                 workers[g.index] = TransferWorker(device, ns_dir(self.cfg.path, nsid), nsid,
                                                   0 if g.replicated else rank, staging, self.cfg.io,
-                                                  self.cfg.queue_depth, self.cfg.load_timeout, shared,
-                                                  self.cfg.upload_queue, self.cfg.flush_timeout, self.cfg.secret)
+                                                  self.cfg.queue_depth, self.cfg.load_timeout, self.cfg.save_timeout,
+                                                  shared, self.cfg.upload_queue, self.cfg.flush_timeout,
+                                                  self.cfg.secret)
             self.worker = GroupedWorker(workers, {g.index for g in self.groups if rank == 0 or not g.replicated})
         except Exception as e:
             # Loads the scheduler promises are then reported failed, saves dropped, and
@@ -453,6 +456,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         out.update({f"store_{k}": v for k, v in vars(st.stats).items()})
         out.update(queried_tokens=self._queried_tokens, disk_bytes=st._used(),
                    capacity_bytes=st.limit or 0, pending_saves=self.sched.pending_saves,
+                   breaker_open=int(self.sched.breaker.is_open),
                    stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()))
         if self.sched.shared is not None:
             out.update(self.sched.shared.counters)

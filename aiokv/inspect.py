@@ -1,12 +1,13 @@
 """`aiokv inspect`: what a cache directory holds, and whether its blocks verify.
 
-Read-only by default and safe beside a running engine: the index is replayed
-with Store(readonly=True) (no lock, no writes; a torn journal tail just ends
-the replay) and data files are opened O_RDONLY. A replay that raced with a
+Read-only by default and safe beside running engines: every engine's index is
+replayed with Store(readonly=True) (no lock, no writes; a torn journal tail just
+ends the replay) and data files are opened O_RDONLY. The summary lists every
+engine that has used the directory (its number, pid while it runs, blocks). A replay that raced with a
 checkpoint (the journal it wanted was deleted, or a namespace was half made)
 is tried again, up to three replays in all. Only --repair writes, and only as
-the owner: it takes the lock like an engine would, so it refuses to run while
-an engine holds the directory.
+the owner of each engine's files in turn: it refuses to run while any engine
+runs on the directory.
 
 --verify reads every committed block of every rank and checks the slot header
 (magic, version, namespace, rank, key, length, header CRC32C) and the payload
@@ -41,7 +42,7 @@ from aiokv.io.backend import OP_READ, open_backend
 from aiokv.io.buffers import SlotPool
 from aiokv.store import format as fmt
 from aiokv.store.blockio import data_path
-from aiokv.store.lock import StoreLocked, holder_pid
+from aiokv.store.lock import StoreLocked, engines
 from aiokv.store.store import NotAStore, Store, ns_dir
 
 IN_FLIGHT = 32            # verify reads in flight
@@ -79,10 +80,15 @@ def _journal_missing(st: Store) -> list[str]:
     """Namespaces whose current journal file is absent: a replay that raced with
     a checkpoint (which deletes the old generation) or with namespace creation."""
     out = []
-    for nsid, log in st.logs.items():
-        if not os.path.exists(os.path.join(log.dir, f"journal.{log.gen}")):
+    for (nsid, _), fl in st.followers.items():
+        if fl.replayed and not os.path.exists(os.path.join(fl.dir, f"journal.{fl.gen}")):
             out.append(nsid.hex())
     return out
+
+
+def _running(root: str) -> dict[int, int]:
+    """engine number -> pid of every engine running on the directory now."""
+    return {e: pid for e, pid in engines(root).items() if pid is not None}
 
 
 def open_readonly(root: str) -> Store:
@@ -124,11 +130,11 @@ def iso(ns_time: int | None) -> str | None:
     return dt.isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def _disk_bytes(root: str, ns) -> int:
+def _disk_bytes(root: str, ns, engine: int) -> int:
     total = 0
     for rank in range(ns.ranks):
         try:
-            total += os.stat(data_path(ns_dir(root, ns.nsid), rank)).st_blocks * 512
+            total += os.stat(data_path(ns_dir(root, ns.nsid), rank, engine)).st_blocks * 512
         except FileNotFoundError:
             pass
     return total
@@ -145,32 +151,53 @@ def _ages(atimes: list[int], now_ns: int) -> dict:
 
 def summary(st: Store) -> dict:
     root = st.root
-    pid = holder_pid(root)
+    lives = engines(root)
     now = time.time_ns()
     out_ns = []
+    per_engine: dict[int, dict] = {e: {"engine": e, "pid": pid, "running": pid is not None, "blocks": 0,
+                                       "bytes": 0, "disk_bytes": 0} for e, pid in lives.items()}
     for nsid, ns in sorted(st.index.namespaces.items()):
-        blocks = len(ns.entries)
-        atimes = [ns.atime[k] for k in ns.entries if ns.atime.get(k)]
-        log = st.logs[nsid]
+        atimes = [a for d in ns.peers.values() for _, a in d.values() if a]
+        held = {e: len(d) for e, d in sorted(ns.peers.items())}
+        blocks = sum(held.values())
+        journals = {}
+        disk = 0
+        for (n, e), fl in sorted(st.followers.items()):
+            if n != nsid:
+                continue
+            ed = _disk_bytes(root, ns, e)
+            disk += ed
+            pe = per_engine.setdefault(e, {"engine": e, "pid": None, "running": False, "blocks": 0, "bytes": 0,
+                                           "disk_bytes": 0})
+            pe["blocks"] += held.get(e, 0)
+            pe["bytes"] += held.get(e, 0) * ns.slot_bytes * ns.ranks
+            pe["disk_bytes"] += ed
+            journals[str(e)] = {"generation": fl.gen, "records": fl.records,
+                                "torn_bytes": fl.log.torn_bytes if fl.log else 0}
         out_ns.append({
             "nsid": ns.hex,
             "fields": ns.fields,
             "blocks": blocks,
+            "keys": len(ns.entries),  # distinct keys: two engines may hold the same block
+            "engines": {str(e): n for e, n in held.items()},
             "bytes": blocks * ns.slot_bytes * ns.ranks,
             "payload_bytes": ns.payload_bytes,
             "slot_bytes": ns.slot_bytes,
             "ranks": ns.ranks,
-            "disk_bytes": _disk_bytes(root, ns),
+            "disk_bytes": disk,
             "oldest_access": iso(min(atimes)) if atimes else None,
             "newest_access": iso(max(atimes)) if atimes else None,
             "access": _ages(atimes, now),
-            "journal": {"generation": log.gen, "records": log.records, "torn_bytes": log.torn_bytes},
+            "journals": journals,
         })
+    running = [e["pid"] for e in per_engine.values() if e["running"]]
     return {
         "schema": SCHEMA,
         "root": root,
         "format": fmt.FORMAT_VERSION,
-        "owner_pid": pid,
+        # pid of the lowest-numbered running engine (None: none runs); every engine is in "engines"
+        "owner_pid": running[0] if running else None,
+        "engines": [per_engine[e] for e in sorted(per_engine)],
         # The capacity is the engine's setting, not recorded in the directory.
         "capacity_bytes": st.capacity,
         "namespaces": out_ns,
@@ -186,12 +213,12 @@ def summary(st: Store) -> dict:
 def keys(st: Store) -> dict:
     out = []
     for nsid, ns in sorted(st.index.namespaces.items()):
-        items = sorted(ns.entries.items(), key=lambda kv: (ns.atime.get(kv[0], 0), kv[0]))
+        items = sorted(((a, k, e, s) for e, d in ns.peers.items() for k, (s, a) in d.items()))
         out.append({
             "nsid": ns.hex,
-            "keys": [{"key": k.hex(), "slot": s, "bytes": ns.slot_bytes * ns.ranks,
-                      "payload_bytes": ns.payload_bytes * ns.ranks, "last_access": iso(ns.atime.get(k))}
-                     for k, s in items],
+            "keys": [{"key": k.hex(), "engine": e, "slot": s, "bytes": ns.slot_bytes * ns.ranks,
+                      "payload_bytes": ns.payload_bytes * ns.ranks, "last_access": iso(a)}
+                     for a, k, e, s in items],
         })
     return {"schema": SCHEMA, "root": st.root, "order": "least recently used first", "namespaces": out}
 
@@ -205,10 +232,11 @@ class Bad:
     rank: int
     slot: int
     reason: str
+    engine: int = 0
 
     def as_dict(self) -> dict:
-        return {"nsid": self.nsid.hex(), "key": self.key.hex(), "rank": self.rank, "slot": self.slot,
-                "reason": self.reason}
+        return {"nsid": self.nsid.hex(), "key": self.key.hex(), "engine": self.engine, "rank": self.rank,
+                "slot": self.slot, "reason": self.reason}
 
 
 class Progress:
@@ -250,26 +278,28 @@ def check_slot(addr: int, nsid: bytes, rank: int, key: bytes, payload_len: int) 
 
 
 async def _verify_ns(backend, root: str, ns, items, progress: Progress | None) -> list[Bad]:
-    """items: (rank, key, slot). Reads each slot and checks it; returns the bad ones."""
+    """items: (rank, key, location). Reads each slot and checks it; returns the bad ones."""
     sb = ns.slot_bytes
     depth = max(1, min(IN_FLIGHT, STAGING_LIMIT // sb, len(items)))
     bad: list[Bad] = []
-    fds: dict[int, int | str] = {}
-    for rank in sorted({r for r, _, _ in items}):
+    fds: dict[tuple[int, int], int | str] = {}  # (engine, rank) -> fd or why not
+    for engine, rank in sorted({(fmt.split(w)[0], r) for r, _, w in items}):
         try:
-            fds[rank] = _open_data(data_path(ns_dir(root, ns.nsid), rank))
+            fds[(engine, rank)] = _open_data(data_path(ns_dir(root, ns.nsid), rank, engine))
         except FileNotFoundError:
-            fds[rank] = "data file missing"
+            fds[(engine, rank)] = "data file missing"
         except OSError as e:
-            fds[rank] = f"cannot open data file: {e.strerror}"
+            fds[(engine, rank)] = f"cannot open data file: {e.strerror}"
     todo = []
-    for rank, key, slot in sorted(items, key=lambda x: (x[0], x[2])):
-        if isinstance(fds[rank], str):
-            bad.append(Bad(ns.nsid, key, rank, slot, fds[rank]))
+    for rank, key, where in sorted(items, key=lambda x: (x[0], x[2])):
+        engine, slot = fmt.split(where)
+        fd = fds[(engine, rank)]
+        if isinstance(fd, str):
+            bad.append(Bad(ns.nsid, key, rank, slot, fd, engine))
             if progress:
                 progress.add(1, 0)
         else:
-            todo.append((rank, key, slot))
+            todo.append((rank, key, slot, fd, engine))
     pool = SlotPool(sb, depth) if todo else None
     try:
         workers = min(4, depth)
@@ -280,9 +310,9 @@ async def _verify_ns(backend, root: str, ns, items, progress: Progress | None) -
             bufs = [pool.addr(w * per + i) for i in range(per)]
             for start in it:
                 chunk = todo[start:start + per]
-                ops = [(OP_READ, fds[r], bufs[i], sb, s * sb) for i, (r, _, s) in enumerate(chunk)]
+                ops = [(OP_READ, fd, bufs[i], sb, s * sb) for i, (_, _, s, fd, _) in enumerate(chunk)]
                 res = await backend.run(ops)
-                for i, (r, (rank, key, slot)) in enumerate(zip(res, chunk)):
+                for i, (r, (rank, key, slot, _, engine)) in enumerate(zip(res, chunk)):
                     if r < 0:
                         why = f"I/O error: {os.strerror(-r)}"
                     elif r != sb:
@@ -290,7 +320,7 @@ async def _verify_ns(backend, root: str, ns, items, progress: Progress | None) -
                     else:
                         why = check_slot(bufs[i], ns.nsid, rank, key, ns.payload_bytes)
                     if why:
-                        bad.append(Bad(ns.nsid, key, rank, slot, why))
+                        bad.append(Bad(ns.nsid, key, rank, slot, why, engine))
                 if progress:
                     progress.add(len(chunk), len(chunk) * sb)
 
@@ -327,7 +357,9 @@ def _run(coro):
 
 
 def _work_of(st: Store) -> dict:
-    return {nsid: [(r, k, s) for k, s in ns.entries.items() for r in range(ns.ranks)]
+    """nsid -> [(rank, key, location)]: every copy in every engine's files."""
+    return {nsid: [(r, k, fmt.loc(e, s)) for e, d in ns.peers.items() for k, (s, _) in d.items()
+                   for r in range(ns.ranks)]
             for nsid, ns in st.index.namespaces.items()}
 
 
@@ -344,7 +376,7 @@ def _recheck(root: str, bad: list[Bad], rounds: int = 3) -> list[Bad]:
             bad = _run(_verify_items(root, st.index.namespaces, work, None)) if work else []
         finally:
             st.close()
-        if not bad or holder_pid(root) is None:
+        if not bad or not _running(root):
             break
     return bad
 
@@ -364,8 +396,8 @@ def verify(root: str, repair: bool = False, progress: bool | None = None) -> dic
                     "checked_bytes": 0, "corrupt": [], "repaired": None, "index_rebuilt": None,
                     "seconds": round(time.monotonic() - t0, 3)}
         index_problems.append(str(e))
-        owner = _open_owner(root)
-        owner.close()
+        for engine in _engines_with_files(root):  # each engine's owner rebuilds its own index
+            _open_owner(root, engine).close()
         st = open_readonly(root)
     try:
         work = _work_of(st)
@@ -398,39 +430,70 @@ def verify(root: str, repair: bool = False, progress: bool | None = None) -> dic
     }
 
 
-def _open_owner(root: str) -> Store:
+def _engines_with_files(root: str) -> list[int]:
+    """Engine numbers that have files in some namespace of the directory."""
+    found = set()
     try:
-        return Store(root)
-    except StoreLocked:
-        pid = holder_pid(root)
-        raise InspectError(f"aiokv: cannot repair {root}: an engine holds its lock (pid "
-                           f"{pid if pid and pid > 0 else 'unknown'}); stop it, then run --repair again") from None
+        names = os.listdir(os.path.join(root, "ns"))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        try:
+            inside = os.listdir(os.path.join(root, "ns", name))
+        except OSError:
+            continue
+        for n in inside:
+            if n == "checkpoint" or n.startswith("journal.") or n.startswith("rank"):
+                found.add(0)
+            elif fmt.engine_of_dir(n) is not None:
+                found.add(fmt.engine_of_dir(n))
+    return sorted(found)
+
+
+def _open_owner(root: str, engine: int) -> Store:
+    running = _running(root)
+    if running:
+        pids = ", ".join(f"engine {e} pid {p if p > 0 else 'unknown'}" for e, p in running.items())
+        raise InspectError(f"aiokv: cannot repair {root}: engines run on it ({pids}); stop them, then run "
+                           "--repair again")
+    try:
+        return Store(root, engine=engine)
+    except StoreLocked as e:
+        raise InspectError(f"{e}; then run --repair again") from None
 
 
 def _still_committed(st, bad: list) -> dict:
-    """nsid -> [(rank, key, slot)] of the bad blocks whose key still maps to the same slot."""
+    """nsid -> [(rank, key, location)] of the bad blocks whose key its engine still keeps in that slot."""
     work: dict = {}
     for b in bad:
         ns = st.index.namespaces.get(b.nsid)
-        if ns is not None and ns.entries.get(b.key) == b.slot:
-            work.setdefault(b.nsid, []).append((b.rank, b.key, b.slot))
+        got = ns.peers.get(b.engine, {}).get(b.key) if ns is not None else None
+        if got is not None and got[0] == b.slot:
+            work.setdefault(b.nsid, []).append((b.rank, b.key, fmt.loc(b.engine, b.slot)))
     return work
 
 
 def _repair(root: str, bad: list[Bad]) -> list[Bad]:
-    """As the owner: drop the keys whose blocks are still bad now that nobody writes."""
-    st = _open_owner(root)
+    """As the owner of each engine's files in turn: drop the keys whose blocks are
+    still bad now that nobody writes."""
+    st = open_readonly(root)
     try:
         work = _still_committed(st, bad)
         still = _run(_verify_items(root, st.index.namespaces, work, None)) if work else []
-        by_ns: dict = {}
-        for b in still:
-            by_ns.setdefault(b.nsid, set()).add(b.key)
-        for nsid, ks in by_ns.items():
-            st.drop(st.index.namespaces[nsid], sorted(ks))
-        return still
     finally:
         st.close()
+    by_engine: dict = {}
+    for b in still:
+        by_engine.setdefault(b.engine, {}).setdefault(b.nsid, set()).add(b.key)
+    for engine, by_ns in sorted(by_engine.items()):
+        owner = _open_owner(root, engine)
+        try:
+            for nsid, ks in by_ns.items():
+                ns = owner.index.namespaces[nsid]
+                owner.drop(ns, sorted(k for k in ks if k in ns.own))
+        finally:
+            owner.close()
+    return still
 
 
 # ---------------------------------------------------------------- text rendering
@@ -459,22 +522,29 @@ def _fields_text(fields: dict) -> str:
 
 
 def render_summary(d: dict) -> str:
-    pid = d["owner_pid"]
-    owner = ("none (no engine holds the lock)" if pid is None else
-             f"pid {pid if pid > 0 else 'unknown'} (an engine holds the lock; this view may already be stale)")
+    running = [e for e in d["engines"] if e["running"]]
+    owner = ("none running" if not running else
+             ", ".join(f"engine {e['engine']} pid {e['pid'] if e['pid'] > 0 else 'unknown'}" for e in running)
+             + " (running; this view may already be stale)")
     cap = (human(d["capacity_bytes"]) if d["capacity_bytes"] is not None else
            "unknown (the engine's setting, not recorded in the directory)")
     t = d["total"]
     lines = [f"aiokv store {d['root']} (format {d['format']})",
-             f"owner:     {owner}",
+             f"engines:   {owner}",
              f"capacity:  {cap}",
              f"total:     {t['namespaces']} namespace(s), {t['blocks']} block(s), {human(t['bytes'])} "
              f"({human(t['disk_bytes'])} allocated on disk)"]
+    for e in d["engines"]:
+        state = f"running, pid {e['pid'] if e['pid'] > 0 else 'unknown'}" if e["running"] else "not running"
+        lines.append(f"engine {e['engine']}:  {state}; {e['blocks']} block(s), {human(e['bytes'])} "
+                     f"({human(e['disk_bytes'])} on disk)")
     for n in d["namespaces"]:
         lines += ["",
                   f"namespace {n['nsid']}",
                   f"  fields:        {_fields_text(n['fields'])}",
                   f"  blocks:        {n['blocks']}",
+                  f"  per engine:    {', '.join(f'engine {e}: {c}' for e, c in n['engines'].items()) or '-'} "
+                  f"({n['keys']} distinct key(s))",
                   f"  bytes:         {human(n['bytes'])} ({n['bytes']} = {n['blocks']} x {n['slot_bytes']}-byte "
                   f"slots x {n['ranks']} rank(s))",
                   f"  payload:       {n['payload_bytes']} bytes per block per rank",
@@ -496,9 +566,10 @@ def render_keys(d: dict) -> str:
         lines.append(f"namespace {n['nsid']}: {len(n['keys'])} key(s), least recently used first")
         if n["keys"]:
             w = max(len(k["key"]) for k in n["keys"])
-            lines.append(f"  {'KEY':<{w}}  {'SLOT':>8}  {'SIZE':>10}  LAST ACCESS")
+            lines.append(f"  {'KEY':<{w}}  {'ENGINE':>6}  {'SLOT':>8}  {'SIZE':>10}  LAST ACCESS")
             for k in n["keys"]:
-                lines.append(f"  {k['key']:<{w}}  {k['slot']:>8}  {human(k['bytes']):>10}  {k['last_access'] or '-'}")
+                lines.append(f"  {k['key']:<{w}}  {k['engine']:>6}  {k['slot']:>8}  {human(k['bytes']):>10}  "
+                             f"{k['last_access'] or '-'}")
     return "\n".join(lines) if lines else "(no namespaces)"
 
 
@@ -512,7 +583,8 @@ def render_verify(d: dict) -> str:
     lines.append(f"verified {d['checked_blocks']} block(s), {human(d['checked_bytes'])} in {d['seconds']:.2f} s: "
                  + (f"{nbad} corrupt" if nbad else "all intact" if not d["index_errors"] else "index damaged"))
     for b in d["corrupt"]:
-        lines.append(f"corrupt: namespace {b['nsid']} key {b['key']} rank {b['rank']} slot {b['slot']}: "
+        lines.append(f"corrupt: namespace {b['nsid']} key {b['key']} engine {b['engine']} rank {b['rank']} "
+                     f"slot {b['slot']}: "
                      f"{b['reason']}")
     if d["repaired"] is not None and nbad:
         keys_dropped = {(b["nsid"], b["key"]) for b in d["repaired"]}

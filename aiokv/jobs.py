@@ -16,7 +16,7 @@ class Transfer:
 
     req_id: str
     keys: list[bytes]
-    slots: list[int]      # store slots (same slot number in every rank's data file)
+    slots: list[int]      # store locations: engine << 32 | slot (format.split), the same in every rank's file
     block_ids: list[int]  # vLLM KV block ids
     group: int = 0        # vLLM KV-cache group (aiokv/layout.py): its own store namespace
     # loads: True where the block comes from the shared tier (docs/sharing.md); its slot

@@ -70,15 +70,21 @@ SERIES: tuple[Row, ...] = (
         "KV blocks a worker reported not written (any cause, staging_full included); their slots are freed."),
     Row("save_skipped_staging_full", "save_dropped_blocks", COUNTER,
         "KV blocks not saved, by cause: staging_full = no free staging memory (raise `staging`); "
-        "no_space = nothing evictable or the disk is full; timeout = a write over the time limit.",
+        "no_space = nothing evictable or the disk is full; timeout = a write over save_timeout; "
+        "breaker = the circuit breaker was open.",
         labels=(("cause", "staging_full"),), per_rank=True),
     Row("store_skipped_no_space", "save_dropped_blocks", COUNTER, "", labels=(("cause", "no_space"),)),
     Row("save_timeouts", "save_dropped_blocks", COUNTER, "", labels=(("cause", "timeout"),), per_rank=True),
     Row("store_evictions", "evicted_blocks", COUNTER, "KV blocks evicted (least recently used) to make room."),
     Row("store_enospc", "disk_full_events", COUNTER,
         "Times the file system said it was full (aiokv then lowers its capacity to what it holds)."),
-    Row("breaker_trips", "breaker_trips", COUNTER, "Times a worker's circuit breaker opened on a failing disk.",
-        per_rank=True),
+    Row("saves_skipped_breaker", "save_dropped_blocks", COUNTER, "", labels=(("cause", "breaker"),)),
+    Row("read_errors", "io_errors", COUNTER,
+        "Disk I/O errors (EIO, short transfers; not verification failures), by op, all TP ranks together.",
+        labels=(("op", "read"),)),
+    Row("write_errors", "io_errors", COUNTER, "", labels=(("op", "write"),)),
+    Row("breaker_opens", "breaker_trips", COUNTER,
+        "Times the circuit breaker opened on a failing disk (no hits or saves for breaker_cooldown, then a probe)."),
     # gauges: the last value reported
     Row("disk_bytes", "disk_bytes", GAUGE, "Bytes of disk held by aiokv's data files (slots allocated)."),
     Row("capacity_bytes", "capacity_bytes", GAUGE,
@@ -86,7 +92,7 @@ SERIES: tuple[Row, ...] = (
     Row("stored_blocks", "blocks", GAUGE, "KV blocks committed in the index (all namespaces)."),
     Row("pending_saves", "pending_saves", GAUGE, "KV blocks being written, not yet reported by every rank."),
     Row("breaker_open", "breaker_open", GAUGE,
-        "Workers (TP ranks) whose circuit breaker is open (disk bypassed); 0 when all is well."),
+        "1 while the circuit breaker is open or probing (the disk is bypassed), 0 when all is well."),
     # histograms: bucket counts and sums carried as counters (aiokv/worker/latency.py)
     Row("load", "load_seconds", HISTOGRAM,
         "Seconds a worker took to load one request's blocks (read, verify, copy in); one per rank."),
@@ -102,6 +108,8 @@ NOT_EXPORTED = {
     "save_failed_blocks": "per-rank twin of save_failed_blocks (save_failures, counted once per block)",
     "load_cancelled_blocks": "blocks of cancelled loads: loads_cancelled counts the loads",
     "store_commits": "the same as saves_committed",
+    "load_staging_stuck": "loads failed at once because every staging slot waits for a hung disk: "
+                          "part of load_failed_blocks, and the breaker's io_errors tell the cause",
     "store_save_failures": "the same as save_failures",
     "store_corrupt_dropped": "the same as load_failures{cause=corrupt}",
     "store_loads": "the store's own load path (tools, tests), not the engine's",

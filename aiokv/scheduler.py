@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from aiokv.breaker import Breaker
 from aiokv.jobs import StepPlan, Transfer, WorkerReport
 from aiokv.keys import extend_keys
 from aiokv.layout import FULL, STATE, GroupSpec
@@ -71,14 +72,18 @@ class SchedulerCounters:
     save_failures: int = 0
     load_bad_blocks: int = 0
     loads_cancelled: int = 0
+    breaker_opens: int = 0
+    saves_skipped_breaker: int = 0
     remote_hit_blocks: int = 0
 
 
 class SchedulerSide:
-    def __init__(self, store: Store, groups: "list[tuple[GroupSpec, Namespace]] | Namespace", block_size: int):
+    def __init__(self, store: Store, groups: "list[tuple[GroupSpec, Namespace]] | Namespace", block_size: int,
+                 breaker: Breaker | None = None):
         if isinstance(groups, Namespace):  # one full-attention group
             groups = [(GroupSpec(0, FULL, groups.payload_bytes, ()), groups)]
         self.store = store
+        self.breaker = breaker or Breaker()  # a sick disk: no hits or saves for a while (breaker.py)
         self.groups = [_Group(spec, ns) for spec, ns in groups]
         self.ns = self.groups[0].ns
         self.bs = block_size
@@ -95,6 +100,7 @@ class SchedulerSide:
         # the same hit again (a slow disk would make it wait and fail forever)
         self._no_hits: set[str] = set()
         self.disabled = False  # a worker could not start: no hits, no saves from now on
+        self._saves_allowed = True  # the breaker's word for this step's saves
         # the shared tier's lookups (aiokv/shared/lookup.py), set by the connector; None: no shared tier
         self.shared = None
         self._remote: dict[str, tuple[int, int]] = {}  # req -> blocks [start, end) from the shared tier
@@ -112,7 +118,7 @@ class SchedulerSide:
     def match(self, req_id: str, tokens, root: bytes, num_computed: int) -> int | None:
         """External hit tokens beyond the num_computed local ones (block multiple);
         None: the shared tier has not answered yet (vLLM asks again next step)."""
-        if req_id in self._no_hits or self.disabled:
+        if req_id in self._no_hits or self.disabled or not self.breaker.allow_hit(len(self._loading)):
             return 0
         st = self._state(req_id, tokens, root)
         usable = (len(tokens) - 1) // self.bs
@@ -228,6 +234,8 @@ class SchedulerSide:
             return plan
         try:
             self.store.flush_if_due()
+            self.store.refresh()  # other engines on the directory: their blocks become hits here
+            self._saves_allowed = self.breaker.allow_saves()
             self._plan_saves(scheduled, plan)
             if boundary:
                 self._plan_state_saves(boundary, plan)
@@ -236,6 +244,9 @@ class SchedulerSide:
         return plan
 
     def _reserve(self, gi: int, keys: list[bytes], blocks: list[int], req_id: str, plan: StepPlan) -> None:
+        if not self._saves_allowed:  # the breaker is open: the disk is failing
+            self.counters.saves_skipped_breaker += len(keys)
+            return
         ns = self.groups[gi].ns
         out_k, out_s, out_b = [], [], []
         for key, block in zip(keys, blocks):
@@ -292,6 +303,8 @@ class SchedulerSide:
 
     def on_report(self, report: WorkerReport | None, finished_recving) -> None:
         if report is not None:
+            self.breaker.record(report.counters)
+            self.counters.breaker_opens = self.breaker.opens
             done: dict[int, list] = {}
             for rank, key, slot, gi in report.saved:
                 entry = self._saving.get((gi, key))

@@ -112,7 +112,7 @@ async def test_summary_text_and_json(tmp_path, blocks):
     assert "model=tiny-llama" in out and "block_size=16" in out
     assert f"blocks:        {N}\n" in out and "blocks:        3\n" in out
     assert f"{N * sb} = {N} x {sb}-byte slots x 1 rank(s)" in out
-    assert "owner:     none" in out and "capacity:  unknown" in out
+    assert "engines:   none running" in out and "capacity:  unknown" in out
 
 
 async def test_keys_lists_exactly_the_stored_keys(tmp_path, blocks):

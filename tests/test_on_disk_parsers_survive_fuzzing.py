@@ -82,7 +82,7 @@ def test_journal_records(buf):
             break
     assert valid == len(out) * fmt.REC_BYTES <= len(buf)
     for kind, k, slot, atime in out:
-        assert kind in (fmt.REC_COMMIT, fmt.REC_DROP) and fmt.MIN_KEY <= len(k) <= fmt.MAX_KEY
+        assert kind in fmt.REC_KINDS and fmt.MIN_KEY <= len(k) <= fmt.MAX_KEY
         assert 0 <= slot < 1 << 32
     # every record that parsed is byte for byte one that was written (CRC per record)
     assert buf[:valid] == GOOD_RECS[:valid]

@@ -7,9 +7,11 @@ so that every run is a true restart.
 
 spec: model, cache (null: no connector), block_size, dtype, max_model_len,
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config),
-phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps}}],
-stagger (add one request per step instead of all at once), kill_at_step: [step,
-process group] (kill -9 that group at that step of the phase).
+phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps},
+wait_for?: path, kill_at_step?: [step, process group]}], stagger (add one request
+per step instead of all at once); wait_for keeps the engine alive and idle until
+that file exists (tests that run two engines at once use it to order them);
+kill_at_step kills -9 that process group at that step of the phase.
 """
 from __future__ import annotations
 
@@ -64,6 +66,12 @@ def main(spec: dict) -> dict:
         sched._preempt_request = counting_preempt
     n_req = 0
     for phase in spec["phases"]:
+        if phase.get("wait_for"):
+            until = time.monotonic() + spec.get("phase_timeout", 300)
+            while not os.path.exists(phase["wait_for"]):
+                if time.monotonic() > until:
+                    raise RuntimeError(f"{phase['wait_for']} did not appear")
+                time.sleep(0.05)
         prompts = phase["prompts"]
         salts = phase.get("salts") or [None] * len(prompts)
         aborts = {int(k): v for k, v in (phase.get("abort_after") or {}).items()}

@@ -2,18 +2,26 @@
 """A seeded fuzz of aiokv on the real vLLM engine (CPU).
 
     PYTHONPATH=. .venv/bin/python tools/fuzz.py --steps N [--seed S] [--lives L] [--dir DIR]
+        [--prompts P] [--fault-every K] [--life-timeout S]
+
+Each life prints a progress line (JSON) on stderr; the summary (with totals)
+goes to stdout at the end.
 
 Each life is a fresh process (a restart on the same cache directory) driving
 vLLM step by step with random arrivals, prompt lengths and shared prefixes,
-random aborts, and a KV cache small enough to preempt. After every step it
-checks:
+random aborts, and a KV cache small enough to preempt. With --fault-every K,
+every K-th life runs with the test-only I/O fault injector (aiokv/io/faults.py)
+breaking some reads (EIO, short, late, flipped bytes) and writes (EIO): load
+and save errors are then expected and allowed, every other check still holds
+(and the circuit breaker may open). After every step it checks:
 - every block a save reads or a load writes belongs, at that moment, to the
   request it is for (no block read or written after release);
 - staging slots in use never exceed the pool, pins are held only by loads in
   flight, pending saves only by reserved slots.
 At the end of each life: every request that was not aborted produced the same
 tokens as a run without aiokv; the engine's free block count, pins, pending
-saves, staging and in-flight jobs are back to baseline; load errors = 0.
+saves, staging and in-flight jobs are back to baseline; load errors = 0 (in
+lives without faults).
 At the end of the fuzz: a sample of stored blocks is compared with a fresh
 recomputation of its prefix (bytes within float tolerance).
 Exit 0 if every check held; prints a JSON summary.
@@ -171,6 +179,13 @@ def _load_spec(path: str) -> dict:
         return json.load(f)
 
 
+# the I/O faults of a fault life: some of each kind, never all (hits must still happen).
+# No flipped writes: the final check compares stored bytes with a recomputation.
+FAULTS = [{"op": "read", "kind": "eio", "every": 9}, {"op": "read", "kind": "short", "every": 13},
+          {"op": "read", "kind": "flip", "every": 17}, {"op": "read", "kind": "late", "every": 5, "delay": 0.05},
+          {"op": "write", "kind": "eio", "every": 11}]
+
+
 def _child(flag: str, spec: dict, timeout: float) -> dict:
     """Run one child process (a life or the final check); the spec travels in a file."""
     import tempfile
@@ -179,6 +194,10 @@ def _child(flag: str, spec: dict, timeout: float) -> dict:
         json.dump(spec, f)
     try:
         env = dict(os.environ, PYTHONPATH=ROOT, VLLM_LOGGING_LEVEL="ERROR")
+        if spec.get("faults"):
+            from aiokv.io.faults import ACK
+
+            env.update(AIOKV_FAULTS=json.dumps(spec["faults"]), AIOKV_FAULTS_ACK=ACK)
         p = subprocess.run([sys.executable, os.path.abspath(__file__), flag, f.name], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=timeout)
     finally:
@@ -278,6 +297,8 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=28, help="vLLM KV blocks (small: preemption)")
     ap.add_argument("--capacity", default="8MiB", help="aiokv capacity (small: eviction)")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--fault-every", type=int, default=0, help="every K-th life runs with I/O faults (0: none)")
+    ap.add_argument("--life-timeout", type=float, default=600, help="seconds one life may step")
     ap.add_argument("--life", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--check", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -306,8 +327,10 @@ def main() -> int:
     for n in range(args.lives):
         ps = make_prompts(rnd, args.prompts, prefixes)
         all_prompts += ps
-        common = dict(model=model, prompts=ps, steps=args.steps, blocks=args.blocks, life=n, capacity=args.capacity)
-        got = run_life(dict(common, cache=cache, seed=args.seed * 100 + n))
+        common = dict(model=model, prompts=ps, steps=args.steps, blocks=args.blocks, life=n, capacity=args.capacity,
+                      timeout=args.life_timeout)
+        faulty = bool(args.fault_every) and n % args.fault_every == args.fault_every - 1
+        got = run_life(dict(common, cache=cache, seed=args.seed * 100 + n, faults=FAULTS if faulty else None))
         # the reference: the same prompts without aiokv, one at a time, no aborts, no step limit
         finished = [int(k) for k, v in got["outs"].items() if v is not None]
         ref = run_life(dict(common, cache=None, seed=0, prompts=[ps[i] for i in finished], steps=10**6, abort_p=0,
@@ -323,22 +346,31 @@ def main() -> int:
         c = got.get("counters", {})
         if got["leaked_blocks"] or got["requests_left"]:
             problems.append(f"leaked {got['leaked_blocks']} blocks, {got['requests_left']} requests")
-        for name in ("pending_saves", "pinned", "worker_in_flight", "staging_in_use", "load_failed_blocks",
-                     "load_bad_blocks"):
+        for name in ("pending_saves", "pinned", "worker_in_flight", "staging_in_use") + (
+                () if faulty else ("load_failed_blocks", "load_bad_blocks")):
             if c.get(name):
                 problems.append(f"{name} = {c[name]} at the end")
         if (c.get("loads_ok_blocks", 0) + c.get("load_failed_blocks", 0) + c.get("load_cancelled_blocks", 0)
                 != c.get("hit_blocks", 0)):
             problems.append("loads do not add up to hits")
-        summary["lives"].append({"life": n, "steps": got["steps"], "finished": len(finished),
+        summary["lives"].append({"life": n, "faults": faulty, "steps": got["steps"], "finished": len(finished),
                                  "preemptions": got["preemptions"], "poisoned_blocks": got["poisoned"],
                                  "aborted": sum(v is None for v in got["outs"].values()),
                                  "hit_blocks": c.get("hit_blocks"), "saves": c.get("saves_committed"),
-                                 "evictions": c.get("store_evictions"), "problems": problems})
+                                 "evictions": c.get("store_evictions"), "load_failed_blocks": c.get("load_failed_blocks", 0),
+                                 "save_failed_blocks": c.get("save_failed_blocks", 0), "problems": problems})
         summary["ok"] &= not problems
+        # progress, so that a long run that is stopped still leaves its figures
+        print(json.dumps(dict(summary["lives"][-1], seconds=round(time.monotonic() - t0))), file=sys.stderr, flush=True)
     chk = run_life_check(dict(model=model, cache=cache, scratch=os.path.join(d, "scratch"), prompts=all_prompts))
     summary["stored_bytes"] = chk
     summary["ok"] &= not chk["bad"] and chk["checked"] > 0
+    lives = summary["lives"]
+    summary["totals"] = {k: sum(life[k] or 0 for life in lives) for k in (
+        "steps", "finished", "aborted", "preemptions", "poisoned_blocks", "hit_blocks", "saves", "evictions",
+        "load_failed_blocks", "save_failed_blocks")}
+    summary["totals"]["problems"] = sum(len(life["problems"]) for life in lives)
+    summary["totals"]["fault_lives"] = sum(life["faults"] for life in lives)
     summary["seconds"] = round(time.monotonic() - t0, 1)
     print(json.dumps(summary, indent=1))
     return 0 if summary["ok"] else 1

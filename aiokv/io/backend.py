@@ -12,18 +12,31 @@ Failure contract (both backends):
   cancelled through the kernel (io_uring) or waited for (threads). Then the
   CancelledError propagates. So the caller may reuse or free its buffers as soon
   as `run` has returned or raised.
+- Abandon mode (a hung disk must not hang the caller): where the task has set
+  ABANDON to a callback, a cancelled `run` drops and cancels as above but does
+  not wait for the operations the kernel or a thread still holds (a read stuck
+  in a FUSE daemon or a dead device cannot be interrupted). It calls
+  `callback(addrs, done)` with the buffer addresses of the batch and a future
+  that completes once none of them can be touched any more, then raises
+  CancelledError at once. The callback's owner sets those buffers aside until
+  `done` completes.
 
 Threading contract: a backend belongs to one asyncio event loop and is called from
 that loop's thread only.
 
 Selection: io_uring is probed at start; where it is refused (EPERM/ENOSYS under a
 container's seccomp profile) the thread-pool backend takes over, said once in the
-log. AIOKV_IO=uring|threads forces one.
+log. So it does, said once, where the files are on FUSE or a network file system:
+there an io_uring submission itself can block the event loop's thread (FUSE puts
+a thread that submits past its queue of background requests to sleep until the
+daemon answers; a hung daemon never does), while a pool thread may block alone.
+AIOKV_IO=uring|threads (or the `io` setting) forces one.
 """
 from __future__ import annotations
 
 import abc
 import asyncio
+import contextvars
 import errno
 import logging
 import os
@@ -33,6 +46,10 @@ OP_WRITE = 1
 
 log = logging.getLogger("aiokv")
 _said: set[str] = set()
+
+# Set by a task (its child tasks inherit it) that would rather set its buffers
+# aside than wait for I/O the kernel will not give back; see the module docstring.
+ABANDON: contextvars.ContextVar = contextvars.ContextVar("aiokv_abandon", default=None)
 
 
 def say_once(msg: str) -> None:
@@ -77,6 +94,10 @@ class IOBackend(abc.ABC):
         except asyncio.CancelledError:
             batch.cancelled = True
             self._cancel(batch)
+            abandon = ABANDON.get()
+            if abandon is not None and not batch.fut.done():
+                abandon([op[2] for op in ops], batch.fut)
+                raise
             # The kernel or a thread may still own a buffer: wait, even if
             # cancelled again, until every operation of the batch has ended.
             while not batch.fut.done():
@@ -101,9 +122,38 @@ class IOBackend(abc.ABC):
         pass
 
 
-def open_backend(loop: asyncio.AbstractEventLoop, kind: str | None = None, depth: int = 64) -> IOBackend:
-    """The io_uring backend if the kernel allows it, else the thread-pool one
+# file systems where submitting to io_uring can sleep in the submitting thread
+BLOCKING_SUBMIT_FS = ("fuse", "nfs", "nfs4", "cifs", "smb3", "9p", "ceph")
+
+
+def fs_type(path: str) -> str:
+    """The type of the file system that holds `path` (which need not exist yet)."""
+    path = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                _, mnt, fstype = line.split()[:3]
+                mnt = mnt.replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, fstype
+    except OSError:
+        pass
+    return kind
+
+
+def open_backend(loop: asyncio.AbstractEventLoop, kind: str | None = None, depth: int = 64,
+                 path: str | None = None) -> IOBackend:
+    """The io_uring backend if the kernel allows it and `path` (where the files
+    are) is not on FUSE or a network file system, else the thread-pool one
     (wrapped by the test-only fault injector when tests deliberately ask for it)."""
+    kind = kind or os.environ.get("AIOKV_IO", "auto")
+    if kind == "auto" and path is not None:
+        fs = fs_type(path)
+        if fs.split(".")[0] in BLOCKING_SUBMIT_FS:
+            say_once(f"aiokv: {path} is on {fs}, where an io_uring submission can block; "
+                     "using the thread-pool I/O backend")
+            kind = "threads"
     backend = _open_backend(loop, kind, depth)
     if os.environ.get("AIOKV_FAULTS"):
         from aiokv.io.faults import FaultyBackend, rules_from_env

@@ -4,7 +4,9 @@ Used where io_uring is refused (containers) or forced with AIOKV_IO=threads.
 Design note (failure contract beyond backend.py): an operation a thread has not
 started yet is skipped when its batch is cancelled; one already in a system call
 cannot be interrupted, so cancellation waits for it to return before the buffer
-is handed back.
+is handed back (or, in abandon mode, hands the wait to the caller; backend.py).
+Such a thread also holds its pool place until it returns: a hung disk fills the
+pool, and later operations queue behind it (their callers' timeouts end them).
 
 Threading contract: `run` is called from the loop thread; the pool threads only
 touch the operation they run and hand the result back with call_soon_threadsafe.
@@ -64,4 +66,6 @@ class ThreadBackend(IOBackend):
         pass  # batch.cancelled makes threads skip what they have not started
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        # A thread stuck in a system call (a hung disk) cannot be joined: leave it
+        # to the process exit, which waits for it (the kernel owns its buffer).
+        self.pool.shutdown(wait=self._running == 0)

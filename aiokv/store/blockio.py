@@ -9,6 +9,12 @@ magic, version, namespace, rank, key, length, checksum, or the MAC when a
 secret is set). Nothing raises for a
 bad block; a bad block is never reported as loaded.
 
+Several engines: items name locations (format.loc: engine << 32 | slot), so a
+BlockIO reads any engine's data file of its (namespace, rank), opened at first
+use, and writes where it is told (its own engine's, by the Store's design).
+Another engine's file is opened read-only and never created; a missing one
+makes its items -ENOENT (a miss).
+
 Threading contract: one asyncio loop thread (the one that owns the backend).
 Buffers are staging slots: 4096-aligned, `slot_bytes` long, header first.
 
@@ -37,14 +43,16 @@ EBADMSG = -errno.EBADMSG
 PIPELINE_MIN = 4  # up to this many items: one backend batch
 
 
-def open_data_file(ns_dir: str, rank: int) -> tuple[int, bool]:
-    """Open (creating, 0600) a rank's data file with O_DIRECT; buffered where the
-    FS lacks it. ns_dir is ROOT/ns/<nsid hex>: every directory from ROOT down and
-    the file itself are opened without following a symlink (dirs.py)."""
+def open_data_file(ns_dir: str, rank: int, engine: int = 0, create: bool = True) -> tuple[int, bool]:
+    """Open (creating, 0600, if `create`; else read-only) engine's data file of a
+    rank with O_DIRECT; buffered where the FS lacks it. ns_dir is ROOT/ns/<nsid
+    hex>: every directory from ROOT down and the file itself are opened without
+    following a symlink (dirs.py)."""
     root = os.path.dirname(os.path.dirname(ns_dir))
-    dfd = open_under(root, "ns", os.path.basename(ns_dir))
-    name = os.path.basename(data_path(ns_dir, rank))
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    sub = fmt.engine_dir(engine)
+    dfd = open_under(root, "ns", os.path.basename(ns_dir), *([sub] if sub else []))
+    name = f"rank{rank}.data"
+    flags = (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         try:
             return os.open(name, flags | os.O_DIRECT, 0o600, dir_fd=dfd), True
@@ -57,8 +65,8 @@ def open_data_file(ns_dir: str, rank: int) -> tuple[int, bool]:
         os.close(dfd)
 
 
-def data_path(ns_dir: str, rank: int) -> str:
-    return os.path.join(ns_dir, f"rank{rank}.data")
+def data_path(ns_dir: str, rank: int, engine: int = 0) -> str:
+    return os.path.join(ns_dir, fmt.engine_dir(engine), f"rank{rank}.data")
 
 
 class BlockIO:
@@ -72,7 +80,25 @@ class BlockIO:
         self.rank = rank
         self.payload_bytes = payload_bytes
         self.slot_bytes = fmt.slot_bytes(payload_bytes)
-        self.fd, self.direct = open_data_file(ns_dir, rank)
+        self.ns_dir = ns_dir
+        self._fds: dict[tuple[int, bool], int] = {}  # (engine, writable) -> fd; -1: could not open
+
+    def _fd(self, engine: int, write: bool) -> int:
+        fd = self._fds.get((engine, write))
+        if fd is None:
+            try:
+                fd, _ = open_data_file(self.ns_dir, self.rank, engine, create=write)
+            except FileNotFoundError:
+                if write:
+                    raise
+                return -1  # not there (yet): a miss, and looked for again next time
+            self._fds[(engine, write)] = fd
+        return fd
+
+    def _op(self, op: int, where: int, addr: int) -> tuple:
+        engine, slot = fmt.split(where)
+        sb = self.slot_bytes
+        return op, self._fd(engine, op == OP_WRITE), addr, sb, slot * sb
 
     def stamp(self, key: bytes, addr: int) -> None:
         """Fill the header of the staging slot at addr for `key` (payload already there)."""
@@ -105,22 +131,28 @@ class BlockIO:
 
     async def write(self, items) -> list[int]:
         """items: (slot, key, addr). Stamps headers, writes, returns per-item 0/-errno."""
-        sb, fd = self.slot_bytes, self.fd
+        sb = self.slot_bytes
         if len(items) <= PIPELINE_MIN:
             for _, key, addr in items:
                 self.stamp(key, addr)
-            res = await self.backend.run([(OP_WRITE, fd, addr, sb, slot * sb) for slot, _, addr in items])
+            res = await self.backend.run([self._op(OP_WRITE, slot, addr) for slot, _, addr in items])
         else:
             res = await self._pipelined(OP_WRITE, items)
         return [0 if r == sb else (r if r < 0 else -errno.EIO) for r in res]
 
     async def read(self, items) -> list[int]:
         """items: (slot, key, addr). Reads and verifies; per-item 0/-errno/-EBADMSG."""
-        sb, fd = self.slot_bytes, self.fd
         if len(items) <= PIPELINE_MIN:
-            res = await self.backend.run([(OP_READ, fd, addr, sb, slot * sb) for slot, _, addr in items])
+            res = await self._run_reads(items)
             return self._checked(items, res)
         return await self._pipelined(OP_READ, items)
+
+    async def _run_reads(self, items) -> list[int]:
+        """Backend reads of items; an item whose engine's file is missing: -ENOENT."""
+        ops = [self._op(OP_READ, slot, addr) for slot, _, addr in items]
+        todo = [op for op in ops if op[1] >= 0]
+        res = iter(await self.backend.run(todo) if todo else [])
+        return [next(res) if op[1] >= 0 else -errno.ENOENT for op in ops]
 
     def _checked(self, items, res) -> list[int]:
         sb, verify = self.slot_bytes, self.verify
@@ -136,7 +168,7 @@ class BlockIO:
         """Several backend batches: writes stamped chunk by chunk just before their
         batch starts; reads verified chunk by chunk as their batch ends. Returns
         raw byte counts (writes) or per-item results (reads)."""
-        sb, fd, run = self.slot_bytes, self.fd, self.backend.run
+        run = self.backend.run
         step = self._chunk()
         parts = [items[i:i + step] for i in range(0, len(items), step)]
         futs: list[asyncio.Future] = []
@@ -147,14 +179,13 @@ class BlockIO:
                     for _, key, addr in part:
                         self.stamp(key, addr)
                     futs.append(asyncio.ensure_future(
-                        run([(OP_WRITE, fd, addr, sb, slot * sb) for slot, _, addr in part])))
+                        run([self._op(OP_WRITE, slot, addr) for slot, _, addr in part])))
                     if k + 1 < len(parts):
                         await asyncio.sleep(0)  # that batch reaches the kernel before the next is stamped
                 for f in futs:
                     out += await f
             else:
-                futs = [asyncio.ensure_future(run([(OP_READ, fd, addr, sb, slot * sb) for slot, _, addr in part]))
-                        for part in parts]
+                futs = [asyncio.ensure_future(self._run_reads(part)) for part in parts]
                 for part, f in zip(parts, futs):
                     out += self._checked(part, await f)
         except BaseException:
@@ -173,6 +204,6 @@ class BlockIO:
         return out
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

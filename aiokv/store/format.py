@@ -1,14 +1,19 @@
-"""The on-disk format, version 1: constants, packing and checking. Nothing else.
+"""The on-disk format, version 2: constants, packing and checking. Nothing else.
 
 docs/format.md describes the same layout for people; change both together and
-bump FORMAT_VERSION when the bytes change.
+bump FORMAT_VERSION when the bytes or the layout change.
 
-    DIR/aiokv.json                      store marker: {"magic": "aiokv", "format": 1}
-    DIR/lock                            flock held by the engine that owns the index; holds its pid
+    DIR/aiokv.json                      store marker: {"magic": "aiokv", "format": 2}
+    DIR/lock, DIR/lock.<E>              flock held by the live engine number 0, E; holds its pid
     DIR/ns/<nsid hex>/namespace.json    descriptive fields, slot payload size, ranks
-    DIR/ns/<nsid hex>/rank<R>.data      slots: slot s at offset s * slot_bytes
-    DIR/ns/<nsid hex>/checkpoint        index snapshot (header + records)
-    DIR/ns/<nsid hex>/journal.<gen>     records appended since checkpoint generation <gen>
+    DIR/ns/<nsid hex>/<engine dir>/     engine E's files: the namespace directory itself for
+                                        engine 0, its subdirectory e<E> for E >= 1:
+        rank<R>.data                    slots: slot s at offset s * slot_bytes
+        checkpoint                      index snapshot (header + records)
+        journal.<gen>                   records appended since checkpoint generation <gen>
+
+Each engine writes only its own files; the others follow its journal. A block
+is named by its location: engine << 32 | slot (loc/split below).
 
 The layout tag is a hash of the reader's in-memory KV layout (tensor shapes,
 strides, dtype per layer) so blocks written under one attention backend are a
@@ -26,7 +31,13 @@ import struct
 
 from aiokv import _native
 
-FORMAT_VERSION = 1
+# Version 2 (several engines per directory) changed the layout, not the bytes of
+# a file: a version-1 directory is a version-2 directory with engine 0 alone, and
+# is migrated by rewriting aiokv.json. Slot headers, checkpoints and journals
+# still carry FILE_VERSION 1.
+FORMAT_VERSION = 2
+READS_FORMATS = (1, 2)
+FILE_VERSION = 1
 STORE_MAGIC = "aiokv"
 HEADER_BYTES = 4096
 ALIGN = 4096
@@ -36,6 +47,33 @@ NSID_BYTES = 16
 # 32-bit length of one I/O operation; a rank is one data file).
 MAX_PAYLOAD_BYTES = 1 << 30
 MAX_RANKS = 1024
+MAX_ENGINES = 256  # engines on one directory at once (engine numbers 0..MAX_ENGINES-1)
+
+# ---- locations: which engine's data file, which slot ----
+ENGINE_SHIFT = 32
+SLOT_MASK = (1 << ENGINE_SHIFT) - 1
+
+
+def loc(engine: int, slot: int) -> int:
+    """A block's location as one int (what Transfer.slots carry): engine 0's are plain slots."""
+    return engine << ENGINE_SHIFT | slot
+
+
+def split(location: int) -> tuple[int, int]:
+    """(engine, slot) of a location."""
+    return location >> ENGINE_SHIFT, location & SLOT_MASK
+
+
+def engine_dir(engine: int) -> str:
+    """Engine's directory inside a namespace directory ("" for engine 0: the namespace directory)."""
+    return "" if engine == 0 else f"e{engine}"
+
+
+def engine_of_dir(name: str) -> int | None:
+    """The engine number of a subdirectory name e<E>, or None."""
+    if name.startswith("e") and name[1:].isdigit() and name[1:] == str(int(name[1:])) and 0 < int(name[1:]) < MAX_ENGINES:
+        return int(name[1:])
+    return None
 
 # ---- slot header ----
 BLOCK_MAGIC = b"AIOKVBLK"
@@ -75,7 +113,7 @@ def check_key(key: bytes) -> None:
 
 def pack_header(nsid: bytes, rank: int, key: bytes, payload_len: int, payload_crc: int, seq: int,
                 layout: int = 0) -> bytes:
-    body = _HDR.pack(BLOCK_MAGIC, FORMAT_VERSION, HEADER_BYTES, rank, nsid, len(key), payload_crc,
+    body = _HDR.pack(BLOCK_MAGIC, FILE_VERSION, HEADER_BYTES, rank, nsid, len(key), payload_crc,
                      payload_len, key, seq, layout)
     return body + _HDR_CRC.pack(_native.crc32c_bytes(body))
 
@@ -94,7 +132,7 @@ def unpack_header(raw: bytes) -> dict:
     magic, ver, hbytes, rank, nsid, klen, pcrc, plen, key, seq, layout = _HDR.unpack(body)
     if magic != BLOCK_MAGIC:
         raise BadBlock("magic")
-    if ver != FORMAT_VERSION or hbytes != HEADER_BYTES:
+    if ver != FILE_VERSION or hbytes != HEADER_BYTES:
         raise BadBlock(f"format version {ver}")
     return {"rank": rank, "nsid": nsid, "key": key[:klen], "payload_crc": pcrc, "payload_len": plen, "seq": seq,
             "layout": layout}
@@ -136,6 +174,11 @@ def check_namespace(info, nsid: bytes) -> tuple[int, int, int, dict]:
 # ---- index records (checkpoint body and journal) ----
 REC_COMMIT = 1
 REC_DROP = 2
+# TOUCH: the engine whose journal holds it used `key` (a hit on a block another
+# engine holds) at `atime`; whichever engine holds the key refreshes its LRU
+# position. slot is 0.
+REC_TOUCH = 3
+REC_KINDS = (REC_COMMIT, REC_DROP, REC_TOUCH)
 # type, key len, slot, last access (ns since epoch), key, crc
 _REC = struct.Struct("<BB2xIQ32s12x")
 REC_BYTES = _REC.size + 4
@@ -166,14 +209,14 @@ def iter_records(buf: bytes, verify_each: bool = True):
         if verify_each and crc(body) != int.from_bytes(buf[off + _REC.size:off + REC_BYTES], "little"):
             return off
         kind, klen, slot, atime, key = _REC.unpack(body)
-        if kind not in (REC_COMMIT, REC_DROP) or not MIN_KEY <= klen <= MAX_KEY:
+        if kind not in REC_KINDS or not MIN_KEY <= klen <= MAX_KEY:
             return off
         yield kind, key[:klen], slot, atime
     return n * REC_BYTES
 
 
 def pack_file_header(magic: bytes, gen: int, count: int = 0, body_crc: int = 0) -> bytes:
-    return _FILE_HDR.pack(magic, FORMAT_VERSION, gen, count, body_crc).ljust(FILE_HDR_BYTES, b"\0")
+    return _FILE_HDR.pack(magic, FILE_VERSION, gen, count, body_crc).ljust(FILE_HDR_BYTES, b"\0")
 
 
 def unpack_file_header(raw: bytes, magic: bytes) -> tuple[int, int, int]:
@@ -183,6 +226,6 @@ def unpack_file_header(raw: bytes, magic: bytes) -> tuple[int, int, int]:
     m, ver, gen, count, crc = _FILE_HDR.unpack_from(raw)
     if m != magic:
         raise BadBlock("file magic")
-    if ver != FORMAT_VERSION:
-        raise BadBlock(f"format version {ver} (this aiokv reads {FORMAT_VERSION})")
+    if ver != FILE_VERSION:
+        raise BadBlock(f"format version {ver} (this aiokv reads {FILE_VERSION})")
     return gen, count, crc

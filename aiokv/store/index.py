@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import time
 
+from aiokv.store.format import REC_COMMIT, REC_DROP, loc
+
 
 class SlotAllocator:
     """Slots of one namespace: free (backed by disk space), holes (punched), and a high-water mark.
@@ -60,18 +62,31 @@ class SlotAllocator:
 
 
 class Namespace:
-    """One namespace's entries, pending reservations and allocator."""
+    """One namespace as one engine sees it: its own entries, pending reservations
+    and allocator, the entries of the other engines on the directory (followed
+    from their journals), and `entries`, the union of both that lookups read.
 
-    def __init__(self, nsid: bytes, payload_bytes: int, slot_bytes: int, ranks: int, fields: dict):
+    `engine` is this engine's number (None for a read-only opener, which owns
+    nothing). Own slots are plain slot numbers; `entries` and `pending` hold
+    locations (format.loc: engine << 32 | slot), which for engine 0 are the slots.
+    """
+
+    def __init__(self, nsid: bytes, payload_bytes: int, slot_bytes: int, ranks: int, fields: dict,
+                 engine: int | None = 0):
         self.nsid = nsid
         self.payload_bytes = payload_bytes
         self.slot_bytes = slot_bytes
         self.ranks = ranks
         self.fields = fields
-        self.entries: dict[bytes, int] = {}
-        self.atime: dict[bytes, int] = {}
-        self.pending: dict[bytes, int] = {}
+        self.engine = engine
+        self.base = loc(engine, 0) if engine is not None else 0  # our slot s is at location base | s
+        self.entries: dict[bytes, int] = {}   # key -> location, every engine's blocks
+        self.own: dict[bytes, int] = {}       # key -> slot, this engine's blocks
+        self.atime: dict[bytes, int] = {}     # own keys -> last access
+        self.pending: dict[bytes, int] = {}   # key -> location reserved, not yet committed
         self.alloc = SlotAllocator()
+        # other engines: engine -> key -> (slot, last commit or TOUCH time), oldest first
+        self.peers: dict[int, collections.OrderedDict[bytes, tuple[int, int]]] = {}
 
     @property
     def slot_cost(self) -> int:
@@ -82,9 +97,91 @@ class Namespace:
     def hex(self) -> str:
         return self.nsid.hex()
 
+    def where(self, key: bytes) -> int | None:
+        """The location lookups should use for key: our own copy first, else another
+        engine's (the lowest-numbered; a newer commit elsewhere may also take its place)."""
+        slot = self.own.get(key)
+        if slot is not None:
+            return self.base | slot
+        for e in sorted(self.peers):
+            got = self.peers[e].get(key)
+            if got is not None:
+                return loc(e, got[0])
+        return None
+
+    def _resolve(self, key: bytes) -> None:
+        where = self.where(key)
+        if where is None:
+            self.entries.pop(key, None)
+        else:
+            self.entries[key] = where
+
+    def peer_apply(self, engine: int, records, max_slot: int) -> list[tuple[bytes, int]]:
+        """Apply another engine's journal records (kind, key, slot, atime), in order;
+        a slot at or past max_slot (beyond the file system) is damage and skipped.
+        Returns the (key, atime) of TOUCH records for keys we hold (Index.touch them)."""
+        d = self.peers.get(engine)
+        if d is None:
+            d = self.peers[engine] = collections.OrderedDict()
+        own, entries, base = self.own, self.entries, loc(engine, 0)
+        touched = []
+        for kind, key, slot, atime in records:
+            if kind == REC_COMMIT:
+                if slot >= max_slot:
+                    continue
+                d.pop(key, None)  # a new commit time: to the young end
+                d[key] = (slot, atime)
+                if key not in own:
+                    entries[key] = base | slot
+            elif kind == REC_DROP:
+                if d.pop(key, None) is not None:
+                    self._resolve(key)
+            else:  # TOUCH: whoever holds the key saw it used
+                touched += self.peer_touches([(key, atime)])
+        return touched
+
+    def peer_touches(self, touches) -> list[tuple[bytes, int]]:
+        """Apply another engine's hits [(key, atime)]; return those on keys we hold."""
+        out = []
+        for key, atime in touches:
+            self.peer_touch(key, atime)
+            if key in self.own:
+                out.append((key, atime))
+        return out
+
+    def peer_touch(self, key: bytes, atime: int) -> None:
+        """Another engine's copies of key were used at atime: to the young end."""
+        for d in self.peers.values():
+            got = d.get(key)
+            if got is not None and got[1] < atime:
+                d[key] = (got[0], atime)
+                d.move_to_end(key)
+
+    def peer_drop(self, engine: int, key: bytes) -> None:
+        d = self.peers.get(engine)
+        if d is not None and d.pop(key, None) is not None:
+            self._resolve(key)
+
+    def peer_reset(self, engine: int, entries: dict[bytes, tuple[int, int]]) -> None:
+        """Replace what we know of `engine` by a full replay of its files."""
+        old = self.peers.pop(engine, None) or {}
+        for key in old:
+            self._resolve(key)
+        if entries:
+            self.peers[engine] = collections.OrderedDict(sorted(entries.items(), key=lambda kv: kv[1][1]))
+            for key, (slot, _) in entries.items():
+                if key not in self.own:
+                    self.entries.setdefault(key, loc(engine, slot))
+
+    def oldest_peer_atime(self) -> int | None:
+        """Access time of the oldest block another engine holds (each engine's map is
+        kept in commit/TOUCH order)."""
+        firsts = [next(iter(d.values()))[1] for d in self.peers.values() if d]
+        return min(firsts) if firsts else None
+
 
 class Index:
-    """All namespaces of a store plus one global LRU order over committed entries."""
+    """All namespaces of a store plus one LRU order over this engine's committed entries."""
 
     def __init__(self):
         self.namespaces: dict[bytes, Namespace] = {}
@@ -96,10 +193,11 @@ class Index:
         return sum(ns.alloc.backed * ns.slot_cost for ns in self.namespaces.values())
 
     def load(self, ns: Namespace, entries: dict[bytes, tuple[int, int]]) -> None:
-        """Install entries replayed from disk, oldest access first in the LRU."""
-        ns.entries = {k: s for k, (s, _) in entries.items()}
+        """Install this engine's entries replayed from disk, oldest access first in the LRU."""
+        ns.own = {k: s for k, (s, _) in entries.items()}
         ns.atime = {k: a for k, (_, a) in entries.items()}
-        ns.alloc = SlotAllocator(0, set(ns.entries.values()))
+        ns.alloc = SlotAllocator(0, set(ns.own.values()))
+        ns.entries = {k: ns.base | s for k, s in ns.own.items()}
         self.namespaces[ns.nsid] = ns
         merged = sorted(((a, ns.nsid, k) for k, a in ns.atime.items()))
         # re-sort the whole LRU so several namespaces interleave by access time
@@ -122,25 +220,28 @@ class Index:
     def touch(self, ns: Namespace, keys, now: int | None = None) -> None:
         now = now or time.time_ns()
         for k in keys:
-            if k in ns.entries:
+            if k in ns.own:
                 ns.atime[k] = now
                 self.lru.move_to_end((ns.nsid, k))
 
     def commit(self, ns: Namespace, key: bytes, slot: int, now: int) -> None:
-        ns.entries[key] = slot
+        ns.own[key] = slot
+        ns.entries[key] = ns.base | slot
         ns.atime[key] = now
         self.lru[(ns.nsid, key)] = None
 
     def remove(self, ns: Namespace, key: bytes) -> int | None:
-        """Forget a committed key; return its slot (still in use) or None."""
-        slot = ns.entries.pop(key, None)
+        """Forget one of our committed keys; return its slot (still in use) or None.
+        Another engine's copy of the key, if any, becomes the one lookups see."""
+        slot = ns.own.pop(key, None)
         if slot is not None:
             ns.atime.pop(key, None)
             self.lru.pop((ns.nsid, key), None)
+            ns._resolve(key)
         return slot
 
     def victim(self) -> tuple[Namespace, bytes] | None:
-        """The least recently used committed, unpinned entry."""
+        """Our least recently used committed, unpinned entry (other engines evict their own)."""
         for nsid, key in self.lru:
             if not self.pins[(nsid, key)]:
                 return self.namespaces[nsid], key

@@ -2,14 +2,28 @@
 survives crashes, a capacity bound with LRU eviction.
 
 Roles:
-- The owner (one per directory, holds DIR/lock) keeps the index: it reserves
-  slots, commits keys once their data is written, evicts, and persists all of it
-  (journal.py). In vLLM this is the scheduler side, in the EngineCore process.
+- An engine (any number of them on one directory at once, each holding the
+  lock of its engine number, lock.py) owns its own data files and journal: it
+  reserves slots there, commits keys once their data is written, evicts its
+  own blocks, and persists all of it (journal.py). It follows the other
+  engines' journals (`refresh` once per step, and lookups; at most every
+  FOLLOW_INTERVAL), so their blocks are hits here too: `entries` and the
+  locations it hands out name the engine whose file holds the block
+  (format.loc). In vLLM this is the scheduler side, in the EngineCore process.
 - Data writers/readers (BlockIO, blockio.py) move slot bytes; in vLLM these are
-  the worker processes, each on its own rank's data file, told slot numbers by
-  the owner.
-- Read-only openers (`aiokv inspect`) replay the index without the lock and
+  the worker processes, told locations by their engine.
+- Read-only openers (`aiokv inspect`) follow every engine without a lock and
   never write.
+
+Several engines: capacity and LRU are the directory's. `_used` counts every
+engine's files; over the capacity, each engine evicts its own blocks while they
+are the oldest in the directory (an engine holding older ones sheds those at
+its next refresh); a hit on another engine's block is a TOUCH record in our
+journal, so its holder sees it as recently used. An engine short of room whose own blocks are newer than
+another's may overshoot the capacity by SHARE_SLACK (1/16) meanwhile, and past
+that evicts its own. Another engine may evict and rewrite a slot we are about
+to read: the reader verifies the slot header and payload CRC, so that is a
+miss, never wrong bytes.
 
 Failure contract: EIO/ENOSPC fail only the operation in question and are
 counted; a block that does not verify is a miss, is dropped and counted; a key
@@ -22,8 +36,10 @@ Threading contract: one thread calls a Store (the owner's thread). The async
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -35,11 +51,15 @@ from aiokv.store import format as fmt
 from aiokv.store.blockio import BlockIO
 from aiokv.store.index import Index, Namespace
 from aiokv.store.dirs import NotAStore, check_private, open_dir
-from aiokv.store.journal import IndexLog
-from aiokv.store.lock import DirLock
+from aiokv.store.journal import Follower, IndexLog
+from aiokv.store.lock import DirLock, StoreLocked
 
 GROW_BYTES = 64 << 20  # disk space is reserved for new slots this much at a time
 HEADROOM = 4 << 20  # left to the file system (journal, other users) when the disk is full
+FOLLOW_INTERVAL = 0.1  # seconds between looks at the other engines' journals
+SHARE_SLACK = 16  # overshoot allowed while another engine holds older blocks: capacity / this
+TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
+RECLAIM_INTERVAL = 5.0  # seconds between looks for a dead engine holding the directory's oldest blocks
 log = logging.getLogger("aiokv")
 
 
@@ -91,6 +111,29 @@ def _read_json(name: str, dir_fd: int, path: str) -> dict:
                             f"remove {path} or give aiokv a new directory") from None
 
 
+SETUP_WAIT = 30.0  # seconds an engine waits for another one creating the store or a namespace
+
+
+@contextlib.contextmanager
+def _setup_lock(root_fd: int, root: str = "the cache directory"):
+    """Held while creating or migrating the store or a namespace (moments, at start).
+    Waited for at most SETUP_WAIT: an engine hung there must not hang the others."""
+    end = time.monotonic() + SETUP_WAIT
+    while True:
+        try:
+            fcntl.flock(root_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > end:
+                raise NotAStore(f"aiokv: {root}: another engine has been creating files there for {SETUP_WAIT:.0f} s "
+                                "(a hung disk?); check it, or give this engine its own path") from None
+            time.sleep(0.01)
+    try:
+        yield
+    finally:
+        fcntl.flock(root_fd, fcntl.LOCK_UN)
+
+
 def parse_size(v) -> int:
     """Bytes from an int or a string like '200GiB', '1.5 TB', '512M'."""
     if isinstance(v, bool):
@@ -114,7 +157,8 @@ def ns_dir(root: str, nsid: bytes) -> str:
 
 class Store:
     def __init__(self, root: str, capacity=None, readonly: bool = False, sync_interval: float = 1.0,
-                 checkpoint_every: int = 200_000):
+                 checkpoint_every: int = 200_000, engine: int | None = None):
+        """engine: the engine number to own (default: the lowest free one)."""
         self.root = os.path.abspath(root)
         self.readonly = readonly
         self.capacity = parse_size(capacity) if capacity is not None else None
@@ -133,13 +177,23 @@ class Store:
         self._root_fd: int | None = None
         self._ns_fd: int | None = None
         self._dir_fds: dict[bytes, int] = {}  # namespace directories
+        self._own_fds: dict[bytes, int] = {}  # our engine's directory in each namespace
+        self.engine: int | None = None
+        self.follow_interval = FOLLOW_INTERVAL
+        self._followed = 0.0
+        self.followers: dict[tuple[bytes, int], Follower] = {}  # (nsid, engine) -> its files
+        self._peer_fds: dict[tuple[bytes, int], int] = {}       # (nsid, engine) -> its directory
+        self._peer_bytes: dict[tuple[bytes, int], int] = {}     # (nsid, engine) -> bytes its files take
+        # engines found dead whose oldest blocks we evict: engine -> (its lock, {(nsid, what): fd or IndexLog})
+        self._reclaimed: dict[int, tuple[DirLock, dict]] = {}
+        self._reclaim_checked = 0.0
         try:
-            self._open(readonly)
+            self._open(readonly, engine)
         except BaseException:
             self.close(checkpoint=False)
             raise
 
-    def _open(self, readonly: bool) -> None:
+    def _open(self, readonly: bool, engine: int | None) -> None:
         # The root itself is not followed if it is a symlink, nor is anything below it.
         if readonly:
             if not os.path.isdir(self.root):
@@ -147,22 +201,25 @@ class Store:
             self._root_fd = open_dir(self.root)
             if not _exists("aiokv.json", self._root_fd):
                 raise NotAStore(f"aiokv: {self.root} is not an aiokv store (no aiokv.json)")
+            self._check_meta(_read_json("aiokv.json", self._root_fd, self.root))
         else:
             os.makedirs(os.path.dirname(self.root) or "/", exist_ok=True)
             self._root_fd = open_dir(self.root, create=True)
             check_private(self._root_fd, self.root)
-            if not _exists("aiokv.json", self._root_fd) and os.listdir(self._root_fd):
-                raise NotAStore(f"aiokv: {self.root} is not empty and not an aiokv store; "
-                                "give aiokv an empty or new directory")
-            self.lock = DirLock(self.root, self._root_fd)
-            if not _exists("aiokv.json", self._root_fd):
-                _write_json("aiokv.json", {"magic": fmt.STORE_MAGIC, "format": fmt.FORMAT_VERSION}, self._root_fd)
-        meta = _read_json("aiokv.json", self._root_fd, self.root)
-        if not isinstance(meta, dict) or meta.get("magic") != fmt.STORE_MAGIC:
-            raise NotAStore(f"aiokv: {self.root} is not an aiokv store (bad aiokv.json)")
-        if meta.get("format") != fmt.FORMAT_VERSION:
-            raise NotAStore(f"aiokv: {self.root} has format {meta.get('format')}, this aiokv reads "
-                            f"{fmt.FORMAT_VERSION}; use a new directory")
+            # Creating or migrating the store, and creating namespaces, is done
+            # under an flock of the root directory: engines starting together.
+            with _setup_lock(self._root_fd, self.root):
+                if not _exists("aiokv.json", self._root_fd) and os.listdir(self._root_fd):
+                    raise NotAStore(f"aiokv: {self.root} is not empty and not an aiokv store; "
+                                    "give aiokv an empty or new directory")
+                self.lock = DirLock(self.root, self._root_fd, engine)
+                self.engine = self.lock.engine
+                if not _exists("aiokv.json", self._root_fd):
+                    _write_json("aiokv.json", {"magic": fmt.STORE_MAGIC, "format": fmt.FORMAT_VERSION}, self._root_fd)
+                if self._check_meta(_read_json("aiokv.json", self._root_fd, self.root)) != fmt.FORMAT_VERSION:
+                    # format 1 is format 2 with engine 0 alone: nothing moves (docs/format.md)
+                    _write_json("aiokv.json", {"magic": fmt.STORE_MAGIC, "format": fmt.FORMAT_VERSION}, self._root_fd)
+                    log.info("aiokv: %s migrated to format %d (several engines)", self.root, fmt.FORMAT_VERSION)
         ns_path = os.path.join(self.root, "ns")
         self._ns_fd = open_dir(ns_path, self._root_fd, create=not readonly)
         if not readonly:
@@ -183,6 +240,14 @@ class Store:
         if not readonly:
             self._shrink_to_limit()
 
+    def _check_meta(self, meta) -> int:
+        if not isinstance(meta, dict) or meta.get("magic") != fmt.STORE_MAGIC:
+            raise NotAStore(f"aiokv: {self.root} is not an aiokv store (bad aiokv.json)")
+        if meta.get("format") not in fmt.READS_FORMATS:
+            raise NotAStore(f"aiokv: {self.root} has format {meta.get('format')}, this aiokv reads "
+                            f"{fmt.FORMAT_VERSION}; use a new directory")
+        return meta["format"]
+
     # ---- namespaces ----
     def _ns_dir_fd(self, nsid: bytes, create: bool = False) -> int:
         fd = self._dir_fds.get(nsid)
@@ -193,20 +258,43 @@ class Store:
                 check_private(fd, path)
         return fd
 
+    def _own_dir_fd(self, nsid: bytes) -> int:
+        """Our engine's directory in a namespace (created 0700 if missing)."""
+        fd = self._own_fds.get(nsid)
+        if fd is None:
+            sub = fmt.engine_dir(self.engine)
+            if not sub:
+                fd = self._ns_dir_fd(nsid)
+            else:
+                path = os.path.join(ns_dir(self.root, nsid), sub)
+                fd = open_dir(path, self._ns_dir_fd(nsid), create=True)
+                check_private(fd, path)
+            self._own_fds[nsid] = fd
+        return fd
+
     def _load_namespace(self, nsid: bytes) -> Namespace:
-        d, dfd = ns_dir(self.root, nsid), self._ns_dir_fd(nsid)
+        d, nfd = ns_dir(self.root, nsid), self._ns_dir_fd(nsid)
         try:
-            pb, sb, ranks, fields = fmt.check_namespace(_read_json("namespace.json", dfd, d), nsid)
+            pb, sb, ranks, fields = fmt.check_namespace(_read_json("namespace.json", nfd, d), nsid)
         except fmt.BadBlock as e:
             raise NotAStore(f"aiokv: {d}/namespace.json is damaged ({e}); remove {d} (its blocks are lost) "
                             "or give aiokv a new directory") from None
-        ns = Namespace(nsid, pb, sb, ranks, fields)
-        log = IndexLog(d, dfd, readonly=self.readonly, sync_interval=self.sync_interval)
+        ns = Namespace(nsid, pb, sb, ranks, fields, self.engine)
+        if not self.readonly:
+            self._load_own(ns)
+        self.index.namespaces[nsid] = ns
+        self._follow(ns)
+        return ns
+
+    def _load_own(self, ns: Namespace) -> None:
+        """Replay our own engine's files of a namespace as their owner."""
+        nsid = ns.nsid
+        d = os.path.join(ns_dir(self.root, nsid), fmt.engine_dir(self.engine)).rstrip("/")
+        dfd = self._own_dir_fd(nsid)
+        log = IndexLog(d, dfd, readonly=False, sync_interval=self.sync_interval)
         try:
             entries = log.load()
         except fmt.BadBlock as e:
-            if self.readonly:
-                raise
             # The index is lost but the blocks describe themselves: rebuild from them.
             log_warning(f"{e}; rebuilding the index from the data files")
             entries = self._scan(ns)
@@ -232,7 +320,96 @@ class Store:
                 ns.alloc.grow(list(ns.alloc.holes))  # they may still hold space: counted, and reused first
             for rank in range(ns.ranks):
                 os.ftruncate(self._rank_fd(ns, rank), ns.alloc.hwm * ns.slot_bytes)
-        return ns
+
+    # ---- the other engines ----
+    def _peer_engines(self, ns: Namespace) -> list[int]:
+        """Engine numbers with files in this namespace, other than ours."""
+        nfd = self._ns_dir_fd(ns.nsid)
+        found = []
+        names = os.listdir(nfd)
+        if self.engine != 0 and any(n == "checkpoint" or n.startswith("journal.") for n in names):
+            found.append(0)
+        for n in names:
+            e = fmt.engine_of_dir(n)
+            if e is not None and e != self.engine:
+                found.append(e)
+        return found
+
+    def _follow(self, ns: Namespace) -> None:
+        """Apply what the other engines committed and dropped since the last look."""
+        nsid = ns.nsid
+        for e in self._peer_engines(ns):
+            key = (nsid, e)
+            fl = self.followers.get(key)
+            if fl is None:
+                sub = fmt.engine_dir(e)
+                path = os.path.join(ns_dir(self.root, nsid), sub).rstrip("/")
+                try:
+                    dfd = self._ns_dir_fd(nsid) if not sub else open_dir(path, self._ns_dir_fd(nsid))
+                except (NotAStore, OSError):
+                    continue  # a symlink planted there, a directory vanishing: not an engine's
+                if sub:
+                    self._peer_fds[key] = dfd
+                fl = self.followers[key] = Follower(path, dfd)
+            try:
+                got = fl.poll()
+            except fmt.BadBlock as e:
+                if self.readonly:
+                    raise
+                log_warning(f"{e}; its blocks are misses here until its engine rebuilds it")
+                got = ("reset", {})
+            except FileNotFoundError:
+                continue  # a checkpoint replaced under us: the next look replays it
+            if got is not None:
+                kind, what = got[0], got[1]
+                if kind == "reset":
+                    ns.peer_reset(e, {k: v for k, v in what.items() if v[0] < self._max_slots(ns)})
+                    touched = ns.peer_touches(fl.log.touches)
+                else:
+                    touched = ns.peer_apply(e, what, self._max_slots(ns))
+                    if kind == "roll" and got[2] != len(ns.peers.get(e, ())):
+                        fl.forget()  # our view of that engine drifted: replay its files next time
+                for k, atime in touched:
+                    if atime > ns.atime.get(k, 0):  # another engine hit our block
+                        self.index.touch(ns, [k], atime)
+            self._peer_bytes[key] = fl.disk_bytes + self._data_bytes(fl.dir_fd, ns)
+
+    @staticmethod
+    def _data_bytes(dir_fd: int, ns: Namespace) -> int:
+        total = 0
+        for rank in range(ns.ranks):
+            try:
+                total += os.stat(f"rank{rank}.data", dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512
+            except FileNotFoundError:
+                pass
+        return total
+
+    def refresh(self) -> None:
+        """Follow the other engines on the directory (their new blocks become hits,
+        their evicted ones misses), then give back space over the capacity if ours
+        are the directory's oldest blocks. For the scheduler, once per step (it may
+        evict, like reserve). Cheap: follows at most every follow_interval seconds.
+        Errors are logged, never raised (a stale view is only misses)."""
+        self._follow_all()
+        if not self.readonly and self.limit is not None and self._used() > self.limit:
+            try:
+                self._shrink_to_limit()
+                self._reclaim()
+            except OSError as e:
+                log_warning(f"giving back space failed ({os.strerror(e.errno or 0)}); trying again later")
+
+    def _follow_all(self) -> None:
+        now = time.monotonic()
+        if now - self._followed < self.follow_interval:
+            return
+        self._followed = now
+        try:
+            for ns in list(self.index.namespaces.values()):
+                self._follow(ns)
+        except OSError as e:
+            log_warning(f"following the other engines failed ({os.strerror(e.errno or 0)}); trying again later")
+        except Exception:  # lookups call this: a bug here must not reach vLLM
+            log.exception("aiokv: following the other engines failed; trying again later")
 
     def namespace(self, nsid: bytes, payload_bytes: int, ranks: int = 1, fields: dict | None = None) -> Namespace:
         """Open or create a namespace. nsid is derived by the caller from all that changes the bytes."""
@@ -248,7 +425,10 @@ class Store:
                 fmt.check_namespace(info, nsid)
             except fmt.BadBlock as e:
                 raise ValueError(f"aiokv: cannot create namespace {nsid.hex()}: {e}") from None
-            _write_json("namespace.json", dict(info, created=time.time()), self._ns_dir_fd(nsid, create=True))
+            with _setup_lock(self._root_fd, self.root):  # another engine may be creating it right now
+                dfd = self._ns_dir_fd(nsid, create=True)
+                if not _exists("namespace.json", dfd):
+                    _write_json("namespace.json", dict(info, created=time.time()), dfd)
             ns = self._load_namespace(nsid)
         if ns.payload_bytes != payload_bytes or ns.ranks != ranks:
             raise ValueError(f"aiokv: namespace {nsid.hex()} holds {ns.payload_bytes}-byte blocks on "
@@ -257,10 +437,15 @@ class Store:
 
     # ---- lookups and commits (owner) ----
     def lookup(self, ns: Namespace, keys, limit: int | None = None) -> int:
+        # an engine idle for a while sees the others' blocks at its first lookup
+        # (following only: evicting waits for the step's refresh)
+        if time.monotonic() - self._followed >= self.follow_interval:
+            self._follow_all()
         return self.index.lookup(ns, keys, limit)
 
     def reserve(self, ns: Namespace, key: bytes) -> int | None:
-        """A slot for `key`, evicting if needed; None if present, pending, or no space."""
+        """A location (in our engine's files) for `key`, evicting if needed; None if
+        present (in any engine's files), pending, or no space."""
         if key in ns.entries or key in ns.pending:
             return None
         slot = ns.alloc.take()
@@ -272,17 +457,18 @@ class Store:
                     self.stats.skipped_no_space += 1
                     return None
             slot = ns.alloc.take()
-        ns.pending[key] = slot
-        return slot
+        ns.pending[key] = where = fmt.loc(self.engine, slot)
+        return where
 
     def commit(self, ns: Namespace, items) -> None:
-        """Make written (key, slot) pairs visible to lookups, durably."""
+        """Make written (key, location) pairs visible to lookups, durably."""
         now = time.time_ns()
         recs, done = [], []
-        for key, slot in items:
-            if ns.pending.get(key) != slot:
+        for key, where in items:
+            if ns.pending.get(key) != where:
                 continue  # aborted meanwhile
             del ns.pending[key]
+            slot = where & fmt.SLOT_MASK
             self.index.commit(ns, key, slot, now)
             done.append(key)
             recs.append(fmt.pack_record(fmt.REC_COMMIT, key, slot, now))
@@ -301,7 +487,7 @@ class Store:
                 log_warning(f"journal write failed ({os.strerror(e.errno or 0)}); {len(recs)} block(s) not committed")
             return
         self.stats.commits += len(recs)
-        if log.records > self.checkpoint_every and log.records > len(ns.entries):
+        if log.records > self.checkpoint_every and log.records > len(ns.own):
             try:
                 log.checkpoint(self._snapshot(ns))
             except OSError as e:  # the journal still holds everything: try again later
@@ -309,22 +495,42 @@ class Store:
 
     def abort(self, ns: Namespace, items, failed: bool = True) -> None:
         """Give back reservations whose data was not (fully) written."""
-        for key, slot in items:
-            if ns.pending.get(key) == slot:
+        for key, where in items:
+            if ns.pending.get(key) == where:
                 del ns.pending[key]
-                ns.alloc.release(slot)
+                ns.alloc.release(where & fmt.SLOT_MASK)
                 self.stats.save_failures += failed
 
     def pin(self, ns: Namespace, keys) -> list[int | None]:
-        """Slots of committed keys, protected from eviction until unpin; refreshes LRU."""
+        """Locations of committed keys, protected from eviction (by this engine; another
+        engine may evict its own: a miss on read) until unpin; refreshes LRU."""
         out = []
         for k in keys:
             slot = ns.entries.get(k)
             if slot is not None:
                 self.index.pins[(ns.nsid, k)] += 1
             out.append(slot)
-        self.index.touch(ns, keys)
+        now = time.time_ns()
+        self.index.touch(ns, keys, now)
+        self._touch_peers(ns, [k for k, w in zip(keys, out) if w is not None and w >> fmt.ENGINE_SHIFT != self.engine],
+                          now)
         return out
+
+    def _touch_peers(self, ns: Namespace, keys, now: int) -> None:
+        """Tell the engines holding these keys that we used them (TOUCH records in
+        our journal, best effort), so the directory's LRU sees hits from every
+        engine. At most once a second per key."""
+        if self.readonly or not keys:
+            return
+        recs = []
+        for k in keys:
+            where = ns.entries.get(k)
+            e = where >> fmt.ENGINE_SHIFT
+            got = ns.peers.get(e, {}).get(k)
+            if got is not None and now - got[1] >= TOUCH_EVERY_NS:
+                ns.peer_touch(k, now)
+                recs.append(fmt.pack_record(fmt.REC_TOUCH, k, 0, now))
+        self._append_drops(ns, recs)
 
     def unpin(self, ns: Namespace, keys) -> None:
         pins = self.index.pins
@@ -336,9 +542,18 @@ class Store:
                 pins.pop(pk, None)
 
     def drop(self, ns: Namespace, keys, corrupt: bool = True) -> None:
-        """Forget keys whose blocks did not verify; their slots are reused."""
+        """Forget keys whose blocks did not verify; our slots are reused, and another
+        engine's copy is not offered again here (unless it commits the key anew)."""
         recs = []
         for k in keys:
+            where = ns.entries.get(k)
+            if where is None:
+                continue
+            e, _ = fmt.split(where)
+            if e != self.engine:
+                ns.peer_drop(e, k)
+                self.stats.corrupt_dropped += corrupt
+                continue
             slot = self.index.remove(ns, k)
             if slot is not None:
                 ns.alloc.release(slot)
@@ -346,10 +561,95 @@ class Store:
                 self.stats.corrupt_dropped += corrupt
         self._append_drops(ns, recs)
 
+    # ---- dead engines ----
+    def _oldest_peer(self) -> tuple[Namespace, int, bytes] | None:
+        """(namespace, engine, key) of the oldest block another engine holds."""
+        best = None
+        for ns in self.index.namespaces.values():
+            for e, d in ns.peers.items():
+                if d:
+                    k, (_, a) = next(iter(d.items()))
+                    if best is None or a < best[0]:
+                        best = (a, ns, e, k)
+        return best[1:] if best else None
+
+    def _reclaim(self) -> None:
+        """Over the capacity, with the directory's oldest blocks in the files of an
+        engine that is not running: take that engine's lock (a new engine then
+        takes another number) and evict its oldest blocks as its owner would — a
+        DROP in its journal, its slots punched — while they are the oldest and the
+        directory is over the capacity. Looks for such an engine at most every
+        RECLAIM_INTERVAL seconds; a running engine (idle or not) is never touched."""
+        while self._used() > self.limit and self._peers_older():
+            ns, e, key = self._oldest_peer()
+            if e not in self._reclaimed:
+                now = time.monotonic()
+                if now - self._reclaim_checked < RECLAIM_INTERVAL:
+                    return
+                self._reclaim_checked = now
+                try:
+                    lock = DirLock(self.root, self._root_fd, engine=e, wait=False)
+                except StoreLocked:
+                    return  # it runs: it sheds its own blocks when it steps
+                self._reclaimed[e] = (lock, {})
+                log.info("aiokv: engine %d of %s is not running; evicting its oldest blocks", e, self.root)
+            if not self._evict_dead(ns, e, key):
+                return
+
+    def _evict_dead(self, ns: Namespace, e: int, key: bytes) -> bool:
+        files = self._reclaimed[e][1]
+        fl = self.followers[(ns.nsid, e)]
+        sb, punch = ns.slot_bytes, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE
+        try:
+            jlog = files.get((ns.nsid, "log"))
+            if jlog is None:
+                jlog = IndexLog(fl.dir, fl.dir_fd, sync_interval=self.sync_interval)
+                jlog.load()  # as its owner: cuts a torn tail so that our records are read
+                files[(ns.nsid, "log")] = jlog
+                fds = [os.open(f"rank{r}.data", os.O_RDWR | FILE_FLAGS, dir_fd=fl.dir_fd) for r in range(ns.ranks)]
+                files.update({(ns.nsid, r): fd for r, fd in enumerate(fds)})
+                # first its space that no block uses (free slots, an unfinished save's)
+                used = sorted(s for s, _ in ns.peers[e].values())
+                for fd in fds:
+                    end = os.fstat(fd).st_size // sb
+                    for first, stop in zip([0] + [u + 1 for u in used], used + [max(end, 0)]):
+                        if stop > first:  # the run of unused slots between two used ones
+                            _native.fallocate(fd, punch, first * sb, (stop - first) * sb)
+                self._peer_bytes[(ns.nsid, e)] = fl.disk_bytes + self._data_bytes(fl.dir_fd, ns)
+                return True
+            slot = ns.peers[e][key][0]
+            jlog.append([fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
+            for rank in range(ns.ranks):
+                _native.fallocate(files[(ns.nsid, rank)], punch, slot * sb, sb)
+        except (OSError, fmt.BadBlock):
+            return False
+        ns.peer_drop(e, key)
+        self._peer_bytes[(ns.nsid, e)] -= ns.slot_cost
+        self.stats.evictions += 1
+        return True
+
+    def _release_reclaimed(self) -> None:
+        for lock, files in self._reclaimed.values():
+            for f in files.values():
+                f.close() if isinstance(f, IndexLog) else os.close(f)
+            lock.release()
+        self._reclaimed.clear()
+
     # ---- space ----
     def _used(self) -> int:
-        """Bytes the store takes on disk: backed slots, journals and checkpoints."""
-        return self.index.physical_bytes + sum(jl.disk_bytes for jl in self.logs.values())
+        """Bytes the directory takes on disk: our backed slots, journals and
+        checkpoints, and the other engines' files (as of the last refresh)."""
+        return (self.index.physical_bytes + sum(jl.disk_bytes for jl in self.logs.values())
+                + sum(self._peer_bytes.values()))
+
+    def _peers_older(self) -> bool:
+        """Whether another engine holds a block older than our LRU victim (it, not
+        we, should give space back)."""
+        victim = self.index.victim()
+        oldest = [a for a in (n.oldest_peer_atime() for n in self.index.namespaces.values()) if a is not None]
+        if not oldest:
+            return False
+        return victim is None or min(oldest) < victim[0].atime.get(victim[1], 0)
 
     def _evict(self, ns: Namespace, key: bytes, punch: bool) -> bool:
         """Forget the LRU entry `key`; False if its space was to be punched and could not be."""
@@ -373,21 +673,23 @@ class Store:
 
     def _append_drops(self, ns: Namespace, recs: list[bytes]) -> None:
         # Best effort: a DROP that is not persisted resurrects an entry whose slot
-        # was punched or reused; its header then fails verification: a miss.
+        # was punched or reused; its header then fails verification: a miss. A
+        # TOUCH that is not persisted only leaves a block older in the LRU.
         try:
             self.logs[ns.nsid].append(recs)
         except OSError:
             pass
 
-    def _shrink_to(self, target: int) -> None:
+    def _shrink_to(self, target: int, oldest_only: bool = False) -> None:
         """Punch free slots, then LRU blocks, until at most `target` bytes are used
-        or nothing more can be given back."""
+        or nothing more can be given back; with oldest_only, only while our LRU
+        block is the directory's oldest."""
         while self._used() > target:
             for ns in self.index.namespaces.values():
                 while ns.alloc.free and self._used() > target:  # unused backed slots go first
                     if not self._unback(ns, ns.alloc.take()):
                         return
-            if self._used() <= target:
+            if self._used() <= target or (oldest_only and self._peers_older()):
                 return
             victim = self.index.victim()
             if victim is None or not self._evict(*victim, punch=True):
@@ -401,8 +703,8 @@ class Store:
         self._space_checked = time.monotonic()
 
     def _shrink_to_limit(self) -> None:
-        if self.limit is not None:
-            self._shrink_to(self.limit)
+        if self.limit is not None and self._used() > self.limit:
+            self._shrink_to(self.limit, oldest_only=True)
 
     def _regain_space(self) -> None:
         """While a full disk holds the limit under the capacity: raise it again as
@@ -425,7 +727,7 @@ class Store:
         fd = self._rank_fds.get((ns.nsid, rank))
         if fd is None:
             fd = os.open(f"rank{rank}.data", os.O_RDWR | os.O_CREAT | FILE_FLAGS, 0o600,
-                         dir_fd=self._ns_dir_fd(ns.nsid))
+                         dir_fd=self._own_dir_fd(ns.nsid))
             self._rank_fds[(ns.nsid, rank)] = fd
         return fd
 
@@ -464,6 +766,10 @@ class Store:
             self._regain_space()
         room = (self.limit - self._used()) if self.limit is not None else GROW_BYTES
         n = min(max(1, GROW_BYTES // ns.slot_cost), room // ns.slot_cost)
+        if n <= 0 and self._peers_older():
+            # another engine holds older blocks and sheds them at its next refresh:
+            # overshoot by a slot rather than evict our newer ones, up to a bound
+            n = 1 if room + max(self.limit // SHARE_SLACK, ns.slot_cost) >= ns.slot_cost else 0
         if n <= 0:
             return False
         while n > 0:
@@ -506,10 +812,10 @@ class Store:
             found = here if found is None else {ks: t for ks, t in here.items() if ks in found}
         return {k: (s, t) for (k, s), t in sorted((found or {}).items(), key=lambda x: x[1])}
 
-    def verify_slot(self, ns: Namespace, key: bytes, slot: int) -> bool:
-        """Whether `slot` holds a complete, verifying block of `key` on every rank
-        (whatever layout tag it was written with; the reader checks its own)."""
-        sb = ns.slot_bytes
+    def verify_slot(self, ns: Namespace, key: bytes, where: int) -> bool:
+        """Whether our location `where` holds a complete, verifying block of `key` on
+        every rank (whatever layout tag it was written with; the reader checks its own)."""
+        sb, slot = ns.slot_bytes, where & fmt.SLOT_MASK
         for rank in range(ns.ranks):
             raw = os.pread(self._rank_fd(ns, rank), sb, slot * sb)
             if len(raw) != sb:
@@ -528,7 +834,7 @@ class Store:
 
     # ---- persistence ----
     def _snapshot(self, ns: Namespace):
-        return [(k, s, ns.atime.get(k, 0)) for k, s in ns.entries.items()]
+        return [(k, s, ns.atime.get(k, 0)) for k, s in ns.own.items()]
 
     def flush_if_due(self) -> None:
         """fdatasync journals whose last sync is older than sync_interval (call often; cheap)."""
@@ -553,10 +859,18 @@ class Store:
             self.checkpoint()
         for log in self.logs.values():
             log.close()
-        for fd in [*self._rank_fds.values(), *self._dir_fds.values(), self._ns_fd, self._root_fd]:
+        self._release_reclaimed()
+        for fl in self.followers.values():
+            fl.close()
+        self.followers.clear()
+        own = [fd for nsid, fd in self._own_fds.items() if fd != self._dir_fds.get(nsid)]
+        for fd in [*self._rank_fds.values(), *own, *self._peer_fds.values(), *self._dir_fds.values(), self._ns_fd,
+                   self._root_fd]:
             if fd is not None:
                 os.close(fd)
         self._rank_fds.clear()
+        self._own_fds.clear()
+        self._peer_fds.clear()
         self._dir_fds.clear()
         self._ns_fd = self._root_fd = None
         if self.lock is not None:

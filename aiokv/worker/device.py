@@ -31,6 +31,8 @@ from aiokv import _native
 from aiokv.io.buffers import SlotPool
 from aiokv.store import format as fmt
 
+GATHER_BYTES = 32 << 20  # device memory a CUDA save gathers through, at most (outside vLLM's budget)
+
 
 class LayoutError(ValueError):
     pass
@@ -148,7 +150,17 @@ class CpuDevice(Device):
                 layer.view.index_copy_(0, blocks, src)
 
 
+def gather_rows(payload_bytes: int, limit: int = GATHER_BYTES) -> int:
+    """Blocks the fixed device gather buffer holds (at least one)."""
+    return max(1, limit // payload_bytes)
+
+
 class CudaDevice(Device):
+    """Saves gather through one fixed device buffer of `gather_rows` blocks, reused
+    chunk after chunk on the copy stream (stream order makes the reuse safe), so a
+    save of any size takes GATHER_BYTES of device memory at most, allocated once at
+    start; only the last copy's event is kept."""
+
     asynchronous = True
 
     def attach(self, pool: SlotPool) -> None:
@@ -157,32 +169,34 @@ class CudaDevice(Device):
         rc = torch.cuda.cudart().cudaHostRegister(pool.arena.addr, pool.arena.size, 0)
         if int(rc) != 0:
             raise RuntimeError(f"aiokv: cudaHostRegister of the staging arena failed ({rc})")
+        self._registered = True
         self.device = self.layers[0].view.device
         self.out_stream = torch.cuda.Stream(self.device)
         self.in_stream = torch.cuda.Stream(self.device)
         self._out_event = None
-        self._keep: list = []  # GPU gather buffers alive until their copies have landed
+        rows = min(gather_rows(self.payload_bytes, GATHER_BYTES), pool.count)
+        with torch.cuda.stream(self.out_stream):  # its memory belongs to the copy stream
+            self._gather = torch.empty(rows, self.payload_bytes, dtype=torch.uint8, device=self.device)
 
     def copy_out(self, block_ids, slots):
-        n = len(block_ids)
         h = fmt.HEADER_BYTES
         compute = torch.cuda.current_stream(self.device)
+        buf = self._gather
         with torch.cuda.stream(self.out_stream):
             self.out_stream.wait_stream(compute)  # the forward that wrote the blocks comes first
-            # allocated on this stream, so the allocator cannot hand its memory to the
-            # compute stream while our gathers still read it
-            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-            buf = torch.empty(n, self.payload_bytes, dtype=torch.uint8, device=self.device)
-            for layer, a, b in self._cols():
-                buf[:, a - h:b - h] = layer.view.index_select(0, idx).reshape(n, -1).view(torch.uint8)
-            for i, s in enumerate(slots):
-                self._rows[s, h:h + self.payload_bytes].copy_(buf[i], non_blocking=True)
+            for c in range(0, len(block_ids), len(buf)):
+                ids, part = block_ids[c:c + len(buf)], slots[c:c + len(buf)]
+                n = len(ids)
+                # allocated on this stream, so the allocator cannot hand its memory to the
+                # compute stream while our gathers still read it
+                idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+                for layer, a, b in self._cols():
+                    buf[:n, a - h:b - h] = layer.view.index_select(0, idx).reshape(n, -1).view(torch.uint8)
+                for i, s in enumerate(part):
+                    self._rows[s, h:h + self.payload_bytes].copy_(buf[i], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.out_stream)
-        if self._out_event is not None and self._out_event.query():
-            self._keep.clear()
-        self._keep += [buf, idx]
-        self._out_event = ev
+        self._out_event = ev  # the copy stream is in order: the last event covers every copy
 
     def after_step(self) -> None:
         # the next step's kernels may overwrite freed blocks only after our reads
@@ -216,7 +230,9 @@ class CudaDevice(Device):
         self.in_stream.synchronize()
 
     def close(self) -> None:
-        torch.cuda.cudart().cudaHostUnregister(self.pool.arena.addr)
+        if getattr(self, "_registered", False):  # attach may have failed before pinning
+            torch.cuda.cudart().cudaHostUnregister(self.pool.arena.addr)
+            self._registered = False
 
 
 def make_device(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> Device:

@@ -16,7 +16,15 @@ Failure contract (catalogue B7, B8, B11, B12):
   thread dies anyway, poll() reports every outstanding load as failed and
   every outstanding save as failed, and the worker stops taking jobs.
 - Staging slots come from a bounded pool: a save that finds it full is
-  dropped (counted), never waited for; a load waits for slots.
+  dropped (counted), never waited for; a load waits for slots, but fails at
+  once when every slot in use is stuck (below).
+- A hung disk never hangs vLLM: loads and saves run in the backend's abandon
+  mode (io/backend.py). A load that times out or is cancelled, and a save that
+  takes over `save_timeout`, end at once (reported failed or cancelled) while
+  the staging slots the kernel still writes into or reads from are set aside
+  ("stuck") until their I/O ends; only then do they go back to the pool.
+  close() returns within a bound whatever the disk does: it leaves a backend
+  with stuck I/O, and the staging memory, to the process exit.
 
 Threading contract: save/load/cancel/poll/close are called from the vLLM worker
 thread; pipelines run on the loop thread; they meet in `_lock`-protected state.
@@ -33,7 +41,7 @@ import time
 
 import uvloop
 
-from aiokv.io.backend import open_backend
+from aiokv.io.backend import ABANDON, open_backend
 from aiokv.io.buffers import SlotPool
 from aiokv.jobs import Transfer, WorkerReport
 from aiokv.store import format as fmt
@@ -42,18 +50,23 @@ from aiokv.worker.latency import latency_counts
 
 log = logging.getLogger("aiokv")
 
+# results that say nothing about the disk's health (the breaker ignores them)
+NOT_IO_ERRORS = (0, -errno.EBADMSG, -errno.ECANCELED, -errno.ENOBUFS)
+# every counter a worker reports besides its latency histograms (aiokv/metrics.py maps each to a
+# Prometheus series or says why not; tests/test_metrics_series_table.py holds the two together)
 COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_cancelled_blocks", "load_timeouts", "loads_cancelled",
-            "saves_ok_blocks",
-            "save_failed_blocks", "save_skipped_staging_full", "bytes_read", "bytes_written",
+            "load_staging_stuck", "saves_ok_blocks", "save_failed_blocks", "save_skipped_staging_full",
+            "save_timeouts", "read_errors", "write_errors", "bytes_read", "bytes_written",
             # the shared tier (docs/sharing.md)
             "remote_loaded_blocks", "remote_missed_blocks", "uploaded", "upload_bytes", "upload_already_there",
             "upload_failed", "upload_dropped_queue_full", "upload_dropped_unavailable", "upload_dropped_at_close")
+CLOSE_DRAIN_S = 10.0  # close() waits this long for outstanding jobs, then leaves them
 
 
 class TransferWorker:
     def __init__(self, device, ns_dir: str, nsid: bytes, rank: int, staging_bytes: int, io: str = "auto",
-                 queue_depth: int = 32, load_timeout: float = 30.0, shared=None, upload_queue: int = 256 << 20,
-                 flush_timeout: float = 10.0, secret: str | None = None):
+                 queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0, shared=None,
+                 upload_queue: int = 256 << 20, flush_timeout: float = 10.0, secret: str | None = None):
         self.device = device
         self.secret = secret
         # the shared tier (docs/sharing.md): a SharedClient, or None
@@ -61,9 +74,22 @@ class TransferWorker:
         self.uploader = self.remote = None
         self.rank = rank
         self.load_timeout = load_timeout
+        self.save_timeout = save_timeout
         slot_bytes = fmt.slot_bytes(device.payload_bytes)
         self.pool = SlotPool(slot_bytes, max(4, staging_bytes // slot_bytes))
-        device.attach(self.pool)
+        self.thread = None
+        try:
+            device.attach(self.pool)
+            self._start(slot_bytes, ns_dir, nsid, io, queue_depth)
+        except BaseException:
+            # nothing may outlive a worker that did not start: loop thread, arena, pinning
+            if self.thread is not None and not self._stop_loop():
+                self.loop.close()
+            device.close()
+            self.pool.close()
+            raise
+
+    def _start(self, slot_bytes, ns_dir, nsid, io, queue_depth) -> None:
         self._lock = threading.Lock()
         self._slots_freed: asyncio.Event | None = None
         self._loads: dict[str, tuple[Transfer, object]] = {}   # req -> (transfer, future)
@@ -73,11 +99,13 @@ class TransferWorker:
         self._report = WorkerReport()
         self._counts = collections.Counter()
         self._dead = False
-        self._cancel_early: set[str] = set()
+        self._stuck: set[int] = set()  # slots whose abandoned I/O the kernel or a thread still holds
+        self._held: set[int] = set()   # stuck slots their job has let go of: freed when the I/O ends
         self.job_done = threading.Event()  # set when a load or save finishes; see wait_for_jobs
+        self.backend = None
         self.loop = uvloop.new_event_loop()
         self.loop.set_exception_handler(self._on_loop_error)
-        self.thread = threading.Thread(target=self.loop.run_forever, name=f"aiokv-worker{rank}", daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_forever, name=f"aiokv-worker{self.rank}", daemon=True)
         self.thread.start()
         self.slot_bytes = slot_bytes
         # The data file is opened at the first job: the engine that owns the
@@ -92,7 +120,7 @@ class TransferWorker:
 
     async def _setup(self, io, depth):
         self._slots_freed = asyncio.Event()
-        self.backend = open_backend(self.loop, io, depth=depth)
+        self.backend = open_backend(self.loop, io, depth=depth, path=self._io_args[0])
         if self.shared is not None:
             from aiokv.shared.loader import RemoteLoader
             from aiokv.shared.uploader import Uploader
@@ -113,12 +141,36 @@ class TransferWorker:
 
     def _release(self, slots: list[int]) -> None:
         with self._lock:
-            self.pool.release(slots)
+            stuck = self._stuck.intersection(slots)
+            self._held |= stuck
+            self.pool.release([s for s in slots if s not in stuck])
         if self._slots_freed is not None:
             try:
                 self.loop.call_soon_threadsafe(self._slots_freed.set)
             except RuntimeError:
                 pass  # the loop is closed: nobody waits for slots any more
+
+    def _abandon(self, addrs: list[int], done: asyncio.Future) -> None:
+        """Backend callback (loop thread): these buffers stay the kernel's until `done`."""
+        base, size = self.pool.arena.addr, self.slot_bytes
+        slots = {(a - base) // size for a in addrs}
+        with self._lock:
+            self._stuck |= slots
+        done.add_done_callback(lambda _: self._unstick(slots))
+
+    def _unstick(self, slots: set[int]) -> None:
+        with self._lock:
+            self._stuck -= slots
+            back = self._held & slots
+            self._held -= back
+        if back:
+            self._release(list(back))
+
+    @property
+    def stuck(self) -> int:
+        """Staging slots set aside until the kernel gives them back."""
+        with self._lock:
+            return len(self._stuck)
 
     def _count(self, **kw) -> None:
         with self._lock:
@@ -165,15 +217,23 @@ class TransferWorker:
     async def _save(self, job: int, t: Transfer, slots: list[int], upload: bool = True) -> None:
         t0 = time.monotonic()
         res = [-errno.EIO] * len(t.keys)
+        ABANDON.set(self._abandon)
         try:
             if self.device.asynchronous:  # the device copy may still be landing
                 await self.loop.run_in_executor(None, self.device.wait_out)
             addr = self.pool.addr
-            res = await self._blockio().write([(s, k, addr(b)) for s, k, b in zip(t.slots, t.keys, slots)])
+            items = [(s, k, addr(b)) for s, k, b in zip(t.slots, t.keys, slots)]
+            res = await asyncio.wait_for(self._blockio().write(items), self.save_timeout)
             if upload and self.uploader is not None:  # write-behind: a copy of each block written, queued (or dropped)
                 for k, b, r in zip(t.keys, slots, res):
                     if r == 0:
                         self.uploader.offer(self.remote.name(k), ctypes.string_at(addr(b), self.slot_bytes))
+        except asyncio.TimeoutError:
+            # dropped from the step's accounting; a write that lands later in a slot the
+            # store has given to another key fails that key's verification (a miss)
+            res = [-errno.ETIMEDOUT] * len(t.keys)
+            self._count(save_timeouts=1)
+            log.warning("aiokv: a save took over %.0f s; it is dropped", self.save_timeout)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -193,7 +253,8 @@ class TransferWorker:
             self._report.save_failed += bad
             self.job_done.set()
             self._counts.update(saves_ok_blocks=len(ok), save_failed_blocks=len(bad),
-                                bytes_written=len(ok) * self.slot_bytes)
+                                bytes_written=len(ok) * self.slot_bytes,
+                                write_errors=sum(r not in NOT_IO_ERRORS for r in res))
 
     # ---- loads ----
     def load(self, transfers: list[Transfer]) -> None:
@@ -219,20 +280,22 @@ class TransferWorker:
         for r in req_ids:
             with self._lock:
                 entry = self._loads.get(r)
-            if entry is not None:
-                if entry[1] is None:
-                    self._cancel_early.add(r)
-                else:
-                    entry[1].cancel()  # cancels the task on the loop; its finally still reports
+            if entry is not None and entry[1] is not None:
+                entry[1].cancel()  # cancels the task on the loop; its finally still reports
 
     async def _acquire(self, n: int) -> list[int]:
-        """Up to n staging slots, at least one: waits only while the pool is empty."""
+        """Up to n staging slots, at least one: waits only while the pool is empty,
+        and not at all when every slot in use is stuck (none may come back soon)."""
         while True:
             with self._lock:
                 take = min(n, self.pool.available)
                 slots = self.pool.acquire(take) if take else None
+                all_stuck = not take and self.pool.in_use == len(self._stuck)
             if slots is not None:
                 return slots
+            if all_stuck:
+                self._count(load_staging_stuck=1)
+                raise OSError(errno.EBUSY, "every staging slot is held by I/O the disk has not finished")
             self._slots_freed.clear()
             await self._slots_freed.wait()
 
@@ -241,10 +304,8 @@ class TransferWorker:
         failed = set(t.block_ids)  # until proven loaded
         bad_keys: list[bytes] = []
         cancelled = False
+        ABANDON.set(self._abandon)  # a timed-out or cancelled load never waits for the disk
         try:
-            if t.req_id in self._cancel_early:
-                self._cancel_early.discard(t.req_id)
-                raise asyncio.CancelledError
             await asyncio.wait_for(self._load_body(t, failed, bad_keys), self.load_timeout)
         except asyncio.TimeoutError:
             self._count(load_timeouts=1)
@@ -252,6 +313,8 @@ class TransferWorker:
         except asyncio.CancelledError:
             cancelled = True  # the request is gone: not a failure of the cache
             self._count(loads_cancelled=1)
+        except OSError as e:
+            log.warning("aiokv: a load failed (%s); its blocks are recomputed", e.strerror or e)
         except Exception:
             log.exception("aiokv: a load failed; its blocks are recomputed")
         finally:
@@ -277,6 +340,7 @@ class TransferWorker:
                 res = await self._blockio().read([(s, k, addr(b)) for (k, s, _), b in zip(chunk, slots)])
                 good = [(blk, st) for (k, s, blk), st, r in zip(chunk, slots, res) if r == 0]
                 bad_keys += [(k, s, t.group) for (k, s, _), r in zip(chunk, res) if r != 0]
+                self._count(read_errors=sum(r not in NOT_IO_ERRORS for r in res))
                 if good:
                     await self._copy_in([g[0] for g in good], [g[1] for g in good])
                     failed.difference_update(g[0] for g in good)
@@ -395,7 +459,7 @@ class TransferWorker:
         with self._lock:
             return len(self._loads) + len(self._saves)
 
-    def drain(self, timeout: float = 30.0) -> None:
+    def drain(self, timeout: float = CLOSE_DRAIN_S) -> None:
         """Wait until no save or load is outstanding (tests, shutdown)."""
         import time
 
@@ -404,18 +468,44 @@ class TransferWorker:
             time.sleep(0.001)
 
     def close(self) -> None:
+        """Returns within about CLOSE_DRAIN_S + 10 s (+ flush_timeout with a shared tier),
+        even with I/O stuck in the kernel."""
         if self.thread.is_alive():
-            self.drain()
-            for _, fut in list(self._loads.values()):
+            # loads first (nobody waits for them any more; abandon mode ends them at
+            # once), then saves get a bounded while to land, so they can be committed
+            with self._lock:
+                futs = [fut for _, fut in self._loads.values() if fut is not None]
+            for fut in futs:
                 fut.cancel()
-            self._call(self._shutdown())
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=10)
+            self.drain()
+            try:
+                # pending uploads (shared tier) get flush_timeout more
+                asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(
+                    5 + (self.flush_timeout if self.uploader is not None else 0))
+            except Exception:
+                log.warning("aiokv: the worker loop did not shut down in time; left to the process exit")
+        stuck = self._stop_loop() or self.stuck or (self.backend is not None and self.backend.in_flight)
+        if stuck:
+            # the kernel may still write into staging: never unmap or unpin it under the I/O
+            log.warning("aiokv: I/O stuck in the kernel at close; its memory is left to the process exit")
+            return
         self.device.close()
+        self.pool.close()
+
+    def _stop_loop(self) -> bool:
+        """Stops the loop thread; True if it did not stop within the bound."""
+        if self.thread is None or not self.thread.is_alive():
+            return False
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        return self.thread.is_alive()
 
     async def _shutdown(self) -> None:
         if self.uploader is not None:  # a clean shutdown: pending uploads go out, within flush_timeout
             await self.uploader.flush(self.flush_timeout)
+        await asyncio.sleep(0)  # the cancelled loads' tasks end first (abandon: at once)
+        if self.backend.in_flight or self.stuck:
+            return  # closing it would wait for the kernel; the process exit reclaims it
         self.backend.close()
         if self.io is not None:
             self.io.close()

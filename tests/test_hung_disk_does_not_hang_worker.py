@@ -1,0 +1,194 @@
+"""Bug: with the cache on a disk whose reads never answer (here a FUSE file
+system whose daemon holds them, tests/stallfs.py), a load that timed out still
+waited for its reads: the backend's `run` waited for every operation of a
+cancelled batch, a thread in `preadv` (or io_uring's worker) cannot be
+interrupted, and worker `close()` waited without a bound. vLLM hung.
+
+Invariant: a cancelled or timed-out load or save ends at once (reported failed
+or cancelled); the staging slots the kernel still owns are set aside, never
+handed out, and come back exactly when the I/O ends; with every slot stuck a
+load fails at once instead of waiting; `close()` returns within its bound.
+
+Fix: the backend's abandon mode (aiokv/io/backend.py, ABANDON) and the
+worker's stuck-slot bookkeeping and bounded close (aiokv/worker/transfer.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import time
+
+import pytest
+import torch
+
+from aiokv.io.backend import ABANDON, OP_READ, open_backend
+from aiokv.io.buffers import SlotPool
+from aiokv.jobs import Transfer
+from aiokv.store.store import ns_dir
+from aiokv.worker.device import CpuDevice
+from aiokv.worker.transfer import TransferWorker
+from tests.conftest import NS, key
+from tests.stallfs import mounted
+
+NB = 16
+
+
+@pytest.fixture
+def stallfs(tmp_path):
+    """(mountpoint, stall, resume): a FUSE passthrough whose .data reads can hang."""
+    control = str(tmp_path / "stall")
+    with mounted(str(tmp_path / "src"), str(tmp_path / "mnt"), control):
+        def stall(what: str = "r") -> None:
+            with open(control, "w") as f:
+                f.write(what)
+
+        yield str(tmp_path / "mnt"), stall, lambda: os.unlink(control)
+
+
+def _until(cond, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+async def test_abandoned_read_returns_at_once_and_hands_back_later(stallfs, backend_kind):
+    mnt, stall, resume = stallfs
+    path = os.path.join(mnt, "x.data")
+    with open(path, "wb") as f:
+        f.write(b"\x42" * 8192)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    backend = open_backend(asyncio.get_running_loop())
+    pool = SlotPool(8192, 2)
+    (s,) = pool.acquire(1)
+    ctypes.memset(pool.addr(s), 0, 8192)
+    handed: list = []
+
+    async def load():
+        ABANDON.set(lambda addrs, done: handed.append((addrs, done)))
+        return await backend.run([(OP_READ, fd, pool.addr(s), 8192, 0)])
+
+    stall()
+    task = asyncio.ensure_future(load())
+    await asyncio.sleep(0.3)
+    assert not task.done(), "the read must hang while the daemon holds it"
+    task.cancel()
+    await asyncio.wait({task}, timeout=0.5)
+    if not task.done():
+        resume()  # let the test end
+        await task
+        pytest.fail("a cancelled read waited for a hung disk")
+    assert task.cancelled()
+    (addrs, done), = handed
+    assert addrs == [pool.addr(s)] and not done.done(), "the buffer is still the kernel's"
+    resume()
+    await asyncio.wait_for(asyncio.shield(done), 10)  # the kernel gives it back once the read answers
+    assert backend.in_flight == 0
+    backend.close()
+    os.close(fd)
+    pool.close()
+
+
+def _worker(root: str, **kw) -> tuple[TransferWorker, dict]:
+    kv = {f"l{i}": torch.randn(NB, 2, 32, 8) for i in range(2)}
+    os.makedirs(ns_dir(root, NS), exist_ok=True)
+    w = TransferWorker(CpuDevice(kv, NB), ns_dir(root, NS), NS, 0, staging_bytes=1, **kw)  # the 4-slot minimum
+    return w, kv
+
+
+def _saved(w: TransferWorker, n: int) -> list[Transfer]:
+    ts = [Transfer(f"s{i}", [key(i)], [i], [i + 1]) for i in range(n)]
+    w.save(ts)
+    w.drain(10)
+    _, _, rep = w.poll()
+    assert len(rep.saved) == n and not rep.save_failed, rep
+    return ts
+
+
+def test_timed_out_load_is_reported_and_its_slots_set_aside(stallfs):
+    mnt, stall, resume = stallfs
+    w, kv = _worker(mnt, load_timeout=1.0, io="threads")
+    try:
+        _saved(w, 4)
+        stall()
+        t0 = time.monotonic()
+        w.load([Transfer("r", [key(0), key(1)], [0, 1], [9, 10])])
+        done: set = set()
+        errors: set = set()
+
+        def finished():
+            d, e, _ = w.poll()
+            done.update(d)
+            errors.update(e)
+            return "r" in done
+
+        assert _until(finished, 5), "the load never came back"
+        took = time.monotonic() - t0
+        assert 0.9 < took < 2.5, took
+        assert errors == {9, 10}, "a timed-out load fails its blocks (vLLM recomputes them)"
+        assert w.stuck == 2 and w.pool.available == 2, "the slots the kernel holds are not handed out"
+        assert w.in_flight == 0, "the job is over: nothing left for the engine to wait for"
+        # a second load takes the two free slots and hangs too; a third finds every slot stuck
+        w.load([Transfer("r2", [key(2), key(3)], [2, 3], [11, 12])])
+        assert _until(lambda: w.stuck == 4, 5)
+        t0 = time.monotonic()
+        w.load([Transfer("r3", [key(0)], [0], [13])])
+        assert _until(lambda: "r3" in w.poll()[0], 2), "with every slot stuck a load must fail at once"
+        assert time.monotonic() - t0 < 0.5
+        resume()
+        assert _until(lambda: w.stuck == 0, 10), "stuck slots come back once the reads answer"
+        assert w.pool.available == w.pool.count and w.pool.in_use == 0
+        # and the disk works again: a load now succeeds
+        w.load([Transfer("r4", [key(1)], [1], [14])])
+        assert _until(lambda: w.in_flight == 0, 10)
+        _, errors, rep = w.poll()
+        assert not errors and rep.counters.get("loads_ok_blocks") == 1
+        assert torch.equal(kv["l0"][14], kv["l0"][2])
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("io", ["uring", "threads"])
+def test_close_returns_while_reads_hang(stallfs, io):
+    mnt, stall, resume = stallfs
+    w, _ = _worker(mnt, load_timeout=60.0, io=io)
+    _saved(w, 2)
+    stall()
+    w.load([Transfer("r", [key(0), key(1)], [0, 1], [3, 4])])
+    assert _until(lambda: w.backend.in_flight > 0, 2), "the reads must be in the kernel"
+    t0 = time.monotonic()
+    w.close()  # load_timeout is 60 s: close must not wait for it, nor for the disk
+    took = time.monotonic() - t0
+    assert took < 3, took
+    finished, errors, _ = w.poll()
+    assert finished == {"r"} and errors == {3, 4}, "a load cut short by close is still reported"
+    resume()
+    assert _until(lambda: w.backend.in_flight == 0 or io == "uring", 10)  # (the ring is no longer reaped)
+    time.sleep(0.2)
+    for fd in w.io._fds.values():  # close left them open for the stuck read: let the file system go
+        if fd >= 0:
+            os.close(fd)
+
+
+def test_stuck_save_is_dropped_after_save_timeout(stallfs):
+    mnt, stall, resume = stallfs
+    w, _ = _worker(mnt, save_timeout=1.0, io="threads")
+    try:
+        _saved(w, 1)
+        stall("rw")
+        t0 = time.monotonic()
+        w.save([Transfer("s", [key(7)], [7], [5])])
+        assert _until(lambda: w.in_flight == 0, 5), "the engine would wait for this save forever"
+        assert 0.9 < time.monotonic() - t0 < 2.5
+        _, _, rep = w.poll()
+        assert rep.save_failed == [(0, key(7), 7, 0)] and not rep.saved, "reported failed: its slot is given back"
+        assert rep.counters.get("save_timeouts") == 1
+        assert rep.counters.get("write_errors") == 1, "a save timeout counts against the disk (breaker)"
+        assert w.stuck == 1 and w.pool.in_use == 1, "its staging slot waits for the write the daemon holds"
+        resume()
+        assert _until(lambda: w.stuck == 0 and w.pool.in_use == 0, 10)
+    finally:
+        w.close()

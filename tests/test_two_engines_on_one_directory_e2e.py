@@ -1,0 +1,143 @@
+"""Two real vLLM engines on one cache directory at the same time.
+
+Bug: a second engine on a cache directory failed at start, so engines on one
+host could not share their KV blocks.
+Invariant: while both engines run, each hits the blocks the other committed
+(loaded from the other's files) with tokens identical to a run without aiokv
+and zero load errors; kill -9 of one engine in the middle of its saves leaves
+the other running, and the other then hits what the dead one committed, never
+a half-written block.
+Fix: each engine owns an engine number and its own files and follows the
+others' journals (aiokv/store/store.py, docs/design.md "Several engines").
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from aiokv.store import Store
+from aiokv.store import format as fmt
+from tests.e2e import ROOT, assert_clean, prompts, run
+
+pytestmark = pytest.mark.vllm
+
+ENV = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
+
+
+def _start(spec: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.vllm_run", json.dumps(spec)], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(p: subprocess.Popen, timeout: float = 600) -> dict:
+    out, err = p.communicate(timeout=timeout)
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise AssertionError(f"vLLM run failed (rc {p.returncode}):\n{err[-6000:]}")
+
+
+def _blocks_of(cache: str) -> dict[int, int]:
+    """engine number -> committed blocks, as a read-only opener sees them now."""
+    try:
+        st = Store(cache, readonly=True)
+    except Exception:
+        return {}
+    try:
+        out: dict[int, int] = {}
+        for ns in st.index.namespaces.values():
+            for e, d in ns.peers.items():
+                out[e] = out.get(e, 0) + len(d)
+        return out
+    finally:
+        st.close()
+
+
+def _wait(cond, procs, what: str, timeout: float = 300) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"an engine exited while waiting for {what}:\n{p.stderr.read()[-4000:]}")
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def _kill(*procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_two_live_engines_hit_each_others_blocks(tiny_model, tmp_path):
+    cache = str(tmp_path / "c")
+    a_prompts, b_prompts = prompts(2, 100, seed=301), prompts(2, 100, seed=302)
+    full = 2 * (99 // 32)  # blocks each pair of prompts stores (one token is left to compute)
+    base = run(dict(model=tiny_model, phases=[dict(prompts=a_prompts, max_tokens=4),
+                                              dict(prompts=b_prompts, max_tokens=4)]))
+    go_a, go_b = str(tmp_path / "go_a"), str(tmp_path / "go_b")
+    # A computes a_prompts, then waits (alive) and later runs b_prompts, which B computed
+    a = _start(dict(model=tiny_model, cache=cache, phases=[dict(prompts=a_prompts, max_tokens=4),
+                                                            dict(prompts=b_prompts, max_tokens=4, wait_for=go_a)]))
+    b = None
+    try:
+        _wait(lambda: _blocks_of(cache).get(0, 0) >= full, [a], "engine A's saves")
+        # B starts while A lives: a_prompts hit A's blocks; it computes b_prompts, then waits alive
+        b = _start(dict(model=tiny_model, cache=cache, phases=[dict(prompts=a_prompts, max_tokens=4),
+                                                                dict(prompts=b_prompts, max_tokens=4),
+                                                                dict(prompts=[], wait_for=go_b)]))
+        _wait(lambda: _blocks_of(cache).get(1, 0) >= full, [a, b], "engine B's saves")
+        open(go_a, "w").close()
+        ra = _result(a)
+        open(go_b, "w").close()
+        rb = _result(b)
+    finally:
+        _kill(a, *([b] if b else []))
+    assert ra["tokens"] == base["tokens"] and rb["tokens"][:2] == base["tokens"]
+    # B hit A's blocks, A hit B's, all while both lived
+    assert rb["cached"][0] == [96, 96] and ra["cached"][1] == [96, 96], (ra["cached"], rb["cached"])
+    assert rb["counters"]["hit_blocks"] == full and ra["counters"]["hit_blocks"] == full
+    for r in (ra, rb):
+        assert_clean(r)
+    assert _blocks_of(cache) == {0: full, 1: full}  # nothing stored twice
+
+
+def test_kill9_of_one_engine_mid_save_leaves_the_other_unaffected(tiny_model, tmp_path):
+    cache = str(tmp_path / "c")
+    ps = prompts(30, 230, seed=303)
+    go = str(tmp_path / "go")
+    # B starts first and waits alive; A saves a burst and is killed in the middle of it
+    b = _start(dict(model=tiny_model, cache=cache, phases=[dict(prompts=[], wait_for=go),
+                                                            dict(prompts=ps[:4], max_tokens=4)]))
+    a = None
+    try:
+        _wait(lambda: os.path.exists(os.path.join(cache, "lock")), [b], "engine B's start")
+        a = _start(dict(model=tiny_model, cache=cache, phases=[dict(prompts=ps, stagger=True, max_tokens=30)]))
+        _wait(lambda: _blocks_of(cache).get(1, 0) >= 40, [a, b], "engine A's saves")
+        os.kill(a.pid, signal.SIGKILL)
+        a.wait()
+        assert a.returncode == -signal.SIGKILL, "engine A finished before it could be killed"
+        assert b.poll() is None, "engine B died with A"
+        dead = _blocks_of(cache).get(1, 0)
+        open(go, "w").close()
+        rb = _result(b)
+    finally:
+        _kill(b, *([a] if a else []))
+    base = run(dict(model=tiny_model, phases=[dict(prompts=ps[:4], max_tokens=4)]))
+    assert rb["tokens"][1] == base["tokens"][0]
+    c = rb["counters"]
+    # the first prompts were done (7 blocks each committed) long before the kill: B hits them
+    assert c["hit_blocks"] >= 2 * (229 // 32) and dead >= 40, (c, dead)
+    assert_clean(rb)  # zero load errors: nothing half-written was served
+    # the dead engine's number is free: an engine taking it adopts its files and blocks
+    st = Store(cache, engine=1)
+    assert sum(len(ns.own) for ns in st.index.namespaces.values()) >= dead
+    st.close()

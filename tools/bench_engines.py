@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""Lookups on the scheduler thread while other engines write to the same directory.
+
+    PYTHONPATH=. .venv/bin/python tools/bench_engines.py [--writers 0,1,3] [--blocks 26400]
+                                                         [--seconds 5] [--rate 3200] [--sqlite] [--roll N]
+
+This process is engine 0: it holds `--blocks` committed blocks and times
+Store.lookup of a 64-key request (32 hits, then a miss) in a loop, the way
+get_num_new_matched_tokens calls it; lookups also do the periodic refresh
+(following the other engines' journals), so its cost is in the figures. Each
+writer is another process and engine on the same directory committing `--rate`
+blocks per second in batches of 32 (index only, no data I/O: this measures the
+index, like tools/bench_index.py). `--writers 0` runs on an aiokv from before
+several engines too (PYTHONPATH=that checkout), for the single-engine baseline. Prints per-lookup mean/p50/p99/max, the
+refresh cost, and how many of the writers' blocks engine 0 saw.
+
+--roll N times what another engine's checkpoint of N blocks costs this one.
+--sqlite also times the alternative design of a shared index in SQLite (WAL
+mode): a writer's commit of a batch of 32 rows, and a follower's poll for new
+rows, against this store's journal append and Follower.poll. Results in
+docs/benchmarks.md and docs/design.md.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from aiokv.store import Store  # noqa: E402
+from aiokv.store import format as fmt  # noqa: E402
+
+NSID = b"b" * 16
+_loc = getattr(fmt, "loc", lambda engine, slot: slot)  # so --writers 0 also runs on a single-engine aiokv
+PAYLOAD = 4096
+BATCH = 32
+
+
+def _commit(st: Store, ns, keys) -> None:
+    """Commit keys without data I/O (slots planned, not backed)."""
+    slots = ns.alloc.plan_grow(len(keys))
+    ns.alloc.grow(slots)
+    batch = []
+    for k in keys:
+        s = ns.alloc.take()
+        ns.pending[k] = _loc(getattr(st, "engine", 0), s)
+        batch.append((k, ns.pending[k]))
+    st.commit(ns, batch)
+
+
+def writer(root: str, wid: int, rate: int, stop, ready) -> None:
+    st = Store(root)
+    ns = st.namespace(NSID, PAYLOAD)
+    ready.set()
+    i = 0
+    period = BATCH / rate
+    nxt = time.monotonic()
+    while not stop.is_set():
+        _commit(st, ns, [(wid << 40 | (i + j)).to_bytes(8, "little") * 4 for j in range(BATCH)])
+        i += BATCH
+        nxt += period
+        time.sleep(max(0.0, nxt - time.monotonic()))
+    st.close()
+
+
+def bench_lookups(root: str, writers: int, blocks: int, seconds: float, rate: int) -> dict:
+    shutil.rmtree(root, ignore_errors=True)
+    st = Store(root)
+    ns = st.namespace(NSID, PAYLOAD)
+    keys = [i.to_bytes(8, "little") * 4 for i in range(blocks)]
+    for i in range(0, blocks, 1000):
+        _commit(st, ns, keys[i:i + 1000])
+    req = keys[:32] + [b"\xff" * 32] * 32  # 32 hits then misses: 1024 hit tokens of 2048 at block size 32
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    procs = []
+    for w in range(writers):
+        ready = ctx.Event()
+        p = ctx.Process(target=writer, args=(root, w + 1, rate, stop, ready))
+        p.start()
+        ready.wait(60)
+        procs.append(p)
+    samples = []
+    refresh = []
+    lookup = st.lookup
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(1000):
+            t = time.perf_counter_ns()
+            n = lookup(ns, req)
+            samples.append(time.perf_counter_ns() - t)
+        assert n == 32
+        if hasattr(st, "refresh"):  # what the scheduler's plan() adds once per step
+            t = time.perf_counter_ns()
+            st.refresh()
+            refresh.append(time.perf_counter_ns() - t)
+        time.sleep(0.002)  # the rest of a scheduler step
+    stop.set()
+    for p in procs:
+        p.join(30)
+    time.sleep(0.2)
+    if hasattr(st, "refresh"):
+        st._followed = 0
+        st.refresh()
+    seen = len(ns.entries) - blocks
+    st.close()
+    shutil.rmtree(root, ignore_errors=True)
+    samples.sort()
+    q = lambda f: samples[min(len(samples) - 1, int(f * len(samples)))] / 1000  # noqa: E731
+    return {"writers": writers, "lookups": len(samples), "mean_us": statistics.fmean(samples) / 1000,
+            "p50_us": q(0.5), "p99_us": q(0.99), "max_us": samples[-1] / 1000,
+            "refresh_mean_us": statistics.fmean(refresh) / 1000 if refresh else None,
+            "peer_blocks_seen": seen}
+
+
+def bench_sqlite(root: str, batches: int = 2000) -> None:
+    """Commit latency and follower poll cost: SQLite WAL vs this store's journal."""
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    db = sqlite3.connect(os.path.join(root, "index.db"), isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("CREATE TABLE blocks (key BLOB PRIMARY KEY, engine INT, slot INT, atime INT)")
+    reader = sqlite3.connect(os.path.join(root, "index.db"), isolation_level=None)
+    last = 0
+    t_commit = t_poll = 0
+    for b in range(batches):
+        rows = [((b * BATCH + j).to_bytes(8, "little") * 4, 1, b * BATCH + j, time.time_ns()) for j in range(BATCH)]
+        t = time.perf_counter_ns()
+        db.execute("BEGIN")
+        db.executemany("INSERT INTO blocks VALUES (?, ?, ?, ?)", rows)
+        db.execute("COMMIT")
+        t_commit += time.perf_counter_ns() - t
+        t = time.perf_counter_ns()
+        got = reader.execute("SELECT rowid, key, slot FROM blocks WHERE rowid > ?", (last,)).fetchall()
+        last = got[-1][0]
+        t_poll += time.perf_counter_ns() - t
+    t = time.perf_counter_ns()
+    for _ in range(batches):
+        reader.execute("SELECT rowid FROM blocks WHERE rowid > ?", (last,)).fetchall()
+    t_idle = time.perf_counter_ns() - t
+    print(f"sqlite WAL: commit of {BATCH} rows {t_commit / batches / 1000:.1f} us, follower poll with new rows "
+          f"{t_poll / batches / 1000:.1f} us, without {t_idle / batches / 1000:.1f} us")
+    db.close()
+    reader.close()
+    shutil.rmtree(root, ignore_errors=True)
+    st = Store(os.path.join(root, "s"), engine=1)
+    ns = st.namespace(NSID, PAYLOAD)
+    ro = Store(os.path.join(root, "s"), engine=0)
+    ro.follow_interval = 0
+    rns = ro.namespace(NSID, PAYLOAD)
+    fl = ro.followers[(NSID, 1)]
+    t_commit = t_poll = 0
+    for b in range(batches):
+        keys = [(b * BATCH + j).to_bytes(8, "little") * 4 for j in range(BATCH)]
+        t = time.perf_counter_ns()
+        _commit(st, ns, keys)
+        t_commit += time.perf_counter_ns() - t
+        t = time.perf_counter_ns()
+        ro._follow(rns)
+        t_poll += time.perf_counter_ns() - t
+    assert len(rns.entries) == batches * BATCH
+    t = time.perf_counter_ns()
+    for _ in range(batches):
+        fl.poll()
+    t_idle = time.perf_counter_ns() - t
+    print(f"aiokv journal: commit of {BATCH} records {t_commit / batches / 1000:.1f} us, follow with new records "
+          f"{t_poll / batches / 1000:.1f} us, journal poll without {t_idle / batches / 1000:.1f} us")
+    st.close()
+    ro.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def bench_roll(root: str, n: int) -> None:
+    """What another engine's checkpoint costs this engine's scheduler thread: a full
+    replay of its files (first look) vs rolling over to the new generation."""
+    shutil.rmtree(root, ignore_errors=True)
+    st = Store(root, engine=1, checkpoint_every=10**12)
+    ns = st.namespace(NSID, PAYLOAD)
+    for i in range(0, n, 1000):
+        _commit(st, ns, [(j).to_bytes(8, "little") * 4 for j in range(i, min(i + 1000, n))])
+    t = time.perf_counter()
+    me = Store(root, engine=0)  # its first look at engine 1: a full replay of engine 1's journal
+    rns = me.namespace(NSID, PAYLOAD)
+    t_replay = time.perf_counter() - t
+    st.checkpoint()
+    _commit(st, ns, [(n + j).to_bytes(8, "little") * 4 for j in range(BATCH)])
+    me._followed = 0
+    t = time.perf_counter()
+    me._follow_all()
+    t_roll = time.perf_counter() - t
+    assert len(rns.entries) == n + BATCH
+    print(f"another engine with {n} blocks: first look (full replay) {t_replay:.2f} s; after its checkpoint, "
+          f"the look that rolls over {t_roll * 1000:.2f} ms")
+    st.close()
+    me.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--writers", default="0,1,3")
+    ap.add_argument("--blocks", type=int, default=26400)
+    ap.add_argument("--seconds", type=float, default=5)
+    ap.add_argument("--rate", type=int, default=3200, help="blocks committed per second by each writer")
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--sqlite", action="store_true")
+    ap.add_argument("--roll", type=int, default=0, help="also time following a checkpoint of N blocks")
+    args = ap.parse_args()
+    base = args.dir or tempfile.mkdtemp(prefix="aiokv-engines-")
+    if args.sqlite:
+        bench_sqlite(os.path.join(base, "sqlite"))
+    if args.roll:
+        bench_roll(os.path.join(base, "roll"), args.roll)
+    for w in [int(x) for x in args.writers.split(",") if x]:
+        r = bench_lookups(os.path.join(base, "store"), w, args.blocks, args.seconds, args.rate)
+        rf = f"{r['refresh_mean_us']:.1f} us" if r["refresh_mean_us"] is not None else "n/a"
+        print(f"{w} writer engine(s) at {args.rate} blocks/s each: lookup of 64 keys (32 hits) "
+              f"mean {r['mean_us']:.2f} us, p50 {r['p50_us']:.2f}, p99 {r['p99_us']:.2f}, max {r['max_us']:.0f} "
+              f"({r['lookups']} lookups); refresh per step {rf}; writers' blocks seen {r['peer_blocks_seen']}")
+    if not args.dir:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
