@@ -29,6 +29,14 @@ class AioKVConfig:
     breaker_failures: int = 3         # load timeouts / I/O errors in a row that stop hits and saves (0: never)
     breaker_cooldown: float = 30.0    # seconds hits and saves stay off before one probe
     strict_load_failures: bool = False  # keep vLLM's kv_load_failure_policy="fail"
+    # shared tier (docs/sharing.md): "s3://BUCKET/PREFIX"; endpoint and credentials from AWS_* variables
+    shared: str | None = None
+    remote_timeout: float = 5.0       # seconds any one request to the shared tier may take
+    probe_timeout: float = 1.0        # seconds a lookup waits for the shared tier before giving up on it
+    upload_queue: int = 256 << 20     # bytes of blocks waiting for upload per worker; beyond: dropped
+    flush_timeout: float = 10.0       # seconds a clean shutdown waits for pending uploads
+    # a keyed MAC on every block (local and shared); without the same secret a block is a miss
+    secret: str | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "AioKVConfig":
@@ -42,7 +50,7 @@ class AioKVConfig:
         if not isinstance(path, str):
             raise ConfigError(f"aiokv: path must be a directory path string, got {path!r}")
         cfg = cls(path=os.path.abspath(os.path.expanduser(path)))
-        for name in ("capacity", "staging"):
+        for name in ("capacity", "staging", "upload_queue"):
             if name in extra:
                 try:
                     setattr(cfg, name, parse_size(extra.pop(name)))
@@ -55,7 +63,8 @@ class AioKVConfig:
             if cfg.io not in ("auto", "uring", "threads"):
                 raise ConfigError(f"aiokv: io must be auto, uring or threads, not {cfg.io!r}")
         for name, typ in (("queue_depth", int), ("load_timeout", float), ("save_timeout", float),
-                          ("breaker_failures", int), ("breaker_cooldown", float)):
+                          ("breaker_failures", int), ("breaker_cooldown", float), ("remote_timeout", float),
+                          ("probe_timeout", float), ("flush_timeout", float)):
             if name in extra:
                 try:
                     setattr(cfg, name, typ(extra.pop(name)))
@@ -71,4 +80,21 @@ class AioKVConfig:
             if not isinstance(v, bool):
                 raise ConfigError("aiokv: strict_load_failures must be true or false")
             cfg.strict_load_failures = v
+        secret = extra.pop("secret", None) or os.environ.get("AIOKV_SECRET") or None
+        if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
+            raise ConfigError("aiokv: secret (or AIOKV_SECRET) must be a string of at least 16 characters")
+        cfg.secret = secret
+        if "shared" in extra:
+            from aiokv.shared.naming import parse_url
+
+            cfg.shared = extra.pop("shared") or None
+            if cfg.shared is not None:
+                try:
+                    parse_url(cfg.shared)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
+                try:
+                    import obstore  # noqa: F401
+                except ImportError:
+                    raise ConfigError("aiokv: shared needs the obstore package: pip install 'aiokv[shared]'") from None
         return cfg

@@ -221,6 +221,12 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
                                               fields=fields)))
         self.sched = SchedulerSide(store, spaces, self.block_size,
                                    Breaker(self.cfg.breaker_failures, self.cfg.breaker_cooldown))
+        if self.cfg.shared:
+            from aiokv.shared.lookup import SharedLookup
+            from aiokv.store.format import slot_bytes
+
+            self.sched.shared = SharedLookup(self.cfg.shared, self.cfg.remote_timeout, self.cfg.probe_timeout,
+                                             [(ns.nsid, ns.ranks, slot_bytes(ns.payload_bytes)) for _, ns in spaces])
         log.info("aiokv %s: cache %s, namespace %s (%s), %d blocks stored", __version__, self.cfg.path,
                  self.nsid.hex(), ", ".join(g.kind for g in self.groups), sum(len(ns.entries) for _, ns in spaces))
 
@@ -246,7 +252,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             log.exception("aiokv: lookup failed; treated as a miss")
             return 0, False
         self._queried[request.request_id] = request.num_tokens - num_computed_tokens  # counted at alloc
-        return n, n > 0
+        return n, bool(n)  # None: the shared tier has not answered yet; vLLM asks again next step
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self.sched is None:
@@ -329,6 +335,11 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
                 rank = get_tensor_model_parallel_rank()
             self._rank = rank
             staging = max(1, self.cfg.staging // len(self.groups))
+            shared = None
+            if self.cfg.shared:  # one client (and breaker) for this worker's groups
+                from aiokv.shared.client import SharedClient
+
+                shared = SharedClient(self.cfg.shared, self.cfg.remote_timeout)
             for g, nsid in zip(self.groups, self.group_nsids):
                 ordered = {n: kv_caches[n] for n in g.layer_names if n in kv_caches}
                 device = make_device(ordered, self._kv_cache_config.num_blocks)
@@ -339,7 +350,9 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
                 # replicated KV (MLA) is stored once, as rank 0's, and read by every rank
                 workers[g.index] = TransferWorker(device, ns_dir(self.cfg.path, nsid), nsid,
                                                   0 if g.replicated else rank, staging, self.cfg.io,
-                                                  self.cfg.queue_depth, self.cfg.load_timeout, self.cfg.save_timeout)
+                                                  self.cfg.queue_depth, self.cfg.load_timeout, self.cfg.save_timeout,
+                                                  shared, self.cfg.upload_queue, self.cfg.flush_timeout,
+                                                  self.cfg.secret)
             self.worker = GroupedWorker(workers, {g.index for g in self.groups if rank == 0 or not g.replicated})
         except Exception as e:
             # Loads the scheduler promises are then reported failed, saves dropped, and
@@ -445,6 +458,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
                    capacity_bytes=st.limit or 0, pending_saves=self.sched.pending_saves,
                    breaker_open=int(self.sched.breaker.is_open),
                    stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()))
+        if self.sched.shared is not None:
+            out.update(self.sched.shared.counters)
         return out
 
     @classmethod

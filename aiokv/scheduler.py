@@ -75,6 +75,7 @@ class SchedulerCounters:
     loads_cancelled: int = 0
     breaker_opens: int = 0
     saves_skipped_breaker: int = 0
+    remote_hit_blocks: int = 0
 
 
 class SchedulerSide:
@@ -101,6 +102,10 @@ class SchedulerSide:
         self._no_hits: set[str] = set()
         self.disabled = False  # a worker could not start: no hits, no saves from now on
         self._saves_allowed = True  # the breaker's word for this step's saves
+        # the shared tier's lookups (aiokv/shared/lookup.py), set by the connector; None: no shared tier
+        self.shared = None
+        self._remote: dict[str, tuple[int, int]] = {}  # req -> blocks [start, end) from the shared tier
+        self._from_shared: set[tuple[int, bytes]] = set()  # (group, key) reserved for a load from it
 
     # ---- matching and allocation ----
     def _state(self, req_id: str, tokens, root: bytes) -> _Req:
@@ -111,8 +116,9 @@ class SchedulerSide:
         st.tokens = tokens
         return st
 
-    def match(self, req_id: str, tokens, root: bytes, num_computed: int) -> int:
-        """External hit tokens beyond the num_computed local ones (block multiple)."""
+    def match(self, req_id: str, tokens, root: bytes, num_computed: int) -> int | None:
+        """External hit tokens beyond the num_computed local ones (block multiple);
+        None: the shared tier has not answered yet (vLLM asks again next step)."""
         if req_id in self._no_hits or self.disabled or not self.breaker.allow_hit(len(self._loading)):
             return 0
         st = self._state(req_id, tokens, root)
@@ -120,8 +126,27 @@ class SchedulerSide:
         extend_keys(st.keys, root, tokens, self.bs, usable)
         local = num_computed // self.bs
         hit = self._hit(st.keys, usable, local)
+        if self.shared is not None and not self._partial:
+            hit = self._shared_hit(req_id, st.keys, max(hit, local), usable)
+            if hit is None:
+                return None
         self._local_blocks[req_id] = local
         return (hit - local) * self.bs if hit > local else 0
+
+    def _shared_hit(self, req_id: str, keys: list[bytes], start: int, usable: int) -> int | None:
+        """The hit extended past `start` by what the shared tier holds; None: not known yet."""
+        more = self.shared.extend(req_id, keys, start, usable)
+        if more is None:
+            return None
+        for i in range(start, start + more):  # a block on its way in for another request: stop before it
+            if any(keys[i] in g.ns.pending for g in self.groups):
+                more = i - start
+                break
+        if more:
+            self._remote[req_id] = (start, start + more)
+        else:
+            self._remote.pop(req_id, None)
+        return start + more
 
     def _hit(self, keys: list[bytes], usable: int, local: int) -> int:
         """The longest hit (in blocks, at most `usable`) every group can serve, or 0."""
@@ -146,6 +171,7 @@ class SchedulerSide:
             return
         local = self._local_blocks.get(req_id, 0)
         n = num_external // self.bs
+        remote = self._remote.pop(req_id, None)
         pinned = []
         for gi, g in enumerate(self.groups):
             ids = block_ids[gi]
@@ -156,16 +182,33 @@ class SchedulerSide:
             keys = [st.keys[i] for i in idx]
             blocks = [ids[i] if i < len(ids) else 0 for i in idx]
             slots = self.store.pin(g.ns, keys)
+            pinned.append((gi, [k for k, s in zip(keys, slots) if s is not None]))
+            from_shared = self._reserve_remote(gi, idx, keys, slots, remote) if remote else []
             # a key gone since match, or no block to load into, cannot be loaded:
             # slot -1 makes the worker report it failed (vLLM recomputes)
             self._new_loads.append(Transfer(req_id, keys, [-1 if s is None or b == 0 else s
-                                                           for s, b in zip(slots, blocks)], blocks, gi))
-            pinned.append((gi, [k for k, s in zip(keys, slots) if s is not None]))
+                                                           for s, b in zip(slots, blocks)], blocks, gi, from_shared))
             self.counters.load_blocks += len(keys)
         self._loading[req_id] = pinned
         self.counters.hit_requests += 1
         self.counters.hit_blocks += n
         self.counters.hit_tokens += n * self.bs
+
+    def _reserve_remote(self, gi: int, idx: list[int], keys: list[bytes], slots: list, remote) -> list[bool]:
+        """Blocks of `remote` (range) not stored locally get a reserved slot (in `slots`):
+        the worker loads them from the shared tier and writes them through to it."""
+        out = [False] * len(keys)
+        ns = self.groups[gi].ns
+        for j, i in enumerate(idx):
+            if slots[j] is None and remote[0] <= i < remote[1]:
+                slot = self.store.reserve(ns, keys[j])
+                if slot is not None:
+                    slots[j] = slot
+                    out[j] = True
+                    self._saving[(gi, keys[j])] = (slot, set())
+                    self._from_shared.add((gi, keys[j]))
+                    self.counters.remote_hit_blocks += 1
+        return out
 
     def fail_load(self, req_id: str, block_ids: tuple[list[int], ...], num_external: int) -> None:
         """A load vLLM now waits for but that could not be prepared: emit it with no
@@ -272,6 +315,7 @@ class SchedulerSide:
                 entry[1].add(rank)
                 if len(entry[1]) == self.groups[gi].ns.ranks:
                     del self._saving[(gi, key)]
+                    self._from_shared.discard((gi, key))
                     done.setdefault(gi, []).append((key, slot))
             for gi, items in done.items():
                 before = self.store.stats.commits
@@ -284,8 +328,13 @@ class SchedulerSide:
                     del self._saving[(gi, key)]
                     failed.setdefault(gi, []).append((key, slot))
             for gi, items in failed.items():
-                self.store.abort(self.groups[gi].ns, items)
-                self.counters.save_failures += len(items)
+                # a shared block that did not arrive is a miss, not a failed save
+                lost = [it for it in items if (gi, it[0]) not in self._from_shared]
+                self.store.abort(self.groups[gi].ns, lost)
+                self.store.abort(self.groups[gi].ns, [it for it in items if (gi, it[0]) in self._from_shared],
+                                 failed=False)
+                self._from_shared.difference_update((gi, k) for k, _ in items)
+                self.counters.save_failures += len(lost)
             self._no_hits.update(r for r in report.load_failed if r in self._reqs)
             if report.disabled and not self.disabled:
                 self.disabled = True
@@ -296,6 +345,8 @@ class SchedulerSide:
                     # only where the key still sits in the slot that failed (not a newer copy)
                     if 0 <= gi < len(self.groups) and self.groups[gi].ns.entries.get(key) == slot:
                         bad.setdefault(gi, []).append(key)
+                    elif self.shared is not None and 0 <= gi < len(self.groups):
+                        self.shared.missing(gi, key)  # a shared block that failed: not offered for a while
                 for gi, keys in bad.items():
                     self.store.drop(self.groups[gi].ns, keys)
                     self.counters.load_bad_blocks += len(keys)
@@ -307,6 +358,9 @@ class SchedulerSide:
         self._reqs.pop(req_id, None)
         self._local_blocks.pop(req_id, None)
         self._no_hits.discard(req_id)
+        self._remote.pop(req_id, None)
+        if self.shared is not None:
+            self.shared.forget(req_id)
         if req_id in self._loading:
             self._cancel.append(req_id)  # vLLM keeps its blocks until we report the load
             self.counters.loads_cancelled += 1
@@ -321,12 +375,15 @@ class SchedulerSide:
             ns = self.groups[gi].ns
             (done if self.store.verify_slot(ns, key, slot) else lost).setdefault(gi, []).append((key, slot))
         self._saving.clear()
+        self._from_shared.clear()
         for gi, items in done.items():
             self.store.commit(self.groups[gi].ns, items)
             self.counters.saves_committed += len(items)
         for gi, items in lost.items():
             self.store.abort(self.groups[gi].ns, items, failed=False)
         self.store.close()
+        if self.shared is not None:
+            self.shared.close()
 
     @property
     def pending_saves(self) -> int:

@@ -70,3 +70,21 @@ def tiny_model(tmp_path_factory):
 
     return build(str(tmp_path_factory.mktemp("models") / "tiny"), layers=2, hidden=128, heads=2, kv_heads=2,
                  intermediate=256)
+
+
+@pytest.fixture(scope="module")
+def s3server(tmp_path_factory):
+    """A real S3 server (SeaweedFS) for the module; tests may kill and restart it."""
+    from tests.s3server import S3Server
+
+    srv = S3Server(str(tmp_path_factory.mktemp("weed"))).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def s3env(s3server, monkeypatch):
+    """The AWS_* variables pointing at the test server, as an operator would set them."""
+    for k, v in s3server.env().items():
+        monkeypatch.setenv(k, v)
+    return s3server

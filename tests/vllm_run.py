@@ -8,9 +8,10 @@ so that every run is a true restart.
 spec: model, cache (null: no connector), block_size, dtype, max_model_len,
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config),
 phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps},
-wait_for?: path}], stagger (add one request per step instead of all at once);
-wait_for keeps the engine alive and idle until that file exists (tests that run
-two engines at once use it to order them).
+wait_for?: path, kill_at_step?: [step, process group]}], stagger (add one request
+per step instead of all at once); wait_for keeps the engine alive and idle until
+that file exists (tests that run two engines at once use it to order them);
+kill_at_step kills -9 that process group at that step of the phase.
 """
 from __future__ import annotations
 
@@ -95,6 +96,10 @@ def main(spec: dict) -> dict:
                 if i in aborts and step - added == aborts[i] and rid not in outs:
                     engine.abort_request([rid])
                     outs[rid] = None
+            if phase.get("kill_at_step") and phase["kill_at_step"][0] == step:  # e.g. the shared tier's server
+                import signal
+
+                os.killpg(phase["kill_at_step"][1], signal.SIGKILL)
             for o in engine.step():
                 if o.finished and outs.get(o.request_id) is None and o.request_id not in outs:
                     outs[o.request_id] = o

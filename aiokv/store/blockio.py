@@ -5,7 +5,8 @@ uses it directly on slot numbers chosen by the engine that owns the index.
 
 Failure contract: every item gets its own result: 0, or -errno for an I/O
 error or short transfer, or -EBADMSG for a slot that does not verify (wrong
-magic, version, namespace, rank, key, length or checksum). Nothing raises for a
+magic, version, namespace, rank, key, length, checksum, or the MAC when a
+secret is set). Nothing raises for a
 bad block; a bad block is never reported as loaded.
 
 Several engines: items name locations (format.loc: engine << 32 | slot), so a
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import hmac
 import os
 import time
 
@@ -68,9 +70,12 @@ def data_path(ns_dir: str, rank: int, engine: int = 0) -> str:
 
 
 class BlockIO:
-    def __init__(self, backend, ns_dir: str, nsid: bytes, rank: int, payload_bytes: int, layout: int = 0):
+    def __init__(self, backend, ns_dir: str, nsid: bytes, rank: int, payload_bytes: int, layout: int = 0,
+                 secret: str | bytes | None = None):
         self.backend = backend
         self.layout = layout
+        # with a secret every block carries a MAC, and a block without the right one is a miss
+        self.mac_key = fmt.mac_key(secret) if secret else None
         self.nsid = nsid
         self.rank = rank
         self.payload_bytes = payload_bytes
@@ -102,6 +107,11 @@ class BlockIO:
         n = len(hdr)
         ctypes.memmove(addr, hdr, n)
         ctypes.memset(addr + n, 0, fmt.HEADER_BYTES - n)
+        if self.mac_key is not None:
+            ctypes.memmove(addr + fmt.MAC_OFFSET, fmt.block_mac(self.mac_key, hdr, self._payload(addr)), fmt.MAC_BYTES)
+
+    def _payload(self, addr: int):
+        return (ctypes.c_char * self.payload_bytes).from_address(addr + fmt.HEADER_BYTES)
 
     def verify(self, key: bytes, addr: int) -> bool:
         try:
@@ -109,7 +119,12 @@ class BlockIO:
                                  key, self.layout)
         except fmt.BadBlock:
             return False
-        return _native.crc32c(addr + fmt.HEADER_BYTES, self.payload_bytes) == h["payload_crc"]
+        if _native.crc32c(addr + fmt.HEADER_BYTES, self.payload_bytes) != h["payload_crc"]:
+            return False
+        if self.mac_key is None:
+            return True
+        raw = ctypes.string_at(addr, fmt.MAC_OFFSET + fmt.MAC_BYTES)
+        return hmac.compare_digest(raw[fmt.MAC_OFFSET:], fmt.block_mac(self.mac_key, raw, self._payload(addr)))
 
     def _chunk(self) -> int:
         return max(2, getattr(self.backend, "depth", 16) // 4)

@@ -26,6 +26,7 @@ a CRC32C of the header itself. Any mismatch is a miss.
 """
 from __future__ import annotations
 
+import hashlib
 import struct
 
 from aiokv import _native
@@ -80,6 +81,25 @@ BLOCK_MAGIC = b"AIOKVBLK"
 _HDR = struct.Struct("<8sHHI16sB3xIQ32sQQ")
 _HDR_CRC = struct.Struct("<I")
 HDR_USED = _HDR.size + _HDR_CRC.size
+# With a secret (docs/sharing.md), a keyed BLAKE2b of the header fields and the
+# payload follows the header CRC; without one these bytes stay zero and are not
+# read, so blocks with and without a MAC are the same format version.
+MAC_OFFSET, MAC_BYTES = HDR_USED, 32
+
+
+def mac_key(secret: str | bytes) -> bytes:
+    """The BLAKE2b key derived from a secret of any length."""
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    return hashlib.blake2b(raw, digest_size=32, person=b"aiokv-secret").digest()
+
+
+def block_mac(key: bytes, header: bytes, payload) -> bytes:
+    """MAC of a slot: header fields (the first _HDR.size bytes: namespace, rank,
+    key, lengths, CRC, layout) and the payload (any buffer)."""
+    h = hashlib.blake2b(key=key, digest_size=MAC_BYTES, person=b"aiokv-block")
+    h.update(header[:_HDR.size])
+    h.update(payload)
+    return h.digest()
 
 
 def slot_bytes(payload_bytes: int) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import errno
 import logging
 import threading
@@ -55,14 +56,22 @@ NOT_IO_ERRORS = (0, -errno.EBADMSG, -errno.ECANCELED, -errno.ENOBUFS)
 # Prometheus series or says why not; tests/test_metrics_series_table.py holds the two together)
 COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_cancelled_blocks", "load_timeouts", "loads_cancelled",
             "load_staging_stuck", "saves_ok_blocks", "save_failed_blocks", "save_skipped_staging_full",
-            "save_timeouts", "read_errors", "write_errors", "bytes_read", "bytes_written")
+            "save_timeouts", "read_errors", "write_errors", "bytes_read", "bytes_written",
+            # the shared tier (docs/sharing.md)
+            "remote_loaded_blocks", "remote_missed_blocks", "uploaded", "upload_bytes", "upload_already_there",
+            "upload_failed", "upload_dropped_queue_full", "upload_dropped_unavailable", "upload_dropped_at_close")
 CLOSE_DRAIN_S = 10.0  # close() waits this long for outstanding jobs, then leaves them
 
 
 class TransferWorker:
     def __init__(self, device, ns_dir: str, nsid: bytes, rank: int, staging_bytes: int, io: str = "auto",
-                 queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0):
+                 queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0, shared=None,
+                 upload_queue: int = 256 << 20, flush_timeout: float = 10.0, secret: str | None = None):
         self.device = device
+        self.secret = secret
+        # the shared tier (docs/sharing.md): a SharedClient, or None
+        self.shared, self.upload_queue, self.flush_timeout = shared, upload_queue, flush_timeout
+        self.uploader = self.remote = None
         self.rank = rank
         self.load_timeout = load_timeout
         self.save_timeout = save_timeout
@@ -112,11 +121,18 @@ class TransferWorker:
     async def _setup(self, io, depth):
         self._slots_freed = asyncio.Event()
         self.backend = open_backend(self.loop, io, depth=depth, path=self._io_args[0])
+        if self.shared is not None:
+            from aiokv.shared.loader import RemoteLoader
+            from aiokv.shared.uploader import Uploader
+
+            self.uploader = Uploader(self.shared, self.upload_queue, count=self._count)
+            self.remote = RemoteLoader(self.shared, self._io_args[1], self.rank, self.slot_bytes)
 
     def _blockio(self) -> BlockIO:
         if self.io is None:
             ns_dir, nsid = self._io_args
-            self.io = BlockIO(self.backend, ns_dir, nsid, self.rank, self.device.payload_bytes, self.device.layout_tag)
+            self.io = BlockIO(self.backend, ns_dir, nsid, self.rank, self.device.payload_bytes, self.device.layout_tag,
+                              self.secret)
         return self.io
 
     def _on_loop_error(self, loop, context):
@@ -198,7 +214,7 @@ class TransferWorker:
                 self._save_done(t, None, [-errno.EIO] * len(t.keys))
         self.device.after_step()
 
-    async def _save(self, job: int, t: Transfer, slots: list[int]) -> None:
+    async def _save(self, job: int, t: Transfer, slots: list[int], upload: bool = True) -> None:
         t0 = time.monotonic()
         res = [-errno.EIO] * len(t.keys)
         ABANDON.set(self._abandon)
@@ -208,6 +224,10 @@ class TransferWorker:
             addr = self.pool.addr
             items = [(s, k, addr(b)) for s, k, b in zip(t.slots, t.keys, slots)]
             res = await asyncio.wait_for(self._blockio().write(items), self.save_timeout)
+            if upload and self.uploader is not None:  # write-behind: a copy of each block written, queued (or dropped)
+                for k, b, r in zip(t.keys, slots, res):
+                    if r == 0:
+                        self.uploader.offer(self.remote.name(k), ctypes.string_at(addr(b), self.slot_bytes))
         except asyncio.TimeoutError:
             # dropped from the step's accounting; a write that lands later in a slot the
             # store has given to another key fails that key's verification (a miss)
@@ -306,7 +326,11 @@ class TransferWorker:
 
     async def _load_body(self, t: Transfer, failed: set, bad_keys: list) -> None:
         # no slot: nothing to read; block 0 is vLLM's null block and is never written
-        todo = [(k, s, b) for k, s, b in zip(t.keys, t.slots, t.block_ids) if s >= 0 and b > 0]
+        flags = t.remote or [False] * len(t.keys)
+        todo = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if s >= 0 and b > 0 and not r]
+        remote = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if r]
+        if remote:
+            await self._load_remote(t, remote, failed, bad_keys)
         i = 0
         while i < len(todo):
             slots = await self._acquire(len(todo) - i)
@@ -324,6 +348,59 @@ class TransferWorker:
             finally:
                 self._release(slots)
             i += len(chunk)
+
+    async def _load_remote(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
+        """Blocks from the shared tier: GET → verify → device; then, without holding up
+        the load, written through to their reserved local slots as a save job (committed
+        by the scheduler once every rank wrote its part). A block that does not arrive or
+        verify is a load failure (recomputed) and its reservation is given back; whatever
+        happens, every reservation is reported once."""
+        reported: set[bytes] = set()
+        try:
+            i = 0
+            while i < len(todo):
+                slots = await self._acquire(len(todo) - i)
+                chunk = todo[i:i + len(slots)]
+                handed: list[int] = []
+                try:
+                    addr, verify = self.pool.addr, self._blockio().verify
+                    got = await asyncio.gather(*(self.remote.fetch(k, addr(st), verify)
+                                                 for (k, _, _), st in zip(chunk, slots)))
+                    good = [(item, st) for item, st, g in zip(chunk, slots, got) if g == "ok"]
+                    bad_keys += [(k, s, t.group) for (k, s, _), g in zip(chunk, got) if g == "bad"]
+                    self._count(remote_loaded_blocks=len(good), remote_missed_blocks=len(chunk) - len(good))
+                    if good:
+                        await self._copy_in([b for (_, _, b), _ in good], [st for _, st in good])
+                        failed.difference_update(b for (_, _, b), _ in good)
+                        self._count(bytes_read=len(good) * self.slot_bytes)
+                        handed = [st for _, st in good]
+                        self._write_through(Transfer(t.req_id, [k for (k, _, _), _ in good],
+                                                     [s for (_, s, _), _ in good], [b for (_, _, b), _ in good],
+                                                     t.group), handed)
+                    reported.update(k for k, _, _ in chunk)
+                    self._give_back(t.group, [(k, s) for (k, s, _), g in zip(chunk, got) if g != "ok"])
+                finally:
+                    self._release([st for st in slots if st not in handed])
+                i += len(chunk)
+        finally:
+            # cancelled or failed part-way: give the other reservations back
+            self._give_back(t.group, [(k, s) for k, s, _ in todo if k not in reported])
+
+    def _write_through(self, t: Transfer, slots: list[int]) -> None:
+        """A save job (loop thread) of blocks just loaded from the shared tier; it owns `slots`."""
+        with self._lock:
+            self._save_ids += 1
+            job = self._save_ids
+            self._saves[job] = (t, slots)
+        asyncio.ensure_future(self._save(job, t, slots, upload=False))
+
+    def _give_back(self, group: int, items: list[tuple[bytes, int]]) -> None:
+        """Reservations for shared blocks that were not loaded: released by the
+        scheduler (reported as not written), not counted as failed saves."""
+        if items:
+            with self._lock:
+                self._report.save_failed += [(self.rank, k, s, group) for k, s in items]
+                self.job_done.set()
 
     async def _copy_in(self, block_ids, slots) -> None:
         # On the loop thread, in one go: a cancellation cannot interrupt it half-way,
@@ -391,7 +468,8 @@ class TransferWorker:
             time.sleep(0.001)
 
     def close(self) -> None:
-        """Returns within about CLOSE_DRAIN_S + 10 s, even with I/O stuck in the kernel."""
+        """Returns within about CLOSE_DRAIN_S + 10 s (+ flush_timeout with a shared tier),
+        even with I/O stuck in the kernel."""
         if self.thread.is_alive():
             # loads first (nobody waits for them any more; abandon mode ends them at
             # once), then saves get a bounded while to land, so they can be committed
@@ -401,7 +479,9 @@ class TransferWorker:
                 fut.cancel()
             self.drain()
             try:
-                asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(5)
+                # pending uploads (shared tier) get flush_timeout more
+                asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(
+                    5 + (self.flush_timeout if self.uploader is not None else 0))
             except Exception:
                 log.warning("aiokv: the worker loop did not shut down in time; left to the process exit")
         stuck = self._stop_loop() or self.stuck or (self.backend is not None and self.backend.in_flight)
@@ -421,6 +501,8 @@ class TransferWorker:
         return self.thread.is_alive()
 
     async def _shutdown(self) -> None:
+        if self.uploader is not None:  # a clean shutdown: pending uploads go out, within flush_timeout
+            await self.uploader.flush(self.flush_timeout)
         await asyncio.sleep(0)  # the cancelled loads' tasks end first (abandon: at once)
         if self.backend.in_flight or self.stuck:
             return  # closing it would wait for the kernel; the process exit reclaims it

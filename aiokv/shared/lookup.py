@@ -1,0 +1,53 @@
+"""The scheduler side's view of the shared tier: how many blocks past the
+local hit the bucket holds, for every group and rank.
+
+A block counts only when the objects of every KV-cache group's namespace and
+every rank that stores it are there (a TP rank whose upload was dropped makes
+the block a miss for all). Only models whose groups are all full attention
+use the shared tier for loads (sliding-window and recurrent-state groups need
+other blocks per hit; they still upload).
+
+Threading contract: vLLM's scheduler thread (the Prober runs its probes on
+its own loop thread).
+"""
+from __future__ import annotations
+
+from aiokv.shared.breaker import Breaker
+from aiokv.shared.client import SharedClient
+from aiokv.shared.naming import object_name
+from aiokv.shared.prober import Prober
+
+
+class SharedLookup:
+    def __init__(self, url: str, remote_timeout: float, probe_timeout: float,
+                 groups: list[tuple[bytes, int, int]]):
+        """groups: (namespace id, ranks that store it, slot bytes) per KV-cache group."""
+        self.client = SharedClient(url, remote_timeout, Breaker())
+        self.prober = Prober(self.client, probe_timeout)
+        self.groups = groups
+        self.prefix = self.client.prefix
+
+    def _objects(self, key: bytes) -> list[tuple[str, int]]:
+        return [(object_name(self.prefix, nsid, r, key), sb) for nsid, ranks, sb in self.groups for r in range(ranks)]
+
+    def extend(self, req_id: str, keys: list[bytes], start: int, usable: int) -> int | None:
+        """Blocks start..start+n-1 are in the bucket: n; None: not known yet (ask again next step)."""
+        if start >= usable:
+            return 0
+        return self.prober.lookup(req_id, [self._objects(k) for k in keys[start:usable]])
+
+    def missing(self, gi: int, key: bytes) -> None:
+        """A remote load of this block failed to verify or was gone: do not offer it for a while."""
+        nsid, ranks, _ = self.groups[gi]
+        self.prober.mark_absent(object_name(self.prefix, nsid, r, key) for r in range(ranks))
+
+    def forget(self, req_id: str) -> None:
+        self.prober.forget(req_id)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return {f"shared_{k}": v for k, v in self.prober.counters.items()} | {"shared_breaker_opened":
+                                                                                self.client.breaker.opened}
+
+    def close(self) -> None:
+        self.prober.close()

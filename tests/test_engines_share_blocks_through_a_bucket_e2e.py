@@ -1,0 +1,132 @@
+"""End to end on real vLLM (CPU): engines with separate local directories share
+a bucket (a real S3 server, SeaweedFS, started here).
+
+Bug guarded against: a shared tier that does not hit across engines (names
+differ), hits but serves wrong KV, or a dead server that stalls or fails
+requests.
+Invariants: an engine with an empty local directory hits every block a first
+engine computed (loaded from the bucket), token-identical to vLLM without
+aiokv, and writes them through to its own directory (a restart hits locally);
+with the server killed -9 mid-run every request still completes with the same
+tokens, and the drops are counted; once the server is back, uploads and hits
+work again. A tampered object or one written under another secret is a miss
+(recomputed, same tokens).
+Fix: aiokv/shared/ wired in by SchedulerSide.match/on_alloc (probe, reserve),
+TransferWorker._save (upload) and _load_remote (GET, verify, write through).
+"""
+from __future__ import annotations
+
+import obstore
+import pytest
+
+from tests.e2e import assert_clean, assert_no_leaks, prompts, run
+
+pytestmark = pytest.mark.vllm
+BS = 32
+LEN = 300
+FULL = (LEN - 1) // BS
+
+
+def _objects(srv, prefix: str) -> list[str]:
+    return [m["path"] for batch in obstore.list(srv._store(), prefix=prefix) for m in batch]
+
+
+def test_second_engine_hits_what_the_first_uploaded(tiny_model, tmp_path, s3server):
+    env = s3server.env()
+    ps = prompts(4, LEN, seed=7)
+    spec = dict(model=tiny_model, block_size=BS, phases=[dict(prompts=ps, max_tokens=8)])
+    shared = {"shared": s3server.url("e2e")}
+    base = run(spec)
+    a = run({**spec, "cache": str(tmp_path / "a"), "extra": shared}, env=env)
+    assert a["tokens"] == base["tokens"]
+    assert_clean(a)
+    # every full block (prompt and output) of every request was uploaded by the time A exited
+    assert len(_objects(s3server, "e2e/")) >= 4 * FULL
+
+    b = run({**spec, "cache": str(tmp_path / "b"), "extra": shared}, env=env)
+    assert b["tokens"] == base["tokens"]
+    c = b["counters"]
+    assert c["remote_hit_blocks"] == 4 * FULL, c
+    assert c["remote_loaded_blocks"] == 4 * FULL and c.get("remote_missed_blocks", 0) == 0, c
+    assert b["cached"][0] == [FULL * BS] * 4
+    assert_clean(b)
+
+    # written through: B's own directory serves them now, with no server at all
+    b2 = run({**spec, "cache": str(tmp_path / "b")}, env=env)
+    assert b2["tokens"] == base["tokens"]
+    assert b2["counters"]["hit_blocks"] == 4 * FULL and b2["counters"]["loads_ok_blocks"] == 4 * FULL
+    assert_clean(b2)
+
+
+def test_tampered_or_foreign_objects_are_misses(tiny_model, tmp_path, s3server):
+    env = s3server.env()
+    ps = prompts(2, LEN, seed=11)
+    spec = dict(model=tiny_model, block_size=BS, phases=[dict(prompts=ps, max_tokens=8)])
+    base = run(spec)
+    secret = {"shared": s3server.url("tamper"), "secret": "fleet-secret-0123456789"}
+    a = run({**spec, "cache": str(tmp_path / "a"), "extra": secret}, env=env)
+    assert a["tokens"] == base["tokens"]
+    names = sorted(_objects(s3server, "tamper/"))
+    assert len(names) >= 2 * FULL
+    raw = bytearray(s3server.get_raw(names[0]))
+    raw[4096 + 10] ^= 0xFF
+    s3server.put_raw(names[0], bytes(raw))  # one block spoiled (a prefix of some request breaks there)
+
+    # another secret: every object is foreign, nothing loads, everything recomputes
+    other = run({**spec, "cache": str(tmp_path / "o"), "extra": {**secret, "secret": "another-secret-987654321"}},
+                env=env)
+    assert other["tokens"] == base["tokens"]
+    assert other["counters"].get("remote_loaded_blocks", 0) == 0
+    assert_no_leaks(other)
+    # the right secret: all but the spoiled block's request's blocks load; that one recomputes
+    b = run({**spec, "cache": str(tmp_path / "b"), "extra": secret}, env=env)
+    assert b["tokens"] == base["tokens"]
+    c = b["counters"]
+    assert c.get("remote_missed_blocks", 0) >= 1 and c["remote_loaded_blocks"] >= 1, c
+    assert_no_leaks(b)
+
+
+def test_killed_server_mid_run_then_back(tiny_model, tmp_path, s3server):
+    env = s3server.env()
+    shared = {"shared": s3server.url("kill"), "remote_timeout": 1.0}
+    ps1, ps2, ps3 = prompts(3, LEN, seed=21), prompts(3, LEN, seed=22), prompts(1, 100, seed=23)
+    spec = dict(model=tiny_model, block_size=BS, phases=[dict(prompts=ps1, max_tokens=8),
+                                                         dict(prompts=ps2, max_tokens=8),
+                                                         dict(prompts=ps3, max_tokens=16)])
+    base = run(spec)
+    # mid-upload: the server dies as the second phase starts; its blocks cannot be uploaded
+    # (the third phase keeps the engine stepping while the failures are reported)
+    killed = {**spec, "phases": [spec["phases"][0], {**spec["phases"][1], "kill_at_step": [0, s3server.proc.pid]},
+                                 spec["phases"][2]]}
+    a = run({**killed, "cache": str(tmp_path / "a"), "extra": shared}, env=env)
+    s3server.proc.wait()
+    s3server.proc = None
+    assert a["tokens"] == base["tokens"]
+    c = a["counters"]
+    dropped = sum(v for k, v in c.items() if k.startswith("upload_dropped") or k == "upload_failed")
+    assert dropped >= 1 and c["uploaded"] == 3 * FULL, c
+    assert_clean(a)
+
+    # mid-load: a fresh engine loads phase 1's blocks from the bucket; the server dies at its third step
+    s3server.log.close()
+    s3server.start()
+    loadkill = {**spec, "phases": [{**spec["phases"][0], "stagger": True, "kill_at_step": [3, s3server.proc.pid]}]}
+    b = run({**loadkill, "cache": str(tmp_path / "b"), "extra": shared}, env=env)
+    s3server.proc.wait()
+    s3server.proc = None
+    assert b["tokens"] == [base["tokens"][0]]
+    assert_no_leaks(b)
+    c = b["counters"]
+    assert c.get("remote_hit_blocks", 0) + c.get("shared_probe_gave_up", 0) > 0, c
+
+    # back: the same server, its data kept; what the dead server missed is not there
+    s3server.log.close()
+    s3server.start()
+    assert len(_objects(s3server, "kill/")) == 3 * FULL  # phase 1 only
+    # uploads and hits resume
+    c2 = run({**spec, "cache": str(tmp_path / "c"), "extra": shared}, env=env)
+    assert c2["tokens"] == base["tokens"]
+    d = run({**spec, "cache": str(tmp_path / "d"), "extra": shared}, env=env)
+    assert d["tokens"] == base["tokens"]
+    assert d["counters"]["remote_hit_blocks"] == 6 * FULL + 100 // BS, d["counters"]
+    assert_clean(d)
