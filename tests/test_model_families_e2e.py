@@ -86,6 +86,12 @@ def test_cold_restart_warm_identical_tokens_with_hits(tmp_path, models, family):
 
 @pytest.mark.parametrize("family", ["gemma2", "hybrid"])
 def test_preemption_and_aborts_with_several_groups(tmp_path, models, family):
+    """Preemption (a tiny KV cache) and aborts with several groups: no leak, no failure,
+    hits. Tokens are compared for Gemma 2 (fp32: vLLM's output does not depend on
+    how it batches or chunks). The bf16 Qwen3-Next's output does, even without aiokv
+    (2 of 16 prompts differ between prefill token budgets 512 and 128, measured), and
+    aborts and hits change the batches around a request: its tokens are compared in
+    the cold/restart/warm test above, where the schedule is the baseline's."""
     dtype, bs, _ = FAMILIES[family]
     cache = str(tmp_path / "c")
     n = 6
@@ -99,9 +105,10 @@ def test_preemption_and_aborts_with_several_groups(tmp_path, models, family):
     assert_clean(cold)
     aborts = {"1": 1, "3": 4}
     warm = run(dict(spec, cache=cache, phases=[dict(prompts=ps, max_tokens=40, stagger=True, abort_after=aborts)]))
-    for i, (a, b) in enumerate(zip(warm["tokens"][0], base["tokens"][0])):
-        if str(i) not in aborts:
-            assert a == b, i
+    done = [i for i in range(n) if str(i) not in aborts]
+    assert all(warm["tokens"][0][i] is not None and len(warm["tokens"][0][i]) == 40 for i in done)
+    if dtype == "float32":
+        assert [warm["tokens"][0][i] for i in done] == [base["tokens"][0][i] for i in done]
     assert warm["counters"]["hit_blocks"] > 0
     assert base["preemptions"] + cold["preemptions"] + warm["preemptions"] > 0
     assert_clean(warm)

@@ -225,7 +225,8 @@ class Store:
         if not readonly:
             check_private(self._ns_fd, ns_path)
         st = os.fstatvfs(self._root_fd)
-        self._fs_bytes = st.f_blocks * st.f_frsize
+        # a file system that reports no size (ramfs) lives in memory: bounded by it
+        self._fs_bytes = st.f_blocks * st.f_frsize or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         for name in sorted(os.listdir(self._ns_fd)):
             try:
                 nsid = bytes.fromhex(name)
