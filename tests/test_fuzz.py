@@ -44,8 +44,8 @@ def test_short_fuzz_with_several_kv_cache_groups(tmp_path, family):
     recomputation. The bf16 hybrid's tokens depend on vLLM's prefill chunking
     even without aiokv, so its token differences are reported, not failed
     (tools/fuzz.py, FAMILIES)."""
-    p = subprocess.run([sys.executable, "tools/fuzz.py", "--family", family, "--steps", "60", "--lives", "2",
-                        "--prompts", "14", "--seed", "7", "--dir", str(tmp_path)], cwd=ROOT, capture_output=True,
+    p = subprocess.run([sys.executable, "tools/fuzz.py", "--family", family, "--steps", "80", "--lives", "2",
+                        "--prompts", "16", "--seed", "7", "--dir", str(tmp_path)], cwd=ROOT, capture_output=True,
                        text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=1500)
     summary = json.loads(p.stdout[p.stdout.index("{"):])
     problems = [x for life in summary["lives"] for x in life["problems"]]
