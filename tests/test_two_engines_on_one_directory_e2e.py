@@ -22,7 +22,6 @@ import time
 import pytest
 
 from aiokv.store import Store
-from aiokv.store import format as fmt
 from tests.e2e import ROOT, assert_clean, prompts, run
 
 pytestmark = pytest.mark.vllm
