@@ -94,9 +94,11 @@ def test_killed_server_mid_run_then_back(tiny_model, tmp_path, s3server):
                                                          dict(prompts=ps2, max_tokens=8),
                                                          dict(prompts=ps3, max_tokens=16)])
     base = run(spec)
-    # mid-upload: the server dies as the second phase starts; its blocks cannot be uploaded
-    # (the third phase keeps the engine stepping while the failures are reported)
-    killed = {**spec, "phases": [spec["phases"][0], {**spec["phases"][1], "kill_at_step": [0, s3server.proc.pid]},
+    # mid-upload: the server dies as the second phase starts, once the first phase's uploads
+    # are done (settle); the second phase's blocks cannot be uploaded (the third phase keeps
+    # the engine stepping while the failures are reported)
+    killed = {**spec, "phases": [spec["phases"][0],
+                                 {**spec["phases"][1], "settle": True, "kill_at_step": [0, s3server.proc.pid]},
                                  spec["phases"][2]]}
     a = run({**killed, "cache": str(tmp_path / "a"), "extra": shared}, env=env)
     s3server.proc.wait()

@@ -8,10 +8,12 @@ so that every run is a true restart.
 spec: model, cache (null: no connector), block_size, dtype, max_model_len,
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config),
 phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps},
-wait_for?: path, kill_at_step?: [step, process group]}], stagger (add one request
-per step instead of all at once); wait_for keeps the engine alive and idle until
-that file exists (tests that run two engines at once use it to order them);
-kill_at_step kills -9 that process group at that step of the phase.
+wait_for?: path, settle?: bool, kill_at_step?: [step, process group]}], stagger (add
+one request per step instead of all at once); wait_for keeps the engine alive and
+idle until that file exists (tests that run two engines at once use it to order
+them); settle waits, before the phase, until the previous phases' saves and
+shared-tier uploads are done (one process, TP 1); kill_at_step kills -9 that
+process group at that step of the phase.
 """
 from __future__ import annotations
 
@@ -66,6 +68,8 @@ def main(spec: dict) -> dict:
         sched._preempt_request = counting_preempt
     n_req = 0
     for phase in spec["phases"]:
+        if phase.get("settle"):
+            _settle(engine, time.monotonic() + spec.get("phase_timeout", 300))
         if phase.get("wait_for"):
             until = time.monotonic() + spec.get("phase_timeout", 300)
             while not os.path.exists(phase["wait_for"]):
@@ -145,6 +149,19 @@ def main(spec: dict) -> dict:
     result["requests_left"] = len(sched.requests)
     core.shutdown()
     return result
+
+
+def _settle(engine, deadline: float) -> None:
+    """Step the engine until no save, load or upload of aiokv's is outstanding."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    wc = get_kv_transfer_group()
+    workers = list(getattr(wc.worker, "workers", {0: wc.worker}).values())
+    while any(w.in_flight or (w.uploader is not None and w.uploader.pending) for w in workers):
+        if time.monotonic() > deadline:
+            raise RuntimeError("aiokv's saves and uploads did not settle")
+        engine.step()
+        time.sleep(0.01)
 
 
 if __name__ == "__main__":
