@@ -29,6 +29,7 @@ class AioKVConfig:
     breaker_failures: int = 3         # load timeouts / I/O errors in a row that stop hits and saves (0: never)
     breaker_cooldown: float = 30.0    # seconds hits and saves stay off before one probe
     strict_load_failures: bool = False  # keep vLLM's kv_load_failure_policy="fail"
+    layerwise: bool = False           # copy verified loads in layer by layer during the next forward
     # shared tier (docs/sharing.md): "s3://BUCKET/PREFIX"; endpoint and credentials from AWS_* variables
     shared: str | None = None
     remote_timeout: float = 5.0       # seconds any one request to the shared tier may take
@@ -75,11 +76,12 @@ class AioKVConfig:
                         raise ConfigError("aiokv: breaker_failures must be 0 (off) or more")
                 elif getattr(cfg, name) <= 0:
                     raise ConfigError(f"aiokv: {name} must be positive")
-        if "strict_load_failures" in extra:
-            v = extra.pop("strict_load_failures")
-            if not isinstance(v, bool):
-                raise ConfigError("aiokv: strict_load_failures must be true or false")
-            cfg.strict_load_failures = v
+        for name in ("strict_load_failures", "layerwise"):
+            if name in extra:
+                v = extra.pop(name)
+                if not isinstance(v, bool):
+                    raise ConfigError(f"aiokv: {name} must be true or false")
+                setattr(cfg, name, v)
         secret = extra.pop("secret", None) or os.environ.get("AIOKV_SECRET") or None
         if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
             raise ConfigError("aiokv: secret (or AIOKV_SECRET) must be a string of at least 16 characters")

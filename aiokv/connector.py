@@ -191,6 +191,13 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_now: set[str] = set()   # several groups: loads failed, reported as failed_recving
         self._idle_step = False
         self._rank = 0
+        # layer-by-layer copy-in (aiokv/worker/layerwise.py): one full-attention group only;
+        # other models load whole requests, as without the setting
+        self.layerwise = self.cfg.layerwise and len(self.groups) == 1 and self.groups[0].kind == FULL
+        if self.cfg.layerwise and not self.layerwise and role == KVConnectorRole.SCHEDULER:
+            log.info("aiokv: layerwise loads need a model with one full-attention KV-cache group; "
+                     "this one (%s) loads whole requests", ", ".join(g.kind for g in self.groups))
+        self._layers = None  # the worker's LayerwiseLoads
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
 
@@ -221,6 +228,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
                                               fields=fields)))
         self.sched = SchedulerSide(store, spaces, self.block_size,
                                    Breaker(self.cfg.breaker_failures, self.cfg.breaker_cooldown))
+        self.sched.layerwise = self.layerwise
         if self.cfg.shared:
             from aiokv.shared.lookup import SharedLookup
             from aiokv.store.format import slot_bytes
@@ -352,7 +360,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
                                                   0 if g.replicated else rank, staging, self.cfg.io,
                                                   self.cfg.queue_depth, self.cfg.load_timeout, self.cfg.save_timeout,
                                                   shared, self.cfg.upload_queue, self.cfg.flush_timeout,
-                                                  self.cfg.secret)
+                                                  self.cfg.secret, layerwise=self.layerwise)
+            self._layers = workers[self.groups[0].index].layers
             self.worker = GroupedWorker(workers, {g.index for g in self.groups if rank == 0 or not g.replicated})
         except Exception as e:
             # Loads the scheduler promises are then reported failed, saves dropped, and
@@ -364,6 +373,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
                 except Exception:
                     pass
             self.worker = None
+            self._layers = None
             self._report = WorkerReport(disabled=True)
 
     def _plan(self) -> StepPlan:
@@ -387,8 +397,21 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         if plan.loads:
             self.worker.load(plan.loads)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._layers is not None:
+            # before the forward (vLLM starts async loads only after it): cancelled
+            # requests' staged loads are dropped first, then the others start copying in
+            plan = self._plan()
+            if plan.cancel:
+                self.worker.cancel(plan.cancel)
+            self._layers.begin()
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete before vLLM schedules the request
+        # loads are verified whole before vLLM schedules the request; with layerwise
+        # on, their copy into this layer may still be under way (worker/layerwise.py)
+        if self._layers is not None:
+            self._layers.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         return  # whole blocks are copied once per step, in wait_for_save
@@ -415,6 +438,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             if len(self.groups) > 1:
                 self._failed_now |= done
             return None, done or None
+        if self._layers is not None:
+            self._layers.end_step()  # every staged block of this step is in place
         if self._idle_step:
             self.worker.wait_for_jobs(IDLE_WAIT_S)
         finished, errors, failed, report = self.worker.poll()
@@ -481,6 +506,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             out["worker_in_flight"] = self.worker.in_flight
             out["staging_in_use"] = self.worker.staging_in_use
+        if self._layers is not None:
+            out.update({f"layerwise_{k}": v for k, v in self._layers.counts.items()})
         return out
 
     def shutdown(self) -> None:

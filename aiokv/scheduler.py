@@ -106,6 +106,11 @@ class SchedulerSide:
         self.shared = None
         self._remote: dict[str, tuple[int, int]] = {}  # req -> blocks [start, end) from the shared tier
         self._from_shared: set[tuple[int, bytes]] = set()  # (group, key) reserved for a load from it
+        # layerwise loads (worker/layerwise.py): a load reported finished may still sit in
+        # staging, copied in at the workers' next step; until the request ends, its end
+        # is sent as a cancel so that its blocks, once vLLM frees them, are never written
+        self.layerwise = False
+        self._staged: set[str] = set()
 
     # ---- matching and allocation ----
     def _state(self, req_id: str, tokens, root: bytes) -> _Req:
@@ -352,6 +357,8 @@ class SchedulerSide:
                     self.counters.load_bad_blocks += len(keys)
         for req_id in finished_recving or ():
             self._unpin_loading(req_id)
+            if self.layerwise and req_id in self._reqs:
+                self._staged.add(req_id)
 
     def finished(self, req_id: str) -> bool:
         """The request is gone from vLLM. Returns whether to delay freeing its blocks: never."""
@@ -364,6 +371,9 @@ class SchedulerSide:
         if req_id in self._loading:
             self._cancel.append(req_id)  # vLLM keeps its blocks until we report the load
             self.counters.loads_cancelled += 1
+        elif req_id in self._staged:
+            self._cancel.append(req_id)  # its blocks are vLLM's to reuse: never copy into them
+        self._staged.discard(req_id)
         return False
 
     def close(self) -> None:

@@ -18,8 +18,14 @@ Two implementations of one interface:
   copy_in scatters on the side stream and synchronises before the load is
   reported. Checked by tools/gpu_check.py on a CUDA machine.
 
-Threading contract: copy_out/after_step run on the vLLM worker's main thread;
-copy_in and wait_out run on the worker's event-loop thread.
+Layer by layer (aiokv/worker/layerwise.py): copy_in_layer (CPU) copies one
+layer of verified blocks; copy_in_layer_async (CUDA) queues one layer's copies
+on the side stream and returns its event, for the compute stream to wait on
+before that layer's attention.
+
+Threading contract: copy_out/after_step/begin_layers/copy_in_layer_async run on
+the vLLM worker's main thread; copy_in and wait_out on the worker's event-loop thread;
+copy_in_layer on the layerwise copy thread.
 """
 from __future__ import annotations
 
@@ -96,6 +102,10 @@ class Device:
     def copy_in(self, block_ids: list[int], slots: list[int]) -> None:
         raise NotImplementedError
 
+    def copy_in_layer(self, index: int, block_ids: list[int], slots: list[int]) -> None:
+        """Only layer `index` of the blocks, staging -> KV cache (synchronous devices)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Give back what attach() took (pinned registrations)."""
 
@@ -114,16 +124,18 @@ class CpuDevice(Device):
                              layer.nbytes))
         self._flat = flat if len(flat) == len(self.layers) and len({f[3] for f in flat}) == 1 else None
 
-    def _addrs(self, block_ids, slots):
-        """(device addresses, staging addresses) as int64 arrays, layer-major."""
+    def _addrs(self, block_ids, slots, flat=None):
+        """(device addresses, staging addresses) as int64 arrays, layer-major
+        (of the layers in `flat`, default all)."""
         # raw addresses: an id out of range would be memory corruption, not an IndexError
         if len(block_ids) != len(slots) or min(block_ids) < 0 or max(block_ids) >= self.num_blocks \
                 or min(slots) < 0 or max(slots) >= self.pool.count:
             raise IndexError(f"aiokv: block ids or staging slots out of range ({len(block_ids)} blocks)")
         blocks = torch.tensor(block_ids, dtype=torch.int64)
         rows = torch.tensor(slots, dtype=torch.int64) * self.pool.slot_bytes + self.pool.arena.addr
-        dev = torch.cat([base + blocks * stride for base, stride, _, _ in self._flat])
-        stg = torch.cat([rows + col for _, _, col, _ in self._flat])
+        flat = self._flat if flat is None else flat
+        dev = torch.cat([base + blocks * stride for base, stride, _, _ in flat])
+        stg = torch.cat([rows + col for _, _, col, _ in flat])
         return dev.numpy().tobytes(), stg.numpy().tobytes(), self._flat[0][3]
 
     def copy_out(self, block_ids, slots):
@@ -132,16 +144,23 @@ class CpuDevice(Device):
     def copy_in(self, block_ids, slots):
         self._copy(block_ids, slots, out=False)
 
-    def _copy(self, block_ids, slots, out: bool) -> None:
-        """KV blocks -> staging slots (out) or back, whole blocks of every layer."""
+    def copy_in_layer(self, index, block_ids, slots):
+        self._copy(block_ids, slots, out=False, only=index)
+
+    def _copy(self, block_ids, slots, out: bool, only: int | None = None) -> None:
+        """KV blocks -> staging slots (out) or back, whole blocks of every layer
+        (or of layer `only`)."""
         if self._flat is not None:
-            dev, stg, nbytes = self._addrs(block_ids, slots)
+            flat = None if only is None else self._flat[only:only + 1]
+            dev, stg, nbytes = self._addrs(block_ids, slots, flat)
             _native.memcpy_many(stg, dev, nbytes) if out else _native.memcpy_many(dev, stg, nbytes)
             return
         blocks = torch.tensor(block_ids, dtype=torch.long)
         rows = torch.tensor(slots, dtype=torch.long)
         n = len(block_ids)
-        for layer, a, b in self._cols():
+        for i, (layer, a, b) in enumerate(self._cols()):
+            if only is not None and i != only:
+                continue
             if out:
                 self._rows[:, a:b].index_copy_(0, rows, layer.view.index_select(0, blocks).reshape(n, -1)
                                                .view(torch.uint8))
@@ -228,6 +247,32 @@ class CudaDevice(Device):
                 dev = host.to(self.device).view(layer.dtype).view(n, *layer.block_shape)
                 layer.view.index_copy_(0, idx, dev)
         self.in_stream.synchronize()
+
+    def begin_layers(self, block_ids):
+        """Start of a layer-by-layer copy-in (vLLM's thread, before the forward):
+        the side stream first waits for the kernels already queued on the compute
+        stream (they may still touch blocks freed earlier). Returns the block ids
+        on the device, for copy_in_layer_async."""
+        with torch.cuda.stream(self.in_stream):
+            self.in_stream.wait_stream(torch.cuda.current_stream(self.device))
+            return torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def copy_in_layer_async(self, index: int, idx, slots: list[int]):
+        """Queue layer `index` of verified blocks, pinned staging -> KV cache, on
+        the side stream; returns the event recorded after it. Nothing here waits:
+        the compute stream waits on the event before that layer's attention, and
+        the staging slots are given back once the last event has completed."""
+        layer, a, b = list(self._cols())[index]
+        n = len(slots)
+        with torch.cuda.stream(self.in_stream):
+            # allocated on the side stream: the allocator reuses it only after this stream's work
+            dev = torch.empty(n, b - a, dtype=torch.uint8, device=self.device)
+            for i, s in enumerate(slots):  # rows of the pinned arena: DMA, no host gather
+                dev[i].copy_(self._rows[s, a:b], non_blocking=True)
+            layer.view.index_copy_(0, idx, dev.view(layer.dtype).view(n, *layer.block_shape))
+            ev = torch.cuda.Event()
+            ev.record(self.in_stream)
+        return ev
 
     def close(self) -> None:
         if getattr(self, "_registered", False):  # attach may have failed before pinning

@@ -46,6 +46,7 @@ from aiokv.io.buffers import SlotPool
 from aiokv.jobs import Transfer, WorkerReport
 from aiokv.store import format as fmt
 from aiokv.store.blockio import BlockIO
+from aiokv.worker.layerwise import LayerwiseLoads
 from aiokv.worker.latency import latency_counts
 
 log = logging.getLogger("aiokv")
@@ -66,7 +67,8 @@ CLOSE_DRAIN_S = 10.0  # close() waits this long for outstanding jobs, then leave
 class TransferWorker:
     def __init__(self, device, ns_dir: str, nsid: bytes, rank: int, staging_bytes: int, io: str = "auto",
                  queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0, shared=None,
-                 upload_queue: int = 256 << 20, flush_timeout: float = 10.0, secret: str | None = None):
+                 upload_queue: int = 256 << 20, flush_timeout: float = 10.0, secret: str | None = None,
+                 layerwise: bool = False):
         self.device = device
         self.secret = secret
         # the shared tier (docs/sharing.md): a SharedClient, or None
@@ -77,6 +79,8 @@ class TransferWorker:
         self.save_timeout = save_timeout
         slot_bytes = fmt.slot_bytes(device.payload_bytes)
         self.pool = SlotPool(slot_bytes, max(4, staging_bytes // slot_bytes))
+        # verified loads copied in layer by layer during the next forward (worker/layerwise.py)
+        self.layers = LayerwiseLoads(self) if layerwise else None
         self.thread = None
         try:
             device.attach(self.pool)
@@ -277,6 +281,8 @@ class TransferWorker:
                     self._loads[t.req_id] = (t, fut)
 
     def cancel(self, req_ids) -> None:
+        if self.layers is not None:
+            self.layers.cancel(req_ids)
         for r in req_ids:
             with self._lock:
                 entry = self._loads.get(r)
@@ -331,6 +337,8 @@ class TransferWorker:
         remote = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if r]
         if remote:
             await self._load_remote(t, remote, failed, bad_keys)
+        if self.layers is not None and self.layers.fits(len(todo)):
+            return await self.layers.read(t, todo, failed, bad_keys)
         i = 0
         while i < len(todo):
             slots = await self._acquire(len(todo) - i)

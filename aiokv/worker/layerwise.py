@@ -1,0 +1,249 @@
+"""Layer-by-layer copy-in of loaded blocks (docs/design.md, "Layer-by-layer loads").
+
+With `layerwise` on, a load is read and verified whole, exactly as without it
+(every block's header, payload CRC32C and MAC before anything is used), but the
+verified blocks stay in their staging slots instead of being copied into the KV
+cache on the loop thread: the load is reported finished at once, and the next
+engine step copies them in, layer by layer, while the forward pass runs:
+
+- `begin` (vLLM's thread, when the step's metadata is bound, before the
+  forward): first drops the staged loads of requests this step cancels (their
+  blocks may already belong to another request), then starts the copies of
+  every other staged load, layer 0 first;
+- `wait_layer(name)` (wait_for_layer_load, before that layer's attention)
+  returns once that layer of every staged block is in place;
+- `end_step` (get_finished, after the forward) makes sure every layer is in
+  place, whether or not the forward asked for it, before the step ends.
+
+Why this is never wrong: vLLM marks a loaded block computed (and caches it in
+its prefix cache) only after the load is reported finished, and the first
+forward pass that can read it is one of a later step, whose `begin` started the
+copies and whose attention waits for each layer. What is deferred is only a
+memcpy (CPU) or DMA (CUDA) of bytes already verified, which cannot fail the way a
+read can; a read or verification failure is still reported with the load, as
+block errors, before vLLM uses anything (the blocks from the first failed one on
+are not staged: vLLM recomputes them, possibly in the very step that copies).
+
+CPU: a copy thread copies layer after layer (native memcpy, GIL released) and
+sets one event per layer. CUDA: the copies run on the device's side stream, one
+event per layer; wait_layer makes the compute stream wait on the layer's event
+(no host wait); later layers are queued LOOKAHEAD layers ahead of the forward,
+so the host cost of queueing them overlaps the GPU's work; the staging slots go
+back to the pool once the last event has completed.
+
+A load that needs more than half the staging pool is copied in on the loop
+thread as before (holding its slots for a step could starve other loads).
+
+Threading contract: `read` runs on the worker's event-loop thread; `begin`,
+`wait_layer`, `end_step` and `cancel` on vLLM's worker thread; the CPU copies on
+this object's copy thread. They meet in `_lock`-protected state.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import threading
+
+from aiokv.jobs import Transfer
+
+log = logging.getLogger("aiokv")
+LOOKAHEAD = 2         # CUDA: layers queued ahead of the one the forward waits for
+CANCELLED_MEMORY = 4096  # request ids remembered as cancelled (a cancel may come before the load is staged)
+
+
+class _Batch:
+    """The staged loads one step copies in: block ids, staging slots, per-layer done markers."""
+
+    def __init__(self, blocks: list[int], slots: list[int], layers: int):
+        self.blocks, self.slots = blocks, slots
+        self.done = [threading.Event() for _ in range(layers)]  # CPU
+        self.events: list = []                                  # CUDA, one per queued layer
+        self.idx = None
+        self.error: BaseException | None = None
+
+
+class LayerwiseLoads:
+    def __init__(self, worker):
+        self.w = worker
+        self.device = worker.device
+        self.names = {layer.name: i for i, layer in enumerate(self.device.layers)}
+        self._lock = threading.Lock()
+        self._staged: list[tuple[str, list[int], list[int]]] = []  # (req, block ids, slots) verified, not copied
+        self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._batch: _Batch | None = None
+        self._pending: list[tuple[object, list[int]]] = []  # CUDA: (last event, slots) not yet given back
+        self._thread: threading.Thread | None = None
+        self._queue: collections.deque = collections.deque()
+        self._wake = threading.Condition()
+        self.counts = collections.Counter()  # staged_loads, staged_blocks, copied_blocks, layer_waits, dropped_blocks
+
+    # ---- loop thread ----
+    def fits(self, n: int) -> bool:
+        return 0 < n <= self.w.pool.count // 2
+
+    async def read(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
+        """Read and verify `todo` [(key, location, block id)] into staging slots taken
+        all at once; stage the verified blocks before the first failed one."""
+        from aiokv.worker.transfer import NOT_IO_ERRORS  # (transfer imports this module)
+
+        w = self.w
+        slots = await self._acquire_all(len(todo))
+        keep = 0
+        try:
+            addr = w.pool.addr
+            res = await w._blockio().read([(s, k, addr(b)) for (k, s, _), b in zip(todo, slots)])
+            bad_keys += [(k, s, t.group) for (k, s, _), r in zip(todo, res) if r != 0]
+            w._count(read_errors=sum(r not in NOT_IO_ERRORS for r in res))
+            # a block id outside the cache would be a bug upstream: never staged (recomputed)
+            keep = next((i for i, (r, (_, _, b)) in enumerate(zip(res, todo))
+                         if r != 0 or not 0 < b < self.device.num_blocks), len(res))
+            blocks = [b for _, _, b in todo[:keep]]
+            with self._lock:
+                if keep and t.req_id not in self._cancelled:
+                    self._staged.append((t.req_id, blocks, slots[:keep]))
+                    self.counts.update(staged_loads=1, staged_blocks=keep)
+                else:
+                    keep = 0
+            if keep:
+                failed.difference_update(blocks)
+                w._count(bytes_read=keep * w.slot_bytes)
+        finally:
+            w._release(slots[keep:])
+
+    async def _acquire_all(self, n: int) -> list[int]:
+        """n staging slots at once (never a part held while waiting for the rest)."""
+        w = self.w
+        while True:
+            with w._lock:
+                slots = w.pool.acquire(n) if w.pool.available >= n else None
+                all_stuck = slots is None and w.pool.in_use and w.pool.in_use == len(w._stuck)
+            if slots is not None:
+                return slots
+            if all_stuck:
+                w._count(load_staging_stuck=1)
+                raise OSError(errno.EBUSY, "every staging slot is held by I/O the disk has not finished")
+            w._slots_freed.clear()
+            await w._slots_freed.wait()
+
+    # ---- vLLM's thread ----
+    def cancel(self, req_ids) -> None:
+        """These requests are gone: their staged blocks are never copied (vLLM may
+        already have handed the block ids to another request)."""
+        drop = []
+        with self._lock:
+            for r in req_ids:
+                self._cancelled[r] = None
+                self._cancelled.move_to_end(r)
+            while len(self._cancelled) > CANCELLED_MEMORY:
+                self._cancelled.popitem(last=False)
+            keep = []
+            for item in self._staged:
+                (drop if item[0] in self._cancelled else keep).append(item)
+            self._staged = keep
+            self.counts.update(dropped_blocks=sum(len(b) for _, b, _ in drop))
+        for _, _, slots in drop:
+            self.w._release(slots)
+
+    def begin(self) -> None:
+        """Start copying every staged load in (before this step's forward)."""
+        self._give_back_done()
+        if self._batch is not None:  # the previous step's did not end (no get_finished): finish it first
+            self.end_step()
+        with self._lock:
+            staged, self._staged = self._staged, []
+        if not staged:
+            return
+        blocks = [b for _, bs, _ in staged for b in bs]
+        slots = [s for _, _, ss in staged for s in ss]
+        batch = self._batch = _Batch(blocks, slots, len(self.device.layers))
+        self.counts.update(copied_blocks=len(blocks))
+        if self.device.asynchronous:
+            batch.idx = self.device.begin_layers(blocks)
+            self._queue_cuda(LOOKAHEAD - 1)
+            return
+        with self._wake:
+            self._queue.append(batch)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._copier, name=f"aiokv-layers{self.w.rank}", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def wait_layer(self, name: str) -> None:
+        batch = self._batch
+        i = self.names.get(name)
+        if batch is None or i is None:
+            return
+        self.counts.update(layer_waits=1)
+        if self.device.asynchronous:
+            import torch
+
+            self._queue_cuda(i + LOOKAHEAD)
+            torch.cuda.current_stream(self.device.device).wait_event(batch.events[i])
+        else:
+            batch.done[i].wait()
+            if batch.error is not None:
+                raise RuntimeError("aiokv: a verified load could not be copied into the KV cache") from batch.error
+
+    def end_step(self) -> None:
+        """Every layer of this step's copies is in place (CPU), or ordered before
+        the compute stream's next kernels (CUDA), when this returns."""
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
+        if self.device.asynchronous:
+            import torch
+
+            self._queue_cuda(len(self.device.layers) - 1, batch)
+            torch.cuda.current_stream(self.device.device).wait_event(batch.events[-1])
+            self._pending.append((batch.events[-1], batch.slots))
+        else:
+            batch.done[-1].wait()  # layers are copied in order: the last one done means all
+            if batch.error is not None:
+                raise RuntimeError("aiokv: a verified load could not be copied into the KV cache") from batch.error
+
+    def _queue_cuda(self, upto: int, batch: _Batch | None = None) -> None:
+        batch = batch or self._batch
+        last = min(upto, len(self.device.layers) - 1)
+        while len(batch.events) <= last:
+            batch.events.append(self.device.copy_in_layer_async(len(batch.events), batch.idx, batch.slots))
+
+    def _give_back_done(self) -> None:
+        """CUDA: staging slots whose copies have completed go back to the pool."""
+        still = []
+        for ev, slots in self._pending:
+            if ev.query():
+                self.w._release(slots)
+            else:
+                still.append((ev, slots))
+        self._pending = still
+
+    # ---- copy thread (CPU) ----
+    def _copier(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue:
+                    self._wake.wait()
+                batch = self._queue.popleft()
+            try:
+                for i, ev in enumerate(batch.done):
+                    self.device.copy_in_layer(i, batch.blocks, batch.slots)
+                    ev.set()
+            except BaseException as e:
+                # a bug, not a disk fault (the bytes were verified, the ids checked
+                # when staged); vLLM already counts these blocks as computed, so
+                # the forward must not go on with them: wait_layer raises
+                batch.error = e
+                log.exception("aiokv: copying loaded blocks into the KV cache failed")
+            finally:
+                for ev in batch.done:
+                    ev.set()
+                self.w._release(batch.slots)
+
+    @property
+    def held(self) -> int:
+        """Staging slots held by staged or copying loads."""
+        with self._lock:
+            n = sum(len(s) for _, _, s in self._staged)
+        return n + sum(len(s) for _, s in self._pending)
+

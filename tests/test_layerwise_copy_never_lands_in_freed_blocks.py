@@ -1,0 +1,173 @@
+"""Bug: with layer-by-layer loads, verified blocks wait in staging after the
+load is reported finished and are copied into the KV cache during the next
+step's forward. If a request ends in between, vLLM frees its blocks and may hand
+them to another request: a late copy would overwrite that request's KV. A copy
+of a block after the first one that failed would race vLLM's recompute of it.
+Invariant: nothing reaches the KV cache before `begin` (the step's start); every
+layer of every staged block is in place when its `wait_layer` returns and when
+`end_step` returns; a cancelled request's staged blocks are never copied,
+whether the cancel comes before or after the load was staged; blocks from the
+first failed one on are never staged; staging slots all come back; a load
+bigger than half the pool takes the whole-request path (copied before it is
+reported).
+Fix: aiokv/worker/layerwise.py (stage, cancel-before-copy, per-layer events).
+Real io_uring/thread backends, real files, a real CPU KV tensor.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from aiokv.jobs import Transfer
+from aiokv.store import format as fmt
+from aiokv.store.blockio import data_path
+from aiokv.store.store import ns_dir
+from aiokv.worker.device import CpuDevice
+from aiokv.worker.transfer import TransferWorker
+from tests.conftest import NS, key
+
+NB = 24
+SLOTS = 16
+
+
+def _worker(root: str, backend_kind: str) -> tuple[TransferWorker, dict]:
+    kv = {f"l{i}": torch.randn(NB, 2, 32, 8) for i in range(2)}
+    os.makedirs(ns_dir(root, NS), exist_ok=True)
+    dev = CpuDevice(kv, NB)
+    w = TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=SLOTS * fmt.slot_bytes(dev.payload_bytes),
+                       io=backend_kind, layerwise=True)
+    return w, kv
+
+
+def _save(w: TransferWorker, n: int) -> None:
+    """Blocks 1..n saved under key(0..n-1) in slots 0..n-1."""
+    w.save([Transfer("s", [key(i) for i in range(n)], list(range(n)), [i + 1 for i in range(n)])])
+    w.drain(10)
+    _, _, rep = w.poll()
+    assert len(rep.saved) == n and not rep.save_failed, rep
+
+
+def _finished(w: TransferWorker, req: str, timeout: float = 10) -> set:
+    end = time.monotonic() + timeout
+    errors: set = set()
+    while time.monotonic() < end:
+        done, errs, _ = w.poll()
+        errors |= errs
+        if req in done:
+            return errors
+        time.sleep(0.005)
+    raise AssertionError(f"load {req} never finished")
+
+
+def _same(kv, dst: int, src: int) -> bool:
+    return all(torch.equal(t[dst], t[src]) for t in kv.values())
+
+
+def _mark(kv, blocks) -> dict:
+    """Fill blocks with a sentinel; returns their contents to compare later."""
+    for t in kv.values():
+        for b in blocks:
+            t[b].fill_(7.5)
+    return {b: [t[b].clone() for t in kv.values()] for b in blocks}
+
+
+def _untouched(kv, marks) -> bool:
+    return all(torch.equal(t[b], m) for b, ms in marks.items() for t, m in zip(kv.values(), ms))
+
+
+def test_staged_blocks_land_layer_by_layer_at_the_next_step(tmp_path, backend_kind):
+    w, kv = _worker(str(tmp_path), backend_kind)
+    try:
+        _save(w, 4)
+        marks = _mark(kv, [11, 12, 13, 14])
+        w.load([Transfer("r", [key(i) for i in range(4)], [0, 1, 2, 3], [11, 12, 13, 14])])
+        assert _finished(w, "r") == set()
+        time.sleep(0.05)
+        assert _untouched(kv, marks), "a staged load must not reach the KV cache before the next step"
+        assert w.pool.in_use == 4
+        lw = w.layers
+        lw.begin()
+        lw.wait_layer("l0")
+        assert all(torch.equal(kv["l0"][11 + i], kv["l0"][1 + i]) for i in range(4))
+        lw.wait_layer("l1")
+        lw.end_step()
+        assert all(_same(kv, 11 + i, 1 + i) for i in range(4))
+        time.sleep(0.05)  # the copy thread gives the slots back right after the last layer
+        assert w.pool.in_use == 0
+        assert lw.counts["staged_blocks"] == 4 and lw.counts["copied_blocks"] == 4
+    finally:
+        w.close()
+
+
+def test_cancel_after_staging_never_copies(tmp_path, backend_kind):
+    w, kv = _worker(str(tmp_path), backend_kind)
+    try:
+        _save(w, 3)
+        marks = _mark(kv, [15, 16, 17])
+        w.load([Transfer("gone", [key(i) for i in range(3)], [0, 1, 2], [15, 16, 17])])
+        _finished(w, "gone")
+        w.cancel(["gone"])  # the request ended; vLLM may give blocks 15-17 to another request
+        w.layers.begin()
+        w.layers.end_step()
+        time.sleep(0.05)
+        assert _untouched(kv, marks)
+        assert w.pool.in_use == 0 and w.layers.counts["dropped_blocks"] == 3
+    finally:
+        w.close()
+
+
+def test_cancel_before_staging_never_copies(tmp_path, backend_kind):
+    w, kv = _worker(str(tmp_path), backend_kind)
+    try:
+        _save(w, 3)
+        marks = _mark(kv, [18, 19, 20])
+        w.load([Transfer("early", [key(i) for i in range(3)], [0, 1, 2], [18, 19, 20])])
+        w.cancel(["early"])  # before or while the load runs: whichever, it is never staged
+        _finished(w, "early")
+        w.layers.begin()
+        w.layers.end_step()
+        time.sleep(0.05)
+        assert _untouched(kv, marks)
+        assert w.pool.in_use == 0
+    finally:
+        w.close()
+
+
+def test_blocks_from_the_first_bad_one_on_are_not_staged(tmp_path, backend_kind):
+    w, kv = _worker(str(tmp_path), backend_kind)
+    try:
+        _save(w, 4)
+        sb = fmt.slot_bytes(w.device.payload_bytes)
+        path = data_path(ns_dir(str(tmp_path), NS), 0)
+        with open(path, "r+b") as f:  # one byte of the second layer's section of slot 2
+            off = 2 * sb + fmt.HEADER_BYTES + w.device.layers[0].nbytes + 5
+            f.seek(off)
+            b = f.read(1)
+            f.seek(off)
+            f.write(bytes([b[0] ^ 1]))
+        marks = _mark(kv, [13, 14])
+        w.load([Transfer("r", [key(i) for i in range(4)], [0, 1, 2, 3], [11, 12, 13, 14])])
+        assert _finished(w, "r") == {13, 14}, "the bad block and every one after it are recomputed"
+        w.layers.begin()
+        w.layers.end_step()
+        assert _same(kv, 11, 1) and _same(kv, 12, 2)
+        assert _untouched(kv, marks)
+        time.sleep(0.05)
+        assert w.pool.in_use == 0
+    finally:
+        w.close()
+
+
+def test_a_load_over_half_the_pool_is_copied_before_it_is_reported(tmp_path, backend_kind):
+    w, kv = _worker(str(tmp_path), backend_kind)
+    try:
+        n = SLOTS // 2 + 1
+        _save(w, n)
+        w.load([Transfer("big", [key(i) for i in range(n)], list(range(n)), [12 + i for i in range(n)])])
+        assert _finished(w, "big") == set()
+        assert all(_same(kv, 12 + i, 1 + i) for i in range(n))
+        assert w.layers.counts["staged_blocks"] == 0 and w.pool.in_use == 0
+    finally:
+        w.close()
