@@ -195,7 +195,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         # other models load whole requests, as without the setting
         self.layerwise = self.cfg.layerwise and len(self.groups) == 1 and self.groups[0].kind == FULL
         if self.cfg.layerwise and not self.layerwise and role == KVConnectorRole.SCHEDULER:
-            log.info("aiokv: layerwise loads need a model with one full-attention KV-cache group; "
+            log.warning("aiokv: layerwise loads need a model with one full-attention KV-cache group; "
                      "this one (%s) loads whole requests", ", ".join(g.kind for g in self.groups))
         self._layers = None  # the worker's LayerwiseLoads
         if role == KVConnectorRole.SCHEDULER:

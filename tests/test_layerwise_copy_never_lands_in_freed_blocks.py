@@ -160,6 +160,24 @@ def test_blocks_from_the_first_bad_one_on_are_not_staged(tmp_path, backend_kind)
         w.close()
 
 
+def test_nothing_after_a_block_that_cannot_be_loaded_is_staged(tmp_path, backend_kind):
+    """A key gone since the lookup (slot -1) fails its block; vLLM recomputes from
+    there, so the blocks after it, read fine, must not be copied either."""
+    w, kv = _worker(str(tmp_path), backend_kind)
+    try:
+        _save(w, 3)
+        marks = _mark(kv, [12, 13])
+        w.load([Transfer("r", [key(0), key(1), key(2)], [0, -1, 2], [11, 12, 13])])
+        assert _finished(w, "r") == {12, 13}
+        w.layers.begin()
+        w.layers.end_step()
+        assert _same(kv, 11, 1) and _untouched(kv, marks)
+        time.sleep(0.05)
+        assert w.pool.in_use == 0
+    finally:
+        w.close()
+
+
 def test_a_load_over_half_the_pool_is_copied_before_it_is_reported(tmp_path, backend_kind):
     w, kv = _worker(str(tmp_path), backend_kind)
     try:

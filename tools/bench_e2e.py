@@ -4,6 +4,7 @@ per prompt length, next to what the loaded bytes cost at fio's read bandwidth.
 
     PYTHONPATH=. .venv/bin/python tools/bench_e2e.py [--json] [--out FILE] [--plot DIR]
         [--lengths 2048,4096,8192] [--layers 8 --hidden 512 ...] [--dir PATH] [--baseline] [--switch-interval S]
+    PYTHONPATH=. .venv/bin/python tools/bench_e2e.py --layerwise [--repeat 3] [--mp] [--lengths ...]
 
 A mid-size Llama-style model is built locally (aiokv.demo.tiny_model.build,
 random weights, no hub). Then, each in its own process (a real restart):
@@ -17,6 +18,14 @@ random weights, no hub). Then, each in its own process (a real restart):
   engine's floor for this prompt.
 Prompts are distinct random token sequences (no prefix shared between them),
 one request at a time, max_tokens=1, temperature 0.
+
+--layerwise compares warm TTFT with the `layerwise` setting off and on
+(docs/design.md, "Layer-by-layer loads"): the cold life also stores a second
+prompt set; then `--repeat` pairs of warm lives, off then on, each on its own
+copy of the cold cache, time the stored prompts (a full hit: everything but the
+last token loaded) and prompts whose first half is one of the second set's
+("half": half loaded, half computed beside the copy). --mp runs the lives with
+vLLM's engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1).
 
 The byte-cost bound of a warm TTFT is hot + bytes / B, where bytes = the slots
 aiokv read (hit blocks x slot bytes) and B = fio's read bandwidth measured in
@@ -42,9 +51,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 32
 
 
-def prompts(lengths: list[int]) -> list[list[int]]:
-    rnd = random.Random(1234)
+def prompts(lengths: list[int], seed: int = 1234) -> list[list[int]]:
+    rnd = random.Random(seed)
     return [[1] + [rnd.randrange(3, 500) for _ in range(n - 1)] for n in lengths]
+
+
+def second_prompts(lengths: list[int]) -> list[list[int]]:
+    return prompts(lengths, seed=4321)
 
 
 # ------------------------------------------------------------------ child (one vLLM life)
@@ -71,8 +84,15 @@ def child(args) -> None:
     llm.generate([{"prompt_token_ids": [1] + [7] * 95}], one, use_tqdm=False)
     rows = []
     passes = ["first"] + (["hot"] if args.label == "warm" else [])
+    sets = {"first": ps, "hot": ps}
+    if args.layerwise:  # --layerwise: the second set is stored cold, hit by half warm
+        second = second_prompts(args.lengths)
+        passes, sets = ["first", "half"], {"first": ps, "half": second}
+        if args.label != "cold":
+            sets["half"] = [q[:len(q) // 2 // BLOCK * BLOCK] + h[len(q) // 2 // BLOCK * BLOCK:]
+                            for q, h in zip(second, prompts(args.lengths, seed=99))]
     for kind in passes:
-        for p in ps:
+        for p in sets[kind]:
             t = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)[0]
             rows.append({"pass": kind, "prompt_tokens": len(p), "ttft_s": time.perf_counter() - t,
@@ -90,11 +110,16 @@ def child(args) -> None:
         pass
 
 
-def life(label: str, model: str, cache: str, args) -> dict:
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", TQDM_DISABLE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+def life(label: str, model: str, cache: str, args, extra: dict | None = None) -> dict:
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", TQDM_DISABLE="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1" if getattr(args, "mp", False) else "0",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    if extra:
+        env["AIOKV_BENCH_EXTRA"] = json.dumps({**json.loads(os.environ.get("AIOKV_BENCH_EXTRA", "{}")), **extra})
     cmd = [sys.executable, os.path.abspath(__file__), "--child", label, "--model", model, "--cache", cache,
            "--lengths", ",".join(map(str, args.lengths)), "--kv-mib", str(args.kv_mib)]
+    if args.layerwise:
+        cmd.append("--layerwise")
     if args.switch_interval:
         cmd += ["--switch-interval", str(args.switch_interval)]
     t = time.monotonic()
@@ -167,6 +192,10 @@ def main() -> int:
     ap.add_argument("--baseline", action="store_true", help="also run vLLM without a connector (one more life)")
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="experiment: sys.setswitchinterval in the vLLM processes (default: Python's 0.005 s)")
+    ap.add_argument("--layerwise", action="store_true",
+                    help="compare warm TTFT with the layerwise setting off and on (full and half hits)")
+    ap.add_argument("--repeat", type=int, default=3, help="--layerwise: pairs of warm lives (off, on)")
+    ap.add_argument("--mp", action="store_true", help="engine core in its own process (default: in-process)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
@@ -192,6 +221,12 @@ def main() -> int:
     slot = fmt.slot_bytes(payload)
     cache = os.path.join(base, "cache")
     shutil.rmtree(cache, ignore_errors=True)
+    if args.layerwise:
+        try:
+            return layerwise_compare(args, model, kv, cache, base, log, t0)
+        finally:
+            if args.dir is None:
+                shutil.rmtree(base, ignore_errors=True)
     runs = {}
     try:
         for label in (["base"] if args.baseline else []) + ["cold", "warm"]:
@@ -235,6 +270,60 @@ def main() -> int:
     import bench_store as bs
 
     return bs.emit(doc, args, render, plot)
+
+
+def layerwise_compare(args, model: str, kv: dict, cache: str, base: str, log, t0: float) -> int:
+    """Warm TTFT, layerwise off vs on, alternating lives on copies of one cold cache."""
+    import statistics
+
+    import bench_store as bs
+
+    log("bench_e2e: cold ...")
+    cold = life("cold", model, cache, args)
+    lives: dict[str, list] = {"off": [], "on": []}
+    for r in range(args.repeat):
+        for mode in ("off", "on"):
+            mine = os.path.join(base, f"cache-{mode}")
+            shutil.rmtree(mine, ignore_errors=True)
+            shutil.copytree(cache, mine)
+            log(f"bench_e2e: warm layerwise {mode} ({r + 1}/{args.repeat}) ...")
+            lives[mode].append(life(f"warm-{mode}", model, mine, args, {"layerwise": mode == "on"}))
+            shutil.rmtree(mine, ignore_errors=True)
+    rows = []
+    n = len(args.lengths)
+    for kind, offset in (("full", 0), ("half", n)):
+        for i, length in enumerate(args.lengths):
+            cell = {m: [lv["rows"][offset + i] for lv in lives[m]] for m in lives}
+            off = statistics.median(c["ttft_s"] for c in cell["off"])
+            on = statistics.median(c["ttft_s"] for c in cell["on"])
+            rows.append({"kind": kind, "prompt_tokens": length, "hit_tokens": cell["on"][0]["cached_tokens"],
+                         "off_s": off, "on_s": on, "gain_s": off - on, "on_over_off": on / off,
+                         "off_all": [round(c["ttft_s"], 4) for c in cell["off"]],
+                         "on_all": [round(c["ttft_s"], 4) for c in cell["on"]],
+                         "same_token": len({c["token"] for m in cell for c in cell[m]}) == 1})
+    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "model": kv,
+           "block_size": BLOCK, "engine_core": "own process" if args.mp else "in-process", "repeat": args.repeat,
+           "rows": rows, "counters": {"cold": cold.get("counters"), "on": lives["on"][-1].get("counters")},
+           "seconds": round(time.monotonic() - t0, 1)}
+    try:
+        doc["machine"] = bs.machine(base)
+    except Exception:  # noqa: BLE001
+        pass
+    return bs.emit(doc, args, render_layerwise, None)
+
+
+def render_layerwise(doc: dict) -> str:
+    m = doc["model"]
+    lines = [f"model: {m['layers']} layers, hidden {m['hidden']}, fp32; block {doc['block_size']}; engine core "
+             f"{doc['engine_core']}; median of {doc['repeat']} lives each",
+             "",
+             "| hit | prompt tokens | hit tokens | layerwise off s | layerwise on s | gain s | on/off | same token |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        lines.append(f"| {r['kind']} | {r['prompt_tokens']} | {r['hit_tokens']} | {r['off_s']:.4f} | {r['on_s']:.4f} "
+                     f"| {r['gain_s']:+.4f} | {r['on_over_off']:.3f} | {r['same_token']} |")
+    return "\n".join(lines)
 
 
 def render(doc: dict) -> str:

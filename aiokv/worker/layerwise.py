@@ -89,27 +89,37 @@ class LayerwiseLoads:
 
         w = self.w
         slots = await self._acquire_all(len(todo))
-        keep = 0
+        keep, picked = 0, []
         try:
             addr = w.pool.addr
             res = await w._blockio().read([(s, k, addr(b)) for (k, s, _), b in zip(todo, slots)])
             bad_keys += [(k, s, t.group) for (k, s, _), r in zip(todo, res) if r != 0]
             w._count(read_errors=sum(r not in NOT_IO_ERRORS for r in res))
-            # a block id outside the cache would be a bug upstream: never staged (recomputed)
-            keep = next((i for i, (r, (_, _, b)) in enumerate(zip(res, todo))
-                         if r != 0 or not 0 < b < self.device.num_blocks), len(res))
-            blocks = [b for _, _, b in todo[:keep]]
+            nb = self.device.num_blocks
+            good = {b: slot for (_, _, b), slot, r in zip(todo, slots, res) if r == 0 and 0 < b < nb}
+            # vLLM recomputes from a request's first block not loaded (a bad read, a key gone,
+            # a shared-tier block that did not arrive): nothing from there on is staged, or
+            # its copy could race that recompute
+            blocks = []
+            for b in t.block_ids:
+                if b in good:
+                    blocks.append(b)
+                elif b in failed:
+                    break
+            picked = [good[b] for b in blocks]
             with self._lock:
-                if keep and t.req_id not in self._cancelled:
-                    self._staged.append((t.req_id, blocks, slots[:keep]))
-                    self.counts.update(staged_loads=1, staged_blocks=keep)
+                if blocks and t.req_id not in self._cancelled:
+                    self._staged.append((t.req_id, blocks, picked))
+                    self.counts.update(staged_loads=1, staged_blocks=len(blocks))
                 else:
-                    keep = 0
+                    blocks, picked = [], []
+            keep = len(picked)
             if keep:
                 failed.difference_update(blocks)
                 w._count(bytes_read=keep * w.slot_bytes)
         finally:
-            w._release(slots[keep:])
+            held = set(picked)
+            w._release([s for s in slots if s not in held])
 
     async def _acquire_all(self, n: int) -> list[int]:
         """n staging slots at once (never a part held while waiting for the rest)."""
