@@ -45,8 +45,11 @@ IDLE_WAIT_S = 0.002  # how long an engine step with nothing to compute waits for
 
 
 class AioKVMetadata(KVConnectorMetadata):
-    def __init__(self, plan: StepPlan):
+    def __init__(self, plan: StepPlan, decode_like: bool = False):
         self.plan = plan
+        # every request of the step computes one token (plus its speculative ones): vLLM may
+        # replay a full CUDA graph, in which attention does not call wait_for_layer_load
+        self.decode_like = decode_like
 
 
 class AioKVWorkerMetadata(KVConnectorWorkerMetadata):
@@ -294,7 +297,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             items.append(Scheduled(req_id, c.num_computed_tokens[i], count(req_id), new, req_id in resumed))
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         boundary = state.boundary_state_offloads if state is not None else None
-        return AioKVMetadata(self.sched.plan(items, boundary))  # plan() contains its own failures
+        decode_like = all(n <= 1 + len(spec.get(r, ())) for r, n in n_sched.items())
+        return AioKVMetadata(self.sched.plan(items, boundary), decode_like)  # plan() contains its own failures
 
     def update_connector_output(self, connector_output) -> None:
         if self.sched is None:
@@ -405,7 +409,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             plan = self._plan()
             if plan.cancel:
                 self.worker.cancel(plan.cancel)
-            self._layers.begin()
+            self._layers.begin(whole=getattr(connector_metadata, "decode_like", True))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # loads are verified whole before vLLM schedules the request; with layerwise

@@ -21,7 +21,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def life(model: str, cache: str | None, dtype: str, block: int) -> dict:
+def life(model: str, cache: str | None, dtype: str, block: int, extra: dict | None = None) -> dict:
     code = f"""
 import json, os, random
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -30,7 +30,7 @@ kw = dict(model={model!r}, tokenizer={model!r}, dtype={dtype!r}, block_size={blo
           max_model_len=4096, gpu_memory_utilization=0.3, enforce_eager=True)
 if {cache!r}:
     kw["kv_transfer_config"] = dict(kv_connector="AioKVConnector", kv_role="kv_both",
-        kv_connector_module_path="aiokv.connector", kv_connector_extra_config=dict(path={cache!r}))
+        kv_connector_module_path="aiokv.connector", kv_connector_extra_config=dict(path={cache!r}, **{extra or {}!r}))
 llm = LLM(**kw)
 rnd = random.Random(0)
 ps = [[1] + [rnd.randrange(3, 500) for _ in range(n - 1)] for n in (300, 1000, 2500, 2500)]
@@ -85,10 +85,20 @@ def main() -> int:
         good = (cold["tokens"] == base["tokens"] and warm["tokens"] == base["tokens"] and c["hit_blocks"] > 0
                 and c["load_failed_blocks"] == 0 and c["save_failures"] == 0 and c["pending_saves"] == 0
                 and c["staging_in_use"] == 0 and warm["device"] == "CudaDevice")
-        ok &= good
+        # layer-by-layer copy-in (side stream, an event per layer): the same tokens, every hit
+        # block staged and copied; the last step's slots come back at the next step, so at
+        # most the layerwise copies' slots are still held
+        lw = life(model, cache, dtype, block, {"layerwise": True})
+        lc = lw["counters"]
+        good_lw = (lw["tokens"] == base["tokens"] and lc["hit_blocks"] == c["hit_blocks"]
+                   and lc.get("layerwise_copied_blocks") == lc["hit_blocks"] == lc.get("loads_ok_blocks")
+                   and lc.get("layerwise_layer_waits", 0) > 0 and lc["load_failed_blocks"] == 0
+                   and lc["staging_in_use"] <= lc.get("layerwise_copied_blocks", 0))
+        ok &= good and good_lw
         print(json.dumps(dict(dtype=dtype, block=block, ok=good, warm_cached=warm["cached"],
                               hit_blocks=c["hit_blocks"], loads_ok=c.get("loads_ok_blocks"),
-                              cold_saves=cold["counters"]["saves_committed"], device=warm["device"])))
+                              cold_saves=cold["counters"]["saves_committed"], device=warm["device"],
+                              layerwise_ok=good_lw, layerwise={k: v for k, v in lc.items() if "layer" in k})))
     print("gpu_check:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -29,7 +29,9 @@ sets one event per layer. CUDA: the copies run on the device's side stream, one
 event per layer; wait_layer makes the compute stream wait on the layer's event
 (no host wait); later layers are queued LOOKAHEAD layers ahead of the forward,
 so the host cost of queueing them overlaps the GPU's work; the staging slots go
-back to the pool once the last event has completed.
+back to the pool once the last event has completed. A step that may replay a
+full CUDA graph (every request computes one token) never calls wait_layer: its
+compute stream waits for every layer's copy before the forward (`begin(whole)`).
 
 A load that needs more than half the staging pool is copied in on the loop
 thread as before (holding its slots for a step could starve other loads).
@@ -155,8 +157,11 @@ class LayerwiseLoads:
         for _, _, slots in drop:
             self.w._release(slots)
 
-    def begin(self) -> None:
-        """Start copying every staged load in (before this step's forward)."""
+    def begin(self, whole: bool = False) -> None:
+        """Start copying every staged load in (before this step's forward). `whole`:
+        the forward may not call wait_layer (CUDA: a replayed full CUDA graph runs
+        attention inside the graph): every layer's copy is then ordered before the
+        forward's kernels."""
         self._give_back_done()
         if self._batch is not None:  # the previous step's did not end (no get_finished): finish it first
             self.end_step()
@@ -171,13 +176,19 @@ class LayerwiseLoads:
         if self.device.asynchronous:
             batch.idx = self.device.begin_layers(blocks)
             self._queue_cuda(LOOKAHEAD - 1)
-            return
-        with self._wake:
-            self._queue.append(batch)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._copier, name=f"aiokv-layers{self.w.rank}", daemon=True)
-                self._thread.start()
-            self._wake.notify()
+        else:
+            with self._wake:
+                self._queue.append(batch)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._copier, name=f"aiokv-layers{self.w.rank}",
+                                                    daemon=True)
+                    self._thread.start()
+                self._wake.notify()
+        if whole and self.device.asynchronous:  # (on the CPU attention always calls wait_layer)
+            import torch
+
+            self._queue_cuda(len(self.device.layers) - 1)
+            torch.cuda.current_stream(self.device.device).wait_event(batch.events[-1])
 
     def wait_layer(self, name: str) -> None:
         batch = self._batch
