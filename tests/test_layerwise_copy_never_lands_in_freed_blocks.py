@@ -135,6 +135,20 @@ def test_cancel_before_staging_never_copies(tmp_path, backend_kind):
         w.close()
 
 
+def test_an_id_used_again_after_its_cancel_still_loads(tmp_path, backend_kind):
+    w, kv = _worker(str(tmp_path), backend_kind)
+    try:
+        _save(w, 2)
+        w.cancel(["x"])  # an earlier request "x" ended
+        w.load([Transfer("x", [key(0), key(1)], [0, 1], [21, 22])])
+        assert _finished(w, "x") == set()
+        w.layers.begin()
+        w.layers.end_step()
+        assert _same(kv, 21, 1) and _same(kv, 22, 2)
+    finally:
+        w.close()
+
+
 def test_blocks_from_the_first_bad_one_on_are_not_staged(tmp_path, backend_kind):
     w, kv = _worker(str(tmp_path), backend_kind)
     try:

@@ -118,3 +118,12 @@ def test_several_groups_fall_back_to_whole_loads(tmp_path_factory, tmp_path):
     assert not any(k.startswith("layerwise_") for k in c), "no layerwise copies for a model with several groups"
     assert "loads whole requests" in warm["log"]
     assert_clean(warm)
+
+
+def test_layerwise_setting_must_be_true_or_false():
+    from aiokv.config import AioKVConfig, ConfigError
+
+    assert AioKVConfig.from_extra({"path": "/tmp/x", "layerwise": True}).layerwise
+    assert not AioKVConfig.from_extra({"path": "/tmp/x"}).layerwise
+    with pytest.raises(ConfigError, match="aiokv: layerwise must be true or false"):
+        AioKVConfig.from_extra({"path": "/tmp/x", "layerwise": "yes"})

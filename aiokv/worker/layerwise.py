@@ -139,6 +139,12 @@ class LayerwiseLoads:
             await w._slots_freed.wait()
 
     # ---- vLLM's thread ----
+    def started(self, req_id: str) -> None:
+        """A load for req_id is handed in: an earlier cancel of that id (a request that
+        ended, its id used again) does not apply to it."""
+        with self._lock:
+            self._cancelled.pop(req_id, None)
+
     def cancel(self, req_ids) -> None:
         """These requests are gone: their staged blocks are never copied (vLLM may
         already have handed the block ids to another request)."""

@@ -268,6 +268,8 @@ class TransferWorker:
             if self._dead:
                 self._load_done(t.req_id, list(t.block_ids))
                 continue
+            if self.layers is not None:  # a new load under an id seen cancelled before
+                self.layers.started(t.req_id)
             with self._lock:  # registered before it can finish, so _load_done finds it
                 self._loads[t.req_id] = (t, None)
             try:
