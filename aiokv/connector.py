@@ -515,6 +515,12 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         return out
 
     def shutdown(self) -> None:
+        if self._layers is not None:
+            try:
+                self._layers.close()
+            except Exception:
+                log.exception("aiokv: finishing layer-by-layer copies at shutdown failed")
+            self._layers = None
         if self.worker is not None:
             self.worker.close()
             self.worker = None

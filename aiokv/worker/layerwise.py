@@ -66,6 +66,9 @@ class _Batch:
 
 
 class LayerwiseLoads:
+    """One TransferWorker's staged loads. `read` on its event-loop thread; `started`,
+    `cancel`, `begin`, `wait_layer`, `end_step` and `close` on vLLM's worker thread."""
+
     def __init__(self, worker):
         self.w = worker
         self.device = worker.device
@@ -228,6 +231,13 @@ class LayerwiseLoads:
             batch.done[-1].wait()  # layers are copied in order: the last one done means all
             if batch.error is not None:
                 raise RuntimeError("aiokv: a verified load could not be copied into the KV cache") from batch.error
+
+    def close(self) -> None:
+        """Before the worker closes its staging arena: no copy may still read from it."""
+        self.end_step()
+        for ev, _ in self._pending:
+            ev.synchronize()
+        self._give_back_done()
 
     def _queue_cuda(self, upto: int, batch: _Batch | None = None) -> None:
         batch = batch or self._batch
