@@ -82,14 +82,17 @@ def test_recent_blocks_load_from_memory_without_the_disk(tmp_path):
 def test_only_written_or_verified_blocks_are_kept_and_the_budget_holds(tmp_path):
     w, kv = _worker(str(tmp_path), kept=4)
     try:
-        _save(w, range(10))  # 10 written, 4 kept: the last 4 (6..9)
+        _save(w, range(5))  # (in two parts: 8 slots in all)
+        _save(w, range(5, 10))  # 10 written, 4 kept: the 4 whose writes ended last
         assert w.cache.kept == 4
+        # the two most recently kept (the two oldest go when the load below keeps blocks 0 and 1)
+        newest = [next(i for i in range(10) if key(i) == k) for k in list(w.cache._kept)[-2:]]
         errors, c = _load(w, [0, 1], 20)  # not kept: read from disk, verified, then kept
         assert not errors and c["bytes_read"] == 2 * w.slot_bytes and not c.get("memory_hit_blocks"), c
-        errors, c = _load(w, [0, 1, 8, 9], 22)  # all four kept now (0, 1 by the load; 8, 9 by the save)
+        errors, c = _load(w, [0, 1, *newest], 22)  # all four kept now (0, 1 by the load, the others by saves)
         assert not errors and c["memory_hit_blocks"] == 4 and not c.get("bytes_read"), c
         assert w.cache.kept == 4, "never more than the budget"
-        for i, b in zip([0, 1, 8, 9], range(22, 26)):
+        for i, b in zip([0, 1, *newest], range(22, 26)):
             assert torch.equal(kv["l0"][b], kv["l0"][i + 1])
         # a block whose read does not verify is not kept (nor served from memory later)
         bad = Transfer("b", [key(99)], [5], [27])  # slot 5 holds key(5): verification fails
@@ -125,3 +128,18 @@ def test_memory_off_keeps_nothing(tmp_path):
         assert w.pool.in_use == 0
     finally:
         w.close()
+
+
+def test_memory_setting_parses_and_bad_values_name_the_fix():
+    import re
+
+    import pytest
+
+    from aiokv.config import AioKVConfig, ConfigError
+
+    assert AioKVConfig.from_extra({"path": "/tmp/x"}).memory == 1 << 30
+    assert AioKVConfig.from_extra({"path": "/tmp/x", "memory": "16GiB"}).memory == 16 << 30
+    assert AioKVConfig.from_extra({"path": "/tmp/x", "memory": 0}).memory == 0
+    for bad, says in (("lots", "not a size"), (-1, "0 (off) or a size")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            AioKVConfig.from_extra({"path": "/tmp/x", "memory": bad})
