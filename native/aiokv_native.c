@@ -27,7 +27,9 @@
 
 #if defined(__x86_64__)
 #include <cpuid.h>
+#include <immintrin.h>
 #endif
+#include <time.h>
 
 #define OP_READ 0
 #define OP_WRITE 1
@@ -329,7 +331,7 @@ static PyTypeObject RingType = {
     .tp_doc = "One io_uring instance with an eventfd for completions.",
 };
 
-/* ---- CRC32C (Castagnoli), hardware where the CPU has SSE4.2 ---- */
+/* ---- CRC32C (Castagnoli): AVX-512 carry-less folding, else SSE4.2 crc32q, else tables ---- */
 static uint32_t crc_table[8][256];
 static void crc_zeros_tables(uint32_t zeros[4][256], size_t len);
 #define CRC_LONG 8192
@@ -337,6 +339,8 @@ static void crc_zeros_tables(uint32_t zeros[4][256], size_t len);
 static uint32_t crc_long[4][256];
 static uint32_t crc_short[4][256];
 static int have_sse42 = 0;
+static int have_fold = 0; /* AVX-512 + VPCLMULQDQ, enabled by the OS */
+static int cpu_has_fold(void);
 
 static void crc_init(void) {
     for (uint32_t i = 0; i < 256; i++) {
@@ -352,6 +356,7 @@ static void crc_init(void) {
 #if defined(__x86_64__)
     unsigned a, b, c, d;
     if (__get_cpuid(1, &a, &b, &c, &d)) have_sse42 = (c & bit_SSE4_2) != 0;
+    have_fold = have_sse42 && cpu_has_fold();
 #endif
 }
 
@@ -475,12 +480,89 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uin
 }
 #endif
 
-static uint32_t crc32c(uint32_t seed, const uint8_t *p, size_t n) {
+/* Carry-less multiply folding (AVX-512 VPCLMULQDQ): the crc32q chains above
+ * run at most 8 bytes a cycle; folding runs 16 lanes of 128 bits, 256 bytes an
+ * iteration. In the reflected domain a 128-bit lane (little-endian, its bit 0
+ * the highest power) is L * x^64 + H (L its low quadword, H its high one). To
+ * carry it T bits further on, L * x^(64+T) and H * x^T are taken mod P, which
+ * carry-less multiplies by the constants x^(T+31) and x^(T-33) mod P (reflected,
+ * 32 bits) do: a reflected product is one bit short, and the constant sits in
+ * the low 32 bits. The result stays < 2^128 and is XORed into the lane T bits
+ * on. At the end the 64 bytes of state are congruent to everything read so far,
+ * so a crc32q pass over them (from a zero register) is the CRC so far: that is
+ * the final reduction, no Barrett step needed. tests/test_crc32c.py pins the
+ * result to the table path for every length near each boundary. */
+#define K2048_L 0xdcb17aa4ull /* x^2079 mod P: lanes move 2048 bits (256 bytes) an iteration */
+#define K2048_H 0xb9e02b86ull /* x^2015 mod P */
+#define K512_L 0x740eef02ull  /* x^543 mod P: one 64-byte register onto the next */
+#define K512_H 0x9e4addf8ull  /* x^479 mod P */
+#define CRC_FOLD_MIN 512      /* below this the crc32q path is as fast */
+
+#if defined(__x86_64__)
+#ifndef bit_VPCLMULQDQ
+#define bit_VPCLMULQDQ (1 << 10)
+#endif
+static int cpu_has_fold(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE)) return 0;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & 0xe6) != 0xe6) return 0; /* the OS saves XMM, YMM, opmask and all of ZMM */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    return (b & bit_AVX512F) && (c & bit_VPCLMULQDQ);
+}
+
+__attribute__((target("avx512f,vpclmulqdq"))) static inline __m512i fold512(__m512i x, __m512i k, __m512i next) {
+    __m512i lo = _mm512_clmulepi64_epi128(x, k, 0x00), hi = _mm512_clmulepi64_epi128(x, k, 0x11);
+    return _mm512_ternarylogic_epi64(lo, hi, next, 0x96); /* lo ^ hi ^ next */
+}
+
+/* Raw register in, raw register out, like crc_hw. */
+__attribute__((target("avx512f,vpclmulqdq,sse4.2"))) static uint32_t crc_fold(uint32_t crc, const uint8_t *p,
+                                                                               size_t n) {
+    if (n < 256) return crc_hw(crc, p, n);
+    const __m512i k2048 = _mm512_set_epi64(K2048_H, K2048_L, K2048_H, K2048_L, K2048_H, K2048_L, K2048_H, K2048_L);
+    const __m512i k512 = _mm512_set_epi64(K512_H, K512_L, K512_H, K512_L, K512_H, K512_L, K512_H, K512_L);
+    /* the register enters as the first 32 bits of the message XORed with it */
+    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                              0, 0, (int)crc));
+    __m512i x1 = _mm512_loadu_si512(p + 64), x2 = _mm512_loadu_si512(p + 128), x3 = _mm512_loadu_si512(p + 192);
+    p += 256;
+    n -= 256;
+    while (n >= 256) {
+        x0 = fold512(x0, k2048, _mm512_loadu_si512(p));
+        x1 = fold512(x1, k2048, _mm512_loadu_si512(p + 64));
+        x2 = fold512(x2, k2048, _mm512_loadu_si512(p + 128));
+        x3 = fold512(x3, k2048, _mm512_loadu_si512(p + 192));
+        p += 256;
+        n -= 256;
+    }
+    x1 = fold512(x0, k512, x1);
+    x2 = fold512(x1, k512, x2);
+    x3 = fold512(x2, k512, x3);
+    for (; n >= 64; p += 64, n -= 64) x3 = fold512(x3, k512, _mm512_loadu_si512(p));
+    uint8_t state[64];
+    _mm512_storeu_si512(state, x3);
+    return crc_hw(crc_hw(0, state, 64), p, n);
+}
+#endif
+
+enum { CRC_TABLE, CRC_CRC32Q, CRC_FOLD };
+
+/* CRC32C (seed: a previous result, 0 to start) by the given path, which the
+ * caller has checked the CPU has. */
+static uint32_t crc32c_by(int path, uint32_t seed, const uint8_t *p, size_t n) {
     uint32_t crc = ~seed;
 #if defined(__x86_64__)
-    if (have_sse42) return ~crc_hw(crc, p, n);
+    if (path == CRC_FOLD) return ~crc_fold(crc, p, n);
+    if (path == CRC_CRC32Q) return ~crc_hw(crc, p, n);
 #endif
     return ~crc_sw(crc, p, n);
+}
+
+static uint32_t crc32c(uint32_t seed, const uint8_t *p, size_t n) {
+    int path = have_fold && n >= CRC_FOLD_MIN ? CRC_FOLD : have_sse42 ? CRC_CRC32Q : CRC_TABLE;
+    return crc32c_by(path, seed, p, n);
 }
 
 /* crc32c(addr, length, seed=0) -> int */
@@ -507,6 +589,32 @@ static PyObject *py_crc32c_sw(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*|I", &view, &seed)) return NULL;
     uint32_t r = ~crc_sw(~seed, view.buf, (size_t)view.len);
     PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(r);
+}
+
+static const char *const crc_path_names[] = {"table", "crc32q", "fold"};
+
+/* crc32c_path(path, addr, length, seed=0) -> int: CRC32C by one named path
+ * ("table", "crc32q", "fold"), GIL released; ValueError where this CPU lacks
+ * it. For tests (every path against the table) and benchmarks. */
+static PyObject *py_crc32c_path(PyObject *self, PyObject *args) {
+    const char *name;
+    unsigned long long addr, length;
+    unsigned int seed = 0;
+    if (!PyArg_ParseTuple(args, "sKK|I", &name, &addr, &length, &seed)) return NULL;
+    int path = -1;
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(name, crc_path_names[i])) path = i;
+    int have[3] = {1, have_sse42, have_fold};
+    if (path < 0 || !have[path]) {
+        PyErr_Format(PyExc_ValueError, "aiokv: CRC32C path %s is not one this CPU has (%s)", name,
+                     have_fold ? "table, crc32q, fold" : have_sse42 ? "table, crc32q" : "table");
+        return NULL;
+    }
+    uint32_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = crc32c_by(path, seed, (const uint8_t *)(uintptr_t)addr, (size_t)length);
+    Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLong(r);
 }
 
@@ -561,6 +669,7 @@ static PyMethodDef module_methods[] = {
     {"memcpy_many", py_memcpy_many, METH_VARARGS, "memcpy_many(dst_addrs, src_addrs, nbytes)"},
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(addr, length, seed=0) -> int"},
     {"crc32c_bytes", py_crc32c_bytes, METH_VARARGS, "crc32c_bytes(buffer, seed=0) -> int"},
+    {"crc32c_path", py_crc32c_path, METH_VARARGS, "crc32c_path(path, addr, length, seed=0) -> int (tests, benchmarks)"},
     {"crc32c_sw", py_crc32c_sw, METH_VARARGS, "crc32c_sw(buffer, seed=0) -> int (table path, for tests)"},
     {"fallocate", py_fallocate, METH_VARARGS, "fallocate(fd, mode, offset, length)"},
     {NULL}};
@@ -586,5 +695,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "FALLOC_FL_KEEP_SIZE", 0x01);
     PyModule_AddIntConstant(m, "FALLOC_FL_PUNCH_HOLE", 0x02);
     PyModule_AddIntConstant(m, "HAVE_HW_CRC", have_sse42);
+    PyModule_AddStringConstant(m, "CRC_PATH", crc_path_names[have_fold ? CRC_FOLD : have_sse42 ? CRC_CRC32Q : CRC_TABLE]);
     return m;
 }
