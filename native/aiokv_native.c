@@ -618,14 +618,210 @@ static PyObject *py_crc32c_path(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(r);
 }
 
-/* crc32c_bytes(buffer, seed=0) -> int, for small Python-side records. */
+/* crc32c_bytes(buffer, seed=0) -> int, for Python-side buffers (GIL released above 64 KiB). */
 static PyObject *py_crc32c_bytes(PyObject *self, PyObject *args) {
     Py_buffer view;
     unsigned int seed = 0;
     if (!PyArg_ParseTuple(args, "y*|I", &view, &seed)) return NULL;
-    uint32_t r = crc32c(seed, view.buf, (size_t)view.len);
+    uint32_t r;
+    if (view.len > 65536) {
+        Py_BEGIN_ALLOW_THREADS
+        r = crc32c(seed, view.buf, (size_t)view.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        r = crc32c(seed, view.buf, (size_t)view.len);
+    }
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLong(r);
+}
+
+/* ---- slot headers, many slots per call ----
+ * The layout of aiokv/store/format.py's _HDR ("<8sHHI16sB3xIQ32sQQ") and the
+ * header CRC after it, byte for byte (tests/test_native_slot_check_agrees_with_format.py
+ * pins the two together): magic, version, header bytes, rank, nsid, key length,
+ * payload CRC, payload length, key, sequence, layout tag, CRC of the 96 bytes
+ * before it. A slot is HEADER_BYTES of header (the rest zero, or the MAC) and
+ * then the payload. */
+#define HDR_OFF_MAGIC 0
+#define HDR_OFF_VERSION 8
+#define HDR_OFF_HBYTES 10
+#define HDR_OFF_RANK 12
+#define HDR_OFF_NSID 16
+#define HDR_OFF_KLEN 32
+#define HDR_OFF_PCRC 36
+#define HDR_OFF_PLEN 40
+#define HDR_OFF_KEY 48
+#define HDR_OFF_SEQ 80
+#define HDR_OFF_LAYOUT 88
+#define HDR_BODY 96
+#define HDR_USED 100
+#define HDR_BYTES 4096
+#define FILE_VERSION 1
+#define MAX_KEY 32
+static const char BLOCK_MAGIC[8] = {'A', 'I', 'O', 'K', 'V', 'B', 'L', 'K'};
+
+/* Verdicts, in the order checked: index into format.SLOT_REASONS. */
+enum { SLOT_OK, SLOT_HDR_CRC, SLOT_MAGIC, SLOT_VERSION, SLOT_LAYOUT, SLOT_NSID, SLOT_RANK, SLOT_KEY, SLOT_PLEN,
+       SLOT_PAYLOAD_CRC };
+
+typedef struct {
+    uint8_t len;
+    uint8_t b[MAX_KEY];
+} slot_key;
+
+/* The arguments both batch calls share, parsed with the GIL held: addresses
+ * (ints) and keys (bytes, 16-32 long) of equal count, the namespace id (16
+ * bytes). Returns the count, or -1 with an exception set. */
+static Py_ssize_t slots_parse(PyObject *addrs, PyObject *keys, Py_buffer *nsid, uint64_t **pa, slot_key **pk) {
+    *pa = NULL;
+    *pk = NULL;
+    if (nsid->len != 16) {
+        PyErr_SetString(PyExc_ValueError, "aiokv: nsid must be 16 bytes");
+        return -1;
+    }
+    PyObject *sa = PySequence_Fast(addrs, "addrs must be a sequence of ints");
+    if (!sa) return -1;
+    PyObject *sk = PySequence_Fast(keys, "keys must be a sequence of bytes");
+    if (!sk) {
+        Py_DECREF(sa);
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(sa);
+    if (PySequence_Fast_GET_SIZE(sk) != n) {
+        PyErr_SetString(PyExc_ValueError, "aiokv: addrs and keys differ in length");
+        goto fail;
+    }
+    *pa = PyMem_Malloc(sizeof(uint64_t) * (n ? n : 1));
+    *pk = PyMem_Malloc(sizeof(slot_key) * (n ? n : 1));
+    if (!*pa || !*pk) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        (*pa)[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(sa, i));
+        if (PyErr_Occurred()) goto fail;
+        char *kb;
+        Py_ssize_t kl;
+        if (PyBytes_AsStringAndSize(PySequence_Fast_GET_ITEM(sk, i), &kb, &kl) < 0) goto fail;
+        if (kl < 16 || kl > MAX_KEY) {
+            PyErr_Format(PyExc_ValueError, "aiokv: keys are 16-32 bytes, got %zd", kl);
+            goto fail;
+        }
+        (*pk)[i].len = (uint8_t)kl;
+        memset((*pk)[i].b, 0, MAX_KEY);
+        memcpy((*pk)[i].b, kb, (size_t)kl);
+    }
+    Py_DECREF(sa);
+    Py_DECREF(sk);
+    return n;
+fail:
+    Py_DECREF(sa);
+    Py_DECREF(sk);
+    PyMem_Free(*pa);
+    PyMem_Free(*pk);
+    *pa = NULL;
+    *pk = NULL;
+    return -1;
+}
+
+static inline void put16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); } /* x86-64 and aarch64: little-endian */
+static inline void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+static inline uint16_t get16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+/* stamp_slots(addrs, keys, nsid, rank, payload_len, layout): for each slot,
+ * CRC32C its payload and write its header (sequence: the wall clock in ns, as
+ * time.time_ns()), zeroing the rest of the header. One call per chunk, GIL
+ * released for all of it. The MAC, where a secret is set, is added after. */
+static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
+    PyObject *addrs, *keys;
+    Py_buffer nsid;
+    unsigned int rank;
+    unsigned long long plen, layout;
+    if (!PyArg_ParseTuple(args, "OOy*IKK", &addrs, &keys, &nsid, &rank, &plen, &layout)) return NULL;
+    uint64_t *pa;
+    slot_key *pk;
+    Py_ssize_t n = slots_parse(addrs, keys, &nsid, &pa, &pk);
+    if (n >= 0) {
+        uint8_t ns[16];
+        memcpy(ns, nsid.buf, 16);
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint8_t *h = (uint8_t *)(uintptr_t)pa[i];
+            uint32_t pcrc = crc32c(0, h + HDR_BYTES, (size_t)plen);
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            uint8_t hdr[HDR_USED] = {0};
+            memcpy(hdr + HDR_OFF_MAGIC, BLOCK_MAGIC, 8);
+            put16(hdr + HDR_OFF_VERSION, FILE_VERSION);
+            put16(hdr + HDR_OFF_HBYTES, HDR_BYTES);
+            put32(hdr + HDR_OFF_RANK, rank);
+            memcpy(hdr + HDR_OFF_NSID, ns, 16);
+            hdr[HDR_OFF_KLEN] = pk[i].len;
+            put32(hdr + HDR_OFF_PCRC, pcrc);
+            put64(hdr + HDR_OFF_PLEN, plen);
+            memcpy(hdr + HDR_OFF_KEY, pk[i].b, MAX_KEY);
+            put64(hdr + HDR_OFF_SEQ, (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec);
+            put64(hdr + HDR_OFF_LAYOUT, layout);
+            put32(hdr + HDR_BODY, crc32c(0, hdr, HDR_BODY));
+            memcpy(h, hdr, HDR_USED);
+            memset(h + HDR_USED, 0, HDR_BYTES - HDR_USED);
+        }
+        Py_END_ALLOW_THREADS
+        PyMem_Free(pa);
+        PyMem_Free(pk);
+    }
+    PyBuffer_Release(&nsid);
+    if (n < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* The one slot check of format.check_slot, in C: the same fields, in the same order. */
+static int slot_verdict(const uint8_t *h, const uint8_t *ns, uint32_t rank, uint64_t plen, const slot_key *k,
+                        uint64_t layout) {
+    if (crc32c(0, h, HDR_BODY) != get32(h + HDR_BODY)) return SLOT_HDR_CRC;
+    if (memcmp(h + HDR_OFF_MAGIC, BLOCK_MAGIC, 8)) return SLOT_MAGIC;
+    if (get16(h + HDR_OFF_VERSION) != FILE_VERSION || get16(h + HDR_OFF_HBYTES) != HDR_BYTES) return SLOT_VERSION;
+    if (get64(h + HDR_OFF_LAYOUT) != layout) return SLOT_LAYOUT;
+    if (memcmp(h + HDR_OFF_NSID, ns, 16)) return SLOT_NSID;
+    if (get32(h + HDR_OFF_RANK) != rank) return SLOT_RANK;
+    unsigned klen = h[HDR_OFF_KLEN] < MAX_KEY ? h[HDR_OFF_KLEN] : MAX_KEY; /* Python's key[:klen] */
+    if (klen != k->len || memcmp(h + HDR_OFF_KEY, k->b, klen)) return SLOT_KEY;
+    if (get64(h + HDR_OFF_PLEN) != plen) return SLOT_PLEN;
+    if (crc32c(0, h + HDR_BYTES, (size_t)plen) != get32(h + HDR_OFF_PCRC)) return SLOT_PAYLOAD_CRC;
+    return SLOT_OK;
+}
+
+/* verify_slots(addrs, keys, nsid, rank, payload_len, layout) -> bytes: per
+ * slot 0 (valid for that key) or the index in format.SLOT_REASONS of the first
+ * check it fails. One call per chunk, GIL released for all of it. */
+static PyObject *py_verify_slots(PyObject *self, PyObject *args) {
+    PyObject *addrs, *keys;
+    Py_buffer nsid;
+    unsigned int rank;
+    unsigned long long plen, layout;
+    if (!PyArg_ParseTuple(args, "OOy*IKK", &addrs, &keys, &nsid, &rank, &plen, &layout)) return NULL;
+    uint64_t *pa;
+    slot_key *pk;
+    PyObject *out = NULL;
+    Py_ssize_t n = slots_parse(addrs, keys, &nsid, &pa, &pk);
+    if (n >= 0) {
+        out = PyBytes_FromStringAndSize(NULL, n);
+        if (out) {
+            uint8_t *v = (uint8_t *)PyBytes_AS_STRING(out), ns[16];
+            memcpy(ns, nsid.buf, 16);
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t i = 0; i < n; i++)
+                v[i] = (uint8_t)slot_verdict((const uint8_t *)(uintptr_t)pa[i], ns, rank, plen, &pk[i], layout);
+            Py_END_ALLOW_THREADS
+        }
+        PyMem_Free(pa);
+        PyMem_Free(pk);
+    }
+    PyBuffer_Release(&nsid);
+    return out;
 }
 
 /* fallocate(fd, mode, offset, length): Linux fallocate(2), GIL released. */
@@ -671,6 +867,9 @@ static PyMethodDef module_methods[] = {
     {"crc32c_bytes", py_crc32c_bytes, METH_VARARGS, "crc32c_bytes(buffer, seed=0) -> int"},
     {"crc32c_path", py_crc32c_path, METH_VARARGS, "crc32c_path(path, addr, length, seed=0) -> int (tests, benchmarks)"},
     {"crc32c_sw", py_crc32c_sw, METH_VARARGS, "crc32c_sw(buffer, seed=0) -> int (table path, for tests)"},
+    {"stamp_slots", py_stamp_slots, METH_VARARGS, "stamp_slots(addrs, keys, nsid, rank, payload_len, layout)"},
+    {"verify_slots", py_verify_slots, METH_VARARGS,
+     "verify_slots(addrs, keys, nsid, rank, payload_len, layout) -> bytes of verdicts"},
     {"fallocate", py_fallocate, METH_VARARGS, "fallocate(fd, mode, offset, length)"},
     {NULL}};
 
