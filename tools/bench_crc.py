@@ -65,6 +65,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hot-mib", type=int, default=2)
     ap.add_argument("--cold-mib", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each is reported")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rng = np.random.default_rng(1)
@@ -79,21 +80,23 @@ def main() -> int:
     def sum_fn(view):
         return lambda addr, n: view[(addr - view.ctypes.data) // 8:(addr - view.ctypes.data + n) // 8].sum()
 
-    out = {"path_default": _native.CRC_PATH, "hot_mib": args.hot_mib, "cold_mib": args.cold_mib, "gbps": {}}
-    for p in _paths():
-        fn = lambda a, n, p=p: _native.crc32c_path(p, a, n)  # noqa: E731
-        h = hot(small, fn)
-        evict()
-        c = cold(big, fn)
-        out["gbps"][p] = {"hot": h, "cold": c}
-    h = hot(small, sum_fn(small))
-    evict()
-    c = cold(big, sum_fn(big))
-    out["gbps"]["floor (sum u64)"] = {"hot": h, "cold": c}
+    out = {"path_default": _native.CRC_PATH, "hot_mib": args.hot_mib, "cold_mib": args.cold_mib,
+           "rounds": args.rounds, "gbps": {}}
+    fns = {p: (lambda a, n, p=p: _native.crc32c_path(p, a, n)) for p in _paths()}
+    fns["floor (sum u64)"] = None
+    best: dict[str, dict[str, float]] = {name: {"hot": 0.0, "cold": 0.0} for name in fns}
+    for _ in range(args.rounds):  # interleaved rounds, best of each: other tenants' noise only slows a run down
+        for name, fn in fns.items():
+            h = hot(small, fn or sum_fn(small))
+            evict()
+            c = cold(big, fn or sum_fn(big))
+            best[name] = {"hot": max(best[name]["hot"], h), "cold": max(best[name]["cold"], c)}
+    out["gbps"] = best
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"default path: {out['path_default']}; hot {args.hot_mib} MiB repeated, cold {args.cold_mib} MiB once")
+    print(f"default path: {out['path_default']}; hot {args.hot_mib} MiB repeated, cold {args.cold_mib} MiB once; "
+          f"best of {args.rounds} rounds")
     print("| path | hot GB/s | hot us/MiB | cold GB/s | cold us/MiB |")
     print("|---|---|---|---|---|")
     for p, r in out["gbps"].items():
