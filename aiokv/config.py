@@ -22,6 +22,7 @@ class AioKVConfig:
     path: str
     capacity: int = 64 << 30          # bytes on disk across all namespaces
     staging: int = 256 << 20          # host staging memory per worker
+    memory: int = 1 << 30             # host-memory tier per worker (recent blocks; 0: off): docs/operations.md
     io: str = "auto"                  # auto | uring | threads
     queue_depth: int = 32             # I/O operations in flight per worker
     load_timeout: float = 30.0        # seconds before a load is abandoned and recomputed
@@ -59,6 +60,13 @@ class AioKVConfig:
                     raise ConfigError(f"aiokv: {name}: {e}") from None
                 if getattr(cfg, name) <= 0:
                     raise ConfigError(f"aiokv: {name} must be positive")
+        if "memory" in extra:  # 0 turns the memory tier off
+            try:
+                cfg.memory = parse_size(extra.pop("memory"))
+            except ValueError as e:
+                raise ConfigError(f"aiokv: memory: {e}") from None
+            if cfg.memory < 0:
+                raise ConfigError("aiokv: memory must be 0 (off) or a size such as 4GiB")
         if "io" in extra:
             cfg.io = extra.pop("io")
             if cfg.io not in ("auto", "uring", "threads"):

@@ -347,6 +347,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
                 rank = get_tensor_model_parallel_rank()
             self._rank = rank
             staging = max(1, self.cfg.staging // len(self.groups))
+            memory = self.cfg.memory // len(self.groups)
             shared = None
             if self.cfg.shared:  # one client (and breaker) for this worker's groups
                 from aiokv.shared.client import SharedClient
@@ -364,7 +365,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
                                                   0 if g.replicated else rank, staging, self.cfg.io,
                                                   self.cfg.queue_depth, self.cfg.load_timeout, self.cfg.save_timeout,
                                                   shared, self.cfg.upload_queue, self.cfg.flush_timeout,
-                                                  self.cfg.secret, layerwise=self.layerwise)
+                                                  self.cfg.secret, memory, layerwise=self.layerwise)
             self._layers = workers[self.groups[0].index].layers
             self.worker = GroupedWorker(workers, {g.index for g in self.groups if rank == 0 or not g.replicated})
         except Exception as e:

@@ -37,7 +37,6 @@ import os
 import sys
 import time
 
-from aiokv import _native
 from aiokv.io.backend import OP_READ, open_backend
 from aiokv.io.buffers import SlotPool
 from aiokv.store import format as fmt
@@ -269,11 +268,10 @@ def _open_data(path: str) -> int:
 def check_slot(addr: int, nsid: bytes, rank: int, key: bytes, payload_len: int) -> str | None:
     """None if the slot at addr holds `key` intact; else what is wrong."""
     try:
-        h = fmt.check_header(ctypes.string_at(addr, fmt.HDR_USED), nsid, rank, payload_len, key)
+        fmt.check_slot((ctypes.c_char * (fmt.HEADER_BYTES + payload_len)).from_address(addr), nsid, rank,
+                       payload_len, key)
     except fmt.BadBlock as e:
-        return str(e) if str(e).startswith("header") else f"header {e}"
-    if _native.crc32c(addr + fmt.HEADER_BYTES, payload_len) != h["payload_crc"]:
-        return "payload checksum"
+        return str(e) if str(e).startswith(("header", "payload")) else f"header {e}"
     return None
 
 

@@ -32,7 +32,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from aiokv.worker.latency import LATENCY_BUCKETS, bucket_key
 
-COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+# LEVEL: a figure that goes up and down, reported by workers as its changes (they add up across
+# ranks, groups and steps like counters) and exposed as a gauge
+COUNTER, GAUGE, HISTOGRAM, LEVEL = "counter", "gauge", "histogram", "level"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,13 @@ SERIES: tuple[Row, ...] = (
     # volume
     Row("bytes_read", "loaded_bytes", COUNTER, "Bytes read from disk for loads, all TP ranks together."),
     Row("bytes_written", "stored_bytes", COUNTER, "Bytes written to disk for saves, all TP ranks together."),
-    Row("loads_ok_blocks", "loaded_blocks", COUNTER, "KV blocks loaded and verified.", per_rank=True),
+    Row("loads_ok_blocks", "loaded_blocks", COUNTER, "KV blocks loaded and verified (from disk or memory).",
+        per_rank=True),
+    # the host-memory tier (`memory` setting)
+    Row("memory_hit_blocks", "memory_hit_blocks", COUNTER,
+        "KV blocks a hit copied from host memory (the memory tier) instead of reading the disk.", per_rank=True),
+    Row("memory_held_bytes", "memory_bytes", LEVEL,
+        "Bytes of KV blocks held in host memory by the memory tier, all ranks together."),
     Row("saves_planned", "save_planned_blocks", COUNTER, "KV blocks a save was started for."),
     Row("saves_committed", "saved_blocks", COUNTER, "KV blocks written on every rank and committed to the index."),
     # failures: every one is a recompute or a block not saved, never a failed request
@@ -204,6 +212,7 @@ class AioKVPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._children: dict[str, tuple[Row, dict[int, Any]]] = {}  # stats key -> (row, engine -> child)
+        self._levels: dict[tuple[str, int], float] = {}  # (LEVEL key, engine) -> its value
         by_series: dict[str, Any] = {}
         for row in SERIES:
             extra = [k for k, _ in row.labels]
@@ -212,7 +221,7 @@ class AioKVPromMetrics(KVConnectorPromMetrics):
                 name, doc, names = f"vllm:aiokv_{row.series}", row.help, labelnames + extra
                 if row.kind == COUNTER:
                     metric = self._counter_cls(name=name, documentation=doc, labelnames=names)
-                elif row.kind == GAUGE:
+                elif row.kind in (GAUGE, LEVEL):
                     metric = self._gauge_cls(name=name, documentation=doc, labelnames=names,
                                              multiprocess_mode="mostrecent")
                 else:
@@ -240,5 +249,9 @@ class AioKVPromMetrics(KVConnectorPromMetrics):
             elif key in data:
                 if row.kind == GAUGE:
                     child.set(data[key])
+                elif row.kind == LEVEL:  # the running sum of its changes (mostrecent gauges refuse inc)
+                    level = self._levels.get((key, engine_idx), 0) + data[key]
+                    self._levels[(key, engine_idx)] = level
+                    child.set(level)
                 elif data[key] > 0:
                     child.inc(data[key])

@@ -27,7 +27,9 @@
 
 #if defined(__x86_64__)
 #include <cpuid.h>
+#include <immintrin.h>
 #endif
+#include <time.h>
 
 #define OP_READ 0
 #define OP_WRITE 1
@@ -329,7 +331,7 @@ static PyTypeObject RingType = {
     .tp_doc = "One io_uring instance with an eventfd for completions.",
 };
 
-/* ---- CRC32C (Castagnoli), hardware where the CPU has SSE4.2 ---- */
+/* ---- CRC32C (Castagnoli): AVX-512 carry-less folding, else SSE4.2 crc32q, else tables ---- */
 static uint32_t crc_table[8][256];
 static void crc_zeros_tables(uint32_t zeros[4][256], size_t len);
 #define CRC_LONG 8192
@@ -337,6 +339,8 @@ static void crc_zeros_tables(uint32_t zeros[4][256], size_t len);
 static uint32_t crc_long[4][256];
 static uint32_t crc_short[4][256];
 static int have_sse42 = 0;
+static int have_fold = 0; /* AVX-512 + VPCLMULQDQ, enabled by the OS */
+static int cpu_has_fold(void);
 
 static void crc_init(void) {
     for (uint32_t i = 0; i < 256; i++) {
@@ -352,6 +356,7 @@ static void crc_init(void) {
 #if defined(__x86_64__)
     unsigned a, b, c, d;
     if (__get_cpuid(1, &a, &b, &c, &d)) have_sse42 = (c & bit_SSE4_2) != 0;
+    have_fold = have_sse42 && cpu_has_fold();
 #endif
 }
 
@@ -475,12 +480,89 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uin
 }
 #endif
 
-static uint32_t crc32c(uint32_t seed, const uint8_t *p, size_t n) {
+/* Carry-less multiply folding (AVX-512 VPCLMULQDQ): the crc32q chains above
+ * run at most 8 bytes a cycle; folding runs 16 lanes of 128 bits, 256 bytes an
+ * iteration. In the reflected domain a 128-bit lane (little-endian, its bit 0
+ * the highest power) is L * x^64 + H (L its low quadword, H its high one). To
+ * carry it T bits further on, L * x^(64+T) and H * x^T are taken mod P, which
+ * carry-less multiplies by the constants x^(T+31) and x^(T-33) mod P (reflected,
+ * 32 bits) do: a reflected product is one bit short, and the constant sits in
+ * the low 32 bits. The result stays < 2^128 and is XORed into the lane T bits
+ * on. At the end the 64 bytes of state are congruent to everything read so far,
+ * so a crc32q pass over them (from a zero register) is the CRC so far: that is
+ * the final reduction, no Barrett step needed. tests/test_crc32c.py pins the
+ * result to the table path for every length near each boundary. */
+#define K2048_L 0xdcb17aa4ull /* x^2079 mod P: lanes move 2048 bits (256 bytes) an iteration */
+#define K2048_H 0xb9e02b86ull /* x^2015 mod P */
+#define K512_L 0x740eef02ull  /* x^543 mod P: one 64-byte register onto the next */
+#define K512_H 0x9e4addf8ull  /* x^479 mod P */
+#define CRC_FOLD_MIN 512      /* below this the crc32q path is as fast */
+
+#if defined(__x86_64__)
+#ifndef bit_VPCLMULQDQ
+#define bit_VPCLMULQDQ (1 << 10)
+#endif
+static int cpu_has_fold(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE)) return 0;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & 0xe6) != 0xe6) return 0; /* the OS saves XMM, YMM, opmask and all of ZMM */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    return (b & bit_AVX512F) && (c & bit_VPCLMULQDQ);
+}
+
+__attribute__((target("avx512f,vpclmulqdq"))) static inline __m512i fold512(__m512i x, __m512i k, __m512i next) {
+    __m512i lo = _mm512_clmulepi64_epi128(x, k, 0x00), hi = _mm512_clmulepi64_epi128(x, k, 0x11);
+    return _mm512_ternarylogic_epi64(lo, hi, next, 0x96); /* lo ^ hi ^ next */
+}
+
+/* Raw register in, raw register out, like crc_hw. */
+__attribute__((target("avx512f,vpclmulqdq,sse4.2"))) static uint32_t crc_fold(uint32_t crc, const uint8_t *p,
+                                                                               size_t n) {
+    if (n < 256) return crc_hw(crc, p, n);
+    const __m512i k2048 = _mm512_set_epi64(K2048_H, K2048_L, K2048_H, K2048_L, K2048_H, K2048_L, K2048_H, K2048_L);
+    const __m512i k512 = _mm512_set_epi64(K512_H, K512_L, K512_H, K512_L, K512_H, K512_L, K512_H, K512_L);
+    /* the register enters as the first 32 bits of the message XORed with it */
+    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                              0, 0, (int)crc));
+    __m512i x1 = _mm512_loadu_si512(p + 64), x2 = _mm512_loadu_si512(p + 128), x3 = _mm512_loadu_si512(p + 192);
+    p += 256;
+    n -= 256;
+    while (n >= 256) {
+        x0 = fold512(x0, k2048, _mm512_loadu_si512(p));
+        x1 = fold512(x1, k2048, _mm512_loadu_si512(p + 64));
+        x2 = fold512(x2, k2048, _mm512_loadu_si512(p + 128));
+        x3 = fold512(x3, k2048, _mm512_loadu_si512(p + 192));
+        p += 256;
+        n -= 256;
+    }
+    x1 = fold512(x0, k512, x1);
+    x2 = fold512(x1, k512, x2);
+    x3 = fold512(x2, k512, x3);
+    for (; n >= 64; p += 64, n -= 64) x3 = fold512(x3, k512, _mm512_loadu_si512(p));
+    uint8_t state[64];
+    _mm512_storeu_si512(state, x3);
+    return crc_hw(crc_hw(0, state, 64), p, n);
+}
+#endif
+
+enum { CRC_TABLE, CRC_CRC32Q, CRC_FOLD };
+
+/* CRC32C (seed: a previous result, 0 to start) by the given path, which the
+ * caller has checked the CPU has. */
+static uint32_t crc32c_by(int path, uint32_t seed, const uint8_t *p, size_t n) {
     uint32_t crc = ~seed;
 #if defined(__x86_64__)
-    if (have_sse42) return ~crc_hw(crc, p, n);
+    if (path == CRC_FOLD) return ~crc_fold(crc, p, n);
+    if (path == CRC_CRC32Q) return ~crc_hw(crc, p, n);
 #endif
     return ~crc_sw(crc, p, n);
+}
+
+static uint32_t crc32c(uint32_t seed, const uint8_t *p, size_t n) {
+    int path = have_fold && n >= CRC_FOLD_MIN ? CRC_FOLD : have_sse42 ? CRC_CRC32Q : CRC_TABLE;
+    return crc32c_by(path, seed, p, n);
 }
 
 /* crc32c(addr, length, seed=0) -> int */
@@ -510,14 +592,236 @@ static PyObject *py_crc32c_sw(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(r);
 }
 
-/* crc32c_bytes(buffer, seed=0) -> int, for small Python-side records. */
+static const char *const crc_path_names[] = {"table", "crc32q", "fold"};
+
+/* crc32c_path(path, addr, length, seed=0) -> int: CRC32C by one named path
+ * ("table", "crc32q", "fold"), GIL released; ValueError where this CPU lacks
+ * it. For tests (every path against the table) and benchmarks. */
+static PyObject *py_crc32c_path(PyObject *self, PyObject *args) {
+    const char *name;
+    unsigned long long addr, length;
+    unsigned int seed = 0;
+    if (!PyArg_ParseTuple(args, "sKK|I", &name, &addr, &length, &seed)) return NULL;
+    int path = -1;
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(name, crc_path_names[i])) path = i;
+    int have[3] = {1, have_sse42, have_fold};
+    if (path < 0 || !have[path]) {
+        PyErr_Format(PyExc_ValueError, "aiokv: CRC32C path %s is not one this CPU has (%s)", name,
+                     have_fold ? "table, crc32q, fold" : have_sse42 ? "table, crc32q" : "table");
+        return NULL;
+    }
+    uint32_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = crc32c_by(path, seed, (const uint8_t *)(uintptr_t)addr, (size_t)length);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(r);
+}
+
+/* crc32c_bytes(buffer, seed=0) -> int, for Python-side buffers (GIL released above 64 KiB). */
 static PyObject *py_crc32c_bytes(PyObject *self, PyObject *args) {
     Py_buffer view;
     unsigned int seed = 0;
     if (!PyArg_ParseTuple(args, "y*|I", &view, &seed)) return NULL;
-    uint32_t r = crc32c(seed, view.buf, (size_t)view.len);
+    uint32_t r;
+    if (view.len > 65536) {
+        Py_BEGIN_ALLOW_THREADS
+        r = crc32c(seed, view.buf, (size_t)view.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        r = crc32c(seed, view.buf, (size_t)view.len);
+    }
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLong(r);
+}
+
+/* ---- slot headers, many slots per call ----
+ * The layout of aiokv/store/format.py's _HDR ("<8sHHI16sB3xIQ32sQQ") and the
+ * header CRC after it, byte for byte (tests/test_native_slot_check_agrees_with_format.py
+ * pins the two together): magic, version, header bytes, rank, nsid, key length,
+ * payload CRC, payload length, key, sequence, layout tag, CRC of the 96 bytes
+ * before it. A slot is HEADER_BYTES of header (the rest zero, or the MAC) and
+ * then the payload. */
+#define HDR_OFF_MAGIC 0
+#define HDR_OFF_VERSION 8
+#define HDR_OFF_HBYTES 10
+#define HDR_OFF_RANK 12
+#define HDR_OFF_NSID 16
+#define HDR_OFF_KLEN 32
+#define HDR_OFF_PCRC 36
+#define HDR_OFF_PLEN 40
+#define HDR_OFF_KEY 48
+#define HDR_OFF_SEQ 80
+#define HDR_OFF_LAYOUT 88
+#define HDR_BODY 96
+#define HDR_USED 100
+#define HDR_BYTES 4096
+#define FILE_VERSION 1
+#define MAX_KEY 32
+static const char BLOCK_MAGIC[8] = {'A', 'I', 'O', 'K', 'V', 'B', 'L', 'K'};
+
+/* Verdicts, in the order checked: index into format.SLOT_REASONS. */
+enum { SLOT_OK, SLOT_HDR_CRC, SLOT_MAGIC, SLOT_VERSION, SLOT_LAYOUT, SLOT_NSID, SLOT_RANK, SLOT_KEY, SLOT_PLEN,
+       SLOT_PAYLOAD_CRC };
+
+typedef struct {
+    uint8_t len;
+    uint8_t b[MAX_KEY];
+} slot_key;
+
+/* The arguments both batch calls share, parsed with the GIL held: addresses
+ * (ints) and keys (bytes, 16-32 long) of equal count, the namespace id (16
+ * bytes). Returns the count, or -1 with an exception set. */
+static Py_ssize_t slots_parse(PyObject *addrs, PyObject *keys, Py_buffer *nsid, uint64_t **pa, slot_key **pk) {
+    *pa = NULL;
+    *pk = NULL;
+    if (nsid->len != 16) {
+        PyErr_SetString(PyExc_ValueError, "aiokv: nsid must be 16 bytes");
+        return -1;
+    }
+    PyObject *sa = PySequence_Fast(addrs, "addrs must be a sequence of ints");
+    if (!sa) return -1;
+    PyObject *sk = PySequence_Fast(keys, "keys must be a sequence of bytes");
+    if (!sk) {
+        Py_DECREF(sa);
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(sa);
+    if (PySequence_Fast_GET_SIZE(sk) != n) {
+        PyErr_SetString(PyExc_ValueError, "aiokv: addrs and keys differ in length");
+        goto fail;
+    }
+    *pa = PyMem_Malloc(sizeof(uint64_t) * (n ? n : 1));
+    *pk = PyMem_Malloc(sizeof(slot_key) * (n ? n : 1));
+    if (!*pa || !*pk) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        (*pa)[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(sa, i));
+        if (PyErr_Occurred()) goto fail;
+        char *kb;
+        Py_ssize_t kl;
+        if (PyBytes_AsStringAndSize(PySequence_Fast_GET_ITEM(sk, i), &kb, &kl) < 0) goto fail;
+        if (kl < 16 || kl > MAX_KEY) {
+            PyErr_Format(PyExc_ValueError, "aiokv: keys are 16-32 bytes, got %zd", kl);
+            goto fail;
+        }
+        (*pk)[i].len = (uint8_t)kl;
+        memset((*pk)[i].b, 0, MAX_KEY);
+        memcpy((*pk)[i].b, kb, (size_t)kl);
+    }
+    Py_DECREF(sa);
+    Py_DECREF(sk);
+    return n;
+fail:
+    Py_DECREF(sa);
+    Py_DECREF(sk);
+    PyMem_Free(*pa);
+    PyMem_Free(*pk);
+    *pa = NULL;
+    *pk = NULL;
+    return -1;
+}
+
+static inline void put16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); } /* x86-64 and aarch64: little-endian */
+static inline void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+static inline uint16_t get16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+/* stamp_slots(addrs, keys, nsid, rank, payload_len, layout): for each slot,
+ * CRC32C its payload and write its header (sequence: the wall clock in ns, as
+ * time.time_ns()), zeroing the rest of the header. One call per chunk, GIL
+ * released for all of it. The MAC, where a secret is set, is added after. */
+static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
+    PyObject *addrs, *keys;
+    Py_buffer nsid;
+    unsigned int rank;
+    unsigned long long plen, layout;
+    if (!PyArg_ParseTuple(args, "OOy*IKK", &addrs, &keys, &nsid, &rank, &plen, &layout)) return NULL;
+    uint64_t *pa;
+    slot_key *pk;
+    Py_ssize_t n = slots_parse(addrs, keys, &nsid, &pa, &pk);
+    if (n >= 0) {
+        uint8_t ns[16];
+        memcpy(ns, nsid.buf, 16);
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint8_t *h = (uint8_t *)(uintptr_t)pa[i];
+            uint32_t pcrc = crc32c(0, h + HDR_BYTES, (size_t)plen);
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            uint8_t hdr[HDR_USED] = {0};
+            memcpy(hdr + HDR_OFF_MAGIC, BLOCK_MAGIC, 8);
+            put16(hdr + HDR_OFF_VERSION, FILE_VERSION);
+            put16(hdr + HDR_OFF_HBYTES, HDR_BYTES);
+            put32(hdr + HDR_OFF_RANK, rank);
+            memcpy(hdr + HDR_OFF_NSID, ns, 16);
+            hdr[HDR_OFF_KLEN] = pk[i].len;
+            put32(hdr + HDR_OFF_PCRC, pcrc);
+            put64(hdr + HDR_OFF_PLEN, plen);
+            memcpy(hdr + HDR_OFF_KEY, pk[i].b, MAX_KEY);
+            put64(hdr + HDR_OFF_SEQ, (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec);
+            put64(hdr + HDR_OFF_LAYOUT, layout);
+            put32(hdr + HDR_BODY, crc32c(0, hdr, HDR_BODY));
+            memcpy(h, hdr, HDR_USED);
+            memset(h + HDR_USED, 0, HDR_BYTES - HDR_USED);
+        }
+        Py_END_ALLOW_THREADS
+        PyMem_Free(pa);
+        PyMem_Free(pk);
+    }
+    PyBuffer_Release(&nsid);
+    if (n < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* The one slot check of format.check_slot, in C: the same fields, in the same order. */
+static int slot_verdict(const uint8_t *h, const uint8_t *ns, uint32_t rank, uint64_t plen, const slot_key *k,
+                        uint64_t layout) {
+    if (crc32c(0, h, HDR_BODY) != get32(h + HDR_BODY)) return SLOT_HDR_CRC;
+    if (memcmp(h + HDR_OFF_MAGIC, BLOCK_MAGIC, 8)) return SLOT_MAGIC;
+    if (get16(h + HDR_OFF_VERSION) != FILE_VERSION || get16(h + HDR_OFF_HBYTES) != HDR_BYTES) return SLOT_VERSION;
+    if (get64(h + HDR_OFF_LAYOUT) != layout) return SLOT_LAYOUT;
+    if (memcmp(h + HDR_OFF_NSID, ns, 16)) return SLOT_NSID;
+    if (get32(h + HDR_OFF_RANK) != rank) return SLOT_RANK;
+    unsigned klen = h[HDR_OFF_KLEN] < MAX_KEY ? h[HDR_OFF_KLEN] : MAX_KEY; /* Python's key[:klen] */
+    if (klen != k->len || memcmp(h + HDR_OFF_KEY, k->b, klen)) return SLOT_KEY;
+    if (get64(h + HDR_OFF_PLEN) != plen) return SLOT_PLEN;
+    if (crc32c(0, h + HDR_BYTES, (size_t)plen) != get32(h + HDR_OFF_PCRC)) return SLOT_PAYLOAD_CRC;
+    return SLOT_OK;
+}
+
+/* verify_slots(addrs, keys, nsid, rank, payload_len, layout) -> bytes: per
+ * slot 0 (valid for that key) or the index in format.SLOT_REASONS of the first
+ * check it fails. One call per chunk, GIL released for all of it. */
+static PyObject *py_verify_slots(PyObject *self, PyObject *args) {
+    PyObject *addrs, *keys;
+    Py_buffer nsid;
+    unsigned int rank;
+    unsigned long long plen, layout;
+    if (!PyArg_ParseTuple(args, "OOy*IKK", &addrs, &keys, &nsid, &rank, &plen, &layout)) return NULL;
+    uint64_t *pa;
+    slot_key *pk;
+    PyObject *out = NULL;
+    Py_ssize_t n = slots_parse(addrs, keys, &nsid, &pa, &pk);
+    if (n >= 0) {
+        out = PyBytes_FromStringAndSize(NULL, n);
+        if (out) {
+            uint8_t *v = (uint8_t *)PyBytes_AS_STRING(out), ns[16];
+            memcpy(ns, nsid.buf, 16);
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t i = 0; i < n; i++)
+                v[i] = (uint8_t)slot_verdict((const uint8_t *)(uintptr_t)pa[i], ns, rank, plen, &pk[i], layout);
+            Py_END_ALLOW_THREADS
+        }
+        PyMem_Free(pa);
+        PyMem_Free(pk);
+    }
+    PyBuffer_Release(&nsid);
+    return out;
 }
 
 /* fallocate(fd, mode, offset, length): Linux fallocate(2), GIL released. */
@@ -561,7 +865,11 @@ static PyMethodDef module_methods[] = {
     {"memcpy_many", py_memcpy_many, METH_VARARGS, "memcpy_many(dst_addrs, src_addrs, nbytes)"},
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(addr, length, seed=0) -> int"},
     {"crc32c_bytes", py_crc32c_bytes, METH_VARARGS, "crc32c_bytes(buffer, seed=0) -> int"},
+    {"crc32c_path", py_crc32c_path, METH_VARARGS, "crc32c_path(path, addr, length, seed=0) -> int (tests, benchmarks)"},
     {"crc32c_sw", py_crc32c_sw, METH_VARARGS, "crc32c_sw(buffer, seed=0) -> int (table path, for tests)"},
+    {"stamp_slots", py_stamp_slots, METH_VARARGS, "stamp_slots(addrs, keys, nsid, rank, payload_len, layout)"},
+    {"verify_slots", py_verify_slots, METH_VARARGS,
+     "verify_slots(addrs, keys, nsid, rank, payload_len, layout) -> bytes of verdicts"},
     {"fallocate", py_fallocate, METH_VARARGS, "fallocate(fd, mode, offset, length)"},
     {NULL}};
 
@@ -586,5 +894,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "FALLOC_FL_KEEP_SIZE", 0x01);
     PyModule_AddIntConstant(m, "FALLOC_FL_PUNCH_HOLE", 0x02);
     PyModule_AddIntConstant(m, "HAVE_HW_CRC", have_sse42);
+    PyModule_AddStringConstant(m, "CRC_PATH", crc_path_names[have_fold ? CRC_FOLD : have_sse42 ? CRC_CRC32Q : CRC_TABLE]);
     return m;
 }

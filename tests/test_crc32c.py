@@ -1,6 +1,14 @@
-"""CRC32C (Castagnoli): the hardware path (three interleaved crc32q chains
-merged with shift tables) must give exactly the table-driven software path's
-results, and both the published check values, for every length and alignment."""
+"""CRC32C (Castagnoli): every path the CPU has (the carry-less-multiply folding
+over AVX-512 lanes, three interleaved crc32q chains merged with shift tables)
+must give exactly the table-driven software path's results, and all of them the
+published check values, for every length, alignment and seed.
+
+Bug this guards against: a wrong fold constant or an off-by-one at a stripe or
+fold boundary gives a CRC that differs from every other writer's; each slot
+written would then read back as corrupt (a miss), or, worse, blocks written by
+one path would not verify under another machine's path. Fix: one result for
+every path, pinned here around each boundary (256-byte fold iterations, 64-byte
+tail folds, the 512-byte dispatch threshold, the crc32q stripes)."""
 from __future__ import annotations
 
 import ctypes
@@ -9,6 +17,21 @@ import random
 import pytest
 
 from aiokv import _native
+
+
+def _paths() -> list[str]:
+    """The CRC paths this CPU runs (the table path always)."""
+    have = []
+    for p in ("table", "crc32q", "fold"):
+        try:
+            _native.crc32c_path(p, 0, 0)
+            have.append(p)
+        except ValueError:
+            pass
+    return have
+
+
+PATHS = _paths()
 
 # (data, CRC32C) from RFC 3720 (iSCSI) appendix B.4 and the usual check value
 VECTORS = [
@@ -29,6 +52,8 @@ def test_known_vectors(data, want):
     if data:
         buf = ctypes.create_string_buffer(data, len(data))
         assert _native.crc32c(ctypes.addressof(buf), len(data)) == want
+        for p in PATHS:
+            assert _native.crc32c_path(p, ctypes.addressof(buf), len(data)) == want, p
 
 
 # lengths around the 3 x 256 and 3 x 8192 interleave boundaries, and payload sizes
@@ -64,3 +89,49 @@ def test_single_bit_flips_are_seen():
         data[pos] ^= 0x10
         assert _native.crc32c_bytes(bytes(data)) != good
         data[pos] ^= 0x10
+
+
+def test_every_path_every_short_length_and_alignment():
+    """0..1100 bytes: every crc32q tail, the fold's minimum (256), each 64-byte
+    tail fold and the dispatch threshold (512), at four alignments and a seed."""
+    rnd = random.Random(3)
+    raw = rnd.randbytes(1100 + 64)
+    buf = ctypes.create_string_buffer(raw, len(raw))
+    base = ctypes.addressof(buf)
+    for n in range(0, 1101):
+        for off in (0, 1, 5, 63):
+            seed = rnd.getrandbits(32) if n % 3 else 0
+            want = _native.crc32c_sw(raw[off:off + n], seed)
+            for p in PATHS:
+                assert _native.crc32c_path(p, base + off, n, seed) == want, (p, n, off)
+            assert _native.crc32c(base + off, n, seed) == want, (n, off)
+
+
+@pytest.mark.parametrize("n", [k * 256 + d for k in (2, 3, 4, 16, 64, 257) for d in (-65, -64, -1, 0, 1, 63, 64, 191)]
+                         + [(1 << 20) - 1, 1 << 20, (2 << 20) + 4096 + 1])
+def test_every_path_around_fold_boundaries(n):
+    rnd = random.Random(n)
+    raw = rnd.randbytes(n + 64)
+    buf = ctypes.create_string_buffer(raw, len(raw))
+    base = ctypes.addressof(buf)
+    for off in (0, 7, 32):
+        seed = rnd.getrandbits(32)
+        want = _native.crc32c_sw(raw[off:off + n], seed)
+        for p in PATHS:
+            assert _native.crc32c_path(p, base + off, n, seed) == want, (p, n, off)
+
+
+def test_this_cpu_runs_its_fastest_path():
+    """The dispatch picks folding where the CPU and OS allow AVX-512 + VPCLMULQDQ,
+    else crc32q where it has SSE4.2: a lost CPUID check would silently fall back."""
+    flags = open("/proc/cpuinfo").read().split("\nflags")[1].split("\n")[0].split()
+    if {"avx512f", "vpclmulqdq"} <= set(flags):
+        assert _native.CRC_PATH == "fold"
+    elif "sse4_2" in flags:
+        assert _native.CRC_PATH == "crc32q"
+    assert _native.CRC_PATH == PATHS[-1]
+
+
+def test_unknown_path_is_a_clear_error():
+    with pytest.raises(ValueError, match="not one this CPU has"):
+        _native.crc32c_path("nope", 0, 0)

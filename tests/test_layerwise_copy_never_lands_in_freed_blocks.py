@@ -32,12 +32,13 @@ NB = 24
 SLOTS = 16
 
 
-def _worker(root: str, backend_kind: str) -> tuple[TransferWorker, dict]:
+def _worker(root: str, backend_kind: str, memory_slots: int = 0) -> tuple[TransferWorker, dict]:
     kv = {f"l{i}": torch.randn(NB, 2, 32, 8) for i in range(2)}
     os.makedirs(ns_dir(root, NS), exist_ok=True)
     dev = CpuDevice(kv, NB)
-    w = TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=SLOTS * fmt.slot_bytes(dev.payload_bytes),
-                       io=backend_kind, layerwise=True)
+    sb = fmt.slot_bytes(dev.payload_bytes)
+    w = TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=SLOTS * sb, io=backend_kind,
+                       memory_bytes=memory_slots * sb, layerwise=True)
     return w, kv
 
 
@@ -97,6 +98,27 @@ def test_staged_blocks_land_layer_by_layer_at_the_next_step(tmp_path, backend_ki
         time.sleep(0.05)  # the copy thread gives the slots back right after the last layer
         assert w.pool.in_use == 0
         assert lw.counts["staged_blocks"] == 4 and lw.counts["copied_blocks"] == 4
+    finally:
+        w.close()
+
+
+def test_copied_blocks_join_the_memory_tier(tmp_path, backend_kind):
+    """As after a whole-request load: a second hit on them is served from host memory."""
+    w, _ = _worker(str(tmp_path), backend_kind)
+    _save(w, 3)
+    w.close()
+    w, kv = _worker(str(tmp_path), backend_kind, memory_slots=8)  # a restart: nothing in memory
+    try:
+        w.load([Transfer("a", [key(i) for i in range(3)], [0, 1, 2], [11, 12, 13])])
+        _finished(w, "a")
+        w.layers.begin()
+        w.layers.end_step()
+        time.sleep(0.05)
+        assert w.cache.kept == 3 and w.staging_in_use == 0
+        w.load([Transfer("b", [key(i) for i in range(3)], [0, 1, 2], [14, 15, 16])])
+        _finished(w, "b")
+        assert w.layers.counts["staged_blocks"] == 3, "served from memory: copied before it is reported"
+        assert all(_same(kv, 14 + i, 11 + i) for i in range(3))
     finally:
         w.close()
 

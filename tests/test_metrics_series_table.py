@@ -137,7 +137,7 @@ def test_docs_and_dashboard_name_only_real_series():
     import re
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    suffix = {metrics.COUNTER: ("_total",), metrics.GAUGE: ("",),
+    suffix = {metrics.COUNTER: ("_total",), metrics.GAUGE: ("",), metrics.LEVEL: ("",),
               metrics.HISTOGRAM: ("_bucket", "_sum", "_count", "")}
     real = {f"vllm:aiokv_{r.series}{s}" for r in SERIES for s in suffix[r.kind]}
     with open(os.path.join(root, "docs", "operations.md")) as f:
@@ -150,3 +150,21 @@ def test_docs_and_dashboard_name_only_real_series():
     documented = set(re.findall(r"`(vllm:aiokv_[a-z_]+)", ops))
     assert {f"vllm:aiokv_{r.series}{suffix[r.kind][0] if r.kind == metrics.COUNTER else ''}"
             for r in SERIES} <= documented
+
+
+def test_a_level_adds_up_its_changes_across_ranks_and_steps():
+    """memory_held_bytes: each worker reports changes (+ when it keeps blocks, - when it
+    drops them); the gauge is their sum over ranks and steps, a return to 0 included."""
+    reg = CollectorRegistry()
+    pm = prom(reg)
+    delta = StatsDelta(ranks=2)
+    steps = [[+300, +200], [-100, 0], [0, -200], [-200, 0]]  # (rank 0, rank 1) changes per step
+    level = 0
+    for changes in steps:
+        for c in changes:
+            if c:
+                delta.add_worker({"memory_held_bytes": c})
+        pm.observe(AioKVStats(delta.take({})).data, 0)
+        level += sum(changes)
+        assert sample(reg, "vllm:aiokv_memory_bytes") == level
+    assert level == 0

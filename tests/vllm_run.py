@@ -153,8 +153,10 @@ def main(spec: dict) -> dict:
 
 def _settle(engine, deadline: float) -> None:
     """Step the engine until no save, load or upload of aiokv's is outstanding."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
+    if not has_kv_transfer_group():  # no connector: nothing to wait for
+        return
     wc = get_kv_transfer_group()
     workers = list(getattr(wc.worker, "workers", {0: wc.worker}).values())
     while any(w.in_flight or (w.uploader is not None and w.uploader.pending) for w in workers):

@@ -28,7 +28,9 @@ directory (medians of the rounds are reported):
 
 GB/s columns are bytes moved to/from the disk by each contender; payload GB/s
 is that x B / bytes per block (B / slot for aiokv and fio, 1 for vllm-fs).
-CPU is process CPU time (user + system, all threads) per GB of payload moved:
+CPU is process CPU time (user + system, all threads: core-seconds) per GB
+(1e9 bytes) of payload moved, per direction (aiokv's JSON also has the system
+part alone, *_sys_cpu_us per block: the kernel's share, which fio pays too):
 time.process_time() over the phase for aiokv and vllm-fs (run in this
 process), (usr_cpu + sys_cpu) x job_runtime for fio (from its JSON).
 "null I/O" re-runs aiokv's save/load with a backend that completes every
@@ -44,6 +46,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -67,11 +70,16 @@ NR_HUGE = "/proc/sys/vm/nr_hugepages"
 # ------------------------------------------------------------------ aiokv side
 
 class NullBackend(IOBackend):
-    """Completes every operation at once with its full length (no I/O): for CPU overhead."""
+    """Completes every operation with its full length on the loop's next
+    iteration, as real completions arrive (no I/O): for CPU overhead."""
 
     name = "null"
 
     def _start(self, batch, ops) -> None:
+        self.loop.call_soon(self._done, batch, ops)
+
+    @staticmethod
+    def _done(batch, ops) -> None:
         for i, op in enumerate(ops):
             batch.complete(i, op[3])
 
@@ -81,6 +89,11 @@ class NullBackend(IOBackend):
     @property
     def in_flight(self) -> int:
         return 0
+
+
+def _sys_s() -> float:
+    """System (kernel) CPU seconds of this process so far (getrusage: finer than os.times' ticks)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
 
 
 def _keys(n: int, salt: int) -> list[bytes]:
@@ -137,15 +150,16 @@ async def _aiokv_round(root: str, payload: int, n: int, depth: int, workers: int
                     if any(res):
                         raise RuntimeError(f"aiokv: {call.__name__} failed: {res}")
 
-            p0, t0 = time.process_time(), time.perf_counter()
+            p0, s0, t0 = time.process_time(), _sys_s(), time.perf_counter()
             await asyncio.gather(*(loop(w) for w in range(workers)))
-            return time.perf_counter() - t0, time.process_time() - p0
+            return time.perf_counter() - t0, time.process_time() - p0, _sys_s() - s0
 
-        wt, wc = await phase(st.save)
-        rt, rc = await phase(st.load)
+        wt, wc, ws = await phase(st.save)
+        rt, rc, rs = await phase(st.load)
         nbytes = n * fmt.slot_bytes(payload)  # bytes the disk moved, as fio counts them
         return {"write_gbps": nbytes / wt / 1e9, "read_gbps": nbytes / rt / 1e9,
                 "write_cpu_us": wc / n * 1e6, "read_cpu_us": rc / n * 1e6,
+                "write_sys_cpu_us": ws / n * 1e6, "read_sys_cpu_us": rs / n * 1e6,
                 "write_s": wt, "read_s": rt, "staging_anon_huge_kb": thp}
     finally:
         st.close()

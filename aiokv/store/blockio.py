@@ -32,7 +32,6 @@ import ctypes
 import errno
 import hmac
 import os
-import time
 
 from aiokv import _native
 from aiokv.io.backend import OP_READ, OP_WRITE, say_once
@@ -102,29 +101,33 @@ class BlockIO:
 
     def stamp(self, key: bytes, addr: int) -> None:
         """Fill the header of the staging slot at addr for `key` (payload already there)."""
-        crc = _native.crc32c(addr + fmt.HEADER_BYTES, self.payload_bytes)
-        hdr = fmt.pack_header(self.nsid, self.rank, key, self.payload_bytes, crc, time.time_ns(), self.layout)
-        n = len(hdr)
-        ctypes.memmove(addr, hdr, n)
-        ctypes.memset(addr + n, 0, fmt.HEADER_BYTES - n)
+        self._stamp_many([key], [addr])
+
+    def _stamp_many(self, keys: list, addrs: list) -> None:
+        """Stamp many slots: one native call (CRC32C and header of each, GIL
+        released), then the MACs where a secret is set."""
+        _native.stamp_slots(addrs, keys, self.nsid, self.rank, self.payload_bytes, self.layout)
         if self.mac_key is not None:
-            ctypes.memmove(addr + fmt.MAC_OFFSET, fmt.block_mac(self.mac_key, hdr, self._payload(addr)), fmt.MAC_BYTES)
+            for addr in addrs:
+                raw = ctypes.string_at(addr, fmt.HDR_USED)
+                ctypes.memmove(addr + fmt.MAC_OFFSET, fmt.block_mac(self.mac_key, raw, self._payload(addr)),
+                               fmt.MAC_BYTES)
 
     def _payload(self, addr: int):
         return (ctypes.c_char * self.payload_bytes).from_address(addr + fmt.HEADER_BYTES)
 
-    def verify(self, key: bytes, addr: int) -> bool:
-        try:
-            h = fmt.check_header(ctypes.string_at(addr, fmt.HDR_USED), self.nsid, self.rank, self.payload_bytes,
-                                 key, self.layout)
-        except fmt.BadBlock:
-            return False
-        if _native.crc32c(addr + fmt.HEADER_BYTES, self.payload_bytes) != h["payload_crc"]:
-            return False
-        if self.mac_key is None:
-            return True
+    def _mac_ok(self, addr: int) -> bool:
         raw = ctypes.string_at(addr, fmt.MAC_OFFSET + fmt.MAC_BYTES)
         return hmac.compare_digest(raw[fmt.MAC_OFFSET:], fmt.block_mac(self.mac_key, raw, self._payload(addr)))
+
+    def verify(self, key: bytes, addr: int) -> bool:
+        """Whether the staging slot at addr holds `key` intact (format.check_slot, then the MAC)."""
+        try:
+            fmt.check_slot((ctypes.c_char * self.slot_bytes).from_address(addr), self.nsid, self.rank,
+                           self.payload_bytes, key, self.layout)
+        except fmt.BadBlock:
+            return False
+        return self.mac_key is None or self._mac_ok(addr)
 
     def _chunk(self) -> int:
         return max(2, getattr(self.backend, "depth", 16) // 4)
@@ -133,8 +136,7 @@ class BlockIO:
         """items: (slot, key, addr). Stamps headers, writes, returns per-item 0/-errno."""
         sb = self.slot_bytes
         if len(items) <= PIPELINE_MIN:
-            for _, key, addr in items:
-                self.stamp(key, addr)
+            self._stamp_many([key for _, key, _ in items], [addr for _, _, addr in items])
             res = await self.backend.run([self._op(OP_WRITE, slot, addr) for slot, _, addr in items])
         else:
             res = await self._pipelined(OP_WRITE, items)
@@ -155,13 +157,16 @@ class BlockIO:
         return [next(res) if op[1] >= 0 else -errno.ENOENT for op in ops]
 
     def _checked(self, items, res) -> list[int]:
-        sb, verify = self.slot_bytes, self.verify
-        out = []
-        for r, (_, key, addr) in zip(res, items):
-            if r != sb:
-                out.append(r if r < 0 else -errno.EIO)
-            else:
-                out.append(0 if verify(key, addr) else EBADMSG)
+        """Per-item result of reads: the slots that arrived whole are verified in
+        one native call (format.check_slot's checks, GIL released), then their MACs."""
+        sb = self.slot_bytes
+        whole = [i for i, r in enumerate(res) if r == sb]
+        out = [r if r < 0 else -errno.EIO for r in res]
+        if whole:
+            verdicts = _native.verify_slots([items[i][2] for i in whole], [items[i][1] for i in whole], self.nsid,
+                                            self.rank, self.payload_bytes, self.layout)
+            for i, v in zip(whole, verdicts):
+                out[i] = 0 if v == 0 and (self.mac_key is None or self._mac_ok(items[i][2])) else EBADMSG
         return out
 
     async def _pipelined(self, op: int, items) -> list:
@@ -176,8 +181,7 @@ class BlockIO:
         try:
             if op == OP_WRITE:
                 for k, part in enumerate(parts):
-                    for _, key, addr in part:
-                        self.stamp(key, addr)
+                    self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part])
                     futs.append(asyncio.ensure_future(
                         run([self._op(OP_WRITE, slot, addr) for slot, _, addr in part])))
                     if k + 1 < len(parts):

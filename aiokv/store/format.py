@@ -152,6 +152,32 @@ def check_header(raw: bytes, nsid: bytes, rank: int, payload_len: int, key: byte
     return h
 
 
+def check_slot(slot, nsid: bytes, rank: int, payload_len: int, key: bytes | None = None,
+               layout: int | None = None) -> dict:
+    """The one check that a whole slot is valid for (nsid, rank, payload_len,
+    key, layout): its header (check_header) and its payload's CRC32C. `slot` is
+    any buffer of at least HEADER_BYTES + payload_len bytes (bytes, or ctypes
+    memory over a staging slot). Every reader calls this, or for a batch of
+    slots _native.verify_slots, which does the same checks in the same order
+    and answers with an index into SLOT_REASONS (tests pin the two together).
+    Returns the header; raises BadBlock naming the first failed check."""
+    view = memoryview(slot).cast("B")
+    h = check_header(bytes(view[:HDR_USED]), nsid, rank, payload_len, key, layout)
+    if len(view) < HEADER_BYTES + payload_len:
+        raise BadBlock("payload short")
+    if _native.crc32c_bytes(view[HEADER_BYTES:HEADER_BYTES + payload_len]) != h["payload_crc"]:
+        raise BadBlock("payload checksum")
+    return h
+
+
+# What _native.verify_slots answers per slot: the first check failed, as the
+# start of check_slot's BadBlock reason ("" : valid). The C side (native/
+# aiokv_native.c, HDR_OFF_*) writes and reads the _HDR layout above byte for byte.
+SLOT_REASONS = ("", "header checksum", "magic", "format version", "header names another layout",
+                "header names another nsid", "header names another rank", "header names another key",
+                "header names another payload len", "payload checksum")
+
+
 def check_namespace(info, nsid: bytes) -> tuple[int, int, int, dict]:
     """(payload_bytes, slot_bytes, ranks, fields) of a parsed namespace.json,
     every number bounds-checked before anything uses it; raises BadBlock."""

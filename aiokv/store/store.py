@@ -822,10 +822,8 @@ class Store:
             if len(raw) != sb:
                 return False
             try:
-                h = fmt.check_header(raw[:fmt.HDR_USED], ns.nsid, rank, ns.payload_bytes, key)
+                fmt.check_slot(raw, ns.nsid, rank, ns.payload_bytes, key)
             except fmt.BadBlock:
-                return False
-            if _native.crc32c_bytes(raw[fmt.HEADER_BYTES:fmt.HEADER_BYTES + ns.payload_bytes]) != h["payload_crc"]:
                 return False
         return True
 

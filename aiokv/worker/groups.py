@@ -90,7 +90,7 @@ class GroupedWorker:
 
     @property
     def staging_in_use(self) -> int:
-        return sum(w.pool.in_use for w in self.workers.values())
+        return sum(w.staging_in_use for w in self.workers.values())
 
     def drain(self, timeout: float = 30.0) -> None:
         for w in self.workers.values():

@@ -57,8 +57,8 @@ CANCELLED_MEMORY = 4096  # request ids remembered as cancelled (a cancel may com
 class _Batch:
     """The staged loads one step copies in: block ids, staging slots, per-layer done markers."""
 
-    def __init__(self, blocks: list[int], slots: list[int], layers: int):
-        self.blocks, self.slots = blocks, slots
+    def __init__(self, blocks: list[int], slots: list[int], keys: list[bytes], layers: int):
+        self.blocks, self.slots, self.keys = blocks, slots, keys
         self.done = [threading.Event() for _ in range(layers)]  # CPU
         self.events: list = []                                  # CUDA, one per queued layer
         self.idx = None
@@ -74,10 +74,11 @@ class LayerwiseLoads:
         self.device = worker.device
         self.names = {layer.name: i for i, layer in enumerate(self.device.layers)}
         self._lock = threading.Lock()
-        self._staged: list[tuple[str, list[int], list[int]]] = []  # (req, block ids, slots) verified, not copied
+        # (req, block ids, slots, keys) verified, not copied yet
+        self._staged: list[tuple[str, list[int], list[int], list[bytes]]] = []
         self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._batch: _Batch | None = None
-        self._pending: list[tuple[object, list[int]]] = []  # CUDA: (last event, slots) not yet given back
+        self._pending: list[tuple[object, list[int], list[bytes]]] = []  # CUDA: (last event, slots, keys)
         self._thread: threading.Thread | None = None
         self._queue: collections.deque = collections.deque()
         self._wake = threading.Condition()
@@ -85,7 +86,8 @@ class LayerwiseLoads:
 
     # ---- loop thread ----
     def fits(self, n: int) -> bool:
-        return 0 < n <= self.w.pool.count // 2
+        """At most half the staging slots (the pool less the memory tier's share)."""
+        return 0 < n <= (self.w.pool.count - self.w.cache.limit) // 2
 
     async def read(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
         """Read and verify `todo` [(key, location, block id)] into staging slots taken
@@ -101,7 +103,7 @@ class LayerwiseLoads:
             bad_keys += [(k, s, t.group) for (k, s, _), r in zip(todo, res) if r != 0]
             w._count(read_errors=sum(r not in NOT_IO_ERRORS for r in res))
             nb = self.device.num_blocks
-            good = {b: slot for (_, _, b), slot, r in zip(todo, slots, res) if r == 0 and 0 < b < nb}
+            good = {b: (slot, k) for (k, _, b), slot, r in zip(todo, slots, res) if r == 0 and 0 < b < nb}
             # vLLM recomputes from a request's first block not loaded (a bad read, a key gone,
             # a shared-tier block that did not arrive): nothing from there on is staged, or
             # its copy could race that recompute
@@ -111,10 +113,10 @@ class LayerwiseLoads:
                     blocks.append(b)
                 elif b in failed:
                     break
-            picked = [good[b] for b in blocks]
+            picked = [good[b][0] for b in blocks]
             with self._lock:
                 if blocks and t.req_id not in self._cancelled:
-                    self._staged.append((t.req_id, blocks, picked))
+                    self._staged.append((t.req_id, blocks, picked, [good[b][1] for b in blocks]))
                     self.counts.update(staged_loads=1, staged_blocks=len(blocks))
                 else:
                     blocks, picked = [], []
@@ -130,9 +132,10 @@ class LayerwiseLoads:
         """n staging slots at once (never a part held while waiting for the rest)."""
         w = self.w
         while True:
-            with w._lock:
-                slots = w.pool.acquire(n) if w.pool.available >= n else None
-                all_stuck = slots is None and w.pool.in_use and w.pool.in_use == len(w._stuck)
+            with w._lock:  # free slots, then the memory tier's oldest (worker/memory.py)
+                slots = w.cache.acquire(n)
+                used = w.pool.in_use - w.cache.kept
+                all_stuck = slots is None and used and used == len(w._stuck)
             if slots is not None:
                 return slots
             if all_stuck:
@@ -162,8 +165,8 @@ class LayerwiseLoads:
             for item in self._staged:
                 (drop if item[0] in self._cancelled else keep).append(item)
             self._staged = keep
-            self.counts.update(dropped_blocks=sum(len(b) for _, b, _ in drop))
-        for _, _, slots in drop:
+            self.counts.update(dropped_blocks=sum(len(b) for _, b, _, _ in drop))
+        for _, _, slots, _ in drop:
             self.w._release(slots)
 
     def begin(self, whole: bool = False) -> None:
@@ -178,9 +181,10 @@ class LayerwiseLoads:
             staged, self._staged = self._staged, []
         if not staged:
             return
-        blocks = [b for _, bs, _ in staged for b in bs]
-        slots = [s for _, _, ss in staged for s in ss]
-        batch = self._batch = _Batch(blocks, slots, len(self.device.layers))
+        blocks = [b for _, bs, _, _ in staged for b in bs]
+        slots = [s for _, _, ss, _ in staged for s in ss]
+        keys = [k for _, _, _, ks in staged for k in ks]
+        batch = self._batch = _Batch(blocks, slots, keys, len(self.device.layers))
         self.counts.update(copied_blocks=len(blocks))
         if self.device.asynchronous:
             batch.idx = self.device.begin_layers(blocks)
@@ -226,7 +230,7 @@ class LayerwiseLoads:
 
             self._queue_cuda(len(self.device.layers) - 1, batch)
             torch.cuda.current_stream(self.device.device).wait_event(batch.events[-1])
-            self._pending.append((batch.events[-1], batch.slots))
+            self._pending.append((batch.events[-1], batch.slots, batch.keys))
         else:
             batch.done[-1].wait()  # layers are copied in order: the last one done means all
             if batch.error is not None:
@@ -235,7 +239,7 @@ class LayerwiseLoads:
     def close(self) -> None:
         """Before the worker closes its staging arena: no copy may still read from it."""
         self.end_step()
-        for ev, _ in self._pending:
+        for ev, _, _ in self._pending:
             ev.synchronize()
         self._give_back_done()
 
@@ -246,14 +250,22 @@ class LayerwiseLoads:
             batch.events.append(self.device.copy_in_layer_async(len(batch.events), batch.idx, batch.slots))
 
     def _give_back_done(self) -> None:
-        """CUDA: staging slots whose copies have completed go back to the pool."""
+        """CUDA: staging slots whose copies have completed are given back."""
         still = []
-        for ev, slots in self._pending:
-            if ev.query():
-                self.w._release(slots)
+        for item in self._pending:
+            if item[0].query():
+                self._done(item[1], item[2])
             else:
-                still.append((ev, slots))
+                still.append(item)
         self._pending = still
+
+    def _done(self, slots: list[int], keys: list[bytes], ok: bool = True) -> None:
+        """Copied blocks' slots (verified images of their keys) join the memory tier,
+        as after a whole-request load; others are freed."""
+        if ok:
+            self.w._keep(list(zip(keys, slots)))
+            slots = []  # (kept slots can be taken by a job: the release below wakes waiting loads)
+        self.w._release(slots)
 
     # ---- copy thread (CPU) ----
     def _copier(self) -> None:
@@ -275,12 +287,12 @@ class LayerwiseLoads:
             finally:
                 for ev in batch.done:
                     ev.set()
-                self.w._release(batch.slots)
+                self._done(batch.slots, batch.keys, batch.error is None)
 
     @property
     def held(self) -> int:
         """Staging slots held by staged or copying loads."""
         with self._lock:
-            n = sum(len(s) for _, _, s in self._staged)
-        return n + sum(len(s) for _, s in self._pending)
+            n = sum(len(s) for _, _, s, _ in self._staged)
+        return n + sum(len(s) for _, s, _ in self._pending)
 

@@ -5,6 +5,7 @@ a load pipeline per request as asyncio tasks.
         -> io_uring write (loop) -> report (rank, key, slot) written or failed
   load: io_uring read -> verify -> staging -> device copy (loop)
         -> report the request finished, with the block ids that failed
+        (a block kept in host memory, worker/memory.py, skips the read)
 
 Failure contract (catalogue B7, B8, B11, B12):
 - A job's failure affects only its request: a failed save is reported so its
@@ -48,6 +49,7 @@ from aiokv.store import format as fmt
 from aiokv.store.blockio import BlockIO
 from aiokv.worker.layerwise import LayerwiseLoads
 from aiokv.worker.latency import latency_counts
+from aiokv.worker.memory import HostCache
 
 log = logging.getLogger("aiokv")
 
@@ -60,7 +62,9 @@ COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_cancelled_blocks", "l
             "save_timeouts", "read_errors", "write_errors", "bytes_read", "bytes_written",
             # the shared tier (docs/sharing.md)
             "remote_loaded_blocks", "remote_missed_blocks", "uploaded", "upload_bytes", "upload_already_there",
-            "upload_failed", "upload_dropped_queue_full", "upload_dropped_unavailable", "upload_dropped_at_close")
+            "upload_failed", "upload_dropped_queue_full", "upload_dropped_unavailable", "upload_dropped_at_close",
+            # the host-memory tier (worker/memory.py); memory_held_bytes is a level (its deltas may be negative)
+            "memory_hit_blocks", "memory_held_bytes")
 CLOSE_DRAIN_S = 10.0  # close() waits this long for outstanding jobs, then leaves them
 
 
@@ -68,7 +72,7 @@ class TransferWorker:
     def __init__(self, device, ns_dir: str, nsid: bytes, rank: int, staging_bytes: int, io: str = "auto",
                  queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0, shared=None,
                  upload_queue: int = 256 << 20, flush_timeout: float = 10.0, secret: str | None = None,
-                 layerwise: bool = False):
+                 memory_bytes: int = 0, layerwise: bool = False):
         self.device = device
         self.secret = secret
         # the shared tier (docs/sharing.md): a SharedClient, or None
@@ -78,7 +82,10 @@ class TransferWorker:
         self.load_timeout = load_timeout
         self.save_timeout = save_timeout
         slot_bytes = fmt.slot_bytes(device.payload_bytes)
-        self.pool = SlotPool(slot_bytes, max(4, staging_bytes // slot_bytes))
+        kept = memory_bytes // slot_bytes  # the memory tier shares the staging arena
+        self.pool = SlotPool(slot_bytes, max(4, staging_bytes // slot_bytes) + kept)
+        self.cache = HostCache(self.pool, kept)
+        self._held_reported = 0  # memory_held_bytes last reported
         # verified loads copied in layer by layer during the next forward (worker/layerwise.py)
         self.layers = LayerwiseLoads(self) if layerwise else None
         self.thread = None
@@ -154,6 +161,19 @@ class TransferWorker:
             except RuntimeError:
                 pass  # the loop is closed: nobody waits for slots any more
 
+    def _keep(self, items: list[tuple[bytes, int]]) -> None:
+        """Slots of jobs that succeeded (verified images of their keys) join the memory tier."""
+        if items:
+            with self._lock:
+                for key, slot in items:
+                    self.cache.keep(key, slot)
+
+    @property
+    def staging_in_use(self) -> int:
+        """Slots owned by jobs (not those kept in the memory tier)."""
+        with self._lock:
+            return self.pool.in_use - self.cache.kept
+
     def _abandon(self, addrs: list[int], done: asyncio.Future) -> None:
         """Backend callback (loop thread): these buffers stay the kernel's until `done`."""
         base, size = self.pool.arena.addr, self.slot_bytes
@@ -188,8 +208,8 @@ class TransferWorker:
                 self._save_done(t, None, [-errno.EIO] * len(t.keys))
                 continue
             with self._lock:  # as many as the pool has: a big prefill is saved in part, not dropped
-                take = min(len(t.keys), self.pool.available)
-                slots = self.pool.acquire(take) if take else None
+                take = min(len(t.keys), self.cache.available)
+                slots = self.cache.acquire(take) if take else None
             if take < len(t.keys):
                 rest = Transfer(t.req_id, t.keys[take:], t.slots[take:], t.block_ids[take:], t.group)
                 self._count(save_skipped_staging_full=len(rest.keys))
@@ -243,7 +263,9 @@ class TransferWorker:
         except Exception:
             log.exception("aiokv: a save failed; only that request's save is dropped")
         finally:
-            self._release(slots)
+            # written blocks stay in host memory (the memory tier); the rest are freed
+            self._keep([(k, b) for k, b, r in zip(t.keys, slots, res) if r == 0])
+            self._release([b for b, r in zip(slots, res) if r != 0])
             with self._lock:
                 self._saves.pop(job, None)
             self._count(**latency_counts("save", time.monotonic() - t0))
@@ -296,9 +318,9 @@ class TransferWorker:
         and not at all when every slot in use is stuck (none may come back soon)."""
         while True:
             with self._lock:
-                take = min(n, self.pool.available)
-                slots = self.pool.acquire(take) if take else None
-                all_stuck = not take and self.pool.in_use == len(self._stuck)
+                take = min(n, self.cache.available)
+                slots = self.cache.acquire(take) if take else None
+                all_stuck = not take and self.pool.in_use - self.cache.kept == len(self._stuck)
             if slots is not None:
                 return slots
             if all_stuck:
@@ -339,24 +361,38 @@ class TransferWorker:
         remote = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if r]
         if remote:
             await self._load_remote(t, remote, failed, bad_keys)
+        with self._lock:  # blocks kept in host memory: no disk read
+            kept = [(k, b, self.cache.take(k)) for k, _, b in todo]
+        mem = [(k, slot) for k, _, slot in kept if slot is not None]
+        if mem:
+            try:
+                await self._copy_in([b for _, b, slot in kept if slot is not None], [slot for _, slot in mem])
+                failed.difference_update(b for _, b, slot in kept if slot is not None)
+                self._count(memory_hit_blocks=len(mem))
+            finally:
+                self._keep(mem)  # back, as the most recently used
+            todo = [item for item, (_, _, slot) in zip(todo, kept) if slot is None]
         if self.layers is not None and self.layers.fits(len(todo)):
             return await self.layers.read(t, todo, failed, bad_keys)
         i = 0
         while i < len(todo):
             slots = await self._acquire(len(todo) - i)
             chunk = todo[i:i + len(slots)]
+            keep: list[tuple[bytes, int]] = []
             try:
                 addr = self.pool.addr
                 res = await self._blockio().read([(s, k, addr(b)) for (k, s, _), b in zip(chunk, slots)])
-                good = [(blk, st) for (k, s, blk), st, r in zip(chunk, slots, res) if r == 0]
+                good = [(k, blk, st) for (k, s, blk), st, r in zip(chunk, slots, res) if r == 0]
                 bad_keys += [(k, s, t.group) for (k, s, _), r in zip(chunk, res) if r != 0]
                 self._count(read_errors=sum(r not in NOT_IO_ERRORS for r in res))
                 if good:
-                    await self._copy_in([g[0] for g in good], [g[1] for g in good])
-                    failed.difference_update(g[0] for g in good)
+                    await self._copy_in([g[1] for g in good], [g[2] for g in good])
+                    failed.difference_update(g[1] for g in good)
+                    keep = [(k, st) for k, _, st in good]
                 self._count(bytes_read=len(good) * self.slot_bytes)
             finally:
-                self._release(slots)
+                self._keep(keep)
+                self._release([st for st in slots if all(st != s for _, s in keep)])
             i += len(chunk)
 
     async def _load_remote(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
@@ -436,6 +472,10 @@ class TransferWorker:
         with self._lock:
             done, self._done_loads = self._done_loads, []
             report, self._report = self._report, WorkerReport()
+            held = self.cache.kept * self.slot_bytes  # a level: reported as its change
+            if held != self._held_reported:
+                self._counts.update(memory_held_bytes=held - self._held_reported)
+                self._held_reported = held
             report.counters = dict(self._counts)
             self._counts.clear()
         finished = {r for r, _ in done}

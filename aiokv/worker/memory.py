@@ -1,0 +1,82 @@
+"""The host-memory tier: blocks recently saved or loaded stay in host memory,
+so that another hit on them is a copy into the KV cache, not a disk read.
+
+Staging and the memory tier are one arena (io/buffers.py SlotPool, pinned on
+CUDA by device.attach). A slot is free, owned by a job (a device copy or I/O
+uses it), or kept: it holds the whole verified slot image (header + payload)
+of one key, in LRU order. Slots reach the tier only from jobs that succeeded:
+a save keeps its slots once they are on disk (the disk stays the persistent
+copy; a block that failed to write is not kept), a load keeps the slots it
+read and verified once their copy into the KV cache is done. Jobs take free
+slots first, then the least recently used kept ones: a job never waits for
+the tier, and the tier never holds more than `limit` slots.
+
+Why the staging slots themselves and not a copy: keeping a block costs no copy
+(it is in staging already when its job ends), and a hit from memory is the
+same one copy into the KV cache that ends a disk load.
+
+Keys: one HostCache per TransferWorker, i.e. per (namespace, rank) of one
+KV-cache group. A key names the same bytes wherever they are stored (it binds
+the prefix, the model, the layout and the group; namespace and rank fix the
+shard), so a kept block is served for its key whatever slot the store gives
+it now. Which keys are hits is still the scheduler's index: a block the disk
+tier evicted is not offered, even if it is kept here.
+
+Threading contract: every method is called with the owning TransferWorker's
+lock held (vLLM's worker thread takes slots for saves, the loop thread for
+loads and for keeping).
+"""
+from __future__ import annotations
+
+import collections
+
+from aiokv.io.buffers import SlotPool
+
+
+class HostCache:
+    def __init__(self, pool: SlotPool, limit: int):
+        self.pool = pool
+        self.limit = limit  # slots kept at most (0: the tier is off)
+        self._kept: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> slot, LRU first
+        self.evictions = 0
+
+    @property
+    def kept(self) -> int:
+        return len(self._kept)
+
+    @property
+    def available(self) -> int:
+        """Slots a job can take now: free ones and kept ones."""
+        return self.pool.available + len(self._kept)
+
+    def acquire(self, n: int) -> list[int] | None:
+        """n slots for a job (evicting kept blocks, oldest first, if the free ones are short), or None."""
+        if n > self.available:
+            return None
+        while self.pool.available < n:
+            self._evict()
+        return self.pool.acquire(n)
+
+    def take(self, key: bytes) -> int | None:
+        """The slot holding `key`, now owned by the caller (a job that reads it), or None."""
+        return self._kept.pop(key, None)
+
+    def keep(self, key: bytes, slot: int) -> int:
+        """A job's slot, holding a verified image of `key`, joins the tier as the most
+        recent block (with the tier off it is simply freed). Returns the change in kept slots."""
+        before = len(self._kept)
+        old = self._kept.pop(key, None)
+        if old is not None:
+            self.pool.release([old])
+        if self.limit <= 0:
+            self.pool.release([slot])
+        else:
+            self._kept[key] = slot
+            while len(self._kept) > self.limit:
+                self._evict()
+        return len(self._kept) - before
+
+    def _evict(self) -> None:
+        _, slot = self._kept.popitem(last=False)
+        self.pool.release([slot])
+        self.evictions += 1

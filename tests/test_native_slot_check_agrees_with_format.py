@@ -1,0 +1,173 @@
+"""The native batch stamp and check of slots are format.py's, byte for byte and verdict for verdict.
+
+Bug guarded against: the hot path stamps and verifies whole chunks of slots in
+C (one call, GIL released) while the store's verify, inspect and single-slot
+BlockIO.verify use format.check_slot in Python. Two definitions of "this slot
+is valid for (nsid, rank, payload length, key, layout)" can drift: a header C
+writes that Python rejects (every block a miss after a restart, or reported
+corrupt by `aiokv inspect`), or a bad block C accepts (wrong bytes loaded).
+Invariant: _native.stamp_slots writes exactly format.pack_header's bytes (and
+zeroes the rest of the header); _native.verify_slots gives, for a valid slot and
+for every kind of bad one, the verdict format.check_slot gives (its reason
+starts with SLOT_REASONS[verdict]).
+Fix: one layout (format._HDR, mirrored by HDR_OFF_* in native/aiokv_native.c)
+and one order of checks, pinned here.
+"""
+from __future__ import annotations
+
+import ctypes
+import random
+import struct
+import time
+
+import pytest
+
+from aiokv import _native
+from aiokv.io.buffers import SlotPool
+from aiokv.store import format as fmt
+
+NS = bytes(range(16))
+OTHER_NS = bytes(range(1, 17))
+PAYLOAD = 3 * 4096 + 100  # not a multiple of the page: the padding is not hashed
+RANK, LAYOUT = 3, 0x1234_5678_9ABC_DEF0
+SB = fmt.slot_bytes(PAYLOAD)
+
+
+def key(i: int, n: int = 32) -> bytes:
+    return bytes([i + 1]) * n
+
+
+@pytest.fixture
+def pool():
+    p = SlotPool(SB, 64)
+    yield p
+    p.close()
+
+
+def _fill(pool, slot: int, seed: int) -> int:
+    """Random payload and a garbage header; returns the slot's address."""
+    addr = pool.addr(slot)
+    ctypes.memset(addr, 0xAA, fmt.HEADER_BYTES)
+    ctypes.memmove(addr + fmt.HEADER_BYTES, random.Random(seed).randbytes(PAYLOAD), PAYLOAD)
+    return addr
+
+
+def _stamp(addrs, keys, rank=RANK, layout=LAYOUT):
+    _native.stamp_slots(addrs, keys, NS, rank, PAYLOAD, layout)
+
+
+def _python_reason(addr, k, nsid=NS, rank=RANK, payload_len=PAYLOAD, layout=LAYOUT) -> str:
+    try:
+        fmt.check_slot((ctypes.c_char * SB).from_address(addr), nsid, rank, payload_len, k, layout)
+    except fmt.BadBlock as e:
+        return str(e)
+    return ""
+
+
+def test_stamp_writes_format_headers_byte_for_byte(pool):
+    keys = [key(i, 16 + i) for i in range(17)]  # every key length 16..32
+    addrs = [_fill(pool, i, i) for i in range(len(keys))]
+    t0 = time.time_ns()
+    _stamp(addrs, keys)
+    t1 = time.time_ns()
+    for k, addr in zip(keys, addrs):
+        raw = ctypes.string_at(addr, fmt.HEADER_BYTES)
+        seq = fmt.unpack_header(raw)["seq"]
+        assert t0 <= seq <= t1  # the wall clock in ns, as time.time_ns()
+        crc = _native.crc32c_sw(ctypes.string_at(addr + fmt.HEADER_BYTES, PAYLOAD))
+        want = fmt.pack_header(NS, RANK, k, PAYLOAD, crc, seq, LAYOUT)
+        assert raw == want + bytes(fmt.HEADER_BYTES - len(want))
+        assert _python_reason(addr, k) == ""
+
+
+def _refix(addr: int, **fields) -> None:
+    """Rewrite header fields and recompute the header CRC: a well-formed header that says something else."""
+    names = ("magic", "version", "hbytes", "rank", "nsid", "klen", "pcrc", "plen", "key", "seq", "layout")
+    vals = dict(zip(names, fmt._HDR.unpack(ctypes.string_at(addr, fmt._HDR.size))))
+    vals.update(fields)
+    body = fmt._HDR.pack(*(vals[n] for n in names))
+    ctypes.memmove(addr, body + struct.pack("<I", _native.crc32c_bytes(body)), fmt.HDR_USED)
+
+
+def _poke(addr: int, off: int) -> None:
+    b = ctypes.string_at(addr + off, 1)[0]
+    ctypes.memset(addr + off, b ^ 0x40, 1)
+
+
+K = key(0)
+# (name, how the slot is spoiled, what the reader asks for (overrides), expected reason)
+CASES = [
+    ("valid", lambda a: None, {}, ""),
+    ("payload first byte", lambda a: _poke(a, fmt.HEADER_BYTES), {}, "payload checksum"),
+    ("payload last byte", lambda a: _poke(a, fmt.HEADER_BYTES + PAYLOAD - 1), {}, "payload checksum"),
+    ("payload padding", lambda a: _poke(a, fmt.HEADER_BYTES + PAYLOAD), {}, ""),  # not part of the block
+    ("MAC area", lambda a: _poke(a, fmt.MAC_OFFSET), {}, ""),  # read only with a secret
+    ("payload crc field", lambda a: _refix(a, pcrc=1), {}, "payload checksum"),
+    *[(f"header byte {o}", lambda a, o=o: _poke(a, o), {}, "header checksum") for o in (0, 9, 33, 50, 95, 96, 99)],
+    ("magic", lambda a: _refix(a, magic=b"AIOKVBLX"), {}, "magic"),
+    ("version", lambda a: _refix(a, version=2), {}, "format version"),
+    ("header bytes", lambda a: _refix(a, hbytes=512), {}, "format version"),
+    ("layout", lambda a: _refix(a, layout=LAYOUT + 1), {}, "header names another layout"),
+    ("nsid", lambda a: _refix(a, nsid=OTHER_NS), {}, "header names another nsid"),
+    ("rank", lambda a: _refix(a, rank=RANK + 1), {}, "header names another rank"),
+    ("key bytes", lambda a: _refix(a, key=key(9)), {}, "header names another key"),
+    ("key length short", lambda a: _refix(a, klen=31), {}, "header names another key"),
+    ("key length 0", lambda a: _refix(a, klen=0), {}, "header names another key"),
+    ("key length past 32", lambda a: _refix(a, klen=200), {}, ""),  # key[:klen]: the same 32 bytes
+    ("payload length", lambda a: _refix(a, plen=PAYLOAD - 1), {}, "header names another payload len"),
+    ("reader's layout", lambda a: None, {"layout": 0}, "header names another layout"),
+    ("reader's nsid", lambda a: None, {"nsid": OTHER_NS}, "header names another nsid"),
+    ("reader's rank", lambda a: None, {"rank": 0}, "header names another rank"),
+    ("reader's key", lambda a: None, {"k": key(5)}, "header names another key"),
+    ("reader's shorter key", lambda a: None, {"k": K[:16]}, "header names another key"),
+    ("reader's payload length", lambda a: None, {"payload_len": PAYLOAD - 4096}, "header names another payload len"),
+    ("zeros", lambda a: ctypes.memset(a, 0, fmt.HEADER_BYTES), {}, "header checksum"),
+]
+
+
+def test_native_verdicts_equal_check_slot_for_every_kind_of_bad_slot(pool):
+    addrs = [_fill(pool, i, 100 + i) for i in range(len(CASES))]
+    _stamp(addrs, [K] * len(addrs))
+    for (name, spoil, _, _), addr in zip(CASES, addrs):
+        spoil(addr)
+    # one batch per reader expectation, as BlockIO asks
+    for (name, _, ask, want), addr in zip(CASES, addrs):
+        ask = {"nsid": NS, "rank": RANK, "payload_len": PAYLOAD, "layout": LAYOUT, "k": K, **ask}
+        py = _python_reason(addr, **ask)
+        assert py.startswith(want) and (py == "") == (want == ""), (name, py)
+        (v,) = _native.verify_slots([addr], [ask["k"]], ask["nsid"], ask["rank"], ask["payload_len"], ask["layout"])
+        assert fmt.SLOT_REASONS[v] == want, (name, fmt.SLOT_REASONS[v])
+    # and all in one batch: verdicts in item order
+    plain = [i for i, c in enumerate(CASES) if not c[2]]
+    got = _native.verify_slots([addrs[i] for i in plain], [K] * len(plain), NS, RANK, PAYLOAD, LAYOUT)
+    assert [fmt.SLOT_REASONS[v] for v in got] == [CASES[i][3] for i in plain]
+
+
+def test_random_corruption_agrees(pool):
+    """Random byte flips anywhere in the first 128 header bytes or the payload."""
+    rnd = random.Random(7)
+    addrs = [_fill(pool, i, 200 + i) for i in range(48)]
+    keys = [key(i % 5, 16 + i % 17) for i in range(48)]
+    _stamp(addrs, keys)
+    for addr in addrs:
+        for _ in range(rnd.randint(0, 2)):
+            _poke(addr, rnd.choice([rnd.randrange(128), fmt.HEADER_BYTES + rnd.randrange(PAYLOAD)]))
+    got = _native.verify_slots(addrs, keys, NS, RANK, PAYLOAD, LAYOUT)
+    for v, addr, k in zip(got, addrs, keys):
+        py = _python_reason(addr, k)
+        assert py.startswith(fmt.SLOT_REASONS[v]) and (v == 0) == (py == ""), (v, py)
+
+
+def test_bad_arguments_are_clear_errors_and_touch_nothing(pool):
+    addr = _fill(pool, 0, 1)
+    before = ctypes.string_at(addr, SB)
+    with pytest.raises(ValueError, match="keys are 16-32 bytes"):
+        _stamp([addr, addr], [K, b"short"])
+    with pytest.raises(ValueError, match="differ in length"):
+        _stamp([addr], [K, K])
+    with pytest.raises(ValueError, match="nsid must be 16 bytes"):
+        _native.stamp_slots([addr], [K], NS[:8], RANK, PAYLOAD, LAYOUT)
+    with pytest.raises(TypeError):
+        _stamp([addr], ["not bytes" * 4])
+    assert ctypes.string_at(addr, SB) == before
+    assert _native.verify_slots([], [], NS, RANK, PAYLOAD, LAYOUT) == b""
