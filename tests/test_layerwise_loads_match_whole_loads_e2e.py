@@ -127,3 +127,20 @@ def test_layerwise_setting_must_be_true_or_false():
     assert not AioKVConfig.from_extra({"path": "/tmp/x"}).layerwise
     with pytest.raises(ConfigError, match="aiokv: layerwise must be true or false"):
         AioKVConfig.from_extra({"path": "/tmp/x", "layerwise": "yes"})
+
+
+def test_tensor_parallel_ranks_copy_their_own_shards(tiny_model, tmp_path):
+    """TP 2 (each rank's worker in its own process, one core each): every rank stages and
+    copies its shard; tokens identical, every block loaded on both ranks, nothing pinned."""
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    ps = prompts(4, 230, seed=81)
+    spec = dict(model=tiny_model, tp=2, phases=[dict(prompts=ps, max_tokens=8)])
+    base = run(spec, env=env)
+    cache = str(tmp_path / "c")
+    run(dict(spec, cache=cache, extra=LW), env=env)
+    warm = run(dict(spec, cache=cache, extra=LW), env=env)
+    assert warm["tokens"] == base["tokens"]
+    c = warm["counters"]
+    assert c["hit_blocks"] == 4 * FULL and c["loads_ok_blocks"] == 2 * c["hit_blocks"], c
+    assert c["load_failed_blocks"] == 0 and c["pinned"] == 0 and c["pending_saves"] == 0, c
+    assert warm["cached"] == [[FULL * 32] * 4]
