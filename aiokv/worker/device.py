@@ -253,8 +253,9 @@ class CudaDevice(Device):
         the side stream first waits for the kernels already queued on the compute
         stream (they may still touch blocks freed earlier). Returns the block ids
         on the device, for copy_in_layer_async."""
+        compute = torch.cuda.current_stream(self.device)  # (inside the context it would be in_stream)
         with torch.cuda.stream(self.in_stream):
-            self.in_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.in_stream.wait_stream(compute)
             return torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
 
     def copy_in_layer_async(self, index: int, idx, slots: list[int]):
