@@ -11,7 +11,8 @@ first failed one on are never staged; staging slots all come back; a load
 bigger than half the pool takes the whole-request path (copied before it is
 reported).
 Fix: aiokv/worker/layerwise.py (stage, cancel-before-copy, per-layer events).
-Real io_uring/thread backends, real files, a real CPU KV tensor.
+Real io_uring/thread backends, real files, a real CPU KV tensor; only the CUDA
+branch's stream and event calls are stood in for (no GPU here), to pin its ordering.
 """
 from __future__ import annotations
 
@@ -223,5 +224,93 @@ def test_a_load_over_half_the_pool_is_copied_before_it_is_reported(tmp_path, bac
         assert _finished(w, "big") == set()
         assert all(_same(kv, 12 + i, 1 + i) for i in range(n))
         assert w.layers.counts["staged_blocks"] == 0 and w.pool.in_use == 0
+    finally:
+        w.close()
+
+
+class _Event:
+    """Stands in for torch.cuda.Event (no GPU here): done once the test says so."""
+
+    def __init__(self, layer: int):
+        self.layer, self.done = layer, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+class _Stream:
+    def __init__(self):
+        self.waited: list[int] = []
+
+    def wait_event(self, ev: _Event) -> None:
+        self.waited.append(ev.layer)
+
+
+def test_cuda_ordering_side_stream_events(tmp_path, backend_kind, monkeypatch):
+    """The CUDA branch's ordering, with the device's stream calls replaced (the one
+    mock: no GPU here; the copies themselves run as on the CPU): layers queued
+    LOOKAHEAD ahead of the forward, the compute stream waits on exactly the layer's
+    event, on the last one at the end of the step (and at once for a step that may
+    replay a full CUDA graph), and slots come back only once the last event is done."""
+    import torch
+
+    from aiokv.worker import layerwise
+
+    compute = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    kv = {f"l{i}": torch.randn(NB, 2, 32, 8) for i in range(4)}
+    os.makedirs(ns_dir(str(tmp_path), NS), exist_ok=True)
+
+    class FakeCuda(CpuDevice):
+        asynchronous = True
+        device = "cuda:0"
+        queued: list[_Event] = []
+
+        def begin_layers(self, block_ids):
+            return list(block_ids)
+
+        def copy_in_layer_async(self, index, idx, slots):
+            self.copy_in_layer(index, idx, slots)
+            ev = _Event(index)
+            self.queued.append(ev)
+            return ev
+
+        def wait_out(self):
+            pass
+
+    dev = FakeCuda(kv, NB)
+    w = TransferWorker(dev, ns_dir(str(tmp_path), NS), NS, 0, staging_bytes=SLOTS * fmt.slot_bytes(dev.payload_bytes),
+                       io=backend_kind, layerwise=True)
+    try:
+        _save(w, 3)
+        w.load([Transfer("r", [key(i) for i in range(3)], [0, 1, 2], [11, 12, 13])])
+        _finished(w, "r")
+        lw = w.layers
+        lw.begin()
+        assert [e.layer for e in dev.queued] == list(range(layerwise.LOOKAHEAD)) and compute.waited == []
+        lw.wait_layer("l1")
+        assert compute.waited == [1] and len(dev.queued) == min(1 + layerwise.LOOKAHEAD + 1, 4)
+        lw.end_step()
+        assert compute.waited == [1, 3] and [e.layer for e in dev.queued] == [0, 1, 2, 3]
+        assert all(_same(kv, 11 + i, 1 + i) for i in range(3))
+        assert w.pool.in_use == 3, "the slots are the DMA's until its last event is done"
+        lw.begin()
+        assert w.pool.in_use == 3
+        dev.queued[-1].done = True
+        lw.begin()
+        assert w.pool.in_use == 0
+        # a step that may replay a full CUDA graph: everything ordered before the forward
+        dev.queued.clear()
+        compute.waited.clear()
+        w.load([Transfer("d", [key(0)], [0], [14])])
+        _finished(w, "d")
+        lw.begin(whole=True)
+        assert [e.layer for e in dev.queued] == [0, 1, 2, 3] and compute.waited == [3]
+        lw.end_step()
+        lw.close()
+        assert w.pool.in_use == 0
     finally:
         w.close()
