@@ -83,7 +83,7 @@ class TransferWorker:
         self.save_timeout = save_timeout
         slot_bytes = fmt.slot_bytes(device.payload_bytes)
         kept = memory_bytes // slot_bytes  # the memory tier shares the staging arena
-        self.pool = SlotPool(slot_bytes, max(4, staging_bytes // slot_bytes) + kept)
+        self.pool = SlotPool(slot_bytes, max(4, staging_bytes // slot_bytes) + kept, populate=True)
         self.cache = HostCache(self.pool, kept)
         self._held_reported = 0  # memory_held_bytes last reported
         # verified loads copied in layer by layer during the next forward (worker/layerwise.py)
