@@ -152,7 +152,7 @@ def _local_model_dir(model: str, revision) -> str:
 
 
 def request_extras(request) -> list:
-    """Per-request factors that change the KV of the same tokens (catalogue A2)."""
+    """Per-request factors that change the KV of the same tokens."""
     extras: list = []
     if request.cache_salt:
         extras.append(["salt", request.cache_salt])

@@ -1,5 +1,5 @@
 """A fingerprint of a model's weights, so that new weights at the same path are a
-new namespace (catalogue A2: "model weights, not just the path").
+new namespace (the weights decide the KV, not the path).
 
 Small models (all weight files together up to FULL_HASH_LIMIT) are hashed in
 full. Larger ones hash each file's size, its first and last 4 MiB (safetensors

@@ -1,7 +1,7 @@
 """Job records that travel from the scheduler side to the workers and back.
 
 One explicit list of (key, slot, block id) per request and direction, built once
-by the scheduler side (catalogue B9): the worker never recomputes keys or block
+by the scheduler side: the worker never recomputes keys or block
 ranges, so the two sides cannot disagree about what is loaded or saved.
 Plain dataclasses of lists and bytes: they pickle across vLLM's processes.
 """

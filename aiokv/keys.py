@@ -1,12 +1,12 @@
 """Namespace ids and block keys.
 
 A block's key covers exactly the tokens from the start of the sequence to the
-end of that block (catalogue A1), chained: key_i = H(root, key_{i-1}, tokens of
+end of that block (never a suffix alone), chained: key_i = H(root, key_{i-1}, tokens of
 block i). The root binds the namespace (everything that changes the bytes:
-model weights, dtypes, layout, parallelism; catalogue A2) and the per-request
+model weights, dtypes, layout, parallelism) and the per-request
 factors (cache_salt, LoRA, multimodal inputs, prompt embeddings). BLAKE2b is
 keyed and seeded by nothing random, so keys are the same in every process
-whatever PYTHONHASHSEED or vLLM's own prefix-hash algorithm is (catalogue C15).
+whatever PYTHONHASHSEED or vLLM's own prefix-hash algorithm is.
 
 Pure functions, no vLLM imports.
 """

@@ -1,6 +1,6 @@
 """Bug: cancelling an asyncio task does not cancel an I/O the kernel already
 owns; handing the buffer back at once lets the kernel write into memory that
-has a new owner (catalogue B11).
+has a new owner.
 Invariant: when a cancelled save/load has finished cancelling, no operation
 of it is in flight, its buffers are untouched afterwards, its reservations are
 given back and nothing half-written is visible.

@@ -1,4 +1,4 @@
-"""Crash and damaged files under real vLLM (catalogue A6, C15).
+"""Crash and damaged files under real vLLM.
 
 Bug: a crash between writing blocks and committing them, a torn index journal,
 a truncated or deleted data file serve wrong KV, lose committed blocks, or keep

@@ -1,5 +1,5 @@
 """End to end: preemption, aborts at several points, many concurrent requests,
-repeated generate calls in one engine (catalogue A3, B9, B10, B12).
+repeated generate calls in one engine.
 
 Invariant: no crash; tokens of every request that was not aborted equal a run
 without aiokv; every block goes back to vLLM; no staging slot, pin, pending

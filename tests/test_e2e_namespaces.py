@@ -1,4 +1,4 @@
-"""End to end: nothing that changes the KV bytes may share keys (catalogue A2, C15).
+"""End to end: nothing that changes the KV bytes may share keys.
 
 Invariant: on the same cache directory, a change of block size, dtype or model
 weights at the same path gives zero hits, no error and the baseline's tokens; a

@@ -1,8 +1,8 @@
 """End to end on real vLLM (CPU): a cache that survives a restart.
 
 Bug class: a "persistent" cache whose keys change at every start never hits
-after a restart (catalogue C15); one that hits but serves the wrong blocks
-changes the output (A1-A4).
+after a restart; one that hits but serves the wrong blocks
+changes the output.
 Invariant: across a process restart on the same directory, tokens equal those
 of a run without aiokv, external hits > 0, no load errors or save failures,
 nothing leaked.

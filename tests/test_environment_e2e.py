@@ -1,4 +1,4 @@
-"""Environment faults under real vLLM (catalogue C13, C17, C18).
+"""Environment faults under real vLLM.
 
 - io_uring refused by the kernel: the thread-pool backend takes over, said
   once, and the cache still works;

@@ -1,5 +1,5 @@
 """Fault injection under real vLLM (CPU): I/O that fails, comes back short,
-late, or with flipped bytes (catalogue A4, A6, B7, B8, B12).
+late, or with flipped bytes.
 
 Invariant: the engine keeps serving; tokens equal a run without aiokv; the
 failure shows in aiokv's counters (a failed load is never counted as loaded);

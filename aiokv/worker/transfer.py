@@ -7,7 +7,7 @@ a load pipeline per request as asyncio tasks.
         -> report the request finished, with the block ids that failed
         (a block kept in host memory, worker/memory.py, skips the read)
 
-Failure contract (catalogue B7, B8, B11, B12):
+Failure contract (docs/reliability.md lists the scenarios and their tests):
 - A job's failure affects only its request: a failed save is reported so its
   reservation is released; a failed or timed-out load reports its blocks in
   the load errors and the request as finished receiving, so vLLM recomputes.
