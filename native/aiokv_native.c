@@ -895,5 +895,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "FALLOC_FL_PUNCH_HOLE", 0x02);
     PyModule_AddIntConstant(m, "HAVE_HW_CRC", have_sse42);
     PyModule_AddStringConstant(m, "CRC_PATH", crc_path_names[have_fold ? CRC_FOLD : have_sse42 ? CRC_CRC32Q : CRC_TABLE]);
+    /* every path this CPU runs, slowest first (crc32c_path takes each) */
+    PyModule_AddObject(m, "CRC_PATHS", have_fold ? Py_BuildValue("(sss)", "table", "crc32q", "fold")
+                                       : have_sse42 ? Py_BuildValue("(ss)", "table", "crc32q")
+                                                    : Py_BuildValue("(s)", "table"));
     return m;
 }

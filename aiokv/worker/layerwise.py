@@ -43,7 +43,6 @@ this object's copy thread. They meet in `_lock`-protected state.
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import threading
 
@@ -95,7 +94,7 @@ class LayerwiseLoads:
         from aiokv.worker.transfer import NOT_IO_ERRORS  # (transfer imports this module)
 
         w = self.w
-        slots = await self._acquire_all(len(todo))
+        slots = await self.w._acquire(len(todo), whole=True)
         keep, picked = 0, []
         try:
             addr = w.pool.addr
@@ -127,22 +126,6 @@ class LayerwiseLoads:
         finally:
             held = set(picked)
             w._release([s for s in slots if s not in held])
-
-    async def _acquire_all(self, n: int) -> list[int]:
-        """n staging slots at once (never a part held while waiting for the rest)."""
-        w = self.w
-        while True:
-            with w._lock:  # free slots, then the memory tier's oldest (worker/memory.py)
-                slots = w.cache.acquire(n)
-                used = w.pool.in_use - w.cache.kept
-                all_stuck = slots is None and used and used == len(w._stuck)
-            if slots is not None:
-                return slots
-            if all_stuck:
-                w._count(load_staging_stuck=1)
-                raise OSError(errno.EBUSY, "every staging slot is held by I/O the disk has not finished")
-            w._slots_freed.clear()
-            await w._slots_freed.wait()
 
     # ---- vLLM's thread ----
     def started(self, req_id: str) -> None:

@@ -38,7 +38,6 @@ class HostCache:
         self.pool = pool
         self.limit = limit  # slots kept at most (0: the tier is off)
         self._kept: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> slot, LRU first
-        self.evictions = 0
 
     @property
     def kept(self) -> int:
@@ -61,10 +60,9 @@ class HostCache:
         """The slot holding `key`, now owned by the caller (a job that reads it), or None."""
         return self._kept.pop(key, None)
 
-    def keep(self, key: bytes, slot: int) -> int:
+    def keep(self, key: bytes, slot: int) -> None:
         """A job's slot, holding a verified image of `key`, joins the tier as the most
-        recent block (with the tier off it is simply freed). Returns the change in kept slots."""
-        before = len(self._kept)
+        recent block (with the tier off it is simply freed)."""
         old = self._kept.pop(key, None)
         if old is not None:
             self.pool.release([old])
@@ -74,9 +72,7 @@ class HostCache:
             self._kept[key] = slot
             while len(self._kept) > self.limit:
                 self._evict()
-        return len(self._kept) - before
 
     def _evict(self) -> None:
         _, slot = self._kept.popitem(last=False)
         self.pool.release([slot])
-        self.evictions += 1

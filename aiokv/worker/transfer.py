@@ -313,14 +313,17 @@ class TransferWorker:
             if entry is not None and entry[1] is not None:
                 entry[1].cancel()  # cancels the task on the loop; its finally still reports
 
-    async def _acquire(self, n: int) -> list[int]:
-        """Up to n staging slots, at least one: waits only while the pool is empty,
-        and not at all when every slot in use is stuck (none may come back soon)."""
+    async def _acquire(self, n: int, whole: bool = False) -> list[int]:
+        """Up to n staging slots, at least one (all n if `whole`: never a part held
+        while waiting for the rest); free slots first, then the memory tier's oldest.
+        Waits only while too few are free, and not at all when every slot in use is
+        stuck (none may come back soon)."""
         while True:
             with self._lock:
-                take = min(n, self.cache.available)
+                take = n if whole else min(n, self.cache.available)
                 slots = self.cache.acquire(take) if take else None
-                all_stuck = not take and self.pool.in_use - self.cache.kept == len(self._stuck)
+                used = self.pool.in_use - self.cache.kept
+                all_stuck = slots is None and used and used == len(self._stuck)
             if slots is not None:
                 return slots
             if all_stuck:
@@ -362,16 +365,16 @@ class TransferWorker:
         if remote:
             await self._load_remote(t, remote, failed, bad_keys)
         with self._lock:  # blocks kept in host memory: no disk read
-            kept = [(k, b, self.cache.take(k)) for k, _, b in todo]
-        mem = [(k, slot) for k, _, slot in kept if slot is not None]
+            held = [self.cache.take(k) for k, _, _ in todo]
+        mem = [(k, b, slot) for (k, _, b), slot in zip(todo, held) if slot is not None]
         if mem:
             try:
-                await self._copy_in([b for _, b, slot in kept if slot is not None], [slot for _, slot in mem])
-                failed.difference_update(b for _, b, slot in kept if slot is not None)
+                await self._copy_in([b for _, b, _ in mem], [slot for _, _, slot in mem])
+                failed.difference_update(b for _, b, _ in mem)
                 self._count(memory_hit_blocks=len(mem))
             finally:
-                self._keep(mem)  # back, as the most recently used
-            todo = [item for item, (_, _, slot) in zip(todo, kept) if slot is None]
+                self._keep([(k, slot) for k, _, slot in mem])  # back, as the most recently used
+            todo = [item for item, slot in zip(todo, held) if slot is None]
         if self.layers is not None and self.layers.fits(len(todo)):
             return await self.layers.read(t, todo, failed, bad_keys)
         i = 0
@@ -392,7 +395,8 @@ class TransferWorker:
                 self._count(bytes_read=len(good) * self.slot_bytes)
             finally:
                 self._keep(keep)
-                self._release([st for st in slots if all(st != s for _, s in keep)])
+                kept_slots = {st for _, st in keep}
+                self._release([st for st in slots if st not in kept_slots])
             i += len(chunk)
 
     async def _load_remote(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
