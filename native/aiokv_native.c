@@ -731,16 +731,19 @@ static inline uint16_t get16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); r
 static inline uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline uint64_t get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 
-/* stamp_slots(addrs, keys, nsid, rank, payload_len, layout): for each slot,
- * CRC32C its payload and write its header (sequence: the wall clock in ns, as
- * time.time_ns()), zeroing the rest of the header. One call per chunk, GIL
+/* stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_ready=0): for
+ * each slot, CRC32C its payload and write its header (sequence: the wall clock
+ * in ns, as time.time_ns()), zeroing the rest of the header. With crc_ready the
+ * payload is not read: its CRC is the one already at HDR_OFF_PCRC (put there by
+ * memcpy_crc_out while it copied the payload in). One call per chunk, GIL
  * released for all of it. The MAC, where a secret is set, is added after. */
 static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
     PyObject *addrs, *keys;
     Py_buffer nsid;
     unsigned int rank;
     unsigned long long plen, layout;
-    if (!PyArg_ParseTuple(args, "OOy*IKK", &addrs, &keys, &nsid, &rank, &plen, &layout)) return NULL;
+    int crc_ready = 0;
+    if (!PyArg_ParseTuple(args, "OOy*IKK|p", &addrs, &keys, &nsid, &rank, &plen, &layout, &crc_ready)) return NULL;
     uint64_t *pa;
     slot_key *pk;
     Py_ssize_t n = slots_parse(addrs, keys, &nsid, &pa, &pk);
@@ -750,7 +753,7 @@ static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++) {
             uint8_t *h = (uint8_t *)(uintptr_t)pa[i];
-            uint32_t pcrc = crc32c(0, h + HDR_BYTES, (size_t)plen);
+            uint32_t pcrc = crc_ready ? get32(h + HDR_OFF_PCRC) : crc32c(0, h + HDR_BYTES, (size_t)plen);
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
             uint8_t hdr[HDR_USED] = {0};
@@ -778,9 +781,11 @@ static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The one slot check of format.check_slot, in C: the same fields, in the same order. */
+/* The one slot check of format.check_slot, in C: the same fields, in the same
+ * order. skip_payload: every check but the last (format.check_header's), for a
+ * caller that checks the payload CRC itself while copying it (memcpy_crc_in). */
 static int slot_verdict(const uint8_t *h, const uint8_t *ns, uint32_t rank, uint64_t plen, const slot_key *k,
-                        uint64_t layout) {
+                        uint64_t layout, int skip_payload) {
     if (crc32c(0, h, HDR_BODY) != get32(h + HDR_BODY)) return SLOT_HDR_CRC;
     if (memcmp(h + HDR_OFF_MAGIC, BLOCK_MAGIC, 8)) return SLOT_MAGIC;
     if (get16(h + HDR_OFF_VERSION) != FILE_VERSION || get16(h + HDR_OFF_HBYTES) != HDR_BYTES) return SLOT_VERSION;
@@ -790,19 +795,24 @@ static int slot_verdict(const uint8_t *h, const uint8_t *ns, uint32_t rank, uint
     unsigned klen = h[HDR_OFF_KLEN] < MAX_KEY ? h[HDR_OFF_KLEN] : MAX_KEY; /* Python's key[:klen] */
     if (klen != k->len || memcmp(h + HDR_OFF_KEY, k->b, klen)) return SLOT_KEY;
     if (get64(h + HDR_OFF_PLEN) != plen) return SLOT_PLEN;
+    if (skip_payload) return SLOT_OK;
     if (crc32c(0, h + HDR_BYTES, (size_t)plen) != get32(h + HDR_OFF_PCRC)) return SLOT_PAYLOAD_CRC;
     return SLOT_OK;
 }
 
-/* verify_slots(addrs, keys, nsid, rank, payload_len, layout) -> bytes: per
- * slot 0 (valid for that key) or the index in format.SLOT_REASONS of the first
- * check it fails. One call per chunk, GIL released for all of it. */
+/* verify_slots(addrs, keys, nsid, rank, payload_len, layout, skip_payload=0)
+ * -> bytes: per slot 0 (valid for that key) or the index in
+ * format.SLOT_REASONS of the first check it fails; with skip_payload the
+ * payload CRC is left to the caller (never reported). One call per chunk, GIL
+ * released for all of it. */
 static PyObject *py_verify_slots(PyObject *self, PyObject *args) {
     PyObject *addrs, *keys;
     Py_buffer nsid;
     unsigned int rank;
     unsigned long long plen, layout;
-    if (!PyArg_ParseTuple(args, "OOy*IKK", &addrs, &keys, &nsid, &rank, &plen, &layout)) return NULL;
+    int skip_payload = 0;
+    if (!PyArg_ParseTuple(args, "OOy*IKK|p", &addrs, &keys, &nsid, &rank, &plen, &layout, &skip_payload))
+        return NULL;
     uint64_t *pa;
     slot_key *pk;
     PyObject *out = NULL;
@@ -814,7 +824,8 @@ static PyObject *py_verify_slots(PyObject *self, PyObject *args) {
             memcpy(ns, nsid.buf, 16);
             Py_BEGIN_ALLOW_THREADS
             for (Py_ssize_t i = 0; i < n; i++)
-                v[i] = (uint8_t)slot_verdict((const uint8_t *)(uintptr_t)pa[i], ns, rank, plen, &pk[i], layout);
+                v[i] = (uint8_t)slot_verdict((const uint8_t *)(uintptr_t)pa[i], ns, rank, plen, &pk[i], layout,
+                                             skip_payload);
             Py_END_ALLOW_THREADS
         }
         PyMem_Free(pa);
@@ -861,15 +872,114 @@ static PyObject *py_memcpy_many(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- device copies fused with the payload CRC32C ----
+ * A staging slot's payload is its block's layer segments (nbytes each) one
+ * after the other. Copying a segment and checksumming it are two passes over
+ * the same bytes; done a cache-sized piece at a time, the second pass reads the
+ * piece from cache instead of DRAM, which removes the separate CRC pass over
+ * every byte saved or loaded. */
+#define FUSE_PIECE (64 << 10)
+
+/* Parses (slot_addrs, seg_addrs): int64 arrays, n slot bases and n * layers
+ * segment addresses, layer-major (layer l of slot i at [l * n + i]). Returns
+ * the layer count, or -1 with an exception set. */
+static Py_ssize_t fused_parse(Py_buffer *slots, Py_buffer *segs, Py_ssize_t *n) {
+    *n = slots->len / 8;
+    if (slots->len % 8 || segs->len % 8 || !*n || (segs->len / 8) % *n || segs->len / 8 < *n) {
+        PyErr_SetString(PyExc_ValueError, "aiokv: address arrays must be int64 arrays, a whole number of segments "
+                                          "(layers) per slot, at least one slot");
+        return -1;
+    }
+    return segs->len / 8 / *n;
+}
+
+/* memcpy_crc_out(slot_addrs, seg_addrs, nbytes): for each slot, copy its
+ * layers' segments into its payload, in order, and put the payload's CRC32C
+ * at HDR_OFF_PCRC of its header, for stamp_slots(..., crc_ready=1). Each
+ * piece is checksummed in the destination just after it was written (what
+ * goes to disk is what the CRC covers). GIL released. */
+static PyObject *py_memcpy_crc_out(PyObject *self, PyObject *args) {
+    Py_buffer slots, segs;
+    unsigned long long nbytes;
+    if (!PyArg_ParseTuple(args, "y*y*K", &slots, &segs, &nbytes)) return NULL;
+    Py_ssize_t n, layers = fused_parse(&slots, &segs, &n);
+    if (layers >= 0) {
+        const uint64_t *sa = slots.buf, *ga = segs.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint8_t *dst = (uint8_t *)(uintptr_t)sa[i] + HDR_BYTES;
+            uint32_t crc = 0;
+            for (Py_ssize_t l = 0; l < layers; l++) {
+                const uint8_t *src = (const uint8_t *)(uintptr_t)ga[l * n + i];
+                for (size_t off = 0; off < nbytes; off += FUSE_PIECE) {
+                    size_t k = nbytes - off < FUSE_PIECE ? nbytes - off : FUSE_PIECE;
+                    memcpy(dst, src + off, k);
+                    crc = crc32c(crc, dst, k);
+                    dst += k;
+                }
+            }
+            put32((uint8_t *)(uintptr_t)sa[i] + HDR_OFF_PCRC, crc);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&segs);
+    if (layers < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* memcpy_crc_in(seg_addrs, slot_addrs, nbytes) -> bytes: for each slot,
+ * copy its payload into its layers' segments, checksumming each piece just
+ * before it is copied; per slot 0 if the payload's CRC32C equals the one in
+ * its header, else SLOT_PAYLOAD_CRC (format.SLOT_REASONS). The copy is made
+ * either way: the caller reports a mismatched block as a failed load, and its
+ * KV blocks are recomputed in place. The header itself is checked before
+ * (verify_slots(..., skip_payload=1)). GIL released. */
+static PyObject *py_memcpy_crc_in(PyObject *self, PyObject *args) {
+    Py_buffer slots, segs;
+    unsigned long long nbytes;
+    if (!PyArg_ParseTuple(args, "y*y*K", &segs, &slots, &nbytes)) return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t n, layers = fused_parse(&slots, &segs, &n);
+    if (layers >= 0 && (out = PyBytes_FromStringAndSize(NULL, n))) {
+        const uint64_t *sa = slots.buf, *ga = segs.buf;
+        uint8_t *v = (uint8_t *)PyBytes_AS_STRING(out);
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint8_t *src = (const uint8_t *)(uintptr_t)sa[i] + HDR_BYTES;
+            uint32_t crc = 0;
+            for (Py_ssize_t l = 0; l < layers; l++) {
+                uint8_t *dst = (uint8_t *)(uintptr_t)ga[l * n + i];
+                for (size_t off = 0; off < nbytes; off += FUSE_PIECE) {
+                    size_t k = nbytes - off < FUSE_PIECE ? nbytes - off : FUSE_PIECE;
+                    crc = crc32c(crc, src, k);
+                    memcpy(dst + off, src, k);
+                    src += k;
+                }
+            }
+            v[i] = crc == get32((const uint8_t *)(uintptr_t)sa[i] + HDR_OFF_PCRC) ? SLOT_OK : SLOT_PAYLOAD_CRC;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&segs);
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
     {"memcpy_many", py_memcpy_many, METH_VARARGS, "memcpy_many(dst_addrs, src_addrs, nbytes)"},
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(addr, length, seed=0) -> int"},
     {"crc32c_bytes", py_crc32c_bytes, METH_VARARGS, "crc32c_bytes(buffer, seed=0) -> int"},
     {"crc32c_path", py_crc32c_path, METH_VARARGS, "crc32c_path(path, addr, length, seed=0) -> int (tests, benchmarks)"},
     {"crc32c_sw", py_crc32c_sw, METH_VARARGS, "crc32c_sw(buffer, seed=0) -> int (table path, for tests)"},
-    {"stamp_slots", py_stamp_slots, METH_VARARGS, "stamp_slots(addrs, keys, nsid, rank, payload_len, layout)"},
+    {"memcpy_crc_out", py_memcpy_crc_out, METH_VARARGS,
+     "memcpy_crc_out(slot_addrs, seg_addrs, nbytes): segments -> payloads, CRC32C into the headers"},
+    {"memcpy_crc_in", py_memcpy_crc_in, METH_VARARGS,
+     "memcpy_crc_in(seg_addrs, slot_addrs, nbytes) -> bytes of verdicts (0 or payload checksum)"},
+    {"stamp_slots", py_stamp_slots, METH_VARARGS,
+     "stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_ready=0)"},
     {"verify_slots", py_verify_slots, METH_VARARGS,
-     "verify_slots(addrs, keys, nsid, rank, payload_len, layout) -> bytes of verdicts"},
+     "verify_slots(addrs, keys, nsid, rank, payload_len, layout, skip_payload=0) -> bytes of verdicts"},
     {"fallocate", py_fallocate, METH_VARARGS, "fallocate(fd, mode, offset, length)"},
     {NULL}};
 

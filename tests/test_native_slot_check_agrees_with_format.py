@@ -9,7 +9,8 @@ corrupt by `aiokv inspect`), or a bad block C accepts (wrong bytes loaded).
 Invariant: _native.stamp_slots writes exactly format.pack_header's bytes (and
 zeroes the rest of the header); _native.verify_slots gives, for a valid slot and
 for every kind of bad one, the verdict format.check_slot gives (its reason
-starts with SLOT_REASONS[verdict]).
+starts with SLOT_REASONS[verdict]); with skip_payload (the payload CRC checked
+in the device copy instead) the verdict is format.check_header's.
 Fix: one layout (format._HDR, mirrored by HDR_OFF_* in native/aiokv_native.c)
 and one order of checks, pinned here.
 """
@@ -171,3 +172,24 @@ def test_bad_arguments_are_clear_errors_and_touch_nothing(pool):
         _stamp([addr], ["not bytes" * 4])
     assert ctypes.string_at(addr, SB) == before
     assert _native.verify_slots([], [], NS, RANK, PAYLOAD, LAYOUT) == b""
+
+
+def test_header_only_verdicts_equal_check_header(pool):
+    """verify_slots(..., skip_payload=True), used when the device copy checks the
+    payload CRC, is check_slot without its last check: format.check_header."""
+    addrs = [_fill(pool, i, 300 + i) for i in range(len(CASES))]
+    _stamp(addrs, [K] * len(addrs))
+    for (name, spoil, _, _), addr in zip(CASES, addrs):
+        spoil(addr)
+    for (name, _, ask, want), addr in zip(CASES, addrs):
+        ask = {"nsid": NS, "rank": RANK, "payload_len": PAYLOAD, "layout": LAYOUT, "k": K, **ask}
+        try:
+            fmt.check_header(ctypes.string_at(addr, fmt.HDR_USED), ask["nsid"], ask["rank"], ask["payload_len"],
+                             ask["k"], ask["layout"])
+            py = ""
+        except fmt.BadBlock as e:
+            py = str(e)
+        (v,) = _native.verify_slots([addr], [ask["k"]], ask["nsid"], ask["rank"], ask["payload_len"], ask["layout"],
+                                    True)
+        assert fmt.SLOT_REASONS[v] == ("" if want == "payload checksum" else want), (name, v)
+        assert py.startswith(fmt.SLOT_REASONS[v]) and (py == "") == (v == 0), (name, py)

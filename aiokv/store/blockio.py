@@ -18,6 +18,13 @@ makes its items -ENOENT (a miss).
 Threading contract: one asyncio loop thread (the one that owns the backend).
 Buffers are staging slots: 4096-aligned, `slot_bytes` long, header first.
 
+Fused checksums: a device that copies and checksums in one pass (worker/device.py)
+leaves the payload CRC in the header on saves, so `write(..., crc_ready=True)`
+does not read the payload again; on loads it checks the payload CRC while
+copying, so `read(..., payload_checked=False)` checks everything else (the
+header: format.check_header). Either way a slot on disk is what docs/format.md
+says. With a secret the MAC reads the payload anyway: it is still checked.
+
 Pipelining: a call with more than PIPELINE_MIN items runs as several backend
 batches of `chunk` items, so the CPU work overlaps the disk: a write stamps
 (CRC32C) the next chunk while the previous ones are in the kernel, a read
@@ -103,10 +110,11 @@ class BlockIO:
         """Fill the header of the staging slot at addr for `key` (payload already there)."""
         self._stamp_many([key], [addr])
 
-    def _stamp_many(self, keys: list, addrs: list) -> None:
+    def _stamp_many(self, keys: list, addrs: list, crc_ready: bool = False) -> None:
         """Stamp many slots: one native call (CRC32C and header of each, GIL
-        released), then the MACs where a secret is set."""
-        _native.stamp_slots(addrs, keys, self.nsid, self.rank, self.payload_bytes, self.layout)
+        released; crc_ready: the payload CRC is already in each header), then the
+        MACs where a secret is set."""
+        _native.stamp_slots(addrs, keys, self.nsid, self.rank, self.payload_bytes, self.layout, crc_ready)
         if self.mac_key is not None:
             for addr in addrs:
                 raw = ctypes.string_at(addr, fmt.HDR_USED)
@@ -132,22 +140,27 @@ class BlockIO:
     def _chunk(self) -> int:
         return max(2, getattr(self.backend, "depth", 16) // 4)
 
-    async def write(self, items) -> list[int]:
-        """items: (slot, key, addr). Stamps headers, writes, returns per-item 0/-errno."""
+    async def write(self, items, crc_ready: bool = False) -> list[int]:
+        """items: (slot, key, addr). Stamps headers, writes, returns per-item 0/-errno.
+        crc_ready: each payload's CRC32C is already at its header's payload-CRC
+        field (Device.copy_out(..., checksum=True)); the payloads are not read."""
         sb = self.slot_bytes
         if len(items) <= PIPELINE_MIN:
-            self._stamp_many([key for _, key, _ in items], [addr for _, _, addr in items])
+            self._stamp_many([key for _, key, _ in items], [addr for _, _, addr in items], crc_ready)
             res = await self.backend.run([self._op(OP_WRITE, slot, addr) for slot, _, addr in items])
         else:
-            res = await self._pipelined(OP_WRITE, items)
+            res = await self._pipelined(OP_WRITE, items, crc_ready=crc_ready)
         return [0 if r == sb else (r if r < 0 else -errno.EIO) for r in res]
 
-    async def read(self, items) -> list[int]:
-        """items: (slot, key, addr). Reads and verifies; per-item 0/-errno/-EBADMSG."""
+    async def read(self, items, payload_checked: bool = True) -> list[int]:
+        """items: (slot, key, addr). Reads and verifies; per-item 0/-errno/-EBADMSG.
+        payload_checked=False: everything but the payload CRC is checked (the
+        header, and the MAC with a secret); the caller must check that CRC
+        before it trusts the payload (Device.copy_in(..., checksum=True))."""
         if len(items) <= PIPELINE_MIN:
             res = await self._run_reads(items)
-            return self._checked(items, res)
-        return await self._pipelined(OP_READ, items)
+            return self._checked(items, res, payload_checked)
+        return await self._pipelined(OP_READ, items, payload_checked=payload_checked)
 
     async def _run_reads(self, items) -> list[int]:
         """Backend reads of items; an item whose engine's file is missing: -ENOENT."""
@@ -156,20 +169,21 @@ class BlockIO:
         res = iter(await self.backend.run(todo) if todo else [])
         return [next(res) if op[1] >= 0 else -errno.ENOENT for op in ops]
 
-    def _checked(self, items, res) -> list[int]:
+    def _checked(self, items, res, payload_checked: bool = True) -> list[int]:
         """Per-item result of reads: the slots that arrived whole are verified in
-        one native call (format.check_slot's checks, GIL released), then their MACs."""
+        one native call (format.check_slot's checks, GIL released; without the
+        payload CRC unless payload_checked), then their MACs."""
         sb = self.slot_bytes
         whole = [i for i, r in enumerate(res) if r == sb]
         out = [r if r < 0 else -errno.EIO for r in res]
         if whole:
             verdicts = _native.verify_slots([items[i][2] for i in whole], [items[i][1] for i in whole], self.nsid,
-                                            self.rank, self.payload_bytes, self.layout)
+                                            self.rank, self.payload_bytes, self.layout, not payload_checked)
             for i, v in zip(whole, verdicts):
                 out[i] = 0 if v == 0 and (self.mac_key is None or self._mac_ok(items[i][2])) else EBADMSG
         return out
 
-    async def _pipelined(self, op: int, items) -> list:
+    async def _pipelined(self, op: int, items, crc_ready: bool = False, payload_checked: bool = True) -> list:
         """Several backend batches: writes stamped chunk by chunk just before their
         batch starts; reads verified chunk by chunk as their batch ends. Returns
         raw byte counts (writes) or per-item results (reads)."""
@@ -181,7 +195,7 @@ class BlockIO:
         try:
             if op == OP_WRITE:
                 for k, part in enumerate(parts):
-                    self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part])
+                    self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part], crc_ready)
                     futs.append(asyncio.ensure_future(
                         run([self._op(OP_WRITE, slot, addr) for slot, _, addr in part])))
                     if k + 1 < len(parts):
@@ -191,7 +205,7 @@ class BlockIO:
             else:
                 futs = [asyncio.ensure_future(self._run_reads(part)) for part in parts]
                 for part, f in zip(parts, futs):
-                    out += self._checked(part, await f)
+                    out += self._checked(part, await f, payload_checked)
         except BaseException:
             # no buffer may still be in use when this call ends: stop and wait for every batch
             for f in futs:

@@ -18,6 +18,17 @@ Two implementations of one interface:
   copy_in scatters on the side stream and synchronises before the load is
   reported. Checked by tools/gpu_check.py on a CUDA machine.
 
+Fused checksums (`fuses_checksums`): a device whose copies pass every byte
+through the CPU anyway (CpuDevice with contiguous blocks) computes the payload
+CRC32C inside them, a cache-sized piece at a time, instead of a second pass
+over the slot in BlockIO. copy_out(..., checksum=True) leaves each payload's CRC
+in its header's payload-CRC field (then BlockIO.write(..., crc_ready=True));
+copy_in(..., checksum=True) copies and returns, per block, whether the payload
+matched the CRC in its header (after BlockIO.read(..., payload_checked=False)).
+A block that did not match has been copied all the same: the caller must
+report it as a failed load. Other devices (the torch-gather fallback, CUDA)
+have fuses_checksums False and are never asked.
+
 Layer by layer (aiokv/worker/layerwise.py): copy_in_layer (CPU) copies one
 layer of verified blocks; copy_in_layer_async (CUDA) queues one layer's copies
 on the side stream and returns its event, for the compute stream to wait on
@@ -67,6 +78,7 @@ class Device:
     """Copies blocks of the registered layers to and from staging slots."""
 
     asynchronous = False  # True: copy_out returns before the bytes are in staging
+    fuses_checksums = False  # True: copy_out/copy_in take checksum=True (set by attach)
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, pool: SlotPool | None = None):
         self.num_blocks = num_blocks
@@ -87,7 +99,9 @@ class Device:
             yield layer, off, off + layer.nbytes
             off += layer.nbytes
 
-    def copy_out(self, block_ids: list[int], slots: list[int]) -> None:
+    def copy_out(self, block_ids: list[int], slots: list[int], checksum: bool = False) -> None:
+        """KV blocks -> staging slots' payloads; checksum (only where fuses_checksums):
+        each payload's CRC32C is also left in its slot's header, for BlockIO.write(crc_ready=True)."""
         raise NotImplementedError
 
     def wait_out(self) -> None:
@@ -99,7 +113,10 @@ class Device:
     def before_loads(self) -> None:
         """Called on vLLM's thread when loads are handed to the loop (orders them after its kernels)."""
 
-    def copy_in(self, block_ids: list[int], slots: list[int]) -> None:
+    def copy_in(self, block_ids: list[int], slots: list[int], checksum: bool = False) -> list[bool] | None:
+        """Staging slots' payloads -> KV blocks. checksum (only where fuses_checksums):
+        returns per block whether its payload matched the CRC in its slot's header
+        (a block that did not was copied anyway: a failed load); else None."""
         raise NotImplementedError
 
     def copy_in_layer(self, index: int, block_ids: list[int], slots: list[int]) -> None:
@@ -123,10 +140,12 @@ class CpuDevice(Device):
                 flat.append((layer.view.data_ptr(), layer.view.stride(0) * layer.view.element_size(), a,
                              layer.nbytes))
         self._flat = flat if len(flat) == len(self.layers) and len({f[3] for f in flat}) == 1 else None
+        self.fuses_checksums = self._flat is not None
 
-    def _addrs(self, block_ids, slots, flat=None):
-        """(device addresses, staging addresses) as int64 arrays, layer-major
-        (of the layers in `flat`, default all)."""
+    def _addrs(self, block_ids, slots, flat=None, bases=False):
+        """(device addresses, staging addresses, bytes per layer) as int64 arrays,
+        layer-major (of the layers in `flat`, default all); with `bases`
+        (device addresses, slot addresses): the fused copies' arguments."""
         # raw addresses: an id out of range would be memory corruption, not an IndexError
         if len(block_ids) != len(slots) or min(block_ids) < 0 or max(block_ids) >= self.num_blocks \
                 or min(slots) < 0 or max(slots) >= self.pool.count:
@@ -135,14 +154,29 @@ class CpuDevice(Device):
         rows = torch.tensor(slots, dtype=torch.int64) * self.pool.slot_bytes + self.pool.arena.addr
         flat = self._flat if flat is None else flat
         dev = torch.cat([base + blocks * stride for base, stride, _, _ in flat])
+        if bases:
+            return dev.numpy().tobytes(), rows.numpy().tobytes()
         stg = torch.cat([rows + col for _, _, col, _ in flat])
         return dev.numpy().tobytes(), stg.numpy().tobytes(), self._flat[0][3]
 
-    def copy_out(self, block_ids, slots):
-        self._copy(block_ids, slots, out=True)
+    def copy_out(self, block_ids, slots, checksum=False):
+        if checksum:
+            dev, stg = self._fused_addrs(block_ids, slots)
+            _native.memcpy_crc_out(stg, dev, self._flat[0][3])
+        else:
+            self._copy(block_ids, slots, out=True)
 
-    def copy_in(self, block_ids, slots):
+    def copy_in(self, block_ids, slots, checksum=False):
+        if checksum:
+            dev, stg = self._fused_addrs(block_ids, slots)
+            return [v == 0 for v in _native.memcpy_crc_in(dev, stg, self._flat[0][3])]
         self._copy(block_ids, slots, out=False)
+
+    def _fused_addrs(self, block_ids, slots):
+        if not self.fuses_checksums:
+            raise ValueError("aiokv: this KV layout is copied by torch, without checksums; "
+                             "call copy_out/copy_in with checksum=False")
+        return self._addrs(block_ids, slots, bases=True)
 
     def copy_in_layer(self, index, block_ids, slots):
         self._copy(block_ids, slots, out=False, only=index)
@@ -197,7 +231,7 @@ class CudaDevice(Device):
         with torch.cuda.stream(self.out_stream):  # its memory belongs to the copy stream
             self._gather = torch.empty(rows, self.payload_bytes, dtype=torch.uint8, device=self.device)
 
-    def copy_out(self, block_ids, slots):
+    def copy_out(self, block_ids, slots, checksum=False):  # never fuses: checksum is never True here
         h = fmt.HEADER_BYTES
         compute = torch.cuda.current_stream(self.device)
         buf = self._gather
@@ -234,7 +268,7 @@ class CudaDevice(Device):
         ev.record(torch.cuda.current_stream(self.device))
         self._compute_event = ev
 
-    def copy_in(self, block_ids, slots):
+    def copy_in(self, block_ids, slots, checksum=False):  # never fuses: checksum is never True here
         torch.cuda.set_device(self.device)  # called from the loop thread
         rows = torch.tensor(slots, dtype=torch.long)
         n = len(block_ids)

@@ -7,6 +7,10 @@ a load pipeline per request as asyncio tasks.
         -> report the request finished, with the block ids that failed
         (a block kept in host memory, worker/memory.py, skips the read)
 
+On a device that checksums inside its copies (Device.fuses_checksums, the CPU
+build) and without a secret, the payload CRC32C is computed by the save's copy
+and checked by the load's copy: no separate pass over the bytes (worker/device.py).
+
 Failure contract (docs/reliability.md lists the scenarios and their tests):
 - A job's failure affects only its request: a failed save is reported so its
   reservation is released; a failed or timed-out load reports its blocks in
@@ -101,6 +105,8 @@ class TransferWorker:
             raise
 
     def _start(self, slot_bytes, ns_dir, nsid, io, queue_depth) -> None:
+        # payload CRCs inside the device copies; with a secret the MAC reads the payload anyway
+        self._fused = self.device.fuses_checksums and self.secret is None
         self._lock = threading.Lock()
         self._slots_freed: asyncio.Event | None = None
         self._loads: dict[str, tuple[Transfer, object]] = {}   # req -> (transfer, future)
@@ -218,7 +224,7 @@ class TransferWorker:
                     continue
                 t = Transfer(t.req_id, t.keys[:take], t.slots[:take], t.block_ids[:take], t.group)
             try:
-                self.device.copy_out(t.block_ids, slots)
+                self.device.copy_out(t.block_ids, slots, checksum=self._fused)
             except Exception:
                 log.exception("aiokv: copying blocks out for a save failed; that save is dropped")
                 self._release(slots)
@@ -229,7 +235,7 @@ class TransferWorker:
                 job = self._save_ids
                 self._saves[job] = (t, slots)
             try:
-                asyncio.run_coroutine_threadsafe(self._save(job, t, slots), self.loop)
+                asyncio.run_coroutine_threadsafe(self._save(job, t, slots, crc_ready=self._fused), self.loop)
             except Exception:  # the loop is gone: this save fails, vLLM goes on
                 log.exception("aiokv: the worker loop did not take a save")
                 with self._lock:
@@ -238,7 +244,9 @@ class TransferWorker:
                 self._save_done(t, None, [-errno.EIO] * len(t.keys))
         self.device.after_step()
 
-    async def _save(self, job: int, t: Transfer, slots: list[int], upload: bool = True) -> None:
+    async def _save(self, job: int, t: Transfer, slots: list[int], upload: bool = True,
+                    crc_ready: bool = False) -> None:
+        """Write a save job's staging slots (crc_ready: their payload CRCs came with the device copy)."""
         t0 = time.monotonic()
         res = [-errno.EIO] * len(t.keys)
         ABANDON.set(self._abandon)
@@ -247,7 +255,7 @@ class TransferWorker:
                 await self.loop.run_in_executor(None, self.device.wait_out)
             addr = self.pool.addr
             items = [(s, k, addr(b)) for s, k, b in zip(t.slots, t.keys, slots)]
-            res = await asyncio.wait_for(self._blockio().write(items), self.save_timeout)
+            res = await asyncio.wait_for(self._blockio().write(items, crc_ready), self.save_timeout)
             if upload and self.uploader is not None:  # write-behind: a copy of each block written, queued (or dropped)
                 for k, b, r in zip(t.keys, slots, res):
                     if r == 0:
@@ -384,14 +392,22 @@ class TransferWorker:
             keep: list[tuple[bytes, int]] = []
             try:
                 addr = self.pool.addr
-                res = await self._blockio().read([(s, k, addr(b)) for (k, s, _), b in zip(chunk, slots)])
-                good = [(k, blk, st) for (k, s, blk), st, r in zip(chunk, slots, res) if r == 0]
+                res = await self._blockio().read([(s, k, addr(b)) for (k, s, _), b in zip(chunk, slots)],
+                                                 payload_checked=not self._fused)
+                good = [(k, s, blk, st) for (k, s, blk), st, r in zip(chunk, slots, res) if r == 0]
                 bad_keys += [(k, s, t.group) for (k, s, _), r in zip(chunk, res) if r != 0]
                 self._count(read_errors=sum(r not in NOT_IO_ERRORS for r in res))
                 if good:
-                    await self._copy_in([g[1] for g in good], [g[2] for g in good])
-                    failed.difference_update(g[1] for g in good)
-                    keep = [(k, st) for k, _, st in good]
+                    ok = await self._copy_in([g[2] for g in good], [g[3] for g in good], self._fused)
+                    # Fused: a payload that did not match its CRC was copied into its KV block
+                    # anyway. Safe because whole-request loads are asynchronous (the connector
+                    # says load_async=True): vLLM uses the loaded blocks only up to the first
+                    # failed one and recomputes the rest in place, so that block stays in
+                    # `failed`, its key goes to bad_keys, and its slot is neither kept nor reused.
+                    bad_keys += [(k, s, t.group) for (k, s, _, _), v in zip(good, ok) if not v]
+                    good = [g for g, v in zip(good, ok) if v]
+                    failed.difference_update(g[2] for g in good)
+                    keep = [(k, st) for k, _, _, st in good]
                 self._count(bytes_read=len(good) * self.slot_bytes)
             finally:
                 self._keep(keep)
@@ -452,10 +468,15 @@ class TransferWorker:
                 self._report.save_failed += [(self.rank, k, s, group) for k, s in items]
                 self.job_done.set()
 
-    async def _copy_in(self, block_ids, slots) -> None:
+    async def _copy_in(self, block_ids, slots, checksum: bool = False) -> list[bool]:
+        """Per block whether it may count as loaded: always, unless `checksum` (the
+        payload CRCs are checked in the copy, Device.copy_in) found it corrupt."""
         # On the loop thread, in one go: a cancellation cannot interrupt it half-way,
         # and no hop to another thread waits for the GIL a second time.
+        if checksum:
+            return self.device.copy_in(block_ids, slots, checksum=True)
         self.device.copy_in(block_ids, slots)
+        return [True] * len(block_ids)
 
     def _load_done(self, req_id: str, failed: list[int], cancelled: bool = False) -> None:
         with self._lock:

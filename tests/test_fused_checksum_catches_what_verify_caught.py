@@ -1,0 +1,229 @@
+"""The payload CRC computed inside the CPU device copy catches what the separate pass caught.
+
+Risk: on the CPU build every byte saved or loaded was read once more by a
+separate CRC32C pass (BlockIO stamping before a write, verifying after a read),
+which alone cost more CPU per GB than the whole budget. Folding that CRC into
+the device copy (native memcpy_crc_out / memcpy_crc_in) removes the pass, but
+could silently weaken the check: a CRC over other bytes than those written, a
+payload flip that no longer fails the load, a bad block kept in the memory tier
+or counted as loaded, or headers that differ from docs/format.md.
+
+Invariants: the fused save copies exactly memcpy_many's bytes and leaves the
+payload's CRC32C in the header, for any segment size and layer count, and the
+stamped slot passes format.check_slot; the fused load copies exactly
+memcpy_many's bytes and flags exactly the slots whose payload changed; through
+a TransferWorker, a payload byte flipped on disk makes that block (only) a
+failed load, reported as a bad key and not kept in memory, while the others load.
+
+Fix: CpuDevice.copy_out/copy_in(checksum=True) over the native fused copies,
+BlockIO.write(crc_ready=True) / read(payload_checked=False), used by
+TransferWorker's saves and whole-request disk loads (no secret set).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from aiokv import _native
+from aiokv.io.buffers import SlotPool
+from aiokv.jobs import Transfer
+from aiokv.store import format as fmt
+from aiokv.store.blockio import data_path
+from aiokv.store.store import ns_dir
+from aiokv.worker.device import CpuDevice
+from aiokv.worker.transfer import TransferWorker
+from tests.conftest import NS, key
+
+RANK, LAYOUT = 0, 0x0123_4567_89AB_CDEF
+
+
+def _arr(addrs) -> bytes:
+    return torch.tensor(list(addrs), dtype=torch.int64).numpy().tobytes()
+
+
+def _setup(seg: int, layers: int, n: int):
+    """n blocks of `layers` random segments of `seg` bytes; 2n staging slots."""
+    g = torch.Generator().manual_seed(seg * 31 + layers)
+    kv = [torch.randint(0, 256, (n, seg), dtype=torch.uint8, generator=g) for _ in range(layers)]
+    pool = SlotPool(fmt.slot_bytes(seg * layers), 2 * n)
+    slots = [pool.addr(s) for s in pool.acquire(2 * n)]
+    for a in slots:
+        ctypes.memset(a, 0xAB, pool.slot_bytes)
+    segs = [t[i].data_ptr() for t in kv for i in range(n)]  # layer-major, as CpuDevice passes them
+    return kv, pool, slots, segs
+
+
+def _payload(addr: int, plen: int) -> bytes:
+    return ctypes.string_at(addr + fmt.HEADER_BYTES, plen)
+
+
+def _refix_pcrc(addr: int) -> None:
+    """A well-formed header (its own CRC right) that names another payload CRC."""
+    body = bytearray(ctypes.string_at(addr, fmt._HDR.size))
+    body[36] ^= 1  # the payload CRC field (format._HDR)
+    body += _native.crc32c_bytes(bytes(body)).to_bytes(4, "little")
+    ctypes.memmove(addr, bytes(body), len(body))
+
+
+# odd sizes, a size of one piece exactly, sizes spanning several pieces with a remainder
+@pytest.mark.parametrize("seg,layers", [(1, 1), (4095, 3), (65536, 2), (65537, 1), (200_003, 3)])
+def test_fused_save_copies_memcpys_bytes_and_stamps_their_crc(seg, layers):
+    n = 3
+    kv, pool, slots, segs = _setup(seg, layers, n)
+    fused, plain = slots[:n], slots[n:]
+    plen = seg * layers
+    try:
+        _native.memcpy_crc_out(_arr(fused), _arr(segs), seg)
+        _native.memcpy_many(_arr(a + fmt.HEADER_BYTES + l * seg for l in range(layers) for a in plain),
+                            _arr(segs), seg)
+        keys = [key(i) for i in range(n)]
+        _native.stamp_slots(fused, keys, NS, RANK, plen, LAYOUT, True)
+        for i, (f, p) in enumerate(zip(fused, plain)):
+            assert _payload(f, plen) == _payload(p, plen)
+            h = fmt.check_slot((ctypes.c_char * pool.slot_bytes).from_address(f), NS, RANK, plen, keys[i], LAYOUT)
+            assert h["payload_crc"] == _native.crc32c_sw(_payload(p, plen))
+        # the header is format.pack_header's, exactly as a plain stamp writes it
+        _native.stamp_slots(plain, keys, NS, RANK, plen, LAYOUT)
+        for f, p in zip(fused, plain):
+            hf, hp = ctypes.string_at(f, fmt.HEADER_BYTES), ctypes.string_at(p, fmt.HEADER_BYTES)
+            seq = slice(80, 88)  # the stamp time differs
+            assert hf[:seq.start] == hp[:seq.start] and hf[seq.stop:fmt._HDR.size] == hp[seq.stop:fmt._HDR.size]
+            assert hf[fmt.HDR_USED:] == bytes(fmt.HEADER_BYTES - fmt.HDR_USED)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("seg,layers", [(4095, 3), (65537, 2), (200_003, 1)])
+def test_fused_load_copies_memcpys_bytes_and_flags_exactly_the_corrupt_slots(seg, layers):
+    n = 6
+    kv, pool, slots, segs = _setup(seg, layers, n)
+    src = slots[:n]
+    plen = seg * layers
+    try:
+        _native.memcpy_crc_out(_arr(src), _arr(segs), seg)
+        _native.stamp_slots(src, [key(i) for i in range(n)], NS, RANK, plen, LAYOUT, True)
+        # slot 1: first payload byte; 3: last; 4: a byte past the first piece; 5: the header names another CRC
+        for i, off in ((1, 0), (3, plen - 1), (4, min(65536 + 7, plen - 2))):
+            b = ctypes.string_at(src[i] + fmt.HEADER_BYTES + off, 1)[0]
+            ctypes.memset(src[i] + fmt.HEADER_BYTES + off, b ^ 0x01, 1)
+        _refix_pcrc(src[5])
+        want = [_payload(a, plen) for a in src]  # what must land in the segments, bad slots too
+        for t in kv:
+            t.zero_()
+        verdicts = _native.memcpy_crc_in(_arr(segs), _arr(src), seg)
+        assert [fmt.SLOT_REASONS[v] for v in verdicts] == \
+            ["", "payload checksum", "", "payload checksum", "payload checksum", "payload checksum"]
+        for i in range(n):
+            assert b"".join(t[i].numpy().tobytes() for t in kv) == want[i]
+        # the separate pass says the same of every slot
+        assert _native.verify_slots(src, [key(i) for i in range(n)], NS, RANK, plen, LAYOUT) == verdicts
+    finally:
+        pool.close()
+
+
+def test_bad_address_arrays_are_clear_errors():
+    with pytest.raises(ValueError, match="whole number of segments"):
+        _native.memcpy_crc_out(_arr([4096, 8192]), _arr([1, 2, 3]), 8)
+    with pytest.raises(ValueError, match="at least one slot"):
+        _native.memcpy_crc_in(b"", b"", 8)
+
+
+# ---- through a TransferWorker ----
+NB = 40
+
+
+def _worker(root: str, kept: int, secret=None) -> tuple[TransferWorker, dict]:
+    kv = {f"l{i}": torch.randn(NB, 2, 32, 9) for i in range(3)}  # 2304 bytes a layer: not page-sized
+    os.makedirs(ns_dir(root, NS), exist_ok=True)
+    dev = CpuDevice(kv, NB)
+    slot = fmt.slot_bytes(dev.payload_bytes)
+    w = TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=16 * slot, memory_bytes=kept * slot,
+                       secret=secret)
+    return w, kv
+
+
+def _run(w: TransferWorker, fn, arg):
+    fn(arg)
+    end = time.monotonic() + 10
+    while w.in_flight and time.monotonic() < end:
+        time.sleep(0.002)
+    return w.poll()
+
+
+def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path):
+    root, ids = str(tmp_path), range(10)  # more than one write/read batch: the pipelined paths too
+    w, kv = _worker(root, kept=0)
+    assert w._fused, "the CPU layout copies with checksums when no secret is set"
+    try:
+        _, _, rep = _run(w, w.save, [Transfer("s", [key(i) for i in ids], list(ids), [i + 1 for i in ids])])
+        assert len(rep.saved) == 10 and not rep.save_failed
+        saved = {i: [t[i + 1].clone() for t in kv.values()] for i in ids}
+    finally:
+        w.close()
+    path, sb = data_path(ns_dir(root, NS), 0), w.slot_bytes
+    with open(path, "rb") as f:
+        disk = f.read()
+    for i in ids:  # what the fused save wrote is a valid slot of docs/format.md
+        fmt.check_slot(disk[i * sb:(i + 1) * sb], NS, 0, w.device.payload_bytes, key(i), w.device.layout_tag)
+    bad = {3: 0, 7: w.device.payload_bytes - 1}  # slot -> payload byte flipped
+    with open(path, "r+b") as f:
+        for s, off in bad.items():
+            f.seek(s * sb + fmt.HEADER_BYTES + off)
+            b = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b ^ 0x20]))
+
+    w, kv = _worker(root, kept=16)
+    try:
+        first = 20
+        t = Transfer("r", [key(i) for i in ids], list(ids), [first + i for i in ids])
+        done, errors, rep = _run(w, w.load, [t])
+        assert done == {"r"} and errors == {first + s for s in bad}
+        assert sorted(s for _, s, _ in rep.load_bad) == sorted(bad) and rep.load_failed == ["r"]
+        assert rep.counters["loads_ok_blocks"] == 8 and rep.counters["load_failed_blocks"] == 2
+        for i in ids:
+            if i not in bad:
+                assert all(torch.equal(t[first + i], want) for t, want in zip(kv.values(), saved[i]))
+        with w._lock:
+            assert all(w.cache.take(key(s)) is None for s in bad), "a corrupt block is not kept in memory"
+            assert w.cache.kept == 8
+        assert w.staging_in_use == 0, "every slot went back"
+    finally:
+        w.close()
+
+
+def test_with_a_secret_the_separate_pass_and_the_mac_stay(tmp_path):
+    w, kv = _worker(str(tmp_path), kept=0, secret="s3cret")
+    try:
+        assert w.device.fuses_checksums and not w._fused
+        _, _, rep = _run(w, w.save, [Transfer("s", [key(0)], [0], [1])])
+        assert len(rep.saved) == 1
+        done, errors, rep = _run(w, w.load, [Transfer("r", [key(0)], [0], [2])])
+        assert not errors and all(torch.equal(t[2], t[1]) for t in kv.values())
+    finally:
+        w.close()
+
+
+def test_random_payload_flips_are_caught_like_verify_slots_catches_them():
+    """Many slots, random single flips anywhere in the payload: the fused load's
+    verdicts equal verify_slots' for every slot."""
+    seg, layers, n = 3000, 4, 32
+    kv, pool, slots, segs = _setup(seg, layers, n)
+    src, plen, rnd = slots[:n], seg * layers, random.Random(5)
+    try:
+        _native.memcpy_crc_out(_arr(src), _arr(segs), seg)
+        _native.stamp_slots(src, [key(i % 8) for i in range(n)], NS, RANK, plen, LAYOUT, True)
+        for a in src:
+            if rnd.random() < 0.5:
+                off = fmt.HEADER_BYTES + rnd.randrange(plen)
+                ctypes.memset(a + off, ctypes.string_at(a + off, 1)[0] ^ (1 << rnd.randrange(8)), 1)
+        want = _native.verify_slots(src, [key(i % 8) for i in range(n)], NS, RANK, plen, LAYOUT)
+        assert 0 < sum(want) < len(want) * fmt.SLOT_REASONS.index("payload checksum")
+        assert _native.memcpy_crc_in(_arr(segs), _arr(src), seg) == want
+    finally:
+        pool.close()
