@@ -878,7 +878,9 @@ static PyObject *py_memcpy_many(PyObject *self, PyObject *args) {
  * the same bytes; done a cache-sized piece at a time, the second pass reads the
  * piece from cache instead of DRAM, which removes the separate CRC pass over
  * every byte saved or loaded. */
-#define FUSE_PIECE (64 << 10)
+#ifndef FUSE_PIECE /* (tools/bench_fused.py, built with -DFUSE_PIECE=...): 8-16 KiB pieces were the */
+#define FUSE_PIECE (16 << 10) /* cheapest, 4 KiB and 32-256 KiB cost 0.01-0.03 core-s/GB more on loads */
+#endif
 
 /* Parses (slot_addrs, seg_addrs): int64 arrays, n slot bases and n * layers
  * segment addresses, layer-major (layer l of slot i at [l * n + i]). Returns

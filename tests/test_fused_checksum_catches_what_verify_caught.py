@@ -71,7 +71,7 @@ def _refix_pcrc(addr: int) -> None:
 
 
 # odd sizes, a size of one piece exactly, sizes spanning several pieces with a remainder
-@pytest.mark.parametrize("seg,layers", [(1, 1), (4095, 3), (65536, 2), (65537, 1), (200_003, 3)])
+@pytest.mark.parametrize("seg,layers", [(1, 1), (4095, 3), (16384, 2), (65536, 2), (65537, 1), (200_003, 3)])
 def test_fused_save_copies_memcpys_bytes_and_stamps_their_crc(seg, layers):
     n = 3
     kv, pool, slots, segs = _setup(seg, layers, n)
@@ -107,7 +107,7 @@ def test_fused_load_copies_memcpys_bytes_and_flags_exactly_the_corrupt_slots(seg
     try:
         _native.memcpy_crc_out(_arr(src), _arr(segs), seg)
         _native.stamp_slots(src, [key(i) for i in range(n)], NS, RANK, plen, LAYOUT, True)
-        # slot 1: first payload byte; 3: last; 4: a byte past the first piece; 5: the header names another CRC
+        # slot 1: first payload byte; 3: last; 4: a byte in a later piece; 5: the header names another CRC
         for i, off in ((1, 0), (3, plen - 1), (4, min(65536 + 7, plen - 2))):
             b = ctypes.string_at(src[i] + fmt.HEADER_BYTES + off, 1)[0]
             ctypes.memset(src[i] + fmt.HEADER_BYTES + off, b ^ 0x01, 1)

@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""CPU seconds per GB of a worker-level save and load, with the payload CRC32C as
+a separate pass (old) and fused into the CPU device copy (fused).
+
+    PYTHONPATH=. .venv/bin/python tools/bench_fused.py [--gib 1] [--layers 28] [--rounds 3] [--dir DIR]
+
+A TransferWorker over a CpuDevice with the CPU backend's KV layout (per layer
+[num_blocks, kv_heads, block_size, 2 * head_dim] bf16, views of one buffer):
+  save = TransferWorker.save of every block (device copy on this thread, then
+         stamp + io_uring write on the worker loop), until all are reported;
+  load = TransferWorker.load of every block (read, verify, device copy), until reported.
+Old and fused alternate on the same worker, files and data (the worker's
+`_fused` switched between rounds); every byte is cold (the KV cache and the
+staging arena are each --gib, far above the caches). "disk" rows: the whole
+job, CPU of the process (time.process_time: every thread, kernel included).
+"memory" rows: the same CPU work without the disk (device copy + stamp, and
+verify + device copy, on slots already in staging). core-s/GB per GB of
+payload, median of --rounds; wall GB/s alongside.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from aiokv import _native  # noqa: E402
+from aiokv.jobs import Transfer  # noqa: E402
+from aiokv.store import format as fmt  # noqa: E402
+from aiokv.store.store import ns_dir  # noqa: E402
+from aiokv.worker.device import CpuDevice  # noqa: E402
+from aiokv.worker.transfer import TransferWorker  # noqa: E402
+
+NS = bytes(range(16))
+
+
+def _wait(w: TransferWorker) -> None:
+    while w.in_flight:
+        w.wait_for_jobs(1.0)
+
+
+def run(args) -> dict:
+    blk = args.heads * args.block * 2 * args.head_dim * 2  # bf16
+    payload = blk * args.layers
+    n = max(8, (args.gib << 30) // payload)
+    buf = torch.randn(args.layers, n + 1, args.heads, args.block, 2 * args.head_dim).to(torch.bfloat16)
+    kv = {f"l{i}": buf[i] for i in range(args.layers)}
+    root = tempfile.mkdtemp(dir=args.dir, prefix="bench_fused.")
+    os.makedirs(ns_dir(root, NS), exist_ok=True)
+    dev = CpuDevice(kv, n + 1)
+    slot = fmt.slot_bytes(dev.payload_bytes)
+    w = TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=n * slot, queue_depth=args.depth)
+    assert w._fused and dev.fuses_checksums, "this layout should copy with checksums"
+    keys = [i.to_bytes(4, "little") * 8 for i in range(n)]
+    ids = list(range(1, n + 1))
+    gb = n * payload / 1e9
+    out: dict[str, list] = {}
+
+    def phase(name, fn):
+        p0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        dc, dt = time.process_time() - p0, time.perf_counter() - t0
+        out.setdefault(name, []).append((dc / gb, gb / dt))
+
+    def save():
+        w.save([Transfer("s", keys, list(range(n)), ids)])
+        _wait(w)
+        assert len(w.poll()[2].saved) == n
+
+    def load():
+        w.load([Transfer("r", keys, list(range(n)), ids)])
+        _wait(w)
+        done, errors, _ = w.poll()
+        assert done == {"r"} and not errors
+
+    io = w._blockio()
+    lay = (io.nsid, io.rank, io.payload_bytes, io.layout)
+    stg = list(range(n))  # the worker is idle in the memory rounds: its staging slots, used directly
+    addrs = [w.pool.addr(s) for s in stg]
+
+    def mem_save(fused):
+        dev.copy_out(ids, stg, checksum=fused)
+        _native.stamp_slots(addrs, keys, *lay, fused)
+
+    def mem_load(fused):
+        v = _native.verify_slots(addrs, keys, *lay, fused)
+        ok = dev.copy_in(ids, stg, checksum=fused)
+        assert not any(v) and (ok is None or all(ok))
+
+    try:
+        save()  # the data file grows to its size once, outside the measured rounds
+        load()
+        for _ in range(args.rounds):
+            for fused in (False, True):
+                tag = "fused" if fused else "old"
+                w._fused = fused
+                phase(f"disk save {tag}", save)
+                phase(f"disk load {tag}", load)
+                phase(f"memory save {tag}", lambda: mem_save(fused))
+                phase(f"memory load {tag}", lambda: mem_load(fused))
+    finally:
+        w.close()
+        for f in os.listdir(os.path.join(ns_dir(root, NS))):
+            os.unlink(os.path.join(ns_dir(root, NS), f))
+    return {"payload": payload, "blocks": n, "gb": gb, "crc_path": _native.CRC_PATH,
+            "results": {k: (statistics.median(c for c, _ in v), statistics.median(g for _, g in v))
+                        for k, v in out.items()}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=int, default=1, help="payload moved each way per round (and KV cache size)")
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--heads", type=int, default=4, help="KV heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block", type=int, default=16, help="tokens per block")
+    ap.add_argument("--depth", type=int, default=32, help="io_uring queue depth")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where the data file goes (a real disk; default: the temp dir)")
+    args = ap.parse_args()
+    r = run(args)
+    print(f"{r['blocks']} blocks of {r['payload'] / 1024:.0f} KiB ({r['gb']:.2f} GB) each way, "
+          f"CRC32C path {r['crc_path']}, median of {args.rounds} rounds")
+    print(f"{'':14}{'old core-s/GB':>15}{'fused core-s/GB':>17}{'saved':>8}{'old GB/s':>10}{'fused GB/s':>12}")
+    res = r["results"]
+    for kind in ("disk save", "disk load", "memory save", "memory load"):
+        (oc, og), (fc, fg) = res[f"{kind} old"], res[f"{kind} fused"]
+        print(f"{kind:14}{oc:15.4f}{fc:17.4f}{oc - fc:8.4f}{og:10.2f}{fg:12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
