@@ -14,7 +14,9 @@ Old and fused alternate on the same worker, files and data (the worker's
 staging arena are each --gib, far above the caches). "disk" rows: the whole
 job, CPU of the process (time.process_time: every thread, kernel included).
 "memory" rows: the same CPU work without the disk (device copy + stamp, and
-verify + device copy, on slots already in staging). core-s/GB per GB of
+verify + device copy, on slots already in staging). "copy in": the device copy
+alone, plain against fused (what a memory-tier hit would pay for checking its
+already verified slots again). core-s/GB per GB of
 payload, median of --rounds; wall GB/s alongside.
 """
 from __future__ import annotations
@@ -104,6 +106,7 @@ def run(args) -> dict:
                 phase(f"disk load {tag}", load)
                 phase(f"memory save {tag}", lambda: mem_save(fused))
                 phase(f"memory load {tag}", lambda: mem_load(fused))
+                phase(f"copy in {tag}", lambda: dev.copy_in(ids, stg, checksum=fused))
     finally:
         w.close()
         for f in os.listdir(os.path.join(ns_dir(root, NS))):
@@ -129,7 +132,7 @@ def main() -> int:
           f"CRC32C path {r['crc_path']}, median of {args.rounds} rounds")
     print(f"{'':14}{'old core-s/GB':>15}{'fused core-s/GB':>17}{'saved':>8}{'old GB/s':>10}{'fused GB/s':>12}")
     res = r["results"]
-    for kind in ("disk save", "disk load", "memory save", "memory load"):
+    for kind in ("disk save", "disk load", "memory save", "memory load", "copy in"):
         (oc, og), (fc, fg) = res[f"{kind} old"], res[f"{kind} fused"]
         print(f"{kind:14}{oc:15.4f}{fc:17.4f}{oc - fc:8.4f}{og:10.2f}{fg:12.2f}")
     return 0
