@@ -7,7 +7,8 @@ Failure contract: every item gets its own result: 0, or -errno for an I/O
 error or short transfer, or -EBADMSG for a slot that does not verify (wrong
 magic, version, namespace, rank, key, length, checksum, or the MAC when a
 secret is set). Nothing raises for a
-bad block; a bad block is never reported as loaded.
+bad block; a bad block is never reported as loaded (with read's
+payload_checked=False, the payload's checksum is left to the caller).
 
 Several engines: items name locations (format.loc: engine << 32 | slot), so a
 BlockIO reads any engine's data file of its (namespace, rank), opened at first

@@ -404,8 +404,9 @@ class TransferWorker:
                     # Fused: a payload that did not match its CRC was copied into its KV block
                     # anyway. Safe because whole-request loads are asynchronous (the connector
                     # says load_async=True): vLLM uses the loaded blocks only up to the first
-                    # failed one and recomputes the rest in place, so that block stays in
-                    # `failed`, its key goes to bad_keys, and its slot is neither kept nor reused.
+                    # failed one and recomputes the rest in place. So that block stays in
+                    # `failed`, its key goes to bad_keys, and its slot goes back to the pool
+                    # (not to the memory tier), exactly as a block the separate check rejects.
                     bad_keys += [(k, s, t.group) for (k, s, _, _), v in zip(good, ok) if not v]
                     good = [g for g, v in zip(good, ok) if v]
                     failed.difference_update(g[2] for g in good)
