@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -109,8 +110,7 @@ def run(args) -> dict:
                 phase(f"copy in {tag}", lambda: dev.copy_in(ids, stg, checksum=fused))
     finally:
         w.close()
-        for f in os.listdir(os.path.join(ns_dir(root, NS))):
-            os.unlink(os.path.join(ns_dir(root, NS), f))
+        shutil.rmtree(root)
     return {"payload": payload, "blocks": n, "gb": gb, "crc_path": _native.CRC_PATH,
             "results": {k: (statistics.median(c for c, _ in v), statistics.median(g for _, g in v))
                         for k, v in out.items()}}
