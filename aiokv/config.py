@@ -31,6 +31,7 @@ class AioKVConfig:
     breaker_cooldown: float = 30.0    # seconds hits and saves stay off before one probe
     strict_load_failures: bool = False  # keep vLLM's kv_load_failure_policy="fail"
     layerwise: bool = False           # copy verified loads in layer by layer during the next forward
+    checksum_threads: int | None = None  # threads per worker checksumming off its loop (None: 0 on CPU, 2 on CUDA)
     # shared tier (docs/sharing.md): "s3://BUCKET/PREFIX"; endpoint and credentials from AWS_* variables
     shared: str | None = None
     remote_timeout: float = 5.0       # seconds any one request to the shared tier may take
@@ -84,6 +85,11 @@ class AioKVConfig:
                         raise ConfigError("aiokv: breaker_failures must be 0 (off) or more")
                 elif getattr(cfg, name) <= 0:
                     raise ConfigError(f"aiokv: {name} must be positive")
+        if "checksum_threads" in extra:
+            v = extra.pop("checksum_threads")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 64:
+                raise ConfigError("aiokv: checksum_threads must be a whole number from 0 (on the loop thread) to 64")
+            cfg.checksum_threads = v
         for name in ("strict_load_failures", "layerwise"):
             if name in extra:
                 v = extra.pop(name)

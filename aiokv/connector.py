@@ -365,7 +365,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
                                                   0 if g.replicated else rank, staging, self.cfg.io,
                                                   self.cfg.queue_depth, self.cfg.load_timeout, self.cfg.save_timeout,
                                                   shared, self.cfg.upload_queue, self.cfg.flush_timeout,
-                                                  self.cfg.secret, memory, layerwise=self.layerwise)
+                                                  self.cfg.secret, memory, layerwise=self.layerwise,
+                                                  checksum_threads=self.cfg.checksum_threads)
             self._layers = workers[self.groups[0].index].layers
             self.worker = GroupedWorker(workers, {g.index for g in self.groups if rank == 0 or not g.replicated})
         except Exception as e:

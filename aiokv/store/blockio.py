@@ -32,6 +32,15 @@ batches of `chunk` items, so the CPU work overlaps the disk: a write stamps
 verifies a chunk as soon as it has arrived while later chunks are still being
 read. Cancelling a call returns only once every batch it started has ended
 (each batch waits for its own operations, backend.py), so buffers are free.
+
+Checksum threads (`cpu`, an Executor; None: everything on the loop thread): a
+stamp or verify call over at least SPREAD_MIN_BYTES of payload runs on those
+threads (the native calls release the GIL), so the loop thread only submits and
+reaps, and the chunks of one call are checked on several cores at once. Where
+the device copy checks the payloads (crc_ready / payload_checked=False) the
+calls read only headers and stay on the loop. A call cancelled while a thread
+is still stamping or verifying its slots returns only once that thread is done
+with them, like the I/O above.
 """
 from __future__ import annotations
 
@@ -48,6 +57,9 @@ from aiokv.store.dirs import open_under
 
 EBADMSG = -errno.EBADMSG
 PIPELINE_MIN = 4  # up to this many items: one backend batch
+# payload bytes from which a stamp/verify call goes to the checksum threads: a hand-off
+# costs tens of microseconds, as much as checking about half a MiB that is not in cache
+SPREAD_MIN_BYTES = 1 << 20
 
 
 def open_data_file(ns_dir: str, rank: int, engine: int = 0, create: bool = True) -> tuple[int, bool]:
@@ -78,8 +90,9 @@ def data_path(ns_dir: str, rank: int, engine: int = 0) -> str:
 
 class BlockIO:
     def __init__(self, backend, ns_dir: str, nsid: bytes, rank: int, payload_bytes: int, layout: int = 0,
-                 secret: str | bytes | None = None):
+                 secret: str | bytes | None = None, cpu=None):
         self.backend = backend
+        self.cpu = cpu  # checksum threads (see the module docstring) or None
         self.layout = layout
         # with a secret every block carries a MAC, and a block without the right one is a miss
         self.mac_key = fmt.mac_key(secret) if secret else None
@@ -109,18 +122,49 @@ class BlockIO:
 
     def stamp(self, key: bytes, addr: int) -> None:
         """Fill the header of the staging slot at addr for `key` (payload already there)."""
-        self._stamp_many([key], [addr])
+        _native.stamp_slots([addr], [key], self.nsid, self.rank, self.payload_bytes, self.layout, False)
+        self._add_macs([addr])
 
-    def _stamp_many(self, keys: list, addrs: list, crc_ready: bool = False) -> None:
+    async def _stamp_many(self, keys: list, addrs: list, crc_ready: bool = False) -> None:
         """Stamp many slots: one native call (CRC32C and header of each, GIL
         released; crc_ready: the payload CRC is already in each header), then the
         MACs where a secret is set."""
-        _native.stamp_slots(addrs, keys, self.nsid, self.rank, self.payload_bytes, self.layout, crc_ready)
+        await self._native(0 if crc_ready else len(addrs), _native.stamp_slots, addrs, keys, self.nsid, self.rank,
+                           self.payload_bytes, self.layout, crc_ready)
+        self._add_macs(addrs)
+
+    def _add_macs(self, addrs: list) -> None:
         if self.mac_key is not None:
             for addr in addrs:
                 raw = ctypes.string_at(addr, fmt.HDR_USED)
                 ctypes.memmove(addr + fmt.MAC_OFFSET, fmt.block_mac(self.mac_key, raw, self._payload(addr)),
                                fmt.MAC_BYTES)
+
+    def _spreads(self, payloads: int) -> bool:
+        """Whether a native call over that many payloads goes to the checksum threads."""
+        return self.cpu is not None and payloads * self.payload_bytes >= SPREAD_MIN_BYTES
+
+    async def _native(self, payloads: int, fn, *args):
+        """fn(*args), a native slot call that releases the GIL, over `payloads`
+        payloads: inline, or on the checksum threads when it is big enough to be
+        worth the hand-off. Cancelled, it returns only once the thread has let
+        go of the slots (the caller may free them then)."""
+        if not self._spreads(payloads):
+            return fn(*args)
+        fut = asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
+        try:
+            # shielded: cancelling an executor future that is running would mark it done
+            # while its thread still writes the headers
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            while not fut.done():
+                try:
+                    await asyncio.wait([fut])
+                except asyncio.CancelledError:
+                    continue
+            if not fut.cancelled():
+                fut.exception()  # retrieved: the cancellation is what the caller gets
+            raise
 
     def _payload(self, addr: int):
         return (ctypes.c_char * self.payload_bytes).from_address(addr + fmt.HEADER_BYTES)
@@ -147,7 +191,7 @@ class BlockIO:
         field (Device.copy_out(..., checksum=True)); the payloads are not read."""
         sb = self.slot_bytes
         if len(items) <= PIPELINE_MIN:
-            self._stamp_many([key for _, key, _ in items], [addr for _, _, addr in items], crc_ready)
+            await self._stamp_many([key for _, key, _ in items], [addr for _, _, addr in items], crc_ready)
             res = await self.backend.run([self._op(OP_WRITE, slot, addr) for slot, _, addr in items])
         else:
             res = await self._pipelined(OP_WRITE, items, crc_ready=crc_ready)
@@ -160,7 +204,7 @@ class BlockIO:
         before it trusts the payload (Device.copy_in(..., checksum=True))."""
         if len(items) <= PIPELINE_MIN:
             res = await self._run_reads(items)
-            return self._checked(items, res, payload_checked)
+            return await self._checked(items, res, payload_checked)
         return await self._pipelined(OP_READ, items, payload_checked=payload_checked)
 
     async def _run_reads(self, items) -> list[int]:
@@ -170,7 +214,7 @@ class BlockIO:
         res = iter(await self.backend.run(todo) if todo else [])
         return [next(res) if op[1] >= 0 else -errno.ENOENT for op in ops]
 
-    def _checked(self, items, res, payload_checked: bool = True) -> list[int]:
+    async def _checked(self, items, res, payload_checked: bool = True) -> list[int]:
         """Per-item result of reads: the slots that arrived whole are verified in
         one native call (format.check_slot's checks, GIL released; without the
         payload CRC unless payload_checked), then their MACs."""
@@ -178,8 +222,9 @@ class BlockIO:
         whole = [i for i, r in enumerate(res) if r == sb]
         out = [r if r < 0 else -errno.EIO for r in res]
         if whole:
-            verdicts = _native.verify_slots([items[i][2] for i in whole], [items[i][1] for i in whole], self.nsid,
-                                            self.rank, self.payload_bytes, self.layout, not payload_checked)
+            verdicts = await self._native(len(whole) if payload_checked else 0, _native.verify_slots,
+                                          [items[i][2] for i in whole], [items[i][1] for i in whole], self.nsid,
+                                          self.rank, self.payload_bytes, self.layout, not payload_checked)
             for i, v in zip(whole, verdicts):
                 out[i] = 0 if v == 0 and (self.mac_key is None or self._mac_ok(items[i][2])) else EBADMSG
         return out
@@ -194,19 +239,22 @@ class BlockIO:
         futs: list[asyncio.Future] = []
         out: list[int] = []
         try:
-            if op == OP_WRITE:
+            if op == OP_WRITE and (crc_ready or not self._spreads(step)):
+                # stamped here, on the loop thread: each batch reaches the kernel before the next is stamped
                 for k, part in enumerate(parts):
-                    self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part], crc_ready)
+                    await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part], crc_ready)
                     futs.append(asyncio.ensure_future(
                         run([self._op(OP_WRITE, slot, addr) for slot, _, addr in part])))
                     if k + 1 < len(parts):
-                        await asyncio.sleep(0)  # that batch reaches the kernel before the next is stamped
-                for f in futs:
-                    out += await f
+                        await asyncio.sleep(0)
+            elif op == OP_WRITE:
+                # every chunk stamped on the checksum threads at once; each batch starts when its chunk is stamped
+                futs = [asyncio.ensure_future(self._stamp_and_write(part)) for part in parts]
             else:
-                futs = [asyncio.ensure_future(self._run_reads(part)) for part in parts]
-                for part, f in zip(parts, futs):
-                    out += self._checked(part, await f, payload_checked)
+                # each chunk verified as soon as it has arrived (on the checksum threads when big enough)
+                futs = [asyncio.ensure_future(self._read_and_check(part, payload_checked)) for part in parts]
+            for f in futs:
+                out += await f
         except BaseException:
             # no buffer may still be in use when this call ends: stop and wait for every batch
             for f in futs:
@@ -221,6 +269,13 @@ class BlockIO:
                     f.exception()  # retrieved: the error that matters is re-raised below
             raise
         return out
+
+    async def _stamp_and_write(self, part) -> list[int]:
+        await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part])
+        return await self.backend.run([self._op(OP_WRITE, slot, addr) for slot, _, addr in part])
+
+    async def _read_and_check(self, part, payload_checked: bool) -> list[int]:
+        return await self._checked(part, await self._run_reads(part), payload_checked)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -79,6 +79,8 @@ class Device:
 
     asynchronous = False  # True: copy_out returns before the bytes are in staging
     fuses_checksums = False  # True: copy_out/copy_in take checksum=True (set by attach)
+    # default count of threads that checksum off the worker's loop thread (TransferWorker)
+    checksum_threads = 0
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, pool: SlotPool | None = None):
         self.num_blocks = num_blocks
@@ -215,6 +217,9 @@ class CudaDevice(Device):
     start; only the last copy's event is kept."""
 
     asynchronous = True
+    # the copies are DMA and the host's cores are free: the checksums of a node's several
+    # drives would be more than one loop thread can do (docs/benchmarks.md, round two)
+    checksum_threads = 2
 
     def attach(self, pool: SlotPool) -> None:
         super().attach(pool)

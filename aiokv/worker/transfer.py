@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import ctypes
 import errno
 import logging
@@ -76,8 +77,11 @@ class TransferWorker:
     def __init__(self, device, ns_dir: str, nsid: bytes, rank: int, staging_bytes: int, io: str = "auto",
                  queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0, shared=None,
                  upload_queue: int = 256 << 20, flush_timeout: float = 10.0, secret: str | None = None,
-                 memory_bytes: int = 0, layerwise: bool = False):
+                 memory_bytes: int = 0, layerwise: bool = False, checksum_threads: int | None = None):
         self.device = device
+        # threads that stamp and verify big chunks off the loop thread (store/blockio.py);
+        # None: the device's default (0 on the CPU build, whose cores run the model)
+        self.checksum_threads = device.checksum_threads if checksum_threads is None else checksum_threads
         self.secret = secret
         # the shared tier (docs/sharing.md): a SharedClient, or None
         self.shared, self.upload_queue, self.flush_timeout = shared, upload_queue, flush_timeout
@@ -120,6 +124,8 @@ class TransferWorker:
         self._held: set[int] = set()   # stuck slots their job has let go of: freed when the I/O ends
         self.job_done = threading.Event()  # set when a load or save finishes; see wait_for_jobs
         self.backend = None
+        self.cpu = (concurrent.futures.ThreadPoolExecutor(self.checksum_threads, f"aiokv-crc{self.rank}")
+                    if self.checksum_threads > 0 else None)
         self.loop = uvloop.new_event_loop()
         self.loop.set_exception_handler(self._on_loop_error)
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"aiokv-worker{self.rank}", daemon=True)
@@ -149,7 +155,7 @@ class TransferWorker:
         if self.io is None:
             ns_dir, nsid = self._io_args
             self.io = BlockIO(self.backend, ns_dir, nsid, self.rank, self.device.payload_bytes, self.device.layout_tag,
-                              self.secret)
+                              self.secret, cpu=self.cpu)
         return self.io
 
     def _on_loop_error(self, loop, context):
@@ -563,6 +569,8 @@ class TransferWorker:
             except Exception:
                 log.warning("aiokv: the worker loop did not shut down in time; left to the process exit")
         stuck = self._stop_loop() or self.stuck or (self.backend is not None and self.backend.in_flight)
+        if self.cpu is not None:  # idle once the loop has stopped: nothing awaits them any more
+            self.cpu.shutdown(wait=not stuck)
         if stuck:
             # the kernel may still write into staging: never unmap or unpin it under the I/O
             log.warning("aiokv: I/O stuck in the kernel at close; its memory is left to the process exit")
