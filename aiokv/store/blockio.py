@@ -94,10 +94,15 @@ class BlockIO:
             self._fds[(engine, write)] = fd
         return fd
 
-    def _op(self, op: int, where: int, addr: int) -> tuple:
-        engine, slot = fmt.split(where)
-        sb = self.slot_bytes
-        return op, self._fd(engine, op == OP_WRITE), addr, sb, slot * sb
+    def _ops(self, op: int, items) -> tuple[list[tuple], bool]:
+        """Backend operations of items (where, key, addr), in order, and whether
+        every engine's file is there (an fd of -1 marks one that is not): the
+        files looked up once per engine, not per item."""
+        sb, mask, shift = self.slot_bytes, fmt.SLOT_MASK, fmt.ENGINE_SHIFT
+        write = op == OP_WRITE
+        fds = {e: self._fd(e, write) for e in {where >> shift for where, _, _ in items}}
+        ops = [(op, fds[where >> shift], addr, sb, (where & mask) * sb) for where, _, addr in items]
+        return ops, min(fds.values(), default=0) >= 0
 
     def stamp(self, key: bytes, addr: int) -> None:
         """Fill the header of the staging slot at addr for `key` (payload already there)."""
@@ -137,9 +142,11 @@ class BlockIO:
         sb = self.slot_bytes
         if len(items) <= PIPELINE_MIN:
             self._stamp_many([key for _, key, _ in items], [addr for _, _, addr in items])
-            res = await self.backend.run([self._op(OP_WRITE, slot, addr) for slot, _, addr in items])
+            res = await self.backend.run(self._ops(OP_WRITE, items)[0])
         else:
             res = await self._pipelined(OP_WRITE, items)
+        if res.count(sb) == len(res):  # the common case, without a Python step per item
+            return [0] * len(res)
         return [0 if r == sb else (r if r < 0 else -errno.EIO) for r in res]
 
     async def read(self, items) -> list[int]:
@@ -151,7 +158,9 @@ class BlockIO:
 
     async def _run_reads(self, items) -> list[int]:
         """Backend reads of items; an item whose engine's file is missing: -ENOENT."""
-        ops = [self._op(OP_READ, slot, addr) for slot, _, addr in items]
+        ops, all_there = self._ops(OP_READ, items)
+        if all_there:
+            return await self.backend.run(ops)
         todo = [op for op in ops if op[1] >= 0]
         res = iter(await self.backend.run(todo) if todo else [])
         return [next(res) if op[1] >= 0 else -errno.ENOENT for op in ops]
@@ -182,8 +191,7 @@ class BlockIO:
             if op == OP_WRITE:
                 for k, part in enumerate(parts):
                     self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part])
-                    futs.append(asyncio.ensure_future(
-                        run([self._op(OP_WRITE, slot, addr) for slot, _, addr in part])))
+                    futs.append(asyncio.ensure_future(run(self._ops(OP_WRITE, part)[0])))
                     if k + 1 < len(parts):
                         await asyncio.sleep(0)  # that batch reaches the kernel before the next is stamped
                 for f in futs:
