@@ -408,12 +408,14 @@ static PyObject *Ring_start(RingObject *self, PyObject *arg) {
             break;
         }
         ring_op *o = &b->ops[i];
-        long op = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
-        long fd = PyLong_AsLong(PyTuple_GET_ITEM(item, 1));
-        o->addr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 2));
-        unsigned long long len = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 3));
-        o->off = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 4));
-        if (PyErr_Occurred()) break;
+        long op, fd;
+        unsigned long long len;
+        if (((op = PyLong_AsLong(PyTuple_GET_ITEM(item, 0))) == -1 && PyErr_Occurred()) ||
+            ((fd = PyLong_AsLong(PyTuple_GET_ITEM(item, 1))) == -1 && PyErr_Occurred()) ||
+            ((o->addr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 2))) == (uint64_t)-1 && PyErr_Occurred()) ||
+            ((len = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 3))) == (uint64_t)-1 && PyErr_Occurred()) ||
+            ((o->off = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 4))) == (uint64_t)-1 && PyErr_Occurred()))
+            break;
         if (op < OP_READ || op > OP_NOP || fd < INT32_MIN || fd > INT32_MAX || len > UINT32_MAX) {
             PyErr_Format(PyExc_ValueError, "bad operation (op %ld, fd %ld, length %llu)", op, fd, len);
             break;

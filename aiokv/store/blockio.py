@@ -80,7 +80,8 @@ class BlockIO:
         self.payload_bytes = payload_bytes
         self.slot_bytes = fmt.slot_bytes(payload_bytes)
         self.ns_dir = ns_dir
-        self._fds: dict[tuple[int, bool], int] = {}  # (engine, writable) -> fd; -1: could not open
+        self._fds: dict[tuple[int, bool], int] = {}  # (engine, writable) -> open fd
+        self._open: tuple[dict[int, int], dict[int, int]] = ({}, {})  # the same by [writable][engine], for _ops
 
     def _fd(self, engine: int, write: bool) -> int:
         fd = self._fds.get((engine, write))
@@ -91,18 +92,23 @@ class BlockIO:
                 if write:
                     raise
                 return -1  # not there (yet): a miss, and looked for again next time
-            self._fds[(engine, write)] = fd
+            self._fds[(engine, write)] = self._open[write][engine] = fd
         return fd
 
     def _ops(self, op: int, items) -> tuple[list[tuple], bool]:
         """Backend operations of items (where, key, addr), in order, and whether
-        every engine's file is there (an fd of -1 marks one that is not): the
-        files looked up once per engine, not per item."""
+        every engine's file is there (an fd of -1 marks one that is not). One
+        list comprehension over the files already open; files are opened (or
+        found missing) once per engine, not per item."""
         sb, mask, shift = self.slot_bytes, fmt.SLOT_MASK, fmt.ENGINE_SHIFT
         write = op == OP_WRITE
-        fds = {e: self._fd(e, write) for e in {where >> shift for where, _, _ in items}}
+        fds = self._open[write]
+        try:
+            return [(op, fds[where >> shift], addr, sb, (where & mask) * sb) for where, _, addr in items], True
+        except KeyError:  # a file not opened yet, or missing
+            fds = {e: self._fd(e, write) for e in {where >> shift for where, _, _ in items}}
         ops = [(op, fds[where >> shift], addr, sb, (where & mask) * sb) for where, _, addr in items]
-        return ops, min(fds.values(), default=0) >= 0
+        return ops, min(fds.values()) >= 0
 
     def stamp(self, key: bytes, addr: int) -> None:
         """Fill the header of the staging slot at addr for `key` (payload already there)."""
@@ -219,3 +225,5 @@ class BlockIO:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        for fds in self._open:
+            fds.clear()
