@@ -61,9 +61,12 @@ def say_once(msg: str) -> None:
 class _Batch:
     """Completion state of one `run` call (loop thread only). `fut` (awaited by
     run) gets the results; `ended`, made only once run was cancelled with
-    operations still out, completes when the last of them has."""
+    operations still out, completes when the last of them has. A backend
+    completes it per operation (`complete`: the thread pool) or whole
+    (`finish`: io_uring, whose ring counts the operations in C); `remaining`
+    is non-zero while any operation is out. `tag` is the backend's handle."""
 
-    __slots__ = ("results", "remaining", "fut", "cancelled", "ended")
+    __slots__ = ("results", "remaining", "fut", "cancelled", "ended", "tag")
 
     def __init__(self, n: int, fut: asyncio.Future):
         self.results = [-errno.ECANCELED] * n
@@ -71,15 +74,22 @@ class _Batch:
         self.fut = fut
         self.cancelled = False
         self.ended: asyncio.Future | None = None
+        self.tag = None
 
     def complete(self, i: int, res: int) -> None:
         self.results[i] = res
         self.remaining -= 1
         if self.remaining == 0:
-            if not self.fut.done():
-                self.fut.set_result(self.results)
-            if self.ended is not None and not self.ended.done():
-                self.ended.set_result(None)
+            self.finish(self.results)
+
+    def finish(self, results: list[int]) -> None:
+        """Every operation has ended; results in operation order."""
+        self.results = results
+        self.remaining = 0
+        if not self.fut.done():
+            self.fut.set_result(results)
+        if self.ended is not None and not self.ended.done():
+            self.ended.set_result(None)
 
 
 class IOBackend(abc.ABC):

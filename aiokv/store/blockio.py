@@ -101,7 +101,8 @@ class BlockIO:
         self.payload_bytes = payload_bytes
         self.slot_bytes = fmt.slot_bytes(payload_bytes)
         self.ns_dir = ns_dir
-        self._fds: dict[tuple[int, bool], int] = {}  # (engine, writable) -> fd; -1: could not open
+        self._fds: dict[tuple[int, bool], int] = {}  # (engine, writable) -> open fd
+        self._open: tuple[dict[int, int], dict[int, int]] = ({}, {})  # the same by [writable][engine], for _ops
 
     def _fd(self, engine: int, write: bool) -> int:
         fd = self._fds.get((engine, write))
@@ -112,13 +113,23 @@ class BlockIO:
                 if write:
                     raise
                 return -1  # not there (yet): a miss, and looked for again next time
-            self._fds[(engine, write)] = fd
+            self._fds[(engine, write)] = self._open[write][engine] = fd
         return fd
 
-    def _op(self, op: int, where: int, addr: int) -> tuple:
-        engine, slot = fmt.split(where)
-        sb = self.slot_bytes
-        return op, self._fd(engine, op == OP_WRITE), addr, sb, slot * sb
+    def _ops(self, op: int, items) -> tuple[list[tuple], bool]:
+        """Backend operations of items (where, key, addr), in order, and whether
+        every engine's file is there (an fd of -1 marks one that is not). One
+        list comprehension over the files already open; files are opened (or
+        found missing) once per engine, not per item."""
+        sb, mask, shift = self.slot_bytes, fmt.SLOT_MASK, fmt.ENGINE_SHIFT
+        write = op == OP_WRITE
+        fds = self._open[write]
+        try:
+            return [(op, fds[where >> shift], addr, sb, (where & mask) * sb) for where, _, addr in items], True
+        except KeyError:  # a file not opened yet, or missing
+            fds = {e: self._fd(e, write) for e in {where >> shift for where, _, _ in items}}
+        ops = [(op, fds[where >> shift], addr, sb, (where & mask) * sb) for where, _, addr in items]
+        return ops, min(fds.values()) >= 0
 
     def stamp(self, key: bytes, addr: int) -> None:
         """Fill the header of the staging slot at addr for `key` (payload already there)."""
@@ -192,9 +203,11 @@ class BlockIO:
         sb = self.slot_bytes
         if len(items) <= PIPELINE_MIN:
             await self._stamp_many([key for _, key, _ in items], [addr for _, _, addr in items], crc_ready)
-            res = await self.backend.run([self._op(OP_WRITE, slot, addr) for slot, _, addr in items])
+            res = await self.backend.run(self._ops(OP_WRITE, items)[0])
         else:
             res = await self._pipelined(OP_WRITE, items, crc_ready=crc_ready)
+        if res.count(sb) == len(res):  # the common case, without a Python step per item
+            return [0] * len(res)
         return [0 if r == sb else (r if r < 0 else -errno.EIO) for r in res]
 
     async def read(self, items, payload_checked: bool = True) -> list[int]:
@@ -209,7 +222,9 @@ class BlockIO:
 
     async def _run_reads(self, items) -> list[int]:
         """Backend reads of items; an item whose engine's file is missing: -ENOENT."""
-        ops = [self._op(OP_READ, slot, addr) for slot, _, addr in items]
+        ops, all_there = self._ops(OP_READ, items)
+        if all_there:
+            return await self.backend.run(ops)
         todo = [op for op in ops if op[1] >= 0]
         res = iter(await self.backend.run(todo) if todo else [])
         return [next(res) if op[1] >= 0 else -errno.ENOENT for op in ops]
@@ -243,8 +258,7 @@ class BlockIO:
                 # stamped here, on the loop thread: each batch reaches the kernel before the next is stamped
                 for k, part in enumerate(parts):
                     await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part], crc_ready)
-                    futs.append(asyncio.ensure_future(
-                        run([self._op(OP_WRITE, slot, addr) for slot, _, addr in part])))
+                    futs.append(asyncio.ensure_future(run(self._ops(OP_WRITE, part)[0])))
                     if k + 1 < len(parts):
                         await asyncio.sleep(0)
             elif op == OP_WRITE:
@@ -272,7 +286,7 @@ class BlockIO:
 
     async def _stamp_and_write(self, part) -> list[int]:
         await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part])
-        return await self.backend.run([self._op(OP_WRITE, slot, addr) for slot, _, addr in part])
+        return await self.backend.run(self._ops(OP_WRITE, part)[0])
 
     async def _read_and_check(self, part, payload_checked: bool) -> list[int]:
         return await self._checked(part, await self._run_reads(part), payload_checked)
@@ -281,3 +295,5 @@ class BlockIO:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        for fds in self._open:
+            fds.clear()
