@@ -82,7 +82,17 @@ typedef struct {
     int32_t qhead, qtail; /* batches with queued operations, in submission order */
     unsigned depth, max_ops, in_flight; /* in_flight: operations the kernel owns */
     unsigned long long min_bytes, bytes; /* bytes: of the operations in flight */
+    unsigned submit_group; /* operations per io_uring_enter (0: all prepared at once); see ring_pump */
 } RingObject;
+
+/* Default operations per io_uring_enter. Linux plugs the block layer while one
+ * enter submits more than two requests, and requests for adjacent offsets (a
+ * save's new slots, a load of blocks saved together) are merged in the plug into
+ * fewer, larger ones. On a virtual disk that cost 10-40 % of the bandwidth
+ * (docs/benchmarks.md, "Submission and request merging"): its host serves one
+ * large request more slowly than the same bytes as several requests in flight.
+ * Two per enter is what fio does by default (one), at half the system calls. */
+#define SUBMIT_GROUP 2
 
 /* user_data of operation i of the batch in slot s, and the batch id Python sees */
 static inline uint64_t op_ud(RingObject *self, int32_t s, uint32_t i) {
@@ -214,10 +224,11 @@ static void Ring_dealloc(RingObject *self) {
 }
 
 static int Ring_init(RingObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"entries", "depth", "max_ops", "min_bytes", NULL};
-    unsigned entries = 128, depth = 0, max_ops = 0;
+    static char *kwlist[] = {"entries", "depth", "max_ops", "min_bytes", "submit_group", NULL};
+    unsigned entries = 128, depth = 0, max_ops = 0, submit_group = SUBMIT_GROUP;
     unsigned long long min_bytes = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|IIIK", kwlist, &entries, &depth, &max_ops, &min_bytes))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|IIIKI", kwlist, &entries, &depth, &max_ops, &min_bytes,
+                                     &submit_group))
         return -1;
     if (self->open) {
         PyErr_SetString(PyExc_RuntimeError, "Ring already initialised");
@@ -249,6 +260,7 @@ static int Ring_init(RingObject *self, PyObject *args, PyObject *kwds) {
     self->depth = depth;
     self->max_ops = max_ops;
     self->min_bytes = min_bytes;
+    self->submit_group = submit_group;
     self->free_head = self->qhead = self->qtail = -1;
     self->open = 1;
     return 0;
@@ -345,8 +357,9 @@ static int ring_refused(RingObject *self, int err, PyObject *done) {
 
 /* Hands queued operations to the kernel, in submission order, up to `depth` in
  * flight, or up to max_ops while fewer than min_bytes are in flight: one
- * io_uring_enter. Entries voided by an earlier refusal go first; if they are
- * refused again, nothing new is prepared. */
+ * io_uring_enter per submit_group operations (all at once if 0). Entries voided
+ * by an earlier refusal go first; if they are refused again, nothing new is
+ * prepared. */
 static int ring_pump(RingObject *self, PyObject *done) {
     if (io_uring_sq_ready(&self->ring)) {
         int ret = ring_enter_nogil(self);
@@ -376,6 +389,10 @@ static int ring_pump(RingObject *self, PyObject *done) {
             self->qhead = b->link;
             if (self->qhead < 0) self->qtail = -1;
             b->link = -1;
+        }
+        if (self->submit_group && count % self->submit_group == 0) {
+            int ret = ring_enter_nogil(self);
+            if (ret < 0) return ring_refused(self, -ret, done);
         }
     }
     if (!count) return 0;
@@ -561,10 +578,22 @@ static int Ring_set_min_bytes(RingObject *self, PyObject *v, void *unused) {
     return PyErr_Occurred() ? -1 : (self->min_bytes = x, 0);
 }
 
+static PyObject *Ring_get_submit_group(RingObject *self, void *unused) {
+    return PyLong_FromUnsignedLong(self->submit_group);
+}
+
+static int Ring_set_submit_group(RingObject *self, PyObject *v, void *unused) {
+    unsigned long x = v ? PyLong_AsUnsignedLong(v) : 0;
+    if (!v) PyErr_SetString(PyExc_AttributeError, "submit_group cannot be deleted");
+    return PyErr_Occurred() ? -1 : (self->submit_group = (unsigned)x, 0);
+}
+
 static PyGetSetDef Ring_getset[] = {
     {"in_flight", (getter)Ring_get_in_flight, NULL, "operations the kernel owns (prepared, not yet reaped)", NULL},
     {"min_bytes", (getter)Ring_get_min_bytes, (setter)Ring_set_min_bytes,
      "below this many bytes in flight, up to max_ops operations go to the kernel, else depth", NULL},
+    {"submit_group", (getter)Ring_get_submit_group, (setter)Ring_set_submit_group,
+     "operations per io_uring_enter (0: all prepared at once)", NULL},
     {NULL}};
 
 static PyMethodDef Ring_methods[] = {

@@ -203,3 +203,26 @@ def test_bad_operations_are_refused_whole(data, ops, exc):
     ring.pump()
     assert drain(ring) == [(bid, [BS] * 3)]
     ring.close()
+
+
+@pytest.mark.parametrize("group", [0, 1, 2, 3, 8])
+def test_any_submit_group_gives_the_same_results(data, group):
+    """The ring hands the kernel at most `submit_group` operations per
+    io_uring_enter (default 2: below the block layer's plugging, which merged
+    adjacent requests and cost a virtual disk 10-40 % of its bandwidth); however
+    the operations are grouped, a batch larger than the ring completes whole,
+    in order, within its depth."""
+    assert _native.Ring(8).submit_group == 2
+    fd, bufs = data
+    ring = _native.Ring(16, depth=8, max_ops=16, submit_group=group)
+    assert ring.submit_group == group
+    blocks = list(range(100, 200))
+    bid = ring.start(reads(fd, bufs, blocks))
+    done = ring.pump()
+    assert ring.in_flight == 8  # depth: a group boundary never leaves operations unsubmitted
+    done += drain(ring)
+    assert done == [(bid, [BS] * len(blocks))]
+    assert all(bufs[b].raw == bytes([b]) * BS for b in blocks)
+    ring.submit_group = 0
+    assert ring.submit_group == 0
+    ring.close()

@@ -65,6 +65,7 @@ from aiokv.store import format as fmt  # noqa: E402
 NSID = bytes.fromhex("be0c" * 8)
 HUGE = 2 << 20
 NR_HUGE = "/proc/sys/vm/nr_hugepages"
+SUBMIT_GROUP = None  # --submit-group (None: the ring's default)
 
 
 # ------------------------------------------------------------------ aiokv side
@@ -129,6 +130,8 @@ async def _aiokv_round(root: str, payload: int, n: int, depth: int, workers: int
             st._backend = open_backend(asyncio.get_running_loop(), depth=depth)
             if hasattr(st._backend, "min_bytes"):
                 st._backend.min_bytes = 0  # exactly `depth` operations in flight, as fio's iodepth
+            if SUBMIT_GROUP is not None and hasattr(st._backend, "ring"):
+                st._backend.ring.submit_group = SUBMIT_GROUP  # --submit-group: operations per io_uring_enter
         ns = st.namespace(NSID, payload, fields={"bench": "bench_store"})
         # random payloads (written once; save stamps only the header of each slot)
         rand = os.urandom(payload)
@@ -354,9 +357,13 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--no-null", action="store_true", help="skip the null-I/O overhead runs")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's fs tier")
+    ap.add_argument("--submit-group", type=int, default=None,
+                    help="aiokv's operations per io_uring_enter (0: all at once; default: the ring's, 2)")
     ap.add_argument("--fixedbufs", action="store_true",
                     help="also run fio with registered buffers (--fixedbufs): what registering would gain")
     args = ap.parse_args()
+    global SUBMIT_GROUP
+    SUBMIT_GROUP = args.submit_group
     sizes = _sizes(args.sizes)
     depths = [int(x) for x in args.depth.split(",") if x]
     if any(s % 4096 for s in sizes):

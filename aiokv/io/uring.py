@@ -27,12 +27,17 @@ retry, or fail with the same errno where nothing is left in flight (no
 completion would come). No buffer is handed back while the kernel may still
 run its operation.
 
-Submission: a batch started while the ring is idle is submitted at once (one
-io_uring_enter; latency matters). A batch started while operations are in
-flight is queued and submitted at the end of the loop iteration, together with
-every other batch started in that iteration: one system call for all of them
-(the disk is busy meanwhile, so nothing waits for it). Completions reaped in
-one wake-up refill the ring with one submission too (Ring.reap pumps).
+Submission: a batch started while the ring is idle is submitted at once
+(latency matters). A batch started while operations are in flight is queued
+and submitted at the end of the loop iteration, together with every other
+batch started in that iteration (the disk is busy meanwhile, so nothing waits
+for it). Completions reaped in one wake-up refill the ring at once too
+(Ring.reap pumps). Each io_uring_enter carries at most `Ring.submit_group`
+operations (2): with more, Linux plugs the block layer and merges requests for
+adjacent offsets into larger ones, which cost this project's virtual disks
+10-40 % of their bandwidth (docs/benchmarks.md, "Submission and request
+merging"); two per call is below the plugging threshold at half the system
+calls of one.
 
 Threading contract: loop thread only.
 """
