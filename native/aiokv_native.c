@@ -88,7 +88,7 @@ typedef struct {
 /* Default operations per io_uring_enter. Linux plugs the block layer while one
  * enter submits more than two requests, and requests for adjacent offsets (a
  * save's new slots, a load of blocks saved together) are merged in the plug into
- * fewer, larger ones. On a virtual disk that cost 10-40 % of the bandwidth
+ * fewer, larger ones. On a virtual disk that cost 10-25 % of the bandwidth
  * (docs/benchmarks.md, "Submission and request merging"): its host serves one
  * large request more slowly than the same bytes as several requests in flight.
  * Two per enter is what fio does by default (one), at half the system calls. */

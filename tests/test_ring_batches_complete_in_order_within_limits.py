@@ -209,7 +209,7 @@ def test_bad_operations_are_refused_whole(data, ops, exc):
 def test_any_submit_group_gives_the_same_results(data, group):
     """The ring hands the kernel at most `submit_group` operations per
     io_uring_enter (default 2: below the block layer's plugging, which merged
-    adjacent requests and cost a virtual disk 10-40 % of its bandwidth); however
+    adjacent requests and cost a virtual disk 10-25 % of its bandwidth); however
     the operations are grouped, a batch larger than the ring completes whole,
     in order, within its depth."""
     assert _native.Ring(8).submit_group == 2

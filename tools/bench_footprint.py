@@ -5,7 +5,8 @@ reading one file into K distinct huge-page staging slots, next to fio on the
 same file, same block size, same depth.
 
     PYTHONPATH=. .venv/bin/python tools/bench_footprint.py [--mib 384] [--size 256K] [--depth 16]
-        [--footprints 16,64,256,all] [--groups 2,0] [--merge-control] [--rounds 3] [--dir PATH] [--json]
+        [--footprints 16,64,256,all] [--op read|write] [--groups 2,0] [--merge-control] [--rounds 3]
+        [--dir PATH] [--json]
 
 Why: fio reads into its `iodepth` buffers again and again (a few MiB, hot in
 the caches), aiokv into staging slots that each hold a block until it is
@@ -43,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_store as bs  # noqa: E402
 
-from aiokv.io.backend import OP_READ, open_backend  # noqa: E402
+from aiokv.io.backend import OP_READ, OP_WRITE, open_backend  # noqa: E402
 from aiokv.io.buffers import Arena  # noqa: E402
 
 
@@ -72,9 +73,11 @@ class NoMerges:
             f.write(self.old)
 
 
-async def backend_read(path: str, block: int, n: int, depth: int, footprint: int, group: int | None = None) -> float:
-    """GB/s of one read of the n-block file into `footprint` buffers used in turn,
-    `group` operations per io_uring_enter (None: the ring's default)."""
+async def backend_read(path: str, block: int, n: int, depth: int, footprint: int, group: int | None = None,
+                       op: int = OP_READ) -> float:
+    """GB/s of one read of the n-block file into `footprint` buffers used in turn
+    (op OP_WRITE: one write of a new n-block file from them), `group` operations
+    per io_uring_enter (None: the ring's default)."""
     arena = Arena(footprint * block)
     ctypes.memset(arena.addr, 0x5A, footprint * block)  # touched: no page faults in the timing
     be = open_backend(asyncio.get_running_loop(), "uring", depth=depth)
@@ -82,14 +85,20 @@ async def backend_read(path: str, block: int, n: int, depth: int, footprint: int
         be.min_bytes = 0  # exactly `depth` operations in flight, as fio's iodepth
     if group is not None:
         be.ring.submit_group = group
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    if op == OP_WRITE:
+        if os.path.exists(path):
+            os.unlink(path)  # a new file, as fio writes one
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+        os.posix_fallocate(fd, 0, n * block)  # as fio does (fallocate=native) and aiokv's data files are
+    else:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        ops = [(OP_READ, fd, arena.addr + (i % footprint) * block, block, i * block) for i in range(n)]
+        ops = [(op, fd, arena.addr + (i % footprint) * block, block, i * block) for i in range(n)]
         t = time.perf_counter()
         res = await be.run(ops)
         dt = time.perf_counter() - t
         if any(r != block for r in res):
-            raise RuntimeError(f"short or failed reads: {set(res)}")
+            raise RuntimeError(f"short or failed I/O: {set(res)}")
         return n * block / dt / 1e9
     finally:
         be.close()
@@ -103,6 +112,7 @@ def main() -> int:
     ap.add_argument("--size", default="256K", help="block size (the slot: payload + 4 KiB in aiokv)")
     ap.add_argument("--depth", type=int, default=16)
     ap.add_argument("--footprints", default="16,64,256,all", help="buffers read into, in turn ('all': one per block)")
+    ap.add_argument("--op", choices=("read", "write"), default="read")
     ap.add_argument("--groups", default="2,0", help="operations per io_uring_enter, comma separated (0: all at once)")
     ap.add_argument("--merge-control", action="store_true",
                     help="also read with group 0 and the disk's request merging off (root)")
@@ -118,6 +128,7 @@ def main() -> int:
     os.makedirs(base, exist_ok=True)
     path = os.path.join(base, "fio.dat")
     groups = [int(g) for g in args.groups.split(",") if g]
+    op = OP_WRITE if args.op == "write" else OP_READ
     runs = [(f"backend_{k}_g{g}", k, g, False) for k in fps for g in groups]
     if args.merge_control:
         runs += [(f"backend_{k}_g0_nomerges", k, 0, True) for k in fps]
@@ -126,7 +137,7 @@ def main() -> int:
         with bs.HugePages(-(-args.depth * block // bs.HUGE) + 4) as hp:
             mem = "mmaphuge" if hp.ok else "malloc"
             for _ in range(args.rounds):
-                rounds["fio"].append(bs.fio_round(path, block, n, args.depth, mem)["read_gbps"])
+                rounds["fio"].append(bs.fio_round(path, block, n, args.depth, mem)[f"{args.op}_gbps"])
                 with open(path, "wb") as f:  # fio_round removed it after its run: write it again, once
                     chunk = os.urandom(1 << 20)
                     for _ in range(-(-n * block // len(chunk))):
@@ -139,18 +150,18 @@ def main() -> int:
 
                 for name, k, g, nomerge in runs:
                     with NoMerges(path) if nomerge else contextlib.nullcontext():
-                        rounds[name].append(uvloop.run(backend_read(path, block, n, args.depth, k, g)))
+                        rounds[name].append(uvloop.run(backend_read(path, block, n, args.depth, k, g, op)))
                 os.unlink(path)
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in rounds.items()}
-    doc = {"block_bytes": block, "blocks": n, "depth": args.depth, "fio_mem": mem, "rounds": rounds, "median": med,
+    doc = {"op": args.op, "block_bytes": block, "blocks": n, "depth": args.depth, "fio_mem": mem, "rounds": rounds, "median": med,
            "runs": [[name, k, g, nm] for name, k, g, nm in runs],
            "machine": bs.machine(tempfile.gettempdir())}
 
     def render(d: dict) -> str:
-        lines = [f"read GB/s, block {d['block_bytes'] >> 10} KiB, depth {d['depth']}, {d['blocks']} blocks, "
+        lines = [f"{d['op']} GB/s, block {d['block_bytes'] >> 10} KiB, depth {d['depth']}, {d['blocks']} blocks, "
                  f"median of {args.rounds} rounds (fio buffers: {d['fio_mem']})", "",
                  "| reader | buffers | operations per enter | GB/s | vs fio |", "|---|---|---|---|---|",
                  f"| fio | {d['depth']} (its iodepth) | 1 | {d['median']['fio']:.2f} | 1.00 |"]

@@ -35,7 +35,7 @@ for it). Completions reaped in one wake-up refill the ring at once too
 (Ring.reap pumps). Each io_uring_enter carries at most `Ring.submit_group`
 operations (2): with more, Linux plugs the block layer and merges requests for
 adjacent offsets into larger ones, which cost this project's virtual disks
-10-40 % of their bandwidth (docs/benchmarks.md, "Submission and request
+10-25 % of their bandwidth (docs/benchmarks.md, "Submission and request
 merging"); two per call is below the plugging threshold at half the system
 calls of one.
 
