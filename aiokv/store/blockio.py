@@ -60,6 +60,7 @@ PIPELINE_MIN = 4  # up to this many items: one backend batch
 # payload bytes from which a stamp/verify call goes to the checksum threads: a hand-off
 # costs tens of microseconds, as much as checking about half a MiB that is not in cache
 SPREAD_MIN_BYTES = 1 << 20
+CHUNK_MIN_BYTES = 1 << 20  # see BlockIO._chunk
 
 
 def open_data_file(ns_dir: str, rank: int, engine: int = 0, create: bool = True) -> tuple[int, bool]:
@@ -194,7 +195,13 @@ class BlockIO:
         return self.mac_key is None or self._mac_ok(addr)
 
     def _chunk(self) -> int:
-        return max(2, getattr(self.backend, "depth", 16) // 4)
+        """Items per backend batch of a pipelined call: a quarter of the queue depth,
+        but at least CHUNK_MIN_BYTES of payload (up to the depth): each batch costs a
+        task and a wake-up, which at small blocks cost more than the finer overlap
+        saved (measured: 12-16 % of the CPU per GB at 64 KiB, depths 4 and 16, the
+        same GB/s; docs/benchmarks.md, round three)."""
+        depth = getattr(self.backend, "depth", 16)
+        return max(2, depth // 4, min(depth, -(-CHUNK_MIN_BYTES // self.payload_bytes)))
 
     async def write(self, items, crc_ready: bool = False) -> list[int]:
         """items: (slot, key, addr). Stamps headers, writes, returns per-item 0/-errno.
