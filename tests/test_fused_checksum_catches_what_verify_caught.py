@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import os
 import random
-import time
 
 import pytest
 import torch
@@ -35,9 +34,9 @@ from aiokv.jobs import Transfer
 from aiokv.store import format as fmt
 from aiokv.store.blockio import data_path
 from aiokv.store.store import ns_dir
-from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS, key
+from tests.workers import cpu_worker, run_jobs
 
 RANK, LAYOUT = 0, 0x0123_4567_89AB_CDEF
 
@@ -139,20 +138,10 @@ NB = 40
 
 def _worker(root: str, kept: int, secret=None) -> tuple[TransferWorker, dict]:
     kv = {f"l{i}": torch.randn(NB, 2, 32, 9) for i in range(3)}  # 2304 bytes a layer: not page-sized
-    os.makedirs(ns_dir(root, NS), exist_ok=True)
-    dev = CpuDevice(kv, NB)
-    slot = fmt.slot_bytes(dev.payload_bytes)
-    w = TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=16 * slot, memory_bytes=kept * slot,
-                       secret=secret)
-    return w, kv
+    return cpu_worker(root, kv, 16, kept, secret=secret), kv
 
 
-def _run(w: TransferWorker, fn, arg):
-    fn(arg)
-    end = time.monotonic() + 10
-    while w.in_flight and time.monotonic() < end:
-        time.sleep(0.002)
-    return w.poll()
+_run = run_jobs
 
 
 def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path):

@@ -168,7 +168,7 @@ def test_close_returns_while_reads_hang(stallfs, io):
     resume()
     assert _until(lambda: w.backend.in_flight == 0 or io == "uring", 10)  # (the ring is no longer reaped)
     time.sleep(0.2)
-    for fd in w.io._fds.values():  # close left them open for the stuck read: let the file system go
+    for fd in w.io.fds():  # close left them open for the stuck read: let the file system go
         if fd >= 0:
             os.close(fd)
 

@@ -16,36 +16,25 @@ read, keep after the copy in).
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
 from aiokv.jobs import Transfer
-from aiokv.store import format as fmt
 from aiokv.store.blockio import data_path
 from aiokv.store.store import ns_dir
-from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS, key
+from tests.workers import cpu_worker, run_jobs
 
 NB = 40
 
 
 def _worker(root: str, kept: int, **kw) -> tuple[TransferWorker, dict]:
     kv = {f"l{i}": torch.randn(NB, 2, 32, 8) for i in range(2)}
-    os.makedirs(ns_dir(root, NS), exist_ok=True)
-    dev = CpuDevice(kv, NB)
-    slot = fmt.slot_bytes(dev.payload_bytes)
-    w = TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=4 * slot, memory_bytes=kept * slot, **kw)
-    return w, kv
+    return cpu_worker(root, kv, 4, kept, **kw), kv
 
 
-def _run(w: TransferWorker, fn, arg):
-    fn(arg)
-    end = time.monotonic() + 10
-    while w.in_flight and time.monotonic() < end:
-        time.sleep(0.002)
-    return w.poll()
+_run = run_jobs
 
 
 def _save(w, ids):

@@ -126,21 +126,28 @@ CASES = [
 ]
 
 
-def test_native_verdicts_equal_check_slot_for_every_kind_of_bad_slot(pool):
-    addrs = [_fill(pool, i, 100 + i) for i in range(len(CASES))]
+def _spoiled_cases(pool, seed: int) -> list[tuple]:
+    """Each of CASES on its own stamped slot, spoiled as it says: (name, addr,
+    the reader's expectations, the reason wanted)."""
+    addrs = [_fill(pool, i, seed + i) for i in range(len(CASES))]
     _stamp(addrs, [K] * len(addrs))
-    for (name, spoil, _, _), addr in zip(CASES, addrs):
+    for (_, spoil, _, _), addr in zip(CASES, addrs):
         spoil(addr)
+    return [(name, addr, {"nsid": NS, "rank": RANK, "payload_len": PAYLOAD, "layout": LAYOUT, "k": K, **ask}, want)
+            for (name, _, ask, want), addr in zip(CASES, addrs)]
+
+
+def test_native_verdicts_equal_check_slot_for_every_kind_of_bad_slot(pool):
+    cases = _spoiled_cases(pool, 100)
     # one batch per reader expectation, as BlockIO asks
-    for (name, _, ask, want), addr in zip(CASES, addrs):
-        ask = {"nsid": NS, "rank": RANK, "payload_len": PAYLOAD, "layout": LAYOUT, "k": K, **ask}
+    for name, addr, ask, want in cases:
         py = _python_reason(addr, **ask)
         assert py.startswith(want) and (py == "") == (want == ""), (name, py)
         (v,) = _native.verify_slots([addr], [ask["k"]], ask["nsid"], ask["rank"], ask["payload_len"], ask["layout"])
         assert fmt.SLOT_REASONS[v] == want, (name, fmt.SLOT_REASONS[v])
     # and all in one batch: verdicts in item order
     plain = [i for i, c in enumerate(CASES) if not c[2]]
-    got = _native.verify_slots([addrs[i] for i in plain], [K] * len(plain), NS, RANK, PAYLOAD, LAYOUT)
+    got = _native.verify_slots([cases[i][1] for i in plain], [K] * len(plain), NS, RANK, PAYLOAD, LAYOUT)
     assert [fmt.SLOT_REASONS[v] for v in got] == [CASES[i][3] for i in plain]
 
 
@@ -177,12 +184,7 @@ def test_bad_arguments_are_clear_errors_and_touch_nothing(pool):
 def test_header_only_verdicts_equal_check_header(pool):
     """verify_slots(..., skip_payload=True), used when the device copy checks the
     payload CRC, is check_slot without its last check: format.check_header."""
-    addrs = [_fill(pool, i, 300 + i) for i in range(len(CASES))]
-    _stamp(addrs, [K] * len(addrs))
-    for (name, spoil, _, _), addr in zip(CASES, addrs):
-        spoil(addr)
-    for (name, _, ask, want), addr in zip(CASES, addrs):
-        ask = {"nsid": NS, "rank": RANK, "payload_len": PAYLOAD, "layout": LAYOUT, "k": K, **ask}
+    for name, addr, ask, want in _spoiled_cases(pool, 300):
         try:
             fmt.check_header(ctypes.string_at(addr, fmt.HDR_USED), ask["nsid"], ask["rank"], ask["payload_len"],
                              ask["k"], ask["layout"])

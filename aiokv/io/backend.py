@@ -58,6 +58,18 @@ def say_once(msg: str) -> None:
         log.warning(msg)
 
 
+async def settle(futs) -> None:
+    """Wait until every future of `futs` is done, even if the waiting task is
+    cancelled meanwhile (asyncio.wait cancels none of them): whatever a call
+    started that may still touch its buffers has ended when this returns. The
+    caller raises its own error after. Exceptions stay in the futures."""
+    while not all(f.done() for f in futs):
+        try:
+            await asyncio.wait(futs)
+        except asyncio.CancelledError:
+            continue
+
+
 class _Batch:
     """Completion state of one `run` call (loop thread only). `fut` (awaited by
     run) gets the results; `ended`, made only once run was cancelled with
@@ -122,11 +134,7 @@ class IOBackend(abc.ABC):
                 raise
             # The kernel or a thread may still own a buffer: wait, even if
             # cancelled again, until every operation of the batch has ended.
-            while not batch.ended.done():
-                try:
-                    await asyncio.shield(batch.ended)
-                except asyncio.CancelledError:
-                    continue
+            await settle([batch.ended])
             raise
 
     @abc.abstractmethod

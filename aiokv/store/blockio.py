@@ -51,7 +51,7 @@ import hmac
 import os
 
 from aiokv import _native
-from aiokv.io.backend import OP_READ, OP_WRITE, say_once
+from aiokv.io.backend import OP_READ, OP_WRITE, say_once, settle
 from aiokv.store import format as fmt
 from aiokv.store.dirs import open_under
 
@@ -102,11 +102,14 @@ class BlockIO:
         self.payload_bytes = payload_bytes
         self.slot_bytes = fmt.slot_bytes(payload_bytes)
         self.ns_dir = ns_dir
-        self._fds: dict[tuple[int, bool], int] = {}  # (engine, writable) -> open fd
-        self._open: tuple[dict[int, int], dict[int, int]] = ({}, {})  # the same by [writable][engine], for _ops
+        self._open: tuple[dict[int, int], dict[int, int]] = ({}, {})  # [writable][engine] -> open fd
+
+    def fds(self) -> list[int]:
+        """Every data file this BlockIO has open."""
+        return [fd for fds in self._open for fd in fds.values()]
 
     def _fd(self, engine: int, write: bool) -> int:
-        fd = self._fds.get((engine, write))
+        fd = self._open[write].get(engine)
         if fd is None:
             try:
                 fd, _ = open_data_file(self.ns_dir, self.rank, engine, create=write)
@@ -114,7 +117,7 @@ class BlockIO:
                 if write:
                     raise
                 return -1  # not there (yet): a miss, and looked for again next time
-            self._fds[(engine, write)] = self._open[write][engine] = fd
+            self._open[write][engine] = fd
         return fd
 
     def _ops(self, op: int, items) -> tuple[list[tuple], bool]:
@@ -169,11 +172,7 @@ class BlockIO:
             # while its thread still writes the headers
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            while not fut.done():
-                try:
-                    await asyncio.wait([fut])
-                except asyncio.CancelledError:
-                    continue
+            await settle([fut])
             if not fut.cancelled():
                 fut.exception()  # retrieved: the cancellation is what the caller gets
             raise
@@ -240,15 +239,19 @@ class BlockIO:
         """Per-item result of reads: the slots that arrived whole are verified in
         one native call (format.check_slot's checks, GIL released; without the
         payload CRC unless payload_checked), then their MACs."""
-        sb = self.slot_bytes
-        whole = [i for i, r in enumerate(res) if r == sb]
+        sb, n = self.slot_bytes, len(res)
+        whole = range(n) if res.count(sb) == n else [i for i, r in enumerate(res) if r == sb]
         out = [r if r < 0 else -errno.EIO for r in res]
-        if whole:
-            verdicts = await self._native(len(whole) if payload_checked else 0, _native.verify_slots,
-                                          [items[i][2] for i in whole], [items[i][1] for i in whole], self.nsid,
-                                          self.rank, self.payload_bytes, self.layout, not payload_checked)
-            for i, v in zip(whole, verdicts):
-                out[i] = 0 if v == 0 and (self.mac_key is None or self._mac_ok(items[i][2])) else EBADMSG
+        if not whole:
+            return out
+        pick = items if len(whole) == n else [items[i] for i in whole]
+        verdicts = await self._native(len(whole) if payload_checked else 0, _native.verify_slots,
+                                      [it[2] for it in pick], [it[1] for it in pick], self.nsid, self.rank,
+                                      self.payload_bytes, self.layout, not payload_checked)
+        if len(whole) == n and self.mac_key is None and not any(verdicts):
+            return [0] * n  # the common case, without a Python step per item
+        for i, v in zip(whole, verdicts):
+            out[i] = 0 if v == 0 and (self.mac_key is None or self._mac_ok(items[i][2])) else EBADMSG
         return out
 
     async def _pipelined(self, op: int, items, crc_ready: bool = False, payload_checked: bool = True) -> list:
@@ -280,11 +283,7 @@ class BlockIO:
             # no buffer may still be in use when this call ends: stop and wait for every batch
             for f in futs:
                 f.cancel()
-            while not all(f.done() for f in futs):
-                try:
-                    await asyncio.wait(futs)
-                except asyncio.CancelledError:
-                    continue
+            await settle(futs)
             for f in futs:
                 if not f.cancelled():
                     f.exception()  # retrieved: the error that matters is re-raised below
@@ -299,8 +298,7 @@ class BlockIO:
         return await self._checked(part, await self._run_reads(part), payload_checked)
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        for fd in self.fds():
             os.close(fd)
-        self._fds.clear()
         for fds in self._open:
             fds.clear()

@@ -46,6 +46,8 @@ import collections
 import logging
 import threading
 
+import torch
+
 from aiokv.jobs import Transfer
 
 log = logging.getLogger("aiokv")
@@ -181,8 +183,6 @@ class LayerwiseLoads:
                     self._thread.start()
                 self._wake.notify()
         if whole and self.device.asynchronous:  # (on the CPU attention always calls wait_layer)
-            import torch
-
             self._queue_cuda(len(self.device.layers) - 1)
             torch.cuda.current_stream(self.device.device).wait_event(batch.events[-1])
 
@@ -193,8 +193,6 @@ class LayerwiseLoads:
             return
         self.counts.update(layer_waits=1)
         if self.device.asynchronous:
-            import torch
-
             self._queue_cuda(i + LOOKAHEAD)
             torch.cuda.current_stream(self.device.device).wait_event(batch.events[i])
         else:
@@ -209,8 +207,6 @@ class LayerwiseLoads:
         if batch is None:
             return
         if self.device.asynchronous:
-            import torch
-
             self._queue_cuda(len(self.device.layers) - 1, batch)
             torch.cuda.current_stream(self.device.device).wait_event(batch.events[-1])
             self._pending.append((batch.events[-1], batch.slots, batch.keys))

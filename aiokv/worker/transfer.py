@@ -413,8 +413,9 @@ class TransferWorker:
                     # failed one and recomputes the rest in place. So that block stays in
                     # `failed`, its key goes to bad_keys, and its slot goes back to the pool
                     # (not to the memory tier), exactly as a block the separate check rejects.
-                    bad_keys += [(k, s, t.group) for (k, s, _, _), v in zip(good, ok) if not v]
-                    good = [g for g, v in zip(good, ok) if v]
+                    if not all(ok):
+                        bad_keys += [(k, s, t.group) for (k, s, _, _), v in zip(good, ok) if not v]
+                        good = [g for g, v in zip(good, ok) if v]
                     failed.difference_update(g[2] for g in good)
                     keep = [(k, st) for k, _, _, st in good]
                 self._count(bytes_read=len(good) * self.slot_bytes)

@@ -1,0 +1,31 @@
+"""Worker-level test helpers: a TransferWorker over a CpuDevice on small KV
+tensors (no vLLM), and a way to run one of its calls until its jobs are done."""
+from __future__ import annotations
+
+import os
+import time
+
+from aiokv.store import format as fmt
+from aiokv.store.store import ns_dir
+from aiokv.worker.device import CpuDevice
+from aiokv.worker.transfer import TransferWorker
+from tests.conftest import NS
+
+
+def cpu_worker(root: str, kv: dict, staging_slots: int, kept: int = 0, **kw) -> TransferWorker:
+    """A worker on namespace NS under root, `staging_slots` staging slots plus
+    `kept` slots of memory tier; kw go to TransferWorker."""
+    os.makedirs(ns_dir(root, NS), exist_ok=True)
+    dev = CpuDevice(kv, next(iter(kv.values())).shape[0])
+    slot = fmt.slot_bytes(dev.payload_bytes)
+    return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=staging_slots * slot,
+                          memory_bytes=kept * slot, **kw)
+
+
+def run_jobs(w: TransferWorker, fn, arg, timeout: float = 10.0):
+    """fn(arg) (w.save or w.load), then w.poll() once no job is in flight (or after timeout)."""
+    fn(arg)
+    end = time.monotonic() + timeout
+    while w.in_flight and time.monotonic() < end:
+        time.sleep(0.002)
+    return w.poll()
