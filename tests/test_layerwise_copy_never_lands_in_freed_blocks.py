@@ -16,11 +16,13 @@ branch's stream and event calls are stood in for (no GPU here), to pin its order
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 
 import torch
 
+from aiokv.io.faults import ACK
 from aiokv.jobs import Transfer
 from aiokv.store import format as fmt
 from aiokv.store.blockio import data_path
@@ -312,5 +314,41 @@ def test_cuda_ordering_side_stream_events(tmp_path, backend_kind, monkeypatch):
         lw.end_step()
         lw.close()
         assert w.pool.in_use == 0
+    finally:
+        w.close()
+
+
+def test_a_cancel_during_the_read_is_a_cancelled_load_not_a_failed_one(tmp_path, backend_kind, monkeypatch):
+    """The request ends while its read is in flight and the cancel reaches the staging step
+    first (the loop task has no await left to interrupt): its blocks are dropped and the load
+    counts as cancelled, with no block reported as a load error (those blocks are no longer
+    the request's: vLLM may have given them to another). Before the fix it counted every block
+    as failed and reported them all as errors (the e2e abort test's 7 load_failed_blocks)."""
+    w0, _ = _worker(str(tmp_path), backend_kind)
+    _save(w0, 4)
+    w0.close()
+    monkeypatch.setenv("AIOKV_FAULTS", json.dumps([{"op": "read", "kind": "late", "delay": 0.3}]))
+    monkeypatch.setenv("AIOKV_FAULTS_ACK", ACK)
+    w, kv = _worker(str(tmp_path), backend_kind)
+    try:
+        marks = _mark(kv, [11, 12, 13, 14])
+        w.load([Transfer("r", [key(i) for i in range(4)], [0, 1, 2, 3], [11, 12, 13, 14])])
+        time.sleep(0.1)
+        assert w.in_flight == 1, "the read is in flight"
+        w.layers.cancel(["r"])  # the staging side hears of the end first
+        end = time.monotonic() + 10
+        done, errors, counts = set(), set(), {}
+        while "r" not in done and time.monotonic() < end:
+            d, e, rep = w.poll()
+            done |= d
+            errors |= e
+            for k, v in rep.counters.items():
+                counts[k] = counts.get(k, 0) + v
+            time.sleep(0.005)
+        assert done == {"r"} and errors == set(), errors
+        assert counts.get("load_failed_blocks", 0) == 0 and counts["load_cancelled_blocks"] == 4, counts
+        w.layers.begin()
+        w.layers.end_step()
+        assert _untouched(kv, marks) and w.pool.in_use == 0
     finally:
         w.close()

@@ -492,7 +492,9 @@ class TransferWorker:
         with self._lock:
             t = self._loads.pop(req_id, None)
             n = len(t[0].block_ids) if t else len(failed)
-            self._done_loads.append((req_id, failed))
+            # a cancelled load's blocks are no longer the request's (vLLM may have given them to
+            # another): they are counted, never reported as this load's errors
+            self._done_loads.append((req_id, [] if cancelled else failed))
             self.job_done.set()
             if failed:
                 self._report.load_failed.append(req_id)
