@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import time
 
 import pytest
 
@@ -23,6 +24,22 @@ from tests.conftest import NS, key
 PAYLOAD = 1 << 20
 
 
+async def _cancel_once_in_flight(task, io, delay: float) -> None:
+    """Cancel `task` `delay` s after its first operation reached the backend (with delay 0:
+    while that operation is still in flight)."""
+    end = time.monotonic() + 10
+    while io.backend.in_flight == 0:
+        assert not task.done() and time.monotonic() < end, "no operation of the call was ever in flight"
+        await asyncio.sleep(0)
+    if delay:
+        await asyncio.sleep(delay)
+    else:
+        assert io.backend.in_flight > 0
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 @pytest.mark.parametrize("delay", [0, 0.0005, 0.002])
 async def test_cancelled_save_and_load_own_nothing(tmp_path, backend_kind, delay):
     st = Store(tmp_path / "s")
@@ -30,12 +47,8 @@ async def test_cancelled_save_and_load_own_nothing(tmp_path, backend_kind, delay
     pool = SlotPool(fmt.slot_bytes(PAYLOAD), 48)
     slots = pool.acquire(48)
     items = [(key(i), pool.addr(s)) for i, s in enumerate(slots)]
-    task = asyncio.ensure_future(st.save(ns, items))
-    await asyncio.sleep(delay)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
     io = st.blockio(ns)
+    await _cancel_once_in_flight(asyncio.ensure_future(st.save(ns, items)), io, delay)
     assert io.backend.in_flight == 0
     assert not ns.pending, "a cancelled save must give its reservations back"
     assert st.stats.save_failures == 0
@@ -45,11 +58,7 @@ async def test_cancelled_save_and_load_own_nothing(tmp_path, backend_kind, delay
 
     res = await st.save(ns, items)
     assert res == [0] * 48
-    task = asyncio.ensure_future(st.load(ns, items))
-    await asyncio.sleep(delay)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await _cancel_once_in_flight(asyncio.ensure_future(st.load(ns, items)), io, delay)
     assert io.backend.in_flight == 0
     assert not st.index.pins, "a cancelled load must unpin"
     # buffers are ours again: nothing writes into them after the cancel returned
@@ -72,7 +81,9 @@ async def test_cancel_twice_still_waits(tmp_path, backend_kind):
     pool = SlotPool(1 << 20, 8)
     ops = [(OP_READ, fd, pool.addr(s), 1 << 20, i << 20) for i, s in enumerate(pool.acquire(8))]
     task = asyncio.ensure_future(backend.run(ops))
-    await asyncio.sleep(0)
+    while backend.in_flight == 0:  # (8 MiB of reads: in flight for a while)
+        assert not task.done(), "no read was ever in flight"
+        await asyncio.sleep(0)
     task.cancel()
     await asyncio.sleep(0)
     task.cancel()

@@ -153,7 +153,9 @@ async def test_cancelled_call_returns_after_its_threads(tmp_path, op):
     returned = time.monotonic()
     started = len(cpu.calls)
     await asyncio.sleep(0.4)
-    # every call a thread had taken had ended before the cancelled call returned
+    # every call a thread had taken had ended before the cancelled call returned (and there
+    # were such calls: the threads were inside their delay when the cancel came)
+    assert cpu.calls and all(start < returned - 0.1 for _, start, _ in cpu.calls), (returned, cpu.calls)
     assert all(end <= returned for _, _, end in cpu.calls), (returned, cpu.calls)
     assert len(cpu.calls) == started, "a thread went on with the slots after the call returned"
     cpu.shutdown()

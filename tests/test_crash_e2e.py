@@ -68,10 +68,25 @@ def test_restart_after_kill9_hits_what_was_committed(tiny_model, crashed, tmp_pa
     warm = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS[:12])]))
     assert warm["tokens"] == base["tokens"]
     c = warm["counters"]
-    assert c["hit_blocks"] >= len(seen & after) // 3 > 0 or c["hit_blocks"] > 0
+    # every request hits exactly its leading run of recovered blocks (its prompt's, 7 at most)
+    expected = _leading_runs(cache, after, PS[:12], (230 - 1) // 32)
+    assert expected > 0, "no block of these prompts was committed before the kill"
+    assert c["hit_blocks"] == expected, (c["hit_blocks"], expected)
     assert c["load_failed_blocks"] == 0 and c["load_bad_blocks"] == 0
     assert_clean(warm)
     print(f"index of {len(after)} blocks recovered in {recovery:.3f} s")
+
+
+def _leading_runs(cache: str, stored: set[bytes], ps: list[list[int]], usable: int) -> int:
+    """Blocks of `ps` a lookup finds: per prompt, its keys from block 0 while they are stored."""
+    from aiokv.keys import extend_keys, request_root
+
+    nsid = bytes.fromhex(os.path.basename(_ns_dir(cache)))
+    total = 0
+    for p in ps:
+        keys = extend_keys([], request_root(nsid, []), p, 32, usable)
+        total += next((i for i, k in enumerate(keys) if k not in stored), len(keys))
+    return total
 
 
 def _ns_dir(cache: str) -> str:

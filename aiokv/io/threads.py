@@ -29,13 +29,16 @@ class ThreadBackend(IOBackend):
         super().__init__(loop)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="aiokv-io")
         self._lock = threading.Lock()
-        self._running = 0
+        self._running = 0  # operations inside their system call
+        self._out = 0      # operations handed to the pool and not yet completed (queued or running)
 
     @property
     def in_flight(self) -> int:
-        return self._running
+        return self._out
 
     def _start(self, batch: _Batch, ops) -> None:
+        with self._lock:
+            self._out += len(ops)
         for i, op in enumerate(ops):
             self.pool.submit(self._one, batch, i, op)
 
@@ -57,6 +60,8 @@ class ThreadBackend(IOBackend):
             finally:
                 with self._lock:
                     self._running -= 1
+        with self._lock:
+            self._out -= 1
         try:
             self.loop.call_soon_threadsafe(batch.complete, i, res)
         except RuntimeError:

@@ -114,6 +114,7 @@ class TransferWorker:
         self._lock = threading.Lock()
         self._slots_freed: asyncio.Event | None = None
         self._loads: dict[str, tuple[Transfer, object]] = {}   # req -> (transfer, future)
+        self._gone: set[str] = set()  # requests whose load cancel() cancelled: they have ended
         self._saves: dict[int, tuple[Transfer, list[int]]] = {}  # save job id -> (transfer, staging)
         self._save_ids = 0
         self._done_loads: list[tuple[str, list[int]]] = []   # (req, failed block ids)
@@ -324,6 +325,8 @@ class TransferWorker:
         for r in req_ids:
             with self._lock:
                 entry = self._loads.get(r)
+                if entry is not None:
+                    self._gone.add(r)
             if entry is not None and entry[1] is not None:
                 entry[1].cancel()  # cancels the task on the loop; its finally still reports
 
@@ -492,9 +495,12 @@ class TransferWorker:
         with self._lock:
             t = self._loads.pop(req_id, None)
             n = len(t[0].block_ids) if t else len(failed)
-            # a cancelled load's blocks are no longer the request's (vLLM may have given them to
-            # another): they are counted, never reported as this load's errors
-            self._done_loads.append((req_id, [] if cancelled else failed))
+            # the blocks of a load cancelled because its request ended are no longer the request's
+            # (vLLM may have given them to another): counted, never reported as its errors. A load
+            # cut short otherwise (close) still reports them.
+            gone = req_id in self._gone
+            self._gone.discard(req_id)
+            self._done_loads.append((req_id, [] if cancelled and gone else failed))
             self.job_done.set()
             if failed:
                 self._report.load_failed.append(req_id)
