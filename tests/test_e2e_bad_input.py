@@ -2,8 +2,10 @@
 vLLM runs on without aiokv.
 
 - wrong settings fail at start naming the setting;
-- a read-only cache directory disables aiokv with one line; vLLM serves on and
-  the stored blocks are untouched.
+- a directory that is not an aiokv store is refused at start with one line, and
+  nothing in it is touched;
+- a read-only cache directory disables aiokv with one line; vLLM serves on (tokens
+  as without aiokv) and the stored blocks are untouched.
 """
 from __future__ import annotations
 
@@ -28,6 +30,25 @@ def test_wrong_settings_fail_at_start(tiny_model, tmp_path, extra, needle):
     assert needle in str(e.value)
 
 
+def _tree(path: str) -> dict:
+    return {os.path.join(d, n): (os.lstat(os.path.join(d, n)).st_size, os.lstat(os.path.join(d, n)).st_mtime_ns)
+            for d, dirs, files in os.walk(path) for n in files + dirs}
+
+
+def test_a_directory_that_is_not_an_aiokv_store_is_refused_untouched(tiny_model, tmp_path):
+    d = tmp_path / "home"
+    (d / "docs").mkdir(parents=True)
+    (d / "notes.txt").write_text("not a cache")
+    (d / "docs" / "a.bin").write_bytes(os.urandom(4096))
+    os.chmod(d, 0o700)
+    before = _tree(str(d))
+    with pytest.raises(AssertionError) as e:
+        run(dict(model=tiny_model, cache=str(d), phases=[dict(prompts=prompts(1, 40))]))
+    lines = [ln for ln in str(e.value).splitlines() if f"aiokv: {d} is not empty and not an aiokv store" in ln]
+    assert lines and "give aiokv an empty or new directory" in lines[0], str(e.value)[-3000:]
+    assert _tree(str(d)) == before, "aiokv touched a directory it does not own"
+
+
 @pytest.fixture
 def read_only_dir(tmp_path):
     d = tmp_path / "ro"
@@ -39,13 +60,15 @@ def read_only_dir(tmp_path):
 def test_read_only_directory_disables_aiokv(tiny_model, read_only_dir):
     cache = str(read_only_dir / "c")
     ps = prompts(2, 120, seed=3)
+    base = run(dict(model=tiny_model, phases=[dict(prompts=ps)]))
     cold = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=ps)]))
+    assert cold["tokens"] == base["tokens"] and cold["counters"]["saves_committed"] > 0
     before = sorted(os.listdir(os.path.join(cache, "ns")))
     d = str(read_only_dir)
     subprocess.run(["mount", "--bind", d, d], check=True)
     subprocess.run(["mount", "-o", "remount,ro,bind", d], check=True)
     res = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=ps)]))
-    assert res["tokens"] == cold["tokens"]
+    assert res["tokens"] == base["tokens"]
     assert "aiokv is disabled and vLLM runs without it" in res["log"]
     assert res["counters"].get("hit_blocks", 0) == 0
     assert sorted(os.listdir(os.path.join(cache, "ns"))) == before
