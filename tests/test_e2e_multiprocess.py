@@ -3,6 +3,9 @@ the EngineCore process, the worker side in a worker process; job lists and
 reports cross process boundaries, and saves of the last steps are committed
 before the engine exits. The connector is found by name through aiokv's vLLM
 plugin entry point (no kv_connector_module_path).
+aiokv's counters live in the EngineCore process here: the test reads them as
+vLLM exports them (its Prometheus series), so a warm run that silently
+recomputed (0 blocks loaded, or failed loads) fails.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ pytestmark = pytest.mark.vllm
 def test_restart_in_multiprocess_mode(tiny_model, tmp_path):
     cache = str(tmp_path / "c")
     ps = prompts(3, 250, seed=51)
-    spec = dict(model=tiny_model, phases=[dict(prompts=ps, max_tokens=12)])
+    spec = dict(model=tiny_model, metrics=True, phases=[dict(prompts=ps, max_tokens=12)])
     mp = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     base = run(spec)
     cold = run({**spec, "cache": cache, "no_module_path": True}, env=mp)
@@ -28,3 +31,10 @@ def test_restart_in_multiprocess_mode(tiny_model, tmp_path):
     warm = run({**spec, "cache": cache, "no_module_path": True}, env=mp)
     assert cold["tokens"] == base["tokens"] and warm["tokens"] == base["tokens"]
     assert warm["cached"][0] == [(249 // 32) * 32] * 3
+    m = warm["metrics"]
+    hit = 3 * (249 // 32)
+    assert m["vllm:aiokv_hit_tokens"] == hit * 32, m
+    assert m["vllm:aiokv_loaded_blocks"] == hit and m["vllm:aiokv_load_failed_blocks"] == 0, m
+    assert m["vllm:aiokv_memory_hit_blocks"] == 0 and m["vllm:aiokv_loaded_bytes"] > 0, "read from disk"
+    c = cold["metrics"]
+    assert c["vllm:aiokv_saved_blocks"] >= 3 * (250 // 32) and c["vllm:aiokv_save_failed_blocks"] == 0, c

@@ -5,7 +5,8 @@ so that every run is a true restart.
 
     python -m tests.vllm_run '<spec json>'
 
-spec: model, cache (null: no connector), block_size, dtype, max_model_len,
+spec: model, cache (null: no connector), block_size, dtype, max_model_len, metrics (multiprocess:
+return aiokv's Prometheus series as `metrics`),
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config),
 phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps},
 wait_for?: path, settle?: bool, kill_at_step?: [step, process group]}], stagger (add
@@ -32,6 +33,8 @@ def main(spec: dict) -> dict:
     kw = dict(model=spec["model"], tokenizer=spec["model"], enforce_eager=True, block_size=spec.get("block_size", 32),
               dtype=spec.get("dtype", "float32"), enable_prefix_caching=spec.get("prefix_caching", True),
               max_model_len=spec.get("max_model_len", 1024), seed=0)
+    if spec.get("metrics"):  # vLLM's Prometheus metrics, aiokv's vllm:aiokv_* among them (llm.get_metrics())
+        kw["disable_log_stats"] = False
     if kw["block_size"] is None:  # vLLM chooses (hybrid models need their own)
         del kw["block_size"]
     if spec.get("num_gpu_blocks"):
@@ -119,7 +122,10 @@ def main(spec: dict) -> dict:
         result["tokens"].append(toks)
         result["cached"].append(cached)
         result["finish"].append(fin)
-    if MP:
+    if MP:  # aiokv's counters live in the engine core process: read them as vLLM exports them
+        if spec.get("metrics"):
+            result["metrics"] = {m.name: m.value for m in llm.get_metrics()
+                                 if m.name.startswith("vllm:aiokv_") and isinstance(getattr(m, "value", None), (int, float))}
         llm.llm_engine.engine_core.shutdown()
         return result
     # let in-flight saves and loads report: keep stepping while aiokv has work
