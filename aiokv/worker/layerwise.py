@@ -42,6 +42,7 @@ this object's copy thread. They meet in `_lock`-protected state.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import threading
@@ -116,11 +117,14 @@ class LayerwiseLoads:
                     break
             picked = [good[b][0] for b in blocks]
             with self._lock:
-                if blocks and t.req_id not in self._cancelled:
+                gone = t.req_id in self._cancelled
+                if blocks and not gone:
                     self._staged.append((t.req_id, blocks, picked, [good[b][1] for b in blocks]))
                     self.counts.update(staged_loads=1, staged_blocks=len(blocks))
                 else:
                     blocks, picked = [], []
+            if gone:  # the request ended while its blocks were read: a cancelled load, not a failed one
+                raise asyncio.CancelledError
             keep = len(picked)
             if keep:
                 failed.difference_update(blocks)
