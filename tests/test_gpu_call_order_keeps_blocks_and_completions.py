@@ -349,6 +349,16 @@ class Engine:
                     self.saves_reported[(k, s, g)] += 1
             return real_out(out)
 
+        self.hit_sources = collections.Counter()
+        real_sources = conn.get_external_cache_hit_sources
+
+        def get_external_cache_hit_sources(request, n):  # scheduler.py:1500 (0.33) / 1306 (0.32)
+            out = real_sources(request, n)
+            assert sum(out.values()) == n, (out, n)
+            self.hit_sources.update({str(k.value): v for k, v in out.items()})
+            return out
+
+        conn.get_external_cache_hit_sources = get_external_cache_hit_sources
         conn.update_state_after_alloc = update_state_after_alloc
         conn.build_connector_meta = build_connector_meta
         conn.update_connector_output = update_connector_output
@@ -548,8 +558,24 @@ def test_gpu_call_order_keeps_blocks_and_completions(case, tiny_model, tmp_path)
         f"get_finished waited {busy_calls} times ({busy_s * 1e3:.1f} ms) on {runner.steps['busy']} steps that compute"
     assert runner.steps["idle"] > 0 and runner.waits["idle"][0] > 0, (runner.steps, runner.waits)
 
+    # hits are labelled by their tier: the local cache directory is "disk" (no shared tier here)
+    assert set(engine.hit_sources) == {"disk"} and engine.hit_sources["disk"] > 0, engine.hit_sources
+
     # nothing left behind: pins, reservations, staging slots, vLLM blocks
     assert s["pinned"] == 0 and s["pending_saves"] == 0, s
     assert w["staging_in_use"] <= w.get("layerwise_copied_blocks", 0), w
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == NB - 1
     assert not sched.requests
+
+
+def test_vllm_033_hooks_answer_for_aiokv():
+    """The hooks vLLM 0.33 asks before it starts (0.32 lacks some: extra methods there)."""
+    from aiokv.connector import AioKVConnector, vllm_release
+
+    assert AioKVConnector.supports_sleep_mode(None) is False  # vLLM refuses --enable-sleep-mode with one line
+    assert AioKVConnector.requires_piecewise_for_cudagraph({"path": "/x", "layerwise": True}) is True
+    assert AioKVConnector.requires_piecewise_for_cudagraph({"path": "/x"}) is False
+    assert AioKVConnector.requires_piecewise_for_cudagraph({}) is False
+    # the namespace holds the whole release: any upgrade is a new namespace
+    assert vllm_release("0.33.0") == "0.33.0" and vllm_release("0.32.0+cpu") == "0.32.0"
+    assert vllm_release("0.33.1") != vllm_release("0.33.0")
