@@ -61,7 +61,6 @@ connector sees); no draft model runs.
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 

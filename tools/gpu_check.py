@@ -108,7 +108,8 @@ def part_env() -> dict:
             out[f"has_{mod}"] = importlib.util.find_spec(mod) is not None
         except (ImportError, ValueError):
             out[f"has_{mod}"] = False
-    out["liburing_header"] = any(os.path.exists(os.path.join(d, "liburing.h")) for d in ("/usr/include", "/usr/local/include"))
+    out["liburing_header"] = any(os.path.exists(os.path.join(d, "liburing.h"))
+                                 for d in ("/usr/include", "/usr/local/include"))
     try:
         with open("/proc/version") as f:
             out["kernel"] = f.read().strip()[:120]
@@ -131,7 +132,8 @@ def build_extension(timeout: float) -> dict:
         first = str(e)
     cc = shutil.which(os.environ.get("CC", "")) or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang) to build aiokv's extension; install one (apt-get install gcc)")
+        raise RuntimeError("no C compiler (cc, gcc or clang) to build aiokv's extension; "
+                           "install one (apt-get install gcc)")
     inc = sysconfig.get_paths()["include"]
     if not os.path.exists(os.path.join(inc, "Python.h")):
         raise RuntimeError(f"Python's headers are missing ({inc}/Python.h); install python3-dev for this Python")
@@ -190,9 +192,9 @@ def layouts(device: str, nb: int):
     # MLA: one latent per token, [num_blocks, block_size, 512 + 64]
     out["mla"] = ([(n, torch.empty(nb, bs, 576, dtype=half, **e)) for n in L], True)
     # a Mamba state group: a conv state and an SSM state per layer
-    out["mamba_state"] = ([(n, t) for n in ("model.layers.2.mixer", "model.layers.3.mixer")
-                           for t in (torch.empty(nb, 256, 3, dtype=half, **e),
-                                     torch.empty(nb, 8, 16, 16, dtype=torch.float32, **e))], False)
+    out["mamba_state"] = ({n: [torch.empty(nb, 256, 3, dtype=half, **e),
+                               torch.empty(nb, 8, 16, 16, dtype=torch.float32, **e)]
+                           for n in ("model.layers.2.mixer", "model.layers.3.mixer")}, False)
     # vLLM 0.33 allocate_kv_cache: per-layer [B, H, N, C] views of one buffer
     raw = torch.empty(len(L), nb, h, bs, 2 * d, dtype=half, **e)
     out["v033_layer_compact"] = ([(n, raw[i]) for i, n in enumerate(L)], True)
@@ -203,11 +205,19 @@ def layouts(device: str, nb: int):
     return out
 
 
+def _tensors(items) -> list:
+    """(layer name, tensor) pairs as the connector takes them from what vLLM registers
+    ({layer: tensor or list of tensors}: aiokv.worker.device.kv_tensors)."""
+    from aiokv.worker.device import kv_tensors
+
+    return kv_tensors(items, list(items)) if isinstance(items, dict) else items
+
+
 def _fill(items) -> None:
     import torch
 
     g = torch.Generator(device="cpu").manual_seed(0)
-    for _, t in items:
+    for _, t in _tensors(items):
         # random bytes, generated on the host and copied (any dtype, NaN patterns included)
         b = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=g)
         t.copy_(b.view(t.dtype).view(t.shape))
@@ -227,7 +237,7 @@ def _worker(root: str, items, nb: int, memory_slots: int = 0, layerwise: bool = 
     from aiokv.worker.transfer import TransferWorker
 
     os.makedirs(ns_dir(root, NS), exist_ok=True)
-    dev = make_device(items, nb)
+    dev = make_device(_tensors(items), nb)
     slot = fmt.slot_bytes(dev.payload_bytes)
     return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=48 * slot, memory_bytes=memory_slots * slot,
                           layerwise=layerwise, load_timeout=60, save_timeout=60)
@@ -288,6 +298,8 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
             raise AssertionError("a load wrote outside its destination blocks")
         return out
     finally:
+        if w.layers is not None:
+            w.layers.close()
         w.close()
 
 
