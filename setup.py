@@ -2,7 +2,10 @@
 
 liburing is linked statically when Debian's liburing.a is present, so the built
 wheel needs only libc at run time. Without liburing's header, building the
-extension (pip install, a wheel; not an sdist) stops with one line naming the fix.
+extension (pip install, a wheel; not an sdist) stops with one line naming the fix,
+unless AIOKV_WITHOUT_URING=1 asks for a build without it: the extension then has
+CRC32C, the block copies and fallocate but no io_uring ring, and aiokv uses its
+thread-pool I/O backend (what tools/gpu_check.py does on machines without liburing).
 """
 import glob
 import os
@@ -11,23 +14,26 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HEADER_DIRS = ["/usr/include", "/usr/local/include"]
-MISSING = "aiokv: liburing.h not found; install it with: apt-get install -y liburing-dev (Debian/Ubuntu)"
+MISSING = ("aiokv: liburing.h not found; install it with: apt-get install -y liburing-dev (Debian/Ubuntu), "
+           "or set AIOKV_WITHOUT_URING=1 to build without io_uring (thread-pool I/O)")
+WITHOUT = os.environ.get("AIOKV_WITHOUT_URING") == "1"
 
 
 class BuildExt(build_ext):
     def run(self):
-        if not any(os.path.exists(os.path.join(d, "liburing.h")) for d in HEADER_DIRS):
+        if not WITHOUT and not any(os.path.exists(os.path.join(d, "liburing.h")) for d in HEADER_DIRS):
             raise SystemExit(MISSING)
         super().run()
 
 
-static = sorted(glob.glob("/usr/lib/*/liburing.a") + glob.glob("/usr/lib/liburing.a")
-                + glob.glob("/usr/local/lib/liburing.a"))
+static = [] if WITHOUT else sorted(glob.glob("/usr/lib/*/liburing.a") + glob.glob("/usr/lib/liburing.a")
+                                   + glob.glob("/usr/local/lib/liburing.a"))
 ext = Extension(
     "aiokv._native",
     sources=["native/aiokv_native.c"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+    define_macros=[] if WITHOUT else [("AIOKV_HAVE_URING", "1")],
     extra_objects=static[:1],
-    libraries=[] if static else ["uring"],
+    libraries=[] if WITHOUT or static else ["uring"],
 )
 setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})

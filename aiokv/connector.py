@@ -45,11 +45,15 @@ IDLE_WAIT_S = 0.002  # how long an engine step with nothing to compute waits for
 
 
 class AioKVMetadata(KVConnectorMetadata):
-    def __init__(self, plan: StepPlan, decode_like: bool = False):
+    def __init__(self, plan: StepPlan, decode_like: bool = False, idle: bool = False):
         self.plan = plan
         # every request of the step computes one token (plus its speculative ones): vLLM may
         # replay a full CUDA graph, in which attention does not call wait_for_layer_load
         self.decode_like = decode_like
+        # the step schedules no token: vLLM runs no forward and only collects transfers.
+        # Told by the scheduler side because the worker cannot tell: Model Runner V2 calls
+        # start_load_kv without attention metadata on every step.
+        self.idle = idle
 
 
 class AioKVWorkerMetadata(KVConnectorWorkerMetadata):
@@ -91,7 +95,7 @@ def describe(vllm_config, kv_cache_config) -> tuple[dict, list[GroupSpec]]:
         "device": str(vllm_config.device_config.device_type),
         "attention": repr(getattr(getattr(vllm_config, "attention_config", None), "backend", None)),
         "attention_env": os.environ.get("VLLM_ATTENTION_BACKEND"),
-        "vllm": ".".join(vllm.__version__.split(".")[:2]),
+        "vllm": vllm_release(vllm.__version__),
     }
     if len(groups) == 1 and groups[0].kind == FULL and not groups[0].replicated:
         # one full-attention group: the fields (so the namespace) of aiokv's first format
@@ -100,6 +104,15 @@ def describe(vllm_config, kv_cache_config) -> tuple[dict, list[GroupSpec]]:
     else:
         fields["groups"] = [_group_fields(g, k.kv_cache_spec) for g, k in zip(groups, kv_cache_config.kv_cache_groups)]
     return fields, groups
+
+
+def vllm_release(version: str) -> str:
+    """The namespace's vLLM field: the whole release (0.33.0), not its minor version.
+    A block's bytes come from that release's model code and kernels, which no other
+    field names, so a cache is kept across a vLLM upgrade only where they cannot differ:
+    never (docs/design.md, "Keys and namespaces"). A local build tag (+cpu, +cu130)
+    is dropped: the device and attention fields name what it changes."""
+    return version.split("+", 1)[0]
 
 
 def _group_spec(index: int, group, cache_config) -> GroupSpec:
@@ -118,7 +131,7 @@ def _group_spec(index: int, group, cache_config) -> GroupSpec:
         if mode != "align":
             raise ValueError(f"aiokv: recurrent-state (Mamba / gated delta net) layers need vLLM's "
                              f"mamba_cache_mode='align', not {mode!r}: turn prefix caching on "
-                             "(enable_prefix_caching=True, or --mamba-cache-mode align)")
+                             "(--enable-prefix-caching, or enable_prefix_caching=True)")
         if getattr(spec, "num_speculative_blocks", 0):
             raise ValueError("aiokv: speculative decoding with recurrent-state layers is not supported yet; "
                              "run without speculative decoding or without aiokv")
@@ -208,9 +221,9 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._totals: dict[str, int] = {}    # worker counters since start
         self._queried: dict[str, int] = {}   # request -> tokens asked of us at its last lookup
         self._queried_tokens = 0
+        self._remote_tokens: dict[str, int] = {}  # request -> hit tokens from the shared tier (hit sources)
         self._failed_recv: set[str] = set()
         self._failed_now: set[str] = set()   # several groups: loads failed, reported as failed_recving
-        self._idle_step = False
         self._rank = 0
         # layer-by-layer copy-in (aiokv/worker/layerwise.py): one full-attention group only;
         # other models load whole requests, as without the setting
@@ -270,6 +283,31 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # best effort: a preempted request's output need not wait for us
 
+    # ---- hooks vLLM 0.33 added or uses on GPUs (0.32 lacks some: then they are never called) ----
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config=None) -> bool:
+        # Sleep unmaps the KV cache under aiokv's in-flight copies and its staged layerwise
+        # loads; aiokv does not implement unregister_kv_caches/restore_kv_caches (drain, drop
+        # staged loads, re-take the views), so vLLM refuses --enable-sleep-mode with one line
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # layerwise copies are waited for in wait_for_layer_load, which a replayed full CUDA
+        # graph skips: vLLM then captures piecewise graphs (attention runs between the pieces)
+        return (extra_config or {}).get("layerwise") is True
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        """The hit split by where its blocks come from: the shared tier (a bucket; vLLM's
+        label for a remote store is external_unspecified) and the local cache directory
+        (disk). A hit the worker serves from its host-memory tier is counted as disk: that
+        tier is the workers' and the scheduler side cannot know it at lookup time."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        remote = min(self._remote_tokens.pop(request.request_id, 0), num_external_tokens)
+        out = {CacheHitSource.DISK: num_external_tokens - remote, CacheHitSource.EXTERNAL_UNSPECIFIED: remote}
+        return {k: v for k, v in out.items() if v > 0}
+
     def _root(self, request) -> bytes:
         # a streaming-input session keeps its id but may gain multimodal inputs
         memo = (request.request_id, len(request.mm_features or ()))
@@ -294,6 +332,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.sched is None:
             return
         self._queried_tokens += self._queried.pop(request.request_id, 0)
+        self._remote_tokens[request.request_id] = self._shared_tokens(request.request_id, num_external_tokens)
         try:
             self.sched.on_alloc(request.request_id, request.all_token_ids, self._root(request),
                                 blocks.get_block_ids(), num_external_tokens)
@@ -302,9 +341,19 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             if num_external_tokens > 0:  # vLLM now waits for this load: it must be reported, failed
                 self.sched.fail_load(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
+    def _shared_tokens(self, req_id: str, num_external: int) -> int:
+        """Tokens of this hit that the shared tier serves (its range beyond the local one)."""
+        span = self.sched._remote.get(req_id) if num_external > 0 else None
+        if span is None:
+            return 0
+        local = self.sched._local_blocks.get(req_id, 0)
+        lo, hi = max(span[0], local), min(span[1], local + num_external // self.block_size)
+        return max(0, hi - lo) * self.block_size
+
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        idle = scheduler_output.total_num_scheduled_tokens == 0
         if self.sched is None:
-            return AioKVMetadata(StepPlan())
+            return AioKVMetadata(StepPlan(), idle=idle)
         from aiokv.scheduler import Scheduled
 
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
@@ -323,7 +372,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         boundary = state.boundary_state_offloads if state is not None else None
         decode_like = all(n <= 1 + len(spec.get(r, ())) for r, n in n_sched.items())
-        return AioKVMetadata(self.sched.plan(items, boundary), decode_like)  # plan() contains its own failures
+        return AioKVMetadata(self.sched.plan(items, boundary), decode_like, idle)  # plan() contains its own failures
 
     def update_connector_output(self, connector_output) -> None:
         if self.sched is None:
@@ -348,6 +397,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._roots.pop((request.request_id, len(request.mm_features or ())), None)
         self._queried.pop(request.request_id, None)
+        self._remote_tokens.pop(request.request_id, None)
         if self.sched is None:
             return False, None
         try:
@@ -357,9 +407,11 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
 
     # ================= worker role =================
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        # vLLM's V1 runner hands dict[str, Tensor]; Model Runner V2 the dict[str, Any] of its
+        # init_kv_cache (per-layer views of one buffer; other values for specs aiokv refuses)
         from aiokv.store.store import ns_dir
-        from aiokv.worker.device import make_device
+        from aiokv.worker.device import kv_tensors, make_device
         from aiokv.worker.groups import GroupedWorker
         from aiokv.worker.transfer import TransferWorker
 
@@ -379,8 +431,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
 
                 shared = SharedClient(self.cfg.shared, self.cfg.remote_timeout)
             for g, nsid in zip(self.groups, self.group_nsids):
-                ordered = {n: kv_caches[n] for n in g.layer_names if n in kv_caches}
-                device = make_device(ordered, self._kv_cache_config.num_blocks)
+                device = make_device(kv_tensors(kv_caches, g.layer_names), self._kv_cache_config.num_blocks)
                 if device.payload_bytes != g.payload_bytes:
                     raise ValueError(f"aiokv: the KV tensors of group {g.index} hold {device.payload_bytes} bytes "
                                      f"per block, the KV cache spec says {g.payload_bytes}; this layout is not "
@@ -412,8 +463,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         return meta.plan if isinstance(meta, AioKVMetadata) else StepPlan()
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        # a step without a forward pass (vLLM only waits for transfers)
-        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
+        # forward_context says nothing about the step (V2 passes an empty one on every step)
         plan = self._plan()
         if self.worker is None:
             report = self._disabled_report()
@@ -471,7 +521,10 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             return None, done or None
         if self._layers is not None:
             self._layers.end_step()  # every staged block of this step is in place
-        if self._idle_step:
+        meta = self._connector_metadata
+        if isinstance(meta, AioKVMetadata) and meta.idle:
+            # a step without a forward pass (vLLM only collects transfers): wait a little for
+            # a job rather than spin empty steps; a step that computes never waits here
             self.worker.wait_for_jobs(IDLE_WAIT_S)
         finished, errors, failed, report = self.worker.poll()
         if len(self.groups) == 1:

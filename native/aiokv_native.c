@@ -19,16 +19,21 @@
  * work is here; Python's is per batch (aiokv/io/uring.py).
  *
  * Only the liburing 2.1-2.3 API is used, so Debian 11/12 and Ubuntu 22.04 build.
+ * Built without liburing (setup.py, AIOKV_WITHOUT_URING=1: no AIOKV_HAVE_URING) the
+ * module has everything but Ring, and HAVE_URING is 0: aiokv then uses its
+ * thread-pool I/O backend (aiokv/io/backend.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
 #include <fcntl.h>
+#ifdef AIOKV_HAVE_URING
 #include <liburing.h>
+#include <sys/eventfd.h>
+#endif
 #include <stdint.h>
 #include <string.h>
-#include <sys/eventfd.h>
 #include <unistd.h>
 
 #if defined(__x86_64__)
@@ -40,6 +45,7 @@
 #define OP_READ 0
 #define OP_WRITE 1
 #define OP_NOP 2
+#ifdef AIOKV_HAVE_URING /* the io_uring ring; without liburing the module has no Ring (aiokv/io uses threads) */
 /* user_data of our own cancel requests and of voided entries; their completions
  * are not reported. No batch's user_data can take this value (MAX_BATCHES). */
 #define INTERNAL_TAG UINT64_MAX
@@ -619,6 +625,8 @@ static PyTypeObject RingType = {
     .tp_getset = Ring_getset,
     .tp_doc = "One io_uring instance with an eventfd for completions, running batches of operations.",
 };
+
+#endif /* AIOKV_HAVE_URING */
 
 /* ---- CRC32C (Castagnoli): AVX-512 carry-less folding, else SSE4.2 crc32q, else tables ---- */
 static uint32_t crc_table[8][256];
@@ -1280,15 +1288,22 @@ static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "aiokv._native",
 
 PyMODINIT_FUNC PyInit__native(void) {
     crc_init();
+#ifdef AIOKV_HAVE_URING
     if (PyType_Ready(&RingType) < 0) return NULL;
+#endif
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
+#ifdef AIOKV_HAVE_URING
     Py_INCREF(&RingType);
     if (PyModule_AddObject(m, "Ring", (PyObject *)&RingType) < 0) {
         Py_DECREF(&RingType);
         Py_DECREF(m);
         return NULL;
     }
+    PyModule_AddIntConstant(m, "HAVE_URING", 1);
+#else
+    PyModule_AddIntConstant(m, "HAVE_URING", 0);
+#endif
     PyModule_AddIntConstant(m, "OP_READ", OP_READ);
     PyModule_AddIntConstant(m, "OP_WRITE", OP_WRITE);
     PyModule_AddIntConstant(m, "OP_NOP", 2);

@@ -56,3 +56,23 @@ def test_blocks_round_trip_exactly(kind):
 def test_ambiguous_layout_is_refused():
     with pytest.raises(LayoutError, match="block dimension"):
         CpuDevice({"l": torch.zeros(NB, NB, 4)}, NB)
+
+
+def test_vllm_033_registrations_become_layers():
+    """What Model Runner V2 registers (vLLM 0.33 init_kv_cache): per-layer views whose first
+    dimension may count kernel blocks (a block split in r), lists of tensors per layer;
+    anything else is refused with a line naming the layer."""
+    from aiokv.worker.device import LayoutError, kv_tensors, make_device
+
+    kv = {"a": torch.arange(NB * 2 * 4 * 8, dtype=torch.float32).view(NB * 2, 4, 8),
+          "b": [torch.zeros(NB, 3), torch.zeros(NB, 2, 2)], "other": object()}
+    items = kv_tensors(kv, ["a", "b", "missing"])
+    assert [n for n, _ in items] == ["a", "b", "b"]
+    dev = make_device(items, NB)
+    assert dev.layers[0].block_shape == (2, 4, 8)  # kernel blocks 2b, 2b+1 are block b
+    assert torch.equal(dev.layers[0].view[3], kv["a"][6:8])
+    assert dev.payload_bytes == (2 * 4 * 8 + 3 + 4) * 4
+    with pytest.raises(LayoutError, match="layer other is a object, not a tensor"):
+        kv_tensors(kv, ["other"])
+    with pytest.raises(LayoutError, match="no KV tensor"):
+        make_device(kv_tensors(kv, ["missing"]), NB)

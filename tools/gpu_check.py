@@ -1,107 +1,495 @@
 #!/usr/bin/env python3
-"""The GPU check: on a CUDA machine with `vllm` (the CUDA build) installed, run a
-small model with and without aiokv across a restart and check token equality,
-hits, and aiokv's counters. Prepared to run whenever a GPU is at hand:
+"""The device check: aiokv's worker side on real CUDA tensors, on a bare GPU machine.
 
-    pip install vllm && pip install -e . && python tools/gpu_check.py [--dir DIR]
+    python3 tools/gpu_check.py [--dir DIR] [--out REPORT.json] [--budget SECONDS]
 
-Each engine life runs in its own process (a real restart). Exit 0 when the warm
-run hit and every run's tokens equal the run without aiokv; 1 otherwise.
+What it needs: Python 3.10+, PyTorch (with CUDA for the CUDA parts), a C compiler
+and Python's headers (the ones Triton, which comes with PyTorch's CUDA wheels, needs
+too). Not vLLM, liburing, uvloop, numpy or a network: it builds aiokv's C extension
+in place when it does not import (without io_uring where liburing's header is
+missing) and uses the thread-pool I/O backend where io_uring is missing or refused
+(gVisor). Every part runs under its own timeout inside --budget (default 420 s); a
+part that fails or times out is reported and the others still run.
+
+Parts (one JSON report, printed last and written to --out):
+- env: Python, PyTorch, CUDA device, what is (not) installed;
+- build: the C extension, built here if needed;
+- io: the I/O backend the worker gets in DIR;
+- layouts: for each KV layout vLLM's backends use (FlashAttention
+  [2, blocks, block_size, heads, dim] per layer, FlashInfer's HND, MLA's latent
+  [blocks, block_size, 576], a Mamba state group (two state tensors per layer),
+  vLLM 0.33's per-layer views of one buffer, layer-compact and cross-layer
+  (blocks outermost), and its kernel-block split): save -> disk -> load into
+  other blocks, bit-exact and no other block touched; again through the
+  host-memory tier; and layer by layer (`layerwise`) for the attention layouts;
+- overlap (CUDA): a load's copies on aiokv's stream while a compute kernel runs on
+  the default stream: results and KV unchanged, overlap measured;
+- bandwidth (CUDA): device <-> pinned staging GB/s through aiokv's copies against
+  a plain tensor.copy_ of the same bytes between pinned host memory and the GPU.
+
+Without CUDA the CUDA parts are skipped (said on one line) and the layouts run on
+CPU tensors through the CPU device: the suite runs it that way
+(tests/test_gpu_check_runs_without_a_gpu.py). Exit status 0 when every part that
+ran passed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import random
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
+import threading
+import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NS = bytes(range(16))
+sys.path.insert(0, ROOT)  # this checkout's aiokv, whatever else is installed
+REPORT: dict = {"tool": "aiokv gpu_check", "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "parts": {}}
 
 
-def life(model: str, cache: str | None, dtype: str, block: int, extra: dict | None = None) -> dict:
-    code = f"""
-import json, os, random
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from vllm import LLM, SamplingParams
-kw = dict(model={model!r}, tokenizer={model!r}, dtype={dtype!r}, block_size={block}, enable_prefix_caching=True,
-          max_model_len=4096, gpu_memory_utilization=0.3, enforce_eager=True)
-if {cache!r}:
-    kw["kv_transfer_config"] = dict(kv_connector="AioKVConnector", kv_role="kv_both",
-        kv_connector_module_path="aiokv.connector", kv_connector_extra_config=dict(path={cache!r}, **{extra or {}!r}))
-llm = LLM(**kw)
-rnd = random.Random(0)
-ps = [[1] + [rnd.randrange(3, 500) for _ in range(n - 1)] for n in (300, 1000, 2500, 2500)]
-outs = llm.generate([dict(prompt_token_ids=p) for p in ps], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-res = dict(tokens=[list(o.outputs[0].token_ids) for o in outs], cached=[o.num_cached_tokens for o in outs])
-core = llm.llm_engine.engine_core.engine_core
-conn = core.scheduler.connector
-if conn is not None:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-    wc = get_kv_transfer_group()
-    for _ in range(1000):
-        if wc.worker is not None:
-            wc.worker.drain()
-        if not core.scheduler.has_requests():
-            break
-        llm.llm_engine.step()
-    res["counters"] = {{**conn.counters(), **wc.counters()}}
-    res["device"] = type(wc.worker.device).__name__ if wc.worker else None
-print("RESULT " + json.dumps(res), flush=True)
-os._exit(0)
-"""
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=ROOT))
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    sys.stderr.write(p.stderr[-8000:])
-    raise SystemExit(f"gpu_check: an engine run failed (exit {p.returncode})")
+def say(msg: str) -> None:
+    print(f"gpu_check: {msg}", flush=True)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", default=None)
-    args = ap.parse_args()
+class Skip(Exception):
+    pass
+
+
+def run_part(name: str, fn, timeout: float) -> bool:
+    """fn() in a thread under `timeout`; its dict (or error) goes into the report."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["out"] = fn()
+        except Skip as e:
+            box["skip"] = str(e)
+        except BaseException as e:  # noqa: BLE001 - every failure is reported, none stops the check
+            box["error"] = f"{type(e).__name__}: {e}"
+            box["trace"] = traceback.format_exc(limit=8)
+
+    t0 = time.monotonic()
+    th = threading.Thread(target=target, name=f"gpu_check-{name}", daemon=True)
+    th.start()
+    th.join(max(1.0, timeout))
+    took = round(time.monotonic() - t0, 2)
+    if th.is_alive():
+        entry = {"ok": False, "error": f"timed out after {timeout:.0f} s", "seconds": took}
+    elif "skip" in box:
+        entry = {"ok": None, "skipped": box["skip"], "seconds": took}
+    elif "error" in box:
+        entry = {"ok": False, "error": box["error"], "trace": box["trace"], "seconds": took}
+    else:
+        out = box.get("out") or {}
+        entry = {"ok": bool(out.pop("ok", True)), "seconds": took, **out}
+    REPORT["parts"][name] = entry
+    state = "skipped" if entry["ok"] is None else "ok" if entry["ok"] else "FAILED"
+    say(f"{name}: {state} ({took} s)" + (f": {entry.get('error') or entry.get('skipped')}"
+                                         if entry["ok"] is not True else ""))
+    return not th.is_alive()
+
+
+# ---------------- env and build ----------------
+def part_env() -> dict:
+    import importlib.util
+
+    import torch
+
+    out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
+           "torch_cuda": torch.version.cuda, "platform": sys.platform}
+    for mod in ("vllm", "uvloop", "numpy", "setuptools"):
+        try:
+            out[f"has_{mod}"] = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            out[f"has_{mod}"] = False
+    out["liburing_header"] = any(os.path.exists(os.path.join(d, "liburing.h"))
+                                 for d in ("/usr/include", "/usr/local/include"))
+    try:
+        with open("/proc/version") as f:
+            out["kernel"] = f.read().strip()[:120]
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        out.update(device=p.name, capability=f"{p.major}.{p.minor}", memory_gib=round(p.total_memory / 2**30, 1))
+    return out
+
+
+def build_extension(timeout: float) -> dict:
+    """Import aiokv._native, or compile native/aiokv_native.c into aiokv/ with the C compiler
+    (no setuptools needed); without liburing's header, without io_uring."""
+    try:
+        import aiokv._native as n
+
+        return {"built": False, "module": n.__file__, "io_uring": bool(getattr(n, "HAVE_URING", 1))}
+    except ImportError as e:
+        first = str(e)
+    cc = shutil.which(os.environ.get("CC", "")) or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) to build aiokv's extension; "
+                           "install one (apt-get install gcc)")
+    inc = sysconfig.get_paths()["include"]
+    if not os.path.exists(os.path.join(inc, "Python.h")):
+        raise RuntimeError(f"Python's headers are missing ({inc}/Python.h); install python3-dev for this Python")
+    uring = os.environ.get("AIOKV_WITHOUT_URING") != "1" and \
+        any(os.path.exists(os.path.join(d, "liburing.h")) for d in ("/usr/include", "/usr/local/include"))
+    target = os.path.join(ROOT, "aiokv", "_native" + sysconfig.get_config_var("EXT_SUFFIX"))
+    cmd = [cc, "-O2", "-std=gnu11", "-fPIC", "-shared", "-I" + inc, os.path.join(ROOT, "native", "aiokv_native.c"),
+           "-o", target]
+    if uring:
+        static = [p for p in ("/usr/lib/x86_64-linux-gnu/liburing.a", "/usr/lib/aarch64-linux-gnu/liburing.a",
+                              "/usr/lib/liburing.a", "/usr/local/lib/liburing.a") if os.path.exists(p)]
+        cmd[1:1] = ["-DAIOKV_HAVE_URING=1"]
+        cmd += static[:1] or ["-luring"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"building the extension failed ({' '.join(cmd)}): {p.stderr[-2000:]}")
+    import importlib
+
+    importlib.invalidate_caches()
+    import aiokv._native as n
+
+    return {"built": True, "first_import_error": first, "module": n.__file__, "compiler": cc,
+            "io_uring": bool(getattr(n, "HAVE_URING", 0))}
+
+
+def part_io(root: str) -> dict:
+    import asyncio
+
+    from aiokv.io.backend import open_backend
+
+    loop = asyncio.new_event_loop()
+    try:
+        b = open_backend(loop, "auto", depth=8, path=root)
+        name = b.name
+        b.close()
+    finally:
+        loop.close()
+    return {"backend": name}
+
+
+# ---------------- layouts ----------------
+def layouts(device: str, nb: int):
+    """{name: (list of (layer name, tensor), layerwise-capable)} as vLLM's backends lay KV out."""
+    import torch
+
+    bs, h, d = 16, 4, 64
+    half = torch.bfloat16 if device != "cpu" else torch.float16
+    e = dict(device=device)
+    L = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+    out = {}
+    # FlashAttention: [2, num_blocks, block_size, kv_heads, head_size] per layer
+    out["flash_attn"] = ([(n, torch.empty(2, nb, bs, h, d, dtype=half, **e)) for n in L], True)
+    # FlashInfer HND: logical [num_blocks, 2, block_size, heads, dim], heads before tokens in memory
+    out["flashinfer_hnd"] = ([(n, torch.empty(nb, 2, h, bs, d, dtype=half, **e).permute(0, 1, 3, 2, 4)) for n in L],
+                             True)
+    # MLA: one latent per token, [num_blocks, block_size, 512 + 64]
+    out["mla"] = ([(n, torch.empty(nb, bs, 576, dtype=half, **e)) for n in L], True)
+    # a Mamba state group: a conv state and an SSM state per layer
+    out["mamba_state"] = ({n: [torch.empty(nb, 256, 3, dtype=half, **e),
+                               torch.empty(nb, 8, 16, 16, dtype=torch.float32, **e)]
+                           for n in ("model.layers.2.mixer", "model.layers.3.mixer")}, False)
+    # vLLM 0.33 allocate_kv_cache: per-layer [B, H, N, C] views of one buffer
+    raw = torch.empty(len(L), nb, h, bs, 2 * d, dtype=half, **e)
+    out["v033_layer_compact"] = ([(n, raw[i]) for i, n in enumerate(L)], True)
+    raw2 = torch.empty(nb, len(L), h, bs, 2 * d, dtype=half, **e)  # BLHNC: blocks outermost
+    out["v033_cross_layer"] = ([(n, raw2[:, i]) for i, n in enumerate(L)], True)
+    # a manager block split into 2 kernel blocks (attention kernel block size 8)
+    out["v033_kernel_blocks"] = ([(n, torch.empty(nb * 2, h, bs // 2, 2 * d, dtype=half, **e)) for n in L], True)
+    return out
+
+
+def _tensors(items) -> list:
+    """(layer name, tensor) pairs as the connector takes them from what vLLM registers
+    ({layer: tensor or list of tensors}: aiokv.worker.device.kv_tensors)."""
+    from aiokv.worker.device import kv_tensors
+
+    return kv_tensors(items, list(items)) if isinstance(items, dict) else items
+
+
+def _fill(items) -> None:
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for _, t in _tensors(items):
+        # random bytes, generated on the host and copied (any dtype, NaN patterns included)
+        b = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=g)
+        t.copy_(b.view(t.dtype).view(t.shape))
+
+
+def _blocks(dev, ids) -> list:
+    import torch
+
+    idx = torch.tensor(ids, dtype=torch.long, device=dev.layers[0].view.device)
+    return [layer.view.index_select(0, idx).contiguous().view(torch.uint8).cpu() for layer in dev.layers]
+
+
+def _worker(root: str, items, nb: int, memory_slots: int = 0, layerwise: bool = False):
+    from aiokv.store import format as fmt
+    from aiokv.store.store import ns_dir
+    from aiokv.worker.device import make_device
+    from aiokv.worker.transfer import TransferWorker
+
+    os.makedirs(ns_dir(root, NS), exist_ok=True)
+    dev = make_device(_tensors(items), nb)
+    slot = fmt.slot_bytes(dev.payload_bytes)
+    return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=48 * slot, memory_bytes=memory_slots * slot,
+                          layerwise=layerwise, load_timeout=60, save_timeout=60)
+
+
+def _jobs(w, fn, arg, timeout: float = 60.0):
+    fn(arg)
+    end = time.monotonic() + timeout
+    while w.in_flight and time.monotonic() < end:
+        time.sleep(0.002)
+    if w.in_flight:
+        raise TimeoutError(f"{w.in_flight} jobs still in flight after {timeout:.0f} s")
+    return w.poll()
+
+
+def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
+    """Save blocks src to disk, load them into blocks dst; bit-exact, nothing else touched."""
+    import torch
+
+    from aiokv.jobs import Transfer
+
+    n = 12
+    src, dst = list(range(1, 1 + n)), list(range(nb - n, nb))
+    keys = [os.urandom(32) for _ in src]
+    w = _worker(root, items, nb, memory_slots=2 * n if mode == "memory" else 0, layerwise=mode == "layerwise")
+    try:
+        _fill(items)
+        want = _blocks(w.device, src)
+        _, _, rep = _jobs(w, w.save, [Transfer("save", keys, list(range(n)), src)])
+        if len(rep.saved) != n or rep.save_failed:
+            raise AssertionError(f"save: {len(rep.saved)} of {n} written, {len(rep.save_failed)} failed")
+        others = [b for b in range(nb) if b not in dst]
+        before = _blocks(w.device, others)
+        finished, errors, rep = _jobs(w, w.load, [Transfer("load", keys, list(range(n)), dst)])
+        if finished != {"load"} or errors:
+            raise AssertionError(f"load: finished {finished}, {len(errors)} blocks failed")
+        out = {"payload_bytes": w.device.payload_bytes, "device": type(w.device).__name__,
+               "memory_hit_blocks": rep.counters.get("memory_hit_blocks", 0)}
+        if mode == "memory" and out["memory_hit_blocks"] != n:
+            raise AssertionError(f"memory tier: {out['memory_hit_blocks']} of {n} blocks served from host memory")
+        if mode == "layerwise":
+            lw = w.layers
+            if lw.counts.get("staged_blocks", 0) != n:
+                raise AssertionError(f"layerwise: {lw.counts.get('staged_blocks', 0)} of {n} blocks staged")
+            lw.begin(whole=False)  # a step's bind_connector_metadata, then the forward's layer hooks
+            for layer in w.device.layers:
+                lw.wait_layer(layer.name)
+            lw.end_step()
+            out["layerwise_copied_blocks"] = lw.counts.get("copied_blocks", 0)
+        if w.device.asynchronous:
+            torch.cuda.synchronize()
+        got = _blocks(w.device, dst)
+        bad = [w.device.layers[i].name for i, (a, b) in enumerate(zip(want, got)) if not torch.equal(a, b)]
+        if bad:
+            raise AssertionError(f"loaded blocks differ from the saved ones in {bad}")
+        after = _blocks(w.device, others)
+        if not all(torch.equal(a, b) for a, b in zip(before, after)):
+            raise AssertionError("a load wrote outside its destination blocks")
+        return out
+    finally:
+        if w.layers is not None:
+            w.layers.close()
+        w.close()
+
+
+def part_layouts(root: str, device: str) -> dict:
+    nb = 40  # no other dimension of the layouts is 40
+    out, ok = {}, True
+    for name, (items, lw_ok) in layouts(device, nb).items():
+        for mode in ("disk", "memory") + (("layerwise",) if lw_ok else ()):
+            d = tempfile.mkdtemp(prefix=f"{name}-{mode}-", dir=root)
+            try:
+                out[f"{name}/{mode}"] = {"ok": True, **_roundtrip(d, items, nb, mode)}
+            except Exception as e:  # noqa: BLE001
+                ok = False
+                out[f"{name}/{mode}"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+    return {"ok": ok, "cases": out}
+
+
+# ---------------- CUDA: overlap and bandwidth ----------------
+def _need_cuda():
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; nothing to check")
-        return 1
-    sys.path.insert(0, ROOT)
-    from aiokv.demo.tiny_model import build
+        raise Skip("no CUDA device")
+    return torch
 
-    d = args.dir or tempfile.mkdtemp(prefix="aiokv-gpu-")
-    model = build(os.path.join(d, "model"), layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512)
-    ok = True
-    for dtype, block in (("float16", 16), ("bfloat16", 32)):
-        cache = os.path.join(d, f"cache-{dtype}-{block}")
-        base = life(model, None, dtype, block)
-        cold = life(model, cache, dtype, block)
-        warm = life(model, cache, dtype, block)
-        c = warm["counters"]
-        good = (cold["tokens"] == base["tokens"] and warm["tokens"] == base["tokens"] and c["hit_blocks"] > 0
-                and c["load_failed_blocks"] == 0 and c["save_failures"] == 0 and c["pending_saves"] == 0
-                and c["staging_in_use"] == 0 and warm["device"] == "CudaDevice")
-        # layer-by-layer copy-in (side stream, an event per layer): the same tokens, every hit
-        # block staged and copied; the last step's slots come back at the next step, so at
-        # most the layerwise copies' slots are still held
-        lw = life(model, cache, dtype, block, {"layerwise": True})
-        lc = lw["counters"]
-        good_lw = (lw["tokens"] == base["tokens"] and lc["hit_blocks"] == c["hit_blocks"]
-                   and lc.get("layerwise_copied_blocks") == lc["hit_blocks"] == lc.get("loads_ok_blocks")
-                   and lc.get("layerwise_layer_waits", 0) > 0 and lc["load_failed_blocks"] == 0
-                   and lc["staging_in_use"] <= lc.get("layerwise_copied_blocks", 0))
-        ok &= good and good_lw
-        print(json.dumps(dict(dtype=dtype, block=block, ok=good, warm_cached=warm["cached"],
-                              hit_blocks=c["hit_blocks"], loads_ok=c.get("loads_ok_blocks"),
-                              cold_saves=cold["counters"]["saves_committed"], device=warm["device"],
-                              layerwise_ok=good_lw, layerwise={k: v for k, v in lc.items() if "layer" in k})))
-    print("gpu_check:", "PASS" if ok else "FAIL")
+
+def part_overlap(root: str) -> dict:
+    """A load's copies (aiokv's stream, from its loop thread) while matmuls run on the
+    default stream: both results unchanged, and how much of the copy time was hidden."""
+    torch = _need_cuda()
+    from aiokv.jobs import Transfer
+
+    nb = 520
+    items = [(f"model.layers.{i}.self_attn.attn", torch.empty(2, nb, 16, 8, 128, dtype=torch.bfloat16, device="cuda"))
+             for i in range(4)]
+    n = 256  # 256 blocks x 128 KiB: 32 MiB per load
+    src, dst = list(range(1, 1 + n)), list(range(nb - n, nb))
+    keys = [os.urandom(32) for _ in src]
+    w = _worker(root, items, nb, memory_slots=n + 8)
+    try:
+        _fill(items)
+        _, _, rep = _jobs(w, w.save, [Transfer("s", keys, list(range(n)), src)])
+        want = _blocks(w.device, src)
+        a = torch.randn(4096, 4096, device="cuda")
+        ref = a
+        for _ in range(8):
+            ref = torch.tanh(ref @ a / 64)
+        ref = ref.clone()
+        torch.cuda.synchronize()
+
+        def compute():
+            x = a
+            for _ in range(8):
+                x = torch.tanh(x @ a / 64)
+            return x
+
+        def timed(fn):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            r = fn()
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0, r
+
+        def load():  # from memory: only the device copies (no disk read)
+            _jobs(w, w.load, [Transfer("l", keys, list(range(n)), dst)])
+
+        t_compute, _ = timed(compute)
+        t_compute, _ = timed(compute)
+        t_load, _ = timed(load)
+
+        def both():
+            w.device.before_loads()
+            x = compute()  # queued on the default stream
+            load()         # copies on the side stream meanwhile
+            return x
+
+        t_both, x = timed(both)
+        if not torch.equal(x, ref):
+            raise AssertionError("the compute kernel's result changed while aiokv copied "
+                                 f"(max difference {float((x - ref).abs().max())})")
+        got = _blocks(w.device, dst)
+        if not all(torch.equal(p, q) for p, q in zip(want, got)):
+            raise AssertionError("the loaded KV differs from the saved KV")
+        hidden = max(0.0, t_compute + t_load - t_both)
+        return {"compute_s": round(t_compute, 4), "load_copies_s": round(t_load, 4), "together_s": round(t_both, 4),
+                "overlap_fraction": round(hidden / max(1e-9, min(t_compute, t_load)), 3),
+                "load_bytes": n * w.device.payload_bytes,
+                "note": "the load waits for kernels queued before it (before_loads); the compute is queued after"}
+    finally:
+        w.close()
+
+
+def part_bandwidth(root: str) -> dict:
+    torch = _need_cuda()
+    from aiokv.io.buffers import SlotPool
+    from aiokv.store import format as fmt
+    from aiokv.worker.device import make_device
+
+    nb = 1030
+    items = [(f"model.layers.{i}.self_attn.attn", torch.empty(2, nb, 16, 8, 128, dtype=torch.bfloat16, device="cuda"))
+             for i in range(8)]  # 256 KiB per block
+    dev = make_device(items, nb)
+    n = 1024  # 256 MiB
+    pool = SlotPool(fmt.slot_bytes(dev.payload_bytes), n)
+    dev.attach(pool)
+    try:
+        ids, slots = list(range(1, 1 + n)), list(range(n))
+        nbytes = n * dev.payload_bytes
+
+        def timed(fn, reps=3):
+            best = float("inf")
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        def out():
+            dev.copy_out(ids, slots)
+            dev.wait_out()
+
+        t_out = timed(out)
+        t_in = timed(lambda: dev.copy_in(ids, slots))
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        t_d2h = timed(lambda: host.copy_(gpu, non_blocking=True))
+        t_h2d = timed(lambda: gpu.copy_(host, non_blocking=True))
+        gb = nbytes / 1e9
+        return {"bytes": nbytes, "block_bytes": dev.payload_bytes,
+                "aiokv_device_to_pinned_GBps": round(gb / t_out, 2), "aiokv_pinned_to_device_GBps": round(gb / t_in, 2),
+                "plain_copy_device_to_pinned_GBps": round(gb / t_d2h, 2),
+                "plain_copy_pinned_to_device_GBps": round(gb / t_h2d, 2)}
+    finally:
+        dev.close()
+        pool.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default=None, help="a directory for the cache files (default: a temporary one)")
+    ap.add_argument("--out", default=None, help="where to write the JSON report (default: DIR/gpu_check.json)")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check")
+    args = ap.parse_args(argv)
+    end = time.monotonic() + args.budget
+    root = args.dir or tempfile.mkdtemp(prefix="aiokv-gpu-check-")
+    os.makedirs(root, exist_ok=True)
+    left = lambda cap: max(1.0, min(cap, end - time.monotonic()))  # noqa: E731
+    ok_env = run_part("env", part_env, left(60))
+    env = REPORT["parts"]["env"]
+    if not ok_env or not env["ok"]:
+        return finish(args, root)
+    box = {}
+    run_part("build", lambda: box.setdefault("b", build_extension(left(240))), left(250))
+    if REPORT["parts"]["build"]["ok"]:
+        cuda = env.get("cuda_available")
+        if not cuda:
+            say("no CUDA device (torch.cuda.is_available() is False): the CUDA parts (overlap, bandwidth) are skipped "
+                "and the layouts run on CPU tensors through the CPU device")
+        run_part("io", lambda: part_io(root), left(30))
+        run_part("layouts", lambda: part_layouts(root, "cuda" if cuda else "cpu"), left(180))
+        run_part("overlap", lambda: part_overlap(root), left(90))
+        run_part("bandwidth", lambda: part_bandwidth(root), left(90))
+    # layering: nothing the worker side imports may import vLLM
+    REPORT["vllm_imported"] = "vllm" in sys.modules
+    return finish(args, root)
+
+
+def finish(args, root: str) -> int:
+    parts = REPORT["parts"]
+    ok = all(p["ok"] is not False for p in parts.values()) and not REPORT.get("vllm_imported") \
+        and parts.get("layouts", {}).get("ok") is not None
+    REPORT["ok"] = ok
+    REPORT["seconds"] = round(sum(p["seconds"] for p in parts.values()), 2)
+    path = args.out or os.path.join(root, "gpu_check.json")
+    try:
+        with open(path, "w") as f:
+            json.dump(REPORT, f, indent=1)
+    except OSError as e:
+        say(f"cannot write {path}: {e}")
+    say(f"report in {path}")
+    print(json.dumps(REPORT), flush=True)
+    say("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # a part stuck past its timeout must not keep the process alive

@@ -199,6 +199,15 @@ def _open_backend(loop: asyncio.AbstractEventLoop, kind: str | None, depth: int)
     if kind not in ("auto", "uring", "threads"):
         raise ValueError(f"aiokv: AIOKV_IO={kind!r} is not one of auto, uring, threads")
     if kind in ("auto", "uring"):
+        from aiokv import _native
+
+        if not getattr(_native, "HAVE_URING", 1):  # built without liburing (setup.py)
+            if kind == "uring":
+                raise OSError(errno.ENOSYS, "aiokv was built without io_uring (AIOKV_WITHOUT_URING=1); "
+                              "rebuild it with liburing-dev installed, or use io=threads")
+            say_once("aiokv: built without io_uring; using the thread-pool I/O backend")
+            kind = "threads"
+    if kind in ("auto", "uring"):
         try:
             from aiokv.io.uring import UringBackend
 

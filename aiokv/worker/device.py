@@ -40,6 +40,7 @@ copy_in_layer on the layerwise copy thread.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 
 import torch
@@ -60,6 +61,12 @@ class Layer:
 
     def __init__(self, name: str, t: torch.Tensor, num_blocks: int):
         dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
+        if not dims and t.dim() > 1 and t.shape[0] > num_blocks and t.shape[0] % num_blocks == 0:
+            # vLLM split each block into kernel blocks (the attention kernel's block size
+            # divides the KV manager's): dim 0 counts kernel blocks, those of block b are
+            # b*r .. b*r+r-1, so grouping them is a view
+            t = t.unflatten(0, (num_blocks, t.shape[0] // num_blocks))
+            dims = [0]
         if len(dims) != 1:
             raise LayoutError(f"aiokv: cannot tell the block dimension of KV tensor {name} {tuple(t.shape)} "
                               f"for {num_blocks} blocks; this attention backend's layout is not supported")
@@ -82,9 +89,14 @@ class Device:
     # default count of threads that checksum off the worker's loop thread (TransferWorker)
     checksum_threads = 0
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, pool: SlotPool | None = None):
+    def __init__(self, kv_caches, num_blocks: int, pool: SlotPool | None = None):
+        """kv_caches: {layer name: tensor}, or [(layer name, tensor)] (kv_tensors: a layer may
+        have several tensors, in order)."""
         self.num_blocks = num_blocks
-        self.layers = [Layer(n, t, num_blocks) for n, t in kv_caches.items()]
+        items = kv_caches.items() if isinstance(kv_caches, dict) else kv_caches
+        self.layers = [Layer(n, t, num_blocks) for n, t in items]
+        if not self.layers:
+            raise LayoutError("aiokv: no KV tensor was registered for this KV-cache group's layers")
         self.payload_bytes = sum(layer.nbytes for layer in self.layers)
         sig = repr([layer.signature for layer in self.layers]).encode()
         # the layout tag binds the in-memory layout into every block header
@@ -157,9 +169,9 @@ class CpuDevice(Device):
         flat = self._flat if flat is None else flat
         dev = torch.cat([base + blocks * stride for base, stride, _, _ in flat])
         if bases:
-            return dev.numpy().tobytes(), rows.numpy().tobytes()
+            return _raw(dev), _raw(rows)
         stg = torch.cat([rows + col for _, _, col, _ in flat])
-        return dev.numpy().tobytes(), stg.numpy().tobytes(), self._flat[0][3]
+        return _raw(dev), _raw(stg), self._flat[0][3]
 
     def copy_out(self, block_ids, slots, checksum=False):
         if checksum:
@@ -203,6 +215,12 @@ class CpuDevice(Device):
             else:
                 src = self._rows[:, a:b].index_select(0, rows).view(layer.dtype).view(n, *layer.block_shape)
                 layer.view.index_copy_(0, blocks, src)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    """A CPU tensor's bytes (no numpy: a bare GPU machine may not have it)."""
+    t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
 def gather_rows(payload_bytes: int, limit: int = GATHER_BYTES) -> int:
@@ -320,7 +338,31 @@ class CudaDevice(Device):
             self._registered = False
 
 
-def make_device(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> Device:
-    first = next(iter(kv_caches.values()))
-    cls = CudaDevice if first.is_cuda else CpuDevice
-    return cls(kv_caches, num_blocks)
+def kv_tensors(kv_caches: dict, names) -> list[tuple[str, torch.Tensor]]:
+    """The KV tensors of layers `names`, in that order, from what vLLM registered: a
+    tensor per layer (both model runners on vLLM 0.32/0.33), or a list or tuple of
+    tensors per layer (each of them, in order). Anything else is refused, naming the layer."""
+    out = []
+    for n in names:
+        if n not in kv_caches:
+            continue
+        v = kv_caches[n]
+        parts = v if isinstance(v, (list, tuple)) else [v]
+        if not parts or not all(isinstance(p, torch.Tensor) for p in parts):
+            raise LayoutError(f"aiokv: the KV cache of layer {n} is a {type(v).__name__}, not a tensor; "
+                              "this attention backend's layout is not supported (run without aiokv)")
+        out += [(n, p) for p in parts]
+    return out
+
+
+def make_device(kv_caches, num_blocks: int) -> Device:
+    """kv_caches: {layer name: tensor} or [(layer name, tensor)]."""
+    items = list(kv_caches.items() if isinstance(kv_caches, dict) else kv_caches)
+    if not items:
+        raise LayoutError("aiokv: no KV tensor was registered for this KV-cache group's layers")
+    devices = {t.device for _, t in items}
+    if len(devices) != 1:
+        raise LayoutError(f"aiokv: a KV-cache group's tensors are on several devices ({sorted(map(str, devices))}); "
+                          "this layout is not supported")
+    cls = CudaDevice if items[0][1].is_cuda else CpuDevice
+    return cls(items, num_blocks)

@@ -1,4 +1,4 @@
-"""The worker side: one uvloop event loop on a dedicated thread runs a save and
+"""The worker side: one uvloop event loop (asyncio's where uvloop is missing) on a dedicated thread runs a save and
 a load pipeline per request as asyncio tasks.
 
   save: device -> staging copy (vLLM's thread, at the end of the step)
@@ -45,7 +45,10 @@ import logging
 import threading
 import time
 
-import uvloop
+try:
+    import uvloop
+except ImportError:  # a machine without it (a bare GPU node): asyncio's own loop, slower per job
+    uvloop = None
 
 from aiokv.io.backend import ABANDON, open_backend
 from aiokv.io.buffers import SlotPool
@@ -127,7 +130,7 @@ class TransferWorker:
         self.backend = None
         self.cpu = (concurrent.futures.ThreadPoolExecutor(self.checksum_threads, f"aiokv-crc{self.rank}")
                     if self.checksum_threads > 0 else None)
-        self.loop = uvloop.new_event_loop()
+        self.loop = uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
         self.loop.set_exception_handler(self._on_loop_error)
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"aiokv-worker{self.rank}", daemon=True)
         self.thread.start()
