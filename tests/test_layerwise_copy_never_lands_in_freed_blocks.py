@@ -65,6 +65,14 @@ def _finished(w: TransferWorker, req: str, timeout: float = 10) -> set:
     raise AssertionError(f"load {req} never finished")
 
 
+def _eventually(cond, timeout: float = 10.0) -> None:
+    """Poll `cond` until it holds (a generous deadline for a busy machine), instead of a sleep."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition never held"
+        time.sleep(0.002)
+
+
 def _same(kv, dst: int, src: int) -> bool:
     return all(torch.equal(t[dst], t[src]) for t in kv.values())
 
@@ -88,7 +96,7 @@ def test_staged_blocks_land_layer_by_layer_at_the_next_step(tmp_path, backend_ki
         marks = _mark(kv, [11, 12, 13, 14])
         w.load([Transfer("r", [key(i) for i in range(4)], [0, 1, 2, 3], [11, 12, 13, 14])])
         assert _finished(w, "r") == set()
-        time.sleep(0.05)
+        time.sleep(0.05)  # (an absence: nothing may land in this while)
         assert _untouched(kv, marks), "a staged load must not reach the KV cache before the next step"
         assert w.pool.in_use == 4
         lw = w.layers
@@ -98,8 +106,7 @@ def test_staged_blocks_land_layer_by_layer_at_the_next_step(tmp_path, backend_ki
         lw.wait_layer("l1")
         lw.end_step()
         assert all(_same(kv, 11 + i, 1 + i) for i in range(4))
-        time.sleep(0.05)  # the copy thread gives the slots back right after the last layer
-        assert w.pool.in_use == 0
+        _eventually(lambda: w.pool.in_use == 0)  # the copy thread gives the slots back after the last layer
         assert lw.counts["staged_blocks"] == 4 and lw.counts["copied_blocks"] == 4
     finally:
         w.close()
@@ -116,8 +123,7 @@ def test_copied_blocks_join_the_memory_tier(tmp_path, backend_kind):
         _finished(w, "a")
         w.layers.begin()
         w.layers.end_step()
-        time.sleep(0.05)
-        assert w.cache.kept == 3 and w.staging_in_use == 0
+        _eventually(lambda: w.cache.kept == 3 and w.staging_in_use == 0)
         w.load([Transfer("b", [key(i) for i in range(3)], [0, 1, 2], [14, 15, 16])])
         _finished(w, "b")
         assert w.layers.counts["staged_blocks"] == 3, "served from memory: copied before it is reported"
@@ -136,9 +142,8 @@ def test_cancel_after_staging_never_copies(tmp_path, backend_kind):
         w.cancel(["gone"])  # the request ended; vLLM may give blocks 15-17 to another request
         w.layers.begin()
         w.layers.end_step()
-        time.sleep(0.05)
-        assert _untouched(kv, marks)
-        assert w.pool.in_use == 0 and w.layers.counts["dropped_blocks"] == 3
+        _eventually(lambda: w.pool.in_use == 0)
+        assert _untouched(kv, marks) and w.layers.counts["dropped_blocks"] == 3
     finally:
         w.close()
 
@@ -153,9 +158,8 @@ def test_cancel_before_staging_never_copies(tmp_path, backend_kind):
         _finished(w, "early")
         w.layers.begin()
         w.layers.end_step()
-        time.sleep(0.05)
+        _eventually(lambda: w.pool.in_use == 0)
         assert _untouched(kv, marks)
-        assert w.pool.in_use == 0
     finally:
         w.close()
 
@@ -193,8 +197,7 @@ def test_blocks_from_the_first_bad_one_on_are_not_staged(tmp_path, backend_kind)
         w.layers.end_step()
         assert _same(kv, 11, 1) and _same(kv, 12, 2)
         assert _untouched(kv, marks)
-        time.sleep(0.05)
-        assert w.pool.in_use == 0
+        _eventually(lambda: w.pool.in_use == 0)
     finally:
         w.close()
 
@@ -211,8 +214,7 @@ def test_nothing_after_a_block_that_cannot_be_loaded_is_staged(tmp_path, backend
         w.layers.begin()
         w.layers.end_step()
         assert _same(kv, 11, 1) and _untouched(kv, marks)
-        time.sleep(0.05)
-        assert w.pool.in_use == 0
+        _eventually(lambda: w.pool.in_use == 0)
     finally:
         w.close()
 
