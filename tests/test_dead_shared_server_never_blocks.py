@@ -75,7 +75,8 @@ async def test_killed_server_drops_counted_and_recovers(tmp_path, blocks, s3env)
     s3env.kill()
     t = time.monotonic()
     accepted = sum(up.offer(name(i), data(i)) for i in range(12, 40))
-    assert time.monotonic() - t < 0.1  # offering never waits for the server
+    # offering never waits for the server: far less than one request's timeout (a margin for a busy machine)
+    assert time.monotonic() - t < TIMEOUT / 2
     assert accepted <= 8  # bounded queue: the rest dropped at once
     await up.flush(8 * TIMEOUT + 5)
     c = up.counters
@@ -91,7 +92,7 @@ async def test_killed_server_drops_counted_and_recovers(tmp_path, blocks, s3env)
     try:
         t = time.monotonic()
         assert prober.lookup("r", [[(name(i), SB)] for i in range(4)]) == 0  # breaker open: answered at once
-        assert time.monotonic() - t < 0.1
+        assert time.monotonic() - t < TIMEOUT / 2, "an open breaker answers without asking the server"
 
         s3env.start()
         time.sleep(breaker.cooldown)
@@ -134,10 +135,12 @@ async def test_hung_server_costs_at_most_the_timeout(tmp_path, blocks, s3env):
                 t = time.monotonic()
                 answers.append(prober.lookup("r", want))
                 slowest = max(slowest, time.monotonic() - t)
-                assert time.monotonic() - t0 < 2.0
+                assert time.monotonic() - t0 < 3.0
                 time.sleep(0.01)  # one engine step
-            assert answers[0] is None and answers[-1] == 0 and slowest < 0.05, (answers, slowest)
-            assert 0.5 <= time.monotonic() - t0 < 1.0
+            # no call waits for the server (well under the probe timeout), and the prober gives up
+            # once the probe timeout has passed (within a margin for a busy machine)
+            assert answers[0] is None and answers[-1] == 0 and slowest < 0.25, (answers, slowest)
+            assert 0.5 <= time.monotonic() - t0 < 1.5
         finally:
             prober.close()
     finally:
