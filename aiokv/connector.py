@@ -533,6 +533,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             out["worker_in_flight"] = self.worker.in_flight
             out["staging_in_use"] = self.worker.staging_in_use
+            out["load_report_breaches"] = self.worker.breaches  # refused duplicates (worker/groups.py): 0
         if self._layers is not None:
             out.update({f"layerwise_{k}": v for k, v in self._layers.counts.items()})
         return out
