@@ -169,6 +169,11 @@ def request_extras(request) -> list:
     return extras
 
 
+def per_block_errors(groups: list[GroupSpec]) -> bool:
+    """Whether failed loads go to vLLM block by block (load_failures): one full-attention group."""
+    return len(groups) == 1 and groups[0].kind == FULL
+
+
 def load_failures(per_block: bool, errors: set[int], failed: set[str]) -> tuple[set[int], set[str]]:
     """How vLLM is told about loads that failed: (block ids for get_block_ids_with_load_errors,
     requests for failed_recving).
@@ -212,7 +217,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_blocks: set[int] = set()  # their blocks (a disabled worker)
         self._failed_now: set[str] = set()   # loads failed, reported as failed_recving (load_failures)
         # one full-attention group: failed loads are reported block by block (load_failures)
-        self.per_block_errors = len(self.groups) == 1 and self.groups[0].kind == FULL
+        self.per_block_errors = per_block_errors(self.groups)
         self._idle_step = False
         self._rank = 0
         # layer-by-layer copy-in (aiokv/worker/layerwise.py): one full-attention group only;
