@@ -200,6 +200,29 @@ def request_extras(request) -> list:
     return extras
 
 
+def per_block_errors(groups: list[GroupSpec]) -> bool:
+    """Whether failed loads go to vLLM block by block (load_failures): one full-attention group."""
+    return len(groups) == 1 and groups[0].kind == FULL
+
+
+def load_failures(per_block: bool, errors: set[int], failed: set[str]) -> tuple[set[int], set[str]]:
+    """How vLLM is told about loads that failed: (block ids for get_block_ids_with_load_errors,
+    requests for failed_recving).
+
+    vLLM's per-block path cuts a request back to its first failed block and computes on from
+    there over the block table it has. That is right only when the table holds every block
+    before it, i.e. for one full-attention group: a sliding-window group holds null blocks
+    before the window that ends at the hit (the window ending at the cut reaches into them), a
+    recurrent group holds one state, and with several groups vLLM refuses the path. Everything
+    but one full-attention group is therefore recomputed whole (failed_recving). Block 0 is
+    vLLM's null block, shared by every table: it is never reported (vLLM would cut every request
+    whose table holds it); a failed load that carried one falls back to the whole-request path.
+    """
+    if per_block and 0 not in errors:
+        return set(errors), set()
+    return set(), set(failed)
+
+
 class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -223,7 +246,10 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._queried_tokens = 0
         self._remote_tokens: dict[str, int] = {}  # request -> hit tokens from the shared tier (hit sources)
         self._failed_recv: set[str] = set()
-        self._failed_now: set[str] = set()   # several groups: loads failed, reported as failed_recving
+        self._failed_blocks: set[int] = set()  # their blocks (a disabled worker)
+        self._failed_now: set[str] = set()   # loads failed, reported as failed_recving (load_failures)
+        # one full-attention group: failed loads are reported block by block (load_failures)
+        self.per_block_errors = per_block_errors(self.groups)
         self._rank = 0
         # layer-by-layer copy-in (aiokv/worker/layerwise.py): one full-attention group only;
         # other models load whole requests, as without the setting
@@ -468,8 +494,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is None:
             report = self._disabled_report()
             for t in plan.loads:  # promised but impossible: recompute
-                if len(self.groups) == 1:
-                    self._errors.update(t.block_ids)
+                self._failed_blocks.update(t.block_ids)
                 self._failed_recv.add(t.req_id)
                 report.load_failed.append(t.req_id)
             return
@@ -516,8 +541,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker is None:
             done, self._failed_recv = self._failed_recv, set()
-            if len(self.groups) > 1:
-                self._failed_now |= done
+            blocks, self._failed_blocks = self._failed_blocks, set()
+            self._take_load_failures(blocks, done)
             return None, done or None
         if self._layers is not None:
             self._layers.end_step()  # every staged block of this step is in place
@@ -527,13 +552,14 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             # a job rather than spin empty steps; a step that computes never waits here
             self.worker.wait_for_jobs(IDLE_WAIT_S)
         finished, errors, failed, report = self.worker.poll()
-        if len(self.groups) == 1:
-            self._errors |= errors  # per block: vLLM keeps the blocks that did load
-        else:
-            # vLLM's per-block path refuses several groups: the whole request is recomputed
-            self._failed_now |= failed
+        self._take_load_failures(errors, failed)
         self._report = report
         return None, finished or None
+
+    def _take_load_failures(self, errors: set[int], failed: set[str]) -> None:
+        blocks, reqs = load_failures(self.per_block_errors, errors, failed)
+        self._errors |= blocks  # per block: vLLM keeps the blocks that did load
+        self._failed_now |= reqs  # whole requests: vLLM recomputes them from the start
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving = self.get_finished(finished_req_ids)
@@ -591,6 +617,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             out["worker_in_flight"] = self.worker.in_flight
             out["staging_in_use"] = self.worker.staging_in_use
+            out["load_report_breaches"] = self.worker.breaches  # refused duplicates (worker/groups.py): 0
         if self._layers is not None:
             out.update({f"layerwise_{k}": v for k, v in self._layers.counts.items()})
         return out

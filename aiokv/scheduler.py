@@ -18,6 +18,13 @@ Rules it keeps (docs/design.md):
 - Blocks are never held after a request finishes: the workers copy a step's
   blocks out before the step ends (see worker/device.py), so request_finished
   never delays a free.
+- A store call that raises changed nothing (the store's contract), and never
+  leaves the bookkeeping here half done: on_alloc builds every group's
+  transfer and pins before it commits any; plan() updates every scheduled
+  request's block tables before its first store call, then reserves request
+  by request (all of a request's slots, or none); what must be given back
+  (unpins, aborted reservations, drops) and could not be is tried again at
+  the next step (_give_back), so nothing stays pinned or pending.
 
 Threading contract: one thread, the EngineCore scheduler thread.
 """
@@ -111,6 +118,7 @@ class SchedulerSide:
         # is sent as a cancel so that its blocks, once vLLM frees them, are never written
         self.layerwise = False
         self._staged: set[str] = set()
+        self._give_back_later: list[tuple] = []  # store calls that raised, tried again at the next step
 
     # ---- matching and allocation ----
     def _state(self, req_id: str, tokens, root: bytes) -> _Req:
@@ -171,37 +179,54 @@ class SchedulerSide:
         return all(keys[i] in entries for i in range(first, h))
 
     def on_alloc(self, req_id: str, tokens, root: bytes, block_ids: tuple[list[int], ...], num_external: int) -> None:
+        """One Transfer per group for the hit vLLM allocated, queued with its pins all
+        together; if anything raises, nothing of it stays (pins and reservations are given
+        back) and the exception goes to the caller (the connector then calls fail_load)."""
         st = self._state(req_id, tokens, root)
         if num_external <= 0:
             return
         local = self._local_blocks.get(req_id, 0)
         n = num_external // self.bs
         remote = self._remote.pop(req_id, None)
-        pinned = []
-        for gi, g in enumerate(self.groups):
-            ids = block_ids[gi]
-            if g.spec.kind == STATE:  # only the state at the hit's end is read by vLLM
-                idx = [local + n - 1]
-            else:  # null blocks (before a window) are neither needed nor written
-                idx = [i for i in range(local, min(local + n, len(ids))) if ids[i] != 0]
-            keys = [st.keys[i] for i in idx]
-            blocks = [ids[i] if i < len(ids) else 0 for i in idx]
-            slots = self.store.pin(g.ns, keys)
-            pinned.append((gi, [k for k, s in zip(keys, slots) if s is not None]))
-            from_shared = self._reserve_remote(gi, idx, keys, slots, remote) if remote else []
-            # a key gone since match, or no block to load into, cannot be loaded:
-            # slot -1 makes the worker report it failed (vLLM recomputes)
-            self._new_loads.append(Transfer(req_id, keys, [-1 if s is None or b == 0 else s
-                                                           for s, b in zip(slots, blocks)], blocks, gi, from_shared))
-            self.counters.load_blocks += len(keys)
+        transfers, pinned, reserved = [], [], []
+        try:
+            for gi, g in enumerate(self.groups):
+                ids = block_ids[gi]
+                if g.spec.kind == STATE:  # only the state at the hit's end is read by vLLM
+                    idx = [local + n - 1]
+                else:  # null blocks (before a window) are neither needed nor written
+                    idx = [i for i in range(local, min(local + n, len(ids))) if ids[i] != 0]
+                keys = [st.keys[i] for i in idx]
+                blocks = [ids[i] if i < len(ids) else 0 for i in idx]
+                slots = self.store.pin(g.ns, keys)
+                pinned.append((gi, [k for k, s in zip(keys, slots) if s is not None]))
+                from_shared = self._reserve_remote(gi, idx, keys, slots, remote, reserved) if remote else []
+                # a key gone since match, or no block to load into, cannot be loaded:
+                # slot -1 makes the worker report it failed (vLLM recomputes)
+                transfers.append(Transfer(req_id, keys, [-1 if s is None or b == 0 else s
+                                                         for s, b in zip(slots, blocks)], blocks, gi, from_shared))
+        except BaseException:
+            for gi, keys in pinned:
+                self._give_back(("unpin", gi, keys))
+            self._abort_reserved(reserved)
+            raise
+        # committed together: every group's load, its pins, its shared-tier reservations
+        self._new_loads += transfers
         self._loading[req_id] = pinned
+        for gi, key, slot in reserved:
+            self._saving[(gi, key)] = (slot, set())
+            self._from_shared.add((gi, key))
+        self.counters.remote_hit_blocks += len(reserved)
+        self.counters.load_blocks += sum(len(t.keys) for t in transfers)
         self.counters.hit_requests += 1
         self.counters.hit_blocks += n
         self.counters.hit_tokens += n * self.bs
 
-    def _reserve_remote(self, gi: int, idx: list[int], keys: list[bytes], slots: list, remote) -> list[bool]:
-        """Blocks of `remote` (range) not stored locally get a reserved slot (in `slots`):
-        the worker loads them from the shared tier and writes them through to it."""
+    def _reserve_remote(self, gi: int, idx: list[int], keys: list[bytes], slots: list, remote,
+                        reserved: list) -> list[bool]:
+        """Blocks of `remote` (range) not stored locally get a reserved slot (in `slots`,
+        and (group, key, slot) in `reserved`): the worker loads them from the shared tier
+        and writes them through to it."""
         out = [False] * len(keys)
         ns = self.groups[gi].ns
         for j, i in enumerate(idx):
@@ -210,69 +235,108 @@ class SchedulerSide:
                 if slot is not None:
                     slots[j] = slot
                     out[j] = True
-                    self._saving[(gi, keys[j])] = (slot, set())
-                    self._from_shared.add((gi, keys[j]))
-                    self.counters.remote_hit_blocks += 1
+                    reserved.append((gi, keys[j], slot))
         return out
 
-    def fail_load(self, req_id: str, block_ids: tuple[list[int], ...], num_external: int) -> None:
-        """A load vLLM now waits for but that could not be prepared: emit it with no
-        slots, so the worker reports it finished with every block failed."""
-        local = self._local_blocks.get(req_id, 0)
-        n = num_external // self.bs
-        self._unpin_loading(req_id)
-        blocks = [b for b in block_ids[0][local:local + n] if b != 0] or [0]
-        self._new_loads.append(Transfer(req_id, [b"\0" * 32] * len(blocks), [-1] * len(blocks), blocks, 0))
+    def _abort_reserved(self, reserved: list[tuple[int, bytes, int]]) -> None:
+        by_group: dict[int, list] = {}
+        for gi, key, slot in reserved:
+            by_group.setdefault(gi, []).append((key, slot))
+        for gi, items in by_group.items():
+            self._give_back(("abort", gi, items, False))
 
-    def _unpin_loading(self, req_id: str) -> list[tuple[int, list[bytes]]]:
-        pinned = self._loading.pop(req_id, None) or []
-        for gi, keys in pinned:
-            self.store.unpin(self.groups[gi].ns, keys)
-        return pinned
+    def fail_load(self, req_id: str, block_ids: tuple[list[int], ...], num_external: int) -> None:
+        """A load vLLM now waits for but that could not be prepared: whatever was queued
+        for it is replaced by one load with no slots, so the worker reports the request
+        finished, failed, exactly once. Never raises."""
+        dropped = [t for t in self._new_loads if t.req_id == req_id]
+        if dropped:
+            self._new_loads = [t for t in self._new_loads if t.req_id != req_id]
+            self.counters.load_blocks -= sum(len(t.keys) for t in dropped)
+            for t in dropped:  # shared-tier reservations made for it
+                mine = [(t.group, k, s) for k, s, r in zip(t.keys, t.slots, t.remote) if r
+                        and self._saving.get((t.group, k), (None,))[0] == s]
+                for gi, k, _ in mine:
+                    del self._saving[(gi, k)]
+                    self._from_shared.discard((gi, k))
+                self._abort_reserved(mine)
+        self._unpin_loading(req_id)
+        try:
+            local = self._local_blocks.get(req_id, 0)
+            n = num_external // self.bs
+            blocks = [b for b in block_ids[0][local:local + n] if b != 0]
+        except Exception:
+            blocks = []
+        blocks = blocks or [0]  # no block: the connector reports it whole (failed_recving)
+        self._new_loads.append(Transfer(req_id, [b"\0" * 32] * len(blocks), [-1] * len(blocks), blocks, 0))
+        self._loading[req_id] = []  # in flight until reported: an abort meanwhile sends a cancel
+        self.counters.load_blocks += len(blocks)
+
+    def _unpin_loading(self, req_id: str) -> None:
+        for gi, keys in self._loading.pop(req_id, None) or []:
+            self._give_back(("unpin", gi, keys))
+
+    def _give_back(self, op: tuple) -> None:
+        """Give the store back a pin, a reservation or a bad key: ("unpin", group, keys),
+        ("abort", group, [(key, slot)], failed), ("drop", group, [(key, slot)]). If the store
+        raises, the same call is made again at the next step (plan), until it goes through."""
+        try:
+            kind, gi, arg = op[:3]
+            ns = self.groups[gi].ns
+            if kind == "unpin":
+                self.store.unpin(ns, arg)
+            elif kind == "abort":
+                self.store.abort(ns, arg, failed=op[3])
+            else:  # only where the key still sits in the slot that failed (not a newer copy)
+                keys = [k for k, slot in arg if ns.entries.get(k) == slot]
+                if keys:
+                    self.store.drop(ns, keys)
+                    self.counters.load_bad_blocks += len(keys)
+        except Exception:
+            log.warning("aiokv: giving the store back %s of %d block(s) failed; trying again at the next step",
+                        op[0], len(op[2]), exc_info=True)
+            self._give_back_later.append(op)
 
     # ---- per step ----
     def plan(self, scheduled: list[Scheduled], boundary: dict | None = None) -> StepPlan:
         """This step's loads and cancellations (always delivered) and saves (best effort:
-        a store error drops saves, never the step). `boundary`: vLLM's recurrent-state
-        checkpoints written this step, {req_id: [(group, block id, tokens)]}."""
+        a store error drops a request's saves of this step, never the step, never another
+        request's). `boundary`: vLLM's recurrent-state checkpoints written this step,
+        {req_id: [(group, block id, tokens)]}.
+
+        Two phases: first the bookkeeping of every scheduled request (its block tables, the
+        next block to save), with no store call; then the store: reservations request by
+        request, each yielding its transfers or giving back what it reserved."""
         plan = StepPlan(loads=self._new_loads, cancel=self._cancel)
         self._new_loads, self._cancel = [], []
         if self.disabled:
             return plan
-        try:
-            self.store.flush_if_due()
-            self.store.refresh()  # other engines on the directory: their blocks become hits here
-            self._saves_allowed = self.breaker.allow_saves()
-            self._plan_saves(scheduled, plan)
-            if boundary:
-                self._plan_state_saves(boundary, plan)
-        except Exception:
-            log.exception("aiokv: planning saves failed; this step's saves are dropped")
+        wanted: dict[str, list[tuple[int, list[bytes], list[int]]]] = {}
+        for s in scheduled:
+            self._track(s, wanted)
+        for req_id, items in (boundary or {}).items():
+            self._track_states(req_id, items, wanted)
+        later, self._give_back_later = self._give_back_later, []
+        for op in later:
+            self._give_back(op)
+        for call in (self.store.flush_if_due, self.store.refresh):  # refresh: other engines' blocks become hits
+            try:
+                call()
+            except Exception:
+                log.exception("aiokv: the store's %s failed; trying again at the next step", call.__name__)
+        self._saves_allowed = self.breaker.allow_saves()
+        for req_id, parts in wanted.items():
+            plan.saves += self._reserve(req_id, parts)
         return plan
 
-    def _reserve(self, gi: int, keys: list[bytes], blocks: list[int], req_id: str, plan: StepPlan) -> None:
-        if not self._saves_allowed:  # the breaker is open: the disk is failing
-            self.counters.saves_skipped_breaker += len(keys)
+    def _track(self, s: Scheduled, wanted: dict) -> None:
+        """Bookkeeping of one scheduled request (no store call): its block tables, and
+        the blocks of full/window groups whose tokens all became computed in this life."""
+        st = self._reqs.get(s.req_id)
+        if st is None:
             return
-        ns = self.groups[gi].ns
-        out_k, out_s, out_b = [], [], []
-        for key, block in zip(keys, blocks):
-            slot = self.store.reserve(ns, key)
-            if slot is not None:
-                out_k.append(key)
-                out_s.append(slot)
-                out_b.append(block)
-                self._saving[(gi, key)] = (slot, set())
-        if out_k:
-            plan.saves.append(Transfer(req_id, out_k, out_s, out_b, gi))
-            self.counters.saves_planned += len(out_k)
-
-    def _plan_saves(self, scheduled: list[Scheduled], plan: StepPlan) -> None:
         bs = self.bs
-        for s in scheduled:
-            st = self._reqs.get(s.req_id)
-            if st is None:
-                continue
+        try:
             if s.replace:
                 # a new life: only blocks computed from here on may be saved
                 st.block_ids = [list(ids) for ids in s.block_ids or ()] or [[] for _ in self.groups]
@@ -283,7 +347,7 @@ class SchedulerSide:
             full = min((s.num_computed + s.num_scheduled) // bs, len(st.tokens) // bs)
             for gi, g in enumerate(self.groups):
                 if g.spec.kind == STATE:
-                    continue  # states are saved from vLLM's checkpoints (_plan_state_saves)
+                    continue  # states are saved from vLLM's checkpoints (_track_states)
                 ids = st.block_ids[gi]
                 upto = min(full, len(ids))
                 if upto <= st.next_save[gi]:
@@ -292,73 +356,118 @@ class SchedulerSide:
                 # a null block slid out of the window before this life computed it
                 idx = [i for i in range(st.next_save[gi], upto) if ids[i] != 0]
                 st.next_save[gi] = upto
-                self._reserve(gi, [st.keys[i] for i in idx], [ids[i] for i in idx], s.req_id, plan)
+                if idx:
+                    wanted.setdefault(s.req_id, []).append((gi, [st.keys[i] for i in idx], [ids[i] for i in idx]))
+        except Exception:
+            # its tables can no longer be trusted: never saved from them (a resumed life starts anew)
+            log.exception("aiokv: tracking request %s failed; its blocks are not saved", s.req_id)
+            self._reqs.pop(s.req_id, None)
+            wanted.pop(s.req_id, None)
 
-    def _plan_state_saves(self, boundary: dict, plan: StepPlan) -> None:
+    def _track_states(self, req_id: str, items, wanted: dict) -> None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
         bs = self.bs
-        for req_id, items in boundary.items():
-            st = self._reqs.get(req_id)
-            if st is None:
-                continue
+        try:
             for gi, block, tokens in items:
                 if not (0 <= gi < len(self.groups)) or self.groups[gi].spec.kind != STATE or block == 0 \
                         or tokens <= 0 or tokens % bs or tokens > len(st.tokens):
                     continue
                 i = tokens // bs - 1
                 extend_keys(st.keys, st.root, st.tokens, bs, i + 1)
-                self._reserve(gi, [st.keys[i]], [block], req_id, plan)
+                wanted.setdefault(req_id, []).append((gi, [st.keys[i]], [block]))
+        except Exception:
+            log.exception("aiokv: reading the state checkpoints of request %s failed; they are not saved", req_id)
+
+    def _reserve(self, req_id: str, parts: list[tuple[int, list[bytes], list[int]]]) -> list[Transfer]:
+        """Slots for one request's blocks of this step: all of its saves, or none."""
+        if not self._saves_allowed:  # the breaker is open: the disk is failing
+            self.counters.saves_skipped_breaker += sum(len(keys) for _, keys, _ in parts)
+            return []
+        got: list[tuple[int, bytes, int, int]] = []  # (group, key, slot, block)
+        try:
+            for gi, keys, blocks in parts:
+                ns = self.groups[gi].ns
+                for key, block in zip(keys, blocks):
+                    slot = self.store.reserve(ns, key)
+                    if slot is not None:
+                        got.append((gi, key, slot, block))
+        except Exception:
+            log.exception("aiokv: reserving slots failed; request %s's saves of this step are dropped", req_id)
+            self._abort_reserved([(gi, k, slot) for gi, k, slot, _ in got])
+            return []
+        out: dict[int, Transfer] = {}
+        for gi, key, slot, block in got:
+            t = out.setdefault(gi, Transfer(req_id, [], [], [], gi))
+            t.keys.append(key)
+            t.slots.append(slot)
+            t.block_ids.append(block)
+            self._saving[(gi, key)] = (slot, set())
+        self.counters.saves_planned += len(got)
+        return list(out.values())
 
     def on_report(self, report: WorkerReport | None, finished_recving) -> None:
-        if report is not None:
-            self.breaker.record(report.counters)
-            self.counters.breaker_opens = self.breaker.opens
-            done: dict[int, list] = {}
-            for rank, key, slot, gi in report.saved:
-                entry = self._saving.get((gi, key))
-                if entry is None or entry[0] != slot:
-                    continue
-                entry[1].add(rank)
-                if len(entry[1]) == self.groups[gi].ns.ranks:
-                    del self._saving[(gi, key)]
-                    self._from_shared.discard((gi, key))
-                    done.setdefault(gi, []).append((key, slot))
-            for gi, items in done.items():
-                before = self.store.stats.commits
-                self.store.commit(self.groups[gi].ns, items)
-                self.counters.saves_committed += self.store.stats.commits - before
-            failed: dict[int, list] = {}
-            for rank, key, slot, gi in report.save_failed:
-                entry = self._saving.get((gi, key))
-                if entry is not None and entry[0] == slot:  # not a stale report of an older try
-                    del self._saving[(gi, key)]
-                    failed.setdefault(gi, []).append((key, slot))
-            for gi, items in failed.items():
-                # a shared block that did not arrive is a miss, not a failed save
-                lost = [it for it in items if (gi, it[0]) not in self._from_shared]
-                self.store.abort(self.groups[gi].ns, lost)
-                self.store.abort(self.groups[gi].ns, [it for it in items if (gi, it[0]) in self._from_shared],
-                                 failed=False)
-                self._from_shared.difference_update((gi, k) for k, _ in items)
-                self.counters.save_failures += len(lost)
-            self._no_hits.update(r for r in report.load_failed if r in self._reqs)
-            if report.disabled and not self.disabled:
-                self.disabled = True
-                log.error("aiokv: a worker is disabled; aiokv stops offering hits and saving")
-            if report.load_bad:
-                bad: dict[int, list] = {}
-                for key, slot, gi in dict.fromkeys(report.load_bad):
-                    # only where the key still sits in the slot that failed (not a newer copy)
-                    if 0 <= gi < len(self.groups) and self.groups[gi].ns.entries.get(key) == slot:
-                        bad.setdefault(gi, []).append(key)
-                    elif self.shared is not None and 0 <= gi < len(self.groups):
-                        self.shared.missing(gi, key)  # a shared block that failed: not offered for a while
-                for gi, keys in bad.items():
-                    self.store.drop(self.groups[gi].ns, keys)
-                    self.counters.load_bad_blocks += len(keys)
+        """The workers' report: its bookkeeping whole first, then the store calls, each on
+        its own (one that raises loses only its own blocks: a commit that fails gives its
+        slots back)."""
         for req_id in finished_recving or ():
             self._unpin_loading(req_id)
             if self.layerwise and req_id in self._reqs:
                 self._staged.add(req_id)
+        if report is None:
+            return
+        self.breaker.record(report.counters)
+        self.counters.breaker_opens = self.breaker.opens
+        done: dict[int, list] = {}
+        for rank, key, slot, gi in report.saved:
+            entry = self._saving.get((gi, key))
+            if entry is None or entry[0] != slot:
+                continue
+            entry[1].add(rank)
+            if len(entry[1]) == self.groups[gi].ns.ranks:
+                del self._saving[(gi, key)]
+                self._from_shared.discard((gi, key))
+                done.setdefault(gi, []).append((key, slot))
+        failed: dict[int, list] = {}
+        shared_lost: dict[int, list] = {}
+        for rank, key, slot, gi in report.save_failed:
+            entry = self._saving.get((gi, key))
+            if entry is not None and entry[0] == slot:  # not a stale report of an older try
+                del self._saving[(gi, key)]
+                if (gi, key) in self._from_shared:  # a shared block that did not arrive: a miss, not a failed save
+                    self._from_shared.discard((gi, key))
+                    shared_lost.setdefault(gi, []).append((key, slot))
+                else:
+                    failed.setdefault(gi, []).append((key, slot))
+        self._no_hits.update(r for r in report.load_failed if r in self._reqs)
+        if report.disabled and not self.disabled:
+            self.disabled = True
+            log.error("aiokv: a worker is disabled; aiokv stops offering hits and saving")
+        bad: dict[int, list] = {}
+        for key, slot, gi in dict.fromkeys(report.load_bad):
+            if not 0 <= gi < len(self.groups):
+                continue
+            if self.groups[gi].ns.entries.get(key) == slot:
+                bad.setdefault(gi, []).append((key, slot))
+            elif self.shared is not None:
+                self.shared.missing(gi, key)  # a shared block that failed: not offered for a while
+        # the store
+        for gi, items in done.items():
+            before = self.store.stats.commits
+            try:
+                self.store.commit(self.groups[gi].ns, items)
+            except Exception:
+                log.exception("aiokv: committing %d block(s) failed; they are not stored", len(items))
+                self._give_back(("abort", gi, items, True))
+            self.counters.saves_committed += self.store.stats.commits - before
+        for gi, items in failed.items():
+            self._give_back(("abort", gi, items, True))
+            self.counters.save_failures += len(items)
+        for gi, items in shared_lost.items():
+            self._give_back(("abort", gi, items, False))
+        for gi, items in bad.items():
+            self._give_back(("drop", gi, items))
 
     def finished(self, req_id: str) -> bool:
         """The request is gone from vLLM. Returns whether to delay freeing its blocks: never."""
@@ -378,20 +487,34 @@ class SchedulerSide:
 
     def close(self) -> None:
         """Commit saves whose reports can no longer arrive (the workers are gone)
-        if their blocks verify on disk; give the other reservations back."""
+        if their blocks verify on disk; give the other reservations back. Never raises."""
         done: dict[int, list] = {}
         lost: dict[int, list] = {}
         for (gi, key), (slot, _) in self._saving.items():
             ns = self.groups[gi].ns
-            (done if self.store.verify_slot(ns, key, slot) else lost).setdefault(gi, []).append((key, slot))
+            try:
+                ok = self.store.verify_slot(ns, key, slot)
+            except Exception:
+                ok = False
+            (done if ok else lost).setdefault(gi, []).append((key, slot))
         self._saving.clear()
         self._from_shared.clear()
         for gi, items in done.items():
-            self.store.commit(self.groups[gi].ns, items)
-            self.counters.saves_committed += len(items)
+            try:
+                self.store.commit(self.groups[gi].ns, items)
+                self.counters.saves_committed += len(items)
+            except Exception:
+                log.exception("aiokv: committing saves at shutdown failed")
+                lost.setdefault(gi, []).extend(items)
+        later, self._give_back_later = self._give_back_later, []
+        for op in later:
+            self._give_back(op)
         for gi, items in lost.items():
-            self.store.abort(self.groups[gi].ns, items, failed=False)
-        self.store.close()
+            self._give_back(("abort", gi, items, False))
+        try:
+            self.store.close()
+        except Exception:
+            log.exception("aiokv: closing the store failed")
         if self.shared is not None:
             self.shared.close()
 

@@ -41,6 +41,7 @@ def assert_clean(res: dict, *, allow_load_errors: bool = False) -> None:
     assert c["pending_saves"] == 0, c
     assert c["pinned"] == 0, c
     assert c["worker_in_flight"] == 0 and c["staging_in_use"] == 0, c
+    assert c.get("load_report_breaches", 0) == 0, c  # every load reported finished exactly once
     assert_no_leaks(res)
 
 

@@ -54,3 +54,22 @@ def test_short_fuzz_with_several_kv_cache_groups(tmp_path, family):
     assert summary["ok"] and p.returncode == 0
     assert sum(life["saves"] for life in summary["lives"]) > 0
     assert sum(life["hit_blocks"] or 0 for life in summary["lives"][1:]) > 0, "the restart must hit"
+
+
+def test_short_fuzz_with_store_errors(tmp_path):
+    """The same fuzz (Gemma 2: two KV-cache groups) with every store call of the scheduler
+    side raising with probability 0.05 (tools/store_faults.py; the scheduler-level proof of
+    each single call is tests/test_store_errors_leave_bookkeeping_whole.py). Loads and saves
+    may fail (recomputed, dropped); tokens must equal the run without aiokv, every save and
+    load must touch the block holding its key's tokens, and nothing may stay pinned, pending
+    or reserved, or be reported finished twice."""
+    p = subprocess.run([sys.executable, "tools/fuzz.py", "--family", "gemma2", "--steps", "60", "--lives", "2",
+                        "--prompts", "16", "--seed", "7", "--store-faults", "0.05", "--dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=1500)
+    summary = json.loads(p.stdout[p.stdout.index("{"):])
+    problems = [x for life in summary["lives"] for x in life["problems"]]
+    assert not problems, problems
+    assert summary["ok"] and p.returncode == 0
+    assert sum(life["store_faults_injected"] for life in summary["lives"]) >= 10
+    assert sum(life["saves"] for life in summary["lives"]) > 0
+    assert sum(life["hit_blocks"] or 0 for life in summary["lives"]) > 0, "loads must be prepared under faults"

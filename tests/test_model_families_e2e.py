@@ -11,15 +11,31 @@ for every group, loading exactly the blocks vLLM allocated for it.
 Invariant: tokens identical to a run without aiokv, external hits after a
 restart, no failures, nothing leaked (tests/e2e.py: assert_clean).
 Prompts end mid-block, mid-window and exactly one token past a checkpoint.
+
+Load failures on every family (test_spoiled_blocks_are_recomputed_whole): the
+bug: a model with one KV-cache group that is not full attention (every layer
+windowed, Mistral-7B-v0.1 style) had its failed loads reported block by block;
+vLLM then cut the request back to its first failed block and computed from
+there over a block table that holds null blocks before the loaded window: other
+tokens (all 4 damaged requests of the Mistral-style model, before the fix).
+Invariant: corrupted, missing and unreadable blocks, inside and before the
+window, in every group, give the tokens of a run without aiokv; the failures
+are counted, exactly the blocks loaded are; nothing leaks. Fix: only one
+full-attention group uses vLLM's per-block path; every other model recomputes
+a failed load whole (failed_recving); block 0 is never reported
+(connector.load_failures).
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
 from aiokv.demo import tiny_model
+from aiokv.io.faults import ACK
+from tests.damage import StoredBlocks
 from tests.e2e import assert_clean, prompts, run
 
 pytestmark = pytest.mark.vllm
@@ -43,24 +59,43 @@ def _mixed(n_blocks_list, bs, seed):
 FAMILIES = {
     # name: (dtype, block size (None: vLLM's), prompt lengths, blocks loaded per warm request or None)
     # window 64, blocks of 32: 200 ends mid-block, 161 one past a block end, 250 mid-window
-    "gemma2": ("float32", 32, [200, 161, 250]),
-    "mistral": ("float32", 32, [200, 161, 250]),
+    "gemma2": ("float32", 32, [200, 161, 250, 230, 190, 170, 220]),
+    "mistral": ("float32", 32, [200, 161, 250, 230, 190, 170, 220]),
     # vLLM picks 128-token blocks for the tiny Qwen3-Next: 385 is one past the 384 checkpoint, 300 mid-block
-    "hybrid": ("bfloat16", None, [385, 300, 400]),
+    "hybrid": ("bfloat16", None, [385, 300, 400, 390, 330, 270, 420]),
 }
 
 
+@pytest.fixture(scope="module")
+def stored(models, tmp_path_factory):
+    """family -> (spec, tokens of a run without aiokv, cache directory after a cold run with it);
+    each family's two lives run once for the module's tests."""
+    done: dict = {}
+
+    def get(family: str):
+        if family not in done:
+            dtype, bs, lengths = FAMILIES[family]
+            cache = str(tmp_path_factory.mktemp(family) / "c")
+            spec = dict(model=models[family], dtype=dtype, block_size=bs,
+                        phases=[dict(prompts=_mixed(lengths, bs, seed=11), max_tokens=12)])
+            base = run(spec)
+            cold = run(dict(spec, cache=cache))
+            assert cold["tokens"] == base["tokens"]
+            assert cold["counters"]["saves_committed"] > 0
+            assert_clean(cold)
+            done[family] = (spec, base["tokens"], cache)
+        return done[family]
+
+    return get
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_cold_restart_warm_identical_tokens_with_hits(tmp_path, models, family):
-    dtype, bs, lengths = FAMILIES[family]
+def test_cold_restart_warm_identical_tokens_with_hits(tmp_path, stored, family):
+    _, _, lengths = FAMILIES[family]
+    spec, tokens, cold_cache = stored(family)
+    base = {"tokens": tokens}
     cache = str(tmp_path / "c")
-    spec = dict(model=models[family], dtype=dtype, block_size=bs,
-                phases=[dict(prompts=_mixed(lengths, bs, seed=11), max_tokens=12)])
-    base = run(spec)
-    cold = run(dict(spec, cache=cache))
-    assert cold["tokens"] == base["tokens"]
-    assert cold["counters"]["saves_committed"] > 0
-    assert_clean(cold)
+    shutil.copytree(cold_cache, cache)
     warm = run(dict(spec, cache=cache))
     assert warm["tokens"] == base["tokens"]
     w = warm["counters"]
@@ -82,6 +117,57 @@ def test_cold_restart_warm_identical_tokens_with_hits(tmp_path, models, family):
         assert kinds == ["full", "state", "state", "state"]
         # attention blocks of the hit plus one state per recurrent group and request
         assert w["loads_ok_blocks"] == w["hit_blocks"] + 3 * w["hit_requests"], w
+
+
+# family -> {prompt index: (group kind, block position, how)}; a position counts from the
+# hit's end when negative (-1: its last block). Windows of 64 tokens over 32-token blocks:
+# a hit of h blocks loads window blocks h-2 and h-1 (-2, -1); blocks 0 and 1 lie before it.
+# The recurrent groups of the hybrid load one state: the one at the hit's end (-1).
+SPOILED = {
+    "mistral": {1: ("window", -1, "corrupt"), 2: ("window", -2, "missing"), 3: ("window", -1, "unreadable"),
+                4: ("window", -2, "unreadable"),
+                # before the window: never loaded, so these requests hit whole
+                5: ("window", 1, "corrupt"), 6: ("window", 0, "missing")},
+    "gemma2": {1: ("window", -1, "corrupt"), 2: ("window", -2, "missing"), 3: ("full", -1, "unreadable"),
+               4: ("window", -2, "unreadable"), 5: ("full", 1, "corrupt"), 6: ("full", 0, "missing"),
+               0: ("window", 0, "corrupt")},  # before the window group's window: not loaded
+    "hybrid": {1: ("state", -1, "corrupt"), 2: ("state", -1, "missing"), 3: ("state", -1, "unreadable"),
+               4: ("full", -1, "corrupt"), 5: ("full", 0, "missing"), 6: ("full", 0, "unreadable")},
+}
+
+
+@pytest.mark.parametrize("family", sorted(SPOILED))
+def test_spoiled_blocks_are_recomputed_whole(tmp_path, stored, family):
+    """Stored blocks corrupted, punched out or unreadable (EIO), at several positions
+    inside and before the window and in every kind of group: tokens = a run without
+    aiokv; the blocks that failed are exactly the spoiled blocks a hit loads; nothing
+    leaks."""
+    spec, tokens, cold_cache = stored(family)
+    cache = str(tmp_path / "c")
+    shutil.copytree(cold_cache, cache)
+    ps = spec["phases"][0]["prompts"]
+    bs = spec["block_size"] or 128
+    blocks = StoredBlocks(cache, bs)
+    rules, failing = [], 0
+    for i, (kind, pos, how) in SPOILED[family].items():
+        h = (len(ps[i]) - 1) // bs  # the hit (every block of these prompts is stored)
+        at = h + pos if pos < 0 else pos
+        gi = blocks.group(kind)
+        assert blocks.stored(gi, ps[i], at), (family, i, at)
+        rule = blocks.spoil(how, gi, ps[i], at)
+        rules += [rule] if rule else []
+        loaded = kind != "window" or at >= h - 2
+        failing += loaded
+    env = {"AIOKV_FAULTS": json.dumps(rules), "AIOKV_FAULTS_ACK": ACK}
+    res = run(dict(spec, cache=cache), env=env)
+    assert res["tokens"] == tokens
+    c = res["counters"]
+    assert c["hit_requests"] == len(ps), c
+    # every spoiled block a hit loads failed (once), and nothing else did
+    assert c["load_failed_blocks"] == failing, c
+    assert c["load_bad_blocks"] == failing and c["read_errors"] == len(rules), c
+    assert c["loads_ok_blocks"] + failing == c["load_blocks"], c
+    assert_clean(res, allow_load_errors=True)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "hybrid"])

@@ -2,7 +2,7 @@
 """A seeded fuzz of aiokv on the real vLLM engine (CPU).
 
     PYTHONPATH=. .venv/bin/python tools/fuzz.py --steps N [--seed S] [--lives L] [--dir DIR]
-        [--prompts P] [--fault-every K] [--life-timeout S]
+        [--prompts P] [--fault-every K] [--store-faults P] [--life-timeout S]
 
 Each life prints a progress line (JSON) on stderr; the summary (with totals)
 goes to stdout at the end.
@@ -13,7 +13,12 @@ random aborts, and a KV cache small enough to preempt. With --fault-every K,
 every K-th life runs with the test-only I/O fault injector (aiokv/io/faults.py)
 breaking some reads (EIO, short, late, flipped bytes) and writes (EIO): load
 and save errors are then expected and allowed, every other check still holds
-(and the circuit breaker may open). After every step it checks:
+(and the circuit breaker may open). With --store-faults P, each store call of the
+scheduler side raises with probability P in every life (tools/store_faults.py):
+load and save errors are then allowed too, and every save and load is checked
+against vLLM's block tables (the block holds its key's tokens); at the end no
+reservation may be left in the store and no load reported twice. After every
+step it checks:
 - every block a save reads or a load writes belongs, at that moment, to the
   request it is for (no block read or written after release);
 - staging slots in use never exceed the pool, pins are held only by loads in
@@ -150,6 +155,7 @@ def life(args) -> dict:
             return orig_load(transfers)
 
         w.save, w.load = save, load
+    faulty = _store_faults(spec, conn, wc, managers, violations)
 
     prompts = spec["prompts"]
     order = list(range(len(prompts)))
@@ -178,7 +184,8 @@ def life(args) -> dict:
             c = conn.counters()
             if wc.worker.pool.in_use > wc.worker.pool.count:
                 violations.append("staging over-committed")
-            if c["pinned"] and not conn.sched._loading:
+            # pins are held by loads in flight, or by unpins the store refused, retried next step
+            if c["pinned"] and not conn.sched._loading and not getattr(conn.sched, "_give_back_later", None):
                 violations.append(f"{c['pinned']} pins without a load in flight")
     for rid in list(live):  # the step budget ran out: abort the rest
         engine.abort_request([rid])
@@ -196,8 +203,32 @@ def life(args) -> dict:
     res["requests_left"] = len(sched.requests)
     if conn is not None:
         res["counters"] = {**conn.counters(), **wc.counters()}
+    if faulty is not None:
+        import store_faults
+
+        res["store_faults"] = store_faults.summary(faulty)
     engine.engine_core.engine_core.shutdown()
     return res
+
+
+def _store_faults(spec: dict, conn, wc, managers, violations: list[str]):
+    """--store-faults: the scheduler side's store calls raise at random (tools/store_faults.py)."""
+    if not spec.get("store_faults") or conn is None or conn.sched is None or wc is None or wc.worker is None:
+        return None
+    import store_faults
+
+    return store_faults.install(conn, wc, managers, spec["store_faults"], spec["seed"], violations)
+
+
+def _store_fault_problems(got: dict) -> list[str]:
+    """What a life with --store-faults must not leave behind."""
+    out = []
+    sf, c = got.get("store_faults"), got.get("counters", {})
+    if sf is not None and sf["pending_reservations"]:
+        out.append(f"{sf['pending_reservations']} store reservations never given back")
+    if c.get("load_report_breaches"):
+        out.append(f"{c['load_report_breaches']} loads not reported exactly once")
+    return out
 
 
 def _load_spec(path: str) -> dict:
@@ -335,6 +366,8 @@ def main() -> int:
     ap.add_argument("--capacity", default="8MiB", help="aiokv capacity (small: eviction)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--fault-every", type=int, default=0, help="every K-th life runs with I/O faults (0: none)")
+    ap.add_argument("--store-faults", type=float, default=0.0,
+                    help="probability that a store call of the scheduler side raises (every life)")
     ap.add_argument("--life-timeout", type=float, default=600, help="seconds one life may step")
     ap.add_argument("--life", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--check", default=None, help=argparse.SUPPRESS)
@@ -366,11 +399,13 @@ def main() -> int:
         common = dict(model=model, prompts=ps, steps=args.steps, blocks=blocks, life=n, capacity=args.capacity,
                       timeout=args.life_timeout, family=args.family)
         faulty = bool(args.fault_every) and n % args.fault_every == args.fault_every - 1
-        got = run_life(dict(common, cache=cache, seed=args.seed * 100 + n, faults=FAULTS if faulty else None))
+        got = run_life(dict(common, cache=cache, seed=args.seed * 100 + n, faults=FAULTS if faulty else None,
+                            store_faults=args.store_faults))
+        lenient = faulty or bool(args.store_faults)  # load and save errors allowed
         # the reference: the same prompts without aiokv, one at a time, no aborts, no step limit
         finished = [int(k) for k, v in got["outs"].items() if v is not None]
         ref = run_life(dict(common, cache=None, seed=0, prompts=[ps[i] for i in finished], steps=10**6, abort_p=0))
-        problems = list(got["violations"])
+        problems = list(got["violations"]) + _store_fault_problems(got)
         # the reference ran with its own random max_tokens: compare the common prefix of outputs
         ref_outs = {finished[int(k)]: v for k, v in ref["outs"].items()}
         token_diffs = []
@@ -385,7 +420,7 @@ def main() -> int:
         if got["leaked_blocks"] or got["requests_left"]:
             problems.append(f"leaked {got['leaked_blocks']} blocks, {got['requests_left']} requests")
         for name in ("pending_saves", "pinned", "worker_in_flight", "staging_in_use") + (
-                () if faulty else ("load_failed_blocks", "load_bad_blocks")):
+                () if lenient else ("load_failed_blocks", "load_bad_blocks")):
             if c.get(name):
                 problems.append(f"{name} = {c[name]} at the end")
         if (c.get("loads_ok_blocks", 0) + c.get("load_failed_blocks", 0) + c.get("load_cancelled_blocks", 0)
@@ -398,6 +433,7 @@ def main() -> int:
                                  "evictions": c.get("store_evictions"), "load_failed_blocks": c.get("load_failed_blocks", 0),
                                  "save_failed_blocks": c.get("save_failed_blocks", 0),
                                  "token_diffs_inexact": [] if FAMILIES[args.family][5] else token_diffs,
+                                 "store_faults_injected": sum((got.get("store_faults") or {}).get("injected", {}).values()),
                                  "problems": problems})
         summary["ok"] &= not problems
         # progress, so that a long run that is stopped still leaves its figures

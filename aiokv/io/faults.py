@@ -8,7 +8,8 @@ AIOKV_FAULTS is a JSON list of rules; each applies to operations of one kind:
     {"op": "read"|"write", "kind": "eio"|"enospc"|"short"|"late"|"flip",
      "every": N (default 1: every matching op), "skip": K (first K matching ops pass),
      "limit": M (at most M faults), "delay": seconds (for "late"),
-     "file": S (only operations on files whose path contains S, e.g. "rank1.data")}
+     "file": S (only operations on files whose path contains S, e.g. "rank1.data"),
+     "offset": B (only operations at byte offset B of their file: one slot)}
 - eio / enospc: the operation is not performed; it returns -EIO / -ENOSPC.
 - short: the operation moves 4096 bytes less than asked (a real short transfer).
 - late: the operation completes `delay` seconds late.
@@ -42,11 +43,13 @@ class Rule:
         self.limit = spec.get("limit")
         self.delay = float(spec.get("delay", 0.5))
         self.file = spec.get("file")
+        self.offset = spec.get("offset")
         self.seen = 0
         self.fired = 0
 
     def hits(self, op) -> bool:
-        if op[0] != self.op or (self.file and self.file not in _path(op[1])):
+        if op[0] != self.op or (self.offset is not None and op[4] != self.offset) \
+                or (self.file and self.file not in _path(op[1])):
             return False
         self.seen += 1
         n = self.seen - self.skip

@@ -9,12 +9,23 @@ Contract kept towards the connector, the same as one TransferWorker's:
 - saves go to the group's worker, except for groups this rank does not save
   (replicated KV such as MLA's latent: rank 0 stores it once for all ranks).
 
+"Exactly once" is asserted here, per rank: a second load of a request in a
+group while its first is in flight, and a finished report for a load this rank
+does not hold in flight, are breaches. vLLM's scheduler asserts on a second
+finished_recving (the engine dies), so a breach is never handed on: the
+duplicate is dropped, logged as an error and counted (`breaches`, in the
+connector's counters as load_report_breaches, which the tests require to be 0).
+
 Threading contract: vLLM's worker thread only, like the TransferWorkers' own
 save/load/cancel/poll/close.
 """
 from __future__ import annotations
 
+import logging
+
 from aiokv.jobs import Transfer, WorkerReport
+
+log = logging.getLogger("aiokv")
 
 
 class GroupedWorker:
@@ -23,6 +34,7 @@ class GroupedWorker:
         self.save_groups = save_groups
         self._parts: dict[str, set[int]] = {}   # req -> groups whose part of its load is outstanding
         self._failed: set[str] = set()           # reqs with a failed part, until reported
+        self.breaches = 0                         # loads not reported exactly once (refused)
 
     @property
     def device(self):
@@ -44,10 +56,18 @@ class GroupedWorker:
         for g, ts in by_group.items():
             self.workers[g].save(ts)
 
+    def _breach(self, what: str) -> None:
+        self.breaches += 1
+        log.error("aiokv: %s; refused (a load is reported finished exactly once)", what)
+
     def load(self, transfers: list[Transfer]) -> None:
         by_group: dict[int, list[Transfer]] = {}
         for t in transfers:
-            self._parts.setdefault(t.req_id, set()).add(t.group)
+            parts = self._parts.setdefault(t.req_id, set())
+            if t.group in parts:
+                self._breach(f"a second load of request {t.req_id} in group {t.group} while one is in flight")
+                continue
+            parts.add(t.group)
             by_group.setdefault(t.group, []).append(t)
         for g, ts in by_group.items():
             self.workers[g].load(ts)
@@ -68,11 +88,13 @@ class GroupedWorker:
             report = report.merge(rep)
             for req in done:
                 parts = self._parts.get(req)
-                if parts is not None:
-                    parts.discard(g)
-                    if parts:
-                        continue
-                    del self._parts[req]
+                if parts is None or g not in parts:
+                    self._breach(f"request {req} reported finished loading in group {g} with no load in flight")
+                    continue
+                parts.discard(g)
+                if parts:
+                    continue
+                del self._parts[req]
                 finished.add(req)
         failed = finished & self._failed
         self._failed -= finished
