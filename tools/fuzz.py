@@ -2,7 +2,7 @@
 """A seeded fuzz of aiokv on the real vLLM engine (CPU).
 
     PYTHONPATH=. .venv/bin/python tools/fuzz.py --steps N [--seed S] [--lives L] [--dir DIR]
-        [--prompts P] [--fault-every K] [--life-timeout S]
+        [--prompts P] [--fault-every K] [--life-timeout S] [--time-budget S]
 
 Each life prints a progress line (JSON) on stderr; the summary (with totals)
 goes to stdout at the end.
@@ -380,6 +380,8 @@ def main() -> int:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--fault-every", type=int, default=0, help="every K-th life runs with I/O faults (0: none)")
     ap.add_argument("--life-timeout", type=float, default=600, help="seconds one life may step")
+    ap.add_argument("--time-budget", type=float, default=0,
+                    help="start no new life after this many seconds (0: no limit); the final check still runs")
     ap.add_argument("--life", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--check", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -406,6 +408,8 @@ def main() -> int:
     spoiled: list[str] = []
     prefixes = make_prefixes(rnd)
     for n in range(args.lives):
+        if args.time_budget and time.monotonic() - t0 > args.time_budget and summary["lives"]:
+            break
         ps = make_prompts(rnd, args.prompts, prefixes, longest)
         all_prompts += ps
         common = dict(model=model, prompts=ps, steps=args.steps, blocks=blocks, life=n, capacity=args.capacity,
