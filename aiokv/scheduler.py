@@ -100,6 +100,9 @@ class SchedulerSide:
         # requests whose load failed: vLLM recomputes them, and must not be offered
         # the same hit again (a slow disk would make it wait and fail forever)
         self._no_hits: set[str] = set()
+        # requests alive at a cache reset (new_epoch): some of their KV is the old weights'; never saved
+        self._stale: set[str] = set()
+        self._reset_workers = False  # the next plan tells the workers to drop their memory tier
         self.disabled = False  # a worker could not start: no hits, no saves from now on
         self._saves_allowed = True  # the breaker's word for this step's saves
         # the shared tier's lookups (aiokv/shared/lookup.py), set by the connector; None: no shared tier
@@ -235,8 +238,8 @@ class SchedulerSide:
         """This step's loads and cancellations (always delivered) and saves (best effort:
         a store error drops saves, never the step). `boundary`: vLLM's recurrent-state
         checkpoints written this step, {req_id: [(group, block id, tokens)]}."""
-        plan = StepPlan(loads=self._new_loads, cancel=self._cancel)
-        self._new_loads, self._cancel = [], []
+        plan = StepPlan(loads=self._new_loads, cancel=self._cancel, reset=self._reset_workers)
+        self._new_loads, self._cancel, self._reset_workers = [], [], False
         if self.disabled:
             return plan
         try:
@@ -271,7 +274,7 @@ class SchedulerSide:
         bs = self.bs
         for s in scheduled:
             st = self._reqs.get(s.req_id)
-            if st is None:
+            if st is None or s.req_id in self._stale:
                 continue
             if s.replace:
                 # a new life: only blocks computed from here on may be saved
@@ -298,7 +301,7 @@ class SchedulerSide:
         bs = self.bs
         for req_id, items in boundary.items():
             st = self._reqs.get(req_id)
-            if st is None:
+            if st is None or req_id in self._stale:
                 continue
             for gi, block, tokens in items:
                 if not (0 <= gi < len(self.groups)) or self.groups[gi].spec.kind != STATE or block == 0 \
@@ -360,11 +363,25 @@ class SchedulerSide:
             if self.layerwise and req_id in self._reqs:
                 self._staged.add(req_id)
 
+    def new_epoch(self) -> None:
+        """The cache was reset (connector.reset_cache: the weights may have changed in
+        place); the caller roots new requests' keys in a fresh epoch. Every request
+        alive now computed some of its KV before the reset: it is never offered a hit
+        or saved again, and its load in flight is cancelled (reported with its blocks
+        failed: recomputed). The workers drop their memory tier at the next step."""
+        alive = set(self._reqs) | set(self._loading)
+        self._stale |= alive
+        self._no_hits |= alive
+        self._cancel += [r for r in self._loading if r not in self._cancel]
+        self._remote.clear()
+        self._reset_workers = True
+
     def finished(self, req_id: str) -> bool:
         """The request is gone from vLLM. Returns whether to delay freeing its blocks: never."""
         self._reqs.pop(req_id, None)
         self._local_blocks.pop(req_id, None)
         self._no_hits.discard(req_id)
+        self._stale.discard(req_id)
         self._remote.pop(req_id, None)
         if self.shared is not None:
             self.shared.forget(req_id)

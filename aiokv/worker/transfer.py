@@ -173,6 +173,15 @@ class TransferWorker:
             except RuntimeError:
                 pass  # the loop is closed: nobody waits for slots any more
 
+    def drop_memory(self) -> None:
+        """The cache was reset: the memory tier keeps nothing from before."""
+        with self._lock:
+            if self.cache.clear() and self._slots_freed is not None:
+                try:
+                    self.loop.call_soon_threadsafe(self._slots_freed.set)
+                except RuntimeError:
+                    pass
+
     def _keep(self, items: list[tuple[bytes, int]]) -> None:
         """Slots of jobs that succeeded (verified images of their keys) join the memory tier."""
         if items:
