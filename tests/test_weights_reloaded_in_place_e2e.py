@@ -57,3 +57,39 @@ def test_reload_weights_then_reset_serves_no_old_block(tmp_path, tiny_model):
     assert again["tokens"] == files["tokens"]
     assert again["counters"]["hit_blocks"] == 18, again["counters"]
     assert_clean(again)
+
+
+def test_requests_alive_at_a_reset_never_load_or_save_into_the_new_epoch(tmp_path):
+    """Scheduler side, at the reset: a load in flight is cancelled (the worker reports
+    its blocks failed: recomputed) and the workers are told to drop their memory
+    tier; a request alive at the reset is not saved again, nor offered a hit, even
+    under a new root; a request that arrives after it is saved."""
+    from aiokv.keys import extend_keys, request_root
+    from aiokv.layout import FULL, GroupSpec
+    from aiokv.scheduler import Scheduled, SchedulerSide
+    from aiokv.store import Store
+
+    bs, nsid = 32, bytes(16)
+    store = Store(str(tmp_path / "c"), capacity="1GiB")
+    side = SchedulerSide(store, [(GroupSpec(0, FULL, 4096, ("l0",)), store.namespace(nsid, 4096))], bs)
+    old, new = request_root(nsid, []), request_root(nsid, [["epoch", "e1"]])
+    tokens = list(range(6 * bs + 1))
+    ns = side.groups[0].ns
+    store.commit(ns, [(k, store.reserve(ns, k)) for k in extend_keys([], old, tokens, bs, 6)])
+    assert side.match("loading", tokens, old, 0) == 6 * bs
+    side.on_alloc("loading", tokens, old, ([1, 2, 3, 4, 5, 6, 7],), 6 * bs)
+    side.on_alloc("running", tokens, old, ([8, 9, 10, 11, 12, 13, 14],), 0)
+    assert len(side.plan([]).loads) == 1
+    side.new_epoch()
+    plan = side.plan([Scheduled("running", 0, len(tokens), ([8, 9, 10, 11, 12, 13, 14],), True)])
+    assert plan.cancel == ["loading"] and plan.reset and not plan.saves
+    assert not side.plan([]).reset  # told once
+    assert side.match("running", tokens, new, 0) == 0  # no hit for it, whatever the root
+    side.on_alloc("running", tokens, new, ([8, 9, 10, 11, 12, 13, 14],), 0)
+    assert not side.plan([Scheduled("running", 0, len(tokens), ([8, 9, 10, 11, 12, 13, 14],), True)]).saves
+    side.on_alloc("fresh", tokens, new, ([15, 16, 17, 18, 19, 20, 21],), 0)
+    plan = side.plan([Scheduled("fresh", 0, len(tokens), ([15, 16, 17, 18, 19, 20, 21],), True)])
+    assert [t.req_id for t in plan.saves] == ["fresh"] and plan.saves[0].keys == extend_keys([], new, tokens, bs, 6)
+    side.on_report(None, {"loading"})
+    assert not store.index.pins
+    store.close()

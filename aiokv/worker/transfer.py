@@ -67,7 +67,8 @@ COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_cancelled_blocks", "l
             "save_timeouts", "read_errors", "write_errors", "bytes_read", "bytes_written",
             # the shared tier (docs/sharing.md)
             "remote_loaded_blocks", "remote_missed_blocks", "uploaded", "upload_bytes", "upload_already_there",
-            "upload_failed", "upload_dropped_queue_full", "upload_dropped_unavailable", "upload_dropped_at_close",
+            "upload_failed", "upload_replaced_bad", "upload_dropped_queue_full", "upload_dropped_unavailable",
+            "upload_dropped_at_close",
             # the host-memory tier (worker/memory.py); memory_held_bytes is a level (its deltas may be negative)
             "memory_hit_blocks", "memory_held_bytes")
 CLOSE_DRAIN_S = 10.0  # close() waits this long for outstanding jobs, then leaves them
@@ -148,7 +149,8 @@ class TransferWorker:
             from aiokv.shared.loader import RemoteLoader
             from aiokv.shared.uploader import Uploader
 
-            self.uploader = Uploader(self.shared, self.upload_queue, count=self._count)
+            self.uploader = Uploader(self.shared, self.upload_queue, count=self._count,
+                                     verify=lambda key, addr: self._blockio().verify(key, addr))
             self.remote = RemoteLoader(self.shared, self._io_args[1], self.rank, self.slot_bytes)
 
     def _blockio(self) -> BlockIO:
