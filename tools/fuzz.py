@@ -199,6 +199,12 @@ def life(args) -> dict:
         if not sched.has_requests():
             break
         engine.step()
+    if spoiled:  # nothing is in flight any more
+        # the other engine's journal says it dropped them (its DROP records reach us): the
+        # next lives, fault-free ones included, are not offered a slot it rewrote
+        for g in conn.sched.groups:
+            mine = {x.split(":")[1] for x in spoiled if x.split(":")[0] == g.ns.nsid.hex()}
+            conn.sched.store.drop(g.ns, [k for k in list(g.ns.own) if k.hex() in mine], corrupt=False)
     res = {"outs": {str(k): v for k, v in outs.items()}, "steps": steps, "violations": violations, "spoiled": spoiled,
            "preemptions": counts["preemptions"], "poisoned": counts.get("poisoned", 0)}
     pool = sched.kv_cache_manager.block_pool
