@@ -57,4 +57,6 @@ def test_short_fuzz_with_several_kv_cache_groups(tmp_path, family):
     assert sum(life["saves"] for life in summary["lives"]) > 0
     assert sum(life["hit_blocks"] or 0 for life in summary["lives"][1:]) > 0, "the restart must hit"
     faulty = summary["lives"][1]
-    assert faulty["faults"] and faulty["load_failed_blocks"] > 0, faulty  # the failures did happen
+    assert faulty["faults"] and faulty["save_failed_blocks"] > 0, faulty  # the injector did fire
+    if family != "hybrid":  # (its hits are few: checkpoints only; the long run counts its load failures)
+        assert faulty["load_failed_blocks"] > 0, faulty
