@@ -181,6 +181,32 @@ def cannot_use_cached_prefix(vllm_config) -> str | None:
                 "on CPUs without AMX tiles)")
     return None
 
+_adapter_dirs: dict[str, str] = {}         # LoRA path -> its local directory
+_unreadable_adapters: dict[tuple, str] = {}  # (name, path) -> a random fingerprint for this process
+
+
+def lora_fingerprint(name: str, path) -> str:
+    """The adapter's files decide its KV, not its name or path (aiokv/fingerprint.py).
+    An adapter whose files aiokv cannot read gets a random fingerprint for this
+    process: its blocks are hits in this life only, never after a restart."""
+    from aiokv.fingerprint import adapter_fingerprint
+
+    fp = _unreadable_adapters.get((name, path))
+    if fp is not None:
+        return fp
+    try:
+        if not isinstance(path, str) or not path:
+            raise ValueError("no path")
+        d = _adapter_dirs.get(path)
+        if d is None:
+            d = _adapter_dirs[path] = _local_model_dir(path, None)
+        return adapter_fingerprint(d)
+    except (ValueError, OSError) as e:
+        log.warning("aiokv: cannot read the files of LoRA adapter %s (%s) to fingerprint them (%s); "
+                    "its blocks are kept for this run only", name, path, e)
+        fp = _unreadable_adapters[(name, path)] = "unread-" + os.urandom(16).hex()
+        return fp
+
 
 def request_extras(request) -> list:
     """Per-request factors that change the KV of the same tokens."""
@@ -189,7 +215,8 @@ def request_extras(request) -> list:
         extras.append(["salt", request.cache_salt])
     lora = request.lora_request
     if lora is not None:
-        extras.append(["lora", lora.lora_name, getattr(lora, "lora_path", None)])
+        path = getattr(lora, "lora_path", None)
+        extras.append(["lora", lora.lora_name, path, lora_fingerprint(lora.lora_name, path)])
     for f in request.mm_features or ():
         pos = f.mm_position
         extras.append(["mm", f.identifier, pos.offset, pos.length])
@@ -238,6 +265,9 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.sched = None
         self.worker = None
         self._roots: dict[str, bytes] = {}
+        # set by reset_cache (the weights may have changed in place): bound into every key's root,
+        # random, so never the epoch of another life or reset (None: the weight files' own blocks)
+        self.epoch: str | None = None
         self._errors: set[int] = set()
         self._report: WorkerReport | None = None
         self._delta = StatsDelta(self.ranks)  # what vLLM's stats have not been handed yet
@@ -340,8 +370,34 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         root = self._roots.get(memo)
         if root is None:
             self._roots = {k: v for k, v in self._roots.items() if k[0] != request.request_id}
-            root = self._roots[memo] = request_root(self.nsid, request_extras(request))
+            extras = request_extras(request)
+            if self.epoch is not None:
+                extras.append(["epoch", self.epoch])
+            root = self._roots[memo] = request_root(self.nsid, extras)
         return root
+
+    def reset_cache(self) -> bool:
+        """vLLM's reset_prefix_cache(reset_connector=True), and a pause or sleep that
+        clears caches (scheduler role; vLLM does not call the workers). The weights
+        may have changed in place (an RL update): nothing stored before is served from
+        now on, and what is stored from now on is never served to an engine that
+        loads the weight files again. New requests' keys are rooted in a fresh random
+        epoch; requests alive now never hit or save again (their loads in flight are
+        recomputed); the workers drop their memory tier at the next step. Blocks of
+        earlier epochs stay on disk until evicted; those of the weight files are hits
+        again after a restart. False (vLLM then reports the reset failed) only if
+        this went wrong."""
+        if self.sched is None:
+            return True  # nothing is served
+        try:
+            self.epoch = os.urandom(16).hex()
+            self._roots.clear()
+            self.sched.new_epoch()
+        except Exception:
+            log.exception("aiokv: resetting the cache failed")
+            return False
+        log.info("aiokv: cache reset (the weights may have changed): blocks stored before are no longer served")
+        return True
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.sched is None or not self.offer_hits or getattr(request, "skip_reading_prefix_cache", False):
@@ -505,6 +561,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and self._plan().reset:  # the cache was reset: nothing kept from before
+            self.worker.drop_memory()
         if self._layers is not None:
             # before the forward (vLLM starts async loads only after it): cancelled
             # requests' staged loads are dropped first, then the others start copying in

@@ -8,6 +8,9 @@ headers hold every tensor's name, dtype, shape and offsets) and 64 chunks of
 fine-tune or re-quantisation changes it. An edit that keeps the size and
 touches none of the sampled bytes is not seen; set the model's revision or a
 cache_salt when you patch weights in place.
+
+LoRA adapters are fingerprinted the same way (their adapter_config.json too),
+once per version of their files (adapter_fingerprint).
 """
 from __future__ import annotations
 
@@ -34,15 +37,43 @@ def _sampled(path: str, size: int, h) -> None:
         h.update(f.read(EDGE))
 
 
-def weights_fingerprint(model_dir: str) -> str:
-    """Hex digest of the weight and config files under model_dir (not following symlinked dirs)."""
+def _files(model_dir: str, meta=META_FILES) -> list[tuple[str, str, int]]:
+    """(relative path, path, size) of the weight and config files under model_dir."""
     files = []
     for base, dirs, names in os.walk(model_dir):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for n in sorted(names):
-            if n.endswith(WEIGHT_SUFFIXES) or n in META_FILES:
+            if n.endswith(WEIGHT_SUFFIXES) or n in meta:
                 p = os.path.join(base, n)
                 files.append((os.path.relpath(p, model_dir), p, os.path.getsize(p)))
+    return files
+
+
+def weights_fingerprint(model_dir: str) -> str:
+    """Hex digest of the weight and config files under model_dir (not following symlinked dirs)."""
+    return _digest(_files(model_dir))
+
+
+ADAPTER_META = ("adapter_config.json",)
+_adapters: dict[tuple, str] = {}  # (dir, the files' names, sizes and mtimes) -> fingerprint
+
+
+def adapter_fingerprint(adapter_dir: str) -> str:
+    """weights_fingerprint of a LoRA adapter's directory, computed once per version of
+    its files: memoised by the files' names, sizes and modification times (a few
+    stat calls per new request), so an adapter re-saved at the same path is
+    fingerprinted again, and an unchanged one never is. Scheduler thread only."""
+    files = _files(adapter_dir, ADAPTER_META)
+    sig = (adapter_dir, tuple((rel, size, os.stat(p).st_mtime_ns) for rel, p, size in files))
+    fp = _adapters.get(sig)
+    if fp is None:
+        if len(_adapters) >= 1024:
+            _adapters.clear()
+        fp = _adapters[sig] = _digest(files)
+    return fp
+
+
+def _digest(files: list[tuple[str, str, int]]) -> str:
     total = sum(s for _, _, s in files if s)
     h = hashlib.blake2b(digest_size=16)
     for rel, p, size in files:

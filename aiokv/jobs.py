@@ -31,9 +31,10 @@ class StepPlan:
     loads: list[Transfer] = dataclasses.field(default_factory=list)
     saves: list[Transfer] = dataclasses.field(default_factory=list)
     cancel: list[str] = dataclasses.field(default_factory=list)  # requests whose loads stop
+    reset: bool = False  # the cache was reset (the weights may have changed): drop the memory tier
 
     def empty(self) -> bool:
-        return not (self.loads or self.saves or self.cancel)
+        return not (self.loads or self.saves or self.cancel or self.reset)
 
 
 @dataclasses.dataclass

@@ -126,8 +126,8 @@ NOT_EXPORTED = {
     # the shared tier (docs/sharing.md): in the connector's counters; no series yet
     **{k: "shared tier: no series yet (docs/sharing.md)" for k in (
         "remote_hit_blocks", "remote_loaded_blocks", "remote_missed_blocks", "uploaded", "upload_bytes",
-        "upload_already_there", "upload_failed", "upload_dropped_queue_full", "upload_dropped_unavailable",
-        "upload_dropped_at_close")},
+        "upload_already_there", "upload_failed", "upload_replaced_bad", "upload_dropped_queue_full",
+        "upload_dropped_unavailable", "upload_dropped_at_close")},
 }
 
 GAUGES = frozenset(r.key for r in SERIES if r.kind == GAUGE)

@@ -107,6 +107,9 @@ class SchedulerSide:
         # requests whose load failed: vLLM recomputes them, and must not be offered
         # the same hit again (a slow disk would make it wait and fail forever)
         self._no_hits: set[str] = set()
+        # requests alive at a cache reset (new_epoch): some of their KV is the old weights'; never saved
+        self._stale: set[str] = set()
+        self._reset_workers = False  # the next plan tells the workers to drop their memory tier
         self.disabled = False  # a worker could not start: no hits, no saves from now on
         self._saves_allowed = True  # the breaker's word for this step's saves
         # the shared tier's lookups (aiokv/shared/lookup.py), set by the connector; None: no shared tier
@@ -307,8 +310,8 @@ class SchedulerSide:
         Two phases: first the bookkeeping of every scheduled request (its block tables, the
         next block to save), with no store call; then the store: reservations request by
         request, each yielding its transfers or giving back what it reserved."""
-        plan = StepPlan(loads=self._new_loads, cancel=self._cancel)
-        self._new_loads, self._cancel = [], []
+        plan = StepPlan(loads=self._new_loads, cancel=self._cancel, reset=self._reset_workers)
+        self._new_loads, self._cancel, self._reset_workers = [], [], False
         if self.disabled:
             return plan
         wanted: dict[str, list[tuple[int, list[bytes], list[int]]]] = {}
@@ -333,7 +336,7 @@ class SchedulerSide:
         """Bookkeeping of one scheduled request (no store call): its block tables, and
         the blocks of full/window groups whose tokens all became computed in this life."""
         st = self._reqs.get(s.req_id)
-        if st is None:
+        if st is None or s.req_id in self._stale:  # alive at a cache reset: never saved again
             return
         bs = self.bs
         try:
@@ -366,7 +369,7 @@ class SchedulerSide:
 
     def _track_states(self, req_id: str, items, wanted: dict) -> None:
         st = self._reqs.get(req_id)
-        if st is None:
+        if st is None or req_id in self._stale:
             return
         bs = self.bs
         try:
@@ -469,11 +472,25 @@ class SchedulerSide:
         for gi, items in bad.items():
             self._give_back(("drop", gi, items))
 
+    def new_epoch(self) -> None:
+        """The cache was reset (connector.reset_cache: the weights may have changed in
+        place); the caller roots new requests' keys in a fresh epoch. Every request
+        alive now computed some of its KV before the reset: it is never offered a hit
+        or saved again, and its load in flight is cancelled (reported with its blocks
+        failed: recomputed). The workers drop their memory tier at the next step."""
+        alive = set(self._reqs) | set(self._loading)
+        self._stale |= alive
+        self._no_hits |= alive
+        self._cancel += [r for r in self._loading if r not in self._cancel]
+        self._remote.clear()
+        self._reset_workers = True
+
     def finished(self, req_id: str) -> bool:
         """The request is gone from vLLM. Returns whether to delay freeing its blocks: never."""
         self._reqs.pop(req_id, None)
         self._local_blocks.pop(req_id, None)
         self._no_hits.discard(req_id)
+        self._stale.discard(req_id)
         self._remote.pop(req_id, None)
         if self.shared is not None:
             self.shared.forget(req_id)

@@ -35,18 +35,20 @@ def test_short_fuzz(tmp_path):
     assert sum(life["saves"] for life in lives) > 0
 
 
-@pytest.mark.parametrize("family", ["gemma2", "hybrid"])
+@pytest.mark.parametrize("family", ["gemma2", "hybrid", "mistral"])
 def test_short_fuzz_with_several_kv_cache_groups(tmp_path, family):
-    """The same fuzz on a sliding-window + full model and on a recurrent hybrid:
-    ownership per group (every block a load writes or a save reads belongs to its
-    request in that group; block 0 never), no leaks, loads adding up to every
-    group's planned load blocks, stored full-attention blocks equal to a
-    recomputation. The bf16 hybrid's tokens depend on vLLM's prefill chunking
-    even without aiokv, so its token differences are reported, not failed
-    (tools/fuzz.py, FAMILIES)."""
+    """The same fuzz on a sliding-window + full model, on a recurrent hybrid and on
+    an every-layer sliding-window model, its second life with load failures of
+    every kind (EIO, short read, checksum, timeout, a slot another engine rewrote
+    or punched): ownership per group (every block a load writes or a save reads
+    belongs to its request in that group; block 0 never), tokens equal to a run
+    without aiokv, no leaks, loads adding up to every group's planned load blocks,
+    stored blocks equal to a recomputation. The bf16 hybrid's tokens depend on
+    vLLM's prefill chunking even without aiokv, so its token differences are
+    reported, not failed (tools/fuzz.py, FAMILIES)."""
     p = subprocess.run([sys.executable, "tools/fuzz.py", "--family", family, "--steps", "80", "--lives", "2",
-                        "--prompts", "16", "--seed", "7", "--dir", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=1500)
+                        "--prompts", "16", "--seed", "7", "--fault-every", "2", "--dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=1500)
     summary = json.loads(p.stdout[p.stdout.index("{"):])
     problems = [x for life in summary["lives"] for x in life["problems"]]
     assert not problems, problems
@@ -54,6 +56,10 @@ def test_short_fuzz_with_several_kv_cache_groups(tmp_path, family):
     assert summary["ok"] and p.returncode == 0
     assert sum(life["saves"] for life in summary["lives"]) > 0
     assert sum(life["hit_blocks"] or 0 for life in summary["lives"][1:]) > 0, "the restart must hit"
+    faulty = summary["lives"][1]
+    assert faulty["faults"] and faulty["save_failed_blocks"] > 0, faulty  # the injector did fire
+    if family != "hybrid":  # (its hits are few: checkpoints only; the long run counts its load failures)
+        assert faulty["load_failed_blocks"] > 0, faulty
 
 
 def test_short_fuzz_with_store_errors(tmp_path):

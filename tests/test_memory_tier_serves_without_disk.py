@@ -132,3 +132,18 @@ def test_memory_setting_parses_and_bad_values_name_the_fix():
     for bad, says in (("lots", "not a size"), (-1, "0 (off) or a size")):
         with pytest.raises(ConfigError, match=re.escape(says)):
             AioKVConfig.from_extra({"path": "/tmp/x", "memory": bad})
+
+
+def test_a_cache_reset_drops_the_tier(tmp_path):
+    """After a cache reset (connector.reset_cache: the weights may have changed) the
+    workers keep nothing from before: a load reads the disk again, and the slots are free."""
+    w, kv = _worker(str(tmp_path), kept=8)
+    try:
+        _save(w, range(4))
+        assert w.cache.kept == 4
+        w.drop_memory()
+        assert w.cache.kept == 0 and w.pool.in_use == 0
+        errors, c = _load(w, range(4), 20)
+        assert not errors and not c.get("memory_hit_blocks") and c["bytes_read"] > 0, c
+    finally:
+        w.close()

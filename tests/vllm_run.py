@@ -9,12 +9,15 @@ spec: model, cache (null: no connector), block_size, dtype, max_model_len, metri
 return aiokv's Prometheus series as `metrics`),
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config),
 phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps},
-wait_for?: path, settle?: bool, kill_at_step?: [step, process group]}], stagger (add
+wait_for?: path, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
+reset_prefix_cache?: {kwargs}}], stagger (add
 one request per step instead of all at once); wait_for keeps the engine alive and
 idle until that file exists (tests that run two engines at once use it to order
 them); settle waits, before the phase, until the previous phases' saves and
 shared-tier uploads are done (one process, TP 1); kill_at_step kills -9 that
-process group at that step of the phase.
+process group at that step of the phase; reload_weights loads other weights into
+the running engine (collective_rpc) and reset_prefix_cache then calls
+LLM.reset_prefix_cache(**kwargs), both before the phase (its result in "reset").
 """
 from __future__ import annotations
 
@@ -79,6 +82,10 @@ def main(spec: dict) -> dict:
                 if time.monotonic() > until:
                     raise RuntimeError(f"{phase['wait_for']} did not appear")
                 time.sleep(0.05)
+        if phase.get("reload_weights"):  # weights changed in place, as an RL trainer does
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": phase["reload_weights"]})
+        if phase.get("reset_prefix_cache") is not None:
+            result.setdefault("reset", []).append(llm.reset_prefix_cache(**phase["reset_prefix_cache"]))
         prompts = phase["prompts"]
         salts = phase.get("salts") or [None] * len(prompts)
         aborts = {int(k): v for k, v in (phase.get("abort_after") or {}).items()}

@@ -2,7 +2,7 @@
 """A seeded fuzz of aiokv on the real vLLM engine (CPU).
 
     PYTHONPATH=. .venv/bin/python tools/fuzz.py --steps N [--seed S] [--lives L] [--dir DIR]
-        [--prompts P] [--fault-every K] [--store-faults P] [--life-timeout S]
+        [--prompts P] [--fault-every K] [--store-faults P] [--life-timeout S] [--time-budget S]
 
 Each life prints a progress line (JSON) on stderr; the summary (with totals)
 goes to stdout at the end.
@@ -11,14 +11,17 @@ Each life is a fresh process (a restart on the same cache directory) driving
 vLLM step by step with random arrivals, prompt lengths and shared prefixes,
 random aborts, and a KV cache small enough to preempt. With --fault-every K,
 every K-th life runs with the test-only I/O fault injector (aiokv/io/faults.py)
-breaking some reads (EIO, short, late, flipped bytes) and writes (EIO): load
-and save errors are then expected and allowed, every other check still holds
-(and the circuit breaker may open). With --store-faults P, each store call of the
-scheduler side raises with probability P in every life (tools/store_faults.py):
-load and save errors are then allowed too, and every save and load is checked
-against vLLM's block tables (the block holds its key's tokens); at the end no
-reservation may be left in the store and no load reported twice. After every
-step it checks:
+breaking some reads (EIO, short, late, flipped bytes: a checksum failure, held
+past the life's load_timeout: a timeout) and writes (EIO), and with slots of
+committed blocks rewritten with another block or punched behind the store's
+back (what another engine does when it evicts a block we are about to read):
+load and save errors are then expected and allowed, every other check still
+holds, tokens included (and the circuit breaker may open). With --store-faults P,
+each store call of the scheduler side raises with probability P in every life
+(tools/store_faults.py): load and save errors are then allowed too, and every save
+and load is checked against vLLM's block tables (the block holds its key's tokens);
+at the end no reservation may be left in the store and no load reported twice.
+After every step it checks:
 - every block a save reads or a load writes belongs, at that moment, to the
   request it is for (no block read or written after release);
 - staging slots in use never exceed the pool, pins are held only by loads in
@@ -93,6 +96,10 @@ def life(args) -> dict:
     spec = _load_spec(args.life)
     rnd = random.Random(spec["seed"])
     extra = {"path": spec["cache"], "capacity": spec.get("capacity", "64MiB"), "staging": "4MiB"}
+    if spec.get("faults"):
+        # a read held up past this is a load timeout (FAULTS' slow rule); a short cool-down lets
+        # the breaker reopen hits within the life, so every kind of failure keeps being exercised;
+        extra.update(load_timeout=LOAD_TIMEOUT, breaker_cooldown=1.0, memory=0)  # every hit read from disk
     # vLLM's own prefix cache is off (but for the hybrid family, whose align mode needs it)
     # so that a freed block holds nothing anyone may read: the fuzz poisons it, and any
     # read after release shows in the tokens.
@@ -162,6 +169,7 @@ def life(args) -> dict:
     rnd.shuffle(order)
     live: dict[str, int] = {}
     outs: dict[int, list[int] | None] = {}
+    spoiled: list[str] = []  # (namespace hex, key hex) of slots "another engine" rewrote or punched
     steps = 0
     deadline = time.monotonic() + spec.get("timeout", 600)
     while (order or engine.has_unfinished_requests()) and steps < spec["steps"] and time.monotonic() < deadline:
@@ -180,6 +188,8 @@ def life(args) -> dict:
             if o.finished and o.request_id in live:
                 outs[live.pop(o.request_id)] = list(o.outputs[0].token_ids)
         steps += 1
+        if spec.get("faults") and wc is not None and rnd.random() < spec.get("spoil_p", 0.08):
+            spoiled += spoil_slot(conn, rnd)
         if wc is not None and wc.worker is not None:
             c = conn.counters()
             if wc.worker.pool.in_use > wc.worker.pool.count:
@@ -196,7 +206,13 @@ def life(args) -> dict:
         if not sched.has_requests():
             break
         engine.step()
-    res = {"outs": {str(k): v for k, v in outs.items()}, "steps": steps, "violations": violations,
+    if spoiled:  # nothing is in flight any more
+        # the other engine's journal says it dropped them (its DROP records reach us): the
+        # next lives, fault-free ones included, are not offered a slot it rewrote
+        for g in conn.sched.groups:
+            mine = {x.split(":")[1] for x in spoiled if x.split(":")[0] == g.ns.nsid.hex()}
+            conn.sched.store.drop(g.ns, [k for k in list(g.ns.own) if k.hex() in mine], corrupt=False)
+    res = {"outs": {str(k): v for k, v in outs.items()}, "steps": steps, "violations": violations, "spoiled": spoiled,
            "preemptions": counts["preemptions"], "poisoned": counts.get("poisoned", 0)}
     pool = sched.kv_cache_manager.block_pool
     res["leaked_blocks"] = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
@@ -231,16 +247,49 @@ def _store_fault_problems(got: dict) -> list[str]:
     return out
 
 
+def spoil_slot(conn, rnd: random.Random) -> list[str]:
+    """What another engine on the directory does to a block we are about to read: it
+    evicted it and reused the slot for another key (the slot now holds another block,
+    well formed), or punched it (zeros). Done to one of our own committed blocks,
+    behind the store's back; returns ["nsid:key"] of the block spoiled (or [])."""
+    from aiokv import _native
+    from aiokv.store.blockio import data_path
+    from aiokv.store.store import ns_dir
+
+    g = rnd.choice(conn.sched.groups)
+    ns = g.ns
+    own = sorted(ns.own.items())
+    if len(own) < 2:
+        return []
+    (key, slot), (_, other) = rnd.sample(own, 2)
+    store = conn.sched.store
+    for rank in range(ns.ranks):
+        fd = os.open(data_path(ns_dir(store.root, ns.nsid), rank, store.engine), os.O_RDWR)
+        try:
+            if rnd.random() < 0.5:
+                os.pwrite(fd, os.pread(fd, ns.slot_bytes, other * ns.slot_bytes), slot * ns.slot_bytes)
+            else:
+                _native.fallocate(fd, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE,
+                                  slot * ns.slot_bytes, ns.slot_bytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return [f"{ns.nsid.hex()}:{key.hex()}"]
+
+
 def _load_spec(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
 
 
 # the I/O faults of a fault life: some of each kind, never all (hits must still happen).
-# No flipped writes: the final check compares stored bytes with a recomputation.
+# Load failures: EIO, a short read, a checksum failure (a flipped byte), a timeout (a read held
+# past LOAD_TIMEOUT), and (spoil_slot, from the life's loop) a slot another engine evicted and
+# rewrote or punched. No flipped writes: the final check compares stored bytes with a recomputation.
+LOAD_TIMEOUT = 0.5
 FAULTS = [{"op": "read", "kind": "eio", "every": 9}, {"op": "read", "kind": "short", "every": 13},
-          {"op": "read", "kind": "flip", "every": 17}, {"op": "read", "kind": "late", "every": 5, "delay": 0.05},
-          {"op": "write", "kind": "eio", "every": 11}]
+          {"op": "read", "kind": "flip", "every": 17}, {"op": "read", "kind": "late", "every": 23, "delay": 1.0},
+          {"op": "read", "kind": "late", "every": 5, "delay": 0.05}, {"op": "write", "kind": "eio", "every": 11}]
 
 
 def _child(flag: str, spec: dict, timeout: float) -> dict:
@@ -310,10 +359,11 @@ def check_stored_bytes(args) -> dict:
     sched = engine.engine_core.engine_core.scheduler
     bs = sched.kv_cache_manager.coordinator.single_type_managers[group].block_size
     by_key = {}
+    spoiled = set(spec.get("spoiled", ()))  # rewritten behind the store's back: not aiokv's bytes
     for p in spec["prompts"]:
         keys = extend_keys([], root, p, bs, (len(p) - 1) // bs)
         for i, k in enumerate(keys):
-            if k in ns.entries:
+            if k in ns.entries and f"{ns.nsid.hex()}:{k.hex()}" not in spoiled:
                 by_key.setdefault(k, (p, i))
     sample = sorted(by_key.items())[: spec.get("sample", 40)]
     manager = sched.kv_cache_manager.coordinator.single_type_managers[group]
@@ -369,6 +419,8 @@ def main() -> int:
     ap.add_argument("--store-faults", type=float, default=0.0,
                     help="probability that a store call of the scheduler side raises (every life)")
     ap.add_argument("--life-timeout", type=float, default=600, help="seconds one life may step")
+    ap.add_argument("--time-budget", type=float, default=0,
+                    help="start no new life after this many seconds (0: no limit); the final check still runs")
     ap.add_argument("--life", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--check", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -392,8 +444,11 @@ def main() -> int:
     summary = {"seed": args.seed, "family": args.family, "lives": [], "ok": True}
     t0 = time.monotonic()
     all_prompts: list[list[int]] = []
+    spoiled: list[str] = []
     prefixes = make_prefixes(rnd)
     for n in range(args.lives):
+        if args.time_budget and time.monotonic() - t0 > args.time_budget and summary["lives"]:
+            break
         ps = make_prompts(rnd, args.prompts, prefixes, longest)
         all_prompts += ps
         common = dict(model=model, prompts=ps, steps=args.steps, blocks=blocks, life=n, capacity=args.capacity,
@@ -402,6 +457,7 @@ def main() -> int:
         got = run_life(dict(common, cache=cache, seed=args.seed * 100 + n, faults=FAULTS if faulty else None,
                             store_faults=args.store_faults))
         lenient = faulty or bool(args.store_faults)  # load and save errors allowed
+        spoiled += got.get("spoiled", [])
         # the reference: the same prompts without aiokv, one at a time, no aborts, no step limit
         finished = [int(k) for k, v in got["outs"].items() if v is not None]
         ref = run_life(dict(common, cache=None, seed=0, prompts=[ps[i] for i in finished], steps=10**6, abort_p=0))
@@ -432,6 +488,8 @@ def main() -> int:
                                  "hit_blocks": c.get("hit_blocks"), "saves": c.get("saves_committed"),
                                  "evictions": c.get("store_evictions"), "load_failed_blocks": c.get("load_failed_blocks", 0),
                                  "save_failed_blocks": c.get("save_failed_blocks", 0),
+                                 "load_timeouts": c.get("load_timeouts", 0), "spoiled": len(got.get("spoiled", [])),
+                                 "load_bad_blocks": c.get("load_bad_blocks", 0),
                                  "token_diffs_inexact": [] if FAMILIES[args.family][5] else token_diffs,
                                  "store_faults_injected": sum((got.get("store_faults") or {}).get("injected", {}).values()),
                                  "problems": problems})
@@ -439,13 +497,13 @@ def main() -> int:
         # progress, so that a long run that is stopped still leaves its figures
         print(json.dumps(dict(summary["lives"][-1], seconds=round(time.monotonic() - t0))), file=sys.stderr, flush=True)
     chk = run_life_check(dict(model=model, cache=cache, scratch=os.path.join(d, "scratch"), prompts=all_prompts,
-                              family=args.family))
+                              family=args.family, spoiled=spoiled))
     summary["stored_bytes"] = chk
     summary["ok"] &= not chk["bad"] and chk["checked"] > 0
     lives = summary["lives"]
     summary["totals"] = {k: sum(life[k] or 0 for life in lives) for k in (
         "steps", "finished", "aborted", "preemptions", "poisoned_blocks", "hit_blocks", "saves", "evictions",
-        "load_failed_blocks", "save_failed_blocks")}
+        "load_failed_blocks", "save_failed_blocks", "load_timeouts", "spoiled", "load_bad_blocks")}
     summary["totals"]["problems"] = sum(len(life["problems"]) for life in lives)
     summary["totals"]["fault_lives"] = sum(life["faults"] for life in lives)
     summary["seconds"] = round(time.monotonic() - t0, 1)

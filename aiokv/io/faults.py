@@ -94,10 +94,8 @@ class FaultyBackend(IOBackend):
         return self.inner.in_flight
 
     async def run(self, ops) -> list[int]:
-        plan = []
-        for op in ops:
-            kind = next((r.kind for r in self.rules if r.hits(op)), None)
-            plan.append(kind)
+        rules = [next((r for r in self.rules if r.hits(op)), None) for op in ops]
+        plan = [r.kind if r is not None else None for r in rules]
         real = [i for i, k in enumerate(plan) if k not in ("eio", "enospc")]
         for i in real:
             if plan[i] == "flip" and ops[i][0] != OP_READ:
@@ -114,7 +112,7 @@ class FaultyBackend(IOBackend):
             if plan[i] == "flip" and ops[i][0] == OP_READ and r > 0:
                 _flip(ops[i][2], r)  # the bytes handed back are wrong
             if plan[i] == "late":
-                delay = max(delay, next(r.delay for r in self.rules if r.kind == "late"))
+                delay = max(delay, rules[i].delay)  # the delay of the rule that fired
         if delay:
             await asyncio.sleep(delay)
         return out

@@ -80,6 +80,10 @@ class SharedClient:
             return False
         return True
 
+    async def put(self, name: str, data) -> None:
+        """A plain PUT: replaces whatever object is there."""
+        await self._call(lambda: obstore.put_async(self.store, name, data))
+
     async def get(self, name: str):
         """The object's bytes (a buffer), or None when there is no such object."""
         async def body():

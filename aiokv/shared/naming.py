@@ -27,3 +27,8 @@ def parse_url(url) -> tuple[str, str]:
 
 def object_name(prefix: str, nsid: bytes, rank: int, key: bytes) -> str:
     return f"{prefix + '/' if prefix else ''}{nsid.hex()}/r{rank}/{key.hex()}"
+
+
+def key_of(name: str) -> bytes:
+    """The block key an object name carries (its last component)."""
+    return bytes.fromhex(name.rsplit("/", 1)[-1])

@@ -1,8 +1,15 @@
 """Write-behind uploads of committed-to-disk blocks to the shared tier.
 
 A block is offered once its local write succeeded; `offer` only queues a copy
-of its bytes. A few upload tasks drain the queue with write-once PUTs ("already
-there" is success: another engine uploaded the same block). The queue is
+of its bytes. A few upload tasks drain the queue with write-once PUTs. "Already
+there" is success when the object there verifies as this block (another engine
+uploaded it); an object that does not (foreign, truncated, tampered, written by
+an older layout) would otherwise block the block's name for good, so it is
+replaced by ours with a plain PUT (counted: upload_replaced_bad). Races with
+another engine uploading the same block are harmless: every object either
+engine writes is a whole valid slot of that key (a PUT replaces an object at
+once, a reader never sees a mix), so whichever lands last, the name holds a
+valid block; each upload replaces at most once. The queue is
 bounded in bytes: when it is full, or the breaker is open, or a PUT fails, the
 block is dropped and counted; nothing waits for the server, so a step is never
 blocked by it. `flush` (clean shutdown) waits for the queue, bounded by a
@@ -17,14 +24,20 @@ import asyncio
 import collections
 import logging
 
+import numpy
+
 from aiokv.shared.client import SharedClient, SharedError
+from aiokv.shared.naming import key_of
 
 log = logging.getLogger("aiokv")
 
 
 class Uploader:
-    def __init__(self, client: SharedClient, max_bytes: int, concurrency: int = 4, count=None):
+    def __init__(self, client: SharedClient, max_bytes: int, concurrency: int = 4, count=None, verify=None):
+        """verify(key, addr) -> bool: whether the slot image at addr is `key`'s block, intact
+        (BlockIO.verify); None: an object already there is trusted."""
         self.client = client
+        self.verify = verify
         self.max_bytes = max_bytes
         self.concurrency = concurrency
         self.queued_bytes = 0
@@ -68,8 +81,11 @@ class Uploader:
                 created = await self.client.put_once(name, data)
                 if created:
                     self.count(uploaded=1, upload_bytes=len(data))
-                else:
+                elif await self._holds_valid(name, len(data)):
                     self.count(upload_already_there=1)
+                else:
+                    await self.client.put(name, data)
+                    self.count(upload_replaced_bad=1, upload_bytes=len(data))
             except SharedError as e:
                 self.count(upload_failed=1)
                 if not self._warned:
@@ -81,6 +97,20 @@ class Uploader:
             finally:
                 self._busy -= 1
                 self.queued_bytes -= len(data)
+
+    async def _holds_valid(self, name: str, size: int) -> bool:
+        """Whether the object under `name` is an intact slot of its key (of `size` bytes)."""
+        if self.verify is None:
+            return True
+        got = await self.client.get(name)
+        if got is None:
+            return False  # gone since the PUT said it was there: ours goes in
+        src = numpy.frombuffer(got, numpy.uint8)
+        if src.nbytes != size:
+            return False
+        buf = numpy.empty(size, numpy.uint8)  # verify reads a writable, stable image
+        buf[:] = src
+        return bool(self.verify(key_of(name), buf.ctypes.data))
 
     @property
     def pending(self) -> int:

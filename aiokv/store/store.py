@@ -605,12 +605,15 @@ class Store:
             jlog = files.get((ns.nsid, "log"))
             if jlog is None:
                 jlog = IndexLog(fl.dir, fl.dir_fd, sync_interval=self.sync_interval)
-                jlog.load()  # as its owner: cuts a torn tail so that our records are read
+                # as its owner: cuts a torn tail so that our records are read; its blocks are what
+                # its journal says, not our view of it (which may lag behind it or be damaged)
+                entries = jlog.load()
                 files[(ns.nsid, "log")] = jlog
                 fds = [os.open(f"rank{r}.data", os.O_RDWR | FILE_FLAGS, dir_fd=fl.dir_fd) for r in range(ns.ranks)]
                 files.update({(ns.nsid, r): fd for r, fd in enumerate(fds)})
+                ns.peer_reset(e, {k: v for k, v in entries.items() if v[0] < self._max_slots(ns)})
                 # first its space that no block uses (free slots, an unfinished save's)
-                used = sorted(s for s, _ in ns.peers[e].values())
+                used = sorted({s for s, _ in entries.values()})
                 for fd in fds:
                     end = os.fstat(fd).st_size // sb
                     for first, stop in zip([0] + [u + 1 for u in used], used + [max(end, 0)]):

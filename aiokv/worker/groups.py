@@ -76,6 +76,10 @@ class GroupedWorker:
         for w in self.workers.values():
             w.cancel(req_ids)
 
+    def drop_memory(self) -> None:
+        for w in self.workers.values():
+            w.drop_memory()
+
     def poll(self) -> tuple[set[str], set[int], set[str], WorkerReport]:
         """(requests finished loading, block ids that failed, requests whose load failed, report)."""
         finished: set[str] = set()

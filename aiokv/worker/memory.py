@@ -73,6 +73,13 @@ class HostCache:
             while len(self._kept) > self.limit:
                 self._evict()
 
+    def clear(self) -> int:
+        """Forget every kept block (the cache was reset); returns how many."""
+        n = len(self._kept)
+        self.pool.release(list(self._kept.values()))
+        self._kept.clear()
+        return n
+
     def _evict(self) -> None:
         _, slot = self._kept.popitem(last=False)
         self.pool.release([slot])

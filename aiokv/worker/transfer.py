@@ -70,7 +70,8 @@ COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_cancelled_blocks", "l
             "save_timeouts", "read_errors", "write_errors", "bytes_read", "bytes_written",
             # the shared tier (docs/sharing.md)
             "remote_loaded_blocks", "remote_missed_blocks", "uploaded", "upload_bytes", "upload_already_there",
-            "upload_failed", "upload_dropped_queue_full", "upload_dropped_unavailable", "upload_dropped_at_close",
+            "upload_failed", "upload_replaced_bad", "upload_dropped_queue_full", "upload_dropped_unavailable",
+            "upload_dropped_at_close",
             # the host-memory tier (worker/memory.py); memory_held_bytes is a level (its deltas may be negative)
             "memory_hit_blocks", "memory_held_bytes")
 CLOSE_DRAIN_S = 10.0  # close() waits this long for outstanding jobs, then leaves them
@@ -117,7 +118,6 @@ class TransferWorker:
         self._lock = threading.Lock()
         self._slots_freed: asyncio.Event | None = None
         self._loads: dict[str, tuple[Transfer, object]] = {}   # req -> (transfer, future)
-        self._gone: set[str] = set()  # requests whose load cancel() cancelled: they have ended
         self._saves: dict[int, tuple[Transfer, list[int]]] = {}  # save job id -> (transfer, staging)
         self._save_ids = 0
         self._done_loads: list[tuple[str, list[int]]] = []   # (req, failed block ids)
@@ -152,7 +152,8 @@ class TransferWorker:
             from aiokv.shared.loader import RemoteLoader
             from aiokv.shared.uploader import Uploader
 
-            self.uploader = Uploader(self.shared, self.upload_queue, count=self._count)
+            self.uploader = Uploader(self.shared, self.upload_queue, count=self._count,
+                                     verify=lambda key, addr: self._blockio().verify(key, addr))
             self.remote = RemoteLoader(self.shared, self._io_args[1], self.rank, self.slot_bytes)
 
     def _blockio(self) -> BlockIO:
@@ -176,6 +177,15 @@ class TransferWorker:
                 self.loop.call_soon_threadsafe(self._slots_freed.set)
             except RuntimeError:
                 pass  # the loop is closed: nobody waits for slots any more
+
+    def drop_memory(self) -> None:
+        """The cache was reset: the memory tier keeps nothing from before."""
+        with self._lock:
+            if self.cache.clear() and self._slots_freed is not None:
+                try:
+                    self.loop.call_soon_threadsafe(self._slots_freed.set)
+                except RuntimeError:
+                    pass
 
     def _keep(self, items: list[tuple[bytes, int]]) -> None:
         """Slots of jobs that succeeded (verified images of their keys) join the memory tier."""
@@ -328,8 +338,6 @@ class TransferWorker:
         for r in req_ids:
             with self._lock:
                 entry = self._loads.get(r)
-                if entry is not None:
-                    self._gone.add(r)
             if entry is not None and entry[1] is not None:
                 entry[1].cancel()  # cancels the task on the loop; its finally still reports
 
@@ -498,12 +506,9 @@ class TransferWorker:
         with self._lock:
             t = self._loads.pop(req_id, None)
             n = len(t[0].block_ids) if t else len(failed)
-            # the blocks of a load cancelled because its request ended are no longer the request's
-            # (vLLM may have given them to another): counted, never reported as its errors. A load
-            # cut short otherwise (close) still reports them.
-            gone = req_id in self._gone
-            self._gone.discard(req_id)
-            self._done_loads.append((req_id, [] if cancelled and gone else failed))
+            # a cancelled load still reports its blocks failed: vLLM holds them until the load is
+            # reported, and a load cut short for a request that lives on (a cache reset) is recomputed
+            self._done_loads.append((req_id, failed))
             self.job_done.set()
             if failed:
                 self._report.load_failed.append(req_id)
