@@ -242,6 +242,8 @@ class SchedulerSide:
         try:
             self.store.flush_if_due()
             self.store.refresh()  # other engines on the directory: their blocks become hits here
+            self.breaker.file_system(self.store.stalled)  # a hung file system: no hits, no saves
+            self.counters.breaker_opens = self.breaker.opens
             self._saves_allowed = self.breaker.allow_saves()
             self._plan_saves(scheduled, plan)
             if boundary:

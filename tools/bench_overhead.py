@@ -112,7 +112,11 @@ def _connector(store_dir: str):
     from aiokv.scheduler import SchedulerSide
     from aiokv.store import Store
 
-    store = Store(store_dir, capacity=64 << 30)
+    import inspect
+
+    # as the connector opens it: with the store's I/O thread where this aiokv has one
+    kw = {"io_thread": True} if "io_thread" in inspect.signature(Store).parameters else {}
+    store = Store(store_dir, capacity=64 << 30, **kw)
     nsid = namespace_id({"bench": "overhead"})
     ns = store.namespace(nsid, 64 << 10)
     conn = object.__new__(AioKVConnector)  # the real methods, without a vLLM config
@@ -121,11 +125,13 @@ def _connector(store_dir: str):
     conn._roots = {}
     conn.block_size = BLOCK
     conn._connector_metadata = None
+    conn._queried, conn._queried_tokens = {}, 0
     return conn, store, ns
 
 
 def _request(rid: str, tokens: list[int]):
-    return types.SimpleNamespace(request_id=rid, all_token_ids=tokens, cache_salt=None, lora_request=None,
+    return types.SimpleNamespace(request_id=rid, all_token_ids=tokens, num_tokens=len(tokens), cache_salt=None,
+                                 lora_request=None,
                                  mm_features=None, prompt_embeds=None, skip_reading_prefix_cache=False)
 
 
