@@ -139,6 +139,12 @@ def _fill(store, ns, keys) -> None:
     for i in range(0, len(keys), 512):
         part = keys[i:i + 512]
         slots = [store.reserve(ns, k) for k in part]
+        for _ in range(200):  # with the store's I/O thread a reservation may wait for a grow: again next "step"
+            if None not in slots:
+                break
+            store.refresh()
+            time.sleep(0.005)
+            slots = [s if s is not None else store.reserve(ns, k) for k, s in zip(part, slots)]
         store.commit(ns, [(k, s) for k, s in zip(part, slots) if s is not None])
 
 

@@ -62,7 +62,6 @@ class Op:
             self.result = self.fn()
         except BaseException as e:  # reported to `done`, never lost
             self.error = e
-        self.finished = True
 
 
 class FsThread:
@@ -102,6 +101,7 @@ class FsThread:
             with self._cond:
                 self._current = None
                 self._done.append(op)
+                op.finished = True  # with its done callback queued: poll() applies it
                 self._cond.notify_all()
 
     # ---- the owner's thread ----
@@ -110,6 +110,7 @@ class FsThread:
         op = Op(fn, done, self.deadline if deadline is None else deadline)
         if self.thread is None:
             op.run()
+            op.finished = True
             self._finish(op)
             return op
         with self._cond:

@@ -76,6 +76,7 @@ TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most th
 RECLAIM_INTERVAL = 5.0  # seconds between looks for a dead engine holding the directory's oldest blocks
 WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight (io_thread)
 CLOSE_WAIT = 5.0  # seconds close (and the last verifications) wait for the file system (io_thread)
+CHECKPOINT_DEADLINE = 30.0  # seconds a checkpoint may take before the file system counts as hung
 GROW_AHEAD = 16  # free slots left when a grow for more starts (io_thread)
 PUNCH = _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE
 log = logging.getLogger("aiokv")
@@ -178,7 +179,7 @@ class Store:
         """The file system has not answered an operation of ours within its deadline."""
         return self.fs.stalled
 
-    def _once(self, what, fn, done=None):
+    def _once(self, what, fn, done=None, deadline: float | None = None):
         """Queue fn unless the operation `what` is already queued; done as in FsThread.submit."""
         if what in self._busy:
             return None
@@ -190,11 +191,12 @@ class Store:
                 done(r, e)
             elif e is not None and not isinstance(e, OSError):
                 raise e
-        return self.fs.submit(fn, finish)
+        return self.fs.submit(fn, finish, deadline)
 
     def _wait(self, op) -> bool:
         """Wait for op within this step's budget (never while the file system is stalled)."""
         if op.finished:
+            self.fs.poll()  # its outcome applied
             return True
         if self._wait_left <= 0 or self.fs.stalled:
             return False
@@ -548,7 +550,9 @@ class Store:
                     log_warning(f"checkpoint failed ({os.strerror(e.errno or 0)}); the journal keeps growing")
                 elif e is not None:
                     raise e
-            self._once(("checkpoint", ns.nsid), lambda: log.checkpoint(snap), checkpointed)
+            # a checkpoint writes the whole index (64 bytes a block): not a stall before CHECKPOINT_DEADLINE
+            self._once(("checkpoint", ns.nsid), lambda: log.checkpoint(snap), checkpointed,
+                       deadline=max(CHECKPOINT_DEADLINE, self.fs.deadline))
 
     def abort(self, ns: Namespace, items, failed: bool = True) -> None:
         """Give back reservations whose data was not (fully) written."""
@@ -998,6 +1002,8 @@ class Store:
             self._backend.close()
             self._backend = None
         fs = self.fs
+        if not fs.inline and fs._closed:
+            return  # closed already
         snaps = None
         if checkpoint and not self.readonly and self.lock is not None and self.lock.fd is not None:
             snaps = [(log, self._snapshot(self.index.namespaces[nsid])) for nsid, log in self.logs.items()]
