@@ -103,3 +103,31 @@ def test_a_journal_write_that_fails_on_the_thread_takes_the_commit_back(tmp_path
     assert all(k in again.index.namespaces[NS].entries for k in keys)
     again.close()
     assert os.path.isdir(str(tmp_path / "s"))
+
+
+def test_opening_a_store_on_a_mount_that_does_not_answer_gives_up_in_time(tmp_path):
+    """The connector's start (bounded(open_store, start_timeout)) on a hung mount: one clear error in time."""
+    import pytest
+
+    from aiokv.store.fsthread import FsTimeout, bounded
+    from tests.stallfs import mounted
+
+    control = str(tmp_path / "stall")
+    with mounted(str(tmp_path / "src"), str(tmp_path / "mnt"), control, threads=4):
+        root = str(tmp_path / "mnt" / "c")
+        Store(root).close()
+        with open(control, "w") as f:
+            f.write("a")  # nothing on the mount answers
+        closed = []
+        t = time.monotonic()
+        with pytest.raises(FsTimeout) as e:
+            bounded(lambda: Store(root, io_thread=True), 1.0, f"the cache directory {root}",
+                    late=lambda st: (st.close(), closed.append(1)))
+        assert time.monotonic() - t < 3
+        assert "did not answer within 1 s" in str(e.value) and "\n" not in str(e.value)
+        os.unlink(control)  # it answers: the late store is closed, its lock released
+        t = time.monotonic()
+        while not closed and time.monotonic() - t < 10:
+            time.sleep(0.05)
+        assert closed
+        Store(root, engine=0).close()  # engine 0's lock is free again

@@ -249,6 +249,7 @@ def hooks(layers: int) -> dict:
     conn = object.__new__(AioKVConnector)
     conn.worker = None
     conn._connector_metadata = None
+    conn._layers = None
     n = 200_000
     res = {}
     for name in ("save_kv_layer", "wait_for_layer_load"):
