@@ -165,6 +165,7 @@ class Store:
         self._busy: set = set()  # one sync, follow, space check, reclaim, checkpoint at a time
         self._wait_left = WAIT_PER_STEP
         self._close_by: float | None = None
+        self._follow_op = None
         self.skipped_fs_busy = 0  # reservations skipped: the space for them was still being reserved
         try:
             self._open(readonly, engine)
@@ -439,7 +440,7 @@ class Store:
                 for ns, got in found:
                     self._follow_apply(ns, got)
         try:
-            self._once("follow", lambda: [(ns, self._follow_io(ns)) for ns in spaces], done)
+            self._follow_op = self._once("follow", lambda: [(ns, self._follow_io(ns)) for ns in spaces], done)
         except Exception:  # lookups call this: a bug here must not reach vLLM
             log.exception("aiokv: following the other engines failed; trying again later")
 
@@ -479,6 +480,9 @@ class Store:
         if time.monotonic() - self._followed >= self.follow_interval:
             self.fs.poll()
             self._follow_all()
+            op = self._follow_op
+            if op is not None and not self.fs.inline:
+                self._wait(op)  # within this step's budget: an engine back from idle sees the others now
         return self.index.lookup(ns, keys, limit)
 
     def reserve(self, ns: Namespace, key: bytes) -> int | None:
