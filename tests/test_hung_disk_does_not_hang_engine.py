@@ -33,8 +33,10 @@ PS2 = prompts(4, 230, seed=72)  # stored too, asked for only once the breaker is
 FULL = 229 // 32
 
 
-def _start(spec: dict) -> tuple[subprocess.Popen, list[str]]:
-    env = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
+def _start(spec: dict, mp: bool = False) -> tuple[subprocess.Popen, list[str]]:
+    """One engine life in a new process (in vLLM's multiprocess mode with `mp`); its output lines."""
+    env = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="1" if mp else "0",
+               VLLM_LOGGING_LEVEL="WARNING")
     p = subprocess.Popen([sys.executable, "-m", "tests.vllm_run", json.dumps(spec)], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []

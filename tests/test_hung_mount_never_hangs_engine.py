@@ -20,19 +20,16 @@ bounded time.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
 from tests.e2e import ROOT, prompts, run
 from tests.stallfs import mounted
-from tests.test_hung_disk_does_not_hang_engine import _result
+from tests.test_hung_disk_does_not_hang_engine import _result, _start
 
 pytestmark = pytest.mark.vllm
 
@@ -41,17 +38,6 @@ PS2 = prompts(4, 230, seed=82)  # stored too, asked for once the breaker is open
 FULL = 229 // 32
 LOAD_TIMEOUT = 3
 SLACK = 12  # seconds beyond load_timeout for the whole batch on a loaded 2-core machine
-
-
-def _start(spec: dict, mp: bool) -> tuple[subprocess.Popen, list[str]]:
-    env = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="1" if mp else "0",
-               VLLM_LOGGING_LEVEL="WARNING")
-    p = subprocess.Popen([sys.executable, "-m", "tests.vllm_run", json.dumps(spec)], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    for stream in (p.stdout, p.stderr):
-        threading.Thread(target=lambda s=stream: lines.extend(s), daemon=True).start()
-    return p, lines
 
 
 @pytest.fixture(scope="module")
