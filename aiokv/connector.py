@@ -414,7 +414,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.sched is None:
             return
         self._queried_tokens += self._queried.pop(request.request_id, 0)
-        self._remote_tokens[request.request_id] = self._shared_tokens(request.request_id, num_external_tokens)
+        self._remote_tokens[request.request_id] = self.sched.shared_hit_tokens(request.request_id, num_external_tokens)
         try:
             self.sched.on_alloc(request.request_id, request.all_token_ids, self._root(request),
                                 blocks.get_block_ids(), num_external_tokens)
@@ -422,15 +422,6 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             log.exception("aiokv: preparing a load failed; it is recomputed")
             if num_external_tokens > 0:  # vLLM now waits for this load: it must be reported, failed
                 self.sched.fail_load(request.request_id, blocks.get_block_ids(), num_external_tokens)
-
-    def _shared_tokens(self, req_id: str, num_external: int) -> int:
-        """Tokens of this hit that the shared tier serves (its range beyond the local one)."""
-        span = self.sched._remote.get(req_id) if num_external > 0 else None
-        if span is None:
-            return 0
-        local = self.sched._local_blocks.get(req_id, 0)
-        lo, hi = max(span[0], local), min(span[1], local + num_external // self.block_size)
-        return max(0, hi - lo) * self.block_size
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         idle = scheduler_output.total_num_scheduled_tokens == 0

@@ -149,6 +149,16 @@ class SchedulerSide:
         self._local_blocks[req_id] = local
         return (hit - local) * self.bs if hit > local else 0
 
+    def shared_hit_tokens(self, req_id: str, num_external: int) -> int:
+        """Tokens of the hit just matched (num_external beyond the local ones) that the shared
+        tier serves; call before on_alloc (which consumes the match)."""
+        span = self._remote.get(req_id) if num_external > 0 else None
+        if span is None:
+            return 0
+        local = self._local_blocks.get(req_id, 0)
+        lo, hi = max(span[0], local), min(span[1], local + num_external // self.bs)
+        return max(0, hi - lo) * self.bs
+
     def _shared_hit(self, req_id: str, keys: list[bytes], start: int, usable: int) -> int | None:
         """The hit extended past `start` by what the shared tier holds; None: not known yet."""
         more = self.shared.extend(req_id, keys, start, usable)
