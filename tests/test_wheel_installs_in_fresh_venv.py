@@ -116,5 +116,5 @@ def test_missing_liburing_header_is_one_line(tmp_path):
                        env=_env())
     assert p.returncode != 0
     lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert lines == ["aiokv: liburing.h not found; install it with: apt-get install -y liburing-dev (Debian/Ubuntu)"], \
-        p.stderr
+    assert lines == ["aiokv: liburing.h not found; install it with: apt-get install -y liburing-dev (Debian/Ubuntu), "
+                     "or set AIOKV_WITHOUT_URING=1 to build without io_uring (thread-pool I/O)"], p.stderr
