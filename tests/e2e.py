@@ -2,27 +2,49 @@
 processes, and the assertions every such test makes."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+_FORK = None  # the fork server (tests/engine_fork.py), started on first use
+
+
 def run(spec: dict, env: dict | None = None, timeout: int = 600) -> dict:
-    """One engine life in a new process; returns its RESULT."""
+    """One engine life in a new process (forked from tests/engine_fork.py's server where its
+    environment allows; AIOKV_TEST_NO_FORK=1: always `python -m tests.vllm_run`); returns its RESULT."""
+    global _FORK
     e = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
     e.update(env or {})
+    if os.environ.get("AIOKV_TEST_NO_FORK") != "1":
+        from tests.engine_fork import Server
+
+        if _FORK is None:
+            _FORK = Server(ROOT)
+            atexit.register(_FORK.stop)
+        if _FORK.eligible(spec, e):
+            with tempfile.TemporaryDirectory(prefix="life") as d:
+                out, err = os.path.join(d, "out"), os.path.join(d, "err")
+                rc = _FORK.run(spec, e, out, err, timeout)
+                return _result(rc, open(out).read(), open(err, errors="replace").read())
     p = subprocess.run([sys.executable, "-m", "tests.vllm_run", json.dumps(spec)], cwd=ROOT, env=e,
                        capture_output=True, text=True, timeout=timeout)
-    for line in p.stdout.splitlines():
+    return _result(p.returncode, p.stdout, p.stderr)
+
+
+def _result(rc: int, stdout: str, stderr: str) -> dict:
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             res = json.loads(line[7:])
-            res["log"] = p.stderr[-4000:]
+            res["log"] = stderr[-4000:]
             return res
-    raise AssertionError(f"vLLM run failed (rc {p.returncode}):\n{p.stderr[-6000:]}")
+    raise AssertionError(f"vLLM run failed (rc {rc}):\n{stderr[-6000:]}")
 
 
 def prompts(n: int, length: int, seed: int = 0, prefix: list[int] | None = None) -> list[list[int]]:
