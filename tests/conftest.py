@@ -12,6 +12,25 @@ from aiokv.store import format as fmt
 PAYLOAD = 64 << 10
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = (yield).get_result()
+    if rep.when == "call":
+        item.aiokv_call_passed = rep.passed
+
+
+@pytest.fixture(autouse=True)
+def every_life_is_checked(request):
+    """An end-to-end test passes each life it ran with aiokv to tests.e2e.happened()."""
+    yield
+    from tests import e2e
+
+    left, e2e.UNCHECKED[:] = len(e2e.UNCHECKED), []
+    if left and getattr(request.node, "aiokv_call_passed", False):
+        pytest.fail(f"{left} engine li{'fe' if left == 1 else 'ves'} with aiokv never passed to tests.e2e.happened(): "
+                    "assert what it shows (tokens against a run without aiokv, aiokv's counters)")
+
+
 @pytest.fixture(params=["uring", "threads"])
 def backend_kind(request, monkeypatch):
     """Every store test runs on both I/O backends."""

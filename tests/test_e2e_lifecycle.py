@@ -1,5 +1,5 @@
-"""End to end: preemption, aborts at several points, many concurrent requests,
-repeated generate calls in one engine.
+"""End to end: preemption, aborts at several points (one while preempted), many
+concurrent requests, repeated generate calls in one engine.
 
 Invariant: no crash; tokens of every request that was not aborted equal a run
 without aiokv; every block goes back to vLLM; no staging slot, pin, pending
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e import assert_clean, prompts, run
+from tests.e2e import happened, prompts, run
 
 pytestmark = pytest.mark.vllm
 
@@ -21,33 +21,30 @@ def test_preemption_under_tiny_kv_cache(tiny_model, tmp_path):
                 phases=[dict(prompts=ps, max_tokens=40)])
     base = run(spec)
     cold = run({**spec, "cache": str(tmp_path / "c")})
-    assert cold["preemptions"] > 0, "the KV cache must be small enough to preempt"
-    assert cold["tokens"] == base["tokens"]
-    assert_clean(cold)
+    happened(cold, base, preemptions=">0", saves_committed=">0")  # the KV cache is small enough to preempt
     warm = run({**spec, "cache": str(tmp_path / "c")})
-    assert warm["tokens"] == base["tokens"]
-    assert warm["counters"]["hit_blocks"] > 0
-    assert_clean(warm)
+    happened(warm, base, hit_blocks=">0", preemptions=">0")
+    # an abort that lands while its request is preempted (its blocks already back with vLLM)
+    ab = run({**spec, "cache": str(tmp_path / "c"), "phases": [dict(spec["phases"][0], abort_preempted=1)]})
+    assert ab["aborted_while"] == {"PREEMPTED": 1}, ab["aborted_while"]
+    happened(ab, base, hit_blocks=">0", preemptions=">0")
 
 
 def test_aborts_queued_loading_mid_save(tiny_model, tmp_path):
     cache = str(tmp_path / "c")
     ps = prompts(6, 260, seed=31)
+    base = run(dict(model=tiny_model, phases=[dict(prompts=ps)]))
     cold = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=ps[:3])]))
-    assert_clean(cold)
+    happened(cold, dict(base, tokens=[base["tokens"][0][:3]]), saves_committed=">=3", hit_blocks=0)
     # warm: 0,1,2 hit (loads); 3,4,5 are new (saves). Abort: 0 before its first step
     # (queued), 1 after one step (its load in flight), 3 after its prefill step (mid-save).
-    base = run(dict(model=tiny_model, phases=[dict(prompts=ps)]))
     warm = run(dict(model=tiny_model, cache=cache,
                     phases=[dict(prompts=ps, abort_after={0: 0, 1: 1, 3: 1})]))
     assert warm["finish"][0][0] == "aborted" and warm["finish"][0][1] == "aborted"
     assert warm["finish"][0][3] == "aborted"
-    for i in (2, 4, 5):
-        assert warm["tokens"][0][i] == base["tokens"][0][i]
-    assert_clean(warm)
+    happened(warm, base, hit_requests=">=1")
     again = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=ps)]))
-    assert again["tokens"] == base["tokens"]
-    assert_clean(again)
+    happened(again, base, hit_requests=">=3")
 
 
 def test_many_concurrent_and_repeated_generate(tiny_model, tmp_path):
@@ -56,18 +53,14 @@ def test_many_concurrent_and_repeated_generate(tiny_model, tmp_path):
     phases = [dict(prompts=ps[:8]), dict(prompts=ps[8:], stagger=True), dict(prompts=ps[:8])]
     base = run(dict(model=tiny_model, phases=phases))
     res = run(dict(model=tiny_model, cache=str(tmp_path / "c"), phases=phases))
-    assert res["tokens"] == base["tokens"]
-    assert res["counters"]["saves_committed"] > 16
-    assert_clean(res)
+    happened(res, base, saves_committed=">16")
     warm = run(dict(model=tiny_model, cache=str(tmp_path / "c"), phases=phases))
-    assert warm["tokens"] == base["tokens"]
-    assert warm["counters"]["hit_blocks"] >= 16
-    assert_clean(warm)
+    happened(warm, base, hit_blocks=">=16")
 
 
 def test_aborts_at_every_point(tiny_model, tmp_path):
-    """Queued, waiting for a load, mid-load (reads made slow), mid-save, in the
-    step it finishes, and while preempted under a tiny KV cache."""
+    """Queued, waiting for a load, mid-load (reads made slow), mid-save and in the
+    step it finishes (while preempted: test_preemption_under_tiny_kv_cache)."""
     import json
 
     from aiokv.io.faults import ACK
@@ -75,21 +68,19 @@ def test_aborts_at_every_point(tiny_model, tmp_path):
     cache = str(tmp_path / "c")
     ps = prompts(12, 230, seed=33)
     spec = dict(model=tiny_model, num_gpu_blocks=30, max_num_seqs=6, max_model_len=512)
+    base = run(dict(spec, phases=[dict(prompts=ps, max_tokens=6)]))
     cold = run(dict(spec, cache=cache, phases=[dict(prompts=ps[:6], max_tokens=6)]))
-    assert_clean(cold)
+    happened(cold, dict(base, tokens=[base["tokens"][0][:6]]), saves_committed=">=6")
     slow = {"AIOKV_FAULTS": json.dumps([{"op": "read", "kind": "late", "delay": 0.3}]), "AIOKV_FAULTS_ACK": ACK}
     # 0-5 hit (slow loads), 6-11 are new. max_tokens=6: a request finishes about 6 steps after its prefill.
     aborts = {0: 0, 1: 1, 2: 3, 3: 6, 4: 7, 6: 1, 7: 5, 8: 6, 9: 7, 10: 12, 11: 20}
-    base = run(dict(spec, phases=[dict(prompts=ps, max_tokens=6)]))
     res = run(dict(spec, cache=cache, phases=[dict(prompts=ps, max_tokens=6, abort_after=aborts, stagger=True)]),
               env=slow)
-    for i, fin in enumerate(res["finish"][0]):
-        if fin != "aborted":
-            assert res["tokens"][0][i] == base["tokens"][0][i], i
     assert res["finish"][0].count("aborted") >= 3
-    c = res["counters"]
-    assert c["loads_cancelled"] >= 1, "some abort must land while its load is in flight"
-    assert_clean(res, allow_load_errors=True)
+    w = res["aborted_while"]
+    assert w.get("WAITING_FOR_REMOTE_KVS", 0) >= 1 and w.get("RUNNING", 0) >= 1, w  # mid-load and mid-save
+    # some abort lands while its load is in flight; the slow reads were injected
+    happened(res, base, allow_load_errors=True, loads_cancelled=">=1", hit_requests=">=1")
+    assert res["faults_fired"].get("read:late", 0) > 0
     again = run(dict(spec, cache=cache, phases=[dict(prompts=ps, max_tokens=6)]))
-    assert again["tokens"] == base["tokens"]
-    assert_clean(again)
+    happened(again, base, hit_requests=">=6")

@@ -8,7 +8,8 @@ so that every run is a true restart.
 spec: model, cache (null: no connector), block_size, dtype, max_model_len, metrics (multiprocess:
 return aiokv's Prometheus series as `metrics`),
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config),
-phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps},
+phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps}, abort_preempted?: n (abort
+the first n requests seen preempted, in the step they are; where each abort landed: "aborted_while"),
 wait_for?: path, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
 reset_prefix_cache?: {kwargs}}], stagger (add
 one request per step instead of all at once); wait_for keeps the engine alive and
@@ -61,7 +62,8 @@ def main(spec: dict) -> dict:
             kw["kv_transfer_config"]["kv_connector_module_path"] = "aiokv.connector"
     llm = LLM(**kw)
     engine = llm.llm_engine
-    result: dict = {"tokens": [], "cached": [], "finish": [], "preemptions": 0}
+    result: dict = {"tokens": [], "cached": [], "finish": [], "preemptions": 0, "aborted_while": {},
+                    "pending_saves_at_finish": 0}
     if not MP:  # the engine core lives in this process: look inside
         core = engine.engine_core.engine_core
         sched = core.scheduler
@@ -92,6 +94,7 @@ def main(spec: dict) -> dict:
         ids = []
         pending = list(range(len(prompts)))
         outs: dict[str, object] = {}
+        internal: dict[str, str] = {}  # our id -> vLLM's (it appends a suffix)
         step = 0
         deadline = time.monotonic() + spec.get("phase_timeout", 300)
         while pending or engine.has_unfinished_requests():
@@ -102,12 +105,22 @@ def main(spec: dict) -> dict:
                 p = {"prompt_token_ids": prompts[i]}
                 if salts[i] is not None:
                     p["cache_salt"] = salts[i]
-                engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=phase.get("max_tokens", 8),
+                internal[rid] = engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=phase.get("max_tokens", 8),
                                                           ignore_eos=True))
                 ids.append((i, rid, step))
                 pending.remove(i)
+            if phase.get("abort_preempted") and not MP:
+                for i, rid, _ in ids:
+                    r = sched.requests.get(internal[rid])
+                    if r is not None and r.status.name == "PREEMPTED" and rid not in outs \
+                            and result["aborted_while"].get("PREEMPTED", 0) < phase["abort_preempted"]:
+                        aborts[i] = step - next(a for j, _, a in ids if j == i)
             for i, rid, added in ids:
                 if i in aborts and step - added == aborts[i] and rid not in outs:
+                    if not MP:  # where the abort landed: WAITING, WAITING_FOR_REMOTE_KVS, RUNNING, PREEMPTED
+                        r = sched.requests.get(internal[rid])
+                        where = r.status.name if r is not None else "FINISHED"
+                        result["aborted_while"][where] = result["aborted_while"].get(where, 0) + 1
                     engine.abort_request([rid])
                     outs[rid] = None
             if phase.get("kill_at_step") and phase["kill_at_step"][0] == step:  # e.g. the shared tier's server
@@ -117,6 +130,9 @@ def main(spec: dict) -> dict:
             for o in engine.step():
                 if o.finished and outs.get(o.request_id) is None and o.request_id not in outs:
                     outs[o.request_id] = o
+                    if not MP and getattr(sched.connector, "sched", None) is not None:  # saves still running
+                        result["pending_saves_at_finish"] = max(result["pending_saves_at_finish"],
+                                                                sched.connector.sched.pending_saves)
             step += 1
             if time.monotonic() > deadline:
                 raise RuntimeError("engine did not finish")
@@ -156,6 +172,8 @@ def main(spec: dict) -> dict:
             engine.step()
         result["counters"] = {**conn.counters(), **wc.counters()}
         result["pool_size"] = wc.worker.pool.count if wc.worker is not None else 0
+    if "aiokv.io.faults" in sys.modules:  # the test-only injector ran in this process: what it did
+        result["faults_fired"] = dict(sys.modules["aiokv.io.faults"].FIRED)
     pool = sched.kv_cache_manager.block_pool
     result["free_blocks"] = pool.get_num_free_blocks()
     result["total_blocks"] = pool.num_gpu_blocks

@@ -30,6 +30,7 @@ from aiokv.io.backend import OP_READ, IOBackend, say_once
 
 ACK = "inject I/O faults"
 KINDS = ("eio", "enospc", "short", "late", "flip")
+FIRED: dict[str, int] = {}  # "read:late" -> faults injected in this process (tests show theirs happened)
 
 
 class Rule:
@@ -56,6 +57,8 @@ class Rule:
         if n <= 0 or n % self.every or (self.limit is not None and self.fired >= self.limit):
             return False
         self.fired += 1
+        name = f"{'read' if self.op == OP_READ else 'write'}:{self.kind}"
+        FIRED[name] = FIRED.get(name, 0) + 1
         return True
 
 
