@@ -125,7 +125,8 @@ NOT_EXPORTED = {
     "store_load_failures": "the store's own load path (tools, tests), not the engine's",
     # the shared tier (docs/sharing.md): in the connector's counters; no series yet
     **{k: "shared tier: no series yet (docs/sharing.md)" for k in (
-        "remote_hit_blocks", "remote_loaded_blocks", "remote_missed_blocks", "uploaded", "upload_bytes",
+        "remote_hit_blocks", "remote_loaded_blocks", "remote_missed_blocks", "remote_bad_blocks", "uploaded",
+        "upload_bytes",
         "upload_already_there", "upload_failed", "upload_replaced_bad", "upload_dropped_queue_full",
         "upload_dropped_unavailable", "upload_dropped_at_close")},
 }

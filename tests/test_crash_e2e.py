@@ -20,7 +20,7 @@ import time
 import pytest
 
 from aiokv.store import Store
-from tests.e2e import ROOT, assert_clean, prompts, run
+from tests.e2e import ROOT, happened, prompts, run
 
 pytestmark = pytest.mark.vllm
 
@@ -66,14 +66,10 @@ def test_restart_after_kill9_hits_what_was_committed(tiny_model, crashed, tmp_pa
     assert seen <= after, f"{len(seen - after)} blocks committed before the kill are gone"
     base = run(dict(model=tiny_model, phases=[dict(prompts=PS[:12])]))
     warm = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS[:12])]))
-    assert warm["tokens"] == base["tokens"]
-    c = warm["counters"]
     # every request hits exactly its leading run of recovered blocks (its prompt's, 7 at most)
     expected = _leading_runs(cache, after, PS[:12], (230 - 1) // 32)
     assert expected > 0, "no block of these prompts was committed before the kill"
-    assert c["hit_blocks"] == expected, (c["hit_blocks"], expected)
-    assert c["load_failed_blocks"] == 0 and c["load_bad_blocks"] == 0
-    assert_clean(warm)
+    happened(warm, base, hit_blocks=expected)
     print(f"index of {len(after)} blocks recovered in {recovery:.3f} s")
 
 
@@ -100,7 +96,7 @@ def test_damaged_files_become_misses(tiny_model, tmp_path, damage):
     ps = prompts(4, 230, seed=81)
     base = run(dict(model=tiny_model, phases=[dict(prompts=ps)]))
     cold = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=ps)]))
-    assert cold["tokens"] == base["tokens"]
+    happened(cold, base, saves_committed=">=10")
     d = _ns_dir(cache)
     data = os.path.join(d, "rank0.data")
     if damage == "truncate":
@@ -115,14 +111,9 @@ def test_damaged_files_become_misses(tiny_model, tmp_path, damage):
         with open(jpath, "ab") as f:
             f.write(os.urandom(40))
     warm = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=ps)]))
-    assert warm["tokens"] == base["tokens"]
-    c = warm["counters"]
     if damage == "torn_journal":
-        assert c["hit_blocks"] == 4 * (229 // 32) and c["load_failed_blocks"] == 0
-        assert_clean(warm)
+        happened(warm, base, hit_blocks=4 * (229 // 32))
     else:
-        assert c["load_failed_blocks"] > 0 and c["load_bad_blocks"] > 0, c
-        assert_clean(warm, allow_load_errors=True)
+        happened(warm, base, allow_load_errors=True, load_failed_blocks=">0", load_bad_blocks=">0")
         again = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=ps)]))
-        assert again["tokens"] == base["tokens"]
-        assert_clean(again)
+        happened(again, base, load_failed_blocks=0)

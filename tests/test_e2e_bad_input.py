@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e import prompts, run
+from tests.e2e import happened, prompts, run
 
 pytestmark = pytest.mark.vllm
 
@@ -62,15 +62,14 @@ def test_read_only_directory_disables_aiokv(tiny_model, read_only_dir):
     ps = prompts(2, 120, seed=3)
     base = run(dict(model=tiny_model, phases=[dict(prompts=ps)]))
     cold = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=ps)]))
-    assert cold["tokens"] == base["tokens"] and cold["counters"]["saves_committed"] > 0
+    happened(cold, base, saves_committed=">0")
     before = sorted(os.listdir(os.path.join(cache, "ns")))
     d = str(read_only_dir)
     subprocess.run(["mount", "--bind", d, d], check=True)
     subprocess.run(["mount", "-o", "remount,ro,bind", d], check=True)
     res = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=ps)]))
-    assert res["tokens"] == base["tokens"]
     assert "aiokv is disabled and vLLM runs without it" in res["log"]
-    assert res["counters"].get("hit_blocks", 0) == 0
+    happened(res, base, disabled=True)
     assert sorted(os.listdir(os.path.join(cache, "ns"))) == before
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e import assert_clean, prompts, run
+from tests.e2e import happened, prompts, run
 
 pytestmark = pytest.mark.vllm
 
@@ -24,13 +24,7 @@ def test_restart_hits_and_tokens_identical(tiny_model, tmp_path, block_size, dty
     base = run(spec)
     cold = run({**spec, "cache": str(tmp_path / "c")})
     warm = run({**spec, "cache": str(tmp_path / "c")})
-    assert cold["tokens"] == base["tokens"]
-    assert warm["tokens"] == base["tokens"]
     full = 299 // block_size  # blocks a hit may cover: one token is always left to compute
-    assert cold["counters"]["saves_committed"] >= 4 * full
-    assert cold["counters"]["hit_blocks"] == 0
-    assert warm["counters"]["hit_blocks"] == 4 * full
-    assert warm["counters"]["loads_ok_blocks"] == 4 * full
+    happened(cold, base, saves_committed=f">={4 * full}", hit_blocks=0)
+    happened(warm, base, hit_blocks=4 * full, loads_ok_blocks=4 * full)
     assert warm["cached"][0] == [full * block_size] * 4
-    assert_clean(cold)
-    assert_clean(warm)

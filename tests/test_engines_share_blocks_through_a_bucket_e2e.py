@@ -19,7 +19,7 @@ from __future__ import annotations
 import obstore
 import pytest
 
-from tests.e2e import assert_clean, assert_no_leaks, prompts, run
+from tests.e2e import happened, part, prompts, run
 
 pytestmark = pytest.mark.vllm
 BS = 32
@@ -38,24 +38,18 @@ def test_second_engine_hits_what_the_first_uploaded(tiny_model, tmp_path, s3serv
     shared = {"shared": s3server.url("e2e")}
     base = run(spec)
     a = run({**spec, "cache": str(tmp_path / "a"), "extra": shared}, env=env)
-    assert a["tokens"] == base["tokens"]
-    assert_clean(a)
+    happened(a, base, uploaded=f">={4 * FULL}")
     # every full block (prompt and output) of every request was uploaded by the time A exited
     assert len(_objects(s3server, "e2e/")) >= 4 * FULL
 
     b = run({**spec, "cache": str(tmp_path / "b"), "extra": shared}, env=env)
-    assert b["tokens"] == base["tokens"]
-    c = b["counters"]
-    assert c["remote_hit_blocks"] == 4 * FULL, c
-    assert c["remote_loaded_blocks"] == 4 * FULL and c.get("remote_missed_blocks", 0) == 0, c
+    happened(b, base, remote_hit_blocks=4 * FULL, remote_loaded_blocks=4 * FULL, remote_missed_blocks=0,
+             remote_bad_blocks=0)
     assert b["cached"][0] == [FULL * BS] * 4
-    assert_clean(b)
 
     # written through: B's own directory serves them now, with no server at all
     b2 = run({**spec, "cache": str(tmp_path / "b")}, env=env)
-    assert b2["tokens"] == base["tokens"]
-    assert b2["counters"]["hit_blocks"] == 4 * FULL and b2["counters"]["loads_ok_blocks"] == 4 * FULL
-    assert_clean(b2)
+    happened(b2, base, hit_blocks=4 * FULL, loads_ok_blocks=4 * FULL, remote_hit_blocks=0)
 
 
 def test_tampered_or_foreign_objects_are_misses(tiny_model, tmp_path, s3server):
@@ -65,7 +59,7 @@ def test_tampered_or_foreign_objects_are_misses(tiny_model, tmp_path, s3server):
     base = run(spec)
     secret = {"shared": s3server.url("tamper"), "secret": "fleet-secret-0123456789"}
     a = run({**spec, "cache": str(tmp_path / "a"), "extra": secret}, env=env)
-    assert a["tokens"] == base["tokens"]
+    happened(a, base, uploaded=f">={2 * FULL}")
     names = sorted(_objects(s3server, "tamper/"))
     assert len(names) >= 2 * FULL
     raw = bytearray(s3server.get_raw(names[0]))
@@ -75,15 +69,13 @@ def test_tampered_or_foreign_objects_are_misses(tiny_model, tmp_path, s3server):
     # another secret: every object is foreign, nothing loads, everything recomputes
     other = run({**spec, "cache": str(tmp_path / "o"), "extra": {**secret, "secret": "another-secret-987654321"}},
                 env=env)
-    assert other["tokens"] == base["tokens"]
-    assert other["counters"].get("remote_loaded_blocks", 0) == 0
-    assert_no_leaks(other)
+    # (the objects were found, fetched and refused: not merely absent)
+    happened(other, base, allow_load_errors=True, shared_probes=">0", remote_hit_blocks=">0", remote_loaded_blocks=0,
+             remote_bad_blocks=">0", remote_missed_blocks=0)
     # the right secret: all but the spoiled block's request's blocks load; that one recomputes
     b = run({**spec, "cache": str(tmp_path / "b"), "extra": secret}, env=env)
-    assert b["tokens"] == base["tokens"]
-    c = b["counters"]
-    assert c.get("remote_missed_blocks", 0) >= 1 and c["remote_loaded_blocks"] >= 1, c
-    assert_no_leaks(b)
+    happened(b, base, allow_load_errors=True, remote_bad_blocks=1, remote_missed_blocks=0,
+             remote_loaded_blocks=">=1")
 
 
 def test_killed_server_mid_run_then_back(tiny_model, tmp_path, s3server):
@@ -103,23 +95,23 @@ def test_killed_server_mid_run_then_back(tiny_model, tmp_path, s3server):
     a = run({**killed, "cache": str(tmp_path / "a"), "extra": shared}, env=env)
     s3server.proc.wait()
     s3server.proc = None
-    assert a["tokens"] == base["tokens"]
+    happened(a, base, uploaded=3 * FULL)
     c = a["counters"]
     dropped = sum(v for k, v in c.items() if k.startswith("upload_dropped") or k == "upload_failed")
-    assert dropped >= 1 and c["uploaded"] == 3 * FULL, c
-    assert_clean(a)
+    assert dropped >= 1, c
 
-    # mid-load: a fresh engine loads phase 1's blocks from the bucket; the server dies at its third step
+    # mid-load: a fresh engine loads phase 1's blocks from the bucket; the server dies at the first
+    # step that starts with one of those loads in flight
     s3server.log.close()
     s3server.start()
-    loadkill = {**spec, "phases": [{**spec["phases"][0], "stagger": True, "kill_at_step": [3, s3server.proc.pid]}]}
+    loadkill = {**spec, "phases": [{**spec["phases"][0], "stagger": True, "kill_when_loading": s3server.proc.pid}]}
     b = run({**loadkill, "cache": str(tmp_path / "b"), "extra": shared}, env=env)
     s3server.proc.wait()
     s3server.proc = None
-    assert b["tokens"] == [base["tokens"][0]]
-    assert_no_leaks(b)
-    c = b["counters"]
-    assert c.get("remote_hit_blocks", 0) + c.get("shared_probe_gave_up", 0) > 0, c
+    assert "killed_at_step" in b, "no load from the bucket was ever in flight"
+    happened(b, part(base, [0]), allow_load_errors=True, remote_hit_blocks=">0")
+    c = b["counters"]  # every block promised from the bucket loaded, or failed and was recomputed
+    assert c.get("remote_loaded_blocks", 0) + c.get("remote_missed_blocks", 0) <= c["remote_hit_blocks"], c
 
     # back: the same server, its data kept; what the dead server missed is not there
     s3server.log.close()
@@ -127,8 +119,6 @@ def test_killed_server_mid_run_then_back(tiny_model, tmp_path, s3server):
     assert len(_objects(s3server, "kill/")) == 3 * FULL  # phase 1 only
     # uploads and hits resume
     c2 = run({**spec, "cache": str(tmp_path / "c"), "extra": shared}, env=env)
-    assert c2["tokens"] == base["tokens"]
+    happened(c2, base, remote_hit_blocks=3 * FULL, uploaded=">0")
     d = run({**spec, "cache": str(tmp_path / "d"), "extra": shared}, env=env)
-    assert d["tokens"] == base["tokens"]
-    assert d["counters"]["remote_hit_blocks"] == 6 * FULL + 100 // BS, d["counters"]
-    assert_clean(d)
+    happened(d, base, remote_hit_blocks=6 * FULL + 100 // BS)

@@ -16,7 +16,7 @@ import shutil
 import pytest
 
 from aiokv.io.faults import ACK
-from tests.e2e import assert_clean, prompts, run
+from tests.e2e import happened, prompts, run
 
 pytestmark = pytest.mark.vllm
 
@@ -34,8 +34,8 @@ def stored(tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("faults")
     base = run(dict(model=tiny_model, phases=[dict(prompts=PS)]))
     cold = run(dict(model=tiny_model, cache=str(d / "c"), phases=[dict(prompts=PS)]))
-    assert cold["tokens"] == base["tokens"]
-    return str(d / "c"), base["tokens"]
+    happened(cold, base, saves_committed=f">={4 * FULL}")
+    return str(d / "c"), base
 
 
 @pytest.mark.parametrize("rule,extra", [
@@ -45,35 +45,31 @@ def stored(tiny_model, tmp_path_factory):
     ({"op": "read", "kind": "late", "delay": 3.0}, {"load_timeout": 1}),
 ])
 def test_read_faults_become_recomputes(tiny_model, stored, tmp_path, rule, extra):
-    cache, tokens = stored
+    cache, base = stored
     mine = str(tmp_path / "c")
     shutil.copytree(cache, mine)
     res = run(dict(model=tiny_model, cache=mine, extra=extra, phases=[dict(prompts=PS)]), env=faults(rule))
     assert "FAULT INJECTION ACTIVE" in res["log"]
-    assert res["tokens"] == tokens
+    assert res["faults_fired"].get(f"read:{rule['kind']}", 0) > 0, res["faults_fired"]
+    happened(res, base, allow_load_errors=True, load_failed_blocks=">0", hit_blocks=4 * FULL)
     c = res["counters"]
-    assert c["load_failed_blocks"] > 0, c
-    assert c["loads_ok_blocks"] + c["load_failed_blocks"] == c["hit_blocks"] == 4 * FULL
+    assert c.get("loads_ok_blocks", 0) + c["load_failed_blocks"] == c["hit_blocks"] == 4 * FULL
     if rule["kind"] == "late":
         assert c["load_timeouts"] > 0
     if rule["kind"] in ("flip", "eio", "short"):
         assert c["load_bad_blocks"] > 0  # dropped from the index, never served again
-    assert_clean(res, allow_load_errors=True)
     again = run(dict(model=tiny_model, cache=mine, phases=[dict(prompts=PS)]))  # no faults now
-    assert again["tokens"] == tokens
-    assert again["counters"]["load_failed_blocks"] == 0
-    assert_clean(again)
+    happened(again, base, hit_requests=">0")
 
 
 def test_late_reads_within_timeout_still_hit(tiny_model, stored, tmp_path):
-    cache, tokens = stored
+    cache, base = stored
     mine = str(tmp_path / "c")
     shutil.copytree(cache, mine)
     res = run(dict(model=tiny_model, cache=mine, phases=[dict(prompts=PS)]),
               env=faults({"op": "read", "kind": "late", "delay": 0.3}))
-    assert res["tokens"] == tokens
-    assert res["counters"]["loads_ok_blocks"] == 4 * FULL
-    assert_clean(res)
+    assert res["faults_fired"].get("read:late", 0) > 0, "the reads were made late"
+    happened(res, base, loads_ok_blocks=4 * FULL)
 
 
 @pytest.mark.parametrize("rule", [
@@ -83,31 +79,28 @@ def test_late_reads_within_timeout_still_hit(tiny_model, stored, tmp_path):
     {"op": "write", "kind": "late", "delay": 0.5},
 ])
 def test_write_faults_drop_only_those_saves(tiny_model, stored, tmp_path, rule):
-    _, tokens = stored
+    _, base = stored
     cache = str(tmp_path / "c")
     res = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]), env=faults(rule))
-    assert res["tokens"] == tokens
+    assert res["faults_fired"].get(f"write:{rule['kind']}", 0) > 0, res["faults_fired"]
     c = res["counters"]
     if rule["kind"] == "late":
-        assert c["save_failed_blocks"] == 0 and c["saves_committed"] >= 4 * FULL
+        happened(res, base, saves_committed=f">={4 * FULL}")
+        assert res["pending_saves_at_finish"] > 0, "requests finish while their saves are still being written"
     else:
-        assert c["save_failed_blocks"] > 0 and c["save_failures"] == c["save_failed_blocks"]
+        happened(res, base, allow_save_errors=True, save_failed_blocks=">0")
+        assert c["save_failures"] == c["save_failed_blocks"]
         assert c["saves_committed"] == c["saves_planned"] - c["save_failures"]
-    assert c["pending_saves"] == 0 and c["worker_in_flight"] == 0 and c["staging_in_use"] == 0
     warm = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]))
-    assert warm["tokens"] == tokens
-    assert warm["counters"]["load_failed_blocks"] == 0, "a failed save must never become a hit"
-    assert_clean(warm)
+    happened(warm, base, hit_requests=">0")  # and no load failed: a failed save never becomes a hit
 
 
 def test_flipped_bytes_on_disk_are_never_served(tiny_model, stored, tmp_path):
-    _, tokens = stored
+    _, base = stored
     cache = str(tmp_path / "c")
     cold = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]),
                env=faults({"op": "write", "kind": "flip", "every": 2}))
-    assert cold["tokens"] == tokens
+    assert cold["faults_fired"].get("write:flip", 0) > 0
+    happened(cold, base, saves_committed=">0")  # the flip is silent when written
     warm = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]))
-    assert warm["tokens"] == tokens
-    c = warm["counters"]
-    assert c["load_bad_blocks"] > 0 and c["load_failed_blocks"] > 0
-    assert_clean(warm, allow_load_errors=True)
+    happened(warm, base, allow_load_errors=True, load_bad_blocks=">0", load_failed_blocks=">0")

@@ -33,6 +33,11 @@ def test_short_fuzz(tmp_path):
     assert sum(life["hit_blocks"] for life in lives[1:]) > 0, "restarts must hit"
     assert sum(life["aborted"] for life in lives) > 0
     assert sum(life["saves"] for life in lives) > 0
+    # what the fuzz exists for happened: requests preempted, freed blocks poisoned (a stale read
+    # would show), stored blocks evicted to make room
+    assert sum(life["preemptions"] for life in lives) > 0, lives
+    assert sum(life["poisoned_blocks"] for life in lives) > 0, lives
+    assert sum(life["evictions"] or 0 for life in lives) > 0, lives
 
 
 # Gemma 2 (a window group beside a full one) runs in the suite; the hybrid (minutes per life on
@@ -60,6 +65,8 @@ def test_short_fuzz_with_several_kv_cache_groups(tmp_path, family):
     assert summary["ok"] and p.returncode == 0
     assert sum(life["saves"] for life in summary["lives"]) > 0
     assert sum(life["hit_blocks"] or 0 for life in summary["lives"][1:]) > 0, "the restart must hit"
+    assert sum(life["poisoned_blocks"] for life in summary["lives"]) > 0
+    assert sum(life["preemptions"] for life in summary["lives"]) > 0, summary["lives"]
     faulty = summary["lives"][1]
     assert faulty["faults"] and faulty["save_failed_blocks"] > 0, faulty  # the injector did fire
     if family != "hybrid":  # (its hits are few: checkpoints only; the long run counts its load failures)

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from tests.e2e import ROOT, prompts, run
+from tests.e2e import ROOT, happened, prompts, run
 from tests.stallfs import mounted
 
 pytestmark = pytest.mark.vllm
@@ -65,8 +65,7 @@ def test_warm_requests_finish_while_reads_hang(tiny_model, tmp_path):
     with mounted(str(tmp_path / "src"), str(tmp_path / "mnt"), control):
         cache = str(tmp_path / "mnt" / "c")
         cold = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS), dict(prompts=PS2)]))
-        assert cold["tokens"] == base["tokens"]
-        assert cold["counters"]["saves_committed"] >= 8 * FULL
+        happened(cold, base, saves_committed=f">={8 * FULL}")
         with open(control, "w") as f:
             f.write("r")  # from now on no read of a data file answers
         # the first four hits each cost one timeout; the breaker then opens, and

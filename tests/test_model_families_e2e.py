@@ -9,7 +9,7 @@ in the step it is computed (vLLM frees it when it slides out), and for a
 recurrent-state model must offer a hit only where a state checkpoint exists
 for every group, loading exactly the blocks vLLM allocated for it.
 Invariant: tokens identical to a run without aiokv, external hits after a
-restart, no failures, nothing leaked (tests/e2e.py: assert_clean).
+restart, no failures, nothing leaked (tests/e2e.py: happened).
 Prompts end mid-block, mid-window and exactly one token past a checkpoint.
 
 Load failures on every family (test_spoiled_blocks_are_recomputed_whole): the
@@ -36,7 +36,7 @@ import pytest
 from aiokv.demo import tiny_model
 from aiokv.io.faults import ACK
 from tests.damage import StoredBlocks
-from tests.e2e import assert_clean, prompts, run
+from tests.e2e import happened, prompts, run
 
 pytestmark = pytest.mark.vllm
 
@@ -80,9 +80,7 @@ def stored(models, tmp_path_factory):
                         phases=[dict(prompts=_mixed(lengths, bs, seed=11), max_tokens=12)])
             base = run(spec)
             cold = run(dict(spec, cache=cache))
-            assert cold["tokens"] == base["tokens"]
-            assert cold["counters"]["saves_committed"] > 0
-            assert_clean(cold)
+            happened(cold, base, saves_committed=">0", hit_blocks=0)
             done[family] = (spec, base["tokens"], cache)
         return done[family]
 
@@ -97,11 +95,9 @@ def test_cold_restart_warm_identical_tokens_with_hits(tmp_path, stored, family):
     cache = str(tmp_path / "c")
     shutil.copytree(cold_cache, cache)
     warm = run(dict(spec, cache=cache))
-    assert warm["tokens"] == base["tokens"]
+    happened(warm, base, hit_requests=len(lengths), hit_blocks=">0")
     w = warm["counters"]
-    assert w["hit_requests"] == len(lengths) and w["hit_blocks"] > 0, w
     assert all(c > 0 for c in warm["cached"][0]), warm["cached"]
-    assert_clean(warm)
     groups = [json.load(open(os.path.join(cache, "ns", d, "namespace.json")))["fields"]
               for d in os.listdir(os.path.join(cache, "ns"))]
     kinds = sorted(g["groups"][g.get("group", 0)]["kind"] for g in groups)
@@ -160,14 +156,11 @@ def test_spoiled_blocks_are_recomputed_whole(tmp_path, stored, family):
         failing += loaded
     env = {"AIOKV_FAULTS": json.dumps(rules), "AIOKV_FAULTS_ACK": ACK}
     res = run(dict(spec, cache=cache), env=env)
-    assert res["tokens"] == tokens
-    c = res["counters"]
-    assert c["hit_requests"] == len(ps), c
     # every spoiled block a hit loads failed (once), and nothing else did
-    assert c["load_failed_blocks"] == failing, c
-    assert c["load_bad_blocks"] == failing and c["read_errors"] == len(rules), c
+    happened(res, {"tokens": tokens}, allow_load_errors=True, hit_requests=len(ps), load_failed_blocks=failing,
+             load_bad_blocks=failing, read_errors=len(rules))
+    c = res["counters"]
     assert c["loads_ok_blocks"] + failing == c["load_blocks"], c
-    assert_clean(res, allow_load_errors=True)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "hybrid"])
@@ -187,14 +180,12 @@ def test_preemption_and_aborts_with_several_groups(tmp_path, models, family):
                 phases=[dict(prompts=ps, max_tokens=40, stagger=True)])
     base = run(spec)
     cold = run(dict(spec, cache=cache))
-    assert cold["tokens"] == base["tokens"]
-    assert_clean(cold)
+    fp32 = dtype == "float32"
+    why = "" if fp32 else "bf16 Qwen3-Next: output depends on batching (docstring)"
+    happened(cold, base if fp32 else None, why_no_baseline=why, saves_committed=">0")
     aborts = {"1": 1, "3": 4}
     warm = run(dict(spec, cache=cache, phases=[dict(prompts=ps, max_tokens=40, stagger=True, abort_after=aborts)]))
     done = [i for i in range(n) if str(i) not in aborts]
     assert all(warm["tokens"][0][i] is not None and len(warm["tokens"][0][i]) == 40 for i in done)
-    if dtype == "float32":
-        assert [warm["tokens"][0][i] for i in done] == [base["tokens"][0][i] for i in done]
-    assert warm["counters"]["hit_blocks"] > 0
-    assert base["preemptions"] + cold["preemptions"] + warm["preemptions"] > 0
-    assert_clean(warm)
+    happened(warm, base if fp32 else None, why_no_baseline=why, hit_blocks=">0")
+    assert cold["preemptions"] + warm["preemptions"] > 0, "the KV cache is small enough to preempt aiokv's lives"

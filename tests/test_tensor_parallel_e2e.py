@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from tests.e2e import prompts, run
+from tests.e2e import happened, prompts, run
 
 pytestmark = pytest.mark.vllm
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
@@ -29,29 +29,22 @@ def test_tp2_restart_hits_with_identical_tokens_and_one_rank_failing_recomputes(
     spec = dict(model=tiny_model, tp=2, phases=[dict(prompts=ps, max_tokens=8)])
     base = run(spec, env=TP_ENV)
     cold = run(dict(spec, cache=cache), env=TP_ENV)
-    assert cold["tokens"] == base["tokens"]
-    c = cold["counters"]
-    assert c["saves_committed"] == 3 * (200 // 32) and c["saves_ok_blocks"] == 2 * c["saves_committed"], c
-    assert c["pending_saves"] == 0 and c["pinned"] == 0
+    happened(cold, base, saves_committed=3 * (200 // 32), saves_ok_blocks=2 * 3 * (200 // 32))
     ns_dirs = os.listdir(os.path.join(cache, "ns"))
     assert len(ns_dirs) == 1
     files = sorted(f for f in os.listdir(os.path.join(cache, "ns", ns_dirs[0])) if f.endswith(".data"))
     assert files == ["rank0.data", "rank1.data"]
 
     warm = run(dict(spec, cache=cache), env=TP_ENV)
-    assert warm["tokens"] == base["tokens"]
-    w = warm["counters"]
-    assert w["hit_blocks"] == 3 * (199 // 32) and w["loads_ok_blocks"] == 2 * w["hit_blocks"], w
-    assert w.get("load_failed_blocks", 0) == 0 and warm["cached"][0] == [192] * 3
-    assert warm["free_blocks"] == warm["total_blocks"] - 1 and warm["requests_left"] == 0
+    happened(warm, base, hit_blocks=3 * (199 // 32), loads_ok_blocks=2 * 3 * (199 // 32))
+    assert warm["cached"][0] == [192] * 3
 
     # rank 1 cannot read its shard: the requests recompute, on both ranks, with the same tokens
     faults = dict(TP_ENV, AIOKV_FAULTS='[{"op": "read", "kind": "eio", "file": "rank1.data"}]',
                   AIOKV_FAULTS_ACK=FAULTS_ACK)
     bad = run(dict(spec, cache=cache), env=faults)
-    assert bad["tokens"] == base["tokens"]
+    happened(bad, base, allow_load_errors=True, hit_requests=3)
     b = bad["counters"]
     assert b["hit_requests"] == 3 and b["load_failed_blocks"] == b["hit_blocks"], b
     assert b["loads_ok_blocks"] == b["hit_blocks"], b  # rank 0's reads worked, rank 1's did not
     assert b["load_bad_blocks"] > 0  # rank 1's keys that failed are dropped: a later request misses them
-    assert bad["free_blocks"] == bad["total_blocks"] - 1 and bad["requests_left"] == 0

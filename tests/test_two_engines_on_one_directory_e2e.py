@@ -22,7 +22,7 @@ import time
 import pytest
 
 from aiokv.store import Store
-from tests.e2e import ROOT, assert_clean, prompts, run
+from tests.e2e import ROOT, happened, prompts, run
 
 pytestmark = pytest.mark.vllm
 
@@ -100,12 +100,10 @@ def test_two_live_engines_hit_each_others_blocks(tiny_model, tmp_path):
         rb = _result(b)
     finally:
         _kill(a, *([b] if b else []))
-    assert ra["tokens"] == base["tokens"] and rb["tokens"][:2] == base["tokens"]
     # B hit A's blocks, A hit B's, all while both lived
     assert rb["cached"][0] == [96, 96] and ra["cached"][1] == [96, 96], (ra["cached"], rb["cached"])
-    assert rb["counters"]["hit_blocks"] == full and ra["counters"]["hit_blocks"] == full
-    for r in (ra, rb):
-        assert_clean(r)
+    happened(ra, base, hit_blocks=full)
+    happened(rb, dict(base, tokens=base["tokens"] + [rb["tokens"][2]]), hit_blocks=full)
     assert _blocks_of(cache) == {0: full, 1: full}  # nothing stored twice
 
 
@@ -130,12 +128,11 @@ def test_kill9_of_one_engine_mid_save_leaves_the_other_unaffected(tiny_model, tm
         rb = _result(b)
     finally:
         _kill(b, *([a] if a else []))
-    base = run(dict(model=tiny_model, phases=[dict(prompts=ps[:4], max_tokens=4)]))
-    assert rb["tokens"][1] == base["tokens"][0]
-    c = rb["counters"]
-    # the first prompts were done (7 blocks each committed) long before the kill: B hits them
-    assert c["hit_blocks"] >= 2 * (229 // 32) and dead >= 40, (c, dead)
-    assert_clean(rb)  # zero load errors: nothing half-written was served
+    base = run(dict(model=tiny_model, phases=[dict(prompts=[], max_tokens=4), dict(prompts=ps[:4], max_tokens=4)]))
+    # the first prompts were done (7 blocks each committed) long before the kill: B hits them;
+    # zero load errors: nothing half-written was served
+    assert dead >= 40, dead
+    happened(rb, base, hit_blocks=f">={2 * (229 // 32)}")
     # the dead engine's number is free: an engine taking it adopts its files and blocks
     st = Store(cache, engine=1)
     assert sum(len(ns.own) for ns in st.index.namespaces.values()) >= dead

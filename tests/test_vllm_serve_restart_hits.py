@@ -37,7 +37,7 @@ import pytest
 
 import aiokv
 from aiokv import __version__
-from tests.e2e import ROOT, prompts
+from tests.e2e import ROOT, prompts, run
 
 pytestmark = pytest.mark.vllm
 
@@ -95,7 +95,8 @@ class Server:
         raise AssertionError(f"server not ready in {START_TIMEOUT} s:\n{self.text()[-6000:]}")
 
     def complete(self, prompt: list[int]) -> dict:
-        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                           "return_token_ids": True}).encode()
         req = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.load(r)
@@ -167,6 +168,8 @@ def test_vllm_serve_restart_serves_hits_and_metrics(tiny_model, tmp_path):
     full_blocks = PROMPT_LEN // BLOCK
     hit_tokens = (PROMPT_LEN - 1) // BLOCK * BLOCK  # the last prompt token is always computed
 
+    base = run(dict(model=tiny_model, block_size=BLOCK, phases=[dict(prompts=ps, max_tokens=8)]))  # without aiokv
+
     # ---- first life: cold cache
     srv = Server(tiny_model, cache, str(tmp_path / "serve1.log"))
     try:
@@ -180,6 +183,7 @@ def test_vllm_serve_restart_serves_hits_and_metrics(tiny_model, tmp_path):
     assert rc == 0, log1[-4000:]
     assert f"aiokv {__version__}: cache {cache}" in log1  # the start line names the version
     assert_clean_stop(log1)
+    assert [r["choices"][0]["token_ids"] for r in first] == base["tokens"][0]
     for r in first:
         assert (r["usage"]["prompt_tokens_details"] or {}).get("cached_tokens", 0) == 0, r["usage"]
     assert m1.get("vllm:aiokv_queried_tokens_total") == len(ps) * PROMPT_LEN, m1
@@ -200,7 +204,7 @@ def test_vllm_serve_restart_serves_hits_and_metrics(tiny_model, tmp_path):
     log2 = srv.text()
     assert rc == 0, log2[-4000:]
     assert_clean_stop(log2)
-    assert [r["choices"][0]["text"] for r in second] == [r["choices"][0]["text"] for r in first]
+    assert [r["choices"][0]["token_ids"] for r in second] == base["tokens"][0]
     for r in second:
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == hit_tokens, r["usage"]
     assert m2.get("vllm:aiokv_hit_tokens_total") == len(ps) * hit_tokens, m2

@@ -11,7 +11,8 @@ num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config),
 phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps}, abort_preempted?: n (abort
 the first n requests seen preempted, in the step they are; where each abort landed: "aborted_while"),
 wait_for?: path, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
-reset_prefix_cache?: {kwargs}}], stagger (add
+reset_prefix_cache?: {kwargs}, kill_when_loading?: process group (killed -9 at the first step
+that starts with one of aiokv's loads in flight; "killed_at_step")}], stagger (add
 one request per step instead of all at once); wait_for keeps the engine alive and
 idle until that file exists (tests that run two engines at once use it to order
 them); settle waits, before the phase, until the previous phases' saves and
@@ -127,6 +128,12 @@ def main(spec: dict) -> dict:
                 import signal
 
                 os.killpg(phase["kill_at_step"][1], signal.SIGKILL)
+            killer = phase.get("kill_when_loading")  # a process group killed once a load is in flight
+            if killer and "killed_at_step" not in result and sched.connector.sched._loading:
+                import signal
+
+                os.killpg(killer, signal.SIGKILL)
+                result["killed_at_step"] = step
             for o in engine.step():
                 if o.finished and outs.get(o.request_id) is None and o.request_id not in outs:
                     outs[o.request_id] = o
@@ -160,6 +167,7 @@ def main(spec: dict) -> dict:
             engine.step()
             time.sleep(0.005)
         result["counters"] = conn.counters()
+        result["rank_counters"] = llm.collective_rpc(_worker_counters)  # each rank's worker side
     elif conn is not None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -180,6 +188,13 @@ def main(spec: dict) -> dict:
     result["requests_left"] = len(sched.requests)
     core.shutdown()
     return result
+
+
+def _worker_counters(worker) -> dict:
+    """Runs in each TP worker process (collective_rpc): its worker-side connector's counters."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().counters()
 
 
 def _settle(engine, deadline: float) -> None:

@@ -69,7 +69,7 @@ COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_cancelled_blocks", "l
             "load_staging_stuck", "saves_ok_blocks", "save_failed_blocks", "save_skipped_staging_full",
             "save_timeouts", "read_errors", "write_errors", "bytes_read", "bytes_written",
             # the shared tier (docs/sharing.md)
-            "remote_loaded_blocks", "remote_missed_blocks", "uploaded", "upload_bytes", "upload_already_there",
+            "remote_loaded_blocks", "remote_missed_blocks", "remote_bad_blocks", "uploaded", "upload_bytes", "upload_already_there",
             "upload_failed", "upload_replaced_bad", "upload_dropped_queue_full", "upload_dropped_unavailable",
             "upload_dropped_at_close",
             # the host-memory tier (worker/memory.py); memory_held_bytes is a level (its deltas may be negative)
@@ -461,7 +461,9 @@ class TransferWorker:
                                                  for (k, _, _), st in zip(chunk, slots)))
                     good = [(item, st) for item, st, g in zip(chunk, slots, got) if g == "ok"]
                     bad_keys += [(k, s, t.group) for (k, s, _), g in zip(chunk, got) if g == "bad"]
-                    self._count(remote_loaded_blocks=len(good), remote_missed_blocks=len(chunk) - len(good))
+                    bad = sum(g == "bad" for g in got)  # arrived but did not verify: tampered, foreign
+                    self._count(remote_loaded_blocks=len(good), remote_bad_blocks=bad,
+                                remote_missed_blocks=len(chunk) - len(good) - bad)
                     if good:
                         await self._copy_in([b for (_, _, b), _ in good], [st for _, st in good])
                         failed.difference_update(b for (_, _, b), _ in good)
