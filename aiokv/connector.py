@@ -264,7 +264,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.ranks = vllm_config.parallel_config.tensor_parallel_size
         self.sched = None
         self.worker = None
-        self._roots: dict[str, bytes] = {}
+        self._roots: dict[str, tuple[int, bytes]] = {}  # request id -> (multimodal inputs seen, key root)
         # set by reset_cache (the weights may have changed in place): bound into every key's root,
         # random, so never the epoch of another life or reset (None: the weight files' own blocks)
         self.epoch: str | None = None
@@ -365,16 +365,15 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         return {k: v for k, v in out.items() if v > 0}
 
     def _root(self, request) -> bytes:
-        # a streaming-input session keeps its id but may gain multimodal inputs
-        memo = (request.request_id, len(request.mm_features or ()))
-        root = self._roots.get(memo)
-        if root is None:
-            self._roots = {k: v for k, v in self._roots.items() if k[0] != request.request_id}
+        # a streaming-input session keeps its id but may gain multimodal inputs: a new root then
+        n = len(request.mm_features or ())
+        got = self._roots.get(request.request_id)
+        if got is None or got[0] != n:
             extras = request_extras(request)
             if self.epoch is not None:
                 extras.append(["epoch", self.epoch])
-            root = self._roots[memo] = request_root(self.nsid, extras)
-        return root
+            got = self._roots[request.request_id] = (n, request_root(self.nsid, extras))
+        return got[1]
 
     def reset_cache(self) -> bool:
         """vLLM's reset_prefix_cache(reset_connector=True), and a pause or sleep that
@@ -468,7 +467,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished(request, [])  # nothing is held past the step: block ids unused
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._roots.pop((request.request_id, len(request.mm_features or ())), None)
+        self._roots.pop(request.request_id, None)
         self._queried.pop(request.request_id, None)
         self._remote_tokens.pop(request.request_id, None)
         if self.sched is None:
