@@ -858,7 +858,10 @@ class Store:
             self._backend.close()
             self._backend = None
         if checkpoint and not self.readonly and self.lock is not None and self.lock.fd is not None:
-            self.checkpoint()
+            try:
+                self.checkpoint()
+            except OSError as e:  # EIO, EROFS, ENOSPC: the journal still holds every record
+                log_warning(f"checkpoint at close failed ({os.strerror(e.errno or 0)}); the journal keeps its records")
         for log in self.logs.values():
             log.close()
         self._release_reclaimed()
