@@ -7,16 +7,17 @@ load's bad-block report dropped whatever copy the key had by then, a copy
 written and committed since.
 Invariant: a save report counts only for the reservation it was made for (the
 same slot, and a reservation whose ranks have not all reported yet); a bad-block
-report drops a key only where it still lives in the slot that was read; the
-newer reservation commits, the newer copy stays a hit and loads.
+report drops a key only where it still lives in the slot that was read, and
+that slot never holds a newer copy while a load of the old one is in flight;
+the newer reservation commits, the newer copy stays a hit.
 Fix: SchedulerSide.on_report matches (key, slot) against `_saving` and the
 store's entries; a reservation one rank failed is given back only once every
-rank has reported it, so its slot cannot be handed out again while a report of
-it is still on its way.
+rank has reported it; a key dropped while other loads hold it pinned keeps its
+slot until they unpin it (Index.release_dropped), so neither slot can be handed
+out again while a report about it is still on its way (the free list hands a
+slot given back straight out again).
 """
 from __future__ import annotations
-
-import pytest
 
 from aiokv.jobs import WorkerReport
 from aiokv.keys import request_root
@@ -88,10 +89,6 @@ def test_a_late_success_of_another_rank_does_not_count_for_the_newer_reservation
     side.store.close()
 
 
-@pytest.mark.xfail(strict=True, reason="Store.drop hands the slot of a key other loads still hold pinned "
-                   "straight back (the free list is LIFO): the newer copy is saved into the same slot, and the "
-                   "late report of the old one names it. Fix (store): release a dropped slot once its key is "
-                   "unpinned")
 def test_a_late_bad_block_report_keeps_the_newer_copy(tmp_path):
     side = _side(tmp_path)
     store, ns = side.store, side.groups[0].ns
