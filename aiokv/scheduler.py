@@ -103,7 +103,10 @@ class SchedulerSide:
         self._new_loads: list[Transfer] = []
         self._loading: dict[str, list[tuple[int, list[bytes]]]] = {}  # req -> pinned (group, keys)
         self._cancel: list[str] = []
-        self._saving: dict[tuple[int, bytes], tuple[int, set[int]]] = {}  # (group, key) -> (slot, ranks written)
+        self._saving: dict[tuple[int, bytes], tuple[int, set[int]]] = {}  # (group, key) -> (slot, ranks reported)
+        # reservations a rank failed: given back once every rank has reported (another rank may
+        # still be writing the slot, and its report must not meet a newer reservation there)
+        self._save_failing: set[tuple[int, bytes]] = set()
         # requests whose load failed: vLLM recomputes them, and must not be offered
         # the same hit again (a slow disk would make it wait and fail forever)
         self._no_hits: set[str] = set()
@@ -433,26 +436,28 @@ class SchedulerSide:
         self.breaker.record(report.counters)
         self.counters.breaker_opens = self.breaker.opens
         done: dict[int, list] = {}
-        for rank, key, slot, gi in report.saved:
-            entry = self._saving.get((gi, key))
-            if entry is None or entry[0] != slot:
-                continue
-            entry[1].add(rank)
-            if len(entry[1]) == self.groups[gi].ns.ranks:
-                del self._saving[(gi, key)]
-                self._from_shared.discard((gi, key))
-                done.setdefault(gi, []).append((key, slot))
         failed: dict[int, list] = {}
         shared_lost: dict[int, list] = {}
-        for rank, key, slot, gi in report.save_failed:
+        outcomes = [(r, k, s, g, True) for r, k, s, g in report.saved]
+        outcomes += [(r, k, s, g, False) for r, k, s, g in report.save_failed]
+        for rank, key, slot, gi, ok in outcomes:
             entry = self._saving.get((gi, key))
-            if entry is not None and entry[0] == slot:  # not a stale report of an older try
-                del self._saving[(gi, key)]
-                if (gi, key) in self._from_shared:  # a shared block that did not arrive: a miss, not a failed save
-                    self._from_shared.discard((gi, key))
-                    shared_lost.setdefault(gi, []).append((key, slot))
-                else:
-                    failed.setdefault(gi, []).append((key, slot))
+            if entry is None or entry[0] != slot:
+                continue  # not a report of this reservation (a stale report of an older try)
+            entry[1].add(rank)
+            if not ok:
+                self._save_failing.add((gi, key))
+            if len(entry[1]) < self.groups[gi].ns.ranks:
+                continue  # committed, or given back, once every rank has reported
+            del self._saving[(gi, key)]
+            shared = (gi, key) in self._from_shared
+            self._from_shared.discard((gi, key))
+            if (gi, key) in self._save_failing:
+                self._save_failing.discard((gi, key))
+                # a shared block that did not arrive: a miss, not a failed save
+                (shared_lost if shared else failed).setdefault(gi, []).append((key, slot))
+            else:
+                done.setdefault(gi, []).append((key, slot))
         self._no_hits.update(r for r in report.load_failed if r in self._reqs)
         if report.disabled and not self.disabled:
             self.disabled = True
@@ -520,11 +525,12 @@ class SchedulerSide:
         for (gi, key), (slot, _) in self._saving.items():
             ns = self.groups[gi].ns
             try:
-                ok = self.store.verify_slot(ns, key, slot)
+                ok = (gi, key) not in self._save_failing and self.store.verify_slot(ns, key, slot)
             except Exception:
                 ok = False
             (done if ok else lost).setdefault(gi, []).append((key, slot))
         self._saving.clear()
+        self._save_failing.clear()
         self._from_shared.clear()
         for gi, items in done.items():
             try:

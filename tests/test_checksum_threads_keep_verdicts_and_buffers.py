@@ -55,10 +55,12 @@ class CountingPool(concurrent.futures.ThreadPoolExecutor):
         super().__init__(n, "test-crc")
         self.delay = delay
         self.calls: list[tuple[str, float, float]] = []
+        self.started = 0  # calls a thread has begun (inside their delay or their work)
 
     def submit(self, fn, *args, **kw):
         def timed():
             t0 = time.monotonic()
+            self.started += 1
             time.sleep(self.delay)
             try:
                 return fn(*args, **kw)
@@ -144,21 +146,25 @@ async def test_cancelled_call_returns_after_its_threads(tmp_path, op):
         cpu.delay = 0.0
         assert await io.write(items) == [0] * N
         cpu.calls.clear()
+        cpu.started = 0
         cpu.delay = 0.3
     task = asyncio.ensure_future(getattr(io, op)(items))
-    await asyncio.sleep(0.1)  # threads are now inside their calls' delay
+    end = time.monotonic() + 10
+    while not cpu.started:  # a thread is inside its call's 0.3 s delay
+        assert time.monotonic() < end and not task.done(), "no checksum call ever reached a thread"
+        await asyncio.sleep(0.001)
+    cancelled = time.monotonic()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     returned = time.monotonic()
     started = len(cpu.calls)
-    await asyncio.sleep(0.4)
+    cpu.shutdown(wait=True)  # whatever was still queued or running runs to its end now
     # every call a thread had taken had ended before the cancelled call returned (and there
-    # were such calls: the threads were inside their delay when the cancel came)
-    assert cpu.calls and all(start < returned - 0.1 for _, start, _ in cpu.calls), (returned, cpu.calls)
+    # were such calls: one had begun before the cancel came)
+    assert cpu.calls and min(start for _, start, _ in cpu.calls) < cancelled, (cancelled, cpu.calls)
     assert all(end <= returned for _, _, end in cpu.calls), (returned, cpu.calls)
     assert len(cpu.calls) == started, "a thread went on with the slots after the call returned"
-    cpu.shutdown()
     io.close()
     io.backend.close()
     pool.close()

@@ -2,7 +2,8 @@
 Invariant: a full disk skips saves and evicts; usage stays under the capacity
 bound; what is stored still loads; the store keeps serving.
 Fix: disk space is reserved with fallocate when slots are created, so ENOSPC
-arrives at reservation (a skipped save + eviction), never in the middle of a write.
+arrives at reservation (a skipped save + eviction), never in the middle of a write;
+a fallocate that fails part-way is punched back (it leaves nothing allocated).
 """
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ async def test_enospc_skips_and_evicts(small_fs, blocks, backend_kind):
         stored += [k for k, r in zip(batch, res) if r == 0]
     assert st.stats.enospc >= 1
     assert st.stats.evictions > 0, "a full disk must make room by evicting"
+    # a failed fallocate gives back what it did allocate: the data file holds only slots in use or
+    # free (and the file system's own extent blocks, a few KiB)
+    du = os.stat(os.path.join(st.root, "ns", NS.hex(), "rank0.data")).st_blocks * 512
+    assert du <= ns.alloc.backed * ns.slot_bytes + (64 << 10), (du, ns.alloc.backed * ns.slot_bytes)
     # the newest batch got in after eviction
     assert st.lookup(ns, [key(11 * 32)]) == 1
     present = [k for k in stored if k in ns.entries]

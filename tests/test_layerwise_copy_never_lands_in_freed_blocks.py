@@ -96,10 +96,12 @@ def test_staged_blocks_land_layer_by_layer_at_the_next_step(tmp_path, backend_ki
         marks = _mark(kv, [11, 12, 13, 14])
         w.load([Transfer("r", [key(i) for i in range(4)], [0, 1, 2, 3], [11, 12, 13, 14])])
         assert _finished(w, "r") == set()
-        time.sleep(0.05)  # (an absence: nothing may land in this while)
+        lw = w.layers
+        # reported, yet held in staging with no copy started: only the next step's begin() hands
+        # staged blocks to the copy thread (no sleep needed to show an absence)
+        assert lw.held == 4 and lw.counts.get("copied_blocks", 0) == 0 and lw._thread is None
         assert _untouched(kv, marks), "a staged load must not reach the KV cache before the next step"
         assert w.pool.in_use == 4
-        lw = w.layers
         lw.begin()
         lw.wait_layer("l0")
         assert all(torch.equal(kv["l0"][11 + i], kv["l0"][1 + i]) for i in range(4))
@@ -328,13 +330,16 @@ def test_a_cancel_during_the_read_is_a_cancelled_load_not_a_failed_one(tmp_path,
     w0, _ = _worker(str(tmp_path), backend_kind)
     _save(w0, 4)
     w0.close()
-    monkeypatch.setenv("AIOKV_FAULTS", json.dumps([{"op": "read", "kind": "late", "delay": 0.3}]))
+    # the read completes 1 s late: the cancel below comes while it is in flight, however slowly
+    # this thread runs (it only waits for the read to have started)
+    monkeypatch.setenv("AIOKV_FAULTS", json.dumps([{"op": "read", "kind": "late", "delay": 1.0}]))
     monkeypatch.setenv("AIOKV_FAULTS_ACK", ACK)
     w, kv = _worker(str(tmp_path), backend_kind)
     try:
         marks = _mark(kv, [11, 12, 13, 14])
         w.load([Transfer("r", [key(i) for i in range(4)], [0, 1, 2, 3], [11, 12, 13, 14])])
-        time.sleep(0.1)
+        (rule,) = w.backend.rules
+        _eventually(lambda: rule.fired > 0)  # the read has been issued: its late answer is pending
         assert w.in_flight == 1, "the read is in flight"
         with w._lock:  # the cancel reaches the staging step, not the task (it has no await left)
             w._loads["r"] = (w._loads["r"][0], None)

@@ -20,6 +20,7 @@ import asyncio
 import ctypes
 import errno
 import os
+import time
 
 import pytest
 
@@ -123,8 +124,11 @@ async def test_cancel_of_a_half_submitted_batch_drops_the_queued_rest(data):
     r, w = os.pipe()  # reads of an empty pipe stay the kernel's until cancelled
     stuck = [(OP_READ, r, addr(bufs[i]), BS, 0) for i in range(2)]
     task = asyncio.ensure_future(be.run(stuck + reads(fd, bufs, range(2, 40))))
-    await asyncio.sleep(0.05)
-    assert be.in_flight == 2, "two submitted, 38 queued"
+    end = time.monotonic() + 10
+    while be.in_flight < 2:  # the two pipe reads submitted (they cannot complete)
+        assert time.monotonic() < end and not task.done(), "the batch was never submitted"
+        await asyncio.sleep(0.001)
+    assert be.in_flight == 2 and not task.done(), "two submitted, 38 queued"
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 5)

@@ -158,6 +158,11 @@ BLOCKING_SUBMIT_FS = ("fuse", "nfs", "nfs4", "cifs", "smb3", "9p", "ceph")
 
 def fs_type(path: str) -> str:
     """The type of the file system that holds `path` (which need not exist yet)."""
+    return mount_of(path)[1]
+
+
+def mount_of(path: str) -> tuple[str, str]:
+    """(mount point, file system type) of the mount that holds `path`."""
     path = os.path.realpath(path)
     best, kind = "", ""
     try:
@@ -169,7 +174,7 @@ def fs_type(path: str) -> str:
                     best, kind = mnt, fstype
     except OSError:
         pass
-    return kind
+    return best, kind
 
 
 def open_backend(loop: asyncio.AbstractEventLoop, kind: str | None = None, depth: int = 64,
@@ -179,9 +184,10 @@ def open_backend(loop: asyncio.AbstractEventLoop, kind: str | None = None, depth
     (wrapped by the test-only fault injector when tests deliberately ask for it)."""
     kind = kind or os.environ.get("AIOKV_IO", "auto")
     if kind == "auto" and path is not None:
-        fs = fs_type(path)
+        mnt, fs = mount_of(path)
         if fs.split(".")[0] in BLOCKING_SUBMIT_FS:
-            say_once(f"aiokv: {path} is on {fs}, where an io_uring submission can block; "
+            # one line per mount point (not per namespace directory: one per KV-cache group)
+            say_once(f"aiokv: the cache at {mnt} is on {fs}, where an io_uring submission can block; "
                      "using the thread-pool I/O backend")
             kind = "threads"
     backend = _open_backend(loop, kind, depth)

@@ -187,6 +187,22 @@ class Index:
         self.namespaces: dict[bytes, Namespace] = {}
         self.lru: collections.OrderedDict[tuple[bytes, bytes], None] = collections.OrderedDict()
         self.pins: collections.Counter = collections.Counter()
+        # slots of keys dropped while pinned: in use until the key is unpinned (release_dropped)
+        self.dropped_pinned: dict[tuple[bytes, bytes], list[int]] = {}
+
+    def release_dropped(self, ns: Namespace, key: bytes, slot: int) -> None:
+        """The slot of a dropped key goes back to the free list, or, while a load still holds
+        the key pinned, once it is unpinned: handed out at once, the slot would take the key's
+        next copy, and that load's late bad-block report (naming key and slot) would drop it."""
+        if self.pins[(ns.nsid, key)]:
+            self.dropped_pinned.setdefault((ns.nsid, key), []).append(slot)
+        else:
+            ns.alloc.release(slot)
+
+    def unpinned(self, ns: Namespace, key: bytes) -> None:
+        """The key's last pin is gone: slots it was dropped from are free now."""
+        for slot in self.dropped_pinned.pop((ns.nsid, key), ()):
+            ns.alloc.release(slot)
 
     @property
     def physical_bytes(self) -> int:

@@ -68,6 +68,7 @@ class IndexLog:
         self.lost_journal = 0  # bytes of a journal whose header did not verify (read-only openers drop it)
         self.ckpt_bytes = 0  # size of the current checkpoint file
         self._dirty = False
+        self.sync_failures = 0  # fdatasync failures in a row (sync_if_due)
         self.touches: list[tuple[bytes, int]] = []  # TOUCH records of keys this journal does not hold
 
     def _journal_path(self, gen: int) -> str:
@@ -195,11 +196,21 @@ class IndexLog:
         return self.size + self.ckpt_bytes
 
     def sync_if_due(self) -> None:
+        """fdatasync if the last one is sync_interval old. A failing disk is tried once per
+        interval, not at every call; only the first failure of a run raises (the caller says
+        it: one line), later ones are counted in `sync_failures` until a sync succeeds."""
         if self._dirty and self.fd is not None:
             now = time.monotonic()
             if now - self._last_sync >= self.sync_interval:
-                os.fdatasync(self.fd)
                 self._last_sync = now
+                try:
+                    os.fdatasync(self.fd)
+                except OSError:
+                    self.sync_failures += 1
+                    if self.sync_failures == 1:
+                        raise
+                    return
+                self.sync_failures = 0
                 self._dirty = False
 
     def checkpoint(self, entries) -> None:
@@ -227,10 +238,19 @@ class IndexLog:
             os.close(old)
 
     def close(self) -> None:
+        """Never raises: a last fdatasync that fails is said (the records are written; only
+        their power-cut durability is in doubt) and the descriptor is closed either way."""
         if self.fd is not None:
-            os.fdatasync(self.fd)
-            os.close(self.fd)
-            self.fd = None
+            fd, self.fd = self.fd, None
+            try:
+                if self._dirty:
+                    os.fdatasync(fd)
+            except OSError as e:
+                if not self.sync_failures:  # (a run of failures is said once)
+                    logging.getLogger("aiokv").warning("aiokv: journal fdatasync at close failed (%s)",
+                                                       os.strerror(e.errno or 0))
+            finally:
+                os.close(fd)
 
 
 class Follower:

@@ -539,8 +539,8 @@ class Store:
             pk = (ns.nsid, k)
             if pins[pk] > 1:
                 pins[pk] -= 1
-            else:
-                pins.pop(pk, None)
+            elif pins.pop(pk, None):
+                self.index.unpinned(ns, k)
 
     def drop(self, ns: Namespace, keys, corrupt: bool = True) -> None:
         """Forget keys whose blocks did not verify; our slots are reused, and another
@@ -557,7 +557,7 @@ class Store:
                 continue
             slot = self.index.remove(ns, k)
             if slot is not None:
-                ns.alloc.release(slot)
+                self.index.release_dropped(ns, k, slot)
                 recs.append(fmt.pack_record(fmt.REC_DROP, k, slot, 0))
                 self.stats.corrupt_dropped += corrupt
         self._append_drops(ns, recs)
@@ -858,7 +858,10 @@ class Store:
             self._backend.close()
             self._backend = None
         if checkpoint and not self.readonly and self.lock is not None and self.lock.fd is not None:
-            self.checkpoint()
+            try:
+                self.checkpoint()
+            except OSError as e:  # EIO, EROFS, ENOSPC: the journal still holds every record
+                log_warning(f"checkpoint at close failed ({os.strerror(e.errno or 0)}); the journal keeps its records")
         for log in self.logs.values():
             log.close()
         self._release_reclaimed()
