@@ -34,6 +34,7 @@ from aiokv.scheduler import Scheduled, SchedulerSide
 from aiokv.store import Store
 from aiokv.store import format as fmt
 from aiokv.store import store as store_mod
+from tests import mounts
 from tests.conftest import NS, PAYLOAD, key
 
 SB = fmt.slot_bytes(PAYLOAD)
@@ -44,13 +45,7 @@ EXT4_GOING_FLAGS_NOLOGFLUSH = 2
 @pytest.fixture
 def ext4(tmp_path):
     """(mountpoint, fail): a 32 MiB ext4 on a loop device; fail(kind) breaks it for real."""
-    if os.geteuid() != 0:
-        pytest.fail("this test mounts a loop file system and must run as root (CI does)")
-    img, mnt = tmp_path / "img", tmp_path / "mnt"
-    subprocess.run(["truncate", "-s", "32M", str(img)], check=True)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True)
-    mnt.mkdir()
-    subprocess.run(["mount", "-o", "loop,errors=remount-ro", str(img), str(mnt)], check=True)
+    mnt = tmp_path / "mnt"
 
     def fail(kind: str) -> None:
         if kind == "eio":
@@ -65,10 +60,8 @@ def ext4(tmp_path):
             with open(f"/sys/fs/ext4/{os.path.basename(dev)}/trigger_fs_error", "w") as f:
                 f.write("aiokv test: turn read-only\n")
 
-    try:
+    with mounts.loop_ext4(mnt, "32M", "errors=remount-ro"):
         yield mnt, fail
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def _side(root: str) -> SchedulerSide:

@@ -8,27 +8,20 @@ a fallocate that fails part-way is punched back (it leaves nothing allocated).
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 
 from aiokv.store import Store
 from aiokv.store import format as fmt
+from tests import mounts
 from tests.conftest import NS, PAYLOAD, key
 
 
 @pytest.fixture
 def small_fs(tmp_path):
     """A 24 MiB ext4 file system on a loop device."""
-    if os.geteuid() != 0:
-        pytest.fail("this test mounts a loop file system and must run as root (CI does)")
-    img, mnt = tmp_path / "img", tmp_path / "mnt"
-    subprocess.run(["truncate", "-s", "24M", str(img)], check=True)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True)
-    mnt.mkdir()
-    subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], check=True)
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=True)
+    with mounts.loop_ext4(tmp_path / "mnt", "24M") as mnt:
+        yield mnt
 
 
 async def test_enospc_skips_and_evicts(small_fs, blocks, backend_kind):

@@ -20,12 +20,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import subprocess
 
 import pytest
 
 from aiokv.store import Store
 from aiokv.store import format as fmt
+from tests import mounts
 from tests.conftest import NS, PAYLOAD, key
 
 SB = fmt.slot_bytes(PAYLOAD)
@@ -35,15 +35,8 @@ PAGE = 4096
 @pytest.fixture
 def tmpfs(tmp_path):
     """A 16 MiB tmpfs (a real ENOSPC once it is full)."""
-    if os.geteuid() != 0:
-        pytest.fail("this test mounts a tmpfs and must run as root (CI does)")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "none", str(mnt)], check=True)
-    try:
+    with mounts.tmpfs(tmp_path / "mnt", "16m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def _fill_up(path) -> int:

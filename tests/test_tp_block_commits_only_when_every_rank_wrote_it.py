@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import time
 
+from tests import mounts
 import pytest
 import torch
 
@@ -41,15 +41,8 @@ BS = 16  # tokens per block
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.fail("this test mounts a tmpfs and must run as root (CI does)")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "none", str(mnt)], check=True)
-    try:
+    with mounts.tmpfs(tmp_path / "mnt", "8m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def _fill_up(path) -> None:
