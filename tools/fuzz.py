@@ -304,14 +304,43 @@ def _child(flag: str, spec: dict, timeout: float) -> dict:
             from aiokv.io.faults import ACK
 
             env.update(AIOKV_FAULTS=json.dumps(spec["faults"]), AIOKV_FAULTS_ACK=ACK)
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), flag, f.name], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=timeout)
+        argv = [os.path.abspath(__file__), flag, f.name]
+        out, err, rc = _forked(argv, env, timeout)
+        if rc is None:
+            p = subprocess.run([sys.executable] + argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=timeout)
+            out, err, rc = p.stdout, p.stderr, p.returncode
     finally:
         os.unlink(f.name)
-    for line in p.stdout.splitlines():
+    for line in out.splitlines():
         if line.startswith("LIFE "):
             return json.loads(line[5:])
-    raise RuntimeError(f"fuzz {flag} failed (exit {p.returncode}):\n{p.stderr[-5000:]}")
+    raise RuntimeError(f"fuzz {flag} failed (exit {rc}):\n{err[-5000:]}")
+
+
+_FORK: list = []  # tools/forkserver.py's server, started on first use
+
+
+def _forked(argv: list[str], env: dict, timeout: float) -> tuple[str, str, int | None]:
+    """A child forked from a server that imported torch and vLLM once (tools/forkserver.py):
+    (stdout, stderr, exit code); exit code None where the environment does not allow it."""
+    import atexit
+    import tempfile
+
+    if os.environ.get("AIOKV_TEST_NO_FORK") == "1":
+        return "", "", None
+    if not _FORK:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from forkserver import Server
+
+        _FORK.append(Server(ROOT))
+        atexit.register(_FORK[0].stop)
+    if not _FORK[0].eligible(env):
+        return "", "", None
+    with tempfile.TemporaryDirectory(prefix="fuzz-life") as d:
+        o, e = os.path.join(d, "out"), os.path.join(d, "err")
+        rc = _FORK[0].run(argv, env, o, e, timeout)
+        return open(o).read(), open(e, errors="replace").read(), rc
 
 
 def run_life(spec: dict) -> dict:

@@ -1,5 +1,6 @@
 """A fork server for engine lives: one process that has imported torch and vLLM
-once, and forks a fresh child for each engine life that `tests.e2e.run` asks for.
+once, and forks a fresh child for each engine life asked of it (tests/e2e.py's
+run, tools/fuzz.py's lives).
 
 Why: an engine life of a tiny model on 2 CPU cores spends about half its time
 importing torch and vLLM. Forked from a process that already did, each life
@@ -7,22 +8,24 @@ still is a new process with its own vLLM engine, aiokv connector and store (aiok
 is never imported here, so nothing of it is shared between lives), and its end
 (`os._exit`, or a kill) is a true restart for the cache on disk.
 
-Used only for lives whose environment can be set after the imports: one process
-(no TP, no engine-core process) and, against the server's own environment, only
-variables read at run time changed (AIOKV_*, AWS_*, PYTEST_*); every other life
-runs as `python -m tests.vllm_run` (`tests.e2e.run`).
+A child runs what `python ARGV...` would ("-m MODULE ARGS" or "SCRIPT ARGS"),
+but only where its environment can be set after the imports: one process (no
+TP, no engine-core process: the caller's `eligible`) and, against the server's
+own environment, only variables read at run time changed (AIOKV_*, AWS_*,
+PYTEST_*). Callers run every other life as a plain subprocess.
 
-Protocol (one request at a time, lines of JSON): the test process writes
-{"spec", "env", "out", "err"}; the server forks, answers {"pid"}, and when the
+Protocol (one request at a time, lines of JSON): the caller writes
+{"argv", "env", "out", "err"}; the server forks, answers {"pid"}, and when the
 child has ended {"rc"}. The child runs in its own session (a kill of its process
-group never reaches the server or pytest), with stdout and stderr in the files
-named. Threading: the server is single-threaded; `Server` is used from the test
-thread only.
+group never reaches the server or its caller), with stdout and stderr in the
+files named. Threading: the server is single-threaded; `Server` is used from one
+thread of its caller.
 """
 from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 import traceback
@@ -42,18 +45,25 @@ def _child(req: dict) -> None:
     sys.stderr = os.fdopen(2, "w", closefd=False)
     os.environ.clear()
     os.environ.update(req["env"])
+    argv = req["argv"]
+    rc = 0
     try:
-        from tests import vllm_run
-
-        res = vllm_run.main(req["spec"])
-        sys.stdout.write("RESULT " + json.dumps(res) + "\n")
-        sys.stdout.flush()
-        rc = 0
+        if argv[0] == "-m":
+            sys.argv = [argv[1]] + argv[2:]
+            sys.path[0] = os.getcwd()  # as python -m has it
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - the child reports whatever ended it, as a process would
         traceback.print_exc()
         rc = 1
+    sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(rc)  # as tests.vllm_run does: skip the slow teardown of torch and vLLM
+    os._exit(rc)  # skip the slow teardown of torch and vLLM
 
 
 def serve() -> None:
@@ -85,28 +95,27 @@ class Server:
     def __init__(self, root: str):
         self.root, self.env, self.proc = root, None, None
 
-    def eligible(self, spec: dict, env: dict) -> bool:
-        """Whether this life, with this whole environment, can be forked from the server."""
-        if spec.get("tp", 1) != 1:
-            return False
+    def eligible(self, env: dict) -> bool:
+        """Whether a life with this whole environment can be forked from the server (the caller
+        decides whether the life is one process)."""
         if self.env is None or self.proc is None or self.proc.poll() is not None:
             self.env = {k: v for k, v in env.items() if not k.startswith(RUNTIME_PREFIXES)}
             self._start()
         return all(k.startswith(RUNTIME_PREFIXES) for k in set(env) | set(self.env) if env.get(k) != self.env.get(k))
 
     def _start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.engine_fork"], cwd=self.root, env=self.env,
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], cwd=self.root, env=self.env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         if json.loads(self.proc.stdout.readline() or "{}").get("ready") is not True:
             raise RuntimeError("the engine fork server did not start")
 
-    def run(self, spec: dict, env: dict, out: str, err: str, timeout: float) -> int:
+    def run(self, argv: list[str], env: dict, out: str, err: str, timeout: float) -> int:
         """Runs one life (`env`: its whole environment); returns its exit code. Past `timeout` the
         life is killed and subprocess.TimeoutExpired raised, as subprocess.run does."""
         import select
         import signal
 
-        self.proc.stdin.write(json.dumps({"spec": spec, "env": env, "out": out, "err": err}) + "\n")
+        self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "out": out, "err": err}) + "\n")
         self.proc.stdin.flush()
         pid = json.loads(self.proc.stdout.readline())["pid"]
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -117,7 +126,7 @@ class Server:
             self.proc = None
             raise RuntimeError("the engine fork server died")
         if not ready:
-            raise subprocess.TimeoutExpired(["tests.vllm_run (forked)"], timeout)
+            raise subprocess.TimeoutExpired(argv, timeout)
         return json.loads(line)["rc"]
 
     def stop(self) -> None:
