@@ -38,7 +38,7 @@ def test_second_engine_hits_what_the_first_uploaded(tiny_model, tmp_path, s3serv
     shared = {"shared": s3server.url("e2e")}
     base = run(spec)
     a = run({**spec, "cache": str(tmp_path / "a"), "extra": shared}, env=env)
-    happened(a, base, uploaded=f">={4 * FULL}")
+    happened(a, base, uploaded=">0")  # (the rest are flushed at shutdown, after the counters are read)
     # every full block (prompt and output) of every request was uploaded by the time A exited
     assert len(_objects(s3server, "e2e/")) >= 4 * FULL
 
@@ -59,7 +59,7 @@ def test_tampered_or_foreign_objects_are_misses(tiny_model, tmp_path, s3server):
     base = run(spec)
     secret = {"shared": s3server.url("tamper"), "secret": "fleet-secret-0123456789"}
     a = run({**spec, "cache": str(tmp_path / "a"), "extra": secret}, env=env)
-    happened(a, base, uploaded=f">={2 * FULL}")
+    happened(a, base, uploaded=">0")
     names = sorted(_objects(s3server, "tamper/"))
     assert len(names) >= 2 * FULL
     raw = bytearray(s3server.get_raw(names[0]))
@@ -119,6 +119,6 @@ def test_killed_server_mid_run_then_back(tiny_model, tmp_path, s3server):
     assert len(_objects(s3server, "kill/")) == 3 * FULL  # phase 1 only
     # uploads and hits resume
     c2 = run({**spec, "cache": str(tmp_path / "c"), "extra": shared}, env=env)
-    happened(c2, base, remote_hit_blocks=3 * FULL, uploaded=">0")
+    happened(c2, base, remote_hit_blocks=3 * FULL)  # its uploads: the hits of d below
     d = run({**spec, "cache": str(tmp_path / "d"), "extra": shared}, env=env)
     happened(d, base, remote_hit_blocks=6 * FULL + 100 // BS)
