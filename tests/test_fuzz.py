@@ -65,8 +65,7 @@ def test_short_fuzz_with_several_kv_cache_groups(tmp_path, family):
     assert summary["ok"] and p.returncode == 0
     assert sum(life["saves"] for life in summary["lives"]) > 0
     assert sum(life["hit_blocks"] or 0 for life in summary["lives"][1:]) > 0, "the restart must hit"
-    assert sum(life["poisoned_blocks"] for life in summary["lives"]) > 0
-    assert sum(life["preemptions"] for life in summary["lives"]) > 0, summary["lives"]
+    assert sum(life["poisoned_blocks"] for life in summary["lives"]) > 0  # (preemptions: test_short_fuzz's)
     faulty = summary["lives"][1]
     assert faulty["faults"] and faulty["save_failed_blocks"] > 0, faulty  # the injector did fire
     if family != "hybrid":  # (its hits are few: checkpoints only; the long run counts its load failures)
