@@ -71,8 +71,11 @@ def writer(root: str, wid: int, rate: int, stop, ready) -> None:
 
 
 def bench_lookups(root: str, writers: int, blocks: int, seconds: float, rate: int) -> dict:
+    import inspect
+
     shutil.rmtree(root, ignore_errors=True)
-    st = Store(root)
+    # the reader opened as the connector opens it: with the store's I/O thread where this aiokv has one
+    st = Store(root, **({"io_thread": True} if "io_thread" in inspect.signature(Store).parameters else {}))
     ns = st.namespace(NSID, PAYLOAD)
     keys = [i.to_bytes(8, "little") * 4 for i in range(blocks)]
     for i in range(0, blocks, 1000):

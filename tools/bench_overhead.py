@@ -112,7 +112,11 @@ def _connector(store_dir: str):
     from aiokv.scheduler import SchedulerSide
     from aiokv.store import Store
 
-    store = Store(store_dir, capacity=64 << 30)
+    import inspect
+
+    # as the connector opens it: with the store's I/O thread where this aiokv has one
+    kw = {"io_thread": True} if "io_thread" in inspect.signature(Store).parameters else {}
+    store = Store(store_dir, capacity=64 << 30, **kw)
     nsid = namespace_id({"bench": "overhead"})
     ns = store.namespace(nsid, 64 << 10)
     conn = object.__new__(AioKVConnector)  # the real methods, without a vLLM config
@@ -121,11 +125,13 @@ def _connector(store_dir: str):
     conn._roots = {}
     conn.block_size = BLOCK
     conn._connector_metadata = None
+    conn._queried, conn._queried_tokens = {}, 0
     return conn, store, ns
 
 
 def _request(rid: str, tokens: list[int]):
-    return types.SimpleNamespace(request_id=rid, all_token_ids=tokens, cache_salt=None, lora_request=None,
+    return types.SimpleNamespace(request_id=rid, all_token_ids=tokens, num_tokens=len(tokens), cache_salt=None,
+                                 lora_request=None,
                                  mm_features=None, prompt_embeds=None, skip_reading_prefix_cache=False)
 
 
@@ -133,6 +139,12 @@ def _fill(store, ns, keys) -> None:
     for i in range(0, len(keys), 512):
         part = keys[i:i + 512]
         slots = [store.reserve(ns, k) for k in part]
+        for _ in range(200):  # with the store's I/O thread a reservation may wait for a grow: again next "step"
+            if None not in slots:
+                break
+            store.refresh()
+            time.sleep(0.005)
+            slots = [s if s is not None else store.reserve(ns, k) for k, s in zip(part, slots)]
         store.commit(ns, [(k, s) for k, s in zip(part, slots) if s is not None])
 
 
@@ -237,6 +249,7 @@ def hooks(layers: int) -> dict:
     conn = object.__new__(AioKVConnector)
     conn.worker = None
     conn._connector_metadata = None
+    conn._layers = None
     n = 200_000
     res = {}
     for name in ("save_kv_layer", "wait_for_layer_load"):
