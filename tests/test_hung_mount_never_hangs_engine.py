@@ -20,10 +20,14 @@ bounded time.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import os
 import shutil
 import subprocess
+import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -38,6 +42,7 @@ PS2 = prompts(4, 230, seed=82)  # stored too, asked for once the breaker is open
 FULL = 229 // 32
 LOAD_TIMEOUT = 3
 SLACK = 12  # seconds beyond load_timeout for the whole batch on a loaded 2-core machine
+HEALTH_TIMEOUT = 5  # seconds /health may take while the mount hangs
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +112,77 @@ def test_requests_finish_while_the_mount_hangs(tiny_model, tmp_path, stored, mod
         c = again["counters"]
         assert c["hit_blocks"] == 4 * FULL and c["loads_ok_blocks"] == 4 * FULL, c
         assert c["load_failed_blocks"] == 0, c
+
+
+class _Health(threading.Thread):
+    """Polls the server's /health while the mount hangs: the slowest answer, and the failures."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.stop, self.slowest, self.failures, self.answers = url, threading.Event(), 0.0, [], 0
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            t = time.monotonic()
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=HEALTH_TIMEOUT) as r:
+                    assert r.status == 200
+                self.answers += 1
+            except Exception as e:  # noqa: BLE001 - every failure is reported by the test
+                self.failures.append(repr(e))
+            self.slowest = max(self.slowest, time.monotonic() - t)
+            self.stop.wait(0.25)
+
+
+def _complete(url: str, prompt: list[int]) -> list[int]:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                       "return_token_ids": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)["choices"][0]["token_ids"]
+
+
+def test_server_answers_health_and_completions_while_the_mount_hangs(tiny_model, tmp_path, stored):
+    """`vllm serve` (its engine core in its own process: the multiprocess engine), one life: the
+    mount's data-file reads hang ("r", 4 daemon threads), then every operation ("a"); meanwhile
+    /health answers and each batch of stored prompts completes with the tokens of the run without
+    aiokv within load_timeout + SLACK; the server stops cleanly on SIGTERM once the mount recovers."""
+    from tests.test_vllm_serve_restart_hits import AIOKV_CODE, Server
+
+    base, stored_cache = stored
+    control = str(tmp_path / "stall")
+    shutil.copytree(stored_cache, str(tmp_path / "src" / "c"), symlinks=True)
+    with mounted(str(tmp_path / "src"), str(tmp_path / "mnt"), control, threads=4):
+        srv = Server(tiny_model, str(tmp_path / "mnt" / "c"), str(tmp_path / "serve.log"),
+                     extra={"load_timeout": LOAD_TIMEOUT, "breaker_cooldown": 600})
+        health = _Health(srv.url)
+        try:
+            srv.wait_ready()
+            health.start()
+            # reads hang first (the 4 hits' loads time out, everything else on the mount hangs
+            # behind them), then nothing on the mount answers at all
+            for mode, ps, want in (("r", PS, base["tokens"][0]), ("a", PS2, base["tokens"][1])):
+                with open(control, "w") as f:
+                    f.write(mode)
+                t0 = time.monotonic()
+                with concurrent.futures.ThreadPoolExecutor(len(ps)) as pool:
+                    got = list(pool.map(lambda p: _complete(srv.url, p), ps))
+                took = time.monotonic() - t0
+                print(f"server, mode {mode}: {len(ps)} completions {took:.1f} s after the hang began")
+                assert got == want, f"mode {mode}: tokens differ from the run without aiokv"
+                assert took < LOAD_TIMEOUT + SLACK, f"mode {mode}: {took:.1f} s: requests waited on the hung mount"
+                assert os.path.exists(control)
+            health.stop.set()
+            health.join(HEALTH_TIMEOUT + 1)
+            assert health.answers > 0 and not health.failures, health.failures
+            assert health.slowest < HEALTH_TIMEOUT, health.slowest
+        finally:
+            health.stop.set()
+            if os.path.exists(control):
+                os.unlink(control)  # the mount recovers
+            rc = srv.stop()
+        log = srv.text()
+        assert rc == 0, log[-4000:]
+        assert "the cache directory's file system does not answer" in log, log[-4000:]
+        ours = [line for line in log.splitlines() if AIOKV_CODE in line]  # no traceback through aiokv
+        assert not ours, "\n".join(ours)

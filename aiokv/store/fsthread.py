@@ -26,10 +26,18 @@ used by read-only openers, tools and unit tests, which keep today's synchronous
 behaviour). What is still queued when `close` gives up is never written; the
 Store says so (a commit that was not written is a miss after a restart).
 
-Threading contract: submit/poll/call/close and the properties are for the
-owner's thread (the Store's); operations run on the I/O thread, one at a time,
-in submission order; both meet only in this object's lock-protected queue and
-done list.
+A periodic operation (`every`: following the other engines' journals) runs on
+the I/O thread on its own, whenever its interval has passed and nothing queued
+is waiting, so the owner never waits for it: it only picks up, at poll(), what
+the I/O thread last finished.
+
+Threading contract: start/submit/once/every/poll/call/wait/close and the
+properties are for the owner's thread (the Store's); operations run on the I/O
+thread, one at a time (queued ones in submission order, the periodic one
+between them, never beside one); both meet only in this object's
+lock-protected queue and done list. `once`'s busy set is the owner's alone
+(its entries are added at submit and removed by done callbacks, both on the
+owner's thread).
 """
 from __future__ import annotations
 
@@ -66,7 +74,8 @@ class Op:
 
 class FsThread:
     def __init__(self, name: str | None, deadline: float = DEADLINE):
-        """name: the thread's name, or None to run every operation at once on the caller's thread."""
+        """name: the thread's name, or None to run every operation at once on the
+        caller's thread (until `start`)."""
         self.deadline = deadline
         self._q: collections.deque[Op] = collections.deque()
         self._done: list[Op] = []
@@ -75,40 +84,121 @@ class FsThread:
         self._closed = False
         self.stalls = 0  # times an operation went past its deadline
         self._stalled = False
+        self._busy: set = set()  # what `once` has queued and not yet seen done
+        self._every = None  # (interval, fn, done) of the periodic operation
+        self._every_due = 0.0
+        self._wait_left = 0.0  # what wait_in_step may still wait in this step
+        self.answers = 0  # operations finished (the I/O thread counts them, under the lock)
         self.thread = None
         if name is not None:
-            self.thread = threading.Thread(target=self._main, name=name, daemon=True)
-            self.thread.start()
+            self.start(name, deadline)
+
+    def start(self, name: str, deadline: float | None = None) -> None:
+        """From now on operations run on a thread of their own (the store, once opened)."""
+        if deadline is not None:
+            self.deadline = deadline
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.thread.start()
 
     @property
     def inline(self) -> bool:
         return self.thread is None
 
     # ---- the I/O thread ----
+    def _next(self) -> Op:
+        """The next operation to run: a queued one, else the periodic one once due."""
+        with self._cond:
+            while True:
+                left = None
+                if self._every is not None and not self._closed:
+                    left = self._every_due - time.monotonic()
+                    if left <= 0:  # before what is queued: a busy queue does not starve it
+                        interval, fn, done = self._every
+                        op = Op(fn, done, self.deadline)
+                        self._every_due = time.monotonic() + interval()
+                        break
+                if self._q:
+                    op = self._q.popleft()
+                    break
+                self._cond.wait(left)
+            op.started = time.monotonic()
+            self._current = op if op.fn is not None else None
+            return op
+
     def _main(self) -> None:
         while True:
-            with self._cond:
-                while not self._q:
-                    self._cond.wait()
-                op = self._q.popleft()
-                if op.fn is None:  # close
-                    self._current = None
+            op = self._next()
+            if op.fn is None:  # close
+                with self._cond:
                     self._cond.notify_all()
-                    return
-                op.started = time.monotonic()
-                self._current = op
+                return
             op.run()
             with self._cond:
                 self._current = None
-                self._done.append(op)
+                if op.result is not None or op.error is not None or op.fn is not self._every_fn():
+                    self._done.append(op)  # (a periodic look that found nothing new hands nothing over)
                 op.finished = True  # with its done callback queued: poll() applies it
+                self.answers += 1
                 self._cond.notify_all()
 
     # ---- the owner's thread ----
+    def _every_fn(self):
+        return self._every[1] if self._every is not None else None
+
+    def every(self, interval, fn, done) -> None:
+        """Run fn on the I/O thread every interval() seconds (the first time at once);
+        done(result, error) on the owner's thread at poll(). Inline: nothing runs
+        (the owner calls fn itself)."""
+        with self._cond:
+            self._every = (interval, fn, done)
+            self._every_due = 0.0
+            self._cond.notify()
+
+    def once(self, what, fn, done=None, deadline: float | None = None) -> Op | None:
+        """submit(fn, done) unless the operation `what` is queued already (None then)."""
+        if what in self._busy:
+            return None
+        self._busy.add(what)
+
+        def finish(r, e):
+            self._busy.discard(what)
+            if done is not None:
+                done(r, e)
+            elif e is not None and not isinstance(e, OSError):
+                raise e
+        try:
+            return self.submit(fn, finish, deadline)
+        except BaseException:
+            self._busy.discard(what)
+            raise
+
+    def new_step(self, budget: float) -> None:
+        """A scheduler step begins: wait_in_step may wait `budget` seconds in all until the next."""
+        self._wait_left = budget
+
+    def wait_in_step(self, op: Op) -> bool:
+        """Wait for op within what is left of this step's budget, never while the file
+        system is stalled; True if it finished (its done callback has run)."""
+        if op.finished:
+            self.poll()
+            return True
+        if self._wait_left <= 0 or self.stalled:
+            return False
+        t = time.monotonic()
+        ok = self.wait(op, self._wait_left)
+        self._wait_left -= time.monotonic() - t
+        return ok
+
+    def busy(self, what) -> bool:
+        """Whether `once` has the operation `what` queued or running."""
+        return what in self._busy
+
     def submit(self, fn, done=None, deadline: float | None = None) -> Op:
-        """Queue fn; done(result, error) runs on the owner's thread once it ran."""
+        """Queue fn; done(result, error) runs on the owner's thread once it ran. From an
+        operation on the I/O thread itself (the store opening a namespace there), or
+        inline, fn and done run at once."""
         op = Op(fn, done, self.deadline if deadline is None else deadline)
-        if self.thread is None:
+        if self.thread is None or threading.current_thread() is self.thread:  # inline, or from an operation
             op.run()
             op.finished = True
             self._finish(op)
@@ -166,10 +256,29 @@ class FsThread:
         self.poll()
         return True
 
-    def call(self, fn, timeout: float):
+    def drain(self, op: Op, quiet: float, until: float) -> bool:
+        """Wait for op while the file system answers: give up once no operation has
+        finished for `quiet` seconds (it does not answer), or at time.monotonic()
+        `until` (slow, but answering); True if op finished (its done callback has run).
+        For close: whatever was queued before op is written first if it can be."""
+        if self.thread is not None and not op.finished:
+            with self._cond:
+                seen, last = self.answers, time.monotonic()
+                while not op.finished:
+                    now = time.monotonic()
+                    if self.answers != seen:
+                        seen, last = self.answers, now
+                    left = min(until, last + quiet) - now
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+        self.poll()
+        return op.finished
+
+    def call(self, fn, timeout: float, deadline: float | None = None):
         """fn's result, run on the I/O thread, waited for at most timeout; raises
         FsTimeout if it did not answer (it still runs, later, or never)."""
-        op = self.submit(fn)
+        op = self.submit(fn, deadline=deadline)
         if not self.wait(op, timeout):
             raise FsTimeout(f"the file system did not answer within {timeout:.1f} s")
         if op.error is not None:

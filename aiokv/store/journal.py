@@ -195,12 +195,15 @@ class IndexLog:
         return self.size + self.ckpt_bytes
 
     def sync_if_due(self) -> None:
+        if self._dirty and self.fd is not None and time.monotonic() - self._last_sync >= self.sync_interval:
+            self.sync()
+
+    def sync(self) -> None:
+        """fdatasync what was appended since the last sync (nothing if nothing was)."""
         if self._dirty and self.fd is not None:
-            now = time.monotonic()
-            if now - self._last_sync >= self.sync_interval:
-                os.fdatasync(self.fd)
-                self._last_sync = now
-                self._dirty = False
+            os.fdatasync(self.fd)
+            self._last_sync = time.monotonic()
+            self._dirty = False
 
     def checkpoint(self, entries) -> None:
         """Write a snapshot of (key, slot, atime) and start an empty journal."""

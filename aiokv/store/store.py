@@ -30,17 +30,21 @@ counted; a block that does not verify is a miss, is dropped and counted; a key
 is visible to lookups only after `commit`, which the caller calls only after its
 data is fully written.
 
-File-system calls: with `io_thread` (the engine's scheduler side), after the
-store opened, every file-system call runs on the store's own I/O thread
-(fsthread.py), in order, with a deadline; the owner's thread works from the
-in-memory index, queues records, punches and grows, applies their outcome at its
-next call (`refresh`, `lookup`, `flush_if_due`), and waits on the file system at
-most WAIT_PER_STEP per step (reserving space a grow is bringing). A commit is in
-the index at once (its data is written) and reaches the journal, so other
-engines and restarts, when the I/O thread writes it; one that cannot be written
-is taken back. `stalled` says the file system has not answered for the
-deadline. `close` waits at most CLOSE_WAIT. Without io_thread (tools, inspect,
-unit tests) every call runs at once on the caller's thread, as before.
+File-system calls: with `io_thread` (the engine's scheduler side), once the
+store has opened, every file-system call runs on the store's own I/O thread
+(fsthread.py), in order, with a deadline: journal writes (journalq.py), the
+look at the other engines every follow_interval (following.py, on the I/O
+thread's own clock), grow, punch, free-space checks, a dead engine's blocks
+(reclaim.py), namespaces opened, close. The owner's thread works from the
+in-memory index and applies finished outcomes at its next call (`refresh`,
+`lookup`, `flush_if_due`); it waits on the file system only for a grow that
+a reservation needs now, at most WAIT_PER_STEP per step and never while the
+file system is stalled. A commit is in the index at once (its data is written)
+and reaches the journal, so other engines and restarts, when the I/O thread
+writes it; one that cannot be written is taken back. `stalled` says the file
+system has not answered for the deadline. `close` waits at most CLOSE_WAIT.
+Without io_thread (tools, inspect, unit tests) every call runs at once on the
+caller's thread, as before.
 
 Threading contract: one thread calls a Store (the owner's thread); its I/O
 thread runs only the file-system parts of what the owner queued. The async
@@ -64,9 +68,12 @@ from aiokv.store.blockio import BlockIO
 from aiokv.store.index import Index, Namespace
 from aiokv.store.dirs import (FILE_FLAGS, NotAStore, _exists, _read_json, _write_json,  # noqa: F401
                               check_private, open_dir, parse_size)
+from aiokv.store.following import Following
 from aiokv.store.fsthread import FsThread, FsTimeout
-from aiokv.store.journal import Follower, IndexLog
-from aiokv.store.lock import DirLock, StoreLocked
+from aiokv.store.journal import Follower, IndexLog  # noqa: F401
+from aiokv.store.journalq import JournalQueue
+from aiokv.store.lock import DirLock
+from aiokv.store.reclaim import PUNCH, Reclaim
 
 GROW_BYTES = 64 << 20  # disk space is reserved for new slots this much at a time
 HEADROOM = 4 << 20  # left to the file system (journal, other users) when the disk is full
@@ -75,10 +82,10 @@ SHARE_SLACK = 16  # overshoot allowed while another engine holds older blocks: c
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
 RECLAIM_INTERVAL = 5.0  # seconds between looks for a dead engine holding the directory's oldest blocks
 WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight (io_thread)
-CLOSE_WAIT = 5.0  # seconds close (and the last verifications) wait for the file system (io_thread)
-CHECKPOINT_DEADLINE = 30.0  # seconds a checkpoint may take before the file system counts as hung
+CLOSE_WAIT = 5.0  # seconds close (and the last verifications) wait for the file system to answer (io_thread)
+CLOSE_MAX = 30.0  # seconds close waits in all for a file system that answers, slowly (io_thread)
+NAMESPACE_WAIT = 60.0  # seconds opening a namespace may take on the I/O thread (at start)
 GROW_AHEAD = 16  # free slots left when a grow for more starts (io_thread)
-PUNCH = _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE
 log = logging.getLogger("aiokv")
 
 
@@ -125,7 +132,7 @@ def ns_dir(root: str, nsid: bytes) -> str:
     return os.path.join(root, "ns", nsid.hex())
 
 
-class Store:
+class Store(Following, Reclaim):
     def __init__(self, root: str, capacity=None, readonly: bool = False, sync_interval: float = 1.0,
                  checkpoint_every: int = 200_000, engine: int | None = None, io_thread: bool = False,
                  fs_timeout: float = 2.0):
@@ -157,15 +164,15 @@ class Store:
         self._peer_fds: dict[tuple[bytes, int], int] = {}       # (nsid, engine) -> its directory
         self._peer_bytes: dict[tuple[bytes, int], int] = {}     # (nsid, engine) -> bytes its files take
         # engines found dead whose oldest blocks we evict: engine -> (its lock, {(nsid, what): fd or IndexLog})
-        self._reclaimed: dict[int, tuple[DirLock, dict]] = {}
+        self._reclaimed: dict[int, tuple[DirLock, dict]] = {}  # the I/O thread's (reclaim.py)
+        self._reclaiming: set[int] = set()  # those engines, as the owner knows them
         self._reclaim_checked = 0.0
+        self.journals: dict[bytes, JournalQueue] = {}  # our journals, as the owner writes them
+        self._spaces: tuple[Namespace, ...] = ()  # the namespaces, for the I/O thread (following.py)
         self.fs = FsThread(None)  # opening runs on the caller's thread
         self._punching = 0      # bytes of slots queued for punching (not counted as used)
         self._growing: dict[bytes, object] = {}  # nsid -> the grow in flight
-        self._busy: set = set()  # one sync, follow, space check, reclaim, checkpoint at a time
-        self._wait_left = WAIT_PER_STEP
         self._close_by: float | None = None
-        self._follow_op = None
         self.skipped_fs_busy = 0  # reservations skipped: the space for them was still being reserved
         try:
             self._open(readonly, engine)
@@ -173,38 +180,13 @@ class Store:
             self.close(checkpoint=False)
             raise
         if io_thread and not readonly:
-            self.fs = FsThread(f"aiokv-fs{self.engine}", deadline=fs_timeout)
+            self.fs.start(f"aiokv-fs{self.engine}", deadline=fs_timeout)
+            self._start_following()
 
     @property
     def stalled(self) -> bool:
         """The file system has not answered an operation of ours within its deadline."""
         return self.fs.stalled
-
-    def _once(self, what, fn, done=None, deadline: float | None = None):
-        """Queue fn unless the operation `what` is already queued; done as in FsThread.submit."""
-        if what in self._busy:
-            return None
-        self._busy.add(what)
-
-        def finish(r, e):
-            self._busy.discard(what)
-            if done is not None:
-                done(r, e)
-            elif e is not None and not isinstance(e, OSError):
-                raise e
-        return self.fs.submit(fn, finish, deadline)
-
-    def _wait(self, op) -> bool:
-        """Wait for op within this step's budget (never while the file system is stalled)."""
-        if op.finished:
-            self.fs.poll()  # its outcome applied
-            return True
-        if self._wait_left <= 0 or self.fs.stalled:
-            return False
-        t = time.monotonic()
-        ok = self.fs.wait(op, self._wait_left)
-        self._wait_left -= time.monotonic() - t
-        return ok
 
     def _open(self, readonly: bool, engine: int | None) -> None:
         # The root itself is not followed if it is a symlink, nor is anything below it.
@@ -297,6 +279,7 @@ class Store:
         if not self.readonly:
             self._load_own(ns)
         self.index.namespaces[nsid] = ns
+        self._spaces = tuple(self.index.namespaces.values())  # replaced, never changed: the I/O thread reads it
         self._follow(ns)
         return ns
 
@@ -324,6 +307,7 @@ class Store:
                 del entries[k]
         self.index.load(ns, entries)
         self.logs[nsid] = log
+        self.journals[nsid] = JournalQueue(log, self.fs)
         if not self.readonly:
             # Space the index does not account for (free slots of the last life,
             # a tail past the last used slot) is given back to the file system.
@@ -335,88 +319,17 @@ class Store:
             for rank in range(ns.ranks):
                 os.ftruncate(self._rank_fd(ns, rank), ns.alloc.hwm * ns.slot_bytes)
 
-    # ---- the other engines ----
-    def _peer_engines(self, ns: Namespace) -> list[int]:
-        """Engine numbers with files in this namespace, other than ours."""
-        nfd = self._ns_dir_fd(ns.nsid)
-        found = []
-        names = os.listdir(nfd)
-        if self.engine != 0 and any(n == "checkpoint" or n.startswith("journal.") for n in names):
-            found.append(0)
-        for n in names:
-            e = fmt.engine_of_dir(n)
-            if e is not None and e != self.engine:
-                found.append(e)
-        return found
-
-    def _follow(self, ns: Namespace) -> None:
-        """Apply what the other engines committed and dropped since the last look."""
-        self._follow_apply(ns, self._follow_io(ns))
-
-    def _follow_io(self, ns: Namespace) -> list:
-        """The file-system half of _follow (the I/O thread): what each engine's files say."""
-        nsid, out = ns.nsid, []
-        for e in self._peer_engines(ns):
-            key = (nsid, e)
-            fl = self.followers.get(key)
-            if fl is None:
-                sub = fmt.engine_dir(e)
-                path = os.path.join(ns_dir(self.root, nsid), sub).rstrip("/")
-                try:
-                    dfd = self._ns_dir_fd(nsid) if not sub else open_dir(path, self._ns_dir_fd(nsid))
-                except (NotAStore, OSError):
-                    continue  # a symlink planted there, a directory vanishing: not an engine's
-                if sub:
-                    self._peer_fds[key] = dfd
-                fl = self.followers[key] = Follower(path, dfd)
-            try:
-                got = fl.poll()
-            except fmt.BadBlock as e:
-                if self.readonly:
-                    raise
-                log_warning(f"{e}; its blocks are misses here until its engine rebuilds it")
-                got = ("reset", {})
-            except FileNotFoundError:
-                continue  # a checkpoint replaced under us: the next look replays it
-            out.append((e, fl, got, fl.disk_bytes + self._data_bytes(fl.dir_fd, ns)))
-        return out
-
-    def _follow_apply(self, ns: Namespace, found: list) -> None:
-        """The in-memory half of _follow (the owner's thread)."""
-        for e, fl, got, nbytes in found:
-            if got is not None:
-                kind, what = got[0], got[1]
-                if kind == "reset":
-                    ns.peer_reset(e, {k: v for k, v in what.items() if v[0] < self._max_slots(ns)})
-                    touched = ns.peer_touches(fl.log.touches)
-                else:
-                    touched = ns.peer_apply(e, what, self._max_slots(ns))
-                    if kind == "roll" and got[2] != len(ns.peers.get(e, ())):
-                        fl.forget()  # our view of that engine drifted: replay its files next time
-                for k, atime in touched:
-                    if atime > ns.atime.get(k, 0):  # another engine hit our block
-                        self.index.touch(ns, [k], atime)
-            self._peer_bytes[(ns.nsid, e)] = nbytes
-
-    @staticmethod
-    def _data_bytes(dir_fd: int, ns: Namespace) -> int:
-        total = 0
-        for rank in range(ns.ranks):
-            try:
-                total += os.stat(f"rank{rank}.data", dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512
-            except FileNotFoundError:
-                pass
-        return total
-
     def refresh(self) -> None:
         """Follow the other engines on the directory (their new blocks become hits,
         their evicted ones misses), then give back space over the capacity if ours
         are the directory's oldest blocks. For the scheduler, once per step (it may
-        evict, like reserve). Cheap: follows at most every follow_interval seconds.
+        evict, like reserve). Cheap: without the I/O thread follows at most every
+        follow_interval seconds; with it, applies the I/O thread's last finished look.
         Errors are logged, never raised (a stale view is only misses)."""
         self.fs.poll()
-        self._wait_left = WAIT_PER_STEP  # once per step
-        self._follow_all()
+        self.fs.new_step(WAIT_PER_STEP)
+        if self.fs.inline:
+            self._follow_all()
         if not self.readonly and self.limit is not None and self._used() > self.limit:
             try:
                 self._shrink_to_limit()
@@ -424,28 +337,15 @@ class Store:
             except OSError as e:
                 log_warning(f"giving back space failed ({os.strerror(e.errno or 0)}); trying again later")
 
-    def _follow_all(self) -> None:
-        now = time.monotonic()
-        if now - self._followed < self.follow_interval:
-            return
-        self._followed = now
-        spaces = list(self.index.namespaces.values())
-
-        def done(found, e):
-            if isinstance(e, OSError):
-                log_warning(f"following the other engines failed ({os.strerror(e.errno or 0)}); trying again later")
-            elif e is not None:
-                log.error("aiokv: following the other engines failed; trying again later", exc_info=e)
-            else:
-                for ns, got in found:
-                    self._follow_apply(ns, got)
-        try:
-            self._follow_op = self._once("follow", lambda: [(ns, self._follow_io(ns)) for ns in spaces], done)
-        except Exception:  # lookups call this: a bug here must not reach vLLM
-            log.exception("aiokv: following the other engines failed; trying again later")
-
     def namespace(self, nsid: bytes, payload_bytes: int, ranks: int = 1, fields: dict | None = None) -> Namespace:
-        """Open or create a namespace. nsid is derived by the caller from all that changes the bytes."""
+        """Open or create a namespace. nsid is derived by the caller from all that changes the bytes.
+        With the I/O thread it opens there (waited for at most NAMESPACE_WAIT: at start)."""
+        if self.fs.inline:
+            return self._namespace(nsid, payload_bytes, ranks, fields)
+        return self.fs.call(lambda: self._namespace(nsid, payload_bytes, ranks, fields), NAMESPACE_WAIT,
+                            deadline=NAMESPACE_WAIT)
+
+    def _namespace(self, nsid: bytes, payload_bytes: int, ranks: int, fields: dict | None) -> Namespace:
         if len(nsid) != fmt.NSID_BYTES:
             raise ValueError(f"aiokv: namespace ids are {fmt.NSID_BYTES} bytes")
         ns = self.index.namespaces.get(nsid)
@@ -464,10 +364,7 @@ class Store:
                     _write_json("namespace.json", dict(info, created=time.time()), dfd)
             ns = self._load_namespace(nsid)
             if not self.fs.inline and len(ns.alloc.free) < GROW_AHEAD:
-                self._grow(ns, ahead=True)  # space for the first saves, reserved at start
-                op = self._growing.get(nsid)
-                if op is not None:
-                    self.fs.wait(op, self.fs.deadline)
+                self._grow(ns, ahead=True)  # space for the first saves, reserved at start (on the I/O thread)
         if ns.payload_bytes != payload_bytes or ns.ranks != ranks:
             raise ValueError(f"aiokv: namespace {nsid.hex()} holds {ns.payload_bytes}-byte blocks on "
                              f"{ns.ranks} ranks, not {payload_bytes} on {ranks}: its id must cover the layout")
@@ -476,13 +373,12 @@ class Store:
     # ---- lookups and commits (owner) ----
     def lookup(self, ns: Namespace, keys, limit: int | None = None) -> int:
         # an engine idle for a while sees the others' blocks at its first lookup
-        # (following only: evicting waits for the step's refresh)
-        if time.monotonic() - self._followed >= self.follow_interval:
+        # (following only: evicting waits for the step's refresh); with the I/O thread
+        # that looked on its own meanwhile, its last finished look is applied
+        if not self.fs.inline:
             self.fs.poll()
+        elif time.monotonic() - self._followed >= self.follow_interval:
             self._follow_all()
-            op = self._follow_op
-            if op is not None and not self.fs.inline:
-                self._wait(op)  # within this step's budget: an engine back from idle sees the others now
         return self.index.lookup(ns, keys, limit)
 
     def reserve(self, ns: Namespace, key: bytes) -> int | None:
@@ -521,16 +417,14 @@ class Store:
             self.index.commit(ns, key, slot, now)
             done.append(key)
             recs.append(fmt.pack_record(fmt.REC_COMMIT, key, slot, now))
-        log = self.logs[ns.nsid]
+        jq = self.journals[ns.nsid]
         if not recs:
             return
         self.stats.commits += len(recs)
+        failed = []
 
-        def undo(_, e):
-            if e is None:
-                return
-            if not isinstance(e, OSError):
-                raise e
+        def undo(e):
+            failed.append(e)
             # Not durable, so not committed: undo; only a full disk needs room.
             self.stats.commits -= len(recs)
             written = set(done)
@@ -543,20 +437,16 @@ class Store:
                 self._make_room()
             else:
                 log_warning(f"journal write failed ({os.strerror(e.errno or 0)}); {len(recs)} block(s) not committed")
-        op = self.fs.submit(lambda: log.append(recs), undo)
-        if op.error is not None:
-            return
-        if log.records > self.checkpoint_every and log.records > len(ns.own):
-            snap = self._snapshot(ns)
+        jq.append(recs, undo)
+        if not failed and jq.records > self.checkpoint_every and jq.records > len(ns.own):
+            jq.checkpoint(self._snapshot(ns), self._checkpoint_failed)
 
-            def checkpointed(_, e):
-                if isinstance(e, OSError):  # the journal still holds everything: try again later
-                    log_warning(f"checkpoint failed ({os.strerror(e.errno or 0)}); the journal keeps growing")
-                elif e is not None:
-                    raise e
-            # a checkpoint writes the whole index (64 bytes a block): not a stall before CHECKPOINT_DEADLINE
-            self._once(("checkpoint", ns.nsid), lambda: log.checkpoint(snap), checkpointed,
-                       deadline=max(CHECKPOINT_DEADLINE, self.fs.deadline))
+    @staticmethod
+    def _checkpoint_failed(e) -> None:
+        if not isinstance(e, OSError):
+            raise e
+        # the journal still holds everything: try again later
+        log_warning(f"checkpoint failed ({os.strerror(e.errno or 0)}); the journal keeps growing")
 
     def abort(self, ns: Namespace, items, failed: bool = True) -> None:
         """Give back reservations whose data was not (fully) written."""
@@ -627,17 +517,6 @@ class Store:
         self._append_drops(ns, recs)
 
     # ---- dead engines ----
-    def _oldest_peer(self) -> tuple[Namespace, int, bytes] | None:
-        """(namespace, engine, key) of the oldest block another engine holds."""
-        best = None
-        for ns in self.index.namespaces.values():
-            for e, d in ns.peers.items():
-                if d:
-                    k, (_, a) = next(iter(d.items()))
-                    if best is None or a < best[0]:
-                        best = (a, ns, e, k)
-        return best[1:] if best else None
-
     def _reclaim(self) -> None:
         """Over the capacity, with the directory's oldest blocks in the files of an
         engine that is not running: take that engine's lock (a new engine then
@@ -645,85 +524,25 @@ class Store:
         DROP in its journal, its slots punched — while they are the oldest and the
         directory is over the capacity. Looks for such an engine at most every
         RECLAIM_INTERVAL seconds; a running engine (idle or not) is never touched."""
-        while self._used() > self.limit and self._peers_older() and "reclaim" not in self._busy:
+        while self._used() > self.limit and self._peers_older() and not self.fs.busy("reclaim"):
             ns, e, key = self._oldest_peer()
-            if e not in self._reclaimed:
+            if e not in self._reclaiming:
                 now = time.monotonic()
                 if now - self._reclaim_checked < RECLAIM_INTERVAL:
                     return
                 self._reclaim_checked = now
-            slot, used = ns.peers[e][key][0], sorted(s for s, _ in ns.peers[e].values())
-            fl = self.followers[(ns.nsid, e)]
-            op = self._once("reclaim", lambda: self._evict_dead_io(ns, e, key, slot, used, fl),
-                            lambda r, err: self._evict_dead_done(ns, e, key, r, err))
+            slot = ns.peers[e][key][0]
+            op = self.fs.once("reclaim", lambda ns=ns, e=e, key=key, slot=slot: self._evict_dead_io(ns, e, key, slot),
+                              lambda r, err, ns=ns, e=e, key=key: self._evict_dead_done(ns, e, key, r, err))
             if not op.finished or op.result is None:
                 return
-
-    def _evict_dead_io(self, ns: Namespace, e: int, key: bytes, slot: int, used: list[int], fl: Follower):
-        """The I/O of evicting another (dead) engine's block (the I/O thread): None if it
-        runs or did not answer; ("first", its bytes) after taking its files and punching
-        its unused space; ("dropped",) after a DROP of key and a punch of its slot."""
-        if e not in self._reclaimed:
-            try:
-                lock = DirLock(self.root, self._root_fd, engine=e, wait=False)
-            except StoreLocked:
-                return None  # it runs: it sheds its own blocks when it steps
-            self._reclaimed[e] = (lock, {})
-            log.info("aiokv: engine %d of %s is not running; evicting its oldest blocks", e, self.root)
-        files = self._reclaimed[e][1]
-        sb = ns.slot_bytes
-        try:
-            jlog = files.get((ns.nsid, "log"))
-            if jlog is None:
-                jlog = IndexLog(fl.dir, fl.dir_fd, sync_interval=self.sync_interval)
-                # as its owner: cuts a torn tail so that our records are read; its blocks are what
-                # its journal says, not our view of it (which may lag behind it or be damaged)
-                entries = jlog.load()
-                files[(ns.nsid, "log")] = jlog
-                fds = [os.open(f"rank{r}.data", os.O_RDWR | FILE_FLAGS, dir_fd=fl.dir_fd) for r in range(ns.ranks)]
-                files.update({(ns.nsid, r): fd for r, fd in enumerate(fds)})
-                # first its space that no block uses (free slots, an unfinished save's), by its
-                # journal; our view of it is replaced by the journal's on our thread (_evict_dead_done)
-                used = sorted({s for s, _ in entries.values()})
-                for fd in fds:
-                    end = os.fstat(fd).st_size // sb
-                    for first, stop in zip([0] + [u + 1 for u in used], used + [max(end, 0)]):
-                        if stop > first:  # the run of unused slots between two used ones
-                            _native.fallocate(fd, PUNCH, first * sb, (stop - first) * sb)
-                return "first", fl.disk_bytes + self._data_bytes(fl.dir_fd, ns), entries
-            jlog.append([fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
-            for rank in range(ns.ranks):
-                _native.fallocate(files[(ns.nsid, rank)], PUNCH, slot * sb, sb)
-        except (OSError, fmt.BadBlock):
-            return None
-        return ("dropped",)
-
-    def _evict_dead_done(self, ns: Namespace, e: int, key: bytes, r, err) -> None:
-        if err is not None:
-            raise err
-        if r is None:
-            return
-        if r[0] == "first":
-            self._peer_bytes[(ns.nsid, e)] = r[1]
-            ns.peer_reset(e, {k: v for k, v in r[2].items() if v[0] < self._max_slots(ns)})
-            return
-        ns.peer_drop(e, key)
-        self._peer_bytes[(ns.nsid, e)] -= ns.slot_cost
-        self.stats.evictions += 1
-
-    def _release_reclaimed(self) -> None:
-        for lock, files in self._reclaimed.values():
-            for f in files.values():
-                f.close() if isinstance(f, IndexLog) else os.close(f)
-            lock.release()
-        self._reclaimed.clear()
 
     # ---- space ----
     def _used(self) -> int:
         """Bytes the directory takes on disk: our backed slots (less those queued for
         punching), journals and checkpoints, and the other engines' files (as of the
         last refresh)."""
-        return (self.index.physical_bytes - self._punching + sum(jl.disk_bytes for jl in self.logs.values())
+        return (self.index.physical_bytes - self._punching + sum(jq.disk_bytes for jq in self.journals.values())
                 + sum(self._peer_bytes.values()))
 
     def _peers_older(self) -> bool:
@@ -766,10 +585,7 @@ class Store:
         # Best effort: a DROP that is not persisted resurrects an entry whose slot
         # was punched or reused; its header then fails verification: a miss. A
         # TOUCH that is not persisted only leaves a block older in the LRU.
-        if recs:
-            jlog = self.logs[ns.nsid]
-            self.fs.submit(lambda: jlog.append(recs), lambda r, e: None if e is None or isinstance(e, OSError)
-                           else log.error("aiokv: a journal append failed", exc_info=e))
+        self.journals[ns.nsid].append(recs)
 
     def _shrink_to(self, target: int, oldest_only: bool = False) -> None:
         """Punch free slots, then LRU blocks, until at most `target` bytes are used
@@ -821,7 +637,7 @@ class Store:
                 self.limit = None
             elif new > self.limit:
                 self.limit = min(new, self.capacity)
-        self._once("space", lambda: os.fstatvfs(root_fd), done)
+        self.fs.once("space", lambda: os.fstatvfs(root_fd), done)
 
     def _rank_fd(self, ns: Namespace, rank: int) -> int:
         fd = self._rank_fds.get((ns.nsid, rank))
@@ -885,7 +701,7 @@ class Store:
             if op.finished:
                 return bool(op.result and op.result[0])
             self._growing[ns.nsid] = op
-        if ahead or not self._wait(op):
+        if ahead or not self.fs.wait_in_step(op):
             return None
         return bool(op.result and op.result[0])
 
@@ -948,10 +764,10 @@ class Store:
             if self.fs.stalled:
                 return False
             try:
-                return self.fs.call(lambda: self._verify_io(ns, key, where),
-                                    max(self._close_deadline() - time.monotonic(), 0.0))
-            except (FsTimeout, OSError):
+                op = self.fs.submit(lambda: self._verify_io(ns, key, where))
+            except FsTimeout:
                 return False
+            return self.fs.drain(op, CLOSE_WAIT, self._close_deadline()) and op.error is None and bool(op.result)
         return self._verify_io(ns, key, where)
 
     def _verify_io(self, ns: Namespace, key: bytes, where: int) -> bool:
@@ -978,31 +794,35 @@ class Store:
         """fdatasync journals whose last sync is older than sync_interval (call often; cheap)."""
         self.fs.poll()
         now = time.monotonic()
-        for jlog in self.logs.values():
-            if jlog._dirty and now - jlog._last_sync >= jlog.sync_interval:
-                self._once(("sync", id(jlog)), jlog.sync_if_due, self._synced)
+        for jq in self.journals.values():
+            jq.sync_if_due(now, self._sync_failed)
 
     @staticmethod
-    def _synced(_, e) -> None:
-        if isinstance(e, OSError):
-            log_warning(f"journal fdatasync failed ({os.strerror(e.errno or 0)})")
-        elif e is not None:
+    def _sync_failed(e) -> None:
+        if not isinstance(e, OSError):
             raise e
+        log_warning(f"journal fdatasync failed ({os.strerror(e.errno or 0)})")
 
     def checkpoint(self) -> None:
-        for nsid, log in self.logs.items():
-            log.checkpoint(self._snapshot(self.index.namespaces[nsid]))
+        """Checkpoint every journal (queued with the I/O thread)."""
+        for nsid, jq in self.journals.items():
+            jq.checkpoint(self._snapshot(self.index.namespaces[nsid]), self._reraise)
+
+    @staticmethod
+    def _reraise(e) -> None:
+        raise e
 
     def _close_deadline(self) -> float:
-        """With the I/O thread: when close stops waiting for the file system (set at the first call)."""
+        """With the I/O thread: when close stops waiting for the file system in all (set at the first call)."""
         if self._close_by is None:
-            self._close_by = time.monotonic() + CLOSE_WAIT
+            self._close_by = time.monotonic() + CLOSE_MAX
         return self._close_by
 
     def close(self, checkpoint: bool = True) -> None:
-        """Checkpoint and close everything. With the I/O thread: returns within
-        CLOSE_WAIT of the first close-time call (verify_slot or this) whatever the
-        file system does; records not written by then are lost, and said so (their
+        """Checkpoint and close everything. With the I/O thread: what was queued is
+        written first; returns once the file system has not answered for CLOSE_WAIT,
+        or CLOSE_MAX after the first close-time call (verify_slot or this), whatever
+        the file system does; records not written by then are lost, and said so (their
         blocks are misses after a restart: the journal never named them)."""
         for io in self._io.values():
             io.close()
@@ -1022,11 +842,11 @@ class Store:
         fs.poll()
         queued = fs.pending
         op = fs.submit(lambda: self._close_files(snaps), lambda r, e: None)
-        left = self._close_deadline() - time.monotonic()
-        if not fs.wait(op, max(left, 0.0)):
-            log.warning("aiokv: the cache directory's file system did not answer within %.0f s at shutdown; "
-                        "%d queued operation(s) are not written (blocks committed since are misses after a "
-                        "restart) and its files are left to the process exit", CLOSE_WAIT, queued)
+        if not fs.drain(op, CLOSE_WAIT, self._close_deadline()):
+            log.warning("aiokv: the cache directory's file system did not answer at shutdown (%.0f s without an "
+                        "answer, or %.0f s in all); %d queued operation(s) may not be written (blocks committed "
+                        "since are misses after a restart) and its files are left to the process exit",
+                        CLOSE_WAIT, CLOSE_MAX, queued)
             fs.close(0)
             return
         fs.close(1.0)
