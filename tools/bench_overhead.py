@@ -126,6 +126,9 @@ def _connector(store_dir: str):
     conn.block_size = BLOCK
     conn._connector_metadata = None
     conn._queried, conn._queried_tokens = {}, 0
+    # what AioKVConnector.__init__ sets that these methods read (getattr: older checkouts lack some)
+    conn.epoch, conn._remote_tokens, conn._failed_recv, conn._failed_now = None, {}, set(), set()
+    conn.layerwise, conn._layers, conn.worker, conn.offer_hits = False, None, None, True
     return conn, store, ns
 
 
@@ -199,6 +202,7 @@ def scheduler_side(running: list[int], base: str) -> dict:
                    for rid, toks, blocks in reqs]
             so = types.SimpleNamespace(scheduled_spec_decode_tokens={}, scheduled_new_reqs=new,
                                        num_scheduled_tokens={rid: len(toks) for rid, toks, _ in reqs},
+                                       total_num_scheduled_tokens=sum(len(toks) for _, toks, _ in reqs),
                                        scheduled_cached_reqs=types.SimpleNamespace(
                                            req_ids=[], resumed_req_ids=set(), new_block_ids=[],
                                            num_computed_tokens=[]))
@@ -214,7 +218,7 @@ def scheduler_side(running: list[int], base: str) -> dict:
                                                new_block_ids=[None] * R, num_computed_tokens=computed)
                 so = types.SimpleNamespace(scheduled_spec_decode_tokens={}, scheduled_new_reqs=[],
                                            num_scheduled_tokens={r[0]: 1 for r in reqs},
-                                           scheduled_cached_reqs=cached)
+                                           total_num_scheduled_tokens=R, scheduled_cached_reqs=cached)
                 t = time.perf_counter_ns()
                 meta = conn.build_connector_meta(so)
                 times.append(time.perf_counter_ns() - t)

@@ -20,6 +20,9 @@ the index and `_peer_bytes` are the owner's. The I/O thread reads only the
 namespaces' fixed fields (nsid, ranks, slot sizes) and `_spaces`, a tuple the
 owner replaces (never changes) when it opens a namespace. What the owner asks
 of a Follower (`forget`, after its view drifted) is queued to the I/O thread.
+The backlog (records found and not yet applied, while the scheduler idles) is
+`_handed - _applied`, each counter written by one thread only; past BACKLOG the
+I/O thread stops looking until the owner catches up.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from aiokv.store.journal import Follower
 
 log = logging.getLogger("aiokv")
 MIN_INTERVAL = 0.01  # seconds: the I/O thread's looks, however low follow_interval is set
+BACKLOG = 100_000  # records handed over and not yet applied past which the I/O thread stops looking
 
 
 class Following:
@@ -117,19 +121,27 @@ class Following:
     def _start_following(self) -> None:
         """With the I/O thread: it looks at the other engines every follow_interval on its own."""
         self._io_seen: dict[tuple[bytes, int], int] = {}  # the I/O thread's: bytes last handed over per engine
+        self._handed = 0   # records the I/O thread handed over (it alone writes this)
+        self._applied = 0  # records the owner applied (it alone writes this)
         self.fs.every(lambda: max(self.follow_interval, MIN_INTERVAL), self._follow_spaces_io, self._look_done)
 
     def _follow_spaces_io(self):
         """One look of the I/O thread at every namespace: what changed since its last
         look, or None if nothing did (nothing is handed over then)."""
-        out, seen = [], self._io_seen
+        if self._handed - self._applied > BACKLOG:
+            # an idle scheduler has not picked up what was found: look again once it has
+            # (the Followers keep their place; nothing is missed, only held on disk meanwhile)
+            return None
+        out, seen, n = [], self._io_seen, 0
         for ns in self._spaces:
             found = [f for f in self._follow_io(ns) if f[2] is not None or seen.get((ns.nsid, f[0])) != f[4]]
             for f in found:
                 seen[(ns.nsid, f[0])] = f[4]
+                n += len(f[2][1]) if f[2] is not None else 0
             if found:
                 out.append((ns, found))
-        return out or None
+        self._handed += n
+        return (out, n) if out else None
 
     def _look_done(self, found, e) -> None:
         """A look of the I/O thread finished (the owner's thread, at poll)."""
@@ -138,6 +150,8 @@ class Following:
         elif e is not None:
             log.error("aiokv: following the other engines failed; trying again later", exc_info=e)
         else:
+            found, n = found
+            self._applied += n
             for ns, got in found:
                 self._follow_apply(ns, got)
         self._followed = time.monotonic()

@@ -42,8 +42,9 @@ a reservation needs now, at most WAIT_PER_STEP per step and never while the
 file system is stalled. A commit is in the index at once (its data is written)
 and reaches the journal, so other engines and restarts, when the I/O thread
 writes it; one that cannot be written is taken back. `stalled` says the file
-system has not answered for the deadline. `close` waits at most CLOSE_WAIT.
-Without io_thread (tools, inspect, unit tests) every call runs at once on the
+system has not answered for the deadline. `close` lets what is queued be written
+while the file system answers: at most CLOSE_WAIT without an answer, CLOSE_MAX
+in all. Without io_thread (tools, inspect, unit tests) every call runs at once on the
 caller's thread, as before.
 
 Threading contract: one thread calls a Store (the owner's thread); its I/O
