@@ -56,12 +56,13 @@ class FsTimeout(OSError):
 
 
 class Op:
-    __slots__ = ("fn", "done", "deadline", "started", "finished", "result", "error")
+    __slots__ = ("fn", "done", "deadline", "started", "finished", "applied", "result", "error")
 
     def __init__(self, fn, done, deadline: float):
         self.fn, self.done, self.deadline = fn, done, deadline
         self.started = 0.0
-        self.finished = False
+        self.finished = False  # ran (set by the thread that ran it)
+        self.applied = False   # its done callback ran (the owner's thread)
         self.result = None
         self.error: BaseException | None = None
 
@@ -211,6 +212,7 @@ class FsThread:
         return op
 
     def _finish(self, op: Op) -> None:
+        op.applied = True
         if op.done is not None:
             op.done(op.result, op.error)
         elif op.error is not None and not isinstance(op.error, OSError):

@@ -699,8 +699,10 @@ class Store(Following, Reclaim):
                 n //= 2
             hwm = ns.alloc.hwm
             op = self.fs.submit(lambda: self._grow_io(ns, plans, hwm), lambda r, e: self._grow_done(ns, r, e))
-            if op.finished:
+            if op.applied:  # ran at once (inline, or from an operation on the I/O thread)
                 return bool(op.result and op.result[0])
+            # (finished on the I/O thread but not applied yet counts as in flight: its slots
+            # are not free until _grow_done, and must not be planned again meanwhile)
             self._growing[ns.nsid] = op
         if ahead or not self.fs.wait_in_step(op):
             return None
