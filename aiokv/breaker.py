@@ -12,7 +12,13 @@ blocks that fail verification: those are the data's fault, not the disk's).
   is in flight (one probe at a time), and saves resume. The first report with a
   failure opens it again; the first with a successful load and no failure closes it.
 
-`failures=0` turns the breaker off.
+- the file system does not answer (`file_system(stalled=True)`: an operation
+  of the store's I/O thread is past its deadline, aiokv/store/fsthread.py):
+  open, with no probe, until it answers; then half-open. One opening however
+  long the stall, and none if the breaker was open already.
+
+`failures=0` turns the counting of failures off (a hung file system still stops
+hits and saves while it does not answer).
 
 Threading contract: one thread, the EngineCore scheduler thread (SchedulerSide).
 """
@@ -36,9 +42,11 @@ class Breaker:
         self.last_failure = 0.0
         self.opened_at = 0.0
         self.opens = 0          # times it opened (a counter for the stats)
+        self.fs_stalled = False  # the store's file system does not answer
+        self._by_stall = False   # the current opening is the file system's, not failures'
 
     def _now_state(self) -> str:
-        if self.state == OPEN and self.clock() - self.opened_at >= self.cooldown:
+        if self.state == OPEN and not self.fs_stalled and self.clock() - self.opened_at >= self.cooldown:
             self.state = HALF_OPEN
             log.info("aiokv: probing the cache disk again after %.0f s", self.cooldown)
         return self.state
@@ -77,6 +85,24 @@ class Breaker:
                 self.state = CLOSED
             self.run = 0
 
+    def file_system(self, stalled: bool) -> None:
+        """The store's file system stalled (an operation past its deadline) or answers (once per step)."""
+        if stalled == self.fs_stalled:
+            return
+        self.fs_stalled = stalled
+        if stalled:
+            if self.state != OPEN:
+                log.warning("aiokv: the cache directory's file system does not answer; no hits or saves until "
+                            "it does")
+                self.state = OPEN
+                self.opens += 1
+                self.opened_at = self.clock()
+                self._by_stall = True
+        elif self.state == OPEN and self._by_stall:
+            log.warning("aiokv: the cache directory's file system answers again; probing it")
+            self.state = HALF_OPEN
+            self.run = 0
+
     def _open(self, now: float, failures: int) -> None:
         if self.state == CLOSED:
             log.warning("aiokv: the cache disk is failing (%d load timeouts or I/O errors in a row); no hits "
@@ -85,3 +111,4 @@ class Breaker:
         self.opened_at = now
         self.opens += 1
         self.run = 0
+        self._by_stall = False

@@ -27,6 +27,9 @@ class AioKVConfig:
     queue_depth: int = 32             # I/O operations in flight per worker
     load_timeout: float = 30.0        # seconds before a load is abandoned and recomputed
     save_timeout: float = 60.0        # seconds before a save is abandoned (dropped)
+    fs_timeout: float = 2.0           # seconds a store operation (journal, grow, punch...) may take before the
+                                      # file system counts as hung: no hits or saves until it answers
+    start_timeout: float = 60.0       # seconds opening the cache directory may take at start; past it aiokv is off
     breaker_failures: int = 3         # load timeouts / I/O errors in a row that stop hits and saves (0: never)
     breaker_cooldown: float = 30.0    # seconds hits and saves stay off before one probe
     strict_load_failures: bool = False  # keep vLLM's kv_load_failure_policy="fail"
@@ -74,7 +77,8 @@ class AioKVConfig:
                 raise ConfigError(f"aiokv: io must be auto, uring or threads, not {cfg.io!r}")
         for name, typ in (("queue_depth", int), ("load_timeout", float), ("save_timeout", float),
                           ("breaker_failures", int), ("breaker_cooldown", float), ("remote_timeout", float),
-                          ("probe_timeout", float), ("flush_timeout", float)):
+                          ("probe_timeout", float), ("flush_timeout", float),
+                          ("fs_timeout", float), ("start_timeout", float)):
             if name in extra:
                 try:
                     setattr(cfg, name, typ(extra.pop(name)))

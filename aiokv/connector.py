@@ -303,6 +303,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         from aiokv.breaker import Breaker
         from aiokv.scheduler import SchedulerSide
         from aiokv.store import Store, StoreLocked
+        from aiokv.store.fsthread import bounded
 
         ktc = self._kv_transfer_config
         if ktc.kv_load_failure_policy == "fail" and not self.cfg.strict_load_failures:
@@ -310,19 +311,30 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             ktc.kv_load_failure_policy = "recompute"
             log.info("aiokv: kv_load_failure_policy set to 'recompute' (a failed cache load is recomputed); "
                      "set strict_load_failures=true in kv_connector_extra_config to keep 'fail'")
+        def open_store():
+            store = Store(self.cfg.path, capacity=self.cfg.capacity, io_thread=True, fs_timeout=self.cfg.fs_timeout)
+            try:
+                spaces = []
+                for g, nsid in zip(self.groups, self.group_nsids):
+                    fields = self.fields if len(self.groups) == 1 else {**self.fields, "group": g.index}
+                    spaces.append((g, store.namespace(nsid, g.payload_bytes,
+                                                      ranks=1 if g.replicated else self.ranks, fields=fields)))
+            except BaseException:
+                store.close(checkpoint=False)
+                raise
+            return store, spaces
+
         try:
-            store = Store(self.cfg.path, capacity=self.cfg.capacity)
+            # a file system that does not answer must not hang vLLM's start: past start_timeout
+            # aiokv is off (as for a directory it cannot use), and the store, if it opens later, closes
+            store, spaces = bounded(open_store, self.cfg.start_timeout, f"the cache directory {self.cfg.path}",
+                                    late=lambda got: got[0].close(checkpoint=False))
         except StoreLocked:
             raise
         except OSError as e:
             log.error("aiokv: cannot use cache directory %s (%s); aiokv is disabled and vLLM runs without it",
                       self.cfg.path, e.strerror or e)
             return
-        spaces = []
-        for g, nsid in zip(self.groups, self.group_nsids):
-            fields = self.fields if len(self.groups) == 1 else {**self.fields, "group": g.index}
-            spaces.append((g, store.namespace(nsid, g.payload_bytes, ranks=1 if g.replicated else self.ranks,
-                                              fields=fields)))
         self.sched = SchedulerSide(store, spaces, self.block_size,
                                    Breaker(self.cfg.breaker_failures, self.cfg.breaker_cooldown))
         self.sched.layerwise = self.layerwise

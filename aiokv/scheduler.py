@@ -340,6 +340,8 @@ class SchedulerSide:
                 call()
             except Exception:
                 log.exception("aiokv: the store's %s failed; trying again at the next step", call.__name__)
+        self.breaker.file_system(self.store.stalled)  # a hung file system: no hits, no saves
+        self.counters.breaker_opens = self.breaker.opens
         self._saves_allowed = self.breaker.allow_saves()
         for req_id, parts in wanted.items():
             plan.saves += self._reserve(req_id, parts)

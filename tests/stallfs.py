@@ -1,13 +1,18 @@
-"""A FUSE passthrough file system whose data-file reads can be made to hang.
+"""A FUSE passthrough file system that can be made to hang, like a sick mount.
 
-    python -m tests.stallfs SOURCE MOUNTPOINT CONTROL
+    python -m tests.stallfs SOURCE MOUNTPOINT CONTROL [THREADS]
 
 Everything under MOUNTPOINT is SOURCE, except that while the file CONTROL
-exists, a read of a file whose name ends in `.data` does not answer (and, if
-CONTROL holds "w", nor does a write): the handler waits until CONTROL is
-removed; the kernel keeps the caller in the system call meanwhile, as a hung
-device does. Mounted with `direct_io`, so
-every read reaches the daemon (no page cache answers for it).
+exists, what it holds hangs (the handler waits until CONTROL is removed; the
+kernel keeps the caller in the system call meanwhile, as a hung device does):
+- "r" (or empty): reads of files whose name ends in `.data` do not answer;
+- "w": nor do writes of them;
+- "a": no operation on the mount answers (a hung NFS server, a frozen queue).
+THREADS (default 200) is the daemon's thread pool. With a small pool (4) and
+"r", the hung reads take every daemon thread and everything else on the mount
+hangs behind them (a stat, an open, a journal write): what a real FUSE daemon
+or network mount does. Mounted with `direct_io`, so every read reaches the
+daemon (no page cache answers for it).
 
 Tests use `mounted()`: it starts the daemon, waits for the mount, and on the
 way out resumes reads first, then unmounts (lazily) and stops the daemon, so
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import subprocess
 import sys
@@ -34,9 +40,20 @@ def _says(control: str, what: str) -> bool:
         return False
 
 
-def serve(source: str, mountpoint: str, control: str) -> None:
+def serve(source: str, mountpoint: str, control: str, threads: int = 200) -> None:
     import mfusepy as fuse
 
+    def hang_all():
+        while _says(control, "a"):  # nothing on the mount answers
+            time.sleep(0.02)
+
+    def hangs(cls):
+        for name, fn in list(vars(cls).items()):
+            if callable(fn) and not name.startswith("_"):
+                setattr(cls, name, functools.wraps(fn)(lambda *a, _fn=fn, **k: (hang_all(), _fn(*a, **k))[1]))
+        return cls
+
+    @hangs
     class Passthrough(fuse.Operations):
         use_ns = True
 
@@ -130,8 +147,8 @@ def serve(source: str, mountpoint: str, control: str) -> None:
             return {k: getattr(st, k) for k in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
                                                 "f_ffree", "f_favail", "f_flag", "f_namemax")}
 
-    # enough daemon threads that reads held forever leave some for other calls
-    fuse.FUSE(Passthrough(), mountpoint, foreground=True, direct_io=True, max_threads=200)
+    # 200: enough daemon threads that reads held forever leave some for other calls
+    fuse.FUSE(Passthrough(), mountpoint, foreground=True, direct_io=True, max_threads=threads)
 
 
 def _mounted_at(mountpoint: str) -> bool:
@@ -140,12 +157,13 @@ def _mounted_at(mountpoint: str) -> bool:
 
 
 @contextlib.contextmanager
-def mounted(source: str, mountpoint: str, control: str, timeout: float = 20.0):
-    """The file system mounted at mountpoint for the block; always cleaned up."""
+def mounted(source: str, mountpoint: str, control: str, timeout: float = 20.0, threads: int = 200):
+    """The file system mounted at mountpoint for the block (the daemon with
+    `threads` threads); always cleaned up."""
     os.makedirs(source, exist_ok=True)
     os.makedirs(mountpoint, exist_ok=True)
     log = open(mountpoint.rstrip("/") + ".log", "w")
-    p = subprocess.Popen([sys.executable, "-m", "tests.stallfs", source, mountpoint, control],
+    p = subprocess.Popen([sys.executable, "-m", "tests.stallfs", source, mountpoint, control, str(threads)],
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stdout=log, stderr=log)
     try:
         end = time.monotonic() + timeout
@@ -167,4 +185,4 @@ def mounted(source: str, mountpoint: str, control: str, timeout: float = 20.0):
 
 
 if __name__ == "__main__":
-    serve(*sys.argv[1:4])
+    serve(*sys.argv[1:4], *map(int, sys.argv[4:5]))

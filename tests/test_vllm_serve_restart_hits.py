@@ -56,12 +56,12 @@ def _free_port() -> int:
 class Server:
     """One `vllm serve` life in a subprocess; its output goes to a log file."""
 
-    def __init__(self, model: str, cache: str, log_path: str):
+    def __init__(self, model: str, cache: str, log_path: str, extra: dict | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         ktc = {"kv_connector": "AioKVConnector", "kv_role": "kv_both",  # by name only: the plugin entry point
-               "kv_connector_extra_config": {"path": cache, "capacity": "1GiB", "staging": "32MiB"}}
+               "kv_connector_extra_config": {"path": cache, "capacity": "1GiB", "staging": "32MiB", **(extra or {})}}
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
                "--enforce-eager", "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "1024",

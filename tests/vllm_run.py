@@ -8,6 +8,8 @@ so that every run is a true restart.
 spec: model, cache (null: no connector), block_size, dtype, max_model_len, metrics (multiprocess:
 return aiokv's Prometheus series as `metrics`),
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config),
+ready_file (created once the engine is up), audit_fs (RESULT lists the file-system
+calls aiokv made on vLLM's thread while the phases ran),
 phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps}, abort_preempted?: n (abort
 the first n requests seen preempted, in the step they are; where each abort landed: "aborted_while"),
 wait_for?: path, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
@@ -62,6 +64,8 @@ def main(spec: dict) -> dict:
         if not spec.get("no_module_path"):
             kw["kv_transfer_config"]["kv_connector_module_path"] = "aiokv.connector"
     llm = LLM(**kw)
+    if spec.get("ready_file"):  # tests waiting for the engine to be up
+        open(spec["ready_file"], "w").close()
     engine = llm.llm_engine
     result: dict = {"tokens": [], "cached": [], "finish": [], "preemptions": 0, "aborted_while": {},
                     "pending_saves_at_finish": 0}
@@ -75,6 +79,7 @@ def main(spec: dict) -> dict:
             return preempt(*a, **k)
 
         sched._preempt_request = counting_preempt
+    audit = _audit_fs() if spec.get("audit_fs") else None
     n_req = 0
     for phase in spec["phases"]:
         if phase.get("settle"):
@@ -152,6 +157,8 @@ def main(spec: dict) -> dict:
         result["tokens"].append(toks)
         result["cached"].append(cached)
         result["finish"].append(fin)
+    if audit is not None:
+        result["fs_calls_on_engine_thread"] = sorted(audit.pop())
     if MP:  # aiokv's counters live in the engine core process: read them as vLLM exports them
         if spec.get("metrics"):
             result["metrics"] = {m.name: m.value for m in llm.get_metrics()
@@ -195,6 +202,47 @@ def _worker_counters(worker) -> dict:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return get_kv_transfer_group().counters()
+
+
+def _audit_fs():
+    """From now on, record every file-system call aiokv makes on this (vLLM's) thread
+    while the phases run: (function, aiokv module:line). Returns a list whose pop()
+    stops the recording and gives the calls."""
+    import builtins
+    import threading
+
+    from aiokv import _native
+
+    main, calls, on = threading.current_thread(), set(), [True]
+    names = ["open", "close", "read", "write", "pread", "pwrite", "preadv", "pwritev", "fstat", "stat", "lstat",
+             "listdir", "scandir", "fsync", "fdatasync", "ftruncate", "truncate", "fstatvfs", "statvfs", "lseek",
+             "replace", "rename", "unlink", "mkdir", "rmdir", "access", "posix_fallocate"]
+
+    def wrap(mod, name):
+        fn = getattr(mod, name, None)
+        if fn is None:
+            return
+
+        def audited(*a, **k):
+            if on[0] and threading.current_thread() is main:
+                f = sys._getframe(1)
+                while f is not None and not f.f_globals.get("__name__", "").startswith("aiokv"):
+                    f = f.f_back if f.f_globals.get("__name__", "") in ("os", "io", "contextlib") else None
+                if f is not None:
+                    calls.add(f"{name} {f.f_globals['__name__']}:{f.f_lineno}")
+            return fn(*a, **k)
+        setattr(mod, name, audited)
+
+    for n in names:
+        wrap(os, n)
+    wrap(builtins, "open")
+    wrap(_native, "fallocate")
+
+    class Audit(list):
+        def pop(self):
+            on[0] = False
+            return list(calls)
+    return Audit()
 
 
 def _settle(engine, deadline: float) -> None:

@@ -71,8 +71,11 @@ def writer(root: str, wid: int, rate: int, stop, ready) -> None:
 
 
 def bench_lookups(root: str, writers: int, blocks: int, seconds: float, rate: int) -> dict:
+    import inspect
+
     shutil.rmtree(root, ignore_errors=True)
-    st = Store(root)
+    # the reader opened as the connector opens it: with the store's I/O thread where this aiokv has one
+    st = Store(root, **({"io_thread": True} if "io_thread" in inspect.signature(Store).parameters else {}))
     ns = st.namespace(NSID, PAYLOAD)
     keys = [i.to_bytes(8, "little") * 4 for i in range(blocks)]
     for i in range(0, blocks, 1000):
@@ -89,9 +92,11 @@ def bench_lookups(root: str, writers: int, blocks: int, seconds: float, rate: in
         procs.append(p)
     samples = []
     refresh = []
+    steps = []  # a step's 1000 lookups and its refresh together
     lookup = st.lookup
     end = time.monotonic() + seconds
     while time.monotonic() < end:
+        t0 = time.perf_counter_ns()
         for _ in range(1000):
             t = time.perf_counter_ns()
             n = lookup(ns, req)
@@ -101,6 +106,7 @@ def bench_lookups(root: str, writers: int, blocks: int, seconds: float, rate: in
             t = time.perf_counter_ns()
             st.refresh()
             refresh.append(time.perf_counter_ns() - t)
+        steps.append(time.perf_counter_ns() - t0)
         time.sleep(0.002)  # the rest of a scheduler step
     stop.set()
     for p in procs:
@@ -113,10 +119,15 @@ def bench_lookups(root: str, writers: int, blocks: int, seconds: float, rate: in
     st.close()
     shutil.rmtree(root, ignore_errors=True)
     samples.sort()
-    q = lambda f: samples[min(len(samples) - 1, int(f * len(samples)))] / 1000  # noqa: E731
+    refresh.sort()
+    steps.sort()
+    q = lambda xs, f: xs[min(len(xs) - 1, int(f * len(xs)))] / 1000  # noqa: E731
     return {"writers": writers, "lookups": len(samples), "mean_us": statistics.fmean(samples) / 1000,
-            "p50_us": q(0.5), "p99_us": q(0.99), "max_us": samples[-1] / 1000,
+            "p50_us": q(samples, 0.5), "p99_us": q(samples, 0.99), "max_us": samples[-1] / 1000,
             "refresh_mean_us": statistics.fmean(refresh) / 1000 if refresh else None,
+            "refresh_p50_us": q(refresh, 0.5) if refresh else None,
+            "refresh_p99_us": q(refresh, 0.99) if refresh else None,
+            "step_mean_us": statistics.fmean(steps) / 1000, "steps": len(steps),
             "peer_blocks_seen": seen}
 
 
@@ -221,10 +232,12 @@ def main() -> None:
         bench_roll(os.path.join(base, "roll"), args.roll)
     for w in [int(x) for x in args.writers.split(",") if x]:
         r = bench_lookups(os.path.join(base, "store"), w, args.blocks, args.seconds, args.rate)
-        rf = f"{r['refresh_mean_us']:.1f} us" if r["refresh_mean_us"] is not None else "n/a"
+        rf = (f"mean {r['refresh_mean_us']:.1f} us, p50 {r['refresh_p50_us']:.1f}, p99 {r['refresh_p99_us']:.1f}"
+              if r["refresh_mean_us"] is not None else "n/a")
         print(f"{w} writer engine(s) at {args.rate} blocks/s each: lookup of 64 keys (32 hits) "
               f"mean {r['mean_us']:.2f} us, p50 {r['p50_us']:.2f}, p99 {r['p99_us']:.2f}, max {r['max_us']:.0f} "
-              f"({r['lookups']} lookups); refresh per step {rf}; writers' blocks seen {r['peer_blocks_seen']}")
+              f"({r['lookups']} lookups); refresh per step {rf}; step (1000 lookups + refresh) mean "
+              f"{r['step_mean_us']:.0f} us ({r['steps']} steps); writers' blocks seen {r['peer_blocks_seen']}")
     if not args.dir:
         shutil.rmtree(base, ignore_errors=True)
 

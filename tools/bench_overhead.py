@@ -112,7 +112,11 @@ def _connector(store_dir: str):
     from aiokv.scheduler import SchedulerSide
     from aiokv.store import Store
 
-    store = Store(store_dir, capacity=64 << 30)
+    import inspect
+
+    # as the connector opens it: with the store's I/O thread where this aiokv has one
+    kw = {"io_thread": True} if "io_thread" in inspect.signature(Store).parameters else {}
+    store = Store(store_dir, capacity=64 << 30, **kw)
     nsid = namespace_id({"bench": "overhead"})
     ns = store.namespace(nsid, 64 << 10)
     conn = object.__new__(AioKVConnector)  # the real methods, without a vLLM config
@@ -121,11 +125,16 @@ def _connector(store_dir: str):
     conn._roots = {}
     conn.block_size = BLOCK
     conn._connector_metadata = None
+    conn._queried, conn._queried_tokens = {}, 0
+    # what AioKVConnector.__init__ sets that these methods read (getattr: older checkouts lack some)
+    conn.epoch, conn._remote_tokens, conn._failed_recv, conn._failed_now = None, {}, set(), set()
+    conn.layerwise, conn._layers, conn.worker, conn.offer_hits = False, None, None, True
     return conn, store, ns
 
 
 def _request(rid: str, tokens: list[int]):
-    return types.SimpleNamespace(request_id=rid, all_token_ids=tokens, cache_salt=None, lora_request=None,
+    return types.SimpleNamespace(request_id=rid, all_token_ids=tokens, num_tokens=len(tokens), cache_salt=None,
+                                 lora_request=None,
                                  mm_features=None, prompt_embeds=None, skip_reading_prefix_cache=False)
 
 
@@ -133,6 +142,12 @@ def _fill(store, ns, keys) -> None:
     for i in range(0, len(keys), 512):
         part = keys[i:i + 512]
         slots = [store.reserve(ns, k) for k in part]
+        for _ in range(200):  # with the store's I/O thread a reservation may wait for a grow: again next "step"
+            if None not in slots:
+                break
+            store.refresh()
+            time.sleep(0.005)
+            slots = [s if s is not None else store.reserve(ns, k) for k, s in zip(part, slots)]
         store.commit(ns, [(k, s) for k, s in zip(part, slots) if s is not None])
 
 
@@ -187,6 +202,7 @@ def scheduler_side(running: list[int], base: str) -> dict:
                    for rid, toks, blocks in reqs]
             so = types.SimpleNamespace(scheduled_spec_decode_tokens={}, scheduled_new_reqs=new,
                                        num_scheduled_tokens={rid: len(toks) for rid, toks, _ in reqs},
+                                       total_num_scheduled_tokens=sum(len(toks) for _, toks, _ in reqs),
                                        scheduled_cached_reqs=types.SimpleNamespace(
                                            req_ids=[], resumed_req_ids=set(), new_block_ids=[],
                                            num_computed_tokens=[]))
@@ -202,7 +218,7 @@ def scheduler_side(running: list[int], base: str) -> dict:
                                                new_block_ids=[None] * R, num_computed_tokens=computed)
                 so = types.SimpleNamespace(scheduled_spec_decode_tokens={}, scheduled_new_reqs=[],
                                            num_scheduled_tokens={r[0]: 1 for r in reqs},
-                                           scheduled_cached_reqs=cached)
+                                           total_num_scheduled_tokens=R, scheduled_cached_reqs=cached)
                 t = time.perf_counter_ns()
                 meta = conn.build_connector_meta(so)
                 times.append(time.perf_counter_ns() - t)
@@ -237,6 +253,7 @@ def hooks(layers: int) -> dict:
     conn = object.__new__(AioKVConnector)
     conn.worker = None
     conn._connector_metadata = None
+    conn._layers = None
     n = 200_000
     res = {}
     for name in ("save_kv_layer", "wait_for_layer_load"):

@@ -132,7 +132,11 @@ class Server:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.stdin.close()
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # a child it waits for is stuck: nothing left to keep
+                self.proc.kill()
+                self.proc.wait(timeout=30)
 
 
 if __name__ == "__main__":

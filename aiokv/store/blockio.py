@@ -14,7 +14,10 @@ Several engines: items name locations (format.loc: engine << 32 | slot), so a
 BlockIO reads any engine's data file of its (namespace, rank), opened at first
 use, and writes where it is told (its own engine's, by the Store's design).
 Another engine's file is opened read-only and never created; a missing one
-makes its items -ENOENT (a miss).
+makes its items -ENOENT (a miss). Files are opened on a short-lived thread of
+their own, awaited (`_ensure_open`): on a mount that hangs, an `open` must not
+hold the loop thread (a load's timeout runs there); a missing file is looked
+for again at most every MISSING_RETRY seconds.
 
 Threading contract: one asyncio loop thread (the one that owns the backend).
 Buffers are staging slots: 4096-aligned, `slot_bytes` long, header first.
@@ -49,6 +52,8 @@ import ctypes
 import errno
 import hmac
 import os
+import threading
+import time
 
 from aiokv import _native
 from aiokv.io.backend import OP_READ, OP_WRITE, say_once, settle
@@ -61,6 +66,7 @@ PIPELINE_MIN = 4  # up to this many items: one backend batch
 # costs tens of microseconds, as much as checking about half a MiB that is not in cache
 SPREAD_MIN_BYTES = 1 << 20
 CHUNK_MIN_BYTES = 1 << 20  # see BlockIO._chunk
+MISSING_RETRY = 0.5  # seconds before another engine's missing data file is looked for again
 
 
 def open_data_file(ns_dir: str, rank: int, engine: int = 0, create: bool = True) -> tuple[int, bool]:
@@ -103,13 +109,63 @@ class BlockIO:
         self.slot_bytes = fmt.slot_bytes(payload_bytes)
         self.ns_dir = ns_dir
         self._open: tuple[dict[int, int], dict[int, int]] = ({}, {})  # [writable][engine] -> open fd
+        self._opening: dict[tuple[bool, int], asyncio.Future] = {}  # an open in flight on its thread
+        self._missing: dict[int, float] = {}  # engine -> when its file was found missing (read-only)
 
     def fds(self) -> list[int]:
         """Every data file this BlockIO has open."""
         return [fd for fds in self._open for fd in fds.values()]
 
+    async def _ensure_open(self, write: bool, items) -> None:
+        """Open the files items need that are not open yet, each on a thread of its own
+        (awaited; a cancelled wait leaves the open to finish there and keeps its fd)."""
+        fds = self._open[write]
+        need = {where >> fmt.ENGINE_SHIFT for where, _, _ in items} - fds.keys()
+        if not need:
+            return
+        now = time.monotonic()
+        loop = asyncio.get_running_loop()
+        waits = []
+        for e in need:
+            if not write and now - self._missing.get(e, -MISSING_RETRY) < MISSING_RETRY:
+                continue  # missing a moment ago: _fd says -1
+            fut = self._opening.get((write, e))
+            if fut is None:
+                fut = self._opening[(write, e)] = loop.create_future()
+
+                def opened(e=e, fut=fut, got=None, err=None):
+                    self._opening.pop((write, e), None)
+                    if err is None and e not in fds:
+                        fds[e] = got
+                    elif err is None:
+                        os.close(got)  # opened twice meanwhile
+                    if isinstance(err, FileNotFoundError) and not write:
+                        self._missing[e] = time.monotonic()
+                    if not fut.done():
+                        fut.set_result(None)
+
+                def target(e=e, opened=opened):
+                    try:
+                        got = open_data_file(self.ns_dir, self.rank, e, create=write)[0]
+                    except BaseException as err:  # reported on the loop; _fd raises it again if it must
+                        try:
+                            loop.call_soon_threadsafe(lambda: opened(err=err))
+                        except RuntimeError:
+                            pass  # the loop is closed
+                        return
+                    try:
+                        loop.call_soon_threadsafe(lambda: opened(got=got))
+                    except RuntimeError:
+                        os.close(got)
+                threading.Thread(target=target, name="aiokv-open", daemon=True).start()
+            waits.append(fut)
+        for fut in waits:
+            await asyncio.shield(fut)
+
     def _fd(self, engine: int, write: bool) -> int:
         fd = self._open[write].get(engine)
+        if fd is None and not write and time.monotonic() - self._missing.get(engine, -MISSING_RETRY) < MISSING_RETRY:
+            return -1
         if fd is None:
             try:
                 fd, _ = open_data_file(self.ns_dir, self.rank, engine, create=write)
@@ -207,6 +263,7 @@ class BlockIO:
         crc_ready: each payload's CRC32C is already at its header's payload-CRC
         field (Device.copy_out(..., checksum=True)); the payloads are not read."""
         sb = self.slot_bytes
+        await self._ensure_open(True, items)
         if len(items) <= PIPELINE_MIN:
             await self._stamp_many([key for _, key, _ in items], [addr for _, _, addr in items], crc_ready)
             res = await self.backend.run(self._ops(OP_WRITE, items)[0])
@@ -221,6 +278,7 @@ class BlockIO:
         payload_checked=False: everything but the payload CRC is checked (the
         header, and the MAC with a secret); the caller must check that CRC
         before it trusts the payload (Device.copy_in(..., checksum=True))."""
+        await self._ensure_open(False, items)
         if len(items) <= PIPELINE_MIN:
             res = await self._run_reads(items)
             return await self._checked(items, res, payload_checked)

@@ -6,11 +6,15 @@ is opened with O_NOFOLLOW: a symlink swapped in anywhere under the cache
 directory is refused, never followed. The owner also refuses a directory that
 another user owns or that group/others can write (they could plant files).
 
+Also here: the small JSON files (aiokv.json, namespace.json), written atomically,
+and sizes.
+
 Threading contract: plain functions, any thread.
 """
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -65,3 +69,52 @@ def check_private(fd: int, path: str) -> None:
 
 def fsync_dir(fd: int) -> None:
     os.fsync(fd)
+
+
+FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _write_json(name: str, obj: dict, dir_fd: int) -> None:
+    tmp = name + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dir_fd)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    os.fsync(dir_fd)
+
+
+def _read_json(name: str, dir_fd: int, path: str) -> dict:
+    fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
+    with os.fdopen(fd) as f:
+        try:
+            return json.load(f)
+        except ValueError as e:
+            raise NotAStore(f"aiokv: {os.path.join(path, name)} is damaged (bad JSON: {e}); "
+                            f"remove {path} or give aiokv a new directory") from None
+
+
+def parse_size(v) -> int:
+    """Bytes from an int or a string like '200GiB', '1.5 TB', '512M'."""
+    if isinstance(v, bool):
+        raise ValueError(f"not a size: {v!r}")
+    if isinstance(v, (int, float)):
+        return int(v)
+    s = str(v).strip().replace(" ", "")
+    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+             "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
+             "tib": 1 << 40}
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = s[len(num):].lower()
+    if unit not in units or not num:
+        raise ValueError(f"not a size: {v!r} (use bytes or a unit like 200GiB)")
+    return int(float(num) * units[unit])

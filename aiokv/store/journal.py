@@ -213,6 +213,14 @@ class IndexLog:
                 self.sync_failures = 0
                 self._dirty = False
 
+    def sync(self) -> None:
+        """fdatasync what was appended since the last sync (nothing if nothing was)."""
+        if self._dirty and self.fd is not None:
+            os.fdatasync(self.fd)
+            self._last_sync = time.monotonic()
+            self._dirty = False
+            self.sync_failures = 0
+
     def checkpoint(self, entries) -> None:
         """Write a snapshot of (key, slot, atime) and start an empty journal."""
         gen = self.gen + 1

@@ -30,8 +30,26 @@ counted; a block that does not verify is a miss, is dropped and counted; a key
 is visible to lookups only after `commit`, which the caller calls only after its
 data is fully written.
 
-Threading contract: one thread calls a Store (the owner's thread). The async
-`save`/`load` helpers must run on an event loop in that same thread.
+File-system calls: with `io_thread` (the engine's scheduler side), once the
+store has opened, every file-system call runs on the store's own I/O thread
+(fsthread.py), in order, with a deadline: journal writes (journalq.py), the
+look at the other engines every follow_interval (following.py, on the I/O
+thread's own clock), grow, punch, free-space checks, a dead engine's blocks
+(reclaim.py), namespaces opened, close. The owner's thread works from the
+in-memory index and applies finished outcomes at its next call (`refresh`,
+`lookup`, `flush_if_due`); it waits on the file system only for a grow that
+a reservation needs now, at most WAIT_PER_STEP per step and never while the
+file system is stalled. A commit is in the index at once (its data is written)
+and reaches the journal, so other engines and restarts, when the I/O thread
+writes it; one that cannot be written is taken back. `stalled` says the file
+system has not answered for the deadline. `close` lets what is queued be written
+while the file system answers: at most CLOSE_WAIT without an answer, CLOSE_MAX
+in all. Without io_thread (tools, inspect, unit tests) every call runs at once on the
+caller's thread, as before.
+
+Threading contract: one thread calls a Store (the owner's thread); its I/O
+thread runs only the file-system parts of what the owner queued. The async
+`save`/`load` helpers must run on an event loop in the owner's thread.
 """
 from __future__ import annotations
 
@@ -40,7 +58,6 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import json
 import logging
 import os
 import time
@@ -50,9 +67,14 @@ from aiokv.io.backend import open_backend
 from aiokv.store import format as fmt
 from aiokv.store.blockio import BlockIO
 from aiokv.store.index import Index, Namespace
-from aiokv.store.dirs import NotAStore, check_private, open_dir
-from aiokv.store.journal import Follower, IndexLog
-from aiokv.store.lock import DirLock, StoreLocked
+from aiokv.store.dirs import (FILE_FLAGS, NotAStore, _exists, _read_json, _write_json,  # noqa: F401
+                              check_private, open_dir, parse_size)
+from aiokv.store.following import Following
+from aiokv.store.fsthread import FsThread, FsTimeout
+from aiokv.store.journal import Follower, IndexLog  # noqa: F401
+from aiokv.store.journalq import JournalQueue
+from aiokv.store.lock import DirLock
+from aiokv.store.reclaim import PUNCH, Reclaim
 
 GROW_BYTES = 64 << 20  # disk space is reserved for new slots this much at a time
 HEADROOM = 4 << 20  # left to the file system (journal, other users) when the disk is full
@@ -60,6 +82,11 @@ FOLLOW_INTERVAL = 0.1  # seconds between looks at the other engines' journals
 SHARE_SLACK = 16  # overshoot allowed while another engine holds older blocks: capacity / this
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
 RECLAIM_INTERVAL = 5.0  # seconds between looks for a dead engine holding the directory's oldest blocks
+WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight (io_thread)
+CLOSE_WAIT = 5.0  # seconds close (and the last verifications) wait for the file system to answer (io_thread)
+CLOSE_MAX = 30.0  # seconds close waits in all for a file system that answers, slowly (io_thread)
+NAMESPACE_WAIT = 60.0  # seconds opening a namespace may take on the I/O thread (at start)
+GROW_AHEAD = 16  # free slots left when a grow for more starts (io_thread)
 log = logging.getLogger("aiokv")
 
 
@@ -77,38 +104,6 @@ class StoreStats:
     corrupt_dropped: int = 0    # blocks that failed verification or I/O on read
     # Loads are counted where they happen: the workers' reports (inside vLLM,
     # Store.load is not on the load path).
-
-
-FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _exists(name: str, dir_fd: int) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def _write_json(name: str, obj: dict, dir_fd: int) -> None:
-    tmp = name + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dir_fd)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    os.fsync(dir_fd)
-
-
-def _read_json(name: str, dir_fd: int, path: str) -> dict:
-    fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
-    with os.fdopen(fd) as f:
-        try:
-            return json.load(f)
-        except ValueError as e:
-            raise NotAStore(f"aiokv: {os.path.join(path, name)} is damaged (bad JSON: {e}); "
-                            f"remove {path} or give aiokv a new directory") from None
 
 
 SETUP_WAIT = 30.0  # seconds an engine waits for another one creating the store or a namespace
@@ -134,31 +129,16 @@ def _setup_lock(root_fd: int, root: str = "the cache directory"):
         fcntl.flock(root_fd, fcntl.LOCK_UN)
 
 
-def parse_size(v) -> int:
-    """Bytes from an int or a string like '200GiB', '1.5 TB', '512M'."""
-    if isinstance(v, bool):
-        raise ValueError(f"not a size: {v!r}")
-    if isinstance(v, (int, float)):
-        return int(v)
-    s = str(v).strip().replace(" ", "")
-    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-             "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
-             "tib": 1 << 40}
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-    unit = s[len(num):].lower()
-    if unit not in units or not num:
-        raise ValueError(f"not a size: {v!r} (use bytes or a unit like 200GiB)")
-    return int(float(num) * units[unit])
-
-
 def ns_dir(root: str, nsid: bytes) -> str:
     return os.path.join(root, "ns", nsid.hex())
 
 
-class Store:
+class Store(Following, Reclaim):
     def __init__(self, root: str, capacity=None, readonly: bool = False, sync_interval: float = 1.0,
-                 checkpoint_every: int = 200_000, engine: int | None = None):
-        """engine: the engine number to own (default: the lowest free one)."""
+                 checkpoint_every: int = 200_000, engine: int | None = None, io_thread: bool = False,
+                 fs_timeout: float = 2.0):
+        """engine: the engine number to own (default: the lowest free one); io_thread: after
+        opening, file-system calls run on the store's I/O thread (fs_timeout: its deadline)."""
         self.root = os.path.abspath(root)
         self.readonly = readonly
         self.capacity = parse_size(capacity) if capacity is not None else None
@@ -185,13 +165,29 @@ class Store:
         self._peer_fds: dict[tuple[bytes, int], int] = {}       # (nsid, engine) -> its directory
         self._peer_bytes: dict[tuple[bytes, int], int] = {}     # (nsid, engine) -> bytes its files take
         # engines found dead whose oldest blocks we evict: engine -> (its lock, {(nsid, what): fd or IndexLog})
-        self._reclaimed: dict[int, tuple[DirLock, dict]] = {}
+        self._reclaimed: dict[int, tuple[DirLock, dict]] = {}  # the I/O thread's (reclaim.py)
+        self._reclaiming: set[int] = set()  # those engines, as the owner knows them
         self._reclaim_checked = 0.0
+        self.journals: dict[bytes, JournalQueue] = {}  # our journals, as the owner writes them
+        self._spaces: tuple[Namespace, ...] = ()  # the namespaces, for the I/O thread (following.py)
+        self.fs = FsThread(None)  # opening runs on the caller's thread
+        self._punching = 0      # bytes of slots queued for punching (not counted as used)
+        self._growing: dict[bytes, object] = {}  # nsid -> the grow in flight
+        self._close_by: float | None = None
+        self.skipped_fs_busy = 0  # reservations skipped: the space for them was still being reserved
         try:
             self._open(readonly, engine)
         except BaseException:
             self.close(checkpoint=False)
             raise
+        if io_thread and not readonly:
+            self.fs.start(f"aiokv-fs{self.engine}", deadline=fs_timeout)
+            self._start_following()
+
+    @property
+    def stalled(self) -> bool:
+        """The file system has not answered an operation of ours within its deadline."""
+        return self.fs.stalled
 
     def _open(self, readonly: bool, engine: int | None) -> None:
         # The root itself is not followed if it is a symlink, nor is anything below it.
@@ -284,6 +280,7 @@ class Store:
         if not self.readonly:
             self._load_own(ns)
         self.index.namespaces[nsid] = ns
+        self._spaces = tuple(self.index.namespaces.values())  # replaced, never changed: the I/O thread reads it
         self._follow(ns)
         return ns
 
@@ -311,6 +308,7 @@ class Store:
                 del entries[k]
         self.index.load(ns, entries)
         self.logs[nsid] = log
+        self.journals[nsid] = JournalQueue(log, self.fs)
         if not self.readonly:
             # Space the index does not account for (free slots of the last life,
             # a tail past the last used slot) is given back to the file system.
@@ -322,76 +320,17 @@ class Store:
             for rank in range(ns.ranks):
                 os.ftruncate(self._rank_fd(ns, rank), ns.alloc.hwm * ns.slot_bytes)
 
-    # ---- the other engines ----
-    def _peer_engines(self, ns: Namespace) -> list[int]:
-        """Engine numbers with files in this namespace, other than ours."""
-        nfd = self._ns_dir_fd(ns.nsid)
-        found = []
-        names = os.listdir(nfd)
-        if self.engine != 0 and any(n == "checkpoint" or n.startswith("journal.") for n in names):
-            found.append(0)
-        for n in names:
-            e = fmt.engine_of_dir(n)
-            if e is not None and e != self.engine:
-                found.append(e)
-        return found
-
-    def _follow(self, ns: Namespace) -> None:
-        """Apply what the other engines committed and dropped since the last look."""
-        nsid = ns.nsid
-        for e in self._peer_engines(ns):
-            key = (nsid, e)
-            fl = self.followers.get(key)
-            if fl is None:
-                sub = fmt.engine_dir(e)
-                path = os.path.join(ns_dir(self.root, nsid), sub).rstrip("/")
-                try:
-                    dfd = self._ns_dir_fd(nsid) if not sub else open_dir(path, self._ns_dir_fd(nsid))
-                except (NotAStore, OSError):
-                    continue  # a symlink planted there, a directory vanishing: not an engine's
-                if sub:
-                    self._peer_fds[key] = dfd
-                fl = self.followers[key] = Follower(path, dfd)
-            try:
-                got = fl.poll()
-            except fmt.BadBlock as e:
-                if self.readonly:
-                    raise
-                log_warning(f"{e}; its blocks are misses here until its engine rebuilds it")
-                got = ("reset", {})
-            except FileNotFoundError:
-                continue  # a checkpoint replaced under us: the next look replays it
-            if got is not None:
-                kind, what = got[0], got[1]
-                if kind == "reset":
-                    ns.peer_reset(e, {k: v for k, v in what.items() if v[0] < self._max_slots(ns)})
-                    touched = ns.peer_touches(fl.log.touches)
-                else:
-                    touched = ns.peer_apply(e, what, self._max_slots(ns))
-                    if kind == "roll" and got[2] != len(ns.peers.get(e, ())):
-                        fl.forget()  # our view of that engine drifted: replay its files next time
-                for k, atime in touched:
-                    if atime > ns.atime.get(k, 0):  # another engine hit our block
-                        self.index.touch(ns, [k], atime)
-            self._peer_bytes[key] = fl.disk_bytes + self._data_bytes(fl.dir_fd, ns)
-
-    @staticmethod
-    def _data_bytes(dir_fd: int, ns: Namespace) -> int:
-        total = 0
-        for rank in range(ns.ranks):
-            try:
-                total += os.stat(f"rank{rank}.data", dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512
-            except FileNotFoundError:
-                pass
-        return total
-
     def refresh(self) -> None:
         """Follow the other engines on the directory (their new blocks become hits,
         their evicted ones misses), then give back space over the capacity if ours
         are the directory's oldest blocks. For the scheduler, once per step (it may
-        evict, like reserve). Cheap: follows at most every follow_interval seconds.
+        evict, like reserve). Cheap: without the I/O thread follows at most every
+        follow_interval seconds; with it, applies the I/O thread's last finished look.
         Errors are logged, never raised (a stale view is only misses)."""
-        self._follow_all()
+        self.fs.poll()
+        self.fs.new_step(WAIT_PER_STEP)
+        if self.fs.inline:
+            self._follow_all()
         if not self.readonly and self.limit is not None and self._used() > self.limit:
             try:
                 self._shrink_to_limit()
@@ -399,21 +338,15 @@ class Store:
             except OSError as e:
                 log_warning(f"giving back space failed ({os.strerror(e.errno or 0)}); trying again later")
 
-    def _follow_all(self) -> None:
-        now = time.monotonic()
-        if now - self._followed < self.follow_interval:
-            return
-        self._followed = now
-        try:
-            for ns in list(self.index.namespaces.values()):
-                self._follow(ns)
-        except OSError as e:
-            log_warning(f"following the other engines failed ({os.strerror(e.errno or 0)}); trying again later")
-        except Exception:  # lookups call this: a bug here must not reach vLLM
-            log.exception("aiokv: following the other engines failed; trying again later")
-
     def namespace(self, nsid: bytes, payload_bytes: int, ranks: int = 1, fields: dict | None = None) -> Namespace:
-        """Open or create a namespace. nsid is derived by the caller from all that changes the bytes."""
+        """Open or create a namespace. nsid is derived by the caller from all that changes the bytes.
+        With the I/O thread it opens there (waited for at most NAMESPACE_WAIT: at start)."""
+        if self.fs.inline:
+            return self._namespace(nsid, payload_bytes, ranks, fields)
+        return self.fs.call(lambda: self._namespace(nsid, payload_bytes, ranks, fields), NAMESPACE_WAIT,
+                            deadline=NAMESPACE_WAIT)
+
+    def _namespace(self, nsid: bytes, payload_bytes: int, ranks: int, fields: dict | None) -> Namespace:
         if len(nsid) != fmt.NSID_BYTES:
             raise ValueError(f"aiokv: namespace ids are {fmt.NSID_BYTES} bytes")
         ns = self.index.namespaces.get(nsid)
@@ -431,6 +364,8 @@ class Store:
                 if not _exists("namespace.json", dfd):
                     _write_json("namespace.json", dict(info, created=time.time()), dfd)
             ns = self._load_namespace(nsid)
+            if not self.fs.inline and len(ns.alloc.free) < GROW_AHEAD:
+                self._grow(ns, ahead=True)  # space for the first saves, reserved at start (on the I/O thread)
         if ns.payload_bytes != payload_bytes or ns.ranks != ranks:
             raise ValueError(f"aiokv: namespace {nsid.hex()} holds {ns.payload_bytes}-byte blocks on "
                              f"{ns.ranks} ranks, not {payload_bytes} on {ranks}: its id must cover the layout")
@@ -439,8 +374,11 @@ class Store:
     # ---- lookups and commits (owner) ----
     def lookup(self, ns: Namespace, keys, limit: int | None = None) -> int:
         # an engine idle for a while sees the others' blocks at its first lookup
-        # (following only: evicting waits for the step's refresh)
-        if time.monotonic() - self._followed >= self.follow_interval:
+        # (following only: evicting waits for the step's refresh); with the I/O thread
+        # that looked on its own meanwhile, its last finished look is applied
+        if not self.fs.inline:
+            self.fs.poll()
+        elif time.monotonic() - self._followed >= self.follow_interval:
             self._follow_all()
         return self.index.lookup(ns, keys, limit)
 
@@ -451,13 +389,20 @@ class Store:
             return None
         slot = ns.alloc.take()
         while slot is None:
-            if not self._grow(ns):
+            grown = self._grow(ns)
+            if grown is None:  # space is being reserved: this save is skipped, not evicted for
+                self.skipped_fs_busy += 1
+                return None
+            if not grown:
                 victim = self.index.victim()
                 # another namespace's slot is no use here: its space must be punched
                 if victim is None or not self._evict(*victim, punch=victim[0] is not ns):
                     self.stats.skipped_no_space += 1
                     return None
             slot = ns.alloc.take()
+        if (not self.fs.inline and ns.nsid not in self._growing
+                and len(ns.alloc.free) < max(GROW_AHEAD, GROW_BYTES // ns.slot_cost // 2)):
+            self._grow(ns, ahead=True)  # more space, before it is needed
         ns.pending[key] = where = fmt.loc(self.engine, slot)
         return where
 
@@ -473,26 +418,36 @@ class Store:
             self.index.commit(ns, key, slot, now)
             done.append(key)
             recs.append(fmt.pack_record(fmt.REC_COMMIT, key, slot, now))
-        log = self.logs[ns.nsid]
-        try:
-            log.append(recs)
-        except OSError as e:
+        jq = self.journals[ns.nsid]
+        if not recs:
+            return
+        self.stats.commits += len(recs)
+        failed = []
+
+        def undo(e):
+            failed.append(e)
             # Not durable, so not committed: undo; only a full disk needs room.
-            for key in done:
-                ns.alloc.release(self.index.remove(ns, key))
+            self.stats.commits -= len(recs)
+            written = set(done)
+            for key, where in items:
+                if key in written and ns.own.get(key) == where & fmt.SLOT_MASK:
+                    ns.alloc.release(self.index.remove(ns, key))
             self.stats.save_failures += len(recs)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.stats.enospc += 1
                 self._make_room()
             else:
                 log_warning(f"journal write failed ({os.strerror(e.errno or 0)}); {len(recs)} block(s) not committed")
-            return
-        self.stats.commits += len(recs)
-        if log.records > self.checkpoint_every and log.records > len(ns.own):
-            try:
-                log.checkpoint(self._snapshot(ns))
-            except OSError as e:  # the journal still holds everything: try again later
-                log_warning(f"checkpoint failed ({os.strerror(e.errno or 0)}); the journal keeps growing")
+        jq.append(recs, undo)
+        if not failed and jq.records > self.checkpoint_every and jq.records > len(ns.own):
+            jq.checkpoint(self._snapshot(ns), self._checkpoint_failed)
+
+    @staticmethod
+    def _checkpoint_failed(e) -> None:
+        if not isinstance(e, OSError):
+            raise e
+        # the journal still holds everything: try again later
+        log_warning(f"checkpoint failed ({os.strerror(e.errno or 0)}); the journal keeps growing")
 
     def abort(self, ns: Namespace, items, failed: bool = True) -> None:
         """Give back reservations whose data was not (fully) written."""
@@ -563,17 +518,6 @@ class Store:
         self._append_drops(ns, recs)
 
     # ---- dead engines ----
-    def _oldest_peer(self) -> tuple[Namespace, int, bytes] | None:
-        """(namespace, engine, key) of the oldest block another engine holds."""
-        best = None
-        for ns in self.index.namespaces.values():
-            for e, d in ns.peers.items():
-                if d:
-                    k, (_, a) = next(iter(d.items()))
-                    if best is None or a < best[0]:
-                        best = (a, ns, e, k)
-        return best[1:] if best else None
-
     def _reclaim(self) -> None:
         """Over the capacity, with the directory's oldest blocks in the files of an
         engine that is not running: take that engine's lock (a new engine then
@@ -581,69 +525,25 @@ class Store:
         DROP in its journal, its slots punched — while they are the oldest and the
         directory is over the capacity. Looks for such an engine at most every
         RECLAIM_INTERVAL seconds; a running engine (idle or not) is never touched."""
-        while self._used() > self.limit and self._peers_older():
+        while self._used() > self.limit and self._peers_older() and not self.fs.busy("reclaim"):
             ns, e, key = self._oldest_peer()
-            if e not in self._reclaimed:
+            if e not in self._reclaiming:
                 now = time.monotonic()
                 if now - self._reclaim_checked < RECLAIM_INTERVAL:
                     return
                 self._reclaim_checked = now
-                try:
-                    lock = DirLock(self.root, self._root_fd, engine=e, wait=False)
-                except StoreLocked:
-                    return  # it runs: it sheds its own blocks when it steps
-                self._reclaimed[e] = (lock, {})
-                log.info("aiokv: engine %d of %s is not running; evicting its oldest blocks", e, self.root)
-            if not self._evict_dead(ns, e, key):
-                return
-
-    def _evict_dead(self, ns: Namespace, e: int, key: bytes) -> bool:
-        files = self._reclaimed[e][1]
-        fl = self.followers[(ns.nsid, e)]
-        sb, punch = ns.slot_bytes, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE
-        try:
-            jlog = files.get((ns.nsid, "log"))
-            if jlog is None:
-                jlog = IndexLog(fl.dir, fl.dir_fd, sync_interval=self.sync_interval)
-                # as its owner: cuts a torn tail so that our records are read; its blocks are what
-                # its journal says, not our view of it (which may lag behind it or be damaged)
-                entries = jlog.load()
-                files[(ns.nsid, "log")] = jlog
-                fds = [os.open(f"rank{r}.data", os.O_RDWR | FILE_FLAGS, dir_fd=fl.dir_fd) for r in range(ns.ranks)]
-                files.update({(ns.nsid, r): fd for r, fd in enumerate(fds)})
-                ns.peer_reset(e, {k: v for k, v in entries.items() if v[0] < self._max_slots(ns)})
-                # first its space that no block uses (free slots, an unfinished save's)
-                used = sorted({s for s, _ in entries.values()})
-                for fd in fds:
-                    end = os.fstat(fd).st_size // sb
-                    for first, stop in zip([0] + [u + 1 for u in used], used + [max(end, 0)]):
-                        if stop > first:  # the run of unused slots between two used ones
-                            _native.fallocate(fd, punch, first * sb, (stop - first) * sb)
-                self._peer_bytes[(ns.nsid, e)] = fl.disk_bytes + self._data_bytes(fl.dir_fd, ns)
-                return True
             slot = ns.peers[e][key][0]
-            jlog.append([fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
-            for rank in range(ns.ranks):
-                _native.fallocate(files[(ns.nsid, rank)], punch, slot * sb, sb)
-        except (OSError, fmt.BadBlock):
-            return False
-        ns.peer_drop(e, key)
-        self._peer_bytes[(ns.nsid, e)] -= ns.slot_cost
-        self.stats.evictions += 1
-        return True
-
-    def _release_reclaimed(self) -> None:
-        for lock, files in self._reclaimed.values():
-            for f in files.values():
-                f.close() if isinstance(f, IndexLog) else os.close(f)
-            lock.release()
-        self._reclaimed.clear()
+            op = self.fs.once("reclaim", lambda ns=ns, e=e, key=key, slot=slot: self._evict_dead_io(ns, e, key, slot),
+                              lambda r, err, ns=ns, e=e, key=key: self._evict_dead_done(ns, e, key, r, err))
+            if not op.finished or op.result is None:
+                return
 
     # ---- space ----
     def _used(self) -> int:
-        """Bytes the directory takes on disk: our backed slots, journals and
-        checkpoints, and the other engines' files (as of the last refresh)."""
-        return (self.index.physical_bytes + sum(jl.disk_bytes for jl in self.logs.values())
+        """Bytes the directory takes on disk: our backed slots (less those queued for
+        punching), journals and checkpoints, and the other engines' files (as of the
+        last refresh)."""
+        return (self.index.physical_bytes - self._punching + sum(jq.disk_bytes for jq in self.journals.values())
                 + sum(self._peer_bytes.values()))
 
     def _peers_older(self) -> bool:
@@ -668,21 +568,25 @@ class Store:
     def _unback(self, ns: Namespace, slot: int) -> bool:
         """Give an in-use slot's disk space back. Where punching fails (a file
         system without hole punching, an I/O error) the slot stays backed and
-        counted, on the free list, and False says so."""
-        if self._punch(ns, slot):
-            ns.alloc.punch(slot)
-            return True
-        ns.alloc.release(slot)
-        return False
+        counted, on the free list, and False says so (at once, or, with the I/O
+        thread, when the punch ran: the slot is neither free nor a hole meanwhile)."""
+        cost = ns.slot_cost
+        self._punching += cost
+
+        def done(ok, e):
+            self._punching -= cost
+            if ok:
+                ns.alloc.punch(slot)
+            else:
+                ns.alloc.release(slot)
+        op = self.fs.submit(lambda: self._punch(ns, slot), done)
+        return not op.finished or bool(op.result)
 
     def _append_drops(self, ns: Namespace, recs: list[bytes]) -> None:
         # Best effort: a DROP that is not persisted resurrects an entry whose slot
         # was punched or reused; its header then fails verification: a miss. A
         # TOUCH that is not persisted only leaves a block older in the LRU.
-        try:
-            self.logs[ns.nsid].append(recs)
-        except OSError:
-            pass
+        self.journals[ns.nsid].append(recs)
 
     def _shrink_to(self, target: int, oldest_only: bool = False) -> None:
         """Punch free slots, then LRU blocks, until at most `target` bytes are used
@@ -717,15 +621,24 @@ class Store:
         if self.limit == self.capacity or now - self._space_checked < self.space_check_interval:
             return
         self._space_checked = now
-        st = os.fstatvfs(self._root_fd)
-        avail = st.f_bavail * st.f_frsize - HEADROOM
-        if avail <= 0:
-            return
-        new = self._used() + avail
-        if self.capacity is None:
-            self.limit = None
-        elif new > self.limit:
-            self.limit = min(new, self.capacity)
+        root_fd = self._root_fd
+
+        def done(st, e):
+            if e is not None:
+                if not isinstance(e, OSError):
+                    raise e
+                if self.fs.inline:
+                    raise e
+                return
+            avail = st.f_bavail * st.f_frsize - HEADROOM
+            if avail <= 0 or self.limit == self.capacity:
+                return
+            new = self._used() + avail
+            if self.capacity is None:
+                self.limit = None
+            elif new > self.limit:
+                self.limit = min(new, self.capacity)
+        self.fs.once("space", lambda: os.fstatvfs(root_fd), done)
 
     def _rank_fd(self, ns: Namespace, rank: int) -> int:
         fd = self._rank_fds.get((ns.nsid, rank))
@@ -759,46 +672,77 @@ class Store:
     def _punch(self, ns: Namespace, slot: int) -> bool:
         """Punch one slot on every rank; False if any rank refused."""
         try:
-            self._fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, [slot], punch=True)
+            self._fallocate(ns, PUNCH, [slot], punch=True)
         except OSError:
             return False
         return True
 
-    def _grow(self, ns: Namespace) -> bool:
-        """Reserve disk space for more slots: a chunk, halved on ENOSPC down to one slot."""
+    def _grow(self, ns: Namespace, ahead: bool = False) -> bool | None:
+        """Reserve disk space for more slots: a chunk, halved on ENOSPC down to one slot.
+        None: a grow is in flight on the I/O thread (not waited for past this step's
+        budget); ahead: only if there is room, and without waiting."""
         if self.limit is not None and self.limit != self.capacity:
             self._regain_space()
-        room = (self.limit - self._used()) if self.limit is not None else GROW_BYTES
-        n = min(max(1, GROW_BYTES // ns.slot_cost), room // ns.slot_cost)
-        if n <= 0 and self._peers_older():
-            # another engine holds older blocks and sheds them at its next refresh:
-            # overshoot by a slot rather than evict our newer ones, up to a bound
-            n = 1 if room + max(self.limit // SHARE_SLACK, ns.slot_cost) >= ns.slot_cost else 0
-        if n <= 0:
-            return False
-        while n > 0:
-            slots = ns.alloc.plan_grow(n)
+        op = self._growing.get(ns.nsid)
+        if op is None:
+            room = (self.limit - self._used()) if self.limit is not None else GROW_BYTES
+            n = min(max(1, GROW_BYTES // ns.slot_cost), room // ns.slot_cost)
+            if n <= 0 and self._peers_older() and not ahead:
+                # another engine holds older blocks and sheds them at its next refresh:
+                # overshoot by a slot rather than evict our newer ones, up to a bound
+                n = 1 if room + max(self.limit // SHARE_SLACK, ns.slot_cost) >= ns.slot_cost else 0
+            if n <= 0:
+                return False
+            plans = []
+            while n > 0:  # planned here: the allocator is the owner's
+                plans.append(ns.alloc.plan_grow(n))
+                n //= 2
+            hwm = ns.alloc.hwm
+            op = self.fs.submit(lambda: self._grow_io(ns, plans, hwm), lambda r, e: self._grow_done(ns, r, e))
+            if op.applied:  # ran at once (inline, or from an operation on the I/O thread)
+                return bool(op.result and op.result[0])
+            # (finished on the I/O thread but not applied yet counts as in flight: its slots
+            # are not free until _grow_done, and must not be planned again meanwhile)
+            self._growing[ns.nsid] = op
+        if ahead or not self.fs.wait_in_step(op):
+            return None
+        return bool(op.result and op.result[0])
+
+    def _grow_io(self, ns: Namespace, plans: list[list[int]], hwm: int):
+        """The I/O of _grow: (slots backed or None, ENOSPC count, errno of another failure)."""
+        enospc = 0
+        for slots in plans:
             try:
                 self._fallocate(ns, 0, slots)
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    # EIO, EROFS, EFBIG...: no new space now; evicting may still make room
-                    log_warning(f"reserving disk space failed ({os.strerror(e.errno or 0)}); saves reuse evicted slots")
-                    return False
+                    return None, enospc, e.errno or errno.EIO
                 # a failed fallocate may have allocated part of the range: give it back
-                self._fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, slots,
-                                ignore_errors=True)
+                self._fallocate(ns, PUNCH, slots, ignore_errors=True)
                 for rank in range(ns.ranks):
-                    os.ftruncate(self._rank_fd(ns, rank), ns.alloc.hwm * ns.slot_bytes)
-                self.stats.enospc += 1
-                n //= 2
+                    os.ftruncate(self._rank_fd(ns, rank), hwm * ns.slot_bytes)
+                enospc += 1
                 continue
+            return slots, enospc, 0
+        return None, enospc, 0
+
+    def _grow_done(self, ns: Namespace, r, e) -> None:
+        self._growing.pop(ns.nsid, None)
+        if e is not None:
+            if not isinstance(e, OSError):
+                raise e
+            r = (None, 0, e.errno or errno.EIO)
+        slots, enospc, err = r
+        self.stats.enospc += enospc
+        if slots:
             ns.alloc.grow(slots)
-            return True
-        # the disk is full below our capacity: leave the file system some room
-        # (journal, other users) and cap ourselves there
-        self._make_room()
-        return False
+        elif err:
+            # EIO, EROFS, EFBIG...: no new space now; evicting may still make room
+            log_warning(f"reserving disk space failed ({os.strerror(err)}); saves reuse evicted slots")
+        else:
+            # the disk is full below our capacity: leave the file system some room
+            # (journal, other users) and cap ourselves there
+            self._make_room()
 
     def _scan(self, ns: Namespace) -> dict[bytes, tuple[int, int]]:
         """key -> (slot, write time) for every slot whose header verifies on every rank."""
@@ -819,6 +763,17 @@ class Store:
     def verify_slot(self, ns: Namespace, key: bytes, where: int) -> bool:
         """Whether our location `where` holds a complete, verifying block of `key` on
         every rank (whatever layout tag it was written with; the reader checks its own)."""
+        if not self.fs.inline:  # at close: bounded, and False if the file system does not answer
+            if self.fs.stalled:
+                return False
+            try:
+                op = self.fs.submit(lambda: self._verify_io(ns, key, where))
+            except FsTimeout:
+                return False
+            return self.fs.drain(op, CLOSE_WAIT, self._close_deadline()) and op.error is None and bool(op.result)
+        return self._verify_io(ns, key, where)
+
+    def _verify_io(self, ns: Namespace, key: bytes, where: int) -> bool:
         sb, slot = ns.slot_bytes, where & fmt.SLOT_MASK
         for rank in range(ns.ranks):
             raw = os.pread(self._rank_fd(ns, rank), sb, slot * sb)
@@ -840,26 +795,71 @@ class Store:
 
     def flush_if_due(self) -> None:
         """fdatasync journals whose last sync is older than sync_interval (call often; cheap)."""
-        for jlog in self.logs.values():
-            try:
-                jlog.sync_if_due()
-            except OSError as e:
-                log_warning(f"journal fdatasync failed ({os.strerror(e.errno or 0)})")
+        self.fs.poll()
+        now = time.monotonic()
+        for jq in self.journals.values():
+            jq.sync_if_due(now, self._sync_failed)
+
+    @staticmethod
+    def _sync_failed(e) -> None:
+        if not isinstance(e, OSError):
+            raise e
+        log_warning(f"journal fdatasync failed ({os.strerror(e.errno or 0)})")
 
     def checkpoint(self) -> None:
-        for nsid, log in self.logs.items():
-            log.checkpoint(self._snapshot(self.index.namespaces[nsid]))
+        """Checkpoint every journal (queued with the I/O thread)."""
+        for nsid, jq in self.journals.items():
+            jq.checkpoint(self._snapshot(self.index.namespaces[nsid]), self._reraise)
+
+    @staticmethod
+    def _reraise(e) -> None:
+        raise e
+
+    def _close_deadline(self) -> float:
+        """With the I/O thread: when close stops waiting for the file system in all (set at the first call)."""
+        if self._close_by is None:
+            self._close_by = time.monotonic() + CLOSE_MAX
+        return self._close_by
 
     def close(self, checkpoint: bool = True) -> None:
+        """Checkpoint and close everything. With the I/O thread: what was queued is
+        written first; returns once the file system has not answered for CLOSE_WAIT,
+        or CLOSE_MAX after the first close-time call (verify_slot or this), whatever
+        the file system does; records not written by then are lost, and said so (their
+        blocks are misses after a restart: the journal never named them)."""
         for io in self._io.values():
             io.close()
         self._io.clear()
         if self._backend is not None:
             self._backend.close()
             self._backend = None
+        fs = self.fs
+        if not fs.inline and fs._closed:
+            return  # closed already
+        snaps = None
         if checkpoint and not self.readonly and self.lock is not None and self.lock.fd is not None:
+            snaps = [(log, self._snapshot(self.index.namespaces[nsid])) for nsid, log in self.logs.items()]
+        if fs.inline:
+            self._close_files(snaps)
+            return
+        fs.poll()
+        queued = fs.pending
+        op = fs.submit(lambda: self._close_files(snaps), lambda r, e: None)
+        if not fs.drain(op, CLOSE_WAIT, self._close_deadline()):
+            log.warning("aiokv: the cache directory's file system did not answer at shutdown (%.0f s without an "
+                        "answer, or %.0f s in all); %d queued operation(s) may not be written (blocks committed "
+                        "since are misses after a restart) and its files are left to the process exit",
+                        CLOSE_WAIT, CLOSE_MAX, queued)
+            fs.close(0)
+            return
+        fs.close(1.0)
+        if op.error is not None:
+            log.warning("aiokv: closing the store failed (%s)", op.error)
+
+    def _close_files(self, snaps) -> None:
+        for log, snap in snaps or ():
             try:
-                self.checkpoint()
+                log.checkpoint(snap)
             except OSError as e:  # EIO, EROFS, ENOSPC: the journal still holds every record
                 log_warning(f"checkpoint at close failed ({os.strerror(e.errno or 0)}); the journal keeps its records")
         for log in self.logs.values():

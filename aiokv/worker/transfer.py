@@ -77,6 +77,8 @@ COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_cancelled_blocks", "l
 CLOSE_DRAIN_S = 10.0  # close() waits this long for outstanding jobs, then leaves them
 
 
+START_TIMEOUT = 60.0  # seconds the worker waits at start for its backend (it looks at the file system)
+
 class TransferWorker:
     def __init__(self, device, ns_dir: str, nsid: bytes, rank: int, staging_bytes: int, io: str = "auto",
                  queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0, shared=None,
@@ -139,7 +141,12 @@ class TransferWorker:
         # store creates the directory after the workers have started.
         self._io_args = (ns_dir, nsid)
         self.io = None
-        self._call(self._setup(io, queue_depth))
+        fut = asyncio.run_coroutine_threadsafe(self._setup(io, queue_depth), self.loop)
+        try:  # opening the backend looks at the cache directory's file system: bounded
+            fut.result(START_TIMEOUT)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the cache directory {ns_dir} did not answer within {START_TIMEOUT:.0f} s "
+                               "(a hung file system?)") from None
 
     # ---- loop plumbing ----
     def _call(self, coro):

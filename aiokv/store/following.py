@@ -1,0 +1,171 @@
+"""Following the other engines on the directory (a part of Store, store.py).
+
+Each other engine's checkpoint and journal of a namespace is read by a
+Follower (journal.py) as it grows; what it says is applied to the in-memory
+index (their new blocks become hits here, their evicted ones misses), and the
+bytes their files take are counted against the directory's capacity.
+
+Two halves: `_follow_io` reads the files (the file-system half) and
+`_follow_apply` changes the index (the in-memory half). Without the store's I/O
+thread both run on the caller's thread, from refresh and lookups, at most every
+follow_interval. With it, the I/O thread runs the file-system half on its own
+every follow_interval (FsThread.every), whatever the scheduler does, and the
+scheduler applies the last finished look at its next call (`fs.poll()` in
+refresh and lookup): it never waits for a look, and an engine back from idle
+sees what the others committed up to one interval ago.
+
+Threading contract: `_follow_io`, the Followers and `followers`/`_peer_fds` are
+the I/O thread's once it has started (before: the opener's); `_follow_apply`,
+the index and `_peer_bytes` are the owner's. The I/O thread reads only the
+namespaces' fixed fields (nsid, ranks, slot sizes) and `_spaces`, a tuple the
+owner replaces (never changes) when it opens a namespace. What the owner asks
+of a Follower (`forget`, after its view drifted) is queued to the I/O thread.
+The backlog (records found and not yet applied, while the scheduler idles) is
+`_handed - _applied`, each counter written by one thread only; past BACKLOG the
+I/O thread stops looking until the owner catches up.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from aiokv.store import format as fmt
+from aiokv.store.dirs import NotAStore, open_dir
+from aiokv.store.index import Namespace
+from aiokv.store.journal import Follower
+
+log = logging.getLogger("aiokv")
+MIN_INTERVAL = 0.01  # seconds: the I/O thread's looks, however low follow_interval is set
+BACKLOG = 100_000  # records handed over and not yet applied past which the I/O thread stops looking
+
+
+class Following:
+    """Mixin of Store: the attributes it uses are set in Store.__init__."""
+
+    def _peer_engines(self, ns: Namespace) -> list[int]:
+        """Engine numbers with files in this namespace, other than ours."""
+        nfd = self._ns_dir_fd(ns.nsid)
+        found = []
+        names = os.listdir(nfd)
+        if self.engine != 0 and any(n == "checkpoint" or n.startswith("journal.") for n in names):
+            found.append(0)
+        for n in names:
+            e = fmt.engine_of_dir(n)
+            if e is not None and e != self.engine:
+                found.append(e)
+        return found
+
+    def _follow(self, ns: Namespace) -> None:
+        """Apply what the other engines committed and dropped since the last look (at once)."""
+        self._follow_apply(ns, self._follow_io(ns))
+
+    def _follow_io(self, ns: Namespace) -> list:
+        """The file-system half: what each engine's files say, as
+        [(engine, follower, what poll returned, its touches after a replay, its bytes)]."""
+        nsid, out = ns.nsid, []
+        for e in self._peer_engines(ns):
+            key = (nsid, e)
+            fl = self.followers.get(key)
+            if fl is None:
+                sub = fmt.engine_dir(e)
+                path = os.path.join(self.root, "ns", nsid.hex(), sub).rstrip("/")
+                try:
+                    dfd = self._ns_dir_fd(nsid) if not sub else open_dir(path, self._ns_dir_fd(nsid))
+                except (NotAStore, OSError):
+                    continue  # a symlink planted there, a directory vanishing: not an engine's
+                if sub:
+                    self._peer_fds[key] = dfd
+                fl = self.followers[key] = Follower(path, dfd)
+            try:
+                got = fl.poll()
+            except fmt.BadBlock as err:
+                if self.readonly:
+                    raise
+                log.warning("aiokv: %s; its blocks are misses here until its engine rebuilds it", err)
+                got = ("reset", {})
+            except FileNotFoundError:
+                continue  # a checkpoint replaced under us: the next look replays it
+            touches = list(fl.log.touches) if got is not None and got[0] == "reset" and fl.log is not None else []
+            out.append((e, fl, got, touches, fl.disk_bytes + self._data_bytes(fl.dir_fd, ns)))
+        return out
+
+    def _follow_apply(self, ns: Namespace, found: list) -> None:
+        """The in-memory half (the owner's thread)."""
+        for e, fl, got, touches, nbytes in found:
+            if got is not None:
+                kind, what = got[0], got[1]
+                if kind == "reset":
+                    ns.peer_reset(e, {k: v for k, v in what.items() if v[0] < self._max_slots(ns)})
+                    touched = ns.peer_touches(touches)
+                else:
+                    touched = ns.peer_apply(e, what, self._max_slots(ns))
+                    if kind == "roll" and got[2] != len(ns.peers.get(e, ())):
+                        # our view of that engine drifted: replay its files next time
+                        fl.forget() if self.fs.inline else self.fs.submit(fl.forget)
+                for k, atime in touched:
+                    if atime > ns.atime.get(k, 0):  # another engine hit our block
+                        self.index.touch(ns, [k], atime)
+            self._peer_bytes[(ns.nsid, e)] = nbytes
+
+    @staticmethod
+    def _data_bytes(dir_fd: int, ns: Namespace) -> int:
+        total = 0
+        for rank in range(ns.ranks):
+            try:
+                total += os.stat(f"rank{rank}.data", dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512
+            except FileNotFoundError:
+                pass
+        return total
+
+    def _start_following(self) -> None:
+        """With the I/O thread: it looks at the other engines every follow_interval on its own."""
+        self._io_seen: dict[tuple[bytes, int], int] = {}  # the I/O thread's: bytes last handed over per engine
+        self._handed = 0   # records the I/O thread handed over (it alone writes this)
+        self._applied = 0  # records the owner applied (it alone writes this)
+        self.fs.every(lambda: max(self.follow_interval, MIN_INTERVAL), self._follow_spaces_io, self._look_done)
+
+    def _follow_spaces_io(self):
+        """One look of the I/O thread at every namespace: what changed since its last
+        look, or None if nothing did (nothing is handed over then)."""
+        if self._handed - self._applied > BACKLOG:
+            # an idle scheduler has not picked up what was found: look again once it has
+            # (the Followers keep their place; nothing is missed, only held on disk meanwhile)
+            return None
+        out, seen, n = [], self._io_seen, 0
+        for ns in self._spaces:
+            found = [f for f in self._follow_io(ns) if f[2] is not None or seen.get((ns.nsid, f[0])) != f[4]]
+            for f in found:
+                seen[(ns.nsid, f[0])] = f[4]
+                n += len(f[2][1]) if f[2] is not None else 0
+            if found:
+                out.append((ns, found))
+        self._handed += n
+        return (out, n) if out else None
+
+    def _look_done(self, found, e) -> None:
+        """A look of the I/O thread finished (the owner's thread, at poll)."""
+        if isinstance(e, OSError):
+            log.warning("aiokv: following the other engines failed (%s); trying again later", os.strerror(e.errno or 0))
+        elif e is not None:
+            log.error("aiokv: following the other engines failed; trying again later", exc_info=e)
+        else:
+            found, n = found
+            self._applied += n
+            for ns, got in found:
+                self._follow_apply(ns, got)
+        self._followed = time.monotonic()
+
+    def _follow_all(self) -> None:
+        """Without the I/O thread: follow every namespace now if follow_interval has passed."""
+        now = time.monotonic()
+        if now - self._followed < self.follow_interval:
+            return
+        self._followed = now
+        try:
+            for ns in list(self.index.namespaces.values()):
+                self._follow(ns)
+        except OSError as e:
+            log.warning("aiokv: following the other engines failed (%s); trying again later", os.strerror(e.errno or 0))
+        except Exception:  # lookups call this: a bug here must not reach vLLM
+            log.exception("aiokv: following the other engines failed; trying again later")

@@ -1,0 +1,100 @@
+"""Our engine's journal of one namespace, written on the store's I/O thread.
+
+The Store appends COMMIT, DROP and TOUCH records, syncs and checkpoints its
+journal (journal.py's IndexLog) from the scheduler's thread; with the store's
+I/O thread (fsthread.py) those calls are queued here and run there, in the
+order they were made (a DROP before the COMMIT that reuses its slot; a
+checkpoint after the records it covers, and before the records made after it).
+What the Store needs to know about the journal while the I/O thread writes it
+(how many records it holds, how many bytes it takes, whether a sync is due) it
+reads from this object's own counts, kept on its thread, never from the
+IndexLog that the I/O thread is changing.
+
+A batch of records that cannot be written is reported to `failed(error)` on
+the owner's thread (Store.commit takes those blocks back: a commit that is not
+in the journal is not a hit after a restart). Without the I/O thread every call
+runs at once, as before.
+
+Threading contract: every method and count is the owner's (the Store's
+thread); the IndexLog belongs to the I/O thread once it has started (before:
+to the opener). The two meet only through FsThread's queue and done list.
+"""
+from __future__ import annotations
+
+import time
+
+from aiokv.store import format as fmt
+from aiokv.store.fsthread import FsThread
+from aiokv.store.journal import IndexLog
+
+# seconds a checkpoint may take before the file system counts as hung: it writes
+# the whole index (64 bytes a block), not a stall before this
+CHECKPOINT_DEADLINE = 30.0
+
+
+class JournalQueue:
+    def __init__(self, log: IndexLog, fs: FsThread):
+        self.log, self.fs = log, fs
+        self.records = log.records      # records in the current journal, queued ones included
+        self._written = log.disk_bytes  # bytes the files took at the last finished operation
+        self._queued = 0                # bytes of records queued and not yet written
+        self._dirty = False             # records queued since the last sync was queued
+        self._last_sync = time.monotonic()
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the journal and checkpoint files take, queued records included."""
+        return self._written + self._queued
+
+    def append(self, recs: list[bytes], failed=None) -> None:
+        """Queue records (all or none are written); failed(OSError) if they were not."""
+        if not recs:
+            return
+        n, nbytes, log = len(recs), len(recs) * fmt.REC_BYTES, self.log
+        self.records += n
+        self._queued += nbytes
+        self._dirty = True
+
+        def done(size, e):
+            self._queued -= nbytes
+            if e is None:
+                self._written = size
+                return
+            self.records -= n
+            if not isinstance(e, OSError):
+                raise e
+            if failed is not None:
+                failed(e)
+
+        def write():
+            log.append(recs)
+            return log.disk_bytes
+        self.fs.submit(write, done)
+
+    def sync_if_due(self, now: float, failed) -> None:
+        """Queue a fdatasync if records were queued more than sync_interval after the last one."""
+        key = ("sync", id(self))
+        if not self._dirty or now - self._last_sync < self.log.sync_interval or self.fs.busy(key):
+            return
+        self._dirty, self._last_sync = False, now
+        self.fs.once(key, self.log.sync, lambda _, e: failed(e) if e is not None else None)
+
+    def checkpoint(self, snapshot, failed) -> None:
+        """Queue a checkpoint of snapshot [(key, slot, atime)] (unless one is queued):
+        the journal starts empty after it; failed(error) if it was not written."""
+        log, before, key = self.log, self.records, ("checkpoint", id(self))
+        if self.fs.busy(key):
+            return
+        self.records = 0
+
+        def done(size, e):
+            if e is None:
+                self._written = size
+                return
+            self.records += before  # the old journal still holds them
+            failed(e)
+
+        def write():
+            log.checkpoint(snapshot)
+            return log.disk_bytes
+        self.fs.once(key, write, done, deadline=max(CHECKPOINT_DEADLINE, self.fs.deadline))

@@ -1,0 +1,110 @@
+"""Evicting a dead engine's blocks (a part of Store, store.py; the owner-side
+loop that decides when is Store._reclaim).
+
+Over the capacity, with the directory's oldest blocks in the files of an engine
+that is not running, a live engine takes that engine's lock and evicts its
+oldest blocks as its owner would: a DROP in its journal, its slot punched.
+
+Two halves: `_evict_dead_io` takes the lock, opens and writes the dead engine's
+files (the file-system half, on the store's I/O thread where it has one);
+`_evict_dead_done` changes the in-memory view of that engine (the owner's
+thread, at its next poll).
+
+Threading contract: `_reclaimed` (the locks and files taken) and the Followers
+are the I/O thread's; `_reclaiming` (the engines taken, as the owner knows it),
+the index and `_peer_bytes` are the owner's. The I/O half is handed its inputs
+(slot, used slots) by value and returns its findings by value.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from aiokv import _native
+from aiokv.store import format as fmt
+from aiokv.store.dirs import FILE_FLAGS
+from aiokv.store.index import Namespace
+from aiokv.store.journal import IndexLog
+from aiokv.store.lock import DirLock, StoreLocked
+
+PUNCH = _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE
+log = logging.getLogger("aiokv")
+
+
+class Reclaim:
+    """Mixin of Store: the attributes it uses are set in Store.__init__."""
+
+    def _oldest_peer(self) -> tuple[Namespace, int, bytes] | None:
+        """(namespace, engine, key) of the oldest block another engine holds."""
+        best = None
+        for ns in self.index.namespaces.values():
+            for e, d in ns.peers.items():
+                if d:
+                    k, (_, a) = next(iter(d.items()))
+                    if best is None or a < best[0]:
+                        best = (a, ns, e, k)
+        return best[1:] if best else None
+
+    def _evict_dead_io(self, ns: Namespace, e: int, key: bytes, slot: int):
+        """None if the engine runs, or its files could not be used; ("first", its bytes,
+        its journal's entries) after taking its files and punching the space no block of
+        it uses; ("dropped",) after a DROP of key and a punch of its slot."""
+        fl = self.followers.get((ns.nsid, e))
+        if fl is None:
+            return None
+        if e not in self._reclaimed:
+            try:
+                lock = DirLock(self.root, self._root_fd, engine=e, wait=False)
+            except StoreLocked:
+                return None  # it runs: it sheds its own blocks when it steps
+            self._reclaimed[e] = (lock, {})
+            log.info("aiokv: engine %d of %s is not running; evicting its oldest blocks", e, self.root)
+        files = self._reclaimed[e][1]
+        sb = ns.slot_bytes
+        try:
+            jlog = files.get((ns.nsid, "log"))
+            if jlog is None:
+                jlog = IndexLog(fl.dir, fl.dir_fd, sync_interval=self.sync_interval)
+                # as its owner: cuts a torn tail so that our records are read; its blocks are what
+                # its journal says, not our view of it (which may lag behind it or be damaged)
+                entries = jlog.load()
+                files[(ns.nsid, "log")] = jlog
+                fds = [os.open(f"rank{r}.data", os.O_RDWR | FILE_FLAGS, dir_fd=fl.dir_fd) for r in range(ns.ranks)]
+                files.update({(ns.nsid, r): fd for r, fd in enumerate(fds)})
+                # first its space that no block uses (free slots, an unfinished save's), by its
+                # journal; our view of it is replaced by the journal's on the owner's thread
+                used = sorted({s for s, _ in entries.values()})
+                for fd in fds:
+                    end = os.fstat(fd).st_size // sb
+                    for first, stop in zip([0] + [u + 1 for u in used], used + [max(end, 0)]):
+                        if stop > first:  # the run of unused slots between two used ones
+                            _native.fallocate(fd, PUNCH, first * sb, (stop - first) * sb)
+                return "first", fl.disk_bytes + self._data_bytes(fl.dir_fd, ns), entries
+            jlog.append([fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
+            for rank in range(ns.ranks):
+                _native.fallocate(files[(ns.nsid, rank)], PUNCH, slot * sb, sb)
+        except (OSError, fmt.BadBlock):
+            return None
+        return ("dropped",)
+
+    def _evict_dead_done(self, ns: Namespace, e: int, key: bytes, r, err) -> None:
+        if err is not None:
+            raise err
+        if r is None:
+            return
+        self._reclaiming.add(e)
+        if r[0] == "first":
+            self._peer_bytes[(ns.nsid, e)] = r[1]
+            ns.peer_reset(e, {k: v for k, v in r[2].items() if v[0] < self._max_slots(ns)})
+            return
+        ns.peer_drop(e, key)
+        self._peer_bytes[(ns.nsid, e)] -= ns.slot_cost
+        self.stats.evictions += 1
+
+    def _release_reclaimed(self) -> None:
+        """Close the dead engines' files and give their locks back (the I/O thread, at close)."""
+        for lock, files in self._reclaimed.values():
+            for f in files.values():
+                f.close() if isinstance(f, IndexLog) else os.close(f)
+            lock.release()
+        self._reclaimed.clear()
