@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e import assert_clean, prompts, run
+from tests.e2e import happened, prompts, run
 
 pytestmark = pytest.mark.vllm
 
@@ -29,12 +29,8 @@ def test_serving_makes_no_file_system_call_on_vllms_thread(tiny_model, tmp_path)
     cache = str(tmp_path / "c")
     cold = run(dict(model=tiny_model, cache=cache, audit_fs=True, phases=[dict(prompts=PS)]))
     warm = run(dict(model=tiny_model, cache=cache, audit_fs=True, phases=[dict(prompts=PS)]))
-    assert cold["tokens"] == base["tokens"] and warm["tokens"] == base["tokens"]
-    assert cold["counters"]["saves_committed"] >= 4 * FULL, cold["counters"]
-    c = warm["counters"]
-    assert c["hit_blocks"] == 4 * FULL and c["loads_ok_blocks"] == 4 * FULL, c
-    assert_clean(cold)
-    assert_clean(warm)
+    happened(cold, base, saves_committed=f">={4 * FULL}")
+    happened(warm, base, hit_blocks=4 * FULL, loads_ok_blocks=4 * FULL)
     # saving and committing (cold), looking up, pinning and loading (warm), following, syncing
     assert cold["fs_calls_on_engine_thread"] == [], "aiokv called the file system on vLLM's thread"
     assert warm["fs_calls_on_engine_thread"] == [], "aiokv called the file system on vLLM's thread"
