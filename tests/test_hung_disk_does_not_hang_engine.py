@@ -45,6 +45,16 @@ def _start(spec: dict, mp: bool = False) -> tuple[subprocess.Popen, list[str]]:
     return p, lines
 
 
+def exits_cleanly(p: subprocess.Popen, when: str) -> None:
+    """The engine process exits, with rc 0, within a minute (killed and failed otherwise)."""
+    try:
+        p.wait(60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail(f"the engine process did not exit {when}")
+    assert p.returncode == 0
+
+
 def _result(lines: list[str], p: subprocess.Popen, timeout: float) -> dict | None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -92,9 +102,4 @@ def test_warm_requests_finish_while_reads_hang(tiny_model, tmp_path):
             print(f"hung-disk run: results after {took:.1f} s")
         finally:
             os.unlink(control)  # the reads answer now
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            pytest.fail("the engine process did not exit once the reads answered")
-        assert p.returncode == 0
+        exits_cleanly(p, "once the reads answered")
