@@ -2,39 +2,31 @@
 processes, and the assertions every such test makes."""
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import random
 import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-_FORK = None  # the fork server (tools/forkserver.py), started on first use
 UNCHECKED: list[dict] = []  # this test's lives with aiokv not yet passed to happened() (conftest fails the test)
 
 
 def run(spec: dict, env: dict | None = None, timeout: int = 600) -> dict:
     """One engine life in a new process (forked from tools/forkserver.py's server where its
     environment allows; AIOKV_TEST_NO_FORK=1: always `python -m tests.vllm_run`); returns its RESULT."""
-    global _FORK
     e = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
     e.update(env or {})
     argv = ["-m", "tests.vllm_run", json.dumps(spec)]
-    if os.environ.get("AIOKV_TEST_NO_FORK") != "1" and spec.get("tp", 1) == 1:
-        from tools.forkserver import Server
+    if spec.get("tp", 1) == 1:  # one process: it may fork
+        from tools.forkserver import shared
 
-        if _FORK is None:
-            _FORK = Server(ROOT)
-            atexit.register(_FORK.stop)
-        if _FORK.eligible(e):
-            with tempfile.TemporaryDirectory(prefix="life") as d:
-                out, err = os.path.join(d, "out"), os.path.join(d, "err")
-                rc = _FORK.run(argv, e, out, err, timeout)
-                return _result(rc, open(out).read(), open(err, errors="replace").read())
+        server = shared(ROOT)
+        got = server.captured(argv, e, timeout) if server is not None else None
+        if got is not None:
+            return _result(got[2], got[0], got[1])
     p = subprocess.run([sys.executable] + argv, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
     return _result(p.returncode, p.stdout, p.stderr)
 

@@ -89,6 +89,22 @@ def serve() -> None:
         answer.flush()
 
 
+_SHARED: dict[str, "Server"] = {}
+
+
+def shared(root: str) -> "Server | None":
+    """This process's server for `root`, started on first use and stopped at exit; None when
+    AIOKV_TEST_NO_FORK=1."""
+    if os.environ.get("AIOKV_TEST_NO_FORK") == "1":
+        return None
+    if root not in _SHARED:
+        import atexit
+
+        _SHARED[root] = Server(root)
+        atexit.register(_SHARED[root].stop)
+    return _SHARED[root]
+
+
 class Server:
     """The fork server seen from the test process: started on first use, restarted if it died."""
 
@@ -128,6 +144,18 @@ class Server:
         if not ready:
             raise subprocess.TimeoutExpired(argv, timeout)
         return json.loads(line)["rc"]
+
+    def captured(self, argv: list[str], env: dict, timeout: float) -> tuple[str, str, int] | None:
+        """Runs one life if its environment allows (else None): (stdout, stderr, exit code)."""
+        if not self.eligible(env):
+            return None
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="life") as d:
+            out, err = os.path.join(d, "out"), os.path.join(d, "err")
+            rc = self.run(argv, env, out, err, timeout)
+            with open(out) as o, open(err, errors="replace") as e:
+                return o.read(), e.read(), rc
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -318,29 +318,17 @@ def _child(flag: str, spec: dict, timeout: float) -> dict:
     raise RuntimeError(f"fuzz {flag} failed (exit {rc}):\n{err[-5000:]}")
 
 
-_FORK: list = []  # tools/forkserver.py's server, started on first use
-
-
 def _forked(argv: list[str], env: dict, timeout: float) -> tuple[str, str, int | None]:
     """A child forked from a server that imported torch and vLLM once (tools/forkserver.py):
     (stdout, stderr, exit code); exit code None where the environment does not allow it."""
-    import atexit
-    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from forkserver import shared
 
-    if os.environ.get("AIOKV_TEST_NO_FORK") == "1":
-        return "", "", None
-    if not _FORK:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from forkserver import Server
-
-        _FORK.append(Server(ROOT))
-        atexit.register(_FORK[0].stop)
-    if not _FORK[0].eligible(env):
-        return "", "", None
-    with tempfile.TemporaryDirectory(prefix="fuzz-life") as d:
-        o, e = os.path.join(d, "out"), os.path.join(d, "err")
-        rc = _FORK[0].run(argv, env, o, e, timeout)
-        return open(o).read(), open(e, errors="replace").read(), rc
+    server = shared(ROOT)
+    got = server.captured(argv, env, timeout) if server is not None else None
+    return got if got is not None else ("", "", None)
 
 
 def run_life(spec: dict) -> dict:
