@@ -85,7 +85,8 @@ def test_two_live_engines_hit_each_others_blocks(tiny_model, tmp_path):
     go_a, go_b = str(tmp_path / "go_a"), str(tmp_path / "go_b")
     # A computes a_prompts, then waits (alive) and later runs b_prompts, which B computed
     a = _start(dict(model=tiny_model, cache=cache, phases=[dict(prompts=a_prompts, max_tokens=4),
-                                                            dict(prompts=b_prompts, max_tokens=4, wait_for=go_a)]))
+                                                            dict(prompts=b_prompts, max_tokens=4, wait_for=go_a,
+                                                                     peer_blocks=full)]))
     b = None
     try:
         _wait(lambda: _blocks_of(cache).get(0, 0) >= full, [a], "engine A's saves")

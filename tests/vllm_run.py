@@ -12,12 +12,14 @@ ready_file (created once the engine is up), audit_fs (RESULT lists the file-syst
 calls aiokv made on vLLM's thread while the phases ran),
 phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps}, abort_preempted?: n (abort
 the first n requests seen preempted, in the step they are; where each abort landed: "aborted_while"),
-wait_for?: path, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
+wait_for?: path, peer_blocks?: n, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
 reset_prefix_cache?: {kwargs}, kill_when_loading?: process group (killed -9 at the first step
 that starts with one of aiokv's loads in flight; "killed_at_step")}], stagger (add
 one request per step instead of all at once); wait_for keeps the engine alive and
 idle until that file exists (tests that run two engines at once use it to order
-them); settle waits, before the phase, until the previous phases' saves and
+them); peer_blocks waits, after that, until this engine's store sees at least n
+blocks the other engines on the directory committed (it looks every
+FOLLOW_INTERVAL, so a file on disk is not yet a hit here); settle waits, before the phase, until the previous phases' saves and
 shared-tier uploads are done (one process, TP 1); kill_at_step kills -9 that
 process group at that step of the phase; reload_weights loads other weights into
 the running engine (collective_rpc) and reset_prefix_cache then calls
@@ -90,6 +92,9 @@ def main(spec: dict) -> dict:
                 if time.monotonic() > until:
                     raise RuntimeError(f"{phase['wait_for']} did not appear")
                 time.sleep(0.05)
+        if phase.get("peer_blocks"):
+            _wait_for_peer_blocks(sched.connector.sched.store, phase["peer_blocks"],
+                                  time.monotonic() + spec.get("phase_timeout", 300))
         if phase.get("reload_weights"):  # weights changed in place, as an RL trainer does
             llm.collective_rpc("reload_weights", kwargs={"weights_path": phase["reload_weights"]})
         if phase.get("reset_prefix_cache") is not None:
@@ -243,6 +248,18 @@ def _audit_fs():
             on[0] = False
             return list(calls)
     return Audit()
+
+
+def _wait_for_peer_blocks(store, n: int, deadline: float) -> None:
+    """Until the store sees n blocks of the other engines (refresh applies the I/O
+    thread's looks, as the scheduler's step does)."""
+    while True:
+        store.refresh()
+        if sum(len(d) for ns in store.index.namespaces.values() for d in ns.peers.values()) >= n:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"this engine did not see {n} blocks of the other engines")
+        time.sleep(0.02)
 
 
 def _settle(engine, deadline: float) -> None:
