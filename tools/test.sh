@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The default test suite (the README's test command runs this after tools/setup.sh).
+# First the tests that start no vLLM engine, one at a time: some of them time what
+# they pin down (a step that must not wait, a timeout that must be honoured) and
+# need the cores to themselves. Then the end-to-end tests that start real vLLM
+# engines, on two workers, a test file each: an engine life on the CPU leaves a
+# core idle about half its time (imports, start-up, waits on the disk), so two
+# at once take about two thirds of the time one after the other.
+# AIOKV_TEST_WORKERS sets the number of workers (1: one after the other, as before).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/python -m pytest -q -m "not vllm and not long"
+units=$?
+workers=${AIOKV_TEST_WORKERS:-2}
+if [ "$workers" = 1 ]; then
+  .venv/bin/python -m pytest -q -m "vllm and not long"
+else
+  .venv/bin/python -m pytest -q -n "$workers" --dist loadfile -m "vllm and not long"
+fi
+e2e=$?
+[ $units = 0 ] && [ $e2e = 0 ]
