@@ -185,6 +185,25 @@ _adapter_dirs: dict[str, str] = {}         # LoRA path -> its local directory
 _unreadable_adapters: dict[tuple, str] = {}  # (name, path) -> a random fingerprint for this process
 
 
+def engine_transfer_config(own, depth: int = 8):
+    """The kv_transfer_config vLLM's scheduler reads kv_load_failure_policy from: our own,
+    or, under vLLM's MultiConnector (which builds each of its connectors with a copy of the
+    config holding only that connector's entry), the MultiConnector's. Called from our
+    __init__, while MultiConnector.__init__ (its `vllm_config`) is on the stack
+    (tests/test_prefill_decode_roles_e2e.py fails requests if it is not found)."""
+    import sys
+
+    f = sys._getframe(1)
+    for _ in range(depth):
+        f = f.f_back
+        if f is None:
+            break
+        if type(f.f_locals.get("self")).__name__ == "MultiConnector":
+            cfg = f.f_locals.get("vllm_config")
+            return getattr(cfg, "kv_transfer_config", None) or own
+    return own
+
+
 def lora_fingerprint(name: str, path) -> str:
     """The adapter's files decide its KV, not its name or path (aiokv/fingerprint.py).
     An adapter whose files aiokv cannot read gets a random fingerprint for this
@@ -291,11 +310,17 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         # an engine that cannot compute after a cached prefix is offered none (saves go on: the
         # blocks are this prefix's KV, for engines of the namespace that can use them)
         why = cannot_use_cached_prefix(vllm_config)
-        self.offer_hits = why is None
+        # kv_role (docs/operations.md, "Prefill and decode"): kv_both loads and saves;
+        # kv_producer only saves (offers no hits); kv_consumer only loads (saves nothing)
+        self.kv_role = self._kv_transfer_config.kv_role or "kv_both"
+        self.offer_hits = why is None and self.kv_role != "kv_producer"
         if role == KVConnectorRole.SCHEDULER:
             if why is not None:
                 log.warning("aiokv: %s, so this engine cannot use a cached prefix: aiokv offers no hits and "
                             "only saves blocks", why)
+            elif self.kv_role != "kv_both":
+                log.info("aiokv: kv_role %s: %s", self.kv_role, "saves blocks and offers no hits"
+                         if self.kv_role == "kv_producer" else "offers hits and saves nothing")
             self._init_scheduler()
 
     # ================= scheduler role =================
@@ -305,12 +330,14 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         from aiokv.store import Store, StoreLocked
         from aiokv.store.fsthread import bounded
 
-        ktc = self._kv_transfer_config
+        ktc = engine_transfer_config(self._kv_transfer_config)
         if ktc.kv_load_failure_policy == "fail" and not self.cfg.strict_load_failures:
             # A cache miss must never fail a request: a failed load is recomputed.
             ktc.kv_load_failure_policy = "recompute"
-            log.info("aiokv: kv_load_failure_policy set to 'recompute' (a failed cache load is recomputed); "
-                     "set strict_load_failures=true in kv_connector_extra_config to keep 'fail'")
+            log.info("aiokv: kv_load_failure_policy set to 'recompute' (a failed cache load is recomputed%s); "
+                     "set strict_load_failures=true in kv_connector_extra_config to keep 'fail'",
+                     "" if ktc is self._kv_transfer_config else
+                     "; under MultiConnector the policy is the engine's, for every connector")
         def open_store():
             store = Store(self.cfg.path, capacity=self.cfg.capacity, io_thread=True, fs_timeout=self.cfg.fs_timeout)
             try:
@@ -338,6 +365,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.sched = SchedulerSide(store, spaces, self.block_size,
                                    Breaker(self.cfg.breaker_failures, self.cfg.breaker_cooldown))
         self.sched.layerwise = self.layerwise
+        self.sched.saves = self.kv_role != "kv_consumer"
         if self.cfg.shared:
             from aiokv.shared.lookup import SharedLookup
             from aiokv.store.format import slot_bytes

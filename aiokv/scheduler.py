@@ -115,6 +115,7 @@ class SchedulerSide:
         self._reset_workers = False  # the next plan tells the workers to drop their memory tier
         self.disabled = False  # a worker could not start: no hits, no saves from now on
         self._saves_allowed = True  # the breaker's word for this step's saves
+        self.saves = True  # False: this engine saves nothing (kv_role kv_consumer; set by the connector)
         # the shared tier's lookups (aiokv/shared/lookup.py), set by the connector; None: no shared tier
         self.shared = None
         self._remote: dict[str, tuple[int, int]] = {}  # req -> blocks [start, end) from the shared tier
@@ -343,7 +344,7 @@ class SchedulerSide:
         self.breaker.file_system(self.store.stalled)  # a hung file system: no hits, no saves
         self.counters.breaker_opens = self.breaker.opens
         self._saves_allowed = self.breaker.allow_saves()
-        for req_id, parts in wanted.items():
+        for req_id, parts in wanted.items() if self.saves else ():
             plan.saves += self._reserve(req_id, parts)
         return plan
 

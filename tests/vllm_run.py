@@ -7,7 +7,9 @@ so that every run is a true restart.
 
 spec: model, cache (null: no connector), block_size, dtype, max_model_len, metrics (multiprocess:
 return aiokv's Prometheus series as `metrics`),
-num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config),
+num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config), kv_role (aiokv's,
+kv_both unless given), with_connector (another connector's kv_transfer_config: aiokv and it run
+under vLLM's MultiConnector, aiokv first unless aiokv_first is false),
 ready_file (created once the engine is up), audit_fs (RESULT lists the file-system
 calls aiokv made on vLLM's thread while the phases ran),
 phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps}, abort_preempted?: n (abort
@@ -65,6 +67,12 @@ def main(spec: dict) -> dict:
                                     "kv_connector_extra_config": extra}
         if not spec.get("no_module_path"):
             kw["kv_transfer_config"]["kv_connector_module_path"] = "aiokv.connector"
+        kw["kv_transfer_config"]["kv_role"] = spec.get("kv_role", "kv_both")
+        if spec.get("with_connector"):  # aiokv and another connector under vLLM's MultiConnector
+            both = [kw["kv_transfer_config"], spec["with_connector"]]
+            kw["kv_transfer_config"] = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                                        "kv_connector_extra_config": {
+                                            "connectors": both if spec.get("aiokv_first", True) else both[::-1]}}
     llm = LLM(**kw)
     if spec.get("ready_file"):  # tests waiting for the engine to be up
         open(spec["ready_file"], "w").close()
@@ -93,7 +101,7 @@ def main(spec: dict) -> dict:
                     raise RuntimeError(f"{phase['wait_for']} did not appear")
                 time.sleep(0.05)
         if phase.get("peer_blocks"):
-            _wait_for_peer_blocks(sched.connector.sched.store, phase["peer_blocks"],
+            _wait_for_peer_blocks(_aiokv(sched.connector).sched.store, phase["peer_blocks"],
                                   time.monotonic() + spec.get("phase_timeout", 300))
         if phase.get("reload_weights"):  # weights changed in place, as an RL trainer does
             llm.collective_rpc("reload_weights", kwargs={"weights_path": phase["reload_weights"]})
@@ -139,7 +147,7 @@ def main(spec: dict) -> dict:
 
                 os.killpg(phase["kill_at_step"][1], signal.SIGKILL)
             killer = phase.get("kill_when_loading")  # a process group killed once a load is in flight
-            if killer and "killed_at_step" not in result and sched.connector.sched._loading:
+            if killer and "killed_at_step" not in result and _aiokv(sched.connector).sched._loading:
                 import signal
 
                 os.killpg(killer, signal.SIGKILL)
@@ -147,9 +155,9 @@ def main(spec: dict) -> dict:
             for o in engine.step():
                 if o.finished and outs.get(o.request_id) is None and o.request_id not in outs:
                     outs[o.request_id] = o
-                    if not MP and getattr(sched.connector, "sched", None) is not None:  # saves still running
+                    if not MP and getattr(_aiokv(sched.connector), "sched", None) is not None:  # saves still running
                         result["pending_saves_at_finish"] = max(result["pending_saves_at_finish"],
-                                                                sched.connector.sched.pending_saves)
+                                                                _aiokv(sched.connector).sched.pending_saves)
             step += 1
             if time.monotonic() > deadline:
                 raise RuntimeError("engine did not finish")
@@ -171,7 +179,7 @@ def main(spec: dict) -> dict:
         llm.llm_engine.engine_core.shutdown()
         return result
     # let in-flight saves and loads report: keep stepping while aiokv has work
-    conn = sched.connector
+    conn = _aiokv(sched.connector)
     if conn is not None and tp > 1:  # the worker-side connectors live in the worker processes
         for _ in range(2000):
             if not sched.has_requests() and not conn.has_pending_push_work():
@@ -183,7 +191,7 @@ def main(spec: dict) -> dict:
     elif conn is not None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        wc = get_kv_transfer_group()
+        wc = _aiokv(get_kv_transfer_group())
         for _ in range(2000):
             if wc.worker is not None:
                 wc.worker.drain()
@@ -206,7 +214,15 @@ def _worker_counters(worker) -> dict:
     """Runs in each TP worker process (collective_rpc): its worker-side connector's counters."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group().counters()
+    return _aiokv(get_kv_transfer_group()).counters()
+
+
+def _aiokv(conn):
+    """aiokv's connector: conn itself, or the one inside vLLM's MultiConnector."""
+    for c in getattr(conn, "_connectors", ()):
+        if type(c).__name__ == "AioKVConnector":
+            return c
+    return conn
 
 
 def _audit_fs():
@@ -268,7 +284,7 @@ def _settle(engine, deadline: float) -> None:
 
     if not has_kv_transfer_group():  # no connector: nothing to wait for
         return
-    wc = get_kv_transfer_group()
+    wc = _aiokv(get_kv_transfer_group())
     workers = list(getattr(wc.worker, "workers", {0: wc.worker}).values())
     while any(w.in_flight or (w.uploader is not None and w.uploader.pending) for w in workers):
         if time.monotonic() > deadline:
