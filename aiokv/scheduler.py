@@ -103,10 +103,10 @@ class SchedulerSide:
         self._new_loads: list[Transfer] = []
         self._loading: dict[str, list[tuple[int, list[bytes]]]] = {}  # req -> pinned (group, keys)
         self._cancel: list[str] = []
-        self._saving: dict[tuple[int, bytes], tuple[int, set[int]]] = {}  # (group, key) -> (slot, ranks reported)
-        # reservations a rank failed: given back once every rank has reported (another rank may
-        # still be writing the slot, and its report must not meet a newer reservation there)
-        self._save_failing: set[tuple[int, bytes]] = set()
+        # (group, key) -> (slot, ranks reported, ranks that failed); a reservation a rank failed is
+        # given back only once every rank has reported (another rank may still be writing the
+        # slot, and its report must not meet a newer reservation there)
+        self._saving: dict[tuple[int, bytes], tuple[int, set[int], set[int]]] = {}
         # requests whose load failed: vLLM recomputes them, and must not be offered
         # the same hit again (a slow disk would make it wait and fail forever)
         self._no_hits: set[str] = set()
@@ -231,7 +231,7 @@ class SchedulerSide:
         self._new_loads += transfers
         self._loading[req_id] = pinned
         for gi, key, slot in reserved:
-            self._saving[(gi, key)] = (slot, set())
+            self._saving[(gi, key)] = (slot, set(), set())
             self._from_shared.add((gi, key))
         self.counters.remote_hit_blocks += len(reserved)
         self.counters.load_blocks += sum(len(t.keys) for t in transfers)
@@ -329,10 +329,11 @@ class SchedulerSide:
         if self.disabled:
             return plan
         wanted: dict[str, list[tuple[int, list[bytes], list[int]]]] = {}
-        for s in scheduled:
-            self._track(s, wanted)
-        for req_id, items in (boundary or {}).items():
-            self._track_states(req_id, items, wanted)
+        if self.saves:  # (kv_consumer: nothing is saved, so nothing to track)
+            for s in scheduled:
+                self._track(s, wanted)
+            for req_id, items in (boundary or {}).items():
+                self._track_states(req_id, items, wanted)
         later, self._give_back_later = self._give_back_later, []
         for op in later:
             self._give_back(op)
@@ -344,7 +345,7 @@ class SchedulerSide:
         self.breaker.file_system(self.store.stalled)  # a hung file system: no hits, no saves
         self.counters.breaker_opens = self.breaker.opens
         self._saves_allowed = self.breaker.allow_saves()
-        for req_id, parts in wanted.items() if self.saves else ():
+        for req_id, parts in wanted.items():
             plan.saves += self._reserve(req_id, parts)
         return plan
 
@@ -422,7 +423,7 @@ class SchedulerSide:
             t.keys.append(key)
             t.slots.append(slot)
             t.block_ids.append(block)
-            self._saving[(gi, key)] = (slot, set())
+            self._saving[(gi, key)] = (slot, set(), set())
         self.counters.saves_planned += len(got)
         return list(out.values())
 
@@ -449,14 +450,13 @@ class SchedulerSide:
                 continue  # not a report of this reservation (a stale report of an older try)
             entry[1].add(rank)
             if not ok:
-                self._save_failing.add((gi, key))
+                entry[2].add(rank)
             if len(entry[1]) < self.groups[gi].ns.ranks:
                 continue  # committed, or given back, once every rank has reported
             del self._saving[(gi, key)]
             shared = (gi, key) in self._from_shared
             self._from_shared.discard((gi, key))
-            if (gi, key) in self._save_failing:
-                self._save_failing.discard((gi, key))
+            if entry[2]:
                 # a shared block that did not arrive: a miss, not a failed save
                 (shared_lost if shared else failed).setdefault(gi, []).append((key, slot))
             else:
@@ -525,15 +525,14 @@ class SchedulerSide:
         if their blocks verify on disk; give the other reservations back. Never raises."""
         done: dict[int, list] = {}
         lost: dict[int, list] = {}
-        for (gi, key), (slot, _) in self._saving.items():
+        for (gi, key), (slot, _, failing) in self._saving.items():
             ns = self.groups[gi].ns
             try:
-                ok = (gi, key) not in self._save_failing and self.store.verify_slot(ns, key, slot)
+                ok = not failing and self.store.verify_slot(ns, key, slot)
             except Exception:
                 ok = False
             (done if ok else lost).setdefault(gi, []).append((key, slot))
         self._saving.clear()
-        self._save_failing.clear()
         self._from_shared.clear()
         for gi, items in done.items():
             try:

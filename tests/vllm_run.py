@@ -82,6 +82,7 @@ def main(spec: dict) -> dict:
     if not MP:  # the engine core lives in this process: look inside
         core = engine.engine_core.engine_core
         sched = core.scheduler
+        aio = _aiokv(sched.connector)  # aiokv's scheduler-side connector (None: no connector)
         preempt = sched._preempt_request
 
         def counting_preempt(*a, **k):
@@ -101,7 +102,7 @@ def main(spec: dict) -> dict:
                     raise RuntimeError(f"{phase['wait_for']} did not appear")
                 time.sleep(0.05)
         if phase.get("peer_blocks"):
-            _wait_for_peer_blocks(_aiokv(sched.connector).sched.store, phase["peer_blocks"],
+            _wait_for_peer_blocks(aio.sched.store, phase["peer_blocks"],
                                   time.monotonic() + spec.get("phase_timeout", 300))
         if phase.get("reload_weights"):  # weights changed in place, as an RL trainer does
             llm.collective_rpc("reload_weights", kwargs={"weights_path": phase["reload_weights"]})
@@ -147,7 +148,7 @@ def main(spec: dict) -> dict:
 
                 os.killpg(phase["kill_at_step"][1], signal.SIGKILL)
             killer = phase.get("kill_when_loading")  # a process group killed once a load is in flight
-            if killer and "killed_at_step" not in result and _aiokv(sched.connector).sched._loading:
+            if killer and "killed_at_step" not in result and aio.sched._loading:
                 import signal
 
                 os.killpg(killer, signal.SIGKILL)
@@ -155,9 +156,9 @@ def main(spec: dict) -> dict:
             for o in engine.step():
                 if o.finished and outs.get(o.request_id) is None and o.request_id not in outs:
                     outs[o.request_id] = o
-                    if not MP and getattr(_aiokv(sched.connector), "sched", None) is not None:  # saves still running
+                    if not MP and getattr(aio, "sched", None) is not None:  # saves still running
                         result["pending_saves_at_finish"] = max(result["pending_saves_at_finish"],
-                                                                _aiokv(sched.connector).sched.pending_saves)
+                                                                aio.sched.pending_saves)
             step += 1
             if time.monotonic() > deadline:
                 raise RuntimeError("engine did not finish")
@@ -179,7 +180,7 @@ def main(spec: dict) -> dict:
         llm.llm_engine.engine_core.shutdown()
         return result
     # let in-flight saves and loads report: keep stepping while aiokv has work
-    conn = _aiokv(sched.connector)
+    conn = aio
     if conn is not None and tp > 1:  # the worker-side connectors live in the worker processes
         for _ in range(2000):
             if not sched.has_requests() and not conn.has_pending_push_work():

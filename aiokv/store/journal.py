@@ -202,16 +202,13 @@ class IndexLog:
         if self._dirty and self.fd is not None:
             now = time.monotonic()
             if now - self._last_sync >= self.sync_interval:
-                self._last_sync = now
+                self._last_sync = now  # (a failing one is tried again an interval later)
                 try:
-                    os.fdatasync(self.fd)
+                    self.sync()
                 except OSError:
                     self.sync_failures += 1
                     if self.sync_failures == 1:
                         raise
-                    return
-                self.sync_failures = 0
-                self._dirty = False
 
     def sync(self) -> None:
         """fdatasync what was appended since the last sync (nothing if nothing was)."""
