@@ -1,5 +1,5 @@
 """`python -m aiokv ...` is the `aiokv` command."""
-from aiokv.cli import main
+from aiokv.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

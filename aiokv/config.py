@@ -105,7 +105,7 @@ class AioKVConfig:
             raise ConfigError("aiokv: secret (or AIOKV_SECRET) must be a string of at least 16 characters")
         cfg.secret = secret
         if "shared" in extra:
-            from aiokv.shared.naming import parse_url
+            from aiokv.bucket.naming import parse_url
 
             cfg.shared = extra.pop("shared") or None
             if cfg.shared is not None:

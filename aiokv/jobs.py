@@ -18,7 +18,7 @@ class Transfer:
     keys: list[bytes]
     slots: list[int]      # store locations: engine << 32 | slot (format.split), the same in every rank's file
     block_ids: list[int]  # vLLM KV block ids
-    group: int = 0        # vLLM KV-cache group (aiokv/layout.py): its own store namespace
+    group: int = 0        # vLLM KV-cache group (aiokv/scheduler/layout.py): its own store namespace
     # loads: True where the block comes from the shared tier (docs/sharing.md); its slot
     # is then a fresh reservation the worker writes through to and reports as saved
     remote: list[bool] = dataclasses.field(default_factory=list)

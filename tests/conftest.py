@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from aiokv.io.buffers import SlotPool
-from aiokv.store import format as fmt
+from aiokv.data.buffers import SlotPool
+from aiokv.data import format as fmt
 
 PAYLOAD = 64 << 10
 

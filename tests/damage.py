@@ -3,7 +3,7 @@ by its prompt and its position in the prompt, in one KV-cache group.
 
 - corrupt: one payload byte flipped on disk (the checksum no longer matches);
 - missing: the slot's space punched out of the data file (it reads as zeros);
-- unreadable: an I/O fault rule (aiokv/io/faults.py) making every read of that
+- unreadable: an I/O fault rule (aiokv/data/faults.py) making every read of that
   slot fail with EIO (`read_fault`; the engine runs with it in AIOKV_FAULTS).
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 
 from aiokv import _native
-from aiokv.keys import extend_keys, namespace_id, request_root
+from aiokv.scheduler.keys import extend_keys, namespace_id, request_root
 from aiokv.store import Store
-from aiokv.store import format as fmt
-from aiokv.store.blockio import data_path
+from aiokv.data import format as fmt
+from aiokv.data.blockio import data_path
 from aiokv.store.store import ns_dir
 
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02

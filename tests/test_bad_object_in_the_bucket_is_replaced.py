@@ -17,12 +17,12 @@ import asyncio
 import ctypes
 import os
 
-from aiokv.shared.client import SharedClient
-from aiokv.shared.loader import OK, RemoteLoader
-from aiokv.shared.naming import object_name
-from aiokv.shared.uploader import Uploader
+from aiokv.bucket.client import SharedClient
+from aiokv.bucket.loader import OK, RemoteLoader
+from aiokv.bucket.naming import object_name
+from aiokv.bucket.uploader import Uploader
 from aiokv.store import Store
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 
 SB = fmt.slot_bytes(PAYLOAD)

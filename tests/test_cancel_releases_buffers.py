@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from aiokv.io.backend import OP_READ, open_backend
-from aiokv.io.buffers import SlotPool
+from aiokv.data.backend import OP_READ, open_backend
+from aiokv.data.buffers import SlotPool
 from aiokv.store import Store
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from tests.conftest import NS, key
 
 PAYLOAD = 1 << 20

@@ -33,11 +33,11 @@ import pytest
 import torch
 
 from aiokv.config import AioKVConfig, ConfigError
-from aiokv.io.backend import open_backend
-from aiokv.io.buffers import SlotPool
+from aiokv.data.backend import open_backend
+from aiokv.data.buffers import SlotPool
 from aiokv.jobs import Transfer
-from aiokv.store import format as fmt
-from aiokv.store.blockio import SPREAD_MIN_BYTES, BlockIO, data_path
+from aiokv.data import format as fmt
+from aiokv.data.blockio import SPREAD_MIN_BYTES, BlockIO, data_path
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker

@@ -11,7 +11,7 @@ import errno
 import os
 
 from aiokv.store import Store
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 
 N = 16

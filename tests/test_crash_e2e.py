@@ -75,7 +75,7 @@ def test_restart_after_kill9_hits_what_was_committed(tiny_model, crashed, tmp_pa
 
 def _leading_runs(cache: str, stored: set[bytes], ps: list[list[int]], usable: int) -> int:
     """Blocks of `ps` a lookup finds: per prompt, its keys from block 0 while they are stored."""
-    from aiokv.keys import extend_keys, request_root
+    from aiokv.scheduler.keys import extend_keys, request_root
 
     nsid = bytes.fromhex(os.path.basename(_ns_dir(cache)))
     total = 0

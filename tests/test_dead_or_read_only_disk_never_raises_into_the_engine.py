@@ -29,10 +29,10 @@ import subprocess
 import pytest
 
 from aiokv.jobs import WorkerReport
-from aiokv.keys import request_root
-from aiokv.scheduler import Scheduled, SchedulerSide
+from aiokv.scheduler.keys import request_root
+from aiokv.scheduler.side import Scheduled, SchedulerSide
 from aiokv.store import Store
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from aiokv.store import store as store_mod
 from tests import mounts
 from tests.conftest import NS, PAYLOAD, key

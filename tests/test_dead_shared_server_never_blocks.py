@@ -10,8 +10,8 @@ lookups answered at once with what is known, loads a miss at once); no call
 takes longer than `remote_timeout` (plus scheduling slack), even against a
 server that accepts connections and never answers; after the cooldown, with
 the server back, uploads and loads work again.
-Fix: aiokv/shared/breaker.py, the deadlines in aiokv/shared/client.py, the
-bounded lossy queue in aiokv/shared/uploader.py.
+Fix: aiokv/bucket/breaker.py, the deadlines in aiokv/bucket/client.py, the
+bounded lossy queue in aiokv/bucket/uploader.py.
 """
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ import os
 import signal
 import time
 
-from aiokv.shared.breaker import Breaker
-from aiokv.shared.client import SharedClient
-from aiokv.shared.loader import OK, UNAVAILABLE, RemoteLoader
-from aiokv.shared.naming import object_name
-from aiokv.shared.prober import Prober
-from aiokv.shared.uploader import Uploader
+from aiokv.bucket.breaker import Breaker
+from aiokv.bucket.client import SharedClient
+from aiokv.bucket.loader import OK, UNAVAILABLE, RemoteLoader
+from aiokv.bucket.naming import object_name
+from aiokv.bucket.prober import Prober
+from aiokv.bucket.uploader import Uploader
 from aiokv.store import Store
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 
 SB = fmt.slot_bytes(PAYLOAD)

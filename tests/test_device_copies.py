@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aiokv.io.buffers import SlotPool
-from aiokv.store import format as fmt
+from aiokv.data.buffers import SlotPool
+from aiokv.data import format as fmt
 from aiokv.worker.device import CpuDevice, LayoutError
 
 NB = 12

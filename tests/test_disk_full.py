@@ -12,7 +12,7 @@ import os
 import pytest
 
 from aiokv.store import Store
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from tests import mounts
 from tests.conftest import NS, PAYLOAD, key
 

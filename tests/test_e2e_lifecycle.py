@@ -63,7 +63,7 @@ def test_aborts_at_every_point(tiny_model, tmp_path):
     step it finishes (while preempted: test_preemption_under_tiny_kv_cache)."""
     import json
 
-    from aiokv.io.faults import ACK
+    from aiokv.data.faults import ACK
 
     cache = str(tmp_path / "c")
     ps = prompts(12, 230, seed=33)

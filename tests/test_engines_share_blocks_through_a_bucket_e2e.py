@@ -11,7 +11,7 @@ with the server killed -9 mid-run every request still completes with the same
 tokens, and the drops are counted; once the server is back, uploads and hits
 work again. A tampered object or one written under another secret is a miss
 (recomputed, same tokens).
-Fix: aiokv/shared/ wired in by SchedulerSide.match/on_alloc (probe, reserve),
+Fix: aiokv/bucket/ wired in by SchedulerSide.match/on_alloc (probe, reserve),
 TransferWorker._save (upload) and _load_remote (GET, verify, write through).
 """
 from __future__ import annotations

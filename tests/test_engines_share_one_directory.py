@@ -27,11 +27,11 @@ import types
 
 import pytest
 
-from aiokv import inspect as insp
+from aiokv.cli import inspect as insp
 from aiokv.store import Store, StoreLocked
 from aiokv.store import index as index_mod
 from aiokv.store import store as store_mod
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from aiokv.store.lock import engines
 from tests.conftest import NS, PAYLOAD, key
 

@@ -24,11 +24,11 @@ import os
 
 import pytest
 
-from aiokv.io.backend import OP_READ, OP_WRITE
-from aiokv.io.buffers import SlotPool
+from aiokv.data.backend import OP_READ, OP_WRITE
+from aiokv.data.buffers import SlotPool
 
 try:
-    from aiokv.io.uring import UringBackend
+    from aiokv.data.uring import UringBackend
     UringBackend(asyncio.new_event_loop(), depth=4).close()
 except OSError as e:  # pragma: no cover - io_uring refused by the kernel
     pytest.fail(f"io_uring is needed for this test: {e}")

@@ -29,10 +29,10 @@ import pytest
 import torch
 
 from aiokv import _native
-from aiokv.io.buffers import SlotPool
+from aiokv.data.buffers import SlotPool
 from aiokv.jobs import Transfer
-from aiokv.store import format as fmt
-from aiokv.store.blockio import data_path
+from aiokv.data import format as fmt
+from aiokv.data.blockio import data_path
 from aiokv.store.store import ns_dir
 from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS, key

@@ -476,7 +476,7 @@ def test_gpu_call_order_keeps_blocks_and_completions(case, tiny_model, tmp_path)
     from vllm.v1.request import RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from aiokv.connector import AioKVConnector
+    from aiokv.connector.connector import AioKVConnector
 
     speculator, async_sched, layerwise, cross = CASES[case]
     vc, kcc = _config(tiny_model, str(tmp_path / "cache"), async_sched, layerwise)
@@ -569,7 +569,7 @@ def test_gpu_call_order_keeps_blocks_and_completions(case, tiny_model, tmp_path)
 
 def test_vllm_033_hooks_answer_for_aiokv():
     """The hooks vLLM 0.33 asks before it starts (0.32 lacks some: extra methods there)."""
-    from aiokv.connector import AioKVConnector, vllm_release
+    from aiokv.connector.connector import AioKVConnector, vllm_release
 
     assert AioKVConnector.supports_sleep_mode(None) is False  # vLLM refuses --enable-sleep-mode with one line
     assert AioKVConnector.requires_piecewise_for_cudagraph({"path": "/x", "layerwise": True}) is True

@@ -13,9 +13,9 @@ key pinned until the load is reported; saves never carry block id 0.
 """
 from __future__ import annotations
 
-from aiokv.keys import extend_keys, request_root
-from aiokv.layout import FULL, STATE, WINDOW, GroupSpec
-from aiokv.scheduler import Scheduled, SchedulerSide
+from aiokv.scheduler.keys import extend_keys, request_root
+from aiokv.scheduler.layout import FULL, STATE, WINDOW, GroupSpec
+from aiokv.scheduler.side import Scheduled, SchedulerSide
 from aiokv.store import Store
 
 BS = 32

@@ -26,7 +26,7 @@ import sys
 import pytest
 
 from aiokv.store import NotAStore, Store
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

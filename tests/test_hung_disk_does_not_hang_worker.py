@@ -9,7 +9,7 @@ or cancelled); the staging slots the kernel still owns are set aside, never
 handed out, and come back exactly when the I/O ends; with every slot stuck a
 load fails at once instead of waiting; `close()` returns within its bound.
 
-Fix: the backend's abandon mode (aiokv/io/backend.py, ABANDON) and the
+Fix: the backend's abandon mode (aiokv/data/backend.py, ABANDON) and the
 worker's stuck-slot bookkeeping and bounded close (aiokv/worker/transfer.py).
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 import pytest
 import torch
 
-from aiokv.io.backend import ABANDON, OP_READ, open_backend
-from aiokv.io.buffers import SlotPool
+from aiokv.data.backend import ABANDON, OP_READ, open_backend
+from aiokv.data.buffers import SlotPool
 from aiokv.jobs import Transfer
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice

@@ -19,9 +19,10 @@ import subprocess
 import sys
 import time
 
-from aiokv.io.backend import open_backend
-from aiokv.store import BlockIO, Store
-from aiokv.store import format as fmt
+from aiokv.data.backend import open_backend
+from aiokv.data.blockio import BlockIO
+from aiokv.store import Store
+from aiokv.data import format as fmt
 from aiokv.store.store import ns_dir
 from tests.conftest import NS, PAYLOAD, Blocks, key
 from tests.test_corruption_is_a_miss import _flip
@@ -307,7 +308,7 @@ def test_python_m_aiokv_usage_errors(tmp_path):
 def test_verify_progress_bar_and_access_ages(tmp_path, blocks, capfd):
     import asyncio
 
-    from aiokv import inspect as ins
+    from aiokv.cli import inspect as ins
 
     root = str(tmp_path / "s")
     asyncio.run(_make(root, blocks))

@@ -26,7 +26,7 @@ import subprocess
 import pytest
 
 from aiokv.store import Store
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 from tests.test_disk_full import small_fs  # noqa: F401 (fixture)
 

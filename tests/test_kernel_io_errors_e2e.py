@@ -2,7 +2,7 @@
 whose sectors under aiokv's data file go bad (tests/badsectors.py: this kernel has no
 device-mapper, so the device is a loop device on a FUSE-served image that answers EIO
 for chosen ranges). The EIO comes back in io_uring's completions; nothing above the
-kernel is wrapped (the test-only injector, aiokv/io/faults.py, is off).
+kernel is wrapped (the test-only injector, aiokv/data/faults.py, is off).
 
 Bug class: I/O errors handled only where a test wrapper made them. A real EIO arrives
 through another path (a completion's result, for a whole O_DIRECT request) and could be

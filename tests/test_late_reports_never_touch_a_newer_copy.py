@@ -20,8 +20,8 @@ slot given back straight out again).
 from __future__ import annotations
 
 from aiokv.jobs import WorkerReport
-from aiokv.keys import request_root
-from aiokv.scheduler import Scheduled, SchedulerSide
+from aiokv.scheduler.keys import request_root
+from aiokv.scheduler.side import Scheduled, SchedulerSide
 from aiokv.store import Store
 
 NS = bytes(range(16))

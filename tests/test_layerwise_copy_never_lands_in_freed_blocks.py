@@ -22,10 +22,10 @@ import time
 
 import torch
 
-from aiokv.io.faults import ACK
+from aiokv.data.faults import ACK
 from aiokv.jobs import Transfer
-from aiokv.store import format as fmt
-from aiokv.store.blockio import data_path
+from aiokv.data import format as fmt
+from aiokv.data.blockio import data_path
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker

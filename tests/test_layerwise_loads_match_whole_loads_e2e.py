@@ -19,7 +19,7 @@ import shutil
 
 import pytest
 
-from aiokv.io.faults import ACK
+from aiokv.data.faults import ACK
 from tests.e2e import happened, part, prompts, run
 
 pytestmark = pytest.mark.vllm

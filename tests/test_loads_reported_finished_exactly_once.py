@@ -23,11 +23,11 @@ import time
 import pytest
 import torch
 
-from aiokv.io.faults import ACK
+from aiokv.data.faults import ACK
 from aiokv.jobs import Transfer
-from aiokv.keys import extend_keys, request_root
-from aiokv.layout import FULL, WINDOW, GroupSpec
-from aiokv.scheduler import SchedulerSide
+from aiokv.scheduler.keys import extend_keys, request_root
+from aiokv.scheduler.layout import FULL, WINDOW, GroupSpec
+from aiokv.scheduler.side import SchedulerSide
 from aiokv.store import Store
 from aiokv.worker.groups import GroupedWorker
 from tests.conftest import key

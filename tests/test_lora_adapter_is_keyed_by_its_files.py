@@ -23,7 +23,7 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from aiokv import connector, fingerprint  # noqa: E402
+from aiokv.connector import connector, fingerprint  # noqa: E402
 
 
 def _adapter(d, weights: bytes) -> str:
@@ -36,7 +36,7 @@ def _adapter(d, weights: bytes) -> str:
 
 
 def _root(req_id: str, lora: LoRARequest | None) -> bytes:
-    from aiokv.keys import request_root
+    from aiokv.scheduler.keys import request_root
 
     r = Request(req_id, [1, 2, 3], SamplingParams(max_tokens=1), None, lora_request=lora)
     return request_root(b"\0" * 16, connector.request_extras(r))

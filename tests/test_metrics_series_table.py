@@ -12,7 +12,7 @@ once at any TP size; the latency histograms carried as counters give the same
 bucket counts and sum as observing each latency directly; every counter aiokv
 keeps has a row in metrics.SERIES or a stated reason in metrics.NOT_EXPORTED.
 
-The fix: aiokv/metrics.py (StatsDelta, AioKVStats, AioKVPromMetrics, the
+The fix: aiokv/connector/metrics.py (StatsDelta, AioKVStats, AioKVPromMetrics, the
 SERIES table) and aiokv/worker/latency.py.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from aiokv import metrics
-from aiokv.metrics import SERIES, AioKVPromMetrics, AioKVStats, StatsDelta
-from aiokv.scheduler import SchedulerCounters
+from aiokv.connector import metrics
+from aiokv.connector.metrics import SERIES, AioKVPromMetrics, AioKVStats, StatsDelta
+from aiokv.scheduler.side import SchedulerCounters
 from aiokv.store.store import StoreStats
 from aiokv.worker import transfer
 from aiokv.worker.latency import LATENCY_BUCKETS, latency_counts

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from aiokv.jobs import Transfer
-from aiokv.shared.client import SharedClient
-from aiokv.store import format as fmt
+from aiokv.bucket.client import SharedClient
+from aiokv.data import format as fmt
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker

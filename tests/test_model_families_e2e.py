@@ -34,7 +34,7 @@ import shutil
 import pytest
 
 from aiokv.demo import tiny_model
-from aiokv.io.faults import ACK
+from aiokv.data.faults import ACK
 from tests.damage import StoredBlocks
 from tests.e2e import happened, prompts, run
 

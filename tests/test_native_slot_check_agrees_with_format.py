@@ -24,8 +24,8 @@ import time
 import pytest
 
 from aiokv import _native
-from aiokv.io.buffers import SlotPool
-from aiokv.store import format as fmt
+from aiokv.data.buffers import SlotPool
+from aiokv.data import format as fmt
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))

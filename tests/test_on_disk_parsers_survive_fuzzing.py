@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from aiokv.store import NotAStore, Store
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from aiokv.store.journal import IndexLog
 from tests.conftest import NS, PAYLOAD, key
 

@@ -14,7 +14,7 @@ Fix: Store._evict_dead replays the journal as owner and punches around its entri
 from __future__ import annotations
 
 from aiokv.store import Store
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from aiokv.store import store as store_mod
 from tests.conftest import NS, PAYLOAD, key
 

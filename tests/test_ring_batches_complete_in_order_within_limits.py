@@ -25,8 +25,8 @@ import time
 import pytest
 
 from aiokv import _native
-from aiokv.io.backend import OP_READ, OP_WRITE
-from aiokv.io.uring import UringBackend
+from aiokv.data.backend import OP_READ, OP_WRITE
+from aiokv.data.uring import UringBackend
 
 BS = 4096
 BLOCKS = 256

@@ -8,20 +8,20 @@ there", a success); a GET fills a staging slot that passes exactly the check a
 local read passes (BlockIO.verify), or the block is a miss (MISSING / BAD);
 the prober answers "not yet" (None) while it asks the server, then from its
 caches, and never counts a truncated object as present.
-Fix: aiokv/shared/ (uploader, loader, prober) on a real S3 server (SeaweedFS).
+Fix: aiokv/bucket/ (uploader, loader, prober) on a real S3 server (SeaweedFS).
 """
 from __future__ import annotations
 
 import ctypes
 import time
 
-from aiokv.shared.client import SharedClient
-from aiokv.shared.loader import BAD, MISSING, OK, RemoteLoader
-from aiokv.shared.naming import object_name, parse_url
-from aiokv.shared.prober import Prober
-from aiokv.shared.uploader import Uploader
+from aiokv.bucket.client import SharedClient
+from aiokv.bucket.loader import BAD, MISSING, OK, RemoteLoader
+from aiokv.bucket.naming import object_name, parse_url
+from aiokv.bucket.prober import Prober
+from aiokv.bucket.uploader import Uploader
 from aiokv.store import Store
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 
 NS2 = bytes(range(1, 17))

@@ -7,16 +7,16 @@ seconds, says so once and counts it; then one load at a time probes the disk:
 a success closes the breaker, a failure opens it again. Blocks that fail
 verification are not disk failures. `breaker_failures=0` turns it off.
 
-Fix: aiokv/breaker.py, fed by the workers' reports in SchedulerSide.on_report.
+Fix: aiokv/util/breaker.py, fed by the workers' reports in SchedulerSide.on_report.
 """
 from __future__ import annotations
 
 import logging
 
-from aiokv.breaker import Breaker
+from aiokv.util.breaker import Breaker
 from aiokv.jobs import WorkerReport
-from aiokv.keys import extend_keys, request_root
-from aiokv.scheduler import Scheduled, SchedulerSide
+from aiokv.scheduler.keys import extend_keys, request_root
+from aiokv.scheduler.side import Scheduled, SchedulerSide
 from aiokv.store import Store
 from tests.conftest import NS
 

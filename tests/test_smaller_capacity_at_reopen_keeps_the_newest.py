@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from aiokv.store import Store
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 
 SB = fmt.slot_bytes(PAYLOAD)

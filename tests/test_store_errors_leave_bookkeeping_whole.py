@@ -32,9 +32,9 @@ import random
 import shutil
 
 from aiokv.jobs import WorkerReport
-from aiokv.keys import extend_keys, request_root
-from aiokv.layout import FULL, WINDOW, GroupSpec
-from aiokv.scheduler import Scheduled, SchedulerSide
+from aiokv.scheduler.keys import extend_keys, request_root
+from aiokv.scheduler.layout import FULL, WINDOW, GroupSpec
+from aiokv.scheduler.side import Scheduled, SchedulerSide
 from aiokv.store import Store
 
 BS = 4

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 
-from aiokv.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
+from aiokv.util.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
 from aiokv.store import Store
 from aiokv.store import store as store_mod
 from tests.conftest import NS, PAYLOAD, key

@@ -26,10 +26,10 @@ import torch
 
 from aiokv import _native
 from aiokv.jobs import Transfer, WorkerReport
-from aiokv.keys import request_root
-from aiokv.scheduler import Scheduled, SchedulerSide
+from aiokv.scheduler.keys import request_root
+from aiokv.scheduler.side import Scheduled, SchedulerSide
 from aiokv.store import Store
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker

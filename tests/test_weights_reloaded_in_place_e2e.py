@@ -59,9 +59,9 @@ def test_requests_alive_at_a_reset_never_load_or_save_into_the_new_epoch(tmp_pat
     its blocks failed: recomputed) and the workers are told to drop their memory
     tier; a request alive at the reset is not saved again, nor offered a hit, even
     under a new root; a request that arrives after it is saved."""
-    from aiokv.keys import extend_keys, request_root
-    from aiokv.layout import FULL, GroupSpec
-    from aiokv.scheduler import Scheduled, SchedulerSide
+    from aiokv.scheduler.keys import extend_keys, request_root
+    from aiokv.scheduler.layout import FULL, GroupSpec
+    from aiokv.scheduler.side import Scheduled, SchedulerSide
     from aiokv.store import Store
 
     bs, nsid = 32, bytes(16)

@@ -23,8 +23,8 @@ import threading
 import pytest
 import torch
 
-from aiokv.io.buffers import SlotPool
-from aiokv.store import format as fmt
+from aiokv.data.buffers import SlotPool
+from aiokv.data import format as fmt
 from aiokv.worker import device as devmod
 from aiokv.worker.device import CpuDevice, CudaDevice, gather_rows
 from aiokv.worker.transfer import TransferWorker

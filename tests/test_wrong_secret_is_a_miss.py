@@ -20,13 +20,13 @@ import pytest
 
 from aiokv import _native
 from aiokv.config import AioKVConfig, ConfigError
-from aiokv.io.backend import open_backend
-from aiokv.shared.client import SharedClient
-from aiokv.shared.loader import BAD, OK, RemoteLoader
-from aiokv.shared.naming import object_name
+from aiokv.data.backend import open_backend
+from aiokv.bucket.client import SharedClient
+from aiokv.bucket.loader import BAD, OK, RemoteLoader
+from aiokv.bucket.naming import object_name
 from aiokv.store import Store
-from aiokv.store import format as fmt
-from aiokv.store.blockio import BlockIO
+from aiokv.data import format as fmt
+from aiokv.data.blockio import BlockIO
 from aiokv.store.store import ns_dir
 from tests.conftest import NS, PAYLOAD, key
 

@@ -201,8 +201,8 @@ def main(spec: dict) -> dict:
             engine.step()
         result["counters"] = {**conn.counters(), **wc.counters()}
         result["pool_size"] = wc.worker.pool.count if wc.worker is not None else 0
-    if "aiokv.io.faults" in sys.modules:  # the test-only injector ran in this process: what it did
-        result["faults_fired"] = dict(sys.modules["aiokv.io.faults"].FIRED)
+    if "aiokv.data.faults" in sys.modules:  # the test-only injector ran in this process: what it did
+        result["faults_fired"] = dict(sys.modules["aiokv.data.faults"].FIRED)
     pool = sched.kv_cache_manager.block_pool
     result["free_blocks"] = pool.get_num_free_blocks()
     result["total_blocks"] = pool.num_gpu_blocks

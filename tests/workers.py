@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker

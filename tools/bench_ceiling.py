@@ -39,10 +39,10 @@ import uvloop  # noqa: E402
 
 import bench_store as bs  # noqa: E402
 
-from aiokv.io.buffers import SlotPool  # noqa: E402
-from aiokv.store import format as fmt  # noqa: E402
+from aiokv.data.buffers import SlotPool  # noqa: E402
+from aiokv.data import format as fmt  # noqa: E402
 from aiokv.store import parse_size  # noqa: E402
-from aiokv.store.blockio import BlockIO  # noqa: E402
+from aiokv.data.blockio import BlockIO  # noqa: E402
 from aiokv.store.store import ns_dir  # noqa: E402
 
 

@@ -211,7 +211,7 @@ def main() -> int:
         return 0
 
     from aiokv.demo.tiny_model import build
-    from aiokv.store import format as fmt
+    from aiokv.data import format as fmt
 
     base = args.dir or tempfile.mkdtemp(prefix="aiokv-e2e-")
     os.makedirs(base, exist_ok=True)

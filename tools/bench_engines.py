@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aiokv.store import Store  # noqa: E402
-from aiokv.store import format as fmt  # noqa: E402
+from aiokv.data import format as fmt  # noqa: E402
 
 NSID = b"b" * 16
 _loc = getattr(fmt, "loc", lambda engine, slot: slot)  # so --writers 0 also runs on a single-engine aiokv

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aiokv import _native  # noqa: E402
 from aiokv.jobs import Transfer  # noqa: E402
-from aiokv.store import format as fmt  # noqa: E402
+from aiokv.data import format as fmt  # noqa: E402
 from aiokv.store.store import ns_dir  # noqa: E402
 from aiokv.worker.device import CpuDevice  # noqa: E402
 from aiokv.worker.transfer import TransferWorker  # noqa: E402

@@ -107,9 +107,9 @@ def throughput(args, base: str) -> dict:
 # ------------------------------------------------------------------ 2. scheduler side
 
 def _connector(store_dir: str):
-    from aiokv.connector import AioKVConnector
-    from aiokv.keys import namespace_id
-    from aiokv.scheduler import SchedulerSide
+    from aiokv.connector.connector import AioKVConnector
+    from aiokv.scheduler.keys import namespace_id
+    from aiokv.scheduler.side import SchedulerSide
     from aiokv.store import Store
 
     import inspect
@@ -152,7 +152,7 @@ def _fill(store, ns, keys) -> None:
 
 
 def scheduler_side(running: list[int], base: str) -> dict:
-    from aiokv.keys import extend_keys
+    from aiokv.scheduler.keys import extend_keys
 
     conn, store, ns = _connector(os.path.join(base, "sched"))
     rnd = random.Random(3)
@@ -248,7 +248,7 @@ def _drain(conn, meta=None) -> None:
 # ------------------------------------------------------------------ 3. per-layer hooks
 
 def hooks(layers: int) -> dict:
-    from aiokv.connector import AioKVConnector
+    from aiokv.connector.connector import AioKVConnector
 
     conn = object.__new__(AioKVConnector)
     conn.worker = None

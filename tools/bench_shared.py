@@ -41,12 +41,12 @@ sys.path.insert(0, ROOT)
 async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, botocore: bool) -> dict:
     import obstore
 
-    from aiokv.io.buffers import SlotPool
-    from aiokv.shared.client import SharedClient
-    from aiokv.shared.loader import OK, RemoteLoader
-    from aiokv.shared.naming import object_name
-    from aiokv.shared.uploader import Uploader
-    from aiokv.store import format as fmt
+    from aiokv.data.buffers import SlotPool
+    from aiokv.bucket.client import SharedClient
+    from aiokv.bucket.loader import OK, RemoteLoader
+    from aiokv.bucket.naming import object_name
+    from aiokv.bucket.uploader import Uploader
+    from aiokv.data import format as fmt
     from aiokv.store import Store
 
     sb = fmt.slot_bytes(slot_payload)

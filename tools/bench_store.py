@@ -57,10 +57,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aiokv import _native  # noqa: E402
-from aiokv.io.backend import IOBackend, open_backend  # noqa: E402
-from aiokv.io.buffers import SlotPool  # noqa: E402
+from aiokv.data.backend import IOBackend, open_backend  # noqa: E402
+from aiokv.data.buffers import SlotPool  # noqa: E402
 from aiokv.store import Store, parse_size  # noqa: E402
-from aiokv.store import format as fmt  # noqa: E402
+from aiokv.data import format as fmt  # noqa: E402
 
 NSID = bytes.fromhex("be0c" * 8)
 HUGE = 2 << 20
@@ -392,7 +392,7 @@ def main() -> int:
                 n = args.blocks or max(16, (args.mib << 20) // slot)
                 arena = None
                 if use_vllm:
-                    from aiokv.io.buffers import Arena
+                    from aiokv.data.buffers import Arena
 
                     arena = Arena(n * size)  # touched: vLLM's KV view is live memory, not fresh pages
                     ctypes.memset(arena.addr, 0x5A, n * size)

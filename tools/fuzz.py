@@ -10,7 +10,7 @@ goes to stdout at the end.
 Each life is a fresh process (a restart on the same cache directory) driving
 vLLM step by step with random arrivals, prompt lengths and shared prefixes,
 random aborts, and a KV cache small enough to preempt. With --fault-every K,
-every K-th life runs with the test-only I/O fault injector (aiokv/io/faults.py)
+every K-th life runs with the test-only I/O fault injector (aiokv/data/faults.py)
 breaking some reads (EIO, short, late, flipped bytes: a checksum failure, held
 past the life's load_timeout: a timeout) and writes (EIO), and with slots of
 committed blocks rewritten with another block or punched behind the store's
@@ -253,7 +253,7 @@ def spoil_slot(conn, rnd: random.Random) -> list[str]:
     well formed), or punched it (zeros). Done to one of our own committed blocks,
     behind the store's back; returns ["nsid:key"] of the block spoiled (or [])."""
     from aiokv import _native
-    from aiokv.store.blockio import data_path
+    from aiokv.data.blockio import data_path
     from aiokv.store.store import ns_dir
 
     g = rnd.choice(conn.sched.groups)
@@ -301,7 +301,7 @@ def _child(flag: str, spec: dict, timeout: float) -> dict:
     try:
         env = dict(os.environ, PYTHONPATH=ROOT, VLLM_LOGGING_LEVEL="ERROR")
         if spec.get("faults"):
-            from aiokv.io.faults import ACK
+            from aiokv.data.faults import ACK
 
             env.update(AIOKV_FAULTS=json.dumps(spec["faults"]), AIOKV_FAULTS_ACK=ACK)
         argv = [os.path.abspath(__file__), flag, f.name]
@@ -347,10 +347,10 @@ def check_stored_bytes(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from aiokv.keys import extend_keys, namespace_id, request_root
+    from aiokv.scheduler.keys import extend_keys, namespace_id, request_root
     from aiokv.store import Store
-    from aiokv.store import format as fmt
-    from aiokv.store.blockio import data_path
+    from aiokv.data import format as fmt
+    from aiokv.data.blockio import data_path
     from aiokv.store.store import ns_dir
 
     spec = _load_spec(args.check)

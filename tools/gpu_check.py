@@ -162,7 +162,7 @@ def build_extension(timeout: float) -> dict:
 def part_io(root: str) -> dict:
     import asyncio
 
-    from aiokv.io.backend import open_backend
+    from aiokv.data.backend import open_backend
 
     loop = asyncio.new_event_loop()
     try:
@@ -231,7 +231,7 @@ def _blocks(dev, ids) -> list:
 
 
 def _worker(root: str, items, nb: int, memory_slots: int = 0, layerwise: bool = False):
-    from aiokv.store import format as fmt
+    from aiokv.data import format as fmt
     from aiokv.store.store import ns_dir
     from aiokv.worker.device import make_device
     from aiokv.worker.transfer import TransferWorker
@@ -396,8 +396,8 @@ def part_overlap(root: str) -> dict:
 
 def part_bandwidth(root: str) -> dict:
     torch = _need_cuda()
-    from aiokv.io.buffers import SlotPool
-    from aiokv.store import format as fmt
+    from aiokv.data.buffers import SlotPool
+    from aiokv.data import format as fmt
     from aiokv.worker.device import make_device
 
     nb = 1030

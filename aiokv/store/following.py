@@ -30,8 +30,8 @@ import logging
 import os
 import time
 
-from aiokv.store import format as fmt
-from aiokv.store.dirs import NotAStore, open_dir
+from aiokv.data import format as fmt
+from aiokv.data.dirs import NotAStore, open_dir
 from aiokv.store.index import Namespace
 from aiokv.store.journal import Follower
 

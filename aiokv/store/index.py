@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import time
 
-from aiokv.store.format import REC_COMMIT, REC_DROP, loc
+from aiokv.data.format import REC_COMMIT, REC_DROP, loc
 
 
 class SlotAllocator:

@@ -29,7 +29,7 @@ import os
 import time
 
 from aiokv import _native
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 
 O_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 
-from aiokv.store import format as fmt
+from aiokv.data import format as fmt
 from aiokv.store.fsthread import FsThread
 from aiokv.store.journal import IndexLog
 

@@ -17,7 +17,7 @@ import fcntl
 import os
 import time
 
-from aiokv.store.format import MAX_ENGINES
+from aiokv.data.format import MAX_ENGINES
 
 RETRIES = 10
 

@@ -21,8 +21,8 @@ import logging
 import os
 
 from aiokv import _native
-from aiokv.store import format as fmt
-from aiokv.store.dirs import FILE_FLAGS
+from aiokv.data import format as fmt
+from aiokv.data.dirs import FILE_FLAGS
 from aiokv.store.index import Namespace
 from aiokv.store.journal import IndexLog
 from aiokv.store.lock import DirLock, StoreLocked

@@ -63,11 +63,11 @@ import os
 import time
 
 from aiokv import _native
-from aiokv.io.backend import open_backend
-from aiokv.store import format as fmt
-from aiokv.store.blockio import BlockIO
+from aiokv.data.backend import open_backend
+from aiokv.data import format as fmt
+from aiokv.data.blockio import BlockIO
 from aiokv.store.index import Index, Namespace
-from aiokv.store.dirs import (FILE_FLAGS, NotAStore, _exists, _read_json, _write_json,  # noqa: F401
+from aiokv.data.dirs import (FILE_FLAGS, NotAStore, _exists, _read_json, _write_json,  # noqa: F401
                               check_private, open_dir, parse_size)
 from aiokv.store.following import Following
 from aiokv.store.fsthread import FsThread, FsTimeout

@@ -46,8 +46,8 @@ import hashlib
 import torch
 
 from aiokv import _native
-from aiokv.io.buffers import SlotPool
-from aiokv.store import format as fmt
+from aiokv.data.buffers import SlotPool
+from aiokv.data import format as fmt
 
 GATHER_BYTES = 32 << 20  # device memory a CUDA save gathers through, at most (outside vLLM's budget)
 

@@ -3,7 +3,7 @@
 A worker counts each load or save into one bucket of LATENCY_BUCKETS with two
 counters, `<kind>_seconds_b<i>` (observations) and `<kind>_seconds_b<i>_ns`
 (their sum in nanoseconds). Counters add up across steps and TP ranks, so the
-histogram travels in WorkerReport.counters; aiokv/metrics.py turns it back into
+histogram travels in WorkerReport.counters; aiokv/connector/metrics.py turns it back into
 a Prometheus histogram with exact bucket counts and sum.
 """
 from __future__ import annotations

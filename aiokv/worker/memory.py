@@ -1,7 +1,7 @@
 """The host-memory tier: blocks recently saved or loaded stay in host memory,
 so that another hit on them is a copy into the KV cache, not a disk read.
 
-Staging and the memory tier are one arena (io/buffers.py SlotPool, pinned on
+Staging and the memory tier are one arena (data/buffers.py SlotPool, pinned on
 CUDA by device.attach). A slot is free, owned by a job (a device copy or I/O
 uses it), or kept: it holds the whole verified slot image (header + payload)
 of one key, in LRU order. Slots reach the tier only from jobs that succeeded:
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 
-from aiokv.io.buffers import SlotPool
+from aiokv.data.buffers import SlotPool
 
 
 class HostCache:

@@ -24,7 +24,7 @@ Failure contract (docs/reliability.md lists the scenarios and their tests):
   dropped (counted), never waited for; a load waits for slots, but fails at
   once when every slot in use is stuck (below).
 - A hung disk never hangs vLLM: loads and saves run in the backend's abandon
-  mode (io/backend.py). A load that times out or is cancelled, and a save that
+  mode (data/backend.py). A load that times out or is cancelled, and a save that
   takes over `save_timeout`, end at once (reported failed or cancelled) while
   the staging slots the kernel still writes into or reads from are set aside
   ("stuck") until their I/O ends; only then do they go back to the pool.
@@ -50,11 +50,11 @@ try:
 except ImportError:  # a machine without it (a bare GPU node): asyncio's own loop, slower per job
     uvloop = None
 
-from aiokv.io.backend import ABANDON, open_backend
-from aiokv.io.buffers import SlotPool
+from aiokv.data.backend import ABANDON, open_backend
+from aiokv.data.buffers import SlotPool
 from aiokv.jobs import Transfer, WorkerReport
-from aiokv.store import format as fmt
-from aiokv.store.blockio import BlockIO
+from aiokv.data import format as fmt
+from aiokv.data.blockio import BlockIO
 from aiokv.worker.layerwise import LayerwiseLoads
 from aiokv.worker.latency import latency_counts
 from aiokv.worker.memory import HostCache
@@ -63,7 +63,7 @@ log = logging.getLogger("aiokv")
 
 # results that say nothing about the disk's health (the breaker ignores them)
 NOT_IO_ERRORS = (0, -errno.EBADMSG, -errno.ECANCELED, -errno.ENOBUFS)
-# every counter a worker reports besides its latency histograms (aiokv/metrics.py maps each to a
+# every counter a worker reports besides its latency histograms (aiokv/connector/metrics.py maps each to a
 # Prometheus series or says why not; tests/test_metrics_series_table.py holds the two together)
 COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_cancelled_blocks", "load_timeouts", "loads_cancelled",
             "load_staging_stuck", "saves_ok_blocks", "save_failed_blocks", "save_skipped_staging_full",
@@ -85,7 +85,7 @@ class TransferWorker:
                  upload_queue: int = 256 << 20, flush_timeout: float = 10.0, secret: str | None = None,
                  memory_bytes: int = 0, layerwise: bool = False, checksum_threads: int | None = None):
         self.device = device
-        # threads that stamp and verify big chunks off the loop thread (store/blockio.py);
+        # threads that stamp and verify big chunks off the loop thread (aiokv/data/blockio.py);
         # None: the device's default (0 on the CPU build, whose cores run the model)
         self.checksum_threads = device.checksum_threads if checksum_threads is None else checksum_threads
         self.secret = secret
@@ -156,8 +156,8 @@ class TransferWorker:
         self._slots_freed = asyncio.Event()
         self.backend = open_backend(self.loop, io, depth=depth, path=self._io_args[0])
         if self.shared is not None:
-            from aiokv.shared.loader import RemoteLoader
-            from aiokv.shared.uploader import Uploader
+            from aiokv.bucket.loader import RemoteLoader
+            from aiokv.bucket.uploader import Uploader
 
             # an object already under a block's name that does not verify is replaced by ours, but
             # not with a secret: there a fleet engine's block under another secret (a misconfigured

@@ -14,8 +14,8 @@ import ctypes
 
 import numpy
 
-from aiokv.shared.client import SharedClient, SharedError
-from aiokv.shared.naming import object_name
+from aiokv.bucket.client import SharedClient, SharedError
+from aiokv.bucket.naming import object_name
 
 OK, MISSING, BAD, UNAVAILABLE = "ok", "missing", "bad", "unavailable"
 

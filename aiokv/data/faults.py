@@ -26,7 +26,7 @@ import errno
 import json
 import os
 
-from aiokv.io.backend import OP_READ, IOBackend, say_once
+from aiokv.data.backend import OP_READ, IOBackend, say_once
 
 ACK = "inject I/O faults"
 KINDS = ("eio", "enospc", "short", "late", "flip")

@@ -2,7 +2,7 @@
 
 An object holds one slot exactly as on local disk (header, then the payload
 padded to 4096 bytes), so a remote block verifies with the same check as a
-local one (aiokv/store/format.py). Its name carries what the header carries,
+local one (aiokv/data/format.py). Its name carries what the header carries,
 so two engines derive the same name for the same block without asking anyone:
 
     PREFIX/<namespace id hex>/r<rank>/<block key hex>

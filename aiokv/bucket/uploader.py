@@ -26,8 +26,8 @@ import logging
 
 import numpy
 
-from aiokv.shared.client import SharedClient, SharedError
-from aiokv.shared.naming import key_of
+from aiokv.bucket.client import SharedClient, SharedError
+from aiokv.bucket.naming import key_of
 
 log = logging.getLogger("aiokv")
 

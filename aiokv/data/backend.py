@@ -192,7 +192,7 @@ def open_backend(loop: asyncio.AbstractEventLoop, kind: str | None = None, depth
             kind = "threads"
     backend = _open_backend(loop, kind, depth)
     if os.environ.get("AIOKV_FAULTS"):
-        from aiokv.io.faults import FaultyBackend, rules_from_env
+        from aiokv.data.faults import FaultyBackend, rules_from_env
 
         rules = rules_from_env()
         if rules:
@@ -215,13 +215,13 @@ def _open_backend(loop: asyncio.AbstractEventLoop, kind: str | None, depth: int)
             kind = "threads"
     if kind in ("auto", "uring"):
         try:
-            from aiokv.io.uring import UringBackend
+            from aiokv.data.uring import UringBackend
 
             return UringBackend(loop, depth=depth)
         except OSError as e:
             if kind == "uring":
                 raise
             say_once(f"aiokv: io_uring unavailable ({os.strerror(e.errno or 0)}); using the thread-pool I/O backend")
-    from aiokv.io.threads import ThreadBackend
+    from aiokv.data.threads import ThreadBackend
 
     return ThreadBackend(loop, threads=min(depth, 16))

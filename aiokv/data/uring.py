@@ -44,7 +44,7 @@ Threading contract: loop thread only.
 from __future__ import annotations
 
 from aiokv import _native
-from aiokv.io.backend import IOBackend, _Batch
+from aiokv.data.backend import IOBackend, _Batch
 
 MIN_BYTES_IN_FLIGHT = 16 << 20
 

@@ -6,7 +6,7 @@ Rules it keeps (docs/design.md):
   to compute, for which every KV-cache group has what vLLM will load: every
   block for full attention, the blocks inside the window that ends at the hit
   for sliding-window groups, the state checkpoint at the hit's end for
-  recurrent-state groups (aiokv/layout.py). `match` has no side effects beyond
+  recurrent-state groups (aiokv/scheduler/layout.py). `match` has no side effects beyond
   memoising the request's keys; vLLM may call it many times.
 - A load is one explicit Transfer (keys, slots, block ids) per group built once
   at allocation from the block ids vLLM allocated (null blocks are skipped); its keys are pinned (not evictable) until the workers report the
@@ -33,10 +33,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from aiokv.breaker import Breaker
+from aiokv.util.breaker import Breaker
 from aiokv.jobs import StepPlan, Transfer, WorkerReport
-from aiokv.keys import extend_keys
-from aiokv.layout import FULL, STATE, GroupSpec
+from aiokv.scheduler.keys import extend_keys
+from aiokv.scheduler.layout import FULL, STATE, GroupSpec
 from aiokv.store import Store
 from aiokv.store.index import Namespace
 
@@ -116,7 +116,7 @@ class SchedulerSide:
         self.disabled = False  # a worker could not start: no hits, no saves from now on
         self._saves_allowed = True  # the breaker's word for this step's saves
         self.saves = True  # False: this engine saves nothing (kv_role kv_consumer; set by the connector)
-        # the shared tier's lookups (aiokv/shared/lookup.py), set by the connector; None: no shared tier
+        # the shared tier's lookups (aiokv/bucket/lookup.py), set by the connector; None: no shared tier
         self.shared = None
         self._remote: dict[str, tuple[int, int]] = {}  # req -> blocks [start, end) from the shared tier
         self._from_shared: set[tuple[int, bytes]] = set()  # (group, key) reserved for a load from it

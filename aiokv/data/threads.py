@@ -19,7 +19,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from aiokv.io.backend import OP_READ, IOBackend, _Batch
+from aiokv.data.backend import OP_READ, IOBackend, _Batch
 
 
 class ThreadBackend(IOBackend):

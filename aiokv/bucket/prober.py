@@ -25,7 +25,7 @@ import time
 
 import uvloop
 
-from aiokv.shared.client import SharedClient, SharedError
+from aiokv.bucket.client import SharedClient, SharedError
 
 BATCH_BLOCKS = 256       # blocks probed by one probe, at most (8k tokens at block size 32)
 CONCURRENCY = 64         # HEADs in flight per probe

@@ -12,10 +12,10 @@ its own loop thread).
 """
 from __future__ import annotations
 
-from aiokv.shared.breaker import Breaker
-from aiokv.shared.client import SharedClient
-from aiokv.shared.naming import object_name
-from aiokv.shared.prober import Prober
+from aiokv.bucket.breaker import Breaker
+from aiokv.bucket.client import SharedClient
+from aiokv.bucket.naming import object_name
+from aiokv.bucket.prober import Prober
 
 
 class SharedLookup:

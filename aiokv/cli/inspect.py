@@ -37,10 +37,10 @@ import os
 import sys
 import time
 
-from aiokv.io.backend import OP_READ, open_backend
-from aiokv.io.buffers import SlotPool
-from aiokv.store import format as fmt
-from aiokv.store.blockio import data_path
+from aiokv.data.backend import OP_READ, open_backend
+from aiokv.data.buffers import SlotPool
+from aiokv.data import format as fmt
+from aiokv.data.blockio import data_path
 from aiokv.store.lock import StoreLocked, engines
 from aiokv.store.store import NotAStore, Store, ns_dir
 

@@ -56,9 +56,9 @@ import threading
 import time
 
 from aiokv import _native
-from aiokv.io.backend import OP_READ, OP_WRITE, say_once, settle
-from aiokv.store import format as fmt
-from aiokv.store.dirs import open_under
+from aiokv.data.backend import OP_READ, OP_WRITE, say_once, settle
+from aiokv.data import format as fmt
+from aiokv.data.dirs import open_under
 
 EBADMSG = -errno.EBADMSG
 PIPELINE_MIN = 4  # up to this many items: one backend batch

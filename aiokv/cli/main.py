@@ -51,7 +51,7 @@ def _emit(doc: dict, text: str, fmt: str) -> None:
 
 
 def _inspect(args) -> int:
-    from aiokv import inspect as ins
+    from aiokv.cli import inspect as ins
 
     if args.repair:
         args.verify = True
@@ -81,8 +81,8 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from aiokv.inspect import InspectError
-    from aiokv.store import format as fmt
+    from aiokv.cli.inspect import InspectError
+    from aiokv.data import format as fmt
 
     try:
         return _inspect(args)

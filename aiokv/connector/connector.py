@@ -35,10 +35,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from aiokv import __version__
 from aiokv.config import AioKVConfig
 from aiokv.jobs import StepPlan, WorkerReport
-from aiokv.keys import namespace_id, request_root
-from aiokv.layout import FULL, STATE, WINDOW, GroupSpec
-from aiokv.metrics import AioKVPromMetrics, AioKVStats, StatsDelta, merge
-from aiokv.plugin import use_vllm_logging
+from aiokv.scheduler.keys import namespace_id, request_root
+from aiokv.scheduler.layout import FULL, STATE, WINDOW, GroupSpec
+from aiokv.connector.metrics import AioKVPromMetrics, AioKVStats, StatsDelta, merge
+from aiokv.connector.plugin import use_vllm_logging
 
 log = logging.getLogger("aiokv")
 IDLE_WAIT_S = 0.002  # how long an engine step with nothing to compute waits for a load
@@ -66,7 +66,7 @@ class AioKVWorkerMetadata(KVConnectorWorkerMetadata):
 
 def describe(vllm_config, kv_cache_config) -> tuple[dict, list[GroupSpec]]:
     """Namespace fields (all that changes the bytes of a block) and what aiokv stores per KV-cache group."""
-    from aiokv.fingerprint import weights_fingerprint
+    from aiokv.connector.fingerprint import weights_fingerprint
 
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     if pc.pipeline_parallel_size != 1:
@@ -205,10 +205,10 @@ def engine_transfer_config(own, depth: int = 8):
 
 
 def lora_fingerprint(name: str, path) -> str:
-    """The adapter's files decide its KV, not its name or path (aiokv/fingerprint.py).
+    """The adapter's files decide its KV, not its name or path (aiokv/connector/fingerprint.py).
     An adapter whose files aiokv cannot read gets a random fingerprint for this
     process: its blocks are hits in this life only, never after a restart."""
-    from aiokv.fingerprint import adapter_fingerprint
+    from aiokv.connector.fingerprint import adapter_fingerprint
 
     fp = _unreadable_adapters.get((name, path))
     if fp is not None:
@@ -325,8 +325,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ================= scheduler role =================
     def _init_scheduler(self) -> None:
-        from aiokv.breaker import Breaker
-        from aiokv.scheduler import SchedulerSide
+        from aiokv.util.breaker import Breaker
+        from aiokv.scheduler.side import SchedulerSide
         from aiokv.store import Store, StoreLocked
         from aiokv.store.fsthread import bounded
 
@@ -367,8 +367,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.sched.layerwise = self.layerwise
         self.sched.saves = self.kv_role != "kv_consumer"
         if self.cfg.shared:
-            from aiokv.shared.lookup import SharedLookup
-            from aiokv.store.format import slot_bytes
+            from aiokv.bucket.lookup import SharedLookup
+            from aiokv.data.format import slot_bytes
 
             self.sched.shared = SharedLookup(self.cfg.shared, self.cfg.remote_timeout, self.cfg.probe_timeout,
                                              [(ns.nsid, ns.ranks, slot_bytes(ns.payload_bytes)) for _, ns in spaces])
@@ -466,7 +466,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         idle = scheduler_output.total_num_scheduled_tokens == 0
         if self.sched is None:
             return AioKVMetadata(StepPlan(), idle=idle)
-        from aiokv.scheduler import Scheduled
+        from aiokv.scheduler.side import Scheduled
 
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
         n_sched = scheduler_output.num_scheduled_tokens
@@ -539,7 +539,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             memory = self.cfg.memory // len(self.groups)
             shared = None
             if self.cfg.shared:  # one client (and breaker) for this worker's groups
-                from aiokv.shared.client import SharedClient
+                from aiokv.bucket.client import SharedClient
 
                 shared = SharedClient(self.cfg.shared, self.cfg.remote_timeout)
             for g, nsid in zip(self.groups, self.group_nsids):
@@ -666,7 +666,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         return AioKVWorkerMetadata(report)
 
     def get_kv_connector_stats(self):
-        # vLLM sums what it is handed: deltas of counters, gauges when they change (aiokv/metrics.py)
+        # vLLM sums what it is handed: deltas of counters, gauges when they change (aiokv/connector/metrics.py)
         if self.sched is None:
             return None
         data = self._delta.take(self._scheduler_counters())

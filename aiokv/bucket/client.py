@@ -29,8 +29,8 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionError
 from obstore.store import S3Store
 
-from aiokv.shared.breaker import Breaker
-from aiokv.shared.naming import parse_url
+from aiokv.bucket.breaker import Breaker
+from aiokv.bucket.naming import parse_url
 
 
 class SharedError(Exception):

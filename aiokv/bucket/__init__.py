@@ -1,4 +1,4 @@
-"""The shared tier: blocks uploaded to an S3-compatible bucket so that other
+"""The bucket tier: blocks uploaded to an S3-compatible bucket so that other
 engines (other nodes) load them instead of recomputing (docs/sharing.md).
 
     naming.py   bucket URL and object names

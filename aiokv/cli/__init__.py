@@ -1,0 +1,1 @@
+"""The `aiokv` command: main.py parses arguments, inspect.py reads a store read-only."""

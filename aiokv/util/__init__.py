@@ -1,0 +1,4 @@
+"""Mechanisms every layer uses; nothing here imports another aiokv layer.
+
+    breaker.py  circuit breaker: a failing disk or bucket is skipped for a while
+"""

@@ -1,0 +1,62 @@
+"""One event loop on a daemon thread of its own: the worker's, the bucket prober's.
+
+uvloop where it is installed, asyncio's own loop elsewhere (a bare GPU node).
+
+Threading contract: `submit`, `call_soon` and `stop` are called from any thread; the
+loop runs on its own thread only what was handed to it. `stop` returns within its bound
+whatever the loop runs: a loop that does not stop is left to the process exit.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+
+try:
+    import uvloop
+except ImportError:  # a machine without it: asyncio's own loop, slower per job
+    uvloop = None
+
+log = logging.getLogger("aiokv")
+
+
+class LoopThread:
+    def __init__(self, name: str):
+        self.name = name
+        self.loop = uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+        self.loop.set_exception_handler(self._on_error)
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        """Runs `coro` on the loop; raises RuntimeError when the loop is closed."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call_soon(self, fn, *args) -> bool:
+        """Calls fn(*args) on the loop; False when the loop is gone (nobody to tell)."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:
+            return False
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stops the loop and its thread; True when they stopped within `timeout`
+        (the loop is then closed), False when the thread is still running."""
+        if self.thread.is_alive():
+            self.call_soon(self.loop.stop)
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                return False
+        if not self.loop.is_closed():
+            self.loop.close()
+        return True
+
+    def _on_error(self, loop, context) -> None:
+        log.error("aiokv: unexpected error in the %s loop: %s", self.name, context.get("message"),
+                  exc_info=context.get("exception"))
