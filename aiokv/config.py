@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from aiokv.store.store import parse_size
-
 
 class ConfigError(ValueError):
     pass
@@ -118,3 +116,20 @@ class AioKVConfig:
                 except ImportError:
                     raise ConfigError("aiokv: shared needs the obstore package: pip install 'aiokv[shared]'") from None
         return cfg
+
+
+def parse_size(v) -> int:
+    """Bytes from an int or a string like '200GiB', '1.5 TB', '512M'."""
+    if isinstance(v, bool):
+        raise ValueError(f"not a size: {v!r}")
+    if isinstance(v, (int, float)):
+        return int(v)
+    s = str(v).strip().replace(" ", "")
+    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+             "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
+             "tib": 1 << 40}
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = s[len(num):].lower()
+    if unit not in units or not num:
+        raise ValueError(f"not a size: {v!r} (use bytes or a unit like 200GiB)")
+    return int(float(num) * units[unit])

@@ -33,7 +33,7 @@ from aiokv.scheduler.keys import request_root
 from aiokv.scheduler.side import Scheduled, SchedulerSide
 from aiokv.store import Store
 from aiokv.data import format as fmt
-from aiokv.store import store as store_mod
+from aiokv.store import space as space_mod
 from tests import mounts
 from tests.conftest import NS, PAYLOAD, key
 
@@ -90,7 +90,7 @@ def _report(saves, written: bool) -> WorkerReport:
 
 @pytest.mark.parametrize("kind", ["eio", "erofs"])
 def test_dead_or_read_only_disk_never_raises(ext4, kind, caplog, monkeypatch):
-    monkeypatch.setattr(store_mod, "GROW_BYTES", 8 * SB)  # space is reserved 8 slots at a time
+    monkeypatch.setattr(space_mod, "GROW_BYTES", 8 * SB)  # space is reserved 8 slots at a time
     caplog.set_level(logging.WARNING, logger="aiokv")
     mnt, fail = ext4
     root = str(mnt / "cache")

@@ -30,6 +30,8 @@ import pytest
 from aiokv.cli import inspect as insp
 from aiokv.store import Store, StoreLocked
 from aiokv.store import index as index_mod
+from aiokv.store import meta as meta_mod
+from aiokv.store import reclaim as reclaim_mod
 from aiokv.store import store as store_mod
 from aiokv.data import format as fmt
 from aiokv.store.lock import engines
@@ -351,7 +353,7 @@ async def test_hits_from_another_engine_keep_a_block_young(tmp_path, blocks, mon
 
 
 async def test_a_dead_engines_oldest_blocks_are_reclaimed_by_a_live_one(tmp_path, blocks, monkeypatch):
-    monkeypatch.setattr(store_mod, "RECLAIM_INTERVAL", 0)
+    monkeypatch.setattr(reclaim_mod, "RECLAIM_INTERVAL", 0)
     root = str(tmp_path / "s")
     cap = 16 * SB + 64 * 1024
     a = Store(root, capacity=cap)
@@ -381,7 +383,7 @@ async def test_a_dead_engines_oldest_blocks_are_reclaimed_by_a_live_one(tmp_path
 
 def test_an_engine_stuck_creating_files_does_not_hang_the_others(tmp_path, monkeypatch):
     import fcntl
-    monkeypatch.setattr(store_mod, "SETUP_WAIT", 0.3)
+    monkeypatch.setattr(meta_mod, "SETUP_WAIT", 0.3)
     root = str(tmp_path / "s")
     Store(root).close()
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from aiokv.store import Store
 from aiokv.data import format as fmt
-from aiokv.store import store as store_mod
+from aiokv.store import reclaim as reclaim_mod
 from tests.conftest import NS, PAYLOAD, key
 
 SB = fmt.slot_bytes(PAYLOAD)
@@ -35,7 +35,7 @@ async def _intact(st, ns, blocks, ids) -> list[int]:
 
 
 async def test_reclaim_keeps_blocks_the_view_had_not_seen(tmp_path, blocks, monkeypatch):
-    monkeypatch.setattr(store_mod, "RECLAIM_INTERVAL", 0)
+    monkeypatch.setattr(reclaim_mod, "RECLAIM_INTERVAL", 0)
     root = str(tmp_path / "s")
     cap = 16 * SB + 64 * 1024
     a = Store(root, capacity=cap)

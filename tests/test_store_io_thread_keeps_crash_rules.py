@@ -21,7 +21,7 @@ import time
 
 from aiokv.util.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
 from aiokv.store import Store
-from aiokv.store import store as store_mod
+from aiokv.store import persist as persist_mod
 from tests.conftest import NS, PAYLOAD, key
 
 
@@ -32,7 +32,7 @@ def _commit(st, ns, keys):
 
 
 def test_commits_reach_the_journal_and_a_hung_thread_loses_only_what_it_held(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_mod, "CLOSE_WAIT", 0.5)
+    monkeypatch.setattr(persist_mod, "CLOSE_WAIT", 0.5)
     root = str(tmp_path / "s")
     st = Store(root, io_thread=True, fs_timeout=0.2)
     ns = st.namespace(NS, PAYLOAD)

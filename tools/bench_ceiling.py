@@ -41,7 +41,7 @@ import bench_store as bs  # noqa: E402
 
 from aiokv.data.buffers import SlotPool  # noqa: E402
 from aiokv.data import format as fmt  # noqa: E402
-from aiokv.store import parse_size  # noqa: E402
+from aiokv.config import parse_size  # noqa: E402
 from aiokv.data.blockio import BlockIO  # noqa: E402
 from aiokv.store.store import ns_dir  # noqa: E402
 

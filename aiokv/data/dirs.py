@@ -6,8 +6,7 @@ is opened with O_NOFOLLOW: a symlink swapped in anywhere under the cache
 directory is refused, never followed. The owner also refuses a directory that
 another user owns or that group/others can write (they could plant files).
 
-Also here: the small JSON files (aiokv.json, namespace.json), written atomically,
-and sizes.
+Also here: the small JSON files (aiokv.json, namespace.json), written atomically.
 
 Threading contract: plain functions, any thread.
 """
@@ -101,20 +100,3 @@ def _read_json(name: str, dir_fd: int, path: str) -> dict:
         except ValueError as e:
             raise NotAStore(f"aiokv: {os.path.join(path, name)} is damaged (bad JSON: {e}); "
                             f"remove {path} or give aiokv a new directory") from None
-
-
-def parse_size(v) -> int:
-    """Bytes from an int or a string like '200GiB', '1.5 TB', '512M'."""
-    if isinstance(v, bool):
-        raise ValueError(f"not a size: {v!r}")
-    if isinstance(v, (int, float)):
-        return int(v)
-    s = str(v).strip().replace(" ", "")
-    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-             "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
-             "tib": 1 << 40}
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-    unit = s[len(num):].lower()
-    if unit not in units or not num:
-        raise ValueError(f"not a size: {v!r} (use bytes or a unit like 200GiB)")
-    return int(float(num) * units[unit])

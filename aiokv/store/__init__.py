@@ -5,6 +5,6 @@ slot bytes; the on-disk format is in aiokv/data/format.py and docs/format.md.
 """
 from aiokv.store.index import Namespace
 from aiokv.store.lock import StoreLocked
-from aiokv.store.store import NotAStore, Store, StoreStats, parse_size
+from aiokv.store.store import NotAStore, Store, StoreStats
 
-__all__ = ["Namespace", "NotAStore", "Store", "StoreLocked", "StoreStats", "parse_size"]
+__all__ = ["Namespace", "NotAStore", "Store", "StoreLocked", "StoreStats"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from aiokv import _native
 from aiokv.data import format as fmt
@@ -28,11 +29,32 @@ from aiokv.store.journal import IndexLog
 from aiokv.store.lock import DirLock, StoreLocked
 
 PUNCH = _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE
+RECLAIM_INTERVAL = 5.0  # seconds between looks for a dead engine holding the directory's oldest blocks
 log = logging.getLogger("aiokv")
 
 
 class Reclaim:
     """Mixin of Store: the attributes it uses are set in Store.__init__."""
+
+    def _reclaim(self) -> None:
+        """Over the capacity, with the directory's oldest blocks in the files of an
+        engine that is not running: take that engine's lock (a new engine then
+        takes another number) and evict its oldest blocks as its owner would — a
+        DROP in its journal, its slots punched — while they are the oldest and the
+        directory is over the capacity. Looks for such an engine at most every
+        RECLAIM_INTERVAL seconds; a running engine (idle or not) is never touched."""
+        while self._used() > self.limit and self._peers_older() and not self.fs.busy("reclaim"):
+            ns, e, key = self._oldest_peer()
+            if e not in self._reclaiming:
+                now = time.monotonic()
+                if now - self._reclaim_checked < RECLAIM_INTERVAL:
+                    return
+                self._reclaim_checked = now
+            slot = ns.peers[e][key][0]
+            op = self.fs.once("reclaim", lambda ns=ns, e=e, key=key, slot=slot: self._evict_dead_io(ns, e, key, slot),
+                              lambda r, err, ns=ns, e=e, key=key: self._evict_dead_done(ns, e, key, r, err))
+            if not op.finished or op.result is None:
+                return
 
     def _oldest_peer(self) -> tuple[Namespace, int, bytes] | None:
         """(namespace, engine, key) of the oldest block another engine holds."""

@@ -1,0 +1,191 @@
+"""Namespace metadata and opening: the store marker (aiokv.json), the setup lock,
+the directories of the store and of each namespace, namespace.json (a part of
+Store, store.py).
+
+Opening a store checks (or creates, or migrates) aiokv.json and opens every
+namespace found under ns/; `namespace` opens or creates one. Creating or
+migrating the store, and creating a namespace, happen under the setup lock (an
+flock of the root directory: engines starting together), waited for at most
+SETUP_WAIT. Every directory is opened relative to a descriptor, never through
+a symlink (aiokv/data/dirs.py).
+
+Threading contract: `_open` runs in Store.__init__ on the opener's thread;
+`namespace` runs on the owner's thread, its file-system part (`_namespace`) on
+the store's I/O thread once it has started (waited for at most NAMESPACE_WAIT).
+The directory descriptors are opened by whichever thread runs that part and
+read by the I/O thread afterwards.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+
+from aiokv.data import format as fmt
+from aiokv.data.dirs import NotAStore, _exists, _read_json, _write_json, check_private, open_dir
+from aiokv.store.index import Namespace
+from aiokv.store.lock import DirLock
+from aiokv.store.space import GROW_AHEAD
+
+NAMESPACE_WAIT = 60.0  # seconds opening a namespace may take on the I/O thread (at start)
+SETUP_WAIT = 30.0  # seconds an engine waits for another one creating the store or a namespace
+log = logging.getLogger("aiokv")
+
+
+@contextlib.contextmanager
+def setup_lock(root_fd: int, root: str = "the cache directory"):
+    """Held while creating or migrating the store or a namespace (moments, at start).
+    Waited for at most SETUP_WAIT: an engine hung there must not hang the others."""
+    end = time.monotonic() + SETUP_WAIT
+    while True:
+        try:
+            fcntl.flock(root_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > end:
+                raise NotAStore(f"aiokv: {root}: another engine has been creating files there for {SETUP_WAIT:.0f} s "
+                                "(a hung disk?); check it, or give this engine its own path") from None
+            time.sleep(0.01)
+    try:
+        yield
+    finally:
+        fcntl.flock(root_fd, fcntl.LOCK_UN)
+
+
+def ns_dir(root: str, nsid: bytes) -> str:
+    return os.path.join(root, "ns", nsid.hex())
+
+
+class Meta:
+    """Mixin of Store: the attributes it uses are set in Store.__init__."""
+
+    def _open(self, readonly: bool, engine: int | None) -> None:
+        # The root itself is not followed if it is a symlink, nor is anything below it.
+        if readonly:
+            if not os.path.isdir(self.root):
+                raise NotAStore(f"aiokv: {self.root} is not an aiokv store (no aiokv.json)")
+            self._root_fd = open_dir(self.root)
+            if not _exists("aiokv.json", self._root_fd):
+                raise NotAStore(f"aiokv: {self.root} is not an aiokv store (no aiokv.json)")
+            self._check_meta(_read_json("aiokv.json", self._root_fd, self.root))
+        else:
+            os.makedirs(os.path.dirname(self.root) or "/", exist_ok=True)
+            self._root_fd = open_dir(self.root, create=True)
+            check_private(self._root_fd, self.root)
+            # Creating or migrating the store, and creating namespaces, is done
+            # under an flock of the root directory: engines starting together.
+            with setup_lock(self._root_fd, self.root):
+                if not _exists("aiokv.json", self._root_fd) and os.listdir(self._root_fd):
+                    raise NotAStore(f"aiokv: {self.root} is not empty and not an aiokv store; "
+                                    "give aiokv an empty or new directory")
+                self.lock = DirLock(self.root, self._root_fd, engine)
+                self.engine = self.lock.engine
+                if not _exists("aiokv.json", self._root_fd):
+                    _write_json("aiokv.json", {"magic": fmt.STORE_MAGIC, "format": fmt.FORMAT_VERSION}, self._root_fd)
+                if self._check_meta(_read_json("aiokv.json", self._root_fd, self.root)) != fmt.FORMAT_VERSION:
+                    # format 1 is format 2 with engine 0 alone: nothing moves (docs/format.md)
+                    _write_json("aiokv.json", {"magic": fmt.STORE_MAGIC, "format": fmt.FORMAT_VERSION}, self._root_fd)
+                    log.info("aiokv: %s migrated to format %d (several engines)", self.root, fmt.FORMAT_VERSION)
+        ns_path = os.path.join(self.root, "ns")
+        self._ns_fd = open_dir(ns_path, self._root_fd, create=not readonly)
+        if not readonly:
+            check_private(self._ns_fd, ns_path)
+        st = os.fstatvfs(self._root_fd)
+        # a file system that reports no size (ramfs) lives in memory: bounded by it
+        self._fs_bytes = st.f_blocks * st.f_frsize or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        for name in sorted(os.listdir(self._ns_fd)):
+            try:
+                nsid = bytes.fromhex(name)
+            except ValueError:
+                continue  # not ours
+            if len(nsid) != fmt.NSID_BYTES:
+                continue
+            dfd = self._ns_dir_fd(nsid)
+            # a namespace whose namespace.json never made it (a crash at creation) holds nothing
+            if _exists("namespace.json", dfd):
+                self._load_namespace(nsid)
+        if not readonly:
+            self._shrink_to_limit()
+
+    def _check_meta(self, meta) -> int:
+        if not isinstance(meta, dict) or meta.get("magic") != fmt.STORE_MAGIC:
+            raise NotAStore(f"aiokv: {self.root} is not an aiokv store (bad aiokv.json)")
+        if meta.get("format") not in fmt.READS_FORMATS:
+            raise NotAStore(f"aiokv: {self.root} has format {meta.get('format')}, this aiokv reads "
+                            f"{fmt.FORMAT_VERSION}; use a new directory")
+        return meta["format"]
+
+    # ---- namespaces ----
+    def _ns_dir_fd(self, nsid: bytes, create: bool = False) -> int:
+        fd = self._dir_fds.get(nsid)
+        if fd is None:
+            path = ns_dir(self.root, nsid)
+            fd = self._dir_fds[nsid] = open_dir(path, self._ns_fd, create=create)
+            if not self.readonly:
+                check_private(fd, path)
+        return fd
+
+    def _own_dir_fd(self, nsid: bytes) -> int:
+        """Our engine's directory in a namespace (created 0700 if missing)."""
+        fd = self._own_fds.get(nsid)
+        if fd is None:
+            sub = fmt.engine_dir(self.engine)
+            if not sub:
+                fd = self._ns_dir_fd(nsid)
+            else:
+                path = os.path.join(ns_dir(self.root, nsid), sub)
+                fd = open_dir(path, self._ns_dir_fd(nsid), create=True)
+                check_private(fd, path)
+            self._own_fds[nsid] = fd
+        return fd
+
+    def _load_namespace(self, nsid: bytes) -> Namespace:
+        d, nfd = ns_dir(self.root, nsid), self._ns_dir_fd(nsid)
+        try:
+            pb, sb, ranks, fields = fmt.check_namespace(_read_json("namespace.json", nfd, d), nsid)
+        except fmt.BadBlock as e:
+            raise NotAStore(f"aiokv: {d}/namespace.json is damaged ({e}); remove {d} (its blocks are lost) "
+                            "or give aiokv a new directory") from None
+        ns = Namespace(nsid, pb, sb, ranks, fields, self.engine)
+        if not self.readonly:
+            self._load_own(ns)
+        self.index.namespaces[nsid] = ns
+        self._spaces = tuple(self.index.namespaces.values())  # replaced, never changed: the I/O thread reads it
+        self._follow(ns)
+        return ns
+
+    def namespace(self, nsid: bytes, payload_bytes: int, ranks: int = 1, fields: dict | None = None) -> Namespace:
+        """Open or create a namespace. nsid is derived by the caller from all that changes the bytes.
+        With the I/O thread it opens there (waited for at most NAMESPACE_WAIT: at start)."""
+        if self.fs.inline:
+            return self._namespace(nsid, payload_bytes, ranks, fields)
+        return self.fs.call(lambda: self._namespace(nsid, payload_bytes, ranks, fields), NAMESPACE_WAIT,
+                            deadline=NAMESPACE_WAIT)
+
+    def _namespace(self, nsid: bytes, payload_bytes: int, ranks: int, fields: dict | None) -> Namespace:
+        if len(nsid) != fmt.NSID_BYTES:
+            raise ValueError(f"aiokv: namespace ids are {fmt.NSID_BYTES} bytes")
+        ns = self.index.namespaces.get(nsid)
+        if ns is None:
+            if self.readonly:
+                raise KeyError(nsid.hex())
+            info = {"nsid": nsid.hex(), "payload_bytes": payload_bytes, "ranks": ranks, "fields": fields or {},
+                    "slot_bytes": fmt.slot_bytes(payload_bytes) if type(payload_bytes) is int else None}
+            try:
+                fmt.check_namespace(info, nsid)
+            except fmt.BadBlock as e:
+                raise ValueError(f"aiokv: cannot create namespace {nsid.hex()}: {e}") from None
+            with setup_lock(self._root_fd, self.root):  # another engine may be creating it right now
+                dfd = self._ns_dir_fd(nsid, create=True)
+                if not _exists("namespace.json", dfd):
+                    _write_json("namespace.json", dict(info, created=time.time()), dfd)
+            ns = self._load_namespace(nsid)
+            if not self.fs.inline and len(ns.alloc.free) < GROW_AHEAD:
+                self._grow(ns, ahead=True)  # space for the first saves, reserved at start (on the I/O thread)
+        if ns.payload_bytes != payload_bytes or ns.ranks != ranks:
+            raise ValueError(f"aiokv: namespace {nsid.hex()} holds {ns.payload_bytes}-byte blocks on "
+                             f"{ns.ranks} ranks, not {payload_bytes} on {ranks}: its id must cover the layout")
+        return ns
+

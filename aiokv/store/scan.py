@@ -1,0 +1,65 @@
+"""Scan and verify of our own data files (a part of Store, store.py): `_scan`
+finds every slot whose header verifies on every rank (the rebuild of a lost
+index, replay.py); `verify_slot` says whether a location holds a complete,
+verifying block of a key on every rank (the scheduler side, for saves whose
+reports can no longer arrive at shutdown).
+
+Threading contract: `_scan` runs where replay runs (the opener's thread or the
+I/O thread); `verify_slot` is called on the owner's thread and, with the I/O
+thread, reads there (bounded by persist.CLOSE_WAIT and the close deadline).
+"""
+from __future__ import annotations
+
+import os
+
+from aiokv.data import format as fmt
+from aiokv.store import persist
+from aiokv.store.fsthread import FsTimeout
+from aiokv.store.index import Namespace
+
+
+class Scan:
+    """Mixin of Store: the attributes it uses are set in Store.__init__."""
+
+    def _scan(self, ns: Namespace) -> dict[bytes, tuple[int, int]]:
+        """key -> (slot, write time) for every slot whose header verifies on every rank."""
+        found: dict[bytes, tuple[int, int]] | None = None
+        sb = ns.slot_bytes
+        for rank in range(ns.ranks):
+            fd = self._rank_fd(ns, rank)
+            here = {}
+            for slot in range(min(os.fstat(fd).st_size // sb, self._max_slots(ns))):
+                try:
+                    h = fmt.check_header(os.pread(fd, fmt.HDR_USED, slot * sb), ns.nsid, rank, ns.payload_bytes)
+                except fmt.BadBlock:
+                    continue
+                here[(h["key"], slot)] = h["seq"]
+            found = here if found is None else {ks: t for ks, t in here.items() if ks in found}
+        return {k: (s, t) for (k, s), t in sorted((found or {}).items(), key=lambda x: x[1])}
+
+    def verify_slot(self, ns: Namespace, key: bytes, where: int) -> bool:
+        """Whether our location `where` holds a complete, verifying block of `key` on
+        every rank (whatever layout tag it was written with; the reader checks its own)."""
+        if not self.fs.inline:  # at close: bounded, and False if the file system does not answer
+            if self.fs.stalled:
+                return False
+            try:
+                op = self.fs.submit(lambda: self._verify_io(ns, key, where))
+            except FsTimeout:
+                return False
+            done = self.fs.drain(op, persist.CLOSE_WAIT, self._close_deadline())
+            return done and op.error is None and bool(op.result)
+        return self._verify_io(ns, key, where)
+
+    def _verify_io(self, ns: Namespace, key: bytes, where: int) -> bool:
+        sb, slot = ns.slot_bytes, where & fmt.SLOT_MASK
+        for rank in range(ns.ranks):
+            raw = os.pread(self._rank_fd(ns, rank), sb, slot * sb)
+            if len(raw) != sb:
+                return False
+            try:
+                fmt.check_slot(raw, ns.nsid, rank, ns.payload_bytes, key)
+            except fmt.BadBlock:
+                return False
+        return True
+

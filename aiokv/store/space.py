@@ -1,0 +1,248 @@
+"""Space: the capacity and what the directory takes on disk, growing data files
+(fallocate) for new slots, punching the slots given back, eviction choice, and
+the limit lowered while the disk is full (a part of Store, store.py).
+
+Several engines: `_used` counts every engine's files; over the capacity each
+engine evicts its own blocks while they are the directory's oldest, and an
+engine short of room whose blocks are newer than another's may overshoot by
+capacity / SHARE_SLACK meanwhile.
+
+Threading contract: the decisions (`_grow`, `_shrink_to`, `_evict`,
+`_make_room`, `_regain_space`) run on the owner's thread and change only
+in-memory state there; their file-system halves (`_grow_io`, `_punch`,
+`_fallocate`, the free-space check) are submitted to the store's I/O thread
+(fsthread.py), or run at once without one, and their outcomes are applied on
+the owner's thread at its next poll.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+
+from aiokv import _native
+from aiokv.data import format as fmt
+from aiokv.data.dirs import FILE_FLAGS
+from aiokv.store.index import Namespace
+from aiokv.store.reclaim import PUNCH
+
+GROW_BYTES = 64 << 20  # disk space is reserved for new slots this much at a time
+HEADROOM = 4 << 20  # left to the file system (journal, other users) when the disk is full
+SHARE_SLACK = 16  # overshoot allowed while another engine holds older blocks: capacity / this
+GROW_AHEAD = 16  # free slots left when a grow for more starts (io_thread)
+log = logging.getLogger("aiokv")
+
+
+class Space:
+    """Mixin of Store: the attributes it uses are set in Store.__init__."""
+
+    def _used(self) -> int:
+        """Bytes the directory takes on disk: our backed slots (less those queued for
+        punching), journals and checkpoints, and the other engines' files (as of the
+        last refresh)."""
+        return (self.index.physical_bytes - self._punching + sum(jq.disk_bytes for jq in self.journals.values())
+                + sum(self._peer_bytes.values()))
+
+    def _peers_older(self) -> bool:
+        """Whether another engine holds a block older than our LRU victim (it, not
+        we, should give space back)."""
+        victim = self.index.victim()
+        oldest = [a for a in (n.oldest_peer_atime() for n in self.index.namespaces.values()) if a is not None]
+        if not oldest:
+            return False
+        return victim is None or min(oldest) < victim[0].atime.get(victim[1], 0)
+
+    def _evict(self, ns: Namespace, key: bytes, punch: bool) -> bool:
+        """Forget the LRU entry `key`; False if its space was to be punched and could not be."""
+        slot = self.index.remove(ns, key)
+        self._append_drops(ns, [fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
+        self.stats.evictions += 1
+        if punch:
+            return self._unback(ns, slot)
+        ns.alloc.release(slot)
+        return True
+
+    def _unback(self, ns: Namespace, slot: int) -> bool:
+        """Give an in-use slot's disk space back. Where punching fails (a file
+        system without hole punching, an I/O error) the slot stays backed and
+        counted, on the free list, and False says so (at once, or, with the I/O
+        thread, when the punch ran: the slot is neither free nor a hole meanwhile)."""
+        cost = ns.slot_cost
+        self._punching += cost
+
+        def done(ok, e):
+            self._punching -= cost
+            if ok:
+                ns.alloc.punch(slot)
+            else:
+                ns.alloc.release(slot)
+        op = self.fs.submit(lambda: self._punch(ns, slot), done)
+        return not op.finished or bool(op.result)
+
+    def _append_drops(self, ns: Namespace, recs: list[bytes]) -> None:
+        # Best effort: a DROP that is not persisted resurrects an entry whose slot
+        # was punched or reused; its header then fails verification: a miss. A
+        # TOUCH that is not persisted only leaves a block older in the LRU.
+        self.journals[ns.nsid].append(recs)
+
+    def _shrink_to(self, target: int, oldest_only: bool = False) -> None:
+        """Punch free slots, then LRU blocks, until at most `target` bytes are used
+        or nothing more can be given back; with oldest_only, only while our LRU
+        block is the directory's oldest."""
+        while self._used() > target:
+            for ns in self.index.namespaces.values():
+                while ns.alloc.free and self._used() > target:  # unused backed slots go first
+                    if not self._unback(ns, ns.alloc.take()):
+                        return
+            if self._used() <= target or (oldest_only and self._peers_older()):
+                return
+            victim = self.index.victim()
+            if victim is None or not self._evict(*victim, punch=True):
+                return
+
+    def _make_room(self, nbytes: int = HEADROOM) -> None:
+        """Punch LRU blocks worth nbytes and cap the capacity at what remains,
+        until the file system has room again (_regain_space)."""
+        self._shrink_to(max(self._used() - nbytes, 0))
+        self.limit = self._used()
+        self._space_checked = time.monotonic()
+
+    def _shrink_to_limit(self) -> None:
+        if self.limit is not None and self._used() > self.limit:
+            self._shrink_to(self.limit, oldest_only=True)
+
+    def _regain_space(self) -> None:
+        """While a full disk holds the limit under the capacity: raise it again as
+        far as the file system has room now (checked at most every space_check_interval)."""
+        now = time.monotonic()
+        if self.limit == self.capacity or now - self._space_checked < self.space_check_interval:
+            return
+        self._space_checked = now
+        root_fd = self._root_fd
+
+        def done(st, e):
+            if e is not None:
+                if not isinstance(e, OSError):
+                    raise e
+                if self.fs.inline:
+                    raise e
+                return
+            avail = st.f_bavail * st.f_frsize - HEADROOM
+            if avail <= 0 or self.limit == self.capacity:
+                return
+            new = self._used() + avail
+            if self.capacity is None:
+                self.limit = None
+            elif new > self.limit:
+                self.limit = min(new, self.capacity)
+        self.fs.once("space", lambda: os.fstatvfs(root_fd), done)
+
+    def _rank_fd(self, ns: Namespace, rank: int) -> int:
+        fd = self._rank_fds.get((ns.nsid, rank))
+        if fd is None:
+            fd = os.open(f"rank{rank}.data", os.O_RDWR | os.O_CREAT | FILE_FLAGS, 0o600,
+                         dir_fd=self._own_dir_fd(ns.nsid))
+            self._rank_fds[(ns.nsid, rank)] = fd
+        return fd
+
+    def _fallocate(self, ns: Namespace, mode: int, slots, ignore_errors: bool = False, punch: bool = False) -> None:
+        sb = ns.slot_bytes
+        runs: list[list[int]] = []  # [first, count] of consecutive slots: one call each
+        for s in sorted(slots):
+            if runs and runs[-1][0] + runs[-1][1] == s:
+                runs[-1][1] += 1
+            else:
+                runs.append([s, 1])
+        for rank in range(ns.ranks):
+            fd = self._rank_fd(ns, rank)
+            for first, count in runs:
+                try:
+                    _native.fallocate(fd, mode, first * sb, count * sb)
+                except OSError as e:
+                    if ignore_errors:
+                        continue
+                    if punch or e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                        raise
+                    if not mode:  # no fallocate here: extend the file sparsely
+                        os.ftruncate(fd, max(os.fstat(fd).st_size, (first + count) * sb))
+
+    def _punch(self, ns: Namespace, slot: int) -> bool:
+        """Punch one slot on every rank; False if any rank refused."""
+        try:
+            self._fallocate(ns, PUNCH, [slot], punch=True)
+        except OSError:
+            return False
+        return True
+
+    def _grow(self, ns: Namespace, ahead: bool = False) -> bool | None:
+        """Reserve disk space for more slots: a chunk, halved on ENOSPC down to one slot.
+        None: a grow is in flight on the I/O thread (not waited for past this step's
+        budget); ahead: only if there is room, and without waiting."""
+        if self.limit is not None and self.limit != self.capacity:
+            self._regain_space()
+        op = self._growing.get(ns.nsid)
+        if op is None:
+            room = (self.limit - self._used()) if self.limit is not None else GROW_BYTES
+            n = min(max(1, GROW_BYTES // ns.slot_cost), room // ns.slot_cost)
+            if n <= 0 and self._peers_older() and not ahead:
+                # another engine holds older blocks and sheds them at its next refresh:
+                # overshoot by a slot rather than evict our newer ones, up to a bound
+                n = 1 if room + max(self.limit // SHARE_SLACK, ns.slot_cost) >= ns.slot_cost else 0
+            if n <= 0:
+                return False
+            plans = []
+            while n > 0:  # planned here: the allocator is the owner's
+                plans.append(ns.alloc.plan_grow(n))
+                n //= 2
+            hwm = ns.alloc.hwm
+            op = self.fs.submit(lambda: self._grow_io(ns, plans, hwm), lambda r, e: self._grow_done(ns, r, e))
+            if op.applied:  # ran at once (inline, or from an operation on the I/O thread)
+                return bool(op.result and op.result[0])
+            # (finished on the I/O thread but not applied yet counts as in flight: its slots
+            # are not free until _grow_done, and must not be planned again meanwhile)
+            self._growing[ns.nsid] = op
+        if ahead or not self.fs.wait_in_step(op):
+            return None
+        return bool(op.result and op.result[0])
+
+    def _grow_io(self, ns: Namespace, plans: list[list[int]], hwm: int):
+        """The I/O of _grow: (slots backed or None, ENOSPC count, errno of another failure)."""
+        enospc = 0
+        for slots in plans:
+            try:
+                self._fallocate(ns, 0, slots)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    return None, enospc, e.errno or errno.EIO
+                # a failed fallocate may have allocated part of the range: give it back
+                self._fallocate(ns, PUNCH, slots, ignore_errors=True)
+                for rank in range(ns.ranks):
+                    os.ftruncate(self._rank_fd(ns, rank), hwm * ns.slot_bytes)
+                enospc += 1
+                continue
+            return slots, enospc, 0
+        return None, enospc, 0
+
+    def _grow_done(self, ns: Namespace, r, e) -> None:
+        self._growing.pop(ns.nsid, None)
+        if e is not None:
+            if not isinstance(e, OSError):
+                raise e
+            r = (None, 0, e.errno or errno.EIO)
+        slots, enospc, err = r
+        self.stats.enospc += enospc
+        if slots:
+            ns.alloc.grow(slots)
+        elif err:
+            # EIO, EROFS, EFBIG...: no new space now; evicting may still make room
+            log.warning("aiokv: %s", f"reserving disk space failed ({os.strerror(err)}); saves reuse evicted slots")
+        else:
+            # the disk is full below our capacity: leave the file system some room
+            # (journal, other users) and cap ourselves there
+            self._make_room()
+
+    def _max_slots(self, ns: Namespace) -> int:
+        """Slots that can exist: a data file never holds more than its file system."""
+        return self._fs_bytes // ns.slot_bytes
+
