@@ -5,12 +5,12 @@ import sys
 
 import uvloop
 
-from aiokv.store import Store
+from tools.storeio import StoreIO
 from tests.conftest import NS, PAYLOAD, Blocks, key
 
 
 async def main(root: str) -> None:
-    st = Store(root, capacity="256MiB")
+    st = StoreIO(root, capacity="256MiB")
     ns = st.namespace(NS, PAYLOAD)
     blocks = Blocks(PAYLOAD, 32)
     i = 0

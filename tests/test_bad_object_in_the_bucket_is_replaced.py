@@ -21,7 +21,7 @@ from aiokv.bucket.client import SharedClient
 from aiokv.bucket.loader import OK, RemoteLoader
 from aiokv.bucket.naming import object_name
 from aiokv.bucket.uploader import Uploader
-from aiokv.store import Store
+from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 
@@ -29,7 +29,7 @@ SB = fmt.slot_bytes(PAYLOAD)
 
 
 async def test_bad_objects_are_replaced_valid_ones_kept(tmp_path, blocks, s3env):
-    st = Store(tmp_path / "s", capacity="1GiB")
+    st = StoreIO(tmp_path / "s", capacity="1GiB")
     ns = st.namespace(NS, PAYLOAD, fields={"model": "t"})
     io = st.blockio(ns)
     for i in range(6):

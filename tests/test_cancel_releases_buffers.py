@@ -17,7 +17,7 @@ import pytest
 
 from aiokv.data.backend import OP_READ, open_backend
 from aiokv.data.buffers import SlotPool
-from aiokv.store import Store
+from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, key
 
@@ -42,7 +42,7 @@ async def _cancel_once_in_flight(task, io, delay: float) -> None:
 
 @pytest.mark.parametrize("delay", [0, 0.0005, 0.002])
 async def test_cancelled_save_and_load_own_nothing(tmp_path, backend_kind, delay):
-    st = Store(tmp_path / "s")
+    st = StoreIO(tmp_path / "s")
     ns = st.namespace(NS, PAYLOAD)
     pool = SlotPool(fmt.slot_bytes(PAYLOAD), 48)
     slots = pool.acquire(48)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 
-from aiokv.store import Store
+from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 
@@ -18,7 +18,7 @@ N = 16
 
 
 async def _fill(root, blocks):
-    st = Store(root)
+    st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD)
     for i in range(N):
         blocks.fill(i, key(i))
@@ -29,7 +29,7 @@ async def _fill(root, blocks):
 
 
 async def _load_all(root, blocks):
-    st = Store(root)
+    st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD)
     for i in range(N):
         blocks.clear(i)
@@ -61,7 +61,7 @@ async def test_bit_flip_in_payload_and_header(tmp_path, blocks, backend_kind):
     assert st.stats.corrupt_dropped == 2
     assert st.lookup(ns, [key(3)]) == 0 and st.lookup(ns, [key(7)]) == 0
     st.close()
-    st = Store(root)  # the drop is durable
+    st = StoreIO(root)  # the drop is durable
     ns = st.namespace(NS, PAYLOAD)
     assert key(3) not in ns.entries and key(0) in ns.entries
     st.close()
@@ -110,7 +110,7 @@ async def test_deleted_data_file(tmp_path, blocks, backend_kind):
 
 async def test_torn_journal_tail(tmp_path, blocks):
     root = str(tmp_path / "s")
-    st = Store(root)
+    st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD)
     for i in range(N):
         blocks.fill(i, key(i))
@@ -123,7 +123,7 @@ async def test_torn_journal_tail(tmp_path, blocks):
     assert size == fmt.FILE_HDR_BYTES + N * fmt.REC_BYTES
     with open(jpath, "r+b") as f:  # tear the last record in half, flip a bit in the one before
         f.truncate(size - fmt.REC_BYTES // 2)
-    st2 = Store(root)
+    st2 = StoreIO(root)
     ns2 = st2.namespace(NS, PAYLOAD)
     assert len(ns2.entries) == N - 1
     assert st2.logs[NS].torn_bytes == fmt.REC_BYTES // 2
@@ -137,7 +137,7 @@ async def test_corrupt_checkpoint_rebuilds_from_blocks(tmp_path, blocks):
     slots, d = await _fill(root, blocks)
     _flip(os.path.join(d, "checkpoint"), fmt.FILE_HDR_BYTES + 5)
     try:
-        Store(root, readonly=True)
+        StoreIO(root, readonly=True)
         raise AssertionError("a read-only opener must report a corrupt checkpoint")
     except fmt.BadBlock as e:
         assert "checkpoint" in str(e)

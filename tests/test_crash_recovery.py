@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from aiokv.store import Store
+from tools.storeio import StoreIO
 from tests.conftest import NS, PAYLOAD, Blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +35,7 @@ async def test_kill9_mid_burst_then_reopen(tmp_path, backend_kind):
     p.wait()
     assert len(committed) >= 600, "writer did not get going"
 
-    st = Store(root)
+    st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD)
     present = set(ns.entries)
     missing = [k for k in committed if k not in present]

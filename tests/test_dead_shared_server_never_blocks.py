@@ -26,7 +26,7 @@ from aiokv.bucket.loader import OK, UNAVAILABLE, RemoteLoader
 from aiokv.bucket.naming import object_name
 from aiokv.bucket.prober import Prober
 from aiokv.bucket.uploader import Uploader
-from aiokv.store import Store
+from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 
@@ -55,7 +55,7 @@ def test_breaker_opens_and_lets_one_trial_through():
 
 
 async def test_killed_server_drops_counted_and_recovers(tmp_path, blocks, s3env):
-    st = Store(tmp_path / "s", capacity="1GiB")
+    st = StoreIO(tmp_path / "s", capacity="1GiB")
     ns = st.namespace(NS, PAYLOAD, fields={"model": "t"})
     io = st.blockio(ns)
     for i in range(40):

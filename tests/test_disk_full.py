@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from aiokv.store import Store
+from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests import mounts
 from tests.conftest import NS, PAYLOAD, key
@@ -26,7 +26,7 @@ def small_fs(tmp_path):
 
 async def test_enospc_skips_and_evicts(small_fs, blocks, backend_kind):
     root = str(small_fs / "s")
-    st = Store(root, capacity="1GiB")  # far above the 24 MiB the disk has
+    st = StoreIO(root, capacity="1GiB")  # far above the 24 MiB the disk has
     ns = st.namespace(NS, PAYLOAD)
     stored = []
     for rnd in range(12):  # ~ 12 * 32 * 68 KiB = 26 MiB > the file system
@@ -51,7 +51,7 @@ async def test_enospc_skips_and_evicts(small_fs, blocks, backend_kind):
         assert await st.load(ns, [(k, blocks.addr(j)) for j, k in enumerate(chunk)]) == [0] * len(chunk)
         assert all(blocks.holds(j, k) for j, k in enumerate(chunk))
     st.close()
-    st = Store(root)  # a later open still hits what stayed
+    st = StoreIO(root)  # a later open still hits what stayed
     ns = st.namespace(NS, PAYLOAD)
     assert set(present) <= set(ns.entries)
     st.close()
@@ -59,7 +59,7 @@ async def test_enospc_skips_and_evicts(small_fs, blocks, backend_kind):
 
 async def test_capacity_bound_is_kept(tmp_path, blocks):
     cap = 40 * fmt.slot_bytes(PAYLOAD) + (64 << 10)  # 40 slots and room for the journal
-    st = Store(tmp_path / "s", capacity=cap)
+    st = StoreIO(tmp_path / "s", capacity=cap)
     ns = st.namespace(NS, PAYLOAD)
     for rnd in range(5):
         batch = [key(rnd * 32 + j) for j in range(32)]
@@ -78,6 +78,6 @@ async def test_capacity_bound_is_kept(tmp_path, blocks):
     await st.save(ns, [(key(500), blocks.addr(0))])
     assert key(120) in ns.entries and key(121) not in ns.entries
     st.close()
-    st = Store(tmp_path / "s", capacity=cap // 2)  # a smaller bound at reopen evicts down to it
+    st = StoreIO(tmp_path / "s", capacity=cap // 2)  # a smaller bound at reopen evicts down to it
     assert st.index.physical_bytes <= cap // 2
     st.close()

@@ -29,6 +29,7 @@ import pytest
 
 from aiokv.cli import inspect as insp
 from aiokv.store import Store, StoreLocked
+from tools.storeio import StoreIO
 from aiokv.store import index as index_mod
 from aiokv.store import meta as meta_mod
 from aiokv.store import reclaim as reclaim_mod
@@ -61,8 +62,8 @@ async def _loads_intact(st, ns, blocks, ids) -> bool:
 
 async def test_two_engines_share_hits_both_ways(tmp_path, blocks, backend_kind):
     root = str(tmp_path / "s")
-    a = _following(Store(root))
-    b = _following(Store(root))
+    a = _following(StoreIO(root))
+    b = _following(StoreIO(root))
     assert (a.engine, b.engine) == (0, 1)
     na, nb = a.namespace(NS, PAYLOAD), b.namespace(NS, PAYLOAD)
     assert await _save(a, na, blocks, range(16)) == [0] * 16
@@ -76,7 +77,7 @@ async def test_two_engines_share_hits_both_ways(tmp_path, blocks, backend_kind):
     a.close()
     b.close()
     # a restarted engine takes number 0 again (its own files) and still sees B's
-    c = Store(root)
+    c = StoreIO(root)
     nc = c.namespace(NS, PAYLOAD)
     assert c.engine == 0 and c.lookup(nc, [key(i) for i in range(24)]) == 24
     assert await _loads_intact(c, nc, blocks, range(24))
@@ -85,7 +86,7 @@ async def test_two_engines_share_hits_both_ways(tmp_path, blocks, backend_kind):
 
 async def test_a_block_dropped_by_its_engine_is_a_miss_for_the_other(tmp_path, blocks):
     root = str(tmp_path / "s")
-    a, b = _following(Store(root)), _following(Store(root))
+    a, b = _following(StoreIO(root)), _following(StoreIO(root))
     na, nb = a.namespace(NS, PAYLOAD), b.namespace(NS, PAYLOAD)
     await _save(a, na, blocks, range(4))
     assert b.lookup(nb, [key(i) for i in range(4)]) == 4
@@ -106,7 +107,7 @@ async def test_a_block_dropped_by_its_engine_is_a_miss_for_the_other(tmp_path, b
 async def test_capacity_and_lru_are_the_directorys(tmp_path, blocks):
     root = str(tmp_path / "s")
     cap = 24 * SB + 64 * 1024  # 24 slots, and room for the journals
-    a, b = _following(Store(root, capacity=cap)), _following(Store(root, capacity=cap))
+    a, b = _following(StoreIO(root, capacity=cap)), _following(StoreIO(root, capacity=cap))
     na, nb = a.namespace(NS, PAYLOAD), b.namespace(NS, PAYLOAD)
     assert await _save(a, na, blocks, range(16)) == [0] * 16  # A's blocks are the oldest
     for i in range(100, 116, 2):  # B writes 16 newer blocks while both step
@@ -129,7 +130,7 @@ async def test_capacity_and_lru_are_the_directorys(tmp_path, blocks):
 
 async def test_engine_killed_mid_save_leaves_the_other_unaffected(tmp_path, blocks, backend_kind):
     root = str(tmp_path / "s")
-    b = Store(root, capacity="256MiB")  # engine 0: this process, following at its default pace
+    b = StoreIO(root, capacity="256MiB")  # engine 0: this process, following at its default pace
     nb = b.namespace(NS, PAYLOAD)
     env = dict(os.environ, PYTHONPATH=ROOT)
     p = subprocess.Popen([sys.executable, "-m", "tests._crash_writer", root], cwd=ROOT, env=env,
@@ -177,7 +178,7 @@ async def test_engine_killed_mid_save_leaves_the_other_unaffected(tmp_path, bloc
     assert await _save(b, nb, blocks, range(200000, 200008)) == [0] * 8
     assert await _loads_intact(b, nb, blocks, range(200000, 200008))
     # a new engine adopts the dead one's number and files (replaying its journal as owner)
-    c = Store(root)
+    c = StoreIO(root)
     nc = c.namespace(NS, PAYLOAD)
     assert c.engine == 1 and set(committed) <= set(nc.own)
     c.close()
@@ -186,15 +187,15 @@ async def test_engine_killed_mid_save_leaves_the_other_unaffected(tmp_path, bloc
 
 async def test_many_engines_and_explicit_numbers(tmp_path):
     root = str(tmp_path / "s")
-    stores = [Store(root) for _ in range(4)]
+    stores = [StoreIO(root) for _ in range(4)]
     assert [s.engine for s in stores] == [0, 1, 2, 3]
     assert engines(root) == {e: os.getpid() for e in range(4)}
     with pytest.raises(StoreLocked) as e:
-        Store(root, engine=2)
+        StoreIO(root, engine=2)
     assert "engine 2" in str(e.value) and f"pid {os.getpid()}" in str(e.value) and "\n" not in str(e.value)
     stores[1].close()
     assert engines(root)[1] is None
-    again = Store(root)  # the lowest free number
+    again = StoreIO(root)  # the lowest free number
     assert again.engine == 1
     for s in stores[:1] + stores[2:] + [again]:
         s.close()
@@ -202,17 +203,17 @@ async def test_many_engines_and_explicit_numbers(tmp_path):
 
 async def test_format_1_directory_is_migrated_and_unknown_formats_refused(tmp_path, blocks):
     root = str(tmp_path / "s")
-    st = Store(root)
+    st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD)
     await _save(st, ns, blocks, range(8))
     st.close()
     # a format-1 directory has exactly engine 0's layout: only aiokv.json differs
     with open(os.path.join(root, "aiokv.json"), "w") as f:
         json.dump({"format": 1, "magic": "aiokv"}, f)
-    ro = Store(root, readonly=True)  # read-only openers read it as it is
+    ro = StoreIO(root, readonly=True)  # read-only openers read it as it is
     assert len(ro.index.namespaces[NS].entries) == 8
     ro.close()
-    st = Store(root)
+    st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD)
     assert st.lookup(ns, [key(i) for i in range(8)]) == 8 and await _loads_intact(st, ns, blocks, range(8))
     st.close()
@@ -221,7 +222,7 @@ async def test_format_1_directory_is_migrated_and_unknown_formats_refused(tmp_pa
     with open(os.path.join(root, "aiokv.json"), "w") as f:
         json.dump({"format": 3, "magic": "aiokv"}, f)
     with pytest.raises(ValueError) as e:
-        Store(root)
+        StoreIO(root)
     assert "has format 3" in str(e.value) and "new directory" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -235,7 +236,7 @@ def _summary(root: str) -> dict:
 
 async def test_inspect_shows_every_engine(tmp_path, blocks):
     root = str(tmp_path / "s")
-    a, b = _following(Store(root)), _following(Store(root))
+    a, b = _following(StoreIO(root)), _following(StoreIO(root))
     na, nb = a.namespace(NS, PAYLOAD), b.namespace(NS, PAYLOAD)
     await _save(a, na, blocks, range(5))
     await _save(b, nb, blocks, range(10, 13))
@@ -259,7 +260,7 @@ async def test_inspect_shows_every_engine(tmp_path, blocks):
 
 def test_a_symlink_posing_as_an_engine_is_not_followed(tmp_path):
     root = str(tmp_path / "s")
-    a = _following(Store(root))
+    a = _following(StoreIO(root))
     ns = a.namespace(NS, PAYLOAD)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -271,7 +272,7 @@ def test_a_symlink_posing_as_an_engine_is_not_followed(tmp_path):
 
 async def test_following_survives_half_written_records_and_checkpoints(tmp_path, blocks):
     root = str(tmp_path / "s")
-    a, b = Store(root), _following(Store(root))
+    a, b = StoreIO(root), _following(StoreIO(root))
     na, nb = a.namespace(NS, PAYLOAD), b.namespace(NS, PAYLOAD)
     await _save(a, na, blocks, range(4))
     assert b.lookup(nb, [key(i) for i in range(6)]) == 4
@@ -320,7 +321,7 @@ async def test_hits_from_another_engine_keep_a_block_young(tmp_path, blocks, mon
     every = store_mod.TOUCH_EVERY_NS
     root = str(tmp_path / "s")
     cap = 16 * SB + 64 * 1024
-    a, b = _following(Store(root, capacity=cap)), _following(Store(root, capacity=cap))
+    a, b = _following(StoreIO(root, capacity=cap)), _following(StoreIO(root, capacity=cap))
     na, nb = a.namespace(NS, PAYLOAD), b.namespace(NS, PAYLOAD)
     assert await _save(a, na, blocks, range(8)) == [0] * 8  # A's blocks, oldest first
     b.refresh()
@@ -345,7 +346,7 @@ async def test_hits_from_another_engine_keep_a_block_young(tmp_path, blocks, mon
     assert not any(key(i) in na.own for i in range(4, 4 + 8 - len(na.own)))
     # a reopened A keeps that order (touches reach its checkpoint)
     a.close()
-    a = Store(root, capacity=cap)
+    a = StoreIO(root, capacity=cap)
     na = a.namespace(NS, PAYLOAD)
     assert {k for _, k in list(a.index.lru)[-4:]} == {key(i) for i in range(4)}
     a.close()
@@ -356,11 +357,11 @@ async def test_a_dead_engines_oldest_blocks_are_reclaimed_by_a_live_one(tmp_path
     monkeypatch.setattr(reclaim_mod, "RECLAIM_INTERVAL", 0)
     root = str(tmp_path / "s")
     cap = 16 * SB + 64 * 1024
-    a = Store(root, capacity=cap)
+    a = StoreIO(root, capacity=cap)
     na = a.namespace(NS, PAYLOAD)
     assert await _save(a, na, blocks, range(12)) == [0] * 12
     a.close(checkpoint=False)  # engine 0 is gone (as after kill -9): its lock is free
-    b = _following(Store(root, capacity=cap, engine=1))
+    b = _following(StoreIO(root, capacity=cap, engine=1))
     nb = b.namespace(NS, PAYLOAD)
     assert b.lookup(nb, [key(i) for i in range(12)]) == 12  # the dead engine's blocks are hits
     for i in range(100, 112):  # the directory fills with B's newer blocks, a block a step
@@ -371,12 +372,12 @@ async def test_a_dead_engines_oldest_blocks_are_reclaimed_by_a_live_one(tmp_path
     left = [i for i in range(12) if key(i) in nb.entries]
     assert left == list(range(12 - len(left), 12)) and 0 < len(left) < 12
     assert b._used() <= cap
-    c = Store(root)  # engine 0's number is held by B while it evicts there
+    c = StoreIO(root)  # engine 0's number is held by B while it evicts there
     assert c.engine == 2 and set(c.namespace(NS, PAYLOAD).peers[0]) == {key(i) for i in left}
     c.close()
     b.close()
     # what B dropped stays dropped for the engine that adopts number 0 next
-    d = Store(root)
+    d = StoreIO(root)
     assert d.engine == 0 and {k for k in d.index.namespaces[NS].own} == {key(i) for i in left}
     d.close()
 
@@ -385,17 +386,17 @@ def test_an_engine_stuck_creating_files_does_not_hang_the_others(tmp_path, monke
     import fcntl
     monkeypatch.setattr(meta_mod, "SETUP_WAIT", 0.3)
     root = str(tmp_path / "s")
-    Store(root).close()
+    StoreIO(root).close()
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX)  # as an engine hung in the middle of creating a namespace
     try:
         t = time.monotonic()
         with pytest.raises(ValueError) as e:
-            Store(root)
+            StoreIO(root)
         assert time.monotonic() - t < 5
         assert "another engine has been creating files there" in str(e.value) and "\n" not in str(e.value)
-        ro = Store(root, readonly=True)  # read-only openers do not wait at all
+        ro = StoreIO(root, readonly=True)  # read-only openers do not wait at all
         ro.close()
     finally:
         os.close(fd)
-    Store(root).close()
+    StoreIO(root).close()

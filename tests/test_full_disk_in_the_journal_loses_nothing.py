@@ -23,7 +23,7 @@ import os
 
 import pytest
 
-from aiokv.store import Store
+from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests import mounts
 from tests.conftest import NS, PAYLOAD, key
@@ -76,7 +76,7 @@ async def test_enospc_in_the_journal_undoes_the_batch_and_keeps_the_rest(tmpfs, 
     # second page; the 13 free slots are less than the room a full disk makes (HEADROOM, 4 MiB):
     # old blocks are evicted too
     cap = 140 * SB
-    st = Store(root, capacity=cap, checkpoint_every=10**6)
+    st = StoreIO(root, capacity=cap, checkpoint_every=10**6)
     ns = st.namespace(NS, PAYLOAD)
     log = st.logs[ns.nsid]
     saved = []
@@ -117,7 +117,7 @@ async def test_enospc_in_the_journal_undoes_the_batch_and_keeps_the_rest(tmpfs, 
     assert set(later) <= expect and expect - set(later) <= set(kept)
     st.close()
 
-    st = Store(root, capacity=cap)  # a reopen replays to exactly these blocks
+    st = StoreIO(root, capacity=cap)  # a reopen replays to exactly these blocks
     ns = st.namespace(NS, PAYLOAD)
     assert set(ns.entries) == expect
     assert await _loads_intact(st, ns, blocks, sorted(expect))

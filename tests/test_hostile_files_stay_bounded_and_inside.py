@@ -25,7 +25,8 @@ import sys
 
 import pytest
 
-from aiokv.store import NotAStore, Store
+from aiokv.store import NotAStore
+from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 
@@ -33,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 async def _make(root, blocks, n=4):
-    st = Store(root)
+    st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD)
     for j in range(n):
         blocks.fill(j, key(j))
@@ -59,7 +60,7 @@ async def test_crafted_namespace_json_is_one_line(tmp_path, blocks, change):
     with open(path, "w") as f:
         json.dump(info, f)
     with pytest.raises(NotAStore, match="namespace.json") as e:
-        Store(root)
+        StoreIO(root)
     assert "\n" not in str(e.value) and ("remove" in str(e.value) or "new directory" in str(e.value))
     p = _inspect(root, "--verify", "--no-progress")
     assert p.returncode == 2 and "namespace.json" in p.stderr, (p.returncode, p.stdout, p.stderr)
@@ -106,7 +107,7 @@ async def test_symlinked_directory_is_not_followed(tmp_path, blocks, swap):
     # refused with one line naming the symlink (docs/reliability.md), at start or when the
     # namespace is opened; never used
     with pytest.raises(NotAStore) as e:
-        st = Store(root)
+        st = StoreIO(root)
         try:
             st.namespace(NS, PAYLOAD)
         finally:
@@ -123,7 +124,7 @@ async def test_data_file_symlink_is_not_followed(tmp_path, blocks):
     os.unlink(os.path.join(d, "rank0.data"))
     os.symlink(victim, os.path.join(d, "rank0.data"))
     try:
-        st = Store(root)
+        st = StoreIO(root)
         st.namespace(NS, PAYLOAD)
         st.close()
     except (NotAStore, OSError):
@@ -134,21 +135,21 @@ async def test_data_file_symlink_is_not_followed(tmp_path, blocks):
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
 def test_directory_others_can_write_is_refused(tmp_path, mode):
     root = tmp_path / "s"
-    Store(root).close()
+    StoreIO(root).close()
     os.chmod(root, mode)
     with pytest.raises(NotAStore, match="chmod") as e:
-        Store(root)
+        StoreIO(root)
     assert "\n" not in str(e.value)
     os.chmod(root, 0o755)
-    Store(root).close()  # 0755 owned by us is fine
+    StoreIO(root).close()  # 0755 owned by us is fine
 
 
 def test_directory_of_another_user_is_refused(tmp_path):
     if os.geteuid() != 0:
         pytest.fail("this test changes a directory's owner and must run as root (CI does)")
     root = tmp_path / "s"
-    Store(root).close()
+    StoreIO(root).close()
     os.chown(root, 4321, -1)
     with pytest.raises(NotAStore, match="owned by") as e:
-        Store(root)
+        StoreIO(root)
     assert "\n" not in str(e.value)

@@ -22,6 +22,7 @@ import time
 from aiokv.data.backend import open_backend
 from aiokv.data.blockio import BlockIO
 from aiokv.store import Store
+from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from aiokv.store.store import ns_dir
 from tests.conftest import NS, PAYLOAD, Blocks, key
@@ -62,7 +63,7 @@ async def _save(st: Store, ns, keys, blocks: Blocks) -> None:
 
 async def _make(root: str, blocks: Blocks, close: bool = True):
     """NS: N blocks of PAYLOAD with FIELDS; NS2: 3 blocks of PAYLOAD2."""
-    st = Store(root)
+    st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD, fields=FIELDS)
     await _save(st, ns, [key(i) for i in range(N)], blocks)
     ns2 = st.namespace(NS2, PAYLOAD2, fields={"model": "other"})
@@ -119,7 +120,7 @@ async def test_summary_text_and_json(tmp_path, blocks):
 async def test_keys_lists_exactly_the_stored_keys(tmp_path, blocks):
     root = str(tmp_path / "s")
     slots = await _make(root, blocks)
-    st = Store(root)  # evict one through the API: it must disappear from the listing
+    st = StoreIO(root)  # evict one through the API: it must disappear from the listing
     st.drop(st.namespace(NS, PAYLOAD), [key(4)], corrupt=False)
     st.close()
     del slots[key(4)]
@@ -164,14 +165,14 @@ async def test_verify_finds_a_flipped_byte_and_repair_drops_it(tmp_path, blocks)
     assert [(c["nsid"], c["key"], c["rank"], c["slot"]) for c in d["corrupt"]] == \
         [(NS.hex(), key(5).hex(), 0, slots[key(5)])]
     assert d["repaired"] is None
-    st = Store(root, readonly=True)  # --verify alone changed nothing
+    st = StoreIO(root, readonly=True)  # --verify alone changed nothing
     assert key(5) in st.index.namespaces[NS].entries
     st.close()
 
     rc, d = cli_json(root, "--verify", "--repair")
     assert rc == 1 and [c["key"] for c in d["repaired"]] == [key(5).hex()]
 
-    st = Store(root)
+    st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD)
     assert key(5) not in ns.entries
     assert set(ns.entries) == set(slots) - {key(5)}
@@ -190,7 +191,7 @@ async def test_verify_names_the_rank_of_a_multi_rank_block(tmp_path, blocks):
     import asyncio
 
     root = str(tmp_path / "s")
-    st = Store(root)
+    st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD, ranks=2, fields={"tp": 2})
     backend = open_backend(asyncio.get_running_loop())
     ios = [BlockIO(backend, ns_dir(root, NS), NS, r, PAYLOAD) for r in range(2)]
@@ -238,7 +239,7 @@ async def test_repair_refused_while_an_owner_holds_the_lock(tmp_path, blocks):
     root = str(tmp_path / "s")
     slots = await _make(root, blocks)
     _flip(os.path.join(ns_dir(root, NS), "rank0.data"), slots[key(1)] * fmt.slot_bytes(PAYLOAD) + 5000)
-    owner = Store(root)
+    owner = StoreIO(root)
     try:
         err = _single_line_error(cli(root, "--verify", "--repair"))
         assert f"pid {os.getpid()}" in err
@@ -248,7 +249,7 @@ async def test_repair_refused_while_an_owner_holds_the_lock(tmp_path, blocks):
         assert p.returncode == 1 and key(1).hex() in p.stdout
     finally:
         owner.close()
-    st = Store(root, readonly=True)
+    st = StoreIO(root, readonly=True)
     assert key(1) in st.index.namespaces[NS].entries  # nothing was dropped
     st.close()
 
@@ -274,7 +275,7 @@ async def test_inspect_beside_an_open_owner(tmp_path, blocks):
         await _save(st, ns, [key(100)], blocks)
     finally:
         st.close()
-    st = Store(root, readonly=True)
+    st = StoreIO(root, readonly=True)
     assert len(st.index.namespaces[NS].entries) == N + 1
     st.close()
 

@@ -25,7 +25,7 @@ import subprocess
 
 import pytest
 
-from aiokv.store import Store
+from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 from tests.test_disk_full import small_fs  # noqa: F401 (fixture)
@@ -50,7 +50,7 @@ def _swap_journal_fd(st, ns, new_fd: int) -> int:
 
 async def test_non_enospc_journal_error_keeps_the_capacity(tmp_path, blocks):
     cap = 64 * SB
-    st = Store(tmp_path / "s", capacity=cap)
+    st = StoreIO(tmp_path / "s", capacity=cap)
     ns = st.namespace(NS, PAYLOAD)
     assert await _save(st, ns, blocks, [key(i) for i in range(4)]) == [0] * 4
     ro = os.open(tmp_path / "s" / "aiokv.json", os.O_RDONLY)
@@ -67,7 +67,7 @@ async def test_non_enospc_journal_error_keeps_the_capacity(tmp_path, blocks):
 
 
 async def test_failed_fdatasync_does_not_undo_a_written_commit(tmp_path, blocks):
-    st = Store(tmp_path / "s", capacity=64 * SB, sync_interval=0)
+    st = StoreIO(tmp_path / "s", capacity=64 * SB, sync_interval=0)
     ns = st.namespace(NS, PAYLOAD)
     r, w = os.pipe()  # write(2) works, fdatasync(2) fails with EINVAL
     saved = _swap_journal_fd(st, ns, w)
@@ -82,7 +82,7 @@ async def test_failed_fdatasync_does_not_undo_a_written_commit(tmp_path, blocks)
 async def test_lowered_capacity_comes_back_when_space_returns(small_fs, blocks):  # noqa: F811
     root = small_fs / "s"
     filler = small_fs / "filler"
-    st = Store(root, capacity="1GiB")
+    st = StoreIO(root, capacity="1GiB")
     st.space_check_interval = 0
     ns = st.namespace(NS, PAYLOAD)
     with open(filler, "wb") as f:  # another user of the disk takes most of it
@@ -104,7 +104,7 @@ async def test_lowered_capacity_comes_back_when_space_returns(small_fs, blocks):
 
 async def test_damaged_journal_header_loses_no_verifiable_block(tmp_path, blocks):
     root = tmp_path / "s"
-    st = Store(root)
+    st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD)
     keys = [key(i) for i in range(12)]
     assert await _save(st, ns, blocks, keys) == [0] * 12
@@ -116,7 +116,7 @@ async def test_damaged_journal_header_loses_no_verifiable_block(tmp_path, blocks
     [jname] = [n for n in os.listdir(d) if n.startswith("journal.")]
     with open(d / jname, "r+b") as f:
         f.write(b"XXXXXXXX")  # the header's magic
-    st = Store(root)
+    st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD)
     assert set(keys) <= set(ns.entries), "blocks whose headers verify were lost with the journal header"
     for j in range(12):
@@ -137,7 +137,7 @@ def _files_bytes(root) -> int:
 
 async def test_capacity_counts_journal_and_checkpoint(tmp_path, blocks):
     cap = 16 * SB  # exactly 16 slots: the index files must fit in it too
-    st = Store(tmp_path / "s", capacity=cap, checkpoint_every=40)
+    st = StoreIO(tmp_path / "s", capacity=cap, checkpoint_every=40)
     ns = st.namespace(NS, PAYLOAD)
     for rnd in range(8):
         await _save(st, ns, blocks, [key(rnd * 16 + j) for j in range(16)])
@@ -163,11 +163,11 @@ def _data_bytes(root) -> int:
 
 async def test_failed_punch_stays_counted(ramfs, blocks):
     root = ramfs / "s"
-    st = Store(root, capacity=64 * SB)
+    st = StoreIO(root, capacity=64 * SB)
     ns = st.namespace(NS, PAYLOAD)
     assert await _save(st, ns, blocks, [key(i) for i in range(24)]) == [0] * 24
     st.close()
-    st = Store(root, capacity=8 * SB)  # shrinking punches; ramfs refuses
+    st = StoreIO(root, capacity=8 * SB)  # shrinking punches; ramfs refuses
     assert st.index.physical_bytes >= _data_bytes(st.root), "space counted as given back that the disk still holds"
     ns = st.namespace(NS, PAYLOAD)
     assert await _save(st, ns, blocks, [key(100)]) == [0]  # a slot that could not be punched is reused

@@ -13,7 +13,7 @@ Fix: Store._evict_dead replays the journal as owner and punches around its entri
 """
 from __future__ import annotations
 
-from aiokv.store import Store
+from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from aiokv.store import reclaim as reclaim_mod
 from tests.conftest import NS, PAYLOAD, key
@@ -38,10 +38,10 @@ async def test_reclaim_keeps_blocks_the_view_had_not_seen(tmp_path, blocks, monk
     monkeypatch.setattr(reclaim_mod, "RECLAIM_INTERVAL", 0)
     root = str(tmp_path / "s")
     cap = 16 * SB + 64 * 1024
-    a = Store(root, capacity=cap)
+    a = StoreIO(root, capacity=cap)
     na = a.namespace(NS, PAYLOAD)
     assert await _save(a, na, blocks, range(6)) == [0] * 6
-    b = Store(root, capacity=cap, engine=1)
+    b = StoreIO(root, capacity=cap, engine=1)
     nb = b.namespace(NS, PAYLOAD)  # B has read A's journal once: blocks 0..5
     b.follow_interval = 3600       # and does not look again for a while
     assert await _save(a, na, blocks, range(6, 12)) == [0] * 6
@@ -59,7 +59,7 @@ async def test_reclaim_keeps_blocks_the_view_had_not_seen(tmp_path, blocks, monk
     assert await _intact(b, nb, blocks, list(range(100, 112))) == list(range(100, 112))
     b.close()
     # the engine that adopts number 0 next finds the same blocks, intact
-    c = Store(root, engine=0)
+    c = StoreIO(root, engine=0)
     nc = c.namespace(NS, PAYLOAD)
     assert sorted(nc.own) == sorted(key(i) for i in theirs)
     assert await _intact(c, nc, blocks, theirs) == theirs

@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 import errno
 
-from aiokv.store import Store
+from tools.storeio import StoreIO
 from tests.conftest import NS, PAYLOAD, key
 
 
 async def test_concurrent_round_trips(tmp_path, blocks, backend_kind):
-    st = Store(tmp_path / "s", capacity="1GiB")
+    st = StoreIO(tmp_path / "s", capacity="1GiB")
     ns = st.namespace(NS, PAYLOAD, fields={"model": "t"})
     assert st.blockio(ns).backend.name == ("io_uring" if backend_kind == "uring" else "threads")
     n = 64
@@ -38,13 +38,13 @@ async def test_concurrent_round_trips(tmp_path, blocks, backend_kind):
 
 
 async def test_restart_keeps_everything(tmp_path, blocks, backend_kind):
-    st = Store(tmp_path / "s")
+    st = StoreIO(tmp_path / "s")
     ns = st.namespace(NS, PAYLOAD)
     for i in range(32):
         blocks.fill(i, key(i))
     assert await st.save(ns, [(key(i), blocks.addr(i)) for i in range(32)]) == [0] * 32
     st.close()
-    st = Store(tmp_path / "s")
+    st = StoreIO(tmp_path / "s")
     ns = st.namespace(NS, PAYLOAD)
     assert st.lookup(ns, [key(i) for i in range(32)] + [key(99)]) == 32
     for i in range(32):
@@ -55,7 +55,7 @@ async def test_restart_keeps_everything(tmp_path, blocks, backend_kind):
 
 
 async def test_lookup_is_longest_present_prefix(tmp_path, blocks):
-    st = Store(tmp_path / "s")
+    st = StoreIO(tmp_path / "s")
     ns = st.namespace(NS, PAYLOAD)
     for i in (0, 1, 2, 4):
         blocks.fill(i, key(i))
@@ -67,7 +67,7 @@ async def test_lookup_is_longest_present_prefix(tmp_path, blocks):
 
 
 async def test_namespaces_are_separate(tmp_path, blocks):
-    st = Store(tmp_path / "s")
+    st = StoreIO(tmp_path / "s")
     a = st.namespace(NS, PAYLOAD)
     b = st.namespace(bytes(16), PAYLOAD)
     blocks.fill(0, key(0))

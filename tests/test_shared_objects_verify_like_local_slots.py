@@ -20,7 +20,7 @@ from aiokv.bucket.loader import BAD, MISSING, OK, RemoteLoader
 from aiokv.bucket.naming import object_name, parse_url
 from aiokv.bucket.prober import Prober
 from aiokv.bucket.uploader import Uploader
-from aiokv.store import Store
+from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 
@@ -42,7 +42,7 @@ def test_bucket_urls_are_checked():
 
 
 async def _stamped(tmp_path, blocks, n):
-    st = Store(tmp_path / "s", capacity="1GiB")
+    st = StoreIO(tmp_path / "s", capacity="1GiB")
     ns = st.namespace(NS, PAYLOAD, fields={"model": "t"})
     io = st.blockio(ns)
     for i in range(n):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from aiokv.store import Store
+from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 
@@ -38,7 +38,7 @@ async def _loads_intact(st, ns, blocks, keys) -> bool:
 
 async def test_reopen_with_a_smaller_capacity_keeps_exactly_the_newest(tmp_path, blocks):
     root = str(tmp_path / "s")
-    st = Store(root, capacity=48 * SB + ROOM)
+    st = StoreIO(root, capacity=48 * SB + ROOM)
     ns = st.namespace(NS, PAYLOAD)
     saved = [key(i) for i in range(40)]
     for k in saved:  # one commit each: 40 distinct ages, oldest first
@@ -51,7 +51,7 @@ async def test_reopen_with_a_smaller_capacity_keeps_exactly_the_newest(tmp_path,
     order = [k for k in saved if k not in hits] + hits  # oldest first
 
     small = 16 * SB + ROOM
-    st = Store(root, capacity=small)
+    st = StoreIO(root, capacity=small)
     ns = st.namespace(NS, PAYLOAD)
     kept = set(ns.entries)
     n = len(kept)
@@ -65,7 +65,7 @@ async def test_reopen_with_a_smaller_capacity_keeps_exactly_the_newest(tmp_path,
     st.close()
 
     for cap in (small, 48 * SB + ROOM):  # what was evicted stays evicted, whatever the capacity
-        st = Store(root, capacity=cap)
+        st = StoreIO(root, capacity=cap)
         ns = st.namespace(NS, PAYLOAD)
         assert set(ns.entries) == kept
         st.close()

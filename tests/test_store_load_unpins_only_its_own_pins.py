@@ -4,18 +4,19 @@ committed and pinned by someone else while the load's read was in flight, lost
 that other pin, so its slot could be evicted and rewritten under the other
 reader.
 Invariant: a load releases exactly the pins it took.
-Fix: Store.load unpins only the keys it pinned.
+Fix: Store.load unpins only the keys it pinned (the load now lives in tools/storeio.py,
+StoreIO.load, as tests' and benchmarks' data path beside the Store).
 """
 from __future__ import annotations
 
 import asyncio
 
-from aiokv.store import Store
+from tools.storeio import StoreIO
 from tests.conftest import NS, PAYLOAD, key
 
 
 async def test_load_leaves_other_pins_alone(tmp_path, blocks, backend_kind):
-    st = Store(tmp_path / "s")
+    st = StoreIO(tmp_path / "s")
     ns = st.namespace(NS, PAYLOAD)
     blocks.fill(0, key(0))
     assert await st.save(ns, [(key(0), blocks.addr(0))]) == [0]

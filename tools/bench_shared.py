@@ -47,7 +47,7 @@ async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, 
     from aiokv.bucket.naming import object_name
     from aiokv.bucket.uploader import Uploader
     from aiokv.data import format as fmt
-    from aiokv.store import Store
+    from tools.storeio import StoreIO
 
     sb = fmt.slot_bytes(slot_payload)
     nsid = os.urandom(16)
@@ -55,7 +55,7 @@ async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, 
     slots = pool.acquire(n)
     keys = [os.urandom(32) for _ in range(n)]
     # a store's BlockIO only for stamp/verify (no disk I/O is timed here)
-    st = Store(tempfile.mkdtemp(prefix="aiokv-bench-"), capacity="1GiB")
+    st = StoreIO(tempfile.mkdtemp(prefix="aiokv-bench-"), capacity="1GiB")
     io = st.blockio(st.namespace(nsid, slot_payload, fields={"bench": True}))
     for k, s in zip(keys, slots):
         ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, os.urandom(1024) * (slot_payload // 1024), slot_payload)

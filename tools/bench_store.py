@@ -8,7 +8,8 @@ tier I/O, on the same directory, same block size, same queue depth, same bytes.
 For each payload size B and queue depth D a round is, interleaved and on one
 directory (medians of the rounds are reported):
 - aiokv: a fresh Store in DIR, one namespace of B-byte payloads; N blocks saved
-  with Store.save, then loaded with Store.load (headers stamped, CRC32C
+  with StoreIO.save, then loaded with StoreIO.load (tools/storeio.py: the
+  index's calls around BlockIO's writes and reads; headers stamped, CRC32C
   computed on save and verified on load, index committed to the journal), on
   uvloop. Staging slots come from one SlotPool (a huge-page-advised arena).
   D blocks are kept in flight as W concurrent save()/load() loops (default
@@ -60,7 +61,7 @@ from aiokv import _native  # noqa: E402
 from aiokv.data.backend import IOBackend, open_backend  # noqa: E402
 from aiokv.data.buffers import SlotPool  # noqa: E402
 from aiokv.config import parse_size  # noqa: E402
-from aiokv.store import Store  # noqa: E402
+from tools.storeio import StoreIO  # noqa: E402
 from aiokv.data import format as fmt  # noqa: E402
 
 NSID = bytes.fromhex("be0c" * 8)
@@ -123,7 +124,7 @@ async def _aiokv_round(root: str, payload: int, n: int, depth: int, workers: int
     if null_io:  # one staging slot per key, so a "load" finds the header its save stamped
         n = min(n, 128)
     pool = SlotPool(fmt.slot_bytes(payload), n if (null_io or batch) else per * workers)
-    st = Store(root)
+    st = StoreIO(root)
     try:
         if null_io:
             st._backend = NullBackend(asyncio.get_running_loop())  # bench only: no I/O at all

@@ -59,12 +59,6 @@ class Persist:
         or CLOSE_MAX after the first close-time call (verify_slot or this), whatever
         the file system does; records not written by then are lost, and said so (their
         blocks are misses after a restart: the journal never named them)."""
-        for io in self._io.values():
-            io.close()
-        self._io.clear()
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
         fs = self.fs
         if not fs.inline and fs._closed:
             return  # closed already

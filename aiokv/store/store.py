@@ -56,21 +56,19 @@ space.py (capacity, grow and punch, eviction choice, a full disk), scan.py
 following.py (the other engines' journals), reclaim.py (a dead engine's blocks).
 
 Threading contract: one thread calls a Store (the owner's thread); its I/O
-thread runs only the file-system parts of what the owner queued. The async
-`save`/`load` helpers must run on an event loop in the owner's thread.
+thread runs only the file-system parts of what the owner queued. The Store
+reads and writes no slot: that is BlockIO's (tests and benchmarks that do both
+in one process use tools/storeio.py).
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import errno
 import logging
 import os
 import time
 
-from aiokv.data.backend import open_backend
 from aiokv.data import format as fmt
-from aiokv.data.blockio import BlockIO
 from aiokv.config import parse_size
 from aiokv.data.dirs import NotAStore  # noqa: F401  (re-exported: aiokv.store)
 from aiokv.store.following import Following
@@ -101,8 +99,8 @@ class StoreStats:
     enospc: int = 0             # ENOSPC seen while reserving disk space
     evictions: int = 0
     corrupt_dropped: int = 0    # blocks that failed verification or I/O on read
-    # Loads are counted where they happen: the workers' reports (inside vLLM,
-    # Store.load is not on the load path).
+    # Loads are counted where they happen: the workers' reports (the Store is
+    # not on the load path).
 
 
 class Store(Meta, Replay, Space, Scan, Persist, Following, Reclaim):
@@ -123,8 +121,6 @@ class Store(Meta, Replay, Space, Scan, Persist, Following, Reclaim):
         self.index = Index()
         self.logs: dict[bytes, IndexLog] = {}
         self._rank_fds: dict[tuple[bytes, int], int] = {}
-        self._io: dict[tuple[bytes, int], BlockIO] = {}
-        self._backend = None
         self.lock = None
         self._root_fd: int | None = None
         self._ns_fd: int | None = None
@@ -325,53 +321,3 @@ class Store(Meta, Replay, Space, Scan, Persist, Following, Reclaim):
                 recs.append(fmt.pack_record(fmt.REC_DROP, k, slot, 0))
                 self.stats.corrupt_dropped += corrupt
         self._append_drops(ns, recs)
-
-    # ---- standalone data path (one process owns index and data) ----
-    def blockio(self, ns: Namespace, rank: int = 0) -> BlockIO:
-        loop = asyncio.get_running_loop()
-        if self._backend is None:
-            self._backend = open_backend(loop)
-        io = self._io.get((ns.nsid, rank))
-        if io is None:
-            io = self._io[(ns.nsid, rank)] = BlockIO(self._backend, ns_dir(self.root, ns.nsid), ns.nsid, rank,
-                                                     ns.payload_bytes)
-        return io
-
-    async def save(self, ns: Namespace, items, rank: int = 0) -> list[int]:
-        """Store (key, addr) staging slots; per item 0, -EEXIST, -ENOSPC or -errno."""
-        if ns.ranks != 1:
-            raise ValueError("aiokv: Store.save is for one-rank namespaces; ranks commit through the owner")
-        res = [0] * len(items)
-        todo = []
-        for i, (key, addr) in enumerate(items):
-            fmt.check_key(key)
-            slot = self.reserve(ns, key)
-            if slot is None:
-                res[i] = -errno.EEXIST if (key in ns.entries or key in ns.pending) else -errno.ENOSPC
-            else:
-                todo.append((i, slot, key, addr))
-        try:
-            out = await self.blockio(ns, rank).write([(s, k, a) for _, s, k, a in todo])
-        except BaseException:
-            self.abort(ns, [(k, s) for _, s, k, _ in todo], failed=False)
-            raise
-        self.commit(ns, [(k, s) for (_, s, k, _), r in zip(todo, out) if r == 0])
-        self.abort(ns, [(k, s) for (_, s, k, _), r in zip(todo, out) if r != 0])
-        for (i, _, k, _), r in zip(todo, out):
-            res[i] = r if r or k in ns.entries else -errno.EIO  # written but not committed
-        return res
-
-    async def load(self, ns: Namespace, items, rank: int = 0) -> list[int]:
-        """Read (key, addr) into staging slots; per item 0, -ENOENT, -EBADMSG or -errno."""
-        keys = [k for k, _ in items]
-        slots = self.pin(ns, keys)
-        try:
-            todo = [(s, k, a) for s, (k, a) in zip(slots, items) if s is not None]
-            out = iter(await self.blockio(ns, rank).read(todo))
-        finally:
-            # only the pins taken above: a key committed and pinned by another
-            # reader meanwhile keeps its pin
-            self.unpin(ns, [k for k, s in zip(keys, slots) if s is not None])
-        res = [next(out) if s is not None else -errno.ENOENT for s in slots]
-        self.drop(ns, [k for k, r in zip(keys, res) if r not in (0, -errno.ENOENT)])
-        return res

@@ -1,0 +1,90 @@
+"""Saves and loads in one process, for tests and benchmarks: a Store (the index)
+with the worker's data path (BlockIO, aiokv/data/blockio.py) beside it.
+
+In vLLM the two never meet in one place: the scheduler side reserves, commits,
+pins and drops through its Store, and each worker reads and writes the slots it
+is told with a BlockIO. StoreIO does both for one rank, in that order: a save
+reserves, writes through BlockIO, then commits what was written and aborts the
+rest; a load pins, reads and verifies through BlockIO, unpins only the pins it
+took, and drops keys whose blocks did not verify.
+
+Threading contract: one thread, the Store's owner; `save`, `load` and `blockio`
+run on an asyncio loop there, whose backend (`_backend`) the BlockIOs share.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+
+from aiokv.data import format as fmt
+from aiokv.data.backend import open_backend
+from aiokv.data.blockio import BlockIO
+from aiokv.store import Namespace, Store
+from aiokv.store.store import ns_dir
+
+
+class StoreIO(Store):
+    """A Store whose slots this process also reads and writes (one-rank namespaces)."""
+
+    def __init__(self, *args, **kw):
+        self._io: dict[tuple[bytes, int], BlockIO] = {}
+        self._backend = None  # opened on the first blockio (a benchmark may set its own before)
+        super().__init__(*args, **kw)
+
+    def blockio(self, ns: Namespace, rank: int = 0) -> BlockIO:
+        loop = asyncio.get_running_loop()
+        if self._backend is None:
+            self._backend = open_backend(loop)
+        io = self._io.get((ns.nsid, rank))
+        if io is None:
+            io = self._io[(ns.nsid, rank)] = BlockIO(self._backend, ns_dir(self.root, ns.nsid), ns.nsid, rank,
+                                                     ns.payload_bytes)
+        return io
+
+    async def save(self, ns: Namespace, items, rank: int = 0) -> list[int]:
+        """Store (key, addr) staging slots; per item 0, -EEXIST, -ENOSPC or -errno."""
+        if ns.ranks != 1:
+            raise ValueError("aiokv: StoreIO.save is for one-rank namespaces; ranks commit through the owner")
+        res = [0] * len(items)
+        todo = []
+        for i, (key, addr) in enumerate(items):
+            fmt.check_key(key)
+            slot = self.reserve(ns, key)
+            if slot is None:
+                res[i] = -errno.EEXIST if (key in ns.entries or key in ns.pending) else -errno.ENOSPC
+            else:
+                todo.append((i, slot, key, addr))
+        try:
+            out = await self.blockio(ns, rank).write([(s, k, a) for _, s, k, a in todo])
+        except BaseException:
+            self.abort(ns, [(k, s) for _, s, k, _ in todo], failed=False)
+            raise
+        self.commit(ns, [(k, s) for (_, s, k, _), r in zip(todo, out) if r == 0])
+        self.abort(ns, [(k, s) for (_, s, k, _), r in zip(todo, out) if r != 0])
+        for (i, _, k, _), r in zip(todo, out):
+            res[i] = r if r or k in ns.entries else -errno.EIO  # written but not committed
+        return res
+
+    async def load(self, ns: Namespace, items, rank: int = 0) -> list[int]:
+        """Read (key, addr) into staging slots; per item 0, -ENOENT, -EBADMSG or -errno."""
+        keys = [k for k, _ in items]
+        slots = self.pin(ns, keys)
+        try:
+            todo = [(s, k, a) for s, (k, a) in zip(slots, items) if s is not None]
+            out = iter(await self.blockio(ns, rank).read(todo))
+        finally:
+            # only the pins taken above: a key committed and pinned by another
+            # reader meanwhile keeps its pin
+            self.unpin(ns, [k for k, s in zip(keys, slots) if s is not None])
+        res = [next(out) if s is not None else -errno.ENOENT for s in slots]
+        self.drop(ns, [k for k, r in zip(keys, res) if r not in (0, -errno.ENOENT)])
+        return res
+
+    def close(self, checkpoint: bool = True) -> None:
+        for io in self._io.values():
+            io.close()
+        self._io.clear()
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+        super().close(checkpoint)
