@@ -14,7 +14,7 @@ from aiokv import _native
 from aiokv.scheduler.keys import extend_keys, namespace_id, request_root
 from aiokv.store import Store
 from aiokv.data import format as fmt
-from aiokv.data.blockio import data_path
+from aiokv.data.slotfile import data_path
 from aiokv.store.store import ns_dir
 
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02

@@ -37,7 +37,8 @@ from aiokv.data.backend import open_backend
 from aiokv.data.buffers import SlotPool
 from aiokv.jobs import Transfer
 from aiokv.data import format as fmt
-from aiokv.data.blockio import SPREAD_MIN_BYTES, BlockIO, data_path
+from aiokv.data.blockio import SPREAD_MIN_BYTES, BlockIO
+from aiokv.data.slotfile import data_path
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker

@@ -32,7 +32,7 @@ from aiokv import _native
 from aiokv.data.buffers import SlotPool
 from aiokv.jobs import Transfer
 from aiokv.data import format as fmt
-from aiokv.data.blockio import data_path
+from aiokv.data.slotfile import data_path
 from aiokv.store.store import ns_dir
 from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS, key

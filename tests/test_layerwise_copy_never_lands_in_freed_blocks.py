@@ -25,7 +25,7 @@ import torch
 from aiokv.data.faults import ACK
 from aiokv.jobs import Transfer
 from aiokv.data import format as fmt
-from aiokv.data.blockio import data_path
+from aiokv.data.slotfile import data_path
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker

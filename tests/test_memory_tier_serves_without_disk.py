@@ -20,7 +20,7 @@ import os
 import torch
 
 from aiokv.jobs import Transfer
-from aiokv.data.blockio import data_path
+from aiokv.data.slotfile import data_path
 from aiokv.store.store import ns_dir
 from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS, key

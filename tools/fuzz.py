@@ -253,7 +253,7 @@ def spoil_slot(conn, rnd: random.Random) -> list[str]:
     well formed), or punched it (zeros). Done to one of our own committed blocks,
     behind the store's back; returns ["nsid:key"] of the block spoiled (or [])."""
     from aiokv import _native
-    from aiokv.data.blockio import data_path
+    from aiokv.data.slotfile import data_path
     from aiokv.store.store import ns_dir
 
     g = rnd.choice(conn.sched.groups)
@@ -350,7 +350,7 @@ def check_stored_bytes(args) -> dict:
     from aiokv.scheduler.keys import extend_keys, namespace_id, request_root
     from aiokv.store import Store
     from aiokv.data import format as fmt
-    from aiokv.data.blockio import data_path
+    from aiokv.data.slotfile import data_path
     from aiokv.store.store import ns_dir
 
     spec = _load_spec(args.check)

@@ -40,7 +40,8 @@ import time
 from aiokv.data.backend import OP_READ, open_backend
 from aiokv.data.buffers import SlotPool
 from aiokv.data import format as fmt
-from aiokv.data.blockio import data_path
+from aiokv.data import slotfile
+from aiokv.data.slotfile import data_path, open_data_file, open_engine_dir
 from aiokv.store.lock import StoreLocked, engines
 from aiokv.store.store import NotAStore, Store, ns_dir
 
@@ -255,21 +256,23 @@ class Progress:
         self.bar.close()
 
 
-def _open_data(path: str) -> int:
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+def _open_data(root: str, nsid: bytes, rank: int, engine: int) -> int:
+    """Engine's data file of a rank, read-only (O_DIRECT where the file system has it)."""
     try:
-        return os.open(path, flags | os.O_DIRECT)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-    return os.open(path, flags)  # no O_DIRECT on this file system
+        dfd = open_engine_dir(ns_dir(root, nsid), engine)
+    except NotAStore:
+        raise OSError(errno.ELOOP, "a symlink or not a directory") from None
+    try:
+        return open_data_file(dfd, rank, direct=True)[0]
+    finally:
+        os.close(dfd)
 
 
 def check_slot(addr: int, nsid: bytes, rank: int, key: bytes, payload_len: int) -> str | None:
-    """None if the slot at addr holds `key` intact; else what is wrong."""
+    """None if the slot at addr holds `key` intact (slotfile.check_slot); else what is wrong."""
     try:
-        fmt.check_slot((ctypes.c_char * (fmt.HEADER_BYTES + payload_len)).from_address(addr), nsid, rank,
-                       payload_len, key)
+        slotfile.check_slot((ctypes.c_char * (fmt.HEADER_BYTES + payload_len)).from_address(addr), nsid, rank,
+                            payload_len, key)
     except fmt.BadBlock as e:
         return str(e) if str(e).startswith(("header", "payload")) else f"header {e}"
     return None
@@ -283,7 +286,7 @@ async def _verify_ns(backend, root: str, ns, items, progress: Progress | None) -
     fds: dict[tuple[int, int], int | str] = {}  # (engine, rank) -> fd or why not
     for engine, rank in sorted({(fmt.split(w)[0], r) for r, _, w in items}):
         try:
-            fds[(engine, rank)] = _open_data(data_path(ns_dir(root, ns.nsid), rank, engine))
+            fds[(engine, rank)] = _open_data(root, ns.nsid, rank, engine)
         except FileNotFoundError:
             fds[(engine, rank)] = "data file missing"
         except OSError as e:

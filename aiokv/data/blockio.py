@@ -50,15 +50,14 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
-import hmac
 import os
 import threading
 import time
 
 from aiokv import _native
-from aiokv.data.backend import OP_READ, OP_WRITE, say_once, settle
+from aiokv.data.backend import OP_READ, OP_WRITE, settle
 from aiokv.data import format as fmt
-from aiokv.data.dirs import open_under
+from aiokv.data.slotfile import check_slot, mac_ok, open_data_file, open_engine_dir
 
 EBADMSG = -errno.EBADMSG
 PIPELINE_MIN = 4  # up to this many items: one backend batch
@@ -67,32 +66,6 @@ PIPELINE_MIN = 4  # up to this many items: one backend batch
 SPREAD_MIN_BYTES = 1 << 20
 CHUNK_MIN_BYTES = 1 << 20  # see BlockIO._chunk
 MISSING_RETRY = 0.5  # seconds before another engine's missing data file is looked for again
-
-
-def open_data_file(ns_dir: str, rank: int, engine: int = 0, create: bool = True) -> tuple[int, bool]:
-    """Open (creating, 0600, if `create`; else read-only) engine's data file of a
-    rank with O_DIRECT; buffered where the FS lacks it. ns_dir is ROOT/ns/<nsid
-    hex>: every directory from ROOT down and the file itself are opened without
-    following a symlink (dirs.py)."""
-    root = os.path.dirname(os.path.dirname(ns_dir))
-    sub = fmt.engine_dir(engine)
-    dfd = open_under(root, "ns", os.path.basename(ns_dir), *([sub] if sub else []))
-    name = f"rank{rank}.data"
-    flags = (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        try:
-            return os.open(name, flags | os.O_DIRECT, 0o600, dir_fd=dfd), True
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-        say_once(f"aiokv: {ns_dir} does not support O_DIRECT; using buffered I/O there")
-        return os.open(name, flags, 0o600, dir_fd=dfd), False
-    finally:
-        os.close(dfd)
-
-
-def data_path(ns_dir: str, rank: int, engine: int = 0) -> str:
-    return os.path.join(ns_dir, fmt.engine_dir(engine), f"rank{rank}.data")
 
 
 class BlockIO:
@@ -146,7 +119,7 @@ class BlockIO:
 
                 def target(e=e, opened=opened):
                     try:
-                        got = open_data_file(self.ns_dir, self.rank, e, create=write)[0]
+                        got = self._open_file(e, write)
                     except BaseException as err:  # reported on the loop; _fd raises it again if it must
                         try:
                             loop.call_soon_threadsafe(lambda: opened(err=err))
@@ -162,13 +135,21 @@ class BlockIO:
         for fut in waits:
             await asyncio.shield(fut)
 
+    def _open_file(self, engine: int, write: bool) -> int:
+        """Engine's data file of our rank: ours to write (created if missing), or read-only."""
+        dfd = open_engine_dir(self.ns_dir, engine)
+        try:
+            return open_data_file(dfd, self.rank, write=write, create=write, direct=True, where=self.ns_dir)[0]
+        finally:
+            os.close(dfd)
+
     def _fd(self, engine: int, write: bool) -> int:
         fd = self._open[write].get(engine)
         if fd is None and not write and time.monotonic() - self._missing.get(engine, -MISSING_RETRY) < MISSING_RETRY:
             return -1
         if fd is None:
             try:
-                fd, _ = open_data_file(self.ns_dir, self.rank, engine, create=write)
+                fd = self._open_file(engine, write)
             except FileNotFoundError:
                 if write:
                     raise
@@ -237,17 +218,16 @@ class BlockIO:
         return (ctypes.c_char * self.payload_bytes).from_address(addr + fmt.HEADER_BYTES)
 
     def _mac_ok(self, addr: int) -> bool:
-        raw = ctypes.string_at(addr, fmt.MAC_OFFSET + fmt.MAC_BYTES)
-        return hmac.compare_digest(raw[fmt.MAC_OFFSET:], fmt.block_mac(self.mac_key, raw, self._payload(addr)))
+        return mac_ok((ctypes.c_char * self.slot_bytes).from_address(addr), self.payload_bytes, self.mac_key)
 
     def verify(self, key: bytes, addr: int) -> bool:
-        """Whether the staging slot at addr holds `key` intact (format.check_slot, then the MAC)."""
+        """Whether the staging slot at addr holds `key` intact (check_slot: the format's checks, then the MAC)."""
         try:
-            fmt.check_slot((ctypes.c_char * self.slot_bytes).from_address(addr), self.nsid, self.rank,
-                           self.payload_bytes, key, self.layout)
+            check_slot((ctypes.c_char * self.slot_bytes).from_address(addr), self.nsid, self.rank,
+                       self.payload_bytes, key, self.layout, self.mac_key)
         except fmt.BadBlock:
             return False
-        return self.mac_key is None or self._mac_ok(addr)
+        return True
 
     def _chunk(self) -> int:
         """Items per backend batch of a pipelined call: a quarter of the queue depth,

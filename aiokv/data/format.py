@@ -69,6 +69,11 @@ def engine_dir(engine: int) -> str:
     return "" if engine == 0 else f"e{engine}"
 
 
+def data_file(rank: int) -> str:
+    """The name of a rank's data file in an engine's directory: the one place it is spelled."""
+    return f"rank{rank}.data"
+
+
 def engine_of_dir(name: str) -> int | None:
     """The engine number of a subdirectory name e<E>, or None."""
     if name.startswith("e") and name[1:].isdigit() and name[1:] == str(int(name[1:])) and 0 < int(name[1:]) < MAX_ENGINES:

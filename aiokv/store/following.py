@@ -113,7 +113,7 @@ class Following:
         total = 0
         for rank in range(ns.ranks):
             try:
-                total += os.stat(f"rank{rank}.data", dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512
+                total += os.stat(fmt.data_file(rank), dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512
             except FileNotFoundError:
                 pass
         return total

@@ -23,7 +23,7 @@ import time
 
 from aiokv import _native
 from aiokv.data import format as fmt
-from aiokv.data.dirs import FILE_FLAGS
+from aiokv.data.slotfile import open_data_file
 from aiokv.store.index import Namespace
 from aiokv.store.journal import IndexLog
 from aiokv.store.lock import DirLock, StoreLocked
@@ -91,7 +91,7 @@ class Reclaim:
                 # its journal says, not our view of it (which may lag behind it or be damaged)
                 entries = jlog.load()
                 files[(ns.nsid, "log")] = jlog
-                fds = [os.open(f"rank{r}.data", os.O_RDWR | FILE_FLAGS, dir_fd=fl.dir_fd) for r in range(ns.ranks)]
+                fds = [open_data_file(fl.dir_fd, r, write=True)[0] for r in range(ns.ranks)]
                 files.update({(ns.nsid, r): fd for r, fd in enumerate(fds)})
                 # first its space that no block uses (free slots, an unfinished save's), by its
                 # journal; our view of it is replaced by the journal's on the owner's thread

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from aiokv.data import format as fmt
+from aiokv.data.slotfile import read_slot
 from aiokv.store import persist
 from aiokv.store.fsthread import FsTimeout
 from aiokv.store.index import Namespace
@@ -30,7 +31,7 @@ class Scan:
             here = {}
             for slot in range(min(os.fstat(fd).st_size // sb, self._max_slots(ns))):
                 try:
-                    h = fmt.check_header(os.pread(fd, fmt.HDR_USED, slot * sb), ns.nsid, rank, ns.payload_bytes)
+                    h = read_slot(fd, slot, ns.nsid, rank, ns.payload_bytes, header_only=True)
                 except fmt.BadBlock:
                     continue
                 here[(h["key"], slot)] = h["seq"]
@@ -52,13 +53,10 @@ class Scan:
         return self._verify_io(ns, key, where)
 
     def _verify_io(self, ns: Namespace, key: bytes, where: int) -> bool:
-        sb, slot = ns.slot_bytes, where & fmt.SLOT_MASK
+        slot = where & fmt.SLOT_MASK
         for rank in range(ns.ranks):
-            raw = os.pread(self._rank_fd(ns, rank), sb, slot * sb)
-            if len(raw) != sb:
-                return False
             try:
-                fmt.check_slot(raw, ns.nsid, rank, ns.payload_bytes, key)
+                read_slot(self._rank_fd(ns, rank), slot, ns.nsid, rank, ns.payload_bytes, key)
             except fmt.BadBlock:
                 return False
         return True

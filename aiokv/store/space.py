@@ -23,7 +23,7 @@ import time
 
 from aiokv import _native
 from aiokv.data import format as fmt
-from aiokv.data.dirs import FILE_FLAGS
+from aiokv.data.slotfile import open_data_file
 from aiokv.store.index import Namespace
 from aiokv.store.reclaim import PUNCH
 
@@ -141,8 +141,7 @@ class Space:
     def _rank_fd(self, ns: Namespace, rank: int) -> int:
         fd = self._rank_fds.get((ns.nsid, rank))
         if fd is None:
-            fd = os.open(f"rank{rank}.data", os.O_RDWR | os.O_CREAT | FILE_FLAGS, 0o600,
-                         dir_fd=self._own_dir_fd(ns.nsid))
+            fd = open_data_file(self._own_dir_fd(ns.nsid), rank, write=True, create=True)[0]
             self._rank_fds[(ns.nsid, rank)] = fd
         return fd
 
