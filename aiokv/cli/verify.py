@@ -1,0 +1,118 @@
+"""`aiokv inspect --verify [--repair]`: the verify document, and the repair.
+
+Only --repair writes, and only as the owner of each engine's files in turn: it
+refuses to run while any engine runs on the directory. A corrupt checkpoint is
+rebuilt from the slot headers by each engine's owner (with --repair); bad
+blocks still bad once nobody writes are dropped from their engine's index.
+
+Threading: one thread (the CLI's).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from aiokv.cli.opening import SCHEMA, InspectError, check_root, engines_running, open_readonly
+from aiokv.cli.slots import Bad, Progress, recheck, run_loop, still_bad, verify_items, work_of
+from aiokv.data import format as fmt
+from aiokv.store.lock import StoreLocked
+from aiokv.store.store import Store
+
+
+def verify(root: str, repair: bool = False, progress: bool | None = None) -> dict:
+    root = os.path.abspath(root)
+    check_root(root)
+    t0 = time.monotonic()
+    index_problems = []
+    try:
+        st = open_readonly(root)
+    except fmt.BadBlock as e:
+        # A corrupt checkpoint: read-only openers cannot replay it; an owner rebuilds
+        # the index from the slot headers (with --repair, that is us).
+        if not repair:
+            return {"schema": SCHEMA, "root": root, "ok": False, "index_errors": [str(e)], "checked_blocks": 0,
+                    "checked_bytes": 0, "corrupt": [], "repaired": None, "index_rebuilt": None,
+                    "seconds": round(time.monotonic() - t0, 3)}
+        index_problems.append(str(e))
+        for engine in _engines_with_files(root):  # each engine's owner rebuilds its own index
+            _open_owner(root, engine).close()
+        st = open_readonly(root)
+    try:
+        work = work_of(st)
+        total_blocks = sum(len(v) for v in work.values())
+        total_bytes = sum(len(v) * st.index.namespaces[n].slot_bytes for n, v in work.items())
+        bar = Progress(total_blocks, total_bytes, progress)
+        try:
+            bad = run_loop(verify_items(root, st.index.namespaces, work, bar))
+        finally:
+            bar.end()
+    finally:
+        st.close()
+    if bad:
+        bad = recheck(root, bad)
+    bad.sort(key=lambda b: (b.nsid, b.rank, b.slot))
+    repaired = None
+    if repair:
+        repaired = _repair(root, bad) if bad else []
+    return {
+        "schema": SCHEMA,
+        "root": root,
+        "ok": not bad and not index_problems,
+        "index_errors": index_problems,
+        "checked_blocks": total_blocks,
+        "checked_bytes": total_bytes,
+        "corrupt": [b.as_dict() for b in bad],
+        "repaired": None if repaired is None else [b.as_dict() for b in repaired],
+        "index_rebuilt": bool(index_problems) if repair else None,
+        "seconds": round(time.monotonic() - t0, 3),
+    }
+
+
+def _engines_with_files(root: str) -> list[int]:
+    """Engine numbers that have files in some namespace of the directory."""
+    found = set()
+    try:
+        names = os.listdir(os.path.join(root, "ns"))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        try:
+            inside = os.listdir(os.path.join(root, "ns", name))
+        except OSError:
+            continue
+        for n in inside:
+            if n == "checkpoint" or n.startswith("journal.") or n.startswith("rank"):
+                found.add(0)
+            elif fmt.engine_of_dir(n) is not None:
+                found.add(fmt.engine_of_dir(n))
+    return sorted(found)
+
+
+def _open_owner(root: str, engine: int) -> Store:
+    running = engines_running(root)
+    if running:
+        pids = ", ".join(f"engine {e} pid {p if p > 0 else 'unknown'}" for e, p in running.items())
+        raise InspectError(f"aiokv: cannot repair {root}: engines run on it ({pids}); stop them, then run "
+                           "--repair again")
+    try:
+        return Store(root, engine=engine)
+    except StoreLocked as e:
+        raise InspectError(f"{e}; then run --repair again") from None
+
+
+def _repair(root: str, bad: list[Bad]) -> list[Bad]:
+    """As the owner of each engine's files in turn: drop the keys whose blocks are
+    still bad now that nobody writes."""
+    still = still_bad(root, bad)
+    by_engine: dict = {}
+    for b in still:
+        by_engine.setdefault(b.engine, {}).setdefault(b.nsid, set()).add(b.key)
+    for engine, by_ns in sorted(by_engine.items()):
+        owner = _open_owner(root, engine)
+        try:
+            for nsid, ks in by_ns.items():
+                ns = owner.index.namespaces[nsid]
+                owner.drop(ns, sorted(k for k in ks if k in ns.own))
+        finally:
+            owner.close()
+    return still
