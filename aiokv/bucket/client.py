@@ -23,14 +23,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from datetime import timedelta
 
 import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionError
 from obstore.store import S3Store
 
-from aiokv.bucket.breaker import Breaker
 from aiokv.bucket.naming import parse_url
+from aiokv.util.breaker import Breaker
+
+
+def bucket_breaker(failures: int = 3, cooldown: float = 10.0, clock=time.monotonic) -> Breaker:
+    """The bucket's breaker (aiokv/util/breaker.py): every request is a verdict on the server."""
+    return Breaker(failures, cooldown, clock, per_request=True)
 
 
 class SharedError(Exception):
@@ -42,7 +48,7 @@ class SharedClient:
         self.bucket, self.prefix = parse_url(url)
         self.url = url
         self.timeout = timeout
-        self.breaker = breaker or Breaker()
+        self.breaker = breaker or bucket_breaker()
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
         t = timedelta(seconds=timeout)
         opts = {"timeout": t, "connect_timeout": timedelta(seconds=min(timeout, 2.0)),

@@ -12,8 +12,7 @@ its own loop thread).
 """
 from __future__ import annotations
 
-from aiokv.bucket.breaker import Breaker
-from aiokv.bucket.client import SharedClient
+from aiokv.bucket.client import SharedClient, bucket_breaker
 from aiokv.bucket.naming import object_name
 from aiokv.bucket.prober import Prober
 
@@ -22,7 +21,7 @@ class SharedLookup:
     def __init__(self, url: str, remote_timeout: float, probe_timeout: float,
                  groups: list[tuple[bytes, int, int]]):
         """groups: (namespace id, ranks that store it, slot bytes) per KV-cache group."""
-        self.client = SharedClient(url, remote_timeout, Breaker())
+        self.client = SharedClient(url, remote_timeout, bucket_breaker())
         self.prober = Prober(self.client, probe_timeout)
         self.groups = groups
         self.prefix = self.client.prefix
@@ -47,7 +46,7 @@ class SharedLookup:
     @property
     def counters(self) -> dict[str, int]:
         return {f"shared_{k}": v for k, v in self.prober.counters.items()} | {"shared_breaker_opened":
-                                                                                self.client.breaker.opened}
+                                                                                self.client.breaker.opens}
 
     def close(self) -> None:
         self.prober.close()

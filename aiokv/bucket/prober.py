@@ -84,7 +84,7 @@ class Prober:
         p = self._probes.get(req_id)
         if p is None:
             p = self._probes[req_id] = _Probe(now)
-        if p.failed or now - p.started >= self.timeout or self.client.breaker.is_open:
+        if p.failed or now - p.started >= self.timeout or self.client.breaker.in_cooldown:
             self.counters["probe_gave_up"] += 1
             return n  # the request goes on with what is known
         if p.future is None or p.future.done():

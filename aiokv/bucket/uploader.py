@@ -55,7 +55,7 @@ class Uploader:
         if not self._tasks:
             self._wake, self._idle = asyncio.Event(), asyncio.Event()
             self._tasks = [asyncio.ensure_future(self._run()) for _ in range(self.concurrency)]
-        if self.client.breaker.is_open:
+        if self.client.breaker.in_cooldown:
             self.count(upload_dropped_unavailable=1)
             return False
         if self.queued_bytes + len(data) > self.max_bytes:
