@@ -17,9 +17,10 @@ from typing import Any
 from aiokv import __version__
 from aiokv.jobs import StepPlan
 from aiokv.connector.metadata import AioKVMetadata, AioKVWorkerMetadata
-from aiokv.connector.metrics import AioKVStats, StatsDelta, merge
+from aiokv.connector.metrics import AioKVStats, StatsDelta
 from aiokv.connector.namespace import request_extras
 from aiokv.scheduler.keys import request_root
+from aiokv.util.counters import merge, store_counters
 
 log = logging.getLogger("aiokv")
 
@@ -250,7 +251,7 @@ class SchedulerRole:
         """Scheduler and store counters since start, and the store's gauges."""
         st = self.sched.store
         out = dict(vars(self.sched.counters))
-        out.update({f"store_{k}": v for k, v in vars(st.stats).items()})
+        out.update(store_counters(st.stats))
         out.update(queried_tokens=self._queried_tokens, disk_bytes=st._used(),
                    capacity_bytes=st.limit or 0, pending_saves=self.sched.pending_saves,
                    breaker_open=int(self.sched.breaker.is_open),
