@@ -20,7 +20,7 @@ import os
 import signal
 import time
 
-from aiokv.bucket.client import SharedClient, bucket_breaker
+from aiokv.bucket.client import BucketClient, bucket_breaker
 from aiokv.bucket.loader import OK, UNAVAILABLE, RemoteLoader
 from aiokv.bucket.naming import object_name
 from aiokv.bucket.prober import Prober
@@ -61,7 +61,7 @@ async def test_killed_server_drops_counted_and_recovers(tmp_path, blocks, s3env)
         blocks.fill(i, key(i))
         io.stamp(key(i), blocks.addr(i))
     breaker = bucket_breaker(failures=3, cooldown=2.0)
-    client = SharedClient(s3env.url("dead"), timeout=TIMEOUT, breaker=breaker)
+    client = BucketClient(s3env.url("dead"), timeout=TIMEOUT, breaker=breaker)
     up = Uploader(client, 8 * SB, concurrency=2)
     name = lambda i: object_name(client.prefix, NS, 0, key(i))  # noqa: E731
     data = lambda i: ctypes.string_at(blocks.addr(i), SB)  # noqa: E731
@@ -111,7 +111,7 @@ async def test_killed_server_drops_counted_and_recovers(tmp_path, blocks, s3env)
 
 
 async def test_hung_server_costs_at_most_the_timeout(tmp_path, blocks, s3env):
-    client = SharedClient(s3env.url("hung"), timeout=TIMEOUT, breaker=bucket_breaker(failures=100))
+    client = BucketClient(s3env.url("hung"), timeout=TIMEOUT, breaker=bucket_breaker(failures=100))
     loader = RemoteLoader(client, NS, 0, SB)
     up = Uploader(client, 64 * SB)
     os.killpg(s3env.proc.pid, signal.SIGSTOP)  # accepts connections (kernel backlog), never answers

@@ -134,6 +134,7 @@ def _connector(store_dir: str):
     role._queried, role._queried_tokens = {}, 0
     # what AioKVConnector.__init__ sets that these methods read (getattr: older checkouts lack some)
     role.epoch, role._remote_tokens, role._failed_recv, role._failed_now = None, {}, set(), set()
+    role._bucket_tokens = {}  # _remote_tokens before the bucket tier had its one name
     role.layerwise, role._layers, role.worker, role.offer_hits = False, None, None, True
     return conn, role, store, ns
 

@@ -64,7 +64,7 @@ class SchedulerRole:
         self._totals: dict[str, int] = {}    # worker counters since start
         self._queried: dict[str, int] = {}   # request -> tokens asked of us at its last lookup
         self._queried_tokens = 0
-        self._remote_tokens: dict[str, int] = {}  # request -> hit tokens from the shared tier (hit sources)
+        self._bucket_tokens: dict[str, int] = {}  # request -> hit tokens from the bucket (hit sources)
 
     def open(self, kv_transfer_config) -> None:
         from aiokv.util.breaker import Breaker
@@ -108,24 +108,24 @@ class SchedulerRole:
                                    Breaker(self.cfg.breaker_failures, self.cfg.breaker_cooldown))
         self.sched.layerwise = self.layerwise
         self.sched.saves = self.kv_role != "kv_consumer"
-        if self.cfg.shared:
-            from aiokv.bucket.lookup import SharedLookup
+        if self.cfg.bucket:
+            from aiokv.bucket.lookup import BucketLookup
             from aiokv.data.format import slot_bytes
 
-            self.sched.shared = SharedLookup(self.cfg.shared, self.cfg.remote_timeout, self.cfg.probe_timeout,
+            self.sched.shared = BucketLookup(self.cfg.bucket, self.cfg.remote_timeout, self.cfg.probe_timeout,
                                              [(ns.nsid, ns.ranks, slot_bytes(ns.payload_bytes)) for _, ns in spaces])
         log.info("aiokv %s: cache %s, namespace %s (%s), %d blocks stored", __version__, self.cfg.path,
                  self.nsid.hex(), ", ".join(g.kind for g in self.groups), sum(len(ns.entries) for _, ns in spaces))
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
-        """The hit split by where its blocks come from: the shared tier (a bucket; vLLM's
+        """The hit split by where its blocks come from: the bucket tier (vLLM's
         label for a remote store is external_unspecified) and the local cache directory
         (disk). A hit the worker serves from its host-memory tier is counted as disk: that
         tier is the workers' and the scheduler side cannot know it at lookup time."""
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-        remote = min(self._remote_tokens.pop(request.request_id, 0), num_external_tokens)
-        out = {CacheHitSource.DISK: num_external_tokens - remote, CacheHitSource.EXTERNAL_UNSPECIFIED: remote}
+        bucket = min(self._bucket_tokens.pop(request.request_id, 0), num_external_tokens)
+        out = {CacheHitSource.DISK: num_external_tokens - bucket, CacheHitSource.EXTERNAL_UNSPECIFIED: bucket}
         return {k: v for k, v in out.items() if v > 0}
 
     def _root(self, request) -> bytes:
@@ -171,13 +171,13 @@ class SchedulerRole:
             log.exception("aiokv: lookup failed; treated as a miss")
             return 0, False
         self._queried[request.request_id] = request.num_tokens - num_computed_tokens  # counted at alloc
-        return n, bool(n)  # None: the shared tier has not answered yet; vLLM asks again next step
+        return n, bool(n)  # None: the bucket has not answered yet; vLLM asks again next step
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self.sched is None:
             return
         self._queried_tokens += self._queried.pop(request.request_id, 0)
-        self._remote_tokens[request.request_id] = self.sched.shared_hit_tokens(request.request_id, num_external_tokens)
+        self._bucket_tokens[request.request_id] = self.sched.shared_hit_tokens(request.request_id, num_external_tokens)
         try:
             self.sched.on_alloc(request.request_id, request.all_token_ids, self._root(request),
                                 blocks.get_block_ids(), num_external_tokens)
@@ -230,7 +230,7 @@ class SchedulerRole:
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._roots.pop(request.request_id, None)
         self._queried.pop(request.request_id, None)
-        self._remote_tokens.pop(request.request_id, None)
+        self._bucket_tokens.pop(request.request_id, None)
         if self.sched is None:
             return False, None
         try:

@@ -83,11 +83,11 @@ class WorkerRole:
             self._rank = rank
             staging = max(1, self.cfg.staging // len(self.groups))
             memory = self.cfg.memory // len(self.groups)
-            shared = None
-            if self.cfg.shared:  # one client (and breaker) for this worker's groups
-                from aiokv.bucket.client import SharedClient
+            bucket = None
+            if self.cfg.bucket:  # one client (and breaker) for this worker's groups
+                from aiokv.bucket.client import BucketClient
 
-                shared = SharedClient(self.cfg.shared, self.cfg.remote_timeout)
+                bucket = BucketClient(self.cfg.bucket, self.cfg.remote_timeout)
             for g, nsid in zip(self.groups, self.group_nsids):
                 device = make_device(kv_tensors(kv_caches, g.layer_names), self.kv_cache_config.num_blocks)
                 if device.payload_bytes != g.payload_bytes:
@@ -98,7 +98,7 @@ class WorkerRole:
                 workers[g.index] = TransferWorker(device, ns_dir(self.cfg.path, nsid), nsid,
                                                   0 if g.replicated else rank, staging, self.cfg.io,
                                                   self.cfg.queue_depth, self.cfg.load_timeout, self.cfg.save_timeout,
-                                                  shared, self.cfg.upload_queue, self.cfg.flush_timeout,
+                                                  bucket, self.cfg.upload_queue, self.cfg.flush_timeout,
                                                   self.cfg.secret, memory, layerwise=self.layerwise,
                                                   checksum_threads=self.cfg.checksum_threads)
             self._layers = workers[self.groups[0].index].layers
