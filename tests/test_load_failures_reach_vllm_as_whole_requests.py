@@ -1,4 +1,4 @@
-"""Where a failed load is reported to vLLM (connector.load_failures), for every kind
+"""Where a failed load is reported to vLLM (worker_role.load_failures), for every kind
 of model (no engine: the decision alone; on real vLLM: tests/test_model_families_e2e.py,
 test_spoiled_blocks_are_recomputed_whole).
 

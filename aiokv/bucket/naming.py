@@ -6,6 +6,8 @@ local one (aiokv/data/format.py). Its name carries what the header carries,
 so two engines derive the same name for the same block without asking anyone:
 
     PREFIX/<namespace id hex>/r<rank>/<block key hex>
+
+Threading contract: pure functions, any thread.
 """
 from __future__ import annotations
 

@@ -12,6 +12,10 @@
 `kv_connector_module_path: aiokv.connector` names this package; the class is
 loaded on first use, so the plugin entry point imports nothing of vLLM's KV
 connector machinery early.
+
+Threading contract: each module states its own; vLLM builds one connector per
+role and calls the scheduler role's methods from the EngineCore scheduler
+thread, the worker role's from the model runner's thread.
 """
 
 
