@@ -1,11 +1,20 @@
 """aiokv's settings, read from vLLM's kv_connector_extra_config.
 
 Every wrong or missing setting fails at start with one line that names the fix.
+The bucket tier's setting is `bucket`; its old name `shared` is still accepted,
+with one deprecation line per process.
+
+Threading contract: from_extra runs in the connector's __init__ (either role);
+the config is read only afterwards.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+
+
+log = logging.getLogger("aiokv")
 
 
 class ConfigError(ValueError):
@@ -33,18 +42,23 @@ class AioKVConfig:
     strict_load_failures: bool = False  # keep vLLM's kv_load_failure_policy="fail"
     layerwise: bool = False           # copy verified loads in layer by layer during the next forward
     checksum_threads: int | None = None  # threads per worker checksumming off its loop (None: 0 on CPU, 2 on CUDA)
-    # shared tier (docs/sharing.md): "s3://BUCKET/PREFIX"; endpoint and credentials from AWS_* variables
-    shared: str | None = None
-    remote_timeout: float = 5.0       # seconds any one request to the shared tier may take
-    probe_timeout: float = 1.0        # seconds a lookup waits for the shared tier before giving up on it
+    # bucket tier (docs/sharing.md): "s3://BUCKET/PREFIX"; endpoint and credentials from AWS_* variables
+    bucket: str | None = None
+    remote_timeout: float = 5.0       # seconds any one request to the bucket may take
+    probe_timeout: float = 1.0        # seconds a lookup waits for the bucket before giving up on it
     upload_queue: int = 256 << 20     # bytes of blocks waiting for upload per worker; beyond: dropped
     flush_timeout: float = 10.0       # seconds a clean shutdown waits for pending uploads
-    # a keyed MAC on every block (local and shared); without the same secret a block is a miss
+    # a keyed MAC on every block (local and in the bucket); without the same secret a block is a miss
     secret: str | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "AioKVConfig":
         extra = dict(extra or {})
+        if "shared" in extra:
+            if "bucket" in extra:
+                raise ConfigError("aiokv: bucket and shared are one setting (shared is its old name); give bucket only")
+            extra["bucket"] = extra.pop("shared")
+            _say_shared_is_bucket()
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -102,19 +116,19 @@ class AioKVConfig:
         if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
             raise ConfigError("aiokv: secret (or AIOKV_SECRET) must be a string of at least 16 characters")
         cfg.secret = secret
-        if "shared" in extra:
+        if "bucket" in extra:
             from aiokv.bucket.naming import parse_url
 
-            cfg.shared = extra.pop("shared") or None
-            if cfg.shared is not None:
+            cfg.bucket = extra.pop("bucket") or None
+            if cfg.bucket is not None:
                 try:
-                    parse_url(cfg.shared)
+                    parse_url(cfg.bucket)
                 except ValueError as e:
                     raise ConfigError(str(e)) from None
                 try:
                     import obstore  # noqa: F401
                 except ImportError:
-                    raise ConfigError("aiokv: shared needs the obstore package: pip install 'aiokv[shared]'") from None
+                    raise ConfigError("aiokv: bucket needs the obstore package: pip install 'aiokv[shared]'") from None
         return cfg
 
 
@@ -133,3 +147,15 @@ def parse_size(v) -> int:
     if unit not in units or not num:
         raise ValueError(f"not a size: {v!r} (use bytes or a unit like 200GiB)")
     return int(float(num) * units[unit])
+
+
+_said_shared = False
+
+
+def _say_shared_is_bucket() -> None:
+    """Once per process: the old name of the setting still works, and says so."""
+    global _said_shared
+    if not _said_shared:
+        _said_shared = True
+        log.warning("aiokv: the setting 'shared' is now called 'bucket' (docs/sharing.md); 'shared' still works "
+                    "for now")

@@ -17,7 +17,7 @@ import asyncio
 import ctypes
 import os
 
-from aiokv.bucket.client import SharedClient
+from aiokv.bucket.client import BucketClient
 from aiokv.bucket.loader import OK, RemoteLoader
 from aiokv.bucket.naming import object_name
 from aiokv.bucket.uploader import Uploader
@@ -36,7 +36,7 @@ async def test_bad_objects_are_replaced_valid_ones_kept(tmp_path, blocks, s3env)
         blocks.fill(i, key(i))
         io.stamp(key(i), blocks.addr(i))
     image = {i: ctypes.string_at(blocks.addr(i), SB) for i in range(6)}
-    client = SharedClient(s3env.url("replace"), timeout=5)
+    client = BucketClient(s3env.url("replace"), timeout=5)
     name = lambda i: object_name(client.prefix, NS, 0, key(i))  # noqa: E731
     tampered = bytearray(image[0])
     tampered[fmt.HEADER_BYTES + 100] ^= 1

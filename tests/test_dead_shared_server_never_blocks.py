@@ -10,7 +10,7 @@ lookups answered at once with what is known, loads a miss at once); no call
 takes longer than `remote_timeout` (plus scheduling slack), even against a
 server that accepts connections and never answers; after the cooldown, with
 the server back, uploads and loads work again.
-Fix: aiokv/bucket/breaker.py, the deadlines in aiokv/bucket/client.py, the
+Fix: aiokv/util/breaker.py (the bucket's instance), the deadlines in aiokv/bucket/client.py, the
 bounded lossy queue in aiokv/bucket/uploader.py.
 """
 from __future__ import annotations
@@ -20,8 +20,7 @@ import os
 import signal
 import time
 
-from aiokv.bucket.breaker import Breaker
-from aiokv.bucket.client import SharedClient
+from aiokv.bucket.client import BucketClient, bucket_breaker
 from aiokv.bucket.loader import OK, UNAVAILABLE, RemoteLoader
 from aiokv.bucket.naming import object_name
 from aiokv.bucket.prober import Prober
@@ -36,12 +35,12 @@ TIMEOUT = 1.0
 
 def test_breaker_opens_and_lets_one_trial_through():
     now = [0.0]
-    b = Breaker(threshold=3, cooldown=10, clock=lambda: now[0])
+    b = bucket_breaker(failures=3, cooldown=10, clock=lambda: now[0])
     for _ in range(2):
         b.failure()
     assert b.allow() and not b.is_open
     b.failure()
-    assert b.is_open and not b.allow() and b.opened == 1
+    assert b.is_open and not b.allow() and b.opens == 1
     now[0] = 11
     assert b.allow() and not b.allow()  # one trial at a time
     b.failure()  # the trial failed: another cooldown
@@ -61,8 +60,8 @@ async def test_killed_server_drops_counted_and_recovers(tmp_path, blocks, s3env)
     for i in range(40):
         blocks.fill(i, key(i))
         io.stamp(key(i), blocks.addr(i))
-    breaker = Breaker(threshold=3, cooldown=2.0)
-    client = SharedClient(s3env.url("dead"), timeout=TIMEOUT, breaker=breaker)
+    breaker = bucket_breaker(failures=3, cooldown=2.0)
+    client = BucketClient(s3env.url("dead"), timeout=TIMEOUT, breaker=breaker)
     up = Uploader(client, 8 * SB, concurrency=2)
     name = lambda i: object_name(client.prefix, NS, 0, key(i))  # noqa: E731
     data = lambda i: ctypes.string_at(blocks.addr(i), SB)  # noqa: E731
@@ -80,7 +79,7 @@ async def test_killed_server_drops_counted_and_recovers(tmp_path, blocks, s3env)
     assert accepted <= 8  # bounded queue: the rest dropped at once
     await up.flush(8 * TIMEOUT + 5)
     c = up.counters
-    assert c["upload_failed"] >= 1 and breaker.opened >= 1, c
+    assert c["upload_failed"] >= 1 and breaker.opens >= 1, c
     assert c["uploaded"] + c["upload_failed"] + c["upload_dropped_queue_full"] + c["upload_dropped_unavailable"] \
         + c["upload_dropped_at_close"] + c.get("upload_already_there", 0) == 40, c
 
@@ -112,7 +111,7 @@ async def test_killed_server_drops_counted_and_recovers(tmp_path, blocks, s3env)
 
 
 async def test_hung_server_costs_at_most_the_timeout(tmp_path, blocks, s3env):
-    client = SharedClient(s3env.url("hung"), timeout=TIMEOUT, breaker=Breaker(threshold=100))
+    client = BucketClient(s3env.url("hung"), timeout=TIMEOUT, breaker=bucket_breaker(failures=100))
     loader = RemoteLoader(client, NS, 0, SB)
     up = Uploader(client, 64 * SB)
     os.killpg(s3env.proc.pid, signal.SIGSTOP)  # accepts connections (kernel backlog), never answers

@@ -569,7 +569,8 @@ def test_gpu_call_order_keeps_blocks_and_completions(case, tiny_model, tmp_path)
 
 def test_vllm_033_hooks_answer_for_aiokv():
     """The hooks vLLM 0.33 asks before it starts (0.32 lacks some: extra methods there)."""
-    from aiokv.connector.connector import AioKVConnector, vllm_release
+    from aiokv.connector.connector import AioKVConnector
+    from aiokv.connector.namespace import vllm_release
 
     assert AioKVConnector.supports_sleep_mode(None) is False  # vLLM refuses --enable-sleep-mode with one line
     assert AioKVConnector.requires_piecewise_for_cudagraph({"path": "/x", "layerwise": True}) is True

@@ -1,4 +1,4 @@
-"""Where a failed load is reported to vLLM (connector.load_failures), for every kind
+"""Where a failed load is reported to vLLM (worker_role.load_failures), for every kind
 of model (no engine: the decision alone; on real vLLM: tests/test_model_families_e2e.py,
 test_spoiled_blocks_are_recomputed_whole).
 
@@ -20,26 +20,26 @@ from aiokv.scheduler.layout import FULL, STATE, WINDOW, GroupSpec
 
 
 def _per_block(kinds) -> bool:
-    from aiokv.connector.connector import per_block_errors
+    from aiokv.connector.worker_role import per_block_errors
 
     return per_block_errors([GroupSpec(i, k, 4096, (), replicated=False) for i, k in enumerate(kinds)])
 
 
 def test_only_one_full_attention_group_is_reported_per_block():
-    from aiokv.connector.connector import load_failures
+    from aiokv.connector.worker_role import load_failures
 
     assert load_failures(True, {5, 6}, {"r"}) == ({5, 6}, set())
     for kinds in ([WINDOW], [STATE], [FULL, WINDOW], [FULL, STATE, STATE]):
         assert not _per_block(kinds)
         assert load_failures(_per_block(kinds), {5, 6}, {"r"}) == (set(), {"r"})
     assert _per_block([FULL])
-    from aiokv.connector.connector import per_block_errors
+    from aiokv.connector.worker_role import per_block_errors
 
     assert per_block_errors([GroupSpec(0, FULL, 4096, (), replicated=True)])  # MLA
 
 
 def test_block_zero_is_never_reported():
-    from aiokv.connector.connector import load_failures
+    from aiokv.connector.worker_role import load_failures
 
     for per_block in (True, False):
         blocks, reqs = load_failures(per_block, {0, 7}, {"r", "s"})

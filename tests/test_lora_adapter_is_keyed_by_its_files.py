@@ -1,7 +1,7 @@
 """A LoRA adapter's blocks are keyed by its files, not by its name and path.
 
 Bug: the keys of a request with a LoRA adapter covered the adapter's name and
-path only (connector.request_extras), so an adapter re-trained and saved at the
+path only (namespace.request_extras), so an adapter re-trained and saved at the
 same path (or another adapter put there under the same name) was served the KV
 of the old one, after a restart too.
 Invariant: the request root binds a fingerprint of the adapter's files (as the
@@ -9,7 +9,7 @@ base weights' are bound into the namespace): other files at the same path give
 other keys; the same files the same keys; the fingerprint is computed once per
 version of the files, not per request; an adapter whose files cannot be read is
 never given the keys of another process's life.
-Fix: connector.lora_fingerprint and fingerprint.adapter_fingerprint.
+Fix: namespace.lora_fingerprint and fingerprint.adapter_fingerprint.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from aiokv.connector import connector, fingerprint  # noqa: E402
+from aiokv.connector import fingerprint, namespace  # noqa: E402
 
 
 def _adapter(d, weights: bytes) -> str:
@@ -39,7 +39,7 @@ def _root(req_id: str, lora: LoRARequest | None) -> bytes:
     from aiokv.scheduler.keys import request_root
 
     r = Request(req_id, [1, 2, 3], SamplingParams(max_tokens=1), None, lora_request=lora)
-    return request_root(b"\0" * 16, connector.request_extras(r))
+    return request_root(b"\0" * 16, namespace.request_extras(r))
 
 
 def test_adapter_files_decide_the_keys(tmp_path, monkeypatch):
@@ -73,5 +73,5 @@ def test_unreadable_adapter_is_never_another_lifes(tmp_path):
     missing = str(tmp_path / "nowhere")
     a = _root("a", LoRARequest("ghost", 1, missing))
     assert a == _root("b", LoRARequest("ghost", 1, missing)), "stable within the process"
-    connector._unreadable_adapters.clear()  # what a new process starts with
+    namespace._unreadable_adapters.clear()  # what a new process starts with
     assert _root("c", LoRARequest("ghost", 1, missing)) != a

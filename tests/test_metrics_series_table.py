@@ -10,14 +10,16 @@ and re-aggregates the per-step deltas; gauges show the last value (a return to
 0 included) and idle steps hand vLLM nothing; per-rank counters count a block
 once at any TP size; the latency histograms carried as counters give the same
 bucket counts and sum as observing each latency directly; every counter aiokv
-keeps has a row in metrics.SERIES or a stated reason in metrics.NOT_EXPORTED.
+keeps has a row in the table of counters (aiokv/util/counters.py): a series
+(metrics.SERIES) or a stated reason (metrics.NOT_EXPORTED).
 
-The fix: aiokv/connector/metrics.py (StatsDelta, AioKVStats, AioKVPromMetrics, the
-SERIES table) and aiokv/worker/latency.py.
+The fix: aiokv/connector/metrics.py (StatsDelta, AioKVStats, AioKVPromMetrics),
+the table aiokv/util/counters.py and aiokv/worker/latency.py.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 
 import pytest
@@ -27,6 +29,7 @@ from aiokv.connector import metrics
 from aiokv.connector.metrics import SERIES, AioKVPromMetrics, AioKVStats, StatsDelta
 from aiokv.scheduler.side import SchedulerCounters
 from aiokv.store.store import StoreStats
+from aiokv.util import counters as table
 from aiokv.worker import transfer
 from aiokv.worker.latency import LATENCY_BUCKETS, latency_counts
 
@@ -49,14 +52,44 @@ def sample(reg: CollectorRegistry, name: str, **labels) -> float | None:
     return reg.get_sample_value(name, {"model_name": "tiny", "engine": "0", **labels})
 
 
+def _counted_in_code() -> set[str]:
+    """The names the worker, the layerwise copies and the bucket tier count under (read from their code)."""
+    import ast
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = set()
+    # (file, the counting call's attribute chain, the prefix its names get in the connector's counters)
+    for rel, call, prefix in (("aiokv/worker/transfer.py", "self._count", ""),
+                              ("aiokv/bucket/uploader.py", "self.count", ""),
+                              ("aiokv/worker/layerwise.py", "self.counts.update", "layerwise_"),
+                              ("aiokv/bucket/prober.py", "self.counters", "shared_")):
+        with open(os.path.join(root, rel)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == call:
+                found |= {prefix + kw.arg for kw in node.keywords if kw.arg is not None}
+            elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == call \
+                    and isinstance(node.slice, ast.Constant):
+                found.add(prefix + node.slice.value)
+    assert len(found) > 20, found
+    return found
+
+
 def test_every_counter_has_a_series_or_a_reason():
     produced = {f.name for f in dataclasses.fields(SchedulerCounters)}
     produced |= {f"store_{f.name}" for f in dataclasses.fields(StoreStats)}
     produced |= set(transfer.COUNTERS)
+    produced |= _counted_in_code()
     rows = {r.key for r in SERIES}
     missing = produced - rows - set(metrics.NOT_EXPORTED)
     assert not missing, f"counters with no row in metrics.SERIES and no reason in NOT_EXPORTED: {missing}"
     assert not rows & set(metrics.NOT_EXPORTED)
+    assert len(table.ROWS) == len(table.TABLE), "a counter with two rows"
+    # the table says where each is counted: the same names as the mechanisms that count them
+    assert set(table.names(table.SCHEDULER)) == {f.name for f in dataclasses.fields(SchedulerCounters)}
+    assert set(table.names(table.STORE)) == {f"store_{f.name}" for f in dataclasses.fields(StoreStats)}
+    assert set(transfer.COUNTERS) >= {k for k in _counted_in_code() if not k.startswith(("layerwise_", "shared_"))}
+    assert all(r.kind in (metrics.COUNTER, metrics.GAUGE, metrics.LEVEL, metrics.HISTOGRAM) for r in table.TABLE)
     # one help text, kind and label set per series
     by_series = {}
     for r in SERIES:
@@ -168,3 +201,31 @@ def test_a_level_adds_up_its_changes_across_ranks_and_steps():
         level += sum(changes)
         assert sample(reg, "vllm:aiokv_memory_bytes") == level
     assert level == 0
+
+
+def test_what_the_connector_hands_out_are_rows_of_the_table(tmp_path):
+    """counters() and the stats vLLM is handed name only counters of the table."""
+    import types
+
+    from aiokv.connector.scheduler_role import SchedulerRole
+    from aiokv.connector.worker_role import WorkerRole
+    from aiokv.scheduler.side import SchedulerSide
+    from aiokv.store import Store
+    from tests.conftest import NS, PAYLOAD
+
+    st = Store(str(tmp_path / "s"), capacity="1GiB")
+    role = object.__new__(SchedulerRole)  # the real methods over a real store, without vLLM's configs
+    role.sched = SchedulerSide(st, st.namespace(NS, PAYLOAD, fields={"model": "t"}), 16)
+    role._totals, role._queried_tokens, role.offer_hits, role._delta = {}, 0, True, StatsDelta(1)
+    try:
+        role._delta.add_worker({k: 1 for k in transfer.COUNTERS})
+        merge_into = metrics.merge(role._totals, {k: 1 for k in transfer.COUNTERS})
+        assert set(merge_into) <= set(table.ROWS)
+        got = set(role.counters()) | set(role.get_kv_connector_stats().data)
+        assert got and got <= set(table.ROWS), got - set(table.ROWS)
+    finally:
+        role.shutdown()
+    worker = object.__new__(WorkerRole)
+    worker.worker = types.SimpleNamespace(in_flight=0, staging_in_use=0, breaches=0)
+    worker._layers = types.SimpleNamespace(counts={"staged_loads": 1, "copied_blocks": 2})
+    assert set(worker.counters()) <= set(table.ROWS), set(worker.counters()) - set(table.ROWS)

@@ -23,7 +23,7 @@ window, in every group, give the tokens of a run without aiokv; the failures
 are counted, exactly the blocks loaded are; nothing leaks. Fix: only one
 full-attention group uses vLLM's per-block path; every other model recomputes
 a failed load whole (failed_recving); block 0 is never reported
-(connector.load_failures).
+(worker_role.load_failures).
 """
 from __future__ import annotations
 

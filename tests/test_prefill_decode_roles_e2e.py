@@ -9,7 +9,7 @@ kv_consumer offers hits and saves nothing; under MultiConnector the first
 connector that has a hit loads the request and the other loads nothing, and
 aiokv's failing loads are recomputed without touching the other connector;
 tokens always equal a run without any connector.
-Fix: the connector reads kv_role (aiokv/connector/connector.py: offer_hits, and
+Fix: the connector reads kv_role (aiokv/connector/connector.py and scheduler_role.py: offer_hits, and
 SchedulerSide.saves for kv_consumer); docs/operations.md, "Prefill and decode".
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import time
 
-from aiokv.bucket.client import SharedClient
+from aiokv.bucket.client import BucketClient
 from aiokv.bucket.loader import BAD, MISSING, OK, RemoteLoader
 from aiokv.bucket.naming import object_name, parse_url
 from aiokv.bucket.prober import Prober
@@ -53,7 +53,7 @@ async def _stamped(tmp_path, blocks, n):
 
 async def test_upload_once_then_load_verified(tmp_path, blocks, s3env):
     st, io = await _stamped(tmp_path, blocks, 8)
-    client = SharedClient(s3env.url("verify"), timeout=5)
+    client = BucketClient(s3env.url("verify"), timeout=5)
     up = Uploader(client, 64 << 20)
     name = lambda k, ns=NS, rank=0: object_name(client.prefix, ns, rank, k)  # noqa: E731
     for i in range(8):
@@ -103,7 +103,7 @@ async def test_upload_once_then_load_verified(tmp_path, blocks, s3env):
 
 async def test_prober_answers_not_yet_then_from_its_caches(tmp_path, blocks, s3env):
     st, io = await _stamped(tmp_path, blocks, 6)
-    client = SharedClient(s3env.url("probe"), timeout=5)
+    client = BucketClient(s3env.url("probe"), timeout=5)
     up = Uploader(client, 64 << 20)
     names = [object_name(client.prefix, NS, 0, key(i)) for i in range(6)]
     for i in range(4):

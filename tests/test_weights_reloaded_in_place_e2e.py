@@ -12,7 +12,7 @@ tier is dropped, every key is rooted in a fresh, never-reused epoch); requests
 alive at the reset never save again; blocks computed under the in-memory weights
 are never served after a restart that loads the files again, while the blocks of
 the file weights stay hits.
-Fix: AioKVConnector.reset_cache (connector.py), SchedulerSide.new_epoch
+Fix: AioKVConnector.reset_cache (connector/scheduler_role.py), SchedulerSide.new_epoch
 (scheduler.py), the workers' memory tier dropped at the next step (StepPlan.reset).
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ import pytest
 from aiokv import _native
 from aiokv.config import AioKVConfig, ConfigError
 from aiokv.data.backend import open_backend
-from aiokv.bucket.client import SharedClient
+from aiokv.bucket.client import BucketClient
 from aiokv.bucket.loader import BAD, OK, RemoteLoader
 from aiokv.bucket.naming import object_name
 from aiokv.store import Store
@@ -82,7 +82,7 @@ async def test_secret_macs_every_block(tmp_path, blocks):
 
 async def test_wrong_secret_from_the_bucket_is_a_miss(tmp_path, blocks, s3env):
     st, io = _ios(tmp_path)
-    client = SharedClient(s3env.url("secret"), timeout=5)
+    client = BucketClient(s3env.url("secret"), timeout=5)
     for i, writer in ((0, "a"), (1, "b"), (2, "none")):
         blocks.fill(i, key(i))
         io[writer].stamp(key(i), blocks.addr(i))
@@ -105,7 +105,7 @@ def test_secret_setting(monkeypatch):
     with pytest.raises(ConfigError, match="at least 16"):
         AioKVConfig.from_extra({"path": "/tmp/x", "secret": "short"})
     with pytest.raises(ConfigError, match="s3://BUCKET/PREFIX"):
-        AioKVConfig.from_extra({"path": "/tmp/x", "shared": "bucket/prefix"})
-    cfg = AioKVConfig.from_extra({"path": "/tmp/x", "shared": "s3://my-bucket/kv", "remote_timeout": 2,
+        AioKVConfig.from_extra({"path": "/tmp/x", "bucket": "bucket/prefix"})
+    cfg = AioKVConfig.from_extra({"path": "/tmp/x", "bucket": "s3://my-bucket/kv", "remote_timeout": 2,
                                   "upload_queue": "64MiB"})
-    assert (cfg.shared, cfg.remote_timeout, cfg.upload_queue) == ("s3://my-bucket/kv", 2.0, 64 << 20)
+    assert (cfg.bucket, cfg.remote_timeout, cfg.upload_queue) == ("s3://my-bucket/kv", 2.0, 64 << 20)

@@ -120,16 +120,23 @@ def _connector(store_dir: str):
     nsid = namespace_id({"bench": "overhead"})
     ns = store.namespace(nsid, 64 << 10)
     conn = object.__new__(AioKVConnector)  # the real methods, without a vLLM config
-    conn.sched = SchedulerSide(store, ns, BLOCK)
-    conn.nsid = nsid
-    conn._roots = {}
-    conn.block_size = BLOCK
+    try:  # the scheduler role's state: its own object since the connector was split, else the connector's
+        from aiokv.connector.scheduler_role import SchedulerRole
+
+        role = conn.scheduler_role = object.__new__(SchedulerRole)
+    except ImportError:
+        role = conn
+    role.sched = SchedulerSide(store, ns, BLOCK)
+    role.nsid = nsid
+    role._roots = {}
+    role.block_size = BLOCK
     conn._connector_metadata = None
-    conn._queried, conn._queried_tokens = {}, 0
+    role._queried, role._queried_tokens = {}, 0
     # what AioKVConnector.__init__ sets that these methods read (getattr: older checkouts lack some)
-    conn.epoch, conn._remote_tokens, conn._failed_recv, conn._failed_now = None, {}, set(), set()
-    conn.layerwise, conn._layers, conn.worker, conn.offer_hits = False, None, None, True
-    return conn, store, ns
+    role.epoch, role._remote_tokens, role._failed_recv, role._failed_now = None, {}, set(), set()
+    role._bucket_tokens = {}  # _remote_tokens before the bucket tier had its one name
+    role.layerwise, role._layers, role.worker, role.offer_hits = False, None, None, True
+    return conn, role, store, ns
 
 
 def _request(rid: str, tokens: list[int]):
@@ -154,7 +161,7 @@ def _fill(store, ns, keys) -> None:
 def scheduler_side(running: list[int], base: str) -> dict:
     from aiokv.scheduler.keys import extend_keys
 
-    conn, store, ns = _connector(os.path.join(base, "sched"))
+    conn, role, store, ns = _connector(os.path.join(base, "sched"))
     rnd = random.Random(3)
     out = {"stored_blocks": 0}
     try:
@@ -164,8 +171,8 @@ def scheduler_side(running: list[int], base: str) -> dict:
         prompts = []
         for i in range(200):
             toks = [1] + [rnd.randrange(3, 500) for _ in range(2047)]
-            root = conn._root(_request(f"p{i}", toks))
-            conn._roots.clear()
+            root = role._root(_request(f"p{i}", toks))
+            role._roots.clear()
             keys = extend_keys([], root, toks, BLOCK, 32)
             _fill(store, ns, keys)
             prompts.append(toks)
@@ -182,7 +189,7 @@ def scheduler_side(running: list[int], base: str) -> dict:
             repeat.append(time.perf_counter_ns() - t)
             hits += n
             conn.sched.finished(req.request_id)
-            conn._roots.pop(req.request_id, None)
+            role._roots.pop(req.request_id, None)
         out["lookup_us"] = {"first_call": statistics.median(first) / 1e3, "repeat_call": statistics.median(repeat) / 1e3,
                             "prompt_tokens": 2048, "hit_tokens_per_lookup": hits // len(prompts)}
         # steps with R running decode requests
@@ -227,7 +234,7 @@ def scheduler_side(running: list[int], base: str) -> dict:
                           "mean_us": statistics.mean(times) / 1e3, "max_us": max(times) / 1e3})
             for rid, _, _ in reqs:
                 conn.sched.finished(rid)
-                conn._roots.pop(rid, None)
+                role._roots.pop(rid, None)
         out["step"] = steps
     finally:
         store.close()
@@ -251,9 +258,15 @@ def hooks(layers: int) -> dict:
     from aiokv.connector.connector import AioKVConnector
 
     conn = object.__new__(AioKVConnector)
-    conn.worker = None
+    try:  # the worker role's state: its own object since the connector was split, else the connector's
+        from aiokv.connector.worker_role import WorkerRole
+
+        role = conn.worker_role = object.__new__(WorkerRole)
+    except ImportError:
+        role = conn
+    role.worker = None
     conn._connector_metadata = None
-    conn._layers = None
+    role._layers = None
     n = 200_000
     res = {}
     for name in ("save_kv_layer", "wait_for_layer_load"):

@@ -42,7 +42,7 @@ async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, 
     import obstore
 
     from aiokv.data.buffers import SlotPool
-    from aiokv.bucket.client import SharedClient
+    from aiokv.bucket.client import BucketClient
     from aiokv.bucket.loader import OK, RemoteLoader
     from aiokv.bucket.naming import object_name
     from aiokv.bucket.uploader import Uploader
@@ -60,7 +60,7 @@ async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, 
     for k, s in zip(keys, slots):
         ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, os.urandom(1024) * (slot_payload // 1024), slot_payload)
         io.stamp(k, pool.addr(s))
-    client = SharedClient(url, timeout=60)
+    client = BucketClient(url, timeout=60)
     out = {}
     total = n * sb
 
@@ -139,6 +139,7 @@ def e2e(url: str, env: dict, args) -> dict:
     model = build(os.path.join(base, "model"), layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1408,
                   max_positions=max(8192, max(a.lengths) + 64))
     os.environ.update(env)
+    # "shared", the bucket setting's old name: every checkout reads it (before/after runs)
     os.environ["AIOKV_BENCH_EXTRA"] = json.dumps({"shared": url, **json.loads(args.extra)})
     rows = {}
     for label, cache in (("cold", "a"), ("warm", "a"), ("warm", "b")):

@@ -2,11 +2,11 @@
 engines (other nodes) load them instead of recomputing (docs/sharing.md).
 
     naming.py   bucket URL and object names
-    client.py   the S3 client (obstore): write-once PUT, GET, HEAD, with deadlines
-    breaker.py  circuit breaker: a failing server is skipped for a while
+    client.py   the S3 client (obstore): write-once PUT, GET, HEAD, with deadlines, behind
+                a circuit breaker (aiokv/util/breaker.py): a failing server is skipped for a while
     uploader.py write-behind uploads from a worker's event loop (bounded, lossy)
     prober.py   asynchronous, cached existence probes for the scheduler thread
-    loader.py   remote loads into a staging slot, verified like a local read
+    loader.py   loads from the bucket into a staging slot, verified like a local read
 
 Nothing here imports vLLM.
 """

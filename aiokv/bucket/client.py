@@ -1,4 +1,4 @@
-"""The S3 client of the shared tier, on obstore (object_store, in Rust).
+"""The S3 client of the bucket tier, on obstore (object_store, in Rust).
 
 Chosen by measurement (tools/bench_shared.py, docs/benchmarks.md): against the
 same server it moves objects at least as fast as aiobotocore, its transfers
@@ -13,7 +13,7 @@ http:// endpoint (a local test server) is allowed.
 Every call is bounded by `timeout` seconds (the client's own deadline, and
 asyncio.wait_for around it) and reports to the breaker: a missing object is an
 answer, not a failure; an error or timeout is a failure. Calls raise
-SharedError on failure and when the breaker is open, so callers have one
+BucketError on failure and when the breaker is open, so callers have one
 exception to turn into a miss or a dropped upload.
 
 Threading contract: the coroutines may be awaited on any asyncio loop, from any
@@ -23,26 +23,32 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from datetime import timedelta
 
 import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionError
 from obstore.store import S3Store
 
-from aiokv.bucket.breaker import Breaker
 from aiokv.bucket.naming import parse_url
+from aiokv.util.breaker import Breaker
 
 
-class SharedError(Exception):
-    """The shared tier did not answer (error, timeout, breaker open)."""
+def bucket_breaker(failures: int = 3, cooldown: float = 10.0, clock=time.monotonic) -> Breaker:
+    """The bucket's breaker (aiokv/util/breaker.py): every request is a verdict on the server."""
+    return Breaker(failures, cooldown, clock, per_request=True)
 
 
-class SharedClient:
+class BucketError(Exception):
+    """The bucket did not answer (error, timeout, breaker open)."""
+
+
+class BucketClient:
     def __init__(self, url: str, timeout: float = 5.0, breaker: Breaker | None = None):
         self.bucket, self.prefix = parse_url(url)
         self.url = url
         self.timeout = timeout
-        self.breaker = breaker or Breaker()
+        self.breaker = breaker or bucket_breaker()
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
         t = timedelta(seconds=timeout)
         opts = {"timeout": t, "connect_timeout": timedelta(seconds=min(timeout, 2.0)),
@@ -57,7 +63,7 @@ class SharedClient:
     async def _call(self, start):
         """Await start() (which begins the request) unless the breaker says no."""
         if not self.breaker.allow():
-            raise SharedError("the shared tier is skipped for a while after repeated failures")
+            raise BucketError("the bucket is skipped for a while after repeated failures")
         try:
             out = await asyncio.wait_for(start(), self.timeout)
         except (FileNotFoundError, NotFoundError, AlreadyExistsError, PreconditionError):
@@ -68,7 +74,7 @@ class SharedClient:
             raise
         except Exception as e:
             self.breaker.failure()
-            raise SharedError(f"{type(e).__name__}: {str(e)[:200]}") from None
+            raise BucketError(f"{type(e).__name__}: {str(e)[:200]}") from None
         self.breaker.success()
         return out
 

@@ -1,4 +1,4 @@
-"""Remote loads: GET a block's object into a staging slot and verify it exactly
+"""Loads from the bucket: GET a block's object into a staging slot and verify it exactly
 as a local read is verified (BlockIO.verify: magic, version, namespace, rank,
 key, layout, length, CRC32C, and the MAC when a secret is set).
 
@@ -14,14 +14,14 @@ import ctypes
 
 import numpy
 
-from aiokv.bucket.client import SharedClient, SharedError
+from aiokv.bucket.client import BucketClient, BucketError
 from aiokv.bucket.naming import object_name
 
 OK, MISSING, BAD, UNAVAILABLE = "ok", "missing", "bad", "unavailable"
 
 
 class RemoteLoader:
-    def __init__(self, client: SharedClient, nsid: bytes, rank: int, slot_bytes: int):
+    def __init__(self, client: BucketClient, nsid: bytes, rank: int, slot_bytes: int):
         self.client = client
         self.nsid = nsid
         self.rank = rank
@@ -34,7 +34,7 @@ class RemoteLoader:
         """Fill the staging slot at addr with the block of `key`; OK, MISSING, BAD or UNAVAILABLE."""
         try:
             data = await self.client.get(self.name(key))
-        except SharedError:
+        except BucketError:
             return UNAVAILABLE
         if data is None:
             return MISSING

@@ -1,10 +1,10 @@
-"""The scheduler side's view of the shared tier: how many blocks past the
+"""The scheduler side's view of the bucket tier: how many blocks past the
 local hit the bucket holds, for every group and rank.
 
 A block counts only when the objects of every KV-cache group's namespace and
 every rank that stores it are there (a TP rank whose upload was dropped makes
 the block a miss for all). Only models whose groups are all full attention
-use the shared tier for loads (sliding-window and recurrent-state groups need
+use the bucket for loads (sliding-window and recurrent-state groups need
 other blocks per hit; they still upload).
 
 Threading contract: vLLM's scheduler thread (the Prober runs its probes on
@@ -12,17 +12,16 @@ its own loop thread).
 """
 from __future__ import annotations
 
-from aiokv.bucket.breaker import Breaker
-from aiokv.bucket.client import SharedClient
+from aiokv.bucket.client import BucketClient, bucket_breaker
 from aiokv.bucket.naming import object_name
 from aiokv.bucket.prober import Prober
 
 
-class SharedLookup:
-    def __init__(self, url: str, remote_timeout: float, probe_timeout: float,
+class BucketLookup:
+    def __init__(self, url: str, timeout: float, probe_timeout: float,
                  groups: list[tuple[bytes, int, int]]):
         """groups: (namespace id, ranks that store it, slot bytes) per KV-cache group."""
-        self.client = SharedClient(url, remote_timeout, Breaker())
+        self.client = BucketClient(url, timeout, bucket_breaker())
         self.prober = Prober(self.client, probe_timeout)
         self.groups = groups
         self.prefix = self.client.prefix
@@ -37,7 +36,7 @@ class SharedLookup:
         return self.prober.lookup(req_id, [self._objects(k) for k in keys[start:usable]])
 
     def missing(self, gi: int, key: bytes) -> None:
-        """A remote load of this block failed to verify or was gone: do not offer it for a while."""
+        """A load of this block from the bucket failed to verify or was gone: do not offer it for a while."""
         nsid, ranks, _ = self.groups[gi]
         self.prober.mark_absent(object_name(self.prefix, nsid, r, key) for r in range(ranks))
 
@@ -47,7 +46,7 @@ class SharedLookup:
     @property
     def counters(self) -> dict[str, int]:
         return {f"shared_{k}": v for k, v in self.prober.counters.items()} | {"shared_breaker_opened":
-                                                                                self.client.breaker.opened}
+                                                                                self.client.breaker.opens}
 
     def close(self) -> None:
         self.prober.close()

@@ -1,11 +1,11 @@
-"""Which blocks past the local hit the shared tier has, without a round trip on
+"""Which blocks past the local hit the bucket has, without a round trip on
 the scheduler thread.
 
 `lookup` answers from two caches (present / absent, each with an expiry) or,
 where they do not know, starts one batched probe (concurrent HEADs of the next
 blocks' objects) on the prober's own event loop and answers None: "not yet".
 vLLM then skips the request for this step and asks again at the next one. A
-request waits for the shared tier at most `timeout` seconds in all: past that,
+request waits for the bucket at most `timeout` seconds in all: past that,
 or when the probe failed, or while the breaker is open, it is answered with
 what is known (often 0 more blocks) and goes on.
 
@@ -25,7 +25,7 @@ import time
 
 import uvloop
 
-from aiokv.bucket.client import SharedClient, SharedError
+from aiokv.bucket.client import BucketClient, BucketError
 
 BATCH_BLOCKS = 256       # blocks probed by one probe, at most (8k tokens at block size 32)
 CONCURRENCY = 64         # HEADs in flight per probe
@@ -45,7 +45,7 @@ class _Probe:
 
 
 class Prober:
-    def __init__(self, client: SharedClient, timeout: float = 1.0, clock=time.monotonic):
+    def __init__(self, client: BucketClient, timeout: float = 1.0, clock=time.monotonic):
         self.client = client
         self.timeout = timeout
         self.clock = clock
@@ -65,7 +65,7 @@ class Prober:
 
     def lookup(self, req_id: str, blocks: list[list[tuple[str, int]]]) -> int | None:
         """How many of `blocks` (each: the (object name, size) that must all exist),
-        from the first, the shared tier has; None: not known yet, ask again."""
+        from the first, the bucket has; None: not known yet, ask again."""
         now = self.clock()
         with self._lock:
             n, unknown = 0, []
@@ -84,7 +84,7 @@ class Prober:
         p = self._probes.get(req_id)
         if p is None:
             p = self._probes[req_id] = _Probe(now)
-        if p.failed or now - p.started >= self.timeout or self.client.breaker.is_open:
+        if p.failed or now - p.started >= self.timeout or self.client.breaker.in_cooldown:
             self.counters["probe_gave_up"] += 1
             return n  # the request goes on with what is known
         if p.future is None or p.future.done():
@@ -114,7 +114,7 @@ class Prober:
 
         try:
             await asyncio.gather(*(one(n, s) for n, s in objs))
-        except SharedError:
+        except BucketError:
             p.failed = True
         except Exception:
             p.failed = True

@@ -1,4 +1,4 @@
-"""Write-behind uploads of committed-to-disk blocks to the shared tier.
+"""Write-behind uploads of committed-to-disk blocks to the bucket tier.
 
 A block is offered once its local write succeeded; `offer` only queues a copy
 of its bytes. A few upload tasks drain the queue with write-once PUTs. "Already
@@ -26,14 +26,14 @@ import logging
 
 import numpy
 
-from aiokv.bucket.client import SharedClient, SharedError
+from aiokv.bucket.client import BucketClient, BucketError
 from aiokv.bucket.naming import key_of
 
 log = logging.getLogger("aiokv")
 
 
 class Uploader:
-    def __init__(self, client: SharedClient, max_bytes: int, concurrency: int = 4, count=None, verify=None):
+    def __init__(self, client: BucketClient, max_bytes: int, concurrency: int = 4, count=None, verify=None):
         """verify(key, addr) -> bool: whether the slot image at addr is `key`'s block, intact
         (BlockIO.verify); None: an object already there is trusted."""
         self.client = client
@@ -55,7 +55,7 @@ class Uploader:
         if not self._tasks:
             self._wake, self._idle = asyncio.Event(), asyncio.Event()
             self._tasks = [asyncio.ensure_future(self._run()) for _ in range(self.concurrency)]
-        if self.client.breaker.is_open:
+        if self.client.breaker.in_cooldown:
             self.count(upload_dropped_unavailable=1)
             return False
         if self.queued_bytes + len(data) > self.max_bytes:
@@ -86,7 +86,7 @@ class Uploader:
                 else:
                     await self.client.put(name, data)
                     self.count(upload_replaced_bad=1, upload_bytes=len(data))
-            except SharedError as e:
+            except BucketError as e:
                 self.count(upload_failed=1)
                 if not self._warned:
                     self._warned = True

@@ -11,6 +11,9 @@ cache_salt when you patch weights in place.
 
 LoRA adapters are fingerprinted the same way (their adapter_config.json too),
 once per version of their files (adapter_fingerprint).
+
+Threading contract: weights_fingerprint runs once, in the connector's __init__;
+adapter_fingerprint (and its memo) on the EngineCore scheduler thread only.
 """
 from __future__ import annotations
 

@@ -58,22 +58,13 @@ from aiokv.data.blockio import BlockIO
 from aiokv.worker.layerwise import LayerwiseLoads
 from aiokv.worker.latency import latency_counts
 from aiokv.worker.memory import HostCache
+from aiokv.util.counters import WORKER, names as counter_names
 
 log = logging.getLogger("aiokv")
 
 # results that say nothing about the disk's health (the breaker ignores them)
 NOT_IO_ERRORS = (0, -errno.EBADMSG, -errno.ECANCELED, -errno.ENOBUFS)
-# every counter a worker reports besides its latency histograms (aiokv/connector/metrics.py maps each to a
-# Prometheus series or says why not; tests/test_metrics_series_table.py holds the two together)
-COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_cancelled_blocks", "load_timeouts", "loads_cancelled",
-            "load_staging_stuck", "saves_ok_blocks", "save_failed_blocks", "save_skipped_staging_full",
-            "save_timeouts", "read_errors", "write_errors", "bytes_read", "bytes_written",
-            # the shared tier (docs/sharing.md)
-            "remote_loaded_blocks", "remote_missed_blocks", "remote_bad_blocks", "uploaded", "upload_bytes", "upload_already_there",
-            "upload_failed", "upload_replaced_bad", "upload_dropped_queue_full", "upload_dropped_unavailable",
-            "upload_dropped_at_close",
-            # the host-memory tier (worker/memory.py); memory_held_bytes is a level (its deltas may be negative)
-            "memory_hit_blocks", "memory_held_bytes")
+COUNTERS = counter_names(WORKER)  # every counter a worker reports (aiokv/util/counters.py)
 CLOSE_DRAIN_S = 10.0  # close() waits this long for outstanding jobs, then leaves them
 
 

@@ -1,0 +1,276 @@
+"""The scheduler-role glue: vLLM's scheduler-side connector calls on SchedulerSide.
+
+Opens the store (bounded by start_timeout) and the SchedulerSide over it;
+turns vLLM's requests and SchedulerOutput into plain data (keys' roots,
+Scheduled items) and the side's plan into AioKVMetadata; feeds the workers'
+reports back; hands vLLM its stats (counter deltas, gauges).
+
+Threading contract: the EngineCore scheduler thread only (the store's I/O
+thread is the store's; the bucket's prober runs on its own loop thread).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from aiokv import __version__
+from aiokv.jobs import StepPlan
+from aiokv.connector.metadata import AioKVMetadata, AioKVWorkerMetadata
+from aiokv.connector.metrics import AioKVStats, StatsDelta
+from aiokv.connector.namespace import request_extras
+from aiokv.scheduler.keys import request_root
+from aiokv.util.counters import merge, store_counters
+
+log = logging.getLogger("aiokv")
+
+
+def engine_transfer_config(own, depth: int = 8):
+    """The kv_transfer_config vLLM's scheduler reads kv_load_failure_policy from: our own,
+    or, under vLLM's MultiConnector (which builds each of its connectors with a copy of the
+    config holding only that connector's entry), the MultiConnector's. Called from our
+    __init__, while MultiConnector.__init__ (its `vllm_config`) is on the stack
+    (tests/test_prefill_decode_roles_e2e.py fails requests if it is not found)."""
+    import sys
+
+    f = sys._getframe(1)
+    for _ in range(depth):
+        f = f.f_back
+        if f is None:
+            break
+        if type(f.f_locals.get("self")).__name__ == "MultiConnector":
+            cfg = f.f_locals.get("vllm_config")
+            return getattr(cfg, "kv_transfer_config", None) or own
+    return own
+
+
+
+
+class SchedulerRole:
+    def __init__(self, cfg, ns, ranks: int, layerwise: bool, offer_hits: bool, kv_role: str):
+        self.cfg = cfg
+        self.fields, self.groups, self.group_nsids = ns.fields, ns.groups, ns.group_nsids
+        self.nsid, self.block_size = ns.nsid, ns.block_size
+        self.ranks = ranks
+        self.layerwise = layerwise
+        self.offer_hits = offer_hits
+        self.kv_role = kv_role
+        self.sched = None
+        self._roots: dict[str, tuple[int, bytes]] = {}  # request id -> (multimodal inputs seen, key root)
+        # set by reset_cache (the weights may have changed in place): bound into every key's root,
+        # random, so never the epoch of another life or reset (None: the weight files' own blocks)
+        self.epoch: str | None = None
+        self._delta = StatsDelta(self.ranks)  # what vLLM's stats have not been handed yet
+        self._totals: dict[str, int] = {}    # worker counters since start
+        self._queried: dict[str, int] = {}   # request -> tokens asked of us at its last lookup
+        self._queried_tokens = 0
+        self._bucket_tokens: dict[str, int] = {}  # request -> hit tokens from the bucket (hit sources)
+
+    def open(self, kv_transfer_config) -> None:
+        from aiokv.util.breaker import Breaker
+        from aiokv.scheduler.side import SchedulerSide
+        from aiokv.store import Store, StoreLocked
+        from aiokv.store.fsthread import bounded
+
+        ktc = engine_transfer_config(kv_transfer_config)
+        if ktc.kv_load_failure_policy == "fail" and not self.cfg.strict_load_failures:
+            # A cache miss must never fail a request: a failed load is recomputed.
+            ktc.kv_load_failure_policy = "recompute"
+            log.info("aiokv: kv_load_failure_policy set to 'recompute' (a failed cache load is recomputed%s); "
+                     "set strict_load_failures=true in kv_connector_extra_config to keep 'fail'",
+                     "" if ktc is kv_transfer_config else
+                     "; under MultiConnector the policy is the engine's, for every connector")
+        def open_store():
+            store = Store(self.cfg.path, capacity=self.cfg.capacity, io_thread=True, fs_timeout=self.cfg.fs_timeout)
+            try:
+                spaces = []
+                for g, nsid in zip(self.groups, self.group_nsids):
+                    fields = self.fields if len(self.groups) == 1 else {**self.fields, "group": g.index}
+                    spaces.append((g, store.namespace(nsid, g.payload_bytes,
+                                                      ranks=1 if g.replicated else self.ranks, fields=fields)))
+            except BaseException:
+                store.close(checkpoint=False)
+                raise
+            return store, spaces
+
+        try:
+            # a file system that does not answer must not hang vLLM's start: past start_timeout
+            # aiokv is off (as for a directory it cannot use), and the store, if it opens later, closes
+            store, spaces = bounded(open_store, self.cfg.start_timeout, f"the cache directory {self.cfg.path}",
+                                    late=lambda got: got[0].close(checkpoint=False))
+        except StoreLocked:
+            raise
+        except OSError as e:
+            log.error("aiokv: cannot use cache directory %s (%s); aiokv is disabled and vLLM runs without it",
+                      self.cfg.path, e.strerror or e)
+            return
+        self.sched = SchedulerSide(store, spaces, self.block_size,
+                                   Breaker(self.cfg.breaker_failures, self.cfg.breaker_cooldown))
+        self.sched.layerwise = self.layerwise
+        self.sched.saves = self.kv_role != "kv_consumer"
+        if self.cfg.bucket:
+            from aiokv.bucket.lookup import BucketLookup
+            from aiokv.data.format import slot_bytes
+
+            self.sched.shared = BucketLookup(self.cfg.bucket, self.cfg.remote_timeout, self.cfg.probe_timeout,
+                                             [(ns.nsid, ns.ranks, slot_bytes(ns.payload_bytes)) for _, ns in spaces])
+        log.info("aiokv %s: cache %s, namespace %s (%s), %d blocks stored", __version__, self.cfg.path,
+                 self.nsid.hex(), ", ".join(g.kind for g in self.groups), sum(len(ns.entries) for _, ns in spaces))
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        """The hit split by where its blocks come from: the bucket tier (vLLM's
+        label for a remote store is external_unspecified) and the local cache directory
+        (disk). A hit the worker serves from its host-memory tier is counted as disk: that
+        tier is the workers' and the scheduler side cannot know it at lookup time."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        bucket = min(self._bucket_tokens.pop(request.request_id, 0), num_external_tokens)
+        out = {CacheHitSource.DISK: num_external_tokens - bucket, CacheHitSource.EXTERNAL_UNSPECIFIED: bucket}
+        return {k: v for k, v in out.items() if v > 0}
+
+    def _root(self, request) -> bytes:
+        # a streaming-input session keeps its id but may gain multimodal inputs: a new root then
+        n = len(request.mm_features or ())
+        got = self._roots.get(request.request_id)
+        if got is None or got[0] != n:
+            extras = request_extras(request)
+            if self.epoch is not None:
+                extras.append(["epoch", self.epoch])
+            got = self._roots[request.request_id] = (n, request_root(self.nsid, extras))
+        return got[1]
+
+    def reset_cache(self) -> bool:
+        """vLLM's reset_prefix_cache(reset_connector=True), and a pause or sleep that
+        clears caches (scheduler role; vLLM does not call the workers). The weights
+        may have changed in place (an RL update): nothing stored before is served from
+        now on, and what is stored from now on is never served to an engine that
+        loads the weight files again. New requests' keys are rooted in a fresh random
+        epoch; requests alive now never hit or save again (their loads in flight are
+        recomputed); the workers drop their memory tier at the next step. Blocks of
+        earlier epochs stay on disk until evicted; those of the weight files are hits
+        again after a restart. False (vLLM then reports the reset failed) only if
+        this went wrong."""
+        if self.sched is None:
+            return True  # nothing is served
+        try:
+            self.epoch = os.urandom(16).hex()
+            self._roots.clear()
+            self.sched.new_epoch()
+        except Exception:
+            log.exception("aiokv: resetting the cache failed")
+            return False
+        log.info("aiokv: cache reset (the weights may have changed): blocks stored before are no longer served")
+        return True
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.sched is None or not self.offer_hits or getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        try:
+            n = self.sched.match(request.request_id, request.all_token_ids, self._root(request), num_computed_tokens)
+        except Exception:
+            log.exception("aiokv: lookup failed; treated as a miss")
+            return 0, False
+        self._queried[request.request_id] = request.num_tokens - num_computed_tokens  # counted at alloc
+        return n, bool(n)  # None: the bucket has not answered yet; vLLM asks again next step
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self.sched is None:
+            return
+        self._queried_tokens += self._queried.pop(request.request_id, 0)
+        self._bucket_tokens[request.request_id] = self.sched.shared_hit_tokens(request.request_id, num_external_tokens)
+        try:
+            self.sched.on_alloc(request.request_id, request.all_token_ids, self._root(request),
+                                blocks.get_block_ids(), num_external_tokens)
+        except Exception:
+            log.exception("aiokv: preparing a load failed; it is recomputed")
+            if num_external_tokens > 0:  # vLLM now waits for this load: it must be reported, failed
+                self.sched.fail_load(request.request_id, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> AioKVMetadata:
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        if self.sched is None:
+            return AioKVMetadata(StepPlan(), idle=idle)
+        from aiokv.scheduler.side import Scheduled
+
+        spec = scheduler_output.scheduled_spec_decode_tokens or {}
+        n_sched = scheduler_output.num_scheduled_tokens
+
+        def count(req_id: str) -> int:
+            return n_sched.get(req_id, 0) - len(spec.get(req_id, ()))
+
+        items = [Scheduled(r.req_id, r.num_computed_tokens, count(r.req_id), r.block_ids, True)
+                 for r in scheduler_output.scheduled_new_reqs]
+        c = scheduler_output.scheduled_cached_reqs
+        resumed = c.resumed_req_ids or set()
+        for i, req_id in enumerate(c.req_ids):
+            new = c.new_block_ids[i]
+            items.append(Scheduled(req_id, c.num_computed_tokens[i], count(req_id), new, req_id in resumed))
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        boundary = state.boundary_state_offloads if state is not None else None
+        decode_like = all(n <= 1 + len(spec.get(r, ())) for r, n in n_sched.items())
+        return AioKVMetadata(self.sched.plan(items, boundary), decode_like, idle)  # plan() contains its own failures
+
+    def update_connector_output(self, connector_output) -> None:
+        if self.sched is None:
+            return
+        meta = connector_output.kv_connector_worker_meta
+        report = meta.report if isinstance(meta, AioKVWorkerMetadata) else None
+        if report is not None:
+            self._delta.add_worker(report.counters)
+            merge(self._totals, report.counters)
+        try:
+            self.sched.on_report(report, connector_output.finished_recving)
+        except Exception:
+            log.exception("aiokv: processing the workers' report failed; its saves are not committed")
+
+    def has_pending_push_work(self) -> bool:
+        # keeps the engine stepping until the workers have reported every save
+        return self.sched is not None and self.sched.pending_saves > 0
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._roots.pop(request.request_id, None)
+        self._queried.pop(request.request_id, None)
+        self._bucket_tokens.pop(request.request_id, None)
+        if self.sched is None:
+            return False, None
+        try:
+            return self.sched.finished(request.request_id), None
+        except Exception:
+            log.exception("aiokv: request_finished failed; the request's blocks are freed as usual")
+            return False, None
+
+
+    def get_kv_connector_stats(self):
+        # vLLM sums what it is handed: deltas of counters, gauges when they change (aiokv/connector/metrics.py)
+        if self.sched is None:
+            return None
+        data = self._delta.take(self._scheduler_counters())
+        return AioKVStats(data=data) if data else None
+
+    def _scheduler_counters(self) -> dict[str, int]:
+        """Scheduler and store counters since start, and the store's gauges."""
+        st = self.sched.store
+        out = dict(vars(self.sched.counters))
+        out.update(store_counters(st.stats))
+        out.update(queried_tokens=self._queried_tokens, disk_bytes=st._used(),
+                   capacity_bytes=st.limit or 0, pending_saves=self.sched.pending_saves,
+                   breaker_open=int(self.sched.breaker.is_open),
+                   stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()))
+        if self.sched.shared is not None:
+            out.update(self.sched.shared.counters)
+        return out
+
+
+    def counters(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        if self.sched is not None:
+            out.update(self._totals)
+            out.update(self._scheduler_counters())
+            out["pinned"] = len(self.sched.store.index.pins)
+            out["hits_offered"] = int(self.offer_hits)
+        return out
+
+    def shutdown(self) -> None:
+        if self.sched is not None:
+            self.sched.close()
+            self.sched = None

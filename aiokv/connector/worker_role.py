@@ -1,0 +1,228 @@
+"""The worker-role glue: vLLM's worker-side connector calls on aiokv's workers.
+
+register_kv_caches builds one TransferWorker per KV-cache group (GroupedWorker);
+each step the scheduler side's plan (AioKVMetadata) is started (loads, cancels,
+layer-by-layer copies), saved (wait_for_save) and polled (get_finished), and
+the workers' report goes back as AioKVWorkerMetadata. A worker that did not
+start is disabled: its promised loads are reported failed, its saves dropped.
+
+Threading contract: the model runner's thread only (the pipelines run on the
+event loop thread each TransferWorker owns).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from aiokv.jobs import StepPlan, WorkerReport
+from aiokv.connector.metadata import AioKVMetadata, AioKVWorkerMetadata
+from aiokv.scheduler.layout import FULL, GroupSpec
+
+log = logging.getLogger("aiokv")
+IDLE_WAIT_S = 0.002  # how long an engine step with nothing to compute waits for a load
+
+
+def per_block_errors(groups: list[GroupSpec]) -> bool:
+    """Whether failed loads go to vLLM block by block (load_failures): one full-attention group."""
+    return len(groups) == 1 and groups[0].kind == FULL
+
+
+def load_failures(per_block: bool, errors: set[int], failed: set[str]) -> tuple[set[int], set[str]]:
+    """How vLLM is told about loads that failed: (block ids for get_block_ids_with_load_errors,
+    requests for failed_recving).
+
+    vLLM's per-block path cuts a request back to its first failed block and computes on from
+    there over the block table it has. That is right only when the table holds every block
+    before it, i.e. for one full-attention group: a sliding-window group holds null blocks
+    before the window that ends at the hit (the window ending at the cut reaches into them), a
+    recurrent group holds one state, and with several groups vLLM refuses the path. Everything
+    but one full-attention group is therefore recomputed whole (failed_recving). Block 0 is
+    vLLM's null block, shared by every table: it is never reported (vLLM would cut every request
+    whose table holds it); a failed load that carried one falls back to the whole-request path.
+    """
+    if per_block and 0 not in errors:
+        return set(errors), set()
+    return set(), set(failed)
+
+
+
+
+class WorkerRole:
+    def __init__(self, cfg, ns, ranks: int, layerwise: bool, kv_cache_config):
+        self.cfg = cfg
+        self.groups, self.group_nsids = ns.groups, ns.group_nsids
+        self.ranks = ranks
+        self.layerwise = layerwise
+        self.kv_cache_config = kv_cache_config
+        self.worker = None
+        self._layers = None  # the worker's LayerwiseLoads
+        self._errors: set[int] = set()
+        self._report: WorkerReport | None = None
+        self._failed_recv: set[str] = set()
+        self._failed_blocks: set[int] = set()  # their blocks (a disabled worker)
+        self._failed_now: set[str] = set()   # loads failed, reported as failed_recving (load_failures)
+        # one full-attention group: failed loads are reported block by block (load_failures)
+        self.per_block_errors = per_block_errors(self.groups)
+        self._rank = 0
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        # vLLM's V1 runner hands dict[str, Tensor]; Model Runner V2 the dict[str, Any] of its
+        # init_kv_cache (per-layer views of one buffer; other values for specs aiokv refuses)
+        from aiokv.store.store import ns_dir
+        from aiokv.worker.device import kv_tensors, make_device
+        from aiokv.worker.groups import GroupedWorker
+        from aiokv.worker.transfer import TransferWorker
+
+        rank = 0
+        workers: dict = {}
+        try:
+            if self.ranks > 1:  # a wrong rank would read another rank's shard: no fallback
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                rank = get_tensor_model_parallel_rank()
+            self._rank = rank
+            staging = max(1, self.cfg.staging // len(self.groups))
+            memory = self.cfg.memory // len(self.groups)
+            bucket = None
+            if self.cfg.bucket:  # one client (and breaker) for this worker's groups
+                from aiokv.bucket.client import BucketClient
+
+                bucket = BucketClient(self.cfg.bucket, self.cfg.remote_timeout)
+            for g, nsid in zip(self.groups, self.group_nsids):
+                device = make_device(kv_tensors(kv_caches, g.layer_names), self.kv_cache_config.num_blocks)
+                if device.payload_bytes != g.payload_bytes:
+                    raise ValueError(f"aiokv: the KV tensors of group {g.index} hold {device.payload_bytes} bytes "
+                                     f"per block, the KV cache spec says {g.payload_bytes}; this layout is not "
+                                     "supported")
+                # replicated KV (MLA) is stored once, as rank 0's, and read by every rank
+                workers[g.index] = TransferWorker(device, ns_dir(self.cfg.path, nsid), nsid,
+                                                  0 if g.replicated else rank, staging, self.cfg.io,
+                                                  self.cfg.queue_depth, self.cfg.load_timeout, self.cfg.save_timeout,
+                                                  bucket, self.cfg.upload_queue, self.cfg.flush_timeout,
+                                                  self.cfg.secret, memory, layerwise=self.layerwise,
+                                                  checksum_threads=self.cfg.checksum_threads)
+            self._layers = workers[self.groups[0].index].layers
+            self.worker = GroupedWorker(workers, {g.index for g in self.groups if rank == 0 or not g.replicated})
+        except Exception as e:
+            # Loads the scheduler promises are then reported failed, saves dropped, and
+            # the scheduler side is told to stop offering hits and saving.
+            log.error("aiokv: worker %d disabled: %s", rank, e)
+            for w in workers.values():
+                try:
+                    w.close()
+                except Exception:
+                    pass
+            self.worker = None
+            self._layers = None
+            self._report = WorkerReport(disabled=True)
+
+
+    def start_load_kv(self, meta) -> None:
+        # forward_context says nothing about the step (V2 passes an empty one on every step)
+        plan = _plan(meta)
+        if self.worker is None:
+            report = self._disabled_report()
+            for t in plan.loads:  # promised but impossible: recompute
+                self._failed_blocks.update(t.block_ids)
+                self._failed_recv.add(t.req_id)
+                report.load_failed.append(t.req_id)
+            return
+        if plan.cancel:
+            self.worker.cancel(plan.cancel)
+        if plan.loads:
+            self.worker.load(plan.loads)
+
+    def bind(self, connector_metadata) -> None:
+        if self.worker is not None and _plan(connector_metadata).reset:  # the cache was reset: nothing kept
+            self.worker.drop_memory()
+        if self._layers is not None:
+            # before the forward (vLLM starts async loads only after it): cancelled
+            # requests' staged loads are dropped first, then the others start copying in
+            plan = _plan(connector_metadata)
+            if plan.cancel:
+                self.worker.cancel(plan.cancel)
+            self._layers.begin(whole=getattr(connector_metadata, "decode_like", True))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # loads are verified whole before vLLM schedules the request; with layerwise
+        # on, their copy into this layer may still be under way (worker/layerwise.py)
+        if self._layers is not None:
+            self._layers.wait_layer(layer_name)
+
+    def wait_for_save(self, meta) -> None:
+        plan = _plan(meta)
+        if not plan.saves:
+            return
+        if self.worker is not None:
+            self.worker.save(plan.saves)
+        else:
+            report = self._disabled_report()
+            for t in plan.saves:
+                report.save_failed += [(self._rank, k, s, t.group) for k, s in zip(t.keys, t.slots)]
+
+    def _disabled_report(self) -> WorkerReport:
+        if self._report is None:
+            self._report = WorkerReport(disabled=True)
+        return self._report
+
+    def get_finished(self, meta) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            done, self._failed_recv = self._failed_recv, set()
+            blocks, self._failed_blocks = self._failed_blocks, set()
+            self._take_load_failures(blocks, done)
+            return None, done or None
+        if self._layers is not None:
+            self._layers.end_step()  # every staged block of this step is in place
+        if isinstance(meta, AioKVMetadata) and meta.idle:
+            # a step without a forward pass (vLLM only collects transfers): wait a little for
+            # a job rather than spin empty steps; a step that computes never waits here
+            self.worker.wait_for_jobs(IDLE_WAIT_S)
+        finished, errors, failed, report = self.worker.poll()
+        self._take_load_failures(errors, failed)
+        self._report = report
+        return None, finished or None
+
+    def _take_load_failures(self, errors: set[int], failed: set[str]) -> None:
+        blocks, reqs = load_failures(self.per_block_errors, errors, failed)
+        self._errors |= blocks  # per block: vLLM keeps the blocks that did load
+        self._failed_now |= reqs  # whole requests: vLLM recomputes them from the start
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed since the last call (KVConnectorTransferResults.failed_recving)."""
+        failed, self._failed_now = self._failed_now, set()
+        return failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def build_connector_worker_meta(self):
+        report, self._report = self._report, None
+        if report is None or report.empty():
+            return None
+        return AioKVWorkerMetadata(report)
+
+    def counters(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        if self.worker is not None:
+            out["worker_in_flight"] = self.worker.in_flight
+            out["staging_in_use"] = self.worker.staging_in_use
+            out["load_report_breaches"] = self.worker.breaches  # refused duplicates (worker/groups.py): 0
+        if self._layers is not None:
+            out.update({f"layerwise_{k}": v for k, v in self._layers.counts.items()})
+        return out
+
+    def shutdown(self) -> None:
+        if self._layers is not None:
+            try:
+                self._layers.close()
+            except Exception:
+                log.exception("aiokv: finishing layer-by-layer copies at shutdown failed")
+            self._layers = None
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+
+def _plan(meta) -> StepPlan:
+    return meta.plan if isinstance(meta, AioKVMetadata) else StepPlan()
