@@ -195,7 +195,7 @@ def life(args) -> dict:
             if wc.worker.pool.in_use > wc.worker.pool.count:
                 violations.append("staging over-committed")
             # pins are held by loads in flight, or by unpins the store refused, retried next step
-            if c["pinned"] and not conn.sched._loading and not getattr(conn.sched, "_give_back_later", None):
+            if c["pinned"] and not conn.sched.loads_in_flight and not conn.sched.give_backs_pending:
                 violations.append(f"{c['pinned']} pins without a load in flight")
     for rid in list(live):  # the step budget ran out: abort the rest
         engine.abort_request([rid])

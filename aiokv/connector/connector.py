@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from aiokv import __version__
 from aiokv.config import AioKVConfig
-from aiokv.jobs import StepPlan, WorkerReport
+from aiokv.jobs import LoadResult, SaveResult, StepPlan, WorkerReport
 from aiokv.scheduler.keys import namespace_id, request_root
 from aiokv.scheduler.layout import FULL, STATE, WINDOW, GroupSpec
 from aiokv.connector.metrics import AioKVPromMetrics, AioKVStats, StatsDelta, merge
@@ -582,7 +582,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             for t in plan.loads:  # promised but impossible: recompute
                 self._failed_blocks.update(t.block_ids)
                 self._failed_recv.add(t.req_id)
-                report.load_failed.append(t.req_id)
+                report.loads.append(LoadResult(t.job, self._rank, t.req_id, list(t.block_ids)))
             return
         if plan.cancel:
             self.worker.cancel(plan.cancel)
@@ -619,7 +619,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             report = self._disabled_report()
             for t in plan.saves:
-                report.save_failed += [(self._rank, k, s, t.group) for k, s in zip(t.keys, t.slots)]
+                report.saves.append(SaveResult(t.job, self._rank, [], list(t.keys)))
 
     def _disabled_report(self) -> WorkerReport:
         if self._report is None:
