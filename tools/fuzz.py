@@ -492,7 +492,7 @@ def main() -> int:
         c = got.get("counters", {})
         if got["leaked_blocks"] or got["requests_left"]:
             problems.append(f"leaked {got['leaked_blocks']} blocks, {got['requests_left']} requests")
-        for name in ("pending_saves", "pinned", "worker_in_flight", "staging_in_use") + (
+        for name in ("pending_saves", "pinned", "worker_in_flight", "staging_in_use", "reports_ignored") + (
                 () if lenient else ("load_failed_blocks", "load_bad_blocks")):
             if c.get(name):
                 problems.append(f"{name} = {c[name]} at the end")
