@@ -1,9 +1,14 @@
 """Job records that travel from the scheduler side to the workers and back.
 
-One explicit list of (key, slot, block id) per request and direction, built once
-by the scheduler side: the worker never recomputes keys or block
-ranges, so the two sides cannot disagree about what is loaded or saved.
+One explicit list of (key, slot, block id) per request, group and direction, built
+once by the scheduler side, which gives it a job id: the worker never recomputes
+keys or block ranges, so the two sides cannot disagree about what is loaded or
+saved, and every result names the job (and the rank) it is about, never a
+(key, slot) to be matched against whatever the scheduler holds by then.
 Plain dataclasses of lists and bytes: they pickle across vLLM's processes.
+
+Threading contract: none of their own (plain data); built on the scheduler thread,
+read and filled on the worker's threads under the worker's own rules.
 """
 from __future__ import annotations
 
@@ -12,7 +17,10 @@ import dataclasses
 
 @dataclasses.dataclass
 class Transfer:
-    """Blocks of one request moving in one direction."""
+    """Blocks of one request moving in one direction, in one KV-cache group: one job.
+
+    A load may carry fewer keys than block ids (a load that could not be prepared
+    carries none): the blocks past its keys have nothing to read and fail."""
 
     req_id: str
     keys: list[bytes]
@@ -22,6 +30,7 @@ class Transfer:
     # loads: True where the block comes from the shared tier (docs/sharing.md); its slot
     # is then a fresh reservation the worker writes through to and reports as saved
     remote: list[bool] = dataclasses.field(default_factory=list)
+    job: int = 0          # the scheduler side's id for it (from 1, never reused); results name it
 
 
 @dataclasses.dataclass
@@ -38,13 +47,33 @@ class StepPlan:
 
 
 @dataclasses.dataclass
+class SaveResult:
+    """Blocks of one job a rank wrote, or did not (a save, or a load's write-through of
+    blocks from the shared tier; a part of a job may be reported in each of several steps)."""
+
+    job: int
+    rank: int
+    written: list[bytes] = dataclasses.field(default_factory=list)  # keys of the job's blocks
+    failed: list[bytes] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class LoadResult:
+    """One load job finished on a rank (cancelled ones too)."""
+
+    job: int
+    rank: int
+    req_id: str
+    failed: list[int] = dataclasses.field(default_factory=list)  # block ids not loaded
+    bad: list[bytes] = dataclasses.field(default_factory=list)   # keys whose stored copy did not verify
+
+
+@dataclasses.dataclass
 class WorkerReport:
     """What workers tell the scheduler side after a step (merged across ranks)."""
 
-    saved: list[tuple[int, bytes, int, int]] = dataclasses.field(default_factory=list)  # (rank, key, slot, group)
-    save_failed: list[tuple[int, bytes, int, int]] = dataclasses.field(default_factory=list)
-    load_bad: list[tuple[bytes, int, int]] = dataclasses.field(default_factory=list)  # (key, slot, group) not verified
-    load_failed: list[str] = dataclasses.field(default_factory=list)  # requests with any block not loaded
+    saves: list[SaveResult] = dataclasses.field(default_factory=list)
+    loads: list[LoadResult] = dataclasses.field(default_factory=list)
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
     disabled: bool = False  # this worker could not start; its jobs all fail
 
@@ -52,10 +81,16 @@ class WorkerReport:
         counters = dict(self.counters)
         for k, v in other.counters.items():
             counters[k] = counters.get(k, 0) + v
-        return WorkerReport(self.saved + other.saved, self.save_failed + other.save_failed,
-                            self.load_bad + other.load_bad, self.load_failed + other.load_failed, counters,
+        return WorkerReport(self.saves + other.saves, self.loads + other.loads, counters,
                             self.disabled or other.disabled)
 
     def empty(self) -> bool:
-        return not (self.saved or self.save_failed or self.load_bad or self.load_failed or self.counters
-                    or self.disabled)
+        return not (self.saves or self.loads or self.counters or self.disabled)
+
+    def written(self) -> list[tuple[int, int, bytes]]:
+        """(job, rank, key) of every block reported written."""
+        return [(r.job, r.rank, k) for r in self.saves for k in r.written]
+
+    def not_written(self) -> list[tuple[int, int, bytes]]:
+        """(job, rank, key) of every block reported not written."""
+        return [(r.job, r.rank, k) for r in self.saves for k in r.failed]

@@ -135,6 +135,7 @@ def assert_clean(res: dict, *, allow_load_errors: bool = False, allow_save_error
     if "worker_in_flight" in c:  # (TP > 1: the worker sides live in the workers' processes)
         assert c["worker_in_flight"] == 0 and c["staging_in_use"] == 0, c
     assert c.get("load_report_breaches", 0) == 0, c  # every load reported finished exactly once
+    assert c.get("reports_ignored", 0) == 0, c  # every worker result found the job it names
     assert_no_leaks(res)
 
 

@@ -43,7 +43,7 @@ def _poll_until(w: TransferWorker, req: str, timeout: float = 20.0):
     while True:
         done, errs, rep = w.poll()
         errors |= errs
-        saved += rep.saved
+        saved += rep.written()
         if req in done or (req == "s" and saved):
             return errors, saved
         assert time.monotonic() < end, f"{req} never finished"

@@ -198,7 +198,7 @@ def test_worker_checksums_on_its_threads(tmp_path):
         w.save([Transfer("s", [key(i) for i in ids], ids, [i + 1 for i in ids])])
         w.drain()
         _, _, rep = w.poll()
-        assert len(rep.saved) == 10 and not rep.save_failed
+        assert len(rep.written()) == 10 and not rep.not_written()
         w.load([Transfer("r", [key(i) for i in ids], ids, [i + 12 for i in ids])])
         w.drain()
         done, errors, rep = w.poll()

@@ -28,7 +28,7 @@ import subprocess
 
 import pytest
 
-from aiokv.jobs import WorkerReport
+from aiokv.jobs import SaveResult, WorkerReport
 from aiokv.scheduler.keys import request_root
 from aiokv.scheduler.side import Scheduled, SchedulerSide
 from aiokv.store import Store
@@ -82,10 +82,10 @@ def _step(side: SchedulerSide, req: str, nblocks: int):
 def _report(saves, written: bool) -> WorkerReport:
     """The workers' report of these saves: written, or failed by the disk (as the workers see
     a dead disk: write errors, which the breaker counts)."""
-    items = [(0, k, s, t.group) for t in saves for k, s in zip(t.keys, t.slots)]
     if written:
-        return WorkerReport(saved=items)
-    return WorkerReport(save_failed=items, counters={"write_errors": len(items)})
+        return WorkerReport(saves=[SaveResult(t.job, 0, list(t.keys)) for t in saves])
+    return WorkerReport(saves=[SaveResult(t.job, 0, [], list(t.keys)) for t in saves],
+                        counters={"write_errors": sum(len(t.keys) for t in saves)})
 
 
 @pytest.mark.parametrize("kind", ["eio", "erofs"])

@@ -150,7 +150,7 @@ def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path):
     assert w._fused, "the CPU layout copies with checksums when no secret is set"
     try:
         _, _, rep = _run(w, w.save, [Transfer("s", [key(i) for i in ids], list(ids), [i + 1 for i in ids])])
-        assert len(rep.saved) == 10 and not rep.save_failed
+        assert len(rep.written()) == 10 and not rep.not_written()
         saved = {i: [t[i + 1].clone() for t in kv.values()] for i in ids}
     finally:
         w.close()
@@ -173,7 +173,8 @@ def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path):
         t = Transfer("r", [key(i) for i in ids], list(ids), [first + i for i in ids])
         done, errors, rep = _run(w, w.load, [t])
         assert done == {"r"} and errors == {first + s for s in bad}
-        assert sorted(s for _, s, _ in rep.load_bad) == sorted(bad) and rep.load_failed == ["r"]
+        assert sorted(k for r in rep.loads for k in r.bad) == sorted(key(s) for s in bad)
+        assert [r.req_id for r in rep.loads if r.failed] == ["r"]
         assert rep.counters["loads_ok_blocks"] == 8 and rep.counters["load_failed_blocks"] == 2
         for i in ids:
             if i not in bad:
@@ -191,7 +192,7 @@ def test_with_a_secret_the_separate_pass_and_the_mac_stay(tmp_path):
     try:
         assert w.device.fuses_checksums and not w._fused
         _, _, rep = _run(w, w.save, [Transfer("s", [key(0)], [0], [1])])
-        assert len(rep.saved) == 1
+        assert len(rep.written()) == 1
         done, errors, rep = _run(w, w.load, [Transfer("r", [key(0)], [0], [2])])
         assert not errors and all(torch.equal(t[2], t[1]) for t in kv.values())
     finally:

@@ -336,16 +336,16 @@ class Engine:
         def build_connector_meta(so):
             meta = real_meta(so)
             for t in meta.plan.saves:
-                for k, s in zip(t.keys, t.slots):
-                    self.saves_planned[(k, s, t.group)] += 1
+                for k in t.keys:
+                    self.saves_planned[(t.job, k)] += 1
             return meta
 
         def update_connector_output(out):
             self.finished_recving.update(out.finished_recving or ())
             meta = out.kv_connector_worker_meta
             if meta is not None:
-                for _, k, s, g in meta.report.saved + meta.report.save_failed:
-                    self.saves_reported[(k, s, g)] += 1
+                for job, _, k in meta.report.written() + meta.report.not_written():
+                    self.saves_reported[(job, k)] += 1
             return real_out(out)
 
         self.hit_sources = collections.Counter()

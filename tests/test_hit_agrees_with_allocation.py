@@ -99,9 +99,8 @@ def test_saves_skip_null_blocks_and_take_states_only_from_vllm_checkpoints(tmp_p
     assert saves[1].block_ids == [9] and saves[1].keys == [keys[3]]
     assert all(b != 0 for t in plan.saves for b in t.block_ids)
     # every group's save commits once its (only) rank reports it
-    report_saved = [(0, k, s, t.group) for t in plan.saves for k, s in zip(t.keys, t.slots)]
-    from aiokv.jobs import WorkerReport
+    from aiokv.jobs import SaveResult, WorkerReport
 
-    side.on_report(WorkerReport(saved=report_saved), set())
+    side.on_report(WorkerReport(saves=[SaveResult(t.job, 0, list(t.keys)) for t in plan.saves]), set())
     assert side.pending_saves == 0
     assert side.match("r2", tokens, root, 0) == 4 * BS

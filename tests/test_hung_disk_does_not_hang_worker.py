@@ -24,7 +24,7 @@ import torch
 
 from aiokv.data.backend import ABANDON, OP_READ, open_backend
 from aiokv.data.buffers import SlotPool
-from aiokv.jobs import Transfer
+from aiokv.jobs import SaveResult, Transfer
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import CLOSE_DRAIN_S, TransferWorker
@@ -116,7 +116,7 @@ def _saved(w: TransferWorker, n: int) -> list[Transfer]:
     w.save(ts)
     w.drain(10)
     _, _, rep = w.poll()
-    assert len(rep.saved) == n and not rep.save_failed, rep
+    assert len(rep.written()) == n and not rep.not_written(), rep
     return ts
 
 
@@ -206,7 +206,7 @@ def test_stuck_save_is_dropped_after_save_timeout(stallfs):
         assert _until(lambda: w.in_flight == 0, TIMEOUT + 2 * SLACK), "the engine would wait for this save forever"
         assert TIMEOUT * 0.9 < time.monotonic() - t0 < TIMEOUT + SLACK  # the timeout honoured
         _, _, rep = w.poll()
-        assert rep.save_failed == [(0, key(7), 7, 0)] and not rep.saved, "reported failed: its slot is given back"
+        assert rep.saves == [SaveResult(0, 0, [], [key(7)])], "reported failed: its slot is given back"
         assert rep.counters.get("save_timeouts") == 1
         assert rep.counters.get("write_errors") == 1, "a save timeout counts against the disk (breaker)"
         assert w.stuck == 1 and w.pool.in_use == 1, "its staging slot waits for the write the daemon holds"

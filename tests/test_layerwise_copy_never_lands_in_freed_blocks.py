@@ -50,7 +50,7 @@ def _save(w: TransferWorker, n: int) -> None:
     w.save([Transfer("s", [key(i) for i in range(n)], list(range(n)), [i + 1 for i in range(n)])])
     w.drain(10)
     _, _, rep = w.poll()
-    assert len(rep.saved) == n and not rep.save_failed, rep
+    assert len(rep.written()) == n and not rep.not_written(), rep
 
 
 def _finished(w: TransferWorker, req: str, timeout: float = 10) -> set:

@@ -64,9 +64,9 @@ def test_a_second_load_of_a_request_is_refused_and_reported_once(grouped):
     # a load that reads (slot 0: late), then, in the same step, the failed load fail_load
     # used to add for the same request (slot -1: nothing to read, it fails at once)
     _, _, rep = run_jobs(grouped.workers[0], grouped.workers[0].save, [Transfer("s", [key(0)], [0], [1], 0)])
-    assert len(rep.saved) == 1
+    assert len(rep.written()) == 1
     grouped.load([Transfer("r", [key(0)], [0], [3], 0), Transfer("r", [key(1)], [-1], [4], 1)])
-    grouped.load([Transfer("r", [b"\0" * 32], [-1], [3], 0)])
+    grouped.load([Transfer("r", [], [], [3], 0)])
     assert _poll_until_idle(grouped) == ["r"]
     assert grouped.breaches == 1
     grouped.load([Transfer("r", [key(0)], [-1], [5], 0)])  # a new load once the first was reported
@@ -116,8 +116,8 @@ def test_a_load_that_cannot_be_prepared_leaves_one_failed_load_and_no_pin(tmp_pa
         side.fail_load("r", ids, 6 * bs)
     assert not store.index.pins  # group 0's pins were given back
     plan = side.plan([])
-    assert [(t.req_id, t.group) for t in plan.loads] == [("r", 0)]  # one load, failed: all slots -1
-    assert set(plan.loads[0].slots) == {-1} and plan.loads[0].block_ids == list(range(1, 7))
+    assert [(t.req_id, t.group) for t in plan.loads] == [("r", 0)]  # one load, failed: nothing to read
+    assert not plan.loads[0].keys and not plan.loads[0].slots and plan.loads[0].block_ids == list(range(1, 7))
     side.on_report(None, {"r"})
     assert not store.index.pins and side.pending_saves == 0
     assert side.counters.load_blocks == 6 and side.counters.hit_requests == 0

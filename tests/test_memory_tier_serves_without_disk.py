@@ -40,7 +40,7 @@ _run = run_jobs
 def _save(w, ids):
     """Save blocks ids (block id i + 1 under key(i), slot i)."""
     _, _, rep = _run(w, w.save, [Transfer(f"s{i}", [key(i)], [i], [i + 1]) for i in ids])
-    assert not rep.save_failed and len(rep.saved) == len(ids), rep
+    assert not rep.not_written() and len(rep.written()) == len(ids), rep
     return rep
 
 
@@ -100,7 +100,7 @@ def test_jobs_evict_the_tier_when_staging_runs_short(tmp_path):
         # a save of 10 blocks needs more slots than are free: it evicts kept blocks, never drops
         _, _, rep = _run(w, w.save, [Transfer("big", [key(100 + i) for i in range(10)], list(range(100, 110)),
                                               list(range(1, 11)))])
-        assert len(rep.saved) == 10 and not rep.save_failed
+        assert len(rep.written()) == 10 and not rep.not_written()
         assert not rep.counters.get("save_skipped_staging_full")
         assert w.cache.kept == 8 and w.staging_in_use == 0
     finally:

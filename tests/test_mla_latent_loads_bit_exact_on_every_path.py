@@ -55,7 +55,7 @@ def _poll_until(w: TransferWorker, req: str, timeout: float = 30.0):
     while time.monotonic() < end:
         done, errs, rep = w.poll()
         errors |= errs
-        saved += rep.saved
+        saved += rep.written()
         for k, v in rep.counters.items():
             counters[k] = counters.get(k, 0) + v
         if req in done:
@@ -68,7 +68,7 @@ def _save(w: TransferWorker) -> None:
     w.save([Transfer("s", [key(i) for i in range(N)], list(range(N)), SRC)])
     w.drain(30)
     _, _, rep = w.poll()
-    assert len(rep.saved) == N and not rep.save_failed, rep
+    assert len(rep.written()) == N and not rep.not_written(), rep
 
 
 def _bit_exact(src: dict, dst: dict) -> bool:
@@ -156,7 +156,7 @@ def test_the_latent_loads_from_the_bucket_on_another_node(tmp_path, s3env):
         errors, c, saved = _poll_until(w, "r")
         assert not errors and c["remote_loaded_blocks"] == N, c
         w.drain(30)  # the write-through of what arrived
-        saved += w.poll()[2].saved
+        saved += w.poll()[2].written()
         assert len(saved) == N, saved
     finally:
         w.close()

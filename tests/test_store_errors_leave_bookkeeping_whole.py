@@ -31,7 +31,7 @@ from __future__ import annotations
 import random
 import shutil
 
-from aiokv.jobs import WorkerReport
+from aiokv.jobs import LoadResult, SaveResult, WorkerReport
 from aiokv.scheduler.keys import extend_keys, request_root
 from aiokv.scheduler.layout import FULL, WINDOW, GroupSpec
 from aiokv.scheduler.side import Scheduled, SchedulerSide
@@ -205,7 +205,7 @@ class Engine:
             self.side.on_report(report, recv)
         except Exception:
             pass
-        failed = set(report.load_failed)
+        failed = {r.req_id for r in report.loads if r.failed}
         for rid in recv:
             r = self.reqs[rid]
             if r.status == "aborted":
@@ -231,7 +231,13 @@ class Engine:
         for t in self.in_flight:
             r = self.reqs[t.req_id]
             failed = parts.setdefault(t.req_id, {}).setdefault(t.group, [])
-            for key, slot, block in zip(t.keys, t.slots, t.block_ids):
+            result = LoadResult(t.job, 0, t.req_id, failed)
+            self.report.loads.append(result)
+            for j, block in enumerate(t.block_ids):
+                if j >= len(t.keys):  # nothing to read (a load that could not be prepared)
+                    failed.append(block)
+                    continue
+                key, slot = t.keys[j], t.slots[j]
                 if slot < 0 or block == 0 or t.req_id in cancelled:
                     failed.append(block)
                     continue
@@ -240,16 +246,14 @@ class Engine:
                     self.violations.append(f"load of {t.req_id} writes block {block} at the wrong place")
                 if self.disk.get((t.group, slot)) != key or key in self.spoiled:
                     failed.append(block)
-                    self.report.load_bad.append((key, slot, t.group))
+                    result.bad.append(key)
                 else:
                     self.content[block] = key
                     self.loads += 1
         self.in_flight = []
-        for rid, groups in parts.items():
+        for rid in parts:
             del self.loading[rid]
             self.recv.add(rid)
-            if any(groups.values()):
-                self.report.load_failed.append(rid)
         for t in plan.loads:
             if t.req_id not in self.loading or t.group in self.loading[t.req_id]:
                 self.violations.append(f"a second load of {t.req_id} in group {t.group}")
@@ -257,13 +261,13 @@ class Engine:
             self.loading[t.req_id].add(t.group)
             self.in_flight.append(t)
         for t in plan.saves:
+            self.report.saves.append(SaveResult(t.job, 0, list(t.keys)))
             for key, slot, block in zip(t.keys, t.slots, t.block_ids):
                 owner = self.owner.get(block)
                 if owner is None or owner[:2] != (t.req_id, t.group) or self.content.get(block) != key:
                     self.violations.append(f"save of {t.req_id} group {t.group} reads block {block} "
                                            f"({owner}), which does not hold its key's tokens")
                 self.disk[(t.group, slot)] = self.content.get(block)
-                self.report.saved.append((0, key, slot, t.group))
                 self.saves += 1
 
 

@@ -10,9 +10,10 @@ punched out): a block rank 1 failed to write is never committed, whether the
 failure is reported in the same step as rank 0's success, a step later, or a
 step earlier; its reservation is given back and counted as a failed save;
 a block both ranks wrote is committed and both shards load back.
-Fix: SchedulerSide.on_report commits a (group, key) only when every rank of
-the namespace reported it saved (`_saving` collects the ranks), and a failure
-from any rank aborts the reservation.
+Fix: the scheduler side's ledger (scheduler/commits.py) commits a block of a
+save job only when every rank of the namespace reported it saved (the job's
+record collects the ranks per block), and a failure from any rank aborts the
+reservation.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from aiokv import _native
-from aiokv.jobs import Transfer, WorkerReport
+from aiokv.jobs import SaveResult, Transfer, WorkerReport
 from aiokv.scheduler.keys import request_root
 from aiokv.scheduler.side import Scheduled, SchedulerSide
 from aiokv.store import Store
@@ -59,7 +60,7 @@ def _fill_up(path) -> None:
 def _report(w: TransferWorker, n: int) -> WorkerReport:
     end = time.monotonic() + 20
     rep = WorkerReport()
-    while len(rep.saved) + len(rep.save_failed) < n:
+    while len(rep.written()) + len(rep.not_written()) < n:
         assert time.monotonic() < end, rep
         rep = rep.merge(w.poll()[2])
         time.sleep(0.005)
@@ -67,8 +68,8 @@ def _report(w: TransferWorker, n: int) -> WorkerReport:
 
 
 def _only(rep: WorkerReport, keys) -> WorkerReport:
-    return WorkerReport(saved=[s for s in rep.saved if s[1] in keys],
-                        save_failed=[s for s in rep.save_failed if s[1] in keys])
+    return WorkerReport(saves=[SaveResult(s.job, s.rank, [k for k in s.written if k in keys],
+                                          [k for k in s.failed if k in keys]) for s in rep.saves])
 
 
 def test_a_block_one_rank_failed_to_write_is_never_committed(tmpfs):
@@ -96,12 +97,12 @@ def test_a_block_one_rank_failed_to_write_is_never_committed(tmpfs):
         os.close(fd)
         _fill_up(tmpfs / "filler")
         for w in workers:
-            w.save([Transfer(t.req_id, list(t.keys), list(t.slots), list(t.block_ids), t.group)])
+            w.save([Transfer(t.req_id, list(t.keys), list(t.slots), list(t.block_ids), t.group, job=t.job)])
         rep0, rep1 = (_report(w, 4) for w in workers)
         os.unlink(tmpfs / "filler")  # (the journal needs room for the commit below)
-        assert {s[1] for s in rep0.saved} == set(keys) and not rep0.save_failed, rep0
-        assert {s[1] for s in rep1.saved} == {keys[0]}, rep1
-        assert {s[1] for s in rep1.save_failed} == set(keys[1:]), "the kernel refused rank 1's writes"
+        assert {k for _, _, k in rep0.written()} == set(keys) and not rep0.not_written(), rep0
+        assert {k for _, _, k in rep1.written()} == {keys[0]}, rep1
+        assert {k for _, _, k in rep1.not_written()} == set(keys[1:]), "the kernel refused rank 1's writes"
         assert rep1.counters.get("write_errors", 0) >= 1, rep1.counters
 
         # the reports reach the scheduler side as vLLM hands them over, merged across ranks:
@@ -142,10 +143,10 @@ def test_one_rank_short_of_its_report_keeps_the_block_uncommitted(tmp_path):
     side.match("r", tokens, proot, 0)
     side.on_alloc("r", tokens, proot, ([1, 2, 3],), 0)
     (t,) = side.plan([Scheduled("r", 0, len(tokens), ([1, 2, 3],), True)]).saves
-    rank0 = WorkerReport(saved=[(0, k, s, 0) for k, s in zip(t.keys, t.slots)])
+    rank0 = WorkerReport(saves=[SaveResult(t.job, 0, list(t.keys))])
     for _ in range(3):  # a duplicate of rank 0's report is not rank 1's
         side.on_report(rank0, set())
         assert not any(k in ns.entries for k in t.keys) and side.pending_saves == 2
-    side.on_report(WorkerReport(saved=[(1, k, s, 0) for k, s in zip(t.keys, t.slots)]), set())
+    side.on_report(WorkerReport(saves=[SaveResult(t.job, 1, list(t.keys))]), set())
     assert all(k in ns.entries for k in t.keys) and side.pending_saves == 0
     store.close()

@@ -148,7 +148,7 @@ def main(spec: dict) -> dict:
 
                 os.killpg(phase["kill_at_step"][1], signal.SIGKILL)
             killer = phase.get("kill_when_loading")  # a process group killed once a load is in flight
-            if killer and "killed_at_step" not in result and aio.sched._loading:
+            if killer and "killed_at_step" not in result and aio.sched.loads_in_flight:
                 import signal
 
                 os.killpg(killer, signal.SIGKILL)

@@ -74,7 +74,7 @@ def run(args) -> dict:
     def save():
         w.save([Transfer("s", keys, list(range(n)), ids)])
         _wait(w)
-        assert len(w.poll()[2].saved) == n
+        assert len(w.poll()[2].written()) == n
 
     def load():
         w.load([Transfer("r", keys, list(range(n)), ids)])

@@ -243,13 +243,13 @@ def scheduler_side(running: list[int], base: str) -> dict:
 
 def _drain(conn, meta=None) -> None:
     """Report every planned save written (as the workers would), so reservations commit."""
-    from aiokv.jobs import WorkerReport
+    from aiokv.jobs import SaveResult, WorkerReport
 
     if meta is None:
         return
-    saved = [(0, k, s, t.group) for t in meta.plan.saves for k, s in zip(t.keys, t.slots)]
-    if saved:
-        conn.sched.on_report(WorkerReport(saved=saved), set())
+    saves = [SaveResult(t.job, 0, list(t.keys)) for t in meta.plan.saves]
+    if saves:
+        conn.sched.on_report(WorkerReport(saves=saves), set())
 
 
 # ------------------------------------------------------------------ 3. per-layer hooks

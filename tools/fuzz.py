@@ -195,7 +195,7 @@ def life(args) -> dict:
             if wc.worker.pool.in_use > wc.worker.pool.count:
                 violations.append("staging over-committed")
             # pins are held by loads in flight, or by unpins the store refused, retried next step
-            if c["pinned"] and not conn.sched._loading and not getattr(conn.sched, "_give_back_later", None):
+            if c["pinned"] and not conn.sched.loads_in_flight and not conn.sched.give_backs_pending:
                 violations.append(f"{c['pinned']} pins without a load in flight")
     for rid in list(live):  # the step budget ran out: abort the rest
         engine.abort_request([rid])
@@ -492,7 +492,7 @@ def main() -> int:
         c = got.get("counters", {})
         if got["leaked_blocks"] or got["requests_left"]:
             problems.append(f"leaked {got['leaked_blocks']} blocks, {got['requests_left']} requests")
-        for name in ("pending_saves", "pinned", "worker_in_flight", "staging_in_use") + (
+        for name in ("pending_saves", "pinned", "worker_in_flight", "staging_in_use", "reports_ignored") + (
                 () if lenient else ("load_failed_blocks", "load_bad_blocks")):
             if c.get(name):
                 problems.append(f"{name} = {c[name]} at the end")

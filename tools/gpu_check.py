@@ -267,8 +267,8 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
         _fill(items)
         want = _blocks(w.device, src)
         _, _, rep = _jobs(w, w.save, [Transfer("save", keys, list(range(n)), src)])
-        if len(rep.saved) != n or rep.save_failed:
-            raise AssertionError(f"save: {len(rep.saved)} of {n} written, {len(rep.save_failed)} failed")
+        if len(rep.written()) != n or rep.not_written():
+            raise AssertionError(f"save: {len(rep.written())} of {n} written, {len(rep.not_written())} failed")
         others = [b for b in range(nb) if b not in dst]
         before = _blocks(w.device, others)
         finished, errors, rep = _jobs(w, w.load, [Transfer("load", keys, list(range(n)), dst)])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from aiokv.jobs import StepPlan, WorkerReport
+from aiokv.jobs import LoadResult, SaveResult, StepPlan, WorkerReport
 from aiokv.connector.metadata import AioKVMetadata, AioKVWorkerMetadata
 from aiokv.scheduler.layout import FULL, GroupSpec
 
@@ -125,7 +125,7 @@ class WorkerRole:
             for t in plan.loads:  # promised but impossible: recompute
                 self._failed_blocks.update(t.block_ids)
                 self._failed_recv.add(t.req_id)
-                report.load_failed.append(t.req_id)
+                report.loads.append(LoadResult(t.job, self._rank, t.req_id, list(t.block_ids)))
             return
         if plan.cancel:
             self.worker.cancel(plan.cancel)
@@ -158,7 +158,7 @@ class WorkerRole:
         else:
             report = self._disabled_report()
             for t in plan.saves:
-                report.save_failed += [(self._rank, k, s, t.group) for k, s in zip(t.keys, t.slots)]
+                report.saves.append(SaveResult(t.job, self._rank, [], list(t.keys)))
 
     def _disabled_report(self) -> WorkerReport:
         if self._report is None:

@@ -9,6 +9,9 @@ keyed and seeded by nothing random, so keys are the same in every process
 whatever PYTHONHASHSEED or vLLM's own prefix-hash algorithm is.
 
 Pure functions, no vLLM imports.
+
+Threading contract: none needed (no state); called on the EngineCore scheduler
+thread (and by tools reading a store).
 """
 from __future__ import annotations
 

@@ -14,6 +14,9 @@ keys are the request's chained block keys, the same for every group.
 
 Pure data and arithmetic, no vLLM imports; the connector builds these from
 vLLM's kv_cache_config.
+
+Threading contract: none needed (immutable once built); read on the scheduler
+thread and, in the worker processes, by the connector.
 """
 from __future__ import annotations
 

@@ -138,6 +138,7 @@ TABLE: tuple[Row, ...] = (
                                       "part of load_failed_blocks, and the breaker's io_errors tell the cause"),
     _no("store_save_failures", STORE, "the same as save_failures"),
     _no("store_corrupt_dropped", STORE, "the same as load_failures{cause=corrupt}"),
+    _no("reports_ignored", SCHEDULER, "worker results for jobs the scheduler side no longer holds: a check, 0 expected"),
     # the bucket tier (docs/sharing.md): in the connector's counters; no series yet
     _no("remote_hit_blocks", SCHEDULER, _BUCKET),
     *(_no(k, WORKER, _BUCKET) for k in (

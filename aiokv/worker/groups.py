@@ -88,7 +88,7 @@ class GroupedWorker:
         for g, w in self.workers.items():
             done, errs, rep = w.poll()
             errors |= errs
-            self._failed.update(rep.load_failed)
+            self._failed.update(r.req_id for r in rep.loads if r.failed)
             report = report.merge(rep)
             for req in done:
                 parts = self._parts.get(req)

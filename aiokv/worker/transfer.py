@@ -2,7 +2,7 @@
 a load pipeline per request as asyncio tasks.
 
   save: device -> staging copy (vLLM's thread, at the end of the step)
-        -> io_uring write (loop) -> report (rank, key, slot) written or failed
+        -> io_uring write (loop) -> report the job's blocks written or failed
   load: io_uring read -> verify -> staging -> device copy (loop)
         -> report the request finished, with the block ids that failed
         (a block kept in host memory, worker/memory.py, skips the read)
@@ -52,7 +52,7 @@ except ImportError:  # a machine without it (a bare GPU node): asyncio's own loo
 
 from aiokv.data.backend import ABANDON, open_backend
 from aiokv.data.buffers import SlotPool
-from aiokv.jobs import Transfer, WorkerReport
+from aiokv.jobs import LoadResult, SaveResult, Transfer, WorkerReport
 from aiokv.data import format as fmt
 from aiokv.data.blockio import BlockIO
 from aiokv.worker.layerwise import LayerwiseLoads
@@ -238,12 +238,12 @@ class TransferWorker:
                 take = min(len(t.keys), self.cache.available)
                 slots = self.cache.acquire(take) if take else None
             if take < len(t.keys):
-                rest = Transfer(t.req_id, t.keys[take:], t.slots[take:], t.block_ids[take:], t.group)
+                rest = Transfer(t.req_id, t.keys[take:], t.slots[take:], t.block_ids[take:], t.group, job=t.job)
                 self._count(save_skipped_staging_full=len(rest.keys))
                 self._save_done(rest, None, [-errno.ENOBUFS] * len(rest.keys))
                 if not take:
                     continue
-                t = Transfer(t.req_id, t.keys[:take], t.slots[:take], t.block_ids[:take], t.group)
+                t = Transfer(t.req_id, t.keys[:take], t.slots[:take], t.block_ids[:take], t.group, job=t.job)
             try:
                 self.device.copy_out(t.block_ids, slots, checksum=self._fused)
             except Exception:
@@ -301,11 +301,10 @@ class TransferWorker:
             self._save_done(t, slots, res)
 
     def _save_done(self, t: Transfer, slots, res: list[int]) -> None:
-        ok = [(self.rank, k, s, t.group) for k, s, r in zip(t.keys, t.slots, res) if r == 0]
-        bad = [(self.rank, k, s, t.group) for k, s, r in zip(t.keys, t.slots, res) if r != 0]
+        ok = [k for k, r in zip(t.keys, res) if r == 0]
+        bad = [k for k, r in zip(t.keys, res) if r != 0]
         with self._lock:
-            self._report.saved += ok
-            self._report.save_failed += bad
+            self._report.saves.append(SaveResult(t.job, self.rank, ok, bad))
             self.job_done.set()
             self._counts.update(saves_ok_blocks=len(ok), save_failed_blocks=len(bad),
                                 bytes_written=len(ok) * self.slot_bytes,
@@ -317,7 +316,7 @@ class TransferWorker:
             self.device.before_loads()
         for t in transfers:
             if self._dead:
-                self._load_done(t.req_id, list(t.block_ids))
+                self._load_done(t, list(t.block_ids))
                 continue
             if self.layers is not None:  # a new load under an id seen cancelled before
                 self.layers.started(t.req_id)
@@ -327,7 +326,7 @@ class TransferWorker:
                 fut = asyncio.run_coroutine_threadsafe(self._load(t), self.loop)
             except Exception:  # the loop is gone: report this load failed, never lose it
                 log.exception("aiokv: the worker loop did not take a load")
-                self._load_done(t.req_id, list(t.block_ids))
+                self._load_done(t, list(t.block_ids))
                 continue
             with self._lock:
                 if t.req_id in self._loads:
@@ -380,11 +379,9 @@ class TransferWorker:
         except Exception:
             log.exception("aiokv: a load failed; its blocks are recomputed")
         finally:
-            with self._lock:
-                self._report.load_bad += bad_keys
             if not cancelled:  # an aborted request's load says nothing about the disk
                 self._count(**latency_counts("load", time.monotonic() - t0))
-            self._load_done(t.req_id, sorted(failed), cancelled)
+            self._load_done(t, sorted(failed), cancelled, [k for k, _, _ in bad_keys])
 
     async def _load_body(self, t: Transfer, failed: set, bad_keys: list) -> None:
         # no slot: nothing to read; block 0 is vLLM's null block and is never written
@@ -469,15 +466,15 @@ class TransferWorker:
                         handed = [st for _, st in good]
                         self._write_through(Transfer(t.req_id, [k for (k, _, _), _ in good],
                                                      [s for (_, s, _), _ in good], [b for (_, _, b), _ in good],
-                                                     t.group), handed)
+                                                     t.group, job=t.job), handed)
                     reported.update(k for k, _, _ in chunk)
-                    self._give_back(t.group, [(k, s) for (k, s, _), g in zip(chunk, got) if g != "ok"])
+                    self._give_back(t, [(k, s) for (k, s, _), g in zip(chunk, got) if g != "ok"])
                 finally:
                     self._release([st for st in slots if st not in handed])
                 i += len(chunk)
         finally:
             # cancelled or failed part-way: give the other reservations back
-            self._give_back(t.group, [(k, s) for k, s, _ in todo if k not in reported])
+            self._give_back(t, [(k, s) for k, s, _ in todo if k not in reported])
 
     def _write_through(self, t: Transfer, slots: list[int]) -> None:
         """A save job (loop thread) of blocks just loaded from the shared tier; it owns `slots`."""
@@ -487,12 +484,12 @@ class TransferWorker:
             self._saves[job] = (t, slots)
         asyncio.ensure_future(self._save(job, t, slots, upload=False))
 
-    def _give_back(self, group: int, items: list[tuple[bytes, int]]) -> None:
+    def _give_back(self, t: Transfer, items: list[tuple[bytes, int]]) -> None:
         """Reservations for shared blocks that were not loaded: released by the
         scheduler (reported as not written), not counted as failed saves."""
         if items:
             with self._lock:
-                self._report.save_failed += [(self.rank, k, s, group) for k, s in items]
+                self._report.saves.append(SaveResult(t.job, self.rank, [], [k for k, _ in items]))
                 self.job_done.set()
 
     async def _copy_in(self, block_ids, slots, checksum: bool = False) -> list[bool]:
@@ -505,16 +502,15 @@ class TransferWorker:
         self.device.copy_in(block_ids, slots)
         return [True] * len(block_ids)
 
-    def _load_done(self, req_id: str, failed: list[int], cancelled: bool = False) -> None:
+    def _load_done(self, t: Transfer, failed: list[int], cancelled: bool = False, bad: list[bytes] = ()) -> None:
         with self._lock:
-            t = self._loads.pop(req_id, None)
-            n = len(t[0].block_ids) if t else len(failed)
+            self._loads.pop(t.req_id, None)
+            n = len(t.block_ids)
             # a cancelled load still reports its blocks failed: vLLM holds them until the load is
             # reported, and a load cut short for a request that lives on (a cache reset) is recomputed
-            self._done_loads.append((req_id, failed))
+            self._done_loads.append((t.req_id, failed))
             self.job_done.set()
-            if failed:
-                self._report.load_failed.append(req_id)
+            self._report.loads.append(LoadResult(t.job, self.rank, t.req_id, failed, list(bad)))
             self._counts.update(loads_ok_blocks=n - len(failed))
             self._counts.update(**{"load_cancelled_blocks" if cancelled else "load_failed_blocks": len(failed)})
 
@@ -543,7 +539,7 @@ class TransferWorker:
             loads, self._loads = list(self._loads.values()), {}
             saves, self._saves = list(self._saves.values()), {}
         for t, _ in loads:
-            self._load_done(t.req_id, list(t.block_ids))
+            self._load_done(t, list(t.block_ids))
         for t, _ in saves:
             self._save_done(t, None, [-errno.EIO] * len(t.keys))
 
