@@ -51,18 +51,16 @@ except ImportError:  # a machine without it (a bare GPU node): asyncio's own loo
     uvloop = None
 
 from aiokv.data.backend import ABANDON, open_backend
-from aiokv.data.buffers import SlotPool
 from aiokv.jobs import Transfer, WorkerReport
 from aiokv.data import format as fmt
 from aiokv.data.blockio import BlockIO
 from aiokv.worker.layerwise import LayerwiseLoads
 from aiokv.worker.latency import latency_counts
-from aiokv.worker.memory import HostCache
+from aiokv.worker.reads import NOT_IO_ERRORS, Reads
+from aiokv.worker.staging import Staging
 
 log = logging.getLogger("aiokv")
 
-# results that say nothing about the disk's health (the breaker ignores them)
-NOT_IO_ERRORS = (0, -errno.EBADMSG, -errno.ECANCELED, -errno.ENOBUFS)
 # every counter a worker reports besides its latency histograms (aiokv/connector/metrics.py maps each to a
 # Prometheus series or says why not; tests/test_metrics_series_table.py holds the two together)
 COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_cancelled_blocks", "load_timeouts", "loads_cancelled",
@@ -97,11 +95,15 @@ class TransferWorker:
         self.save_timeout = save_timeout
         slot_bytes = fmt.slot_bytes(device.payload_bytes)
         kept = memory_bytes // slot_bytes  # the memory tier shares the staging arena
-        self.pool = SlotPool(slot_bytes, max(4, staging_bytes // slot_bytes) + kept, populate=True)
-        self.cache = HostCache(self.pool, kept)
+        self._lock = threading.Lock()
+        self._counts = collections.Counter()
+        self.staging = Staging(slot_bytes, max(4, staging_bytes // slot_bytes) + kept, kept,
+                               on_stuck=lambda: self._count(load_staging_stuck=1))
+        self.pool, self.cache = self.staging.pool, self.staging.cache
         self._held_reported = 0  # memory_held_bytes last reported
+        self.reads = Reads(device, self.staging, self._blockio, self._count)
         # verified loads copied in layer by layer during the next forward (worker/layerwise.py)
-        self.layers = LayerwiseLoads(self) if layerwise else None
+        self.layers = LayerwiseLoads(device, self.staging, self.reads, rank) if layerwise else None
         self.thread = None
         try:
             device.attach(self.pool)
@@ -111,23 +113,18 @@ class TransferWorker:
             if self.thread is not None and not self._stop_loop():
                 self.loop.close()
             device.close()
-            self.pool.close()
+            self.staging.close()
             raise
 
     def _start(self, slot_bytes, ns_dir, nsid, io, queue_depth) -> None:
         # payload CRCs inside the device copies; with a secret the MAC reads the payload anyway
         self._fused = self.device.fuses_checksums and self.secret is None
-        self._lock = threading.Lock()
-        self._slots_freed: asyncio.Event | None = None
         self._loads: dict[str, tuple[Transfer, object]] = {}   # req -> (transfer, future)
         self._saves: dict[int, tuple[Transfer, list[int]]] = {}  # save job id -> (transfer, staging)
         self._save_ids = 0
         self._done_loads: list[tuple[str, list[int]]] = []   # (req, failed block ids)
         self._report = WorkerReport()
-        self._counts = collections.Counter()
         self._dead = False
-        self._stuck: set[int] = set()  # slots whose abandoned I/O the kernel or a thread still holds
-        self._held: set[int] = set()   # stuck slots their job has let go of: freed when the I/O ends
         self.job_done = threading.Event()  # set when a load or save finishes; see wait_for_jobs
         self.backend = None
         self.cpu = (concurrent.futures.ThreadPoolExecutor(self.checksum_threads, f"aiokv-crc{self.rank}")
@@ -153,7 +150,7 @@ class TransferWorker:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     async def _setup(self, io, depth):
-        self._slots_freed = asyncio.Event()
+        self.staging.bind(self.loop)
         self.backend = open_backend(self.loop, io, depth=depth, path=self._io_args[0])
         if self.shared is not None:
             from aiokv.bucket.loader import RemoteLoader
@@ -177,60 +174,19 @@ class TransferWorker:
         log.error("aiokv: unexpected error in the worker loop: %s", context.get("message"),
                   exc_info=context.get("exception"))
 
-    def _release(self, slots: list[int]) -> None:
-        with self._lock:
-            stuck = self._stuck.intersection(slots)
-            self._held |= stuck
-            self.pool.release([s for s in slots if s not in stuck])
-        if self._slots_freed is not None:
-            try:
-                self.loop.call_soon_threadsafe(self._slots_freed.set)
-            except RuntimeError:
-                pass  # the loop is closed: nobody waits for slots any more
-
     def drop_memory(self) -> None:
         """The cache was reset: the memory tier keeps nothing from before."""
-        with self._lock:
-            if self.cache.clear() and self._slots_freed is not None:
-                try:
-                    self.loop.call_soon_threadsafe(self._slots_freed.set)
-                except RuntimeError:
-                    pass
-
-    def _keep(self, items: list[tuple[bytes, int]]) -> None:
-        """Slots of jobs that succeeded (verified images of their keys) join the memory tier."""
-        if items:
-            with self._lock:
-                for key, slot in items:
-                    self.cache.keep(key, slot)
+        self.staging.clear_kept()
 
     @property
     def staging_in_use(self) -> int:
         """Slots owned by jobs (not those kept in the memory tier)."""
-        with self._lock:
-            return self.pool.in_use - self.cache.kept
-
-    def _abandon(self, addrs: list[int], done: asyncio.Future) -> None:
-        """Backend callback (loop thread): these buffers stay the kernel's until `done`."""
-        base, size = self.pool.arena.addr, self.slot_bytes
-        slots = {(a - base) // size for a in addrs}
-        with self._lock:
-            self._stuck |= slots
-        done.add_done_callback(lambda _: self._unstick(slots))
-
-    def _unstick(self, slots: set[int]) -> None:
-        with self._lock:
-            self._stuck -= slots
-            back = self._held & slots
-            self._held -= back
-        if back:
-            self._release(list(back))
+        return self.staging.in_use
 
     @property
     def stuck(self) -> int:
         """Staging slots set aside until the kernel gives them back."""
-        with self._lock:
-            return len(self._stuck)
+        return self.staging.stuck
 
     def _count(self, **kw) -> None:
         with self._lock:
@@ -243,9 +199,9 @@ class TransferWorker:
             if self._dead:
                 self._save_done(t, None, [-errno.EIO] * len(t.keys))
                 continue
-            with self._lock:  # as many as the pool has: a big prefill is saved in part, not dropped
-                take = min(len(t.keys), self.cache.available)
-                slots = self.cache.acquire(take) if take else None
+            # as many as the pool has: a big prefill is saved in part, not dropped
+            slots = self.staging.acquire(len(t.keys), whole=False)
+            take = len(slots) if slots else 0
             if take < len(t.keys):
                 rest = Transfer(t.req_id, t.keys[take:], t.slots[take:], t.block_ids[take:], t.group)
                 self._count(save_skipped_staging_full=len(rest.keys))
@@ -257,7 +213,7 @@ class TransferWorker:
                 self.device.copy_out(t.block_ids, slots, checksum=self._fused)
             except Exception:
                 log.exception("aiokv: copying blocks out for a save failed; that save is dropped")
-                self._release(slots)
+                self.staging.release(slots)
                 self._save_done(t, None, [-errno.EIO] * len(t.keys))
                 continue
             with self._lock:
@@ -270,7 +226,7 @@ class TransferWorker:
                 log.exception("aiokv: the worker loop did not take a save")
                 with self._lock:
                     self._saves.pop(job, None)
-                self._release(slots)
+                self.staging.release(slots)
                 self._save_done(t, None, [-errno.EIO] * len(t.keys))
         self.device.after_step()
 
@@ -279,11 +235,11 @@ class TransferWorker:
         """Write a save job's staging slots (crc_ready: their payload CRCs came with the device copy)."""
         t0 = time.monotonic()
         res = [-errno.EIO] * len(t.keys)
-        ABANDON.set(self._abandon)
+        ABANDON.set(self.staging.abandon)
         try:
             if self.device.asynchronous:  # the device copy may still be landing
                 await self.loop.run_in_executor(None, self.device.wait_out)
-            addr = self.pool.addr
+            addr = self.staging.addr
             items = [(s, k, addr(b)) for s, k, b in zip(t.slots, t.keys, slots)]
             res = await asyncio.wait_for(self._blockio().write(items, crc_ready), self.save_timeout)
             if upload and self.uploader is not None:  # write-behind: a copy of each block written, queued (or dropped)
@@ -302,8 +258,8 @@ class TransferWorker:
             log.exception("aiokv: a save failed; only that request's save is dropped")
         finally:
             # written blocks stay in host memory (the memory tier); the rest are freed
-            self._keep([(k, b) for k, b, r in zip(t.keys, slots, res) if r == 0])
-            self._release([b for b, r in zip(slots, res) if r != 0])
+            self.staging.keep([(k, b) for k, b, r in zip(t.keys, slots, res) if r == 0])
+            self.staging.release([b for b, r in zip(slots, res) if r != 0])
             with self._lock:
                 self._saves.pop(job, None)
             self._count(**latency_counts("save", time.monotonic() - t0))
@@ -351,31 +307,12 @@ class TransferWorker:
             if entry is not None and entry[1] is not None:
                 entry[1].cancel()  # cancels the task on the loop; its finally still reports
 
-    async def _acquire(self, n: int, whole: bool = False) -> list[int]:
-        """Up to n staging slots, at least one (all n if `whole`: never a part held
-        while waiting for the rest); free slots first, then the memory tier's oldest.
-        Waits only while too few are free, and not at all when every slot in use is
-        stuck (none may come back soon)."""
-        while True:
-            with self._lock:
-                take = n if whole else min(n, self.cache.available)
-                slots = self.cache.acquire(take) if take else None
-                used = self.pool.in_use - self.cache.kept
-                all_stuck = slots is None and used and used == len(self._stuck)
-            if slots is not None:
-                return slots
-            if all_stuck:
-                self._count(load_staging_stuck=1)
-                raise OSError(errno.EBUSY, "every staging slot is held by I/O the disk has not finished")
-            self._slots_freed.clear()
-            await self._slots_freed.wait()
-
     async def _load(self, t: Transfer) -> None:
         t0 = time.monotonic()
         failed = set(t.block_ids)  # until proven loaded
         bad_keys: list[bytes] = []
         cancelled = False
-        ABANDON.set(self._abandon)  # a timed-out or cancelled load never waits for the disk
+        ABANDON.set(self.staging.abandon)  # a timed-out or cancelled load never waits for the disk
         try:
             await asyncio.wait_for(self._load_body(t, failed, bad_keys), self.load_timeout)
         except asyncio.TimeoutError:
@@ -402,35 +339,32 @@ class TransferWorker:
         remote = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if r]
         if remote:
             await self._load_remote(t, remote, failed, bad_keys)
-        with self._lock:  # blocks kept in host memory: no disk read
-            held = [self.cache.take(k) for k, _, _ in todo]
+        held = self.staging.take_kept([k for k, _, _ in todo])  # blocks kept in host memory: no disk read
         mem = [(k, b, slot) for (k, _, b), slot in zip(todo, held) if slot is not None]
         if mem:
             # a plain copy: these slots were verified (or written) when kept; checking them again
             # in the copy would cost ~10 % more per byte (tools/bench_fused.py) for memory faults only
             try:
-                await self._copy_in([b for _, b, _ in mem], [slot for _, _, slot in mem])
+                await self.reads.copy_in([b for _, b, _ in mem], [slot for _, _, slot in mem])
                 failed.difference_update(b for _, b, _ in mem)
                 self._count(memory_hit_blocks=len(mem))
             finally:
-                self._keep([(k, slot) for k, _, slot in mem])  # back, as the most recently used
+                self.staging.keep([(k, slot) for k, _, slot in mem])  # back, as the most recently used
             todo = [item for item, slot in zip(todo, held) if slot is None]
         if self.layers is not None and self.layers.fits(len(todo)):
             return await self.layers.read(t, todo, failed, bad_keys)
         i = 0
         while i < len(todo):
-            slots = await self._acquire(len(todo) - i)
+            slots = await self.staging.wait(len(todo) - i)
             chunk = todo[i:i + len(slots)]
             keep: list[tuple[bytes, int]] = []
             try:
-                addr = self.pool.addr
-                res = await self._blockio().read([(s, k, addr(b)) for (k, s, _), b in zip(chunk, slots)],
-                                                 payload_checked=not self._fused)
+                res = await self.reads.read([(s, k, b) for (k, s, _), b in zip(chunk, slots)],
+                                            payload_checked=not self._fused)
                 good = [(k, s, blk, st) for (k, s, blk), st, r in zip(chunk, slots, res) if r == 0]
                 bad_keys += [(k, s, t.group) for (k, s, _), r in zip(chunk, res) if r != 0]
-                self._count(read_errors=sum(r not in NOT_IO_ERRORS for r in res))
                 if good:
-                    ok = await self._copy_in([g[2] for g in good], [g[3] for g in good], self._fused)
+                    ok = await self.reads.copy_in([g[2] for g in good], [g[3] for g in good], self._fused)
                     # Fused: a payload that did not match its CRC was copied into its KV block
                     # anyway. Safe because whole-request loads are asynchronous (the connector
                     # says load_async=True): vLLM uses the loaded blocks only up to the first
@@ -444,9 +378,9 @@ class TransferWorker:
                     keep = [(k, st) for k, _, _, st in good]
                 self._count(bytes_read=len(good) * self.slot_bytes)
             finally:
-                self._keep(keep)
+                self.staging.keep(keep)
                 kept_slots = {st for _, st in keep}
-                self._release([st for st in slots if st not in kept_slots])
+                self.staging.release([st for st in slots if st not in kept_slots])
             i += len(chunk)
 
     async def _load_remote(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
@@ -459,11 +393,11 @@ class TransferWorker:
         try:
             i = 0
             while i < len(todo):
-                slots = await self._acquire(len(todo) - i)
+                slots = await self.staging.wait(len(todo) - i)
                 chunk = todo[i:i + len(slots)]
                 handed: list[int] = []
                 try:
-                    addr, verify = self.pool.addr, self._blockio().verify
+                    addr, verify = self.staging.addr, self._blockio().verify
                     got = await asyncio.gather(*(self.remote.fetch(k, addr(st), verify)
                                                  for (k, _, _), st in zip(chunk, slots)))
                     good = [(item, st) for item, st, g in zip(chunk, slots, got) if g == "ok"]
@@ -472,7 +406,7 @@ class TransferWorker:
                     self._count(remote_loaded_blocks=len(good), remote_bad_blocks=bad,
                                 remote_missed_blocks=len(chunk) - len(good) - bad)
                     if good:
-                        await self._copy_in([b for (_, _, b), _ in good], [st for _, st in good])
+                        await self.reads.copy_in([b for (_, _, b), _ in good], [st for _, st in good])
                         failed.difference_update(b for (_, _, b), _ in good)
                         self._count(bytes_read=len(good) * self.slot_bytes)
                         handed = [st for _, st in good]
@@ -482,7 +416,7 @@ class TransferWorker:
                     reported.update(k for k, _, _ in chunk)
                     self._give_back(t.group, [(k, s) for (k, s, _), g in zip(chunk, got) if g != "ok"])
                 finally:
-                    self._release([st for st in slots if st not in handed])
+                    self.staging.release([st for st in slots if st not in handed])
                 i += len(chunk)
         finally:
             # cancelled or failed part-way: give the other reservations back
@@ -503,16 +437,6 @@ class TransferWorker:
             with self._lock:
                 self._report.save_failed += [(self.rank, k, s, group) for k, s in items]
                 self.job_done.set()
-
-    async def _copy_in(self, block_ids, slots, checksum: bool = False) -> list[bool]:
-        """Per block whether it may count as loaded: always, unless `checksum` (the
-        payload CRCs are checked in the copy, Device.copy_in) found it corrupt."""
-        # On the loop thread, in one go: a cancellation cannot interrupt it half-way,
-        # and no hop to another thread waits for the GIL a second time.
-        if checksum:
-            return self.device.copy_in(block_ids, slots, checksum=True)
-        self.device.copy_in(block_ids, slots)
-        return [True] * len(block_ids)
 
     def _load_done(self, req_id: str, failed: list[int], cancelled: bool = False) -> None:
         with self._lock:
@@ -535,7 +459,7 @@ class TransferWorker:
         with self._lock:
             done, self._done_loads = self._done_loads, []
             report, self._report = self._report, WorkerReport()
-            held = self.cache.kept * self.slot_bytes  # a level: reported as its change
+            held = self.staging.kept * self.slot_bytes  # a level: reported as its change
             if held != self._held_reported:
                 self._counts.update(memory_held_bytes=held - self._held_reported)
                 self._held_reported = held
@@ -605,7 +529,7 @@ class TransferWorker:
             log.warning("aiokv: I/O stuck in the kernel at close; its memory is left to the process exit")
             return
         self.device.close()
-        self.pool.close()
+        self.staging.close()
 
     def _stop_loop(self) -> bool:
         """Stops the loop thread; True if it did not stop within the bound."""
