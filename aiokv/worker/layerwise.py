@@ -129,7 +129,7 @@ class LayerwiseLoads:
             keep = len(picked)
             if keep:
                 failed.difference_update(blocks)
-                self.reads.count(bytes_read=keep * self.staging.slot_bytes)
+                self.reads.count(bytes_read=keep * self.reads.slot_bytes)
         finally:
             held = set(picked)
             self.staging.release([s for s in slots if s not in held])
@@ -247,7 +247,7 @@ class LayerwiseLoads:
         """Copied blocks' slots (verified images of their keys) join the memory tier,
         as after a whole-request load; others are freed."""
         if ok:
-            self.staging.keep(list(zip(keys, slots)))
+            self.staging.keep(list(zip(keys, slots)), self.reads.ns)
             slots = []  # (kept slots can be taken by a job: the release below wakes waiting loads)
         self.staging.release(slots)
 

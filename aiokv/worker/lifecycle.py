@@ -1,13 +1,13 @@
-"""A worker's loop and what lives on it, from start to close: the loop thread
-(util/loops.py), the I/O backend, the checksum threads, the data file (opened at
-the first job: the engine that owns the store creates the directory after the
-workers have started) and the shared tier's uploader and loader.
+"""What one KV-cache group's worker has on the process's loop (worker/host.py),
+from start to close: its I/O backend, its data file (opened at the first job: the
+engine that owns the store creates the directory after the workers have started)
+and the shared tier's uploader and loader.
 
 Start is bounded (opening the backend looks at the cache directory's file
 system: START_TIMEOUT); so is close, whatever the disk does: outstanding loads
 are cancelled (abandon mode ends them at once), saves get CLOSE_DRAIN_S to land,
-pending uploads `flush_timeout`; a backend with I/O stuck in the kernel, and the
-staging memory under it, are left to the process exit.
+pending uploads `flush_timeout`; a backend with I/O stuck in the kernel is left
+open (the host then leaves the staging memory under it to the process exit).
 
 Threading contract: the constructor, `call_soon`, `alive` and `close` on vLLM's
 worker thread; `blockio` and `_setup`/`_shutdown` on the loop thread.
@@ -20,7 +20,6 @@ import logging
 
 from aiokv.data.backend import open_backend
 from aiokv.data.blockio import BlockIO
-from aiokv.util.loops import LoopThread
 
 log = logging.getLogger("aiokv")
 
@@ -29,30 +28,25 @@ CLOSE_DRAIN_S = 10.0  # close() waits this long for outstanding jobs, then leave
 
 
 class Lifecycle:
-    def __init__(self, device, staging, count, ns_dir: str, nsid: bytes, rank: int, io: str, queue_depth: int,
-                 checksum_threads: int, secret, shared, upload_queue: int, flush_timeout: float):
-        self.device, self.staging, self.rank, self.secret = device, staging, rank, secret
-        self.ns_dir, self.nsid = ns_dir, nsid
+    def __init__(self, host, device, count, ns_dir: str, nsid: bytes, rank: int, slot_bytes: int, io: str,
+                 queue_depth: int, secret, shared, upload_queue: int, flush_timeout: float):
+        self.device, self.staging, self.rank, self.secret = device, host.staging, rank, secret
+        self.ns_dir, self.nsid, self.slot_bytes = ns_dir, nsid, slot_bytes
         self.shared, self.upload_queue, self.flush_timeout = shared, upload_queue, flush_timeout
         self.uploader = self.remote = None
         self.backend = None
         self.io: BlockIO | None = None
-        self.cpu = (concurrent.futures.ThreadPoolExecutor(checksum_threads, f"aiokv-crc{rank}")
-                    if checksum_threads > 0 else None)
-        self.lt = LoopThread(f"aiokv-worker{rank}")
+        self.cpu = host.cpu
+        self.lt = host.lt
         self.loop, self.thread = self.lt.loop, self.lt.thread
+        host.lives.append(self)
         try:  # opening the backend looks at the cache directory's file system: bounded
             self.lt.submit(self._setup(io, queue_depth, count)).result(START_TIMEOUT)
         except concurrent.futures.TimeoutError:
-            self.lt.stop()
             raise TimeoutError(f"the cache directory {ns_dir} did not answer within {START_TIMEOUT:.0f} s "
                                "(a hung file system?)") from None
-        except BaseException:
-            self.lt.stop()  # nothing may outlive a worker that did not start
-            raise
 
     async def _setup(self, io, depth, count):
-        self.staging.bind(self.loop)
         self.backend = open_backend(self.loop, io, depth=depth, path=self.ns_dir)
         if self.shared is not None:
             from aiokv.bucket.loader import RemoteLoader
@@ -63,7 +57,7 @@ class Lifecycle:
             # engine's view) and a planted one look alike, and ours must never overwrite the fleet's
             verify = None if self.secret else (lambda key, addr: self.blockio().verify(key, addr))
             self.uploader = Uploader(self.shared, self.upload_queue, count=count, verify=verify)
-            self.remote = RemoteLoader(self.shared, self.nsid, self.rank, self.staging.slot_bytes)
+            self.remote = RemoteLoader(self.shared, self.nsid, self.rank, self.slot_bytes)
 
     def blockio(self) -> BlockIO:
         if self.io is None:
@@ -79,9 +73,9 @@ class Lifecycle:
         """A command for the loop thread; False when the loop is gone."""
         return self.lt.call_soon(fn, *args)
 
-    def close(self, cancel_loads, drain) -> bool:
-        """Cancel the loads (on the loop), `drain()` the saves, flush uploads, stop the
-        loop; True when nothing can touch the staging memory any more (it may be freed)."""
+    def close(self, cancel_loads, drain) -> None:
+        """Cancel the loads (on the loop), `drain()` the saves, flush uploads, close the
+        backend unless I/O is stuck in it; the host stops the loop afterwards."""
         if self.lt.alive:
             # loads first (nobody waits for them any more; abandon mode ends them at
             # once), then saves get a bounded while to land, so they can be committed
@@ -92,14 +86,6 @@ class Lifecycle:
                 self.lt.submit(self._shutdown()).result(5 + (self.flush_timeout if self.uploader is not None else 0))
             except Exception:
                 log.warning("aiokv: the worker loop did not shut down in time; left to the process exit")
-        stuck = not self.lt.stop() or self.staging.stuck or (self.backend is not None and self.backend.in_flight)
-        if self.cpu is not None:  # idle once the loop has stopped: nothing awaits them any more
-            self.cpu.shutdown(wait=not stuck)
-        if stuck:
-            # the kernel may still write into staging: never unmap or unpin it under the I/O
-            log.warning("aiokv: I/O stuck in the kernel at close; its memory is left to the process exit")
-            return False
-        return True
 
     async def _shutdown(self) -> None:
         if self.uploader is not None:  # a clean shutdown: pending uploads go out, within flush_timeout

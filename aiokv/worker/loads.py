@@ -28,13 +28,14 @@ import time
 from aiokv.data.backend import ABANDON
 from aiokv.jobs import Transfer, WorkerReport
 from aiokv.worker.latency import latency_counts
+from aiokv.worker.staging import StagingStuck
 
 log = logging.getLogger("aiokv")
 
 
 class Loads:
-    def __init__(self, staging, reads, results, saves, life, layers, rank: int, load_timeout: float,
-                 fused: bool):
+    def __init__(self, staging, reads, results, saves, life, layers, rank: int, slot_bytes: int,
+                 load_timeout: float, fused: bool):
         self.staging = staging
         self.reads = reads        # reads into staging, copies into the KV cache (worker/reads.py)
         self.results = results
@@ -42,7 +43,7 @@ class Loads:
         self.life = life          # the data file, the shared tier (worker/lifecycle.py)
         self.layers = layers      # LayerwiseLoads or None
         self.rank = rank
-        self.slot_bytes = staging.slot_bytes
+        self.slot_bytes = slot_bytes  # this group's slot image (a staging slot may be larger)
         self.load_timeout = load_timeout
         self.fused = fused        # payload CRCs are checked in the device copy
         self._tasks: dict[str, asyncio.Task] = {}  # req -> its running load
@@ -85,6 +86,8 @@ class Loads:
             cancelled = True  # the request is gone: not a failure of the cache
             self.results.count(loads_cancelled=1)
         except OSError as e:
+            if isinstance(e, StagingStuck):
+                self.results.count(load_staging_stuck=1)
             log.warning("aiokv: a load failed (%s); its blocks are recomputed", e.strerror or e)
         except Exception:
             log.exception("aiokv: a load failed; its blocks are recomputed")
@@ -104,7 +107,7 @@ class Loads:
         remote = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if r]
         if remote:
             await self._load_remote(t, remote, failed, bad_keys)
-        held = self.staging.take_kept([k for k, _, _ in todo])  # blocks kept in host memory: no disk read
+        held = self.staging.take_kept([k for k, _, _ in todo], self.reads.ns)  # kept in host memory: no disk read
         mem = [(k, b, slot) for (k, _, b), slot in zip(todo, held) if slot is not None]
         if mem:
             # a plain copy: these slots were verified (or written) when kept; checking them again
@@ -114,7 +117,7 @@ class Loads:
                 failed.difference_update(b for _, b, _ in mem)
                 self.results.count(memory_hit_blocks=len(mem))
             finally:
-                self.staging.keep([(k, slot) for k, _, slot in mem])  # back, as the most recently used
+                self.staging.keep([(k, slot) for k, _, slot in mem], self.reads.ns)  # back, as the most recent
             todo = [item for item, slot in zip(todo, held) if slot is None]
         if self.layers is not None and self.layers.fits(len(todo)):
             return await self.layers.read(t, todo, failed, bad_keys)
@@ -143,7 +146,7 @@ class Loads:
                     keep = [(k, st) for k, _, _, st in good]
                 self.results.count(bytes_read=len(good) * self.slot_bytes)
             finally:
-                self.staging.keep(keep)
+                self.staging.keep(keep, self.reads.ns)
                 kept_slots = {st for _, st in keep}
                 self.staging.release([st for st in slots if st not in kept_slots])
             i += len(chunk)

@@ -15,10 +15,11 @@ Why the staging slots themselves and not a copy: keeping a block costs no copy
 (it is in staging already when its job ends), and a hit from memory is the
 same one copy into the KV cache that ends a disk load.
 
-Keys: one HostCache per TransferWorker, i.e. per (namespace, rank) of one
-KV-cache group. A key names the same bytes wherever they are stored (it binds
-the prefix, the model, the layout and the group; namespace and rank fix the
-shard), so a kept block is served for its key whatever slot the store gives
+Keys: one HostCache per worker process, shared by its KV-cache groups; the
+staging owner keys it by (namespace, rank) and key: the same key may name
+another group's block (groups of one layout), their namespaces tell them apart.
+Within its namespace and rank a key names the same bytes wherever they are
+stored, so a kept block is served for its key whatever slot the store gives
 it now. Which keys are hits is still the scheduler's index: a block the disk
 tier evicted is not offered, even if it is kept here.
 

@@ -16,9 +16,11 @@ NOT_IO_ERRORS = (0, -errno.EBADMSG, -errno.ECANCELED, -errno.ENOBUFS)
 
 
 class Reads:
-    def __init__(self, device, staging, blockio, count):
+    def __init__(self, device, staging, blockio, count, slot_bytes: int):
         self.device = device
         self.staging = staging
+        self.slot_bytes = slot_bytes  # this group's slot image (a staging slot may be larger)
+        self.ns = None  # the memory tier's name for this group's keys (set by TransferWorker)
         self._blockio = blockio  # () -> BlockIO (opened at the first job)
         self.count = count       # count(**increments) into the worker's counters
 

@@ -29,13 +29,15 @@ log = logging.getLogger("aiokv")
 
 
 class Saves:
-    def __init__(self, device, staging, results, life, rank: int, save_timeout: float, fused: bool):
+    def __init__(self, device, staging, results, life, rank: int, slot_bytes: int, save_timeout: float,
+                 fused: bool):
         self.device = device
         self.staging = staging
         self.results = results
         self.life = life  # the loop, the data file, the shared tier's uploader (worker/lifecycle.py)
         self.rank = rank
-        self.slot_bytes = staging.slot_bytes
+        self.slot_bytes = slot_bytes  # this group's slot image (a staging slot may be larger)
+        self.ns = None  # the memory tier's name for this group's keys (set by TransferWorker)
         self.save_timeout = save_timeout
         self.fused = fused  # payload CRCs come with the device copy
 
@@ -111,7 +113,7 @@ class Saves:
             log.exception("aiokv: a save failed; only that request's save is dropped")
         finally:
             # written blocks stay in host memory (the memory tier); the rest are freed
-            self.staging.keep([(k, b) for k, b, r in zip(t.keys, slots, res) if r == 0])
+            self.staging.keep([(k, b) for k, b, r in zip(t.keys, slots, res) if r == 0], self.ns)
             self.staging.release([b for b, r in zip(slots, res) if r != 0])
             self.results.count(**latency_counts("save", time.monotonic() - t0))
             self._save_done(t, slots, res, job)

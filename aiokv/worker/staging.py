@@ -36,11 +36,10 @@ class StagingStuck(OSError):
 
 
 class Staging:
-    def __init__(self, slot_bytes: int, count: int, kept: int, on_stuck=None):
-        self.slot_bytes = slot_bytes
+    def __init__(self, slot_bytes: int, count: int, kept: int):
+        self.slot_bytes = slot_bytes  # every slot's size (the largest KV-cache group's slot)
         self.pool = SlotPool(slot_bytes, count, populate=True)
         self.cache = HostCache(self.pool, kept)
-        self._on_stuck = on_stuck  # called (no argument) when a load finds every slot in use stuck
         self._lock = threading.Lock()
         self._stuck: set[int] = set()  # slots whose abandoned I/O the kernel or a thread still holds
         self._held: set[int] = set()   # stuck slots their job has let go of: freed when the I/O ends
@@ -101,8 +100,6 @@ class Staging:
             if slots is not None:
                 return slots
             if all_stuck:
-                if self._on_stuck is not None:
-                    self._on_stuck()
                 raise StagingStuck(errno.EBUSY, "every staging slot is held by I/O the disk has not finished")
             self._freed.clear()
             await self._freed.wait()
@@ -116,17 +113,20 @@ class Staging:
         self._wake()
 
     # ---- the memory tier ----
-    def keep(self, items: list[tuple[bytes, int]]) -> None:
-        """Slots of jobs that succeeded (verified images of their keys) join the memory tier."""
+    def keep(self, items: list[tuple[bytes, int]], ns=None) -> None:
+        """Slots of jobs that succeeded (verified images of their keys) join the memory tier.
+        `ns` names the keys' namespace: the KV-cache groups of a process share the tier, and a
+        key names a block only within its group's namespace (and rank)."""
         if items:
             with self._lock:
                 for key, slot in items:
-                    self.cache.keep(key, slot)
+                    self.cache.keep((ns, key), slot)
 
-    def take_kept(self, keys: list[bytes]) -> list[int | None]:
-        """Per key, the kept slot holding it, now the caller's (a job that reads it), or None."""
+    def take_kept(self, keys: list[bytes], ns=None) -> list[int | None]:
+        """Per key (of namespace `ns`), the kept slot holding it, now the caller's (a job
+        that reads it), or None."""
         with self._lock:
-            return [self.cache.take(k) for k in keys]
+            return [self.cache.take((ns, k)) for k in keys]
 
     def clear_kept(self) -> None:
         """The cache was reset: the memory tier keeps nothing from before."""

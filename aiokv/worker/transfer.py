@@ -1,12 +1,13 @@
-"""The worker side of one KV-cache group: one uvloop event loop (asyncio's where uvloop is missing) on a dedicated
-thread runs a save and a load pipeline per request as asyncio tasks. This module is the facade vLLM's thread
-calls; the parts are
+"""The worker side of one KV-cache group: the process's uvloop event loop (asyncio's where uvloop is missing) on a
+dedicated thread runs a save and a load pipeline per request as asyncio tasks. This module is the facade vLLM's
+thread calls; the parts are
 
+  worker/host.py       the loop and the staging arena, one per process for every group
   worker/staging.py    the staging buffers and the memory tier (one owner)
   worker/saves.py      the save pipeline          worker/loads.py   the load pipeline
   worker/reads.py      reads into staging, copies into the KV cache (loads, layerwise)
   worker/results.py    the way back to vLLM's thread (a queue), and its view of the jobs
-  worker/lifecycle.py  the loop, the backend, the data file; start and close
+  worker/lifecycle.py  the group's backend and data file on the loop; start and close
 
   save: device -> staging copy (vLLM's thread, at the end of the step)
         -> io_uring write (loop) -> report (rank, key, slot) written or failed
@@ -53,13 +54,13 @@ import logging
 
 from aiokv.data import format as fmt
 from aiokv.jobs import Transfer, WorkerReport
+from aiokv.worker.host import WorkerHost
 from aiokv.worker.layerwise import LayerwiseLoads
 from aiokv.worker.lifecycle import CLOSE_DRAIN_S, START_TIMEOUT, Lifecycle  # noqa: F401 (START_TIMEOUT: here too)
 from aiokv.worker.loads import Loads
 from aiokv.worker.reads import NOT_IO_ERRORS, Reads  # noqa: F401 (NOT_IO_ERRORS: here too)
 from aiokv.worker.results import Results
 from aiokv.worker.saves import Saves
-from aiokv.worker.staging import Staging
 
 log = logging.getLogger("aiokv")
 
@@ -77,42 +78,55 @@ COUNTERS = ("loads_ok_blocks", "load_failed_blocks", "load_cancelled_blocks", "l
 
 
 class TransferWorker:
+    """One KV-cache group's worker. `host` (worker/host.py): the process's loop and
+    staging, shared by every group; None: one of its own, closed with this worker
+    (staging_bytes, memory_bytes and checksum_threads then size it; with a host
+    they are the host's business and ignored here)."""
+
     def __init__(self, device, ns_dir: str, nsid: bytes, rank: int, staging_bytes: int, io: str = "auto",
                  queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0, shared=None,
                  upload_queue: int = 256 << 20, flush_timeout: float = 10.0, secret: str | None = None,
-                 memory_bytes: int = 0, layerwise: bool = False, checksum_threads: int | None = None):
+                 memory_bytes: int = 0, layerwise: bool = False, checksum_threads: int | None = None,
+                 host: WorkerHost | None = None):
         self.device = device
-        # threads that stamp and verify big chunks off the loop thread (aiokv/data/blockio.py);
-        # None: the device's default (0 on the CPU build, whose cores run the model)
-        self.checksum_threads = device.checksum_threads if checksum_threads is None else checksum_threads
         self.secret = secret
         self.rank = rank
         self.slot_bytes = slot_bytes = fmt.slot_bytes(device.payload_bytes)
-        kept = memory_bytes // slot_bytes  # the memory tier shares the staging arena
+        self._owns_host = host is None
+        if host is None:
+            # threads that stamp and verify big chunks off the loop thread (aiokv/data/blockio.py);
+            # None: the device's default (0 on the CPU build, whose cores run the model)
+            threads = device.checksum_threads if checksum_threads is None else checksum_threads
+            host = WorkerHost(slot_bytes, staging_bytes, memory_bytes, threads, rank)
+        self.host = host
+        if host.reporter is None:
+            host.reporter = self  # this group's report carries the memory tier's level
         self.results = Results()
         self._count = self.results.count
-        self.staging = Staging(slot_bytes, max(4, staging_bytes // slot_bytes) + kept, kept,
-                               on_stuck=lambda: self._count(load_staging_stuck=1))
+        self.staging = host.staging
         self.pool, self.cache = self.staging.pool, self.staging.cache
-        self._held_reported = 0  # memory_held_bytes last reported
         self._dead = False
         try:
-            device.attach(self.pool)
+            host.attach(device)
             # payload CRCs inside the device copies; with a secret the MAC reads the payload anyway
             fused = self.device.fuses_checksums and self.secret is None
-            self.life = Lifecycle(device, self.staging, self._count, ns_dir, nsid, rank, io, queue_depth,
-                                  self.checksum_threads, secret, shared, upload_queue, flush_timeout)
+            self.life = Lifecycle(host, device, self._count, ns_dir, nsid, rank, slot_bytes, io, queue_depth,
+                                  secret, shared, upload_queue, flush_timeout)
         except BaseException:
-            # nothing may outlive a worker that did not start: loop thread (Lifecycle stops it), arena, pinning
-            device.close()
-            self.staging.close()
+            # nothing may outlive a worker that did not start: loop thread, arena, pinning
+            # (a shared host gives them back when its owner closes it)
+            if self._owns_host:
+                host.close()
             raise
-        self.reads = Reads(device, self.staging, self.life.blockio, self._count)
+        self.reads = Reads(device, self.staging, self.life.blockio, self._count, slot_bytes)
         # verified loads copied in layer by layer during the next forward (worker/layerwise.py)
         self.layers = LayerwiseLoads(device, self.staging, self.reads, rank) if layerwise else None
-        self.saves = Saves(device, self.staging, self.results, self.life, rank, save_timeout, fused)
+        self.saves = Saves(device, self.staging, self.results, self.life, rank, slot_bytes, save_timeout, fused)
         self.loads = Loads(self.staging, self.reads, self.results, self.saves, self.life, self.layers, rank,
-                           load_timeout, fused)
+                           slot_bytes, load_timeout, fused)
+        # the groups of a process share one memory tier; a key names a block only within its
+        # group's namespace and rank, so the tier knows this group's keys under this name
+        self.memory_ns = self.reads.ns = self.saves.ns = (nsid, rank)
 
     @property
     def _fused(self) -> bool:
@@ -143,6 +157,10 @@ class TransferWorker:
     @property
     def cpu(self):
         return self.life.cpu
+
+    @property
+    def checksum_threads(self) -> int:
+        return self.host.checksum_threads
 
     @property
     def uploader(self):
@@ -196,10 +214,10 @@ class TransferWorker:
         if not self._dead and not self.thread.is_alive():
             self._die()
         done, report, counts = self.results.take()
-        held = self.staging.kept * self.slot_bytes  # a level: reported as its change
-        if held != self._held_reported:
-            counts.update(memory_held_bytes=held - self._held_reported)
-            self._held_reported = held
+        if self.host.reporter is self:
+            held = self.host.held_delta()  # a level (one arena for all groups): reported as its change
+            if held:
+                counts.update(memory_held_bytes=held)
         report.counters = dict(counts)
         finished = {r for r, _ in done}
         errors = {b for _, f in done for b in f}
@@ -238,7 +256,7 @@ class TransferWorker:
 
     def close(self) -> None:
         """Returns within about CLOSE_DRAIN_S + 10 s (+ flush_timeout with a shared tier),
-        even with I/O stuck in the kernel."""
-        if self.life.close(self.loads.cancel_all, self.drain):
-            self.device.close()
-            self.staging.close()
+        even with I/O stuck in the kernel. A shared host is closed by its owner, after its groups."""
+        self.life.close(self.loads.cancel_all, self.drain)
+        if self._owns_host:
+            self.host.close()
