@@ -75,7 +75,7 @@ def test_only_written_or_verified_blocks_are_kept_and_the_budget_holds(tmp_path)
         _save(w, range(5, 10))  # 10 written, 4 kept: the 4 whose writes ended last
         assert w.cache.kept == 4
         # the two most recently kept (the two oldest go when the load below keeps blocks 0 and 1)
-        newest = [next(i for i in range(10) if key(i) == k) for k in list(w.cache._kept)[-2:]]
+        newest = [next(i for i in range(10) if (w.memory_ns, key(i)) == k) for k in list(w.cache._kept)[-2:]]
         errors, c = _load(w, [0, 1], 20)  # not kept: read from disk, verified, then kept
         assert not errors and c["bytes_read"] == 2 * w.slot_bytes and not c.get("memory_hit_blocks"), c
         errors, c = _load(w, [0, 1, *newest], 22)  # all four kept now (0, 1 by the load, the others by saves)
@@ -86,7 +86,7 @@ def test_only_written_or_verified_blocks_are_kept_and_the_budget_holds(tmp_path)
         # a block whose read does not verify is not kept (nor served from memory later)
         bad = Transfer("b", [key(99)], [5], [27])  # slot 5 holds key(5): verification fails
         done, errors, rep = _run(w, w.load, [bad])
-        assert errors == {27} and w.cache.take(key(99)) is None
+        assert errors == {27} and w.staging.take_kept([key(99)], w.memory_ns) == [None]
         assert w.staging_in_use == 0
     finally:
         w.close()

@@ -53,13 +53,15 @@ def sample(reg: CollectorRegistry, name: str, **labels) -> float | None:
 
 
 def _counted_in_code() -> set[str]:
-    """The names the worker, the layerwise copies and the bucket tier count under (read from their code)."""
+    """The names the worker (its loads, saves and reads), the layerwise copies and the bucket tier count under (read from their code)."""
     import ast
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     found = set()
     # (file, the counting call's attribute chain, the prefix its names get in the connector's counters)
-    for rel, call, prefix in (("aiokv/worker/transfer.py", "self._count", ""),
+    for rel, call, prefix in (("aiokv/worker/loads.py", "self.results.count", ""),
+                              ("aiokv/worker/saves.py", "self.results.count", ""),
+                              ("aiokv/worker/reads.py", "self.count", ""),
                               ("aiokv/bucket/uploader.py", "self.count", ""),
                               ("aiokv/worker/layerwise.py", "self.counts.update", "layerwise_"),
                               ("aiokv/bucket/prober.py", "self.counters", "shared_")):

@@ -68,41 +68,49 @@ class WorkerRole:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         # vLLM's V1 runner hands dict[str, Tensor]; Model Runner V2 the dict[str, Any] of its
         # init_kv_cache (per-layer views of one buffer; other values for specs aiokv refuses)
+        from aiokv.data import format as fmt
         from aiokv.store.store import ns_dir
         from aiokv.worker.device import kv_tensors, make_device
         from aiokv.worker.groups import GroupedWorker
+        from aiokv.worker.host import WorkerHost
         from aiokv.worker.transfer import TransferWorker
 
         rank = 0
         workers: dict = {}
+        host = None
         try:
             if self.ranks > 1:  # a wrong rank would read another rank's shard: no fallback
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
                 rank = get_tensor_model_parallel_rank()
             self._rank = rank
-            staging = max(1, self.cfg.staging // len(self.groups))
-            memory = self.cfg.memory // len(self.groups)
             bucket = None
             if self.cfg.bucket:  # one client (and breaker) for this worker's groups
                 from aiokv.bucket.client import BucketClient
 
                 bucket = BucketClient(self.cfg.bucket, self.cfg.remote_timeout)
-            for g, nsid in zip(self.groups, self.group_nsids):
+            devices = []
+            for g in self.groups:
                 device = make_device(kv_tensors(kv_caches, g.layer_names), self.kv_cache_config.num_blocks)
                 if device.payload_bytes != g.payload_bytes:
                     raise ValueError(f"aiokv: the KV tensors of group {g.index} hold {device.payload_bytes} bytes "
                                      f"per block, the KV cache spec says {g.payload_bytes}; this layout is not "
                                      "supported")
+                devices.append(device)
+            # one event loop and one staging arena for every group (slots of the largest group's size)
+            threads = devices[0].checksum_threads if self.cfg.checksum_threads is None else self.cfg.checksum_threads
+            host = WorkerHost(max(fmt.slot_bytes(d.payload_bytes) for d in devices), max(1, self.cfg.staging),
+                              self.cfg.memory, threads, rank)
+            for g, nsid, device in zip(self.groups, self.group_nsids, devices):
                 # replicated KV (MLA) is stored once, as rank 0's, and read by every rank
                 workers[g.index] = TransferWorker(device, ns_dir(self.cfg.path, nsid), nsid,
-                                                  0 if g.replicated else rank, staging, self.cfg.io,
+                                                  0 if g.replicated else rank, self.cfg.staging, self.cfg.io,
                                                   self.cfg.queue_depth, self.cfg.load_timeout, self.cfg.save_timeout,
                                                   bucket, self.cfg.upload_queue, self.cfg.flush_timeout,
-                                                  self.cfg.secret, memory, layerwise=self.layerwise,
-                                                  checksum_threads=self.cfg.checksum_threads)
+                                                  self.cfg.secret, self.cfg.memory, layerwise=self.layerwise,
+                                                  host=host)
             self._layers = workers[self.groups[0].index].layers
-            self.worker = GroupedWorker(workers, {g.index for g in self.groups if rank == 0 or not g.replicated})
+            self.worker = GroupedWorker(workers, {g.index for g in self.groups if rank == 0 or not g.replicated}, host)
         except Exception as e:
             # Loads the scheduler promises are then reported failed, saves dropped, and
             # the scheduler side is told to stop offering hits and saving.
@@ -112,10 +120,14 @@ class WorkerRole:
                     w.close()
                 except Exception:
                     pass
+            if host is not None:
+                try:
+                    host.close()
+                except Exception:
+                    pass
             self.worker = None
             self._layers = None
             self._report = WorkerReport(disabled=True)
-
 
     def start_load_kv(self, meta) -> None:
         # forward_context says nothing about the step (V2 passes an empty one on every step)

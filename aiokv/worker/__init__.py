@@ -1,1 +1,2 @@
-"""The worker side: device copies (device.py) and the event-loop pipelines (transfer.py)."""
+"""The worker side: device copies (device.py), the process's one event loop and staging arena (host.py,
+staging.py), and per KV-cache group the save and load pipelines behind one facade (transfer.py, groups.py)."""

@@ -241,11 +241,14 @@ class CudaDevice(Device):
 
     def attach(self, pool: SlotPool) -> None:
         super().attach(pool)
-        # pin the staging arena once (not many small pinned buffers) so copies are DMA
-        rc = torch.cuda.cudart().cudaHostRegister(pool.arena.addr, pool.arena.size, 0)
-        if int(rc) != 0:
-            raise RuntimeError(f"aiokv: cudaHostRegister of the staging arena failed ({rc})")
-        self._registered = True
+        # pin the staging arena once (not many small pinned buffers) so copies are DMA; the
+        # KV-cache groups of one process share it (worker/host.py): the first device pins it
+        if getattr(pool, "pinned_by", None) is None:
+            rc = torch.cuda.cudart().cudaHostRegister(pool.arena.addr, pool.arena.size, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"aiokv: cudaHostRegister of the staging arena failed ({rc})")
+            self._registered = True
+            pool.pinned_by = self
         self.device = self.layers[0].view.device
         self.out_stream = torch.cuda.Stream(self.device)
         self.in_stream = torch.cuda.Stream(self.device)
@@ -333,9 +336,10 @@ class CudaDevice(Device):
         return ev
 
     def close(self) -> None:
-        if getattr(self, "_registered", False):  # attach may have failed before pinning
+        if getattr(self, "_registered", False):  # attach may have failed before pinning (or another device pinned)
             torch.cuda.cudart().cudaHostUnregister(self.pool.arena.addr)
             self._registered = False
+            self.pool.pinned_by = None
 
 
 def kv_tensors(kv_caches: dict, names) -> list[tuple[str, torch.Tensor]]:

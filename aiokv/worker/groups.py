@@ -1,6 +1,7 @@
 """The worker side of a model with several KV-cache groups: one TransferWorker
-per group (its own device copies, staging slots of its size, data file of its
-namespace), fanned out and merged here.
+per group (its own device copies, data file of its namespace, pipelines), all
+driven by the process's one event loop and sharing its staging buffers
+(worker/host.py), fanned out and merged here.
 
 Contract kept towards the connector, the same as one TransferWorker's:
 - a request's load is reported finished once, when every group that had a part
@@ -29,9 +30,10 @@ log = logging.getLogger("aiokv")
 
 
 class GroupedWorker:
-    def __init__(self, workers: dict, save_groups: set[int]):
+    def __init__(self, workers: dict, save_groups: set[int], host=None):
         self.workers = workers            # group index -> TransferWorker
         self.save_groups = save_groups
+        self.host = host                  # the WorkerHost they share (closed after them), or None
         self._parts: dict[str, set[int]] = {}   # req -> groups whose part of its load is outstanding
         self._failed: set[str] = set()           # reqs with a failed part, until reported
         self.breaches = 0                         # loads not reported exactly once (refused)
@@ -116,6 +118,8 @@ class GroupedWorker:
 
     @property
     def staging_in_use(self) -> int:
+        if self.host is not None:  # one arena for every group
+            return self.host.staging.in_use
         return sum(w.staging_in_use for w in self.workers.values())
 
     def drain(self, timeout: float = 30.0) -> None:
@@ -125,3 +129,5 @@ class GroupedWorker:
     def close(self) -> None:
         for w in self.workers.values():
             w.close()
+        if self.host is not None:
+            self.host.close()

@@ -5,6 +5,8 @@ counters, `<kind>_seconds_b<i>` (observations) and `<kind>_seconds_b<i>_ns`
 (their sum in nanoseconds). Counters add up across steps and TP ranks, so the
 histogram travels in WorkerReport.counters; aiokv/connector/metrics.py turns it back into
 a Prometheus histogram with exact bucket counts and sum.
+
+Threading contract: pure functions of their arguments, called from any thread.
 """
 from __future__ import annotations
 

@@ -36,6 +36,10 @@ compute stream waits for every layer's copy before the forward (`begin(whole)`).
 A load that needs more than half the staging pool is copied in on the loop
 thread as before (holding its slots for a step could starve other loads).
 
+It reaches its worker through two public objects only: the staging owner
+(worker/staging.py: slots taken, given back, kept in the memory tier) and the
+reads object (worker/reads.py: reads into staging, counters).
+
 Threading contract: `read` runs on the worker's event-loop thread; `begin`,
 `wait_layer`, `end_step` and `cancel` on vLLM's worker thread; the CPU copies on
 this object's copy thread. They meet in `_lock`-protected state.
@@ -71,9 +75,11 @@ class LayerwiseLoads:
     """One TransferWorker's staged loads. `read` on its event-loop thread; `started`,
     `cancel`, `begin`, `wait_layer`, `end_step` and `close` on vLLM's worker thread."""
 
-    def __init__(self, worker):
-        self.w = worker
-        self.device = worker.device
+    def __init__(self, device, staging, reads, rank: int):
+        self.device = device
+        self.staging = staging
+        self.reads = reads
+        self.rank = rank
         self.names = {layer.name: i for i, layer in enumerate(self.device.layers)}
         self._lock = threading.Lock()
         # (req, block ids, slots, keys) verified, not copied yet
@@ -89,21 +95,16 @@ class LayerwiseLoads:
     # ---- loop thread ----
     def fits(self, n: int) -> bool:
         """At most half the staging slots (the pool less the memory tier's share)."""
-        return 0 < n <= (self.w.pool.count - self.w.cache.limit) // 2
+        return 0 < n <= (self.staging.count - self.staging.limit) // 2
 
     async def read(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
         """Read and verify `todo` [(key, location, block id)] into staging slots taken
         all at once; stage the verified blocks before the first failed one."""
-        from aiokv.worker.transfer import NOT_IO_ERRORS  # (transfer imports this module)
-
-        w = self.w
-        slots = await self.w._acquire(len(todo), whole=True)
+        slots = await self.staging.wait(len(todo), whole=True)
         keep, picked = 0, []
         try:
-            addr = w.pool.addr
-            res = await w._blockio().read([(s, k, addr(b)) for (k, s, _), b in zip(todo, slots)])
+            res = await self.reads.read([(s, k, b) for (k, s, _), b in zip(todo, slots)])
             bad_keys += [(k, s, t.group) for (k, s, _), r in zip(todo, res) if r != 0]
-            w._count(read_errors=sum(r not in NOT_IO_ERRORS for r in res))
             nb = self.device.num_blocks
             good = {b: (slot, k) for (k, _, b), slot, r in zip(todo, slots, res) if r == 0 and 0 < b < nb}
             # vLLM recomputes from a request's first block not loaded (a bad read, a key gone,
@@ -128,10 +129,10 @@ class LayerwiseLoads:
             keep = len(picked)
             if keep:
                 failed.difference_update(blocks)
-                w._count(bytes_read=keep * w.slot_bytes)
+                self.reads.count(bytes_read=keep * self.reads.slot_bytes)
         finally:
             held = set(picked)
-            w._release([s for s in slots if s not in held])
+            self.staging.release([s for s in slots if s not in held])
 
     # ---- vLLM's thread ----
     def started(self, req_id: str) -> None:
@@ -156,7 +157,7 @@ class LayerwiseLoads:
             self._staged = keep
             self.counts.update(dropped_blocks=sum(len(b) for _, b, _, _ in drop))
         for _, _, slots, _ in drop:
-            self.w._release(slots)
+            self.staging.release(slots)
 
     def begin(self, whole: bool = False) -> None:
         """Start copying every staged load in (before this step's forward). `whole`:
@@ -182,7 +183,7 @@ class LayerwiseLoads:
             with self._wake:
                 self._queue.append(batch)
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._copier, name=f"aiokv-layers{self.w.rank}",
+                    self._thread = threading.Thread(target=self._copier, name=f"aiokv-layers{self.rank}",
                                                     daemon=True)
                     self._thread.start()
                 self._wake.notify()
@@ -246,9 +247,9 @@ class LayerwiseLoads:
         """Copied blocks' slots (verified images of their keys) join the memory tier,
         as after a whole-request load; others are freed."""
         if ok:
-            self.w._keep(list(zip(keys, slots)))
+            self.staging.keep(list(zip(keys, slots)), self.reads.ns)
             slots = []  # (kept slots can be taken by a job: the release below wakes waiting loads)
-        self.w._release(slots)
+        self.staging.release(slots)
 
     # ---- copy thread (CPU) ----
     def _copier(self) -> None:

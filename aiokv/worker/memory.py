@@ -2,7 +2,7 @@
 so that another hit on them is a copy into the KV cache, not a disk read.
 
 Staging and the memory tier are one arena (data/buffers.py SlotPool, pinned on
-CUDA by device.attach). A slot is free, owned by a job (a device copy or I/O
+CUDA by device.attach), owned by one object (worker/staging.py). A slot is free, owned by a job (a device copy or I/O
 uses it), or kept: it holds the whole verified slot image (header + payload)
 of one key, in LRU order. Slots reach the tier only from jobs that succeeded:
 a save keeps its slots once they are on disk (the disk stays the persistent
@@ -15,16 +15,17 @@ Why the staging slots themselves and not a copy: keeping a block costs no copy
 (it is in staging already when its job ends), and a hit from memory is the
 same one copy into the KV cache that ends a disk load.
 
-Keys: one HostCache per TransferWorker, i.e. per (namespace, rank) of one
-KV-cache group. A key names the same bytes wherever they are stored (it binds
-the prefix, the model, the layout and the group; namespace and rank fix the
-shard), so a kept block is served for its key whatever slot the store gives
+Keys: one HostCache per worker process, shared by its KV-cache groups; the
+staging owner keys it by (namespace, rank) and key: the same key may name
+another group's block (groups of one layout), their namespaces tell them apart.
+Within its namespace and rank a key names the same bytes wherever they are
+stored, so a kept block is served for its key whatever slot the store gives
 it now. Which keys are hits is still the scheduler's index: a block the disk
 tier evicted is not offered, even if it is kept here.
 
-Threading contract: every method is called with the owning TransferWorker's
-lock held (vLLM's worker thread takes slots for saves, the loop thread for
-loads and for keeping).
+Threading contract: its one owner is the worker's Staging (worker/staging.py),
+which calls every method with its lock held (vLLM's worker thread takes slots
+for saves, the loop thread for loads and for keeping); nothing else calls it.
 """
 from __future__ import annotations
 

@@ -1,8 +1,16 @@
-"""The worker side: one uvloop event loop (asyncio's where uvloop is missing) on a dedicated thread runs a save and
-a load pipeline per request as asyncio tasks.
+"""The worker side of one KV-cache group: the process's uvloop event loop (asyncio's where uvloop is missing) on a
+dedicated thread runs a save and a load pipeline per request as asyncio tasks. This module is the facade vLLM's
+thread calls; the parts are
+
+  worker/host.py       the loop and the staging arena, one per process for every group
+  worker/staging.py    the staging buffers and the memory tier (one owner)
+  worker/saves.py      the save pipeline          worker/loads.py   the load pipeline
+  worker/reads.py      reads into staging, copies into the KV cache (loads, layerwise)
+  worker/results.py    the way back to vLLM's thread (a queue), and its view of the jobs
+  worker/lifecycle.py  the group's backend and data file on the loop; start and close
 
   save: device -> staging copy (vLLM's thread, at the end of the step)
-        -> io_uring write (loop) -> report the job's blocks written or failed
+        -> io_uring write (loop) -> report (rank, key, slot) written or failed
   load: io_uring read -> verify -> staging -> device copy (loop)
         -> report the request finished, with the block ids that failed
         (a block kept in host memory, worker/memory.py, skips the read)
@@ -31,503 +39,177 @@ Failure contract (docs/reliability.md lists the scenarios and their tests):
   close() returns within a bound whatever the disk does: it leaves a backend
   with stuck I/O, and the staging memory, to the process exit.
 
-Threading contract: save/load/cancel/poll/close are called from the vLLM worker
-thread; pipelines run on the loop thread; they meet in `_lock`-protected state.
+Threading contract: save/load/cancel/poll/close (and in_flight, wait_for_jobs,
+drain) are called from the vLLM worker thread; pipelines run on the loop thread.
+They share no lock: save, load and cancel reach the loop as commands (in the
+order handed in; the loop owns the table of running loads), results come back
+through worker/results.py's queue, which poll drains without waiting for the
+loop. vLLM's thread alone keeps which jobs it handed in and has not seen
+finished. The staging owner has its own lock (worker/staging.py).
 """
 from __future__ import annotations
 
-import asyncio
-import collections
-import concurrent.futures
-import ctypes
 import errno
 import logging
-import threading
-import time
 
-try:
-    import uvloop
-except ImportError:  # a machine without it (a bare GPU node): asyncio's own loop, slower per job
-    uvloop = None
-
-from aiokv.data.backend import ABANDON, open_backend
-from aiokv.data.buffers import SlotPool
-from aiokv.jobs import LoadResult, SaveResult, Transfer, WorkerReport
 from aiokv.data import format as fmt
-from aiokv.data.blockio import BlockIO
+from aiokv.jobs import Transfer, WorkerReport
+from aiokv.worker.host import WorkerHost
 from aiokv.worker.layerwise import LayerwiseLoads
-from aiokv.worker.latency import latency_counts
-from aiokv.worker.memory import HostCache
+from aiokv.worker.lifecycle import CLOSE_DRAIN_S, START_TIMEOUT, Lifecycle  # noqa: F401 (START_TIMEOUT: here too)
+from aiokv.worker.loads import Loads
+from aiokv.worker.reads import NOT_IO_ERRORS, Reads  # noqa: F401 (NOT_IO_ERRORS: here too)
+from aiokv.worker.results import Results
+from aiokv.worker.saves import Saves
 from aiokv.util.counters import WORKER, names as counter_names
 
 log = logging.getLogger("aiokv")
 
-# results that say nothing about the disk's health (the breaker ignores them)
-NOT_IO_ERRORS = (0, -errno.EBADMSG, -errno.ECANCELED, -errno.ENOBUFS)
 COUNTERS = counter_names(WORKER)  # every counter a worker reports (aiokv/util/counters.py)
-CLOSE_DRAIN_S = 10.0  # close() waits this long for outstanding jobs, then leaves them
 
-
-START_TIMEOUT = 60.0  # seconds the worker waits at start for its backend (it looks at the file system)
 
 class TransferWorker:
+    """One KV-cache group's worker. `host` (worker/host.py): the process's loop and
+    staging, shared by every group; None: one of its own, closed with this worker
+    (staging_bytes, memory_bytes and checksum_threads then size it; with a host
+    they are the host's business and ignored here)."""
+
     def __init__(self, device, ns_dir: str, nsid: bytes, rank: int, staging_bytes: int, io: str = "auto",
                  queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0, shared=None,
                  upload_queue: int = 256 << 20, flush_timeout: float = 10.0, secret: str | None = None,
-                 memory_bytes: int = 0, layerwise: bool = False, checksum_threads: int | None = None):
+                 memory_bytes: int = 0, layerwise: bool = False, checksum_threads: int | None = None,
+                 host: WorkerHost | None = None):
         self.device = device
-        # threads that stamp and verify big chunks off the loop thread (aiokv/data/blockio.py);
-        # None: the device's default (0 on the CPU build, whose cores run the model)
-        self.checksum_threads = device.checksum_threads if checksum_threads is None else checksum_threads
         self.secret = secret
-        # the shared tier (docs/sharing.md): a SharedClient, or None
-        self.shared, self.upload_queue, self.flush_timeout = shared, upload_queue, flush_timeout
-        self.uploader = self.remote = None
         self.rank = rank
-        self.load_timeout = load_timeout
-        self.save_timeout = save_timeout
-        slot_bytes = fmt.slot_bytes(device.payload_bytes)
-        kept = memory_bytes // slot_bytes  # the memory tier shares the staging arena
-        self.pool = SlotPool(slot_bytes, max(4, staging_bytes // slot_bytes) + kept, populate=True)
-        self.cache = HostCache(self.pool, kept)
-        self._held_reported = 0  # memory_held_bytes last reported
-        # verified loads copied in layer by layer during the next forward (worker/layerwise.py)
-        self.layers = LayerwiseLoads(self) if layerwise else None
-        self.thread = None
+        self.slot_bytes = slot_bytes = fmt.slot_bytes(device.payload_bytes)
+        self._owns_host = host is None
+        if host is None:
+            # threads that stamp and verify big chunks off the loop thread (aiokv/data/blockio.py);
+            # None: the device's default (0 on the CPU build, whose cores run the model)
+            threads = device.checksum_threads if checksum_threads is None else checksum_threads
+            host = WorkerHost(slot_bytes, staging_bytes, memory_bytes, threads, rank)
+        self.host = host
+        if host.reporter is None:
+            host.reporter = self  # this group's report carries the memory tier's level
+        self.results = Results()
+        self._count = self.results.count
+        self.staging = host.staging
+        self.pool, self.cache = self.staging.pool, self.staging.cache
+        self._dead = False
         try:
-            device.attach(self.pool)
-            self._start(slot_bytes, ns_dir, nsid, io, queue_depth)
+            host.attach(device)
+            # payload CRCs inside the device copies; with a secret the MAC reads the payload anyway
+            fused = self.device.fuses_checksums and self.secret is None
+            self.life = Lifecycle(host, device, self._count, ns_dir, nsid, rank, slot_bytes, io, queue_depth,
+                                  secret, shared, upload_queue, flush_timeout)
         except BaseException:
             # nothing may outlive a worker that did not start: loop thread, arena, pinning
-            if self.thread is not None and not self._stop_loop():
-                self.loop.close()
-            device.close()
-            self.pool.close()
+            # (a shared host gives them back when its owner closes it)
+            if self._owns_host:
+                host.close()
             raise
+        self.reads = Reads(device, self.staging, self.life.blockio, self._count, slot_bytes)
+        # verified loads copied in layer by layer during the next forward (worker/layerwise.py)
+        self.layers = LayerwiseLoads(device, self.staging, self.reads, rank) if layerwise else None
+        self.saves = Saves(device, self.staging, self.results, self.life, rank, slot_bytes, save_timeout, fused)
+        self.loads = Loads(self.staging, self.reads, self.results, self.saves, self.life, self.layers, rank,
+                           slot_bytes, load_timeout, fused)
+        # the groups of a process share one memory tier; a key names a block only within its
+        # group's namespace and rank, so the tier knows this group's keys under this name
+        self.memory_ns = self.reads.ns = self.saves.ns = (nsid, rank)
 
-    def _start(self, slot_bytes, ns_dir, nsid, io, queue_depth) -> None:
-        # payload CRCs inside the device copies; with a secret the MAC reads the payload anyway
-        self._fused = self.device.fuses_checksums and self.secret is None
-        self._lock = threading.Lock()
-        self._slots_freed: asyncio.Event | None = None
-        self._loads: dict[str, tuple[Transfer, object]] = {}   # req -> (transfer, future)
-        self._saves: dict[int, tuple[Transfer, list[int]]] = {}  # save job id -> (transfer, staging)
-        self._save_ids = 0
-        self._done_loads: list[tuple[str, list[int]]] = []   # (req, failed block ids)
-        self._report = WorkerReport()
-        self._counts = collections.Counter()
-        self._dead = False
-        self._stuck: set[int] = set()  # slots whose abandoned I/O the kernel or a thread still holds
-        self._held: set[int] = set()   # stuck slots their job has let go of: freed when the I/O ends
-        self.job_done = threading.Event()  # set when a load or save finishes; see wait_for_jobs
-        self.backend = None
-        self.cpu = (concurrent.futures.ThreadPoolExecutor(self.checksum_threads, f"aiokv-crc{self.rank}")
-                    if self.checksum_threads > 0 else None)
-        self.loop = uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
-        self.loop.set_exception_handler(self._on_loop_error)
-        self.thread = threading.Thread(target=self.loop.run_forever, name=f"aiokv-worker{self.rank}", daemon=True)
-        self.thread.start()
-        self.slot_bytes = slot_bytes
-        # The data file is opened at the first job: the engine that owns the
-        # store creates the directory after the workers have started.
-        self._io_args = (ns_dir, nsid)
-        self.io = None
-        fut = asyncio.run_coroutine_threadsafe(self._setup(io, queue_depth), self.loop)
-        try:  # opening the backend looks at the cache directory's file system: bounded
-            fut.result(START_TIMEOUT)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the cache directory {ns_dir} did not answer within {START_TIMEOUT:.0f} s "
-                               "(a hung file system?)") from None
+    @property
+    def _fused(self) -> bool:
+        """Payload CRCs are computed and checked inside the device copies (tools/bench_fused.py turns it)."""
+        return self.saves.fused
 
-    # ---- loop plumbing ----
-    def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+    @_fused.setter
+    def _fused(self, on: bool) -> None:
+        self.saves.fused = self.loads.fused = on
 
-    async def _setup(self, io, depth):
-        self._slots_freed = asyncio.Event()
-        self.backend = open_backend(self.loop, io, depth=depth, path=self._io_args[0])
-        if self.shared is not None:
-            from aiokv.bucket.loader import RemoteLoader
-            from aiokv.bucket.uploader import Uploader
+    # ---- what lives on the loop (worker/lifecycle.py) ----
+    @property
+    def loop(self):
+        return self.life.loop
 
-            # an object already under a block's name that does not verify is replaced by ours, but
-            # not with a secret: there a fleet engine's block under another secret (a misconfigured
-            # engine's view) and a planted one look alike, and ours must never overwrite the fleet's
-            verify = None if self.secret else (lambda key, addr: self._blockio().verify(key, addr))
-            self.uploader = Uploader(self.shared, self.upload_queue, count=self._count, verify=verify)
-            self.remote = RemoteLoader(self.shared, self._io_args[1], self.rank, self.slot_bytes)
+    @property
+    def thread(self):
+        return self.life.thread
 
-    def _blockio(self) -> BlockIO:
-        if self.io is None:
-            ns_dir, nsid = self._io_args
-            self.io = BlockIO(self.backend, ns_dir, nsid, self.rank, self.device.payload_bytes, self.device.layout_tag,
-                              self.secret, cpu=self.cpu)
-        return self.io
+    @property
+    def backend(self):
+        return self.life.backend
 
-    def _on_loop_error(self, loop, context):
-        log.error("aiokv: unexpected error in the worker loop: %s", context.get("message"),
-                  exc_info=context.get("exception"))
+    @property
+    def io(self):
+        return self.life.io
 
-    def _release(self, slots: list[int]) -> None:
-        with self._lock:
-            stuck = self._stuck.intersection(slots)
-            self._held |= stuck
-            self.pool.release([s for s in slots if s not in stuck])
-        if self._slots_freed is not None:
-            try:
-                self.loop.call_soon_threadsafe(self._slots_freed.set)
-            except RuntimeError:
-                pass  # the loop is closed: nobody waits for slots any more
+    @property
+    def cpu(self):
+        return self.life.cpu
 
+    @property
+    def checksum_threads(self) -> int:
+        return self.host.checksum_threads
+
+    @property
+    def uploader(self):
+        return self.life.uploader
+
+    def _blockio(self):
+        return self.life.blockio()
+
+    # ---- staging (worker/staging.py) ----
     def drop_memory(self) -> None:
         """The cache was reset: the memory tier keeps nothing from before."""
-        with self._lock:
-            if self.cache.clear() and self._slots_freed is not None:
-                try:
-                    self.loop.call_soon_threadsafe(self._slots_freed.set)
-                except RuntimeError:
-                    pass
-
-    def _keep(self, items: list[tuple[bytes, int]]) -> None:
-        """Slots of jobs that succeeded (verified images of their keys) join the memory tier."""
-        if items:
-            with self._lock:
-                for key, slot in items:
-                    self.cache.keep(key, slot)
+        self.staging.clear_kept()
 
     @property
     def staging_in_use(self) -> int:
         """Slots owned by jobs (not those kept in the memory tier)."""
-        with self._lock:
-            return self.pool.in_use - self.cache.kept
-
-    def _abandon(self, addrs: list[int], done: asyncio.Future) -> None:
-        """Backend callback (loop thread): these buffers stay the kernel's until `done`."""
-        base, size = self.pool.arena.addr, self.slot_bytes
-        slots = {(a - base) // size for a in addrs}
-        with self._lock:
-            self._stuck |= slots
-        done.add_done_callback(lambda _: self._unstick(slots))
-
-    def _unstick(self, slots: set[int]) -> None:
-        with self._lock:
-            self._stuck -= slots
-            back = self._held & slots
-            self._held -= back
-        if back:
-            self._release(list(back))
+        return self.staging.in_use
 
     @property
     def stuck(self) -> int:
         """Staging slots set aside until the kernel gives them back."""
-        with self._lock:
-            return len(self._stuck)
+        return self.staging.stuck
 
-    def _count(self, **kw) -> None:
-        with self._lock:
-            self._counts.update(kw)
-
-    # ---- saves ----
+    # ---- jobs in ----
     def save(self, transfers: list[Transfer]) -> None:
         """Copy this step's blocks to staging now; write them to disk in the background."""
-        for t in transfers:
-            if self._dead:
-                self._save_done(t, None, [-errno.EIO] * len(t.keys))
-                continue
-            with self._lock:  # as many as the pool has: a big prefill is saved in part, not dropped
-                take = min(len(t.keys), self.cache.available)
-                slots = self.cache.acquire(take) if take else None
-            if take < len(t.keys):
-                rest = Transfer(t.req_id, t.keys[take:], t.slots[take:], t.block_ids[take:], t.group, job=t.job)
-                self._count(save_skipped_staging_full=len(rest.keys))
-                self._save_done(rest, None, [-errno.ENOBUFS] * len(rest.keys))
-                if not take:
-                    continue
-                t = Transfer(t.req_id, t.keys[:take], t.slots[:take], t.block_ids[:take], t.group, job=t.job)
-            try:
-                self.device.copy_out(t.block_ids, slots, checksum=self._fused)
-            except Exception:
-                log.exception("aiokv: copying blocks out for a save failed; that save is dropped")
-                self._release(slots)
-                self._save_done(t, None, [-errno.EIO] * len(t.keys))
-                continue
-            with self._lock:
-                self._save_ids += 1
-                job = self._save_ids
-                self._saves[job] = (t, slots)
-            try:
-                asyncio.run_coroutine_threadsafe(self._save(job, t, slots, crc_ready=self._fused), self.loop)
-            except Exception:  # the loop is gone: this save fails, vLLM goes on
-                log.exception("aiokv: the worker loop did not take a save")
-                with self._lock:
-                    self._saves.pop(job, None)
-                self._release(slots)
-                self._save_done(t, None, [-errno.EIO] * len(t.keys))
-        self.device.after_step()
+        self.saves.submit(transfers, self._dead)
 
-    async def _save(self, job: int, t: Transfer, slots: list[int], upload: bool = True,
-                    crc_ready: bool = False) -> None:
-        """Write a save job's staging slots (crc_ready: their payload CRCs came with the device copy)."""
-        t0 = time.monotonic()
-        res = [-errno.EIO] * len(t.keys)
-        ABANDON.set(self._abandon)
-        try:
-            if self.device.asynchronous:  # the device copy may still be landing
-                await self.loop.run_in_executor(None, self.device.wait_out)
-            addr = self.pool.addr
-            items = [(s, k, addr(b)) for s, k, b in zip(t.slots, t.keys, slots)]
-            res = await asyncio.wait_for(self._blockio().write(items, crc_ready), self.save_timeout)
-            if upload and self.uploader is not None:  # write-behind: a copy of each block written, queued (or dropped)
-                for k, b, r in zip(t.keys, slots, res):
-                    if r == 0:
-                        self.uploader.offer(self.remote.name(k), ctypes.string_at(addr(b), self.slot_bytes))
-        except asyncio.TimeoutError:
-            # dropped from the step's accounting; a write that lands later in a slot the
-            # store has given to another key fails that key's verification (a miss)
-            res = [-errno.ETIMEDOUT] * len(t.keys)
-            self._count(save_timeouts=1)
-            log.warning("aiokv: a save took over %.0f s; it is dropped", self.save_timeout)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("aiokv: a save failed; only that request's save is dropped")
-        finally:
-            # written blocks stay in host memory (the memory tier); the rest are freed
-            self._keep([(k, b) for k, b, r in zip(t.keys, slots, res) if r == 0])
-            self._release([b for b, r in zip(slots, res) if r != 0])
-            with self._lock:
-                self._saves.pop(job, None)
-            self._count(**latency_counts("save", time.monotonic() - t0))
-            self._save_done(t, slots, res)
-
-    def _save_done(self, t: Transfer, slots, res: list[int]) -> None:
-        ok = [k for k, r in zip(t.keys, res) if r == 0]
-        bad = [k for k, r in zip(t.keys, res) if r != 0]
-        with self._lock:
-            self._report.saves.append(SaveResult(t.job, self.rank, ok, bad))
-            self.job_done.set()
-            self._counts.update(saves_ok_blocks=len(ok), save_failed_blocks=len(bad),
-                                bytes_written=len(ok) * self.slot_bytes,
-                                write_errors=sum(r not in NOT_IO_ERRORS for r in res))
-
-    # ---- loads ----
     def load(self, transfers: list[Transfer]) -> None:
         if transfers and not self._dead:
             self.device.before_loads()
         for t in transfers:
             if self._dead:
-                self._load_done(t, list(t.block_ids))
+                self.loads._load_done(t, list(t.block_ids))
                 continue
             if self.layers is not None:  # a new load under an id seen cancelled before
                 self.layers.started(t.req_id)
-            with self._lock:  # registered before it can finish, so _load_done finds it
-                self._loads[t.req_id] = (t, None)
-            try:
-                fut = asyncio.run_coroutine_threadsafe(self._load(t), self.loop)
-            except Exception:  # the loop is gone: report this load failed, never lose it
-                log.exception("aiokv: the worker loop did not take a load")
-                self._load_done(t, list(t.block_ids))
-                continue
-            with self._lock:
-                if t.req_id in self._loads:
-                    self._loads[t.req_id] = (t, fut)
+            self.results.loads[t.req_id] = t  # handed in: reported failed if the loop dies first
+            if not self.life.call_soon(self.loads.start, t):  # the loop is gone: report this load failed, never lose it
+                log.error("aiokv: the worker loop did not take a load")
+                self.loads._load_done(t, list(t.block_ids))
 
     def cancel(self, req_ids) -> None:
         if self.layers is not None:
             self.layers.cancel(req_ids)
-        for r in req_ids:
-            with self._lock:
-                entry = self._loads.get(r)
-            if entry is not None and entry[1] is not None:
-                entry[1].cancel()  # cancels the task on the loop; its finally still reports
-
-    async def _acquire(self, n: int, whole: bool = False) -> list[int]:
-        """Up to n staging slots, at least one (all n if `whole`: never a part held
-        while waiting for the rest); free slots first, then the memory tier's oldest.
-        Waits only while too few are free, and not at all when every slot in use is
-        stuck (none may come back soon)."""
-        while True:
-            with self._lock:
-                take = n if whole else min(n, self.cache.available)
-                slots = self.cache.acquire(take) if take else None
-                used = self.pool.in_use - self.cache.kept
-                all_stuck = slots is None and used and used == len(self._stuck)
-            if slots is not None:
-                return slots
-            if all_stuck:
-                self._count(load_staging_stuck=1)
-                raise OSError(errno.EBUSY, "every staging slot is held by I/O the disk has not finished")
-            self._slots_freed.clear()
-            await self._slots_freed.wait()
-
-    async def _load(self, t: Transfer) -> None:
-        t0 = time.monotonic()
-        failed = set(t.block_ids)  # until proven loaded
-        bad_keys: list[bytes] = []
-        cancelled = False
-        ABANDON.set(self._abandon)  # a timed-out or cancelled load never waits for the disk
-        try:
-            await asyncio.wait_for(self._load_body(t, failed, bad_keys), self.load_timeout)
-        except asyncio.TimeoutError:
-            self._count(load_timeouts=1)
-            log.warning("aiokv: a load took over %.0f s; it is recomputed instead", self.load_timeout)
-        except asyncio.CancelledError:
-            cancelled = True  # the request is gone: not a failure of the cache
-            self._count(loads_cancelled=1)
-        except OSError as e:
-            log.warning("aiokv: a load failed (%s); its blocks are recomputed", e.strerror or e)
-        except Exception:
-            log.exception("aiokv: a load failed; its blocks are recomputed")
-        finally:
-            if not cancelled:  # an aborted request's load says nothing about the disk
-                self._count(**latency_counts("load", time.monotonic() - t0))
-            self._load_done(t, sorted(failed), cancelled, [k for k, _, _ in bad_keys])
-
-    async def _load_body(self, t: Transfer, failed: set, bad_keys: list) -> None:
-        # no slot: nothing to read; block 0 is vLLM's null block and is never written
-        flags = t.remote or [False] * len(t.keys)
-        todo = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if s >= 0 and b > 0 and not r]
-        remote = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if r]
-        if remote:
-            await self._load_remote(t, remote, failed, bad_keys)
-        with self._lock:  # blocks kept in host memory: no disk read
-            held = [self.cache.take(k) for k, _, _ in todo]
-        mem = [(k, b, slot) for (k, _, b), slot in zip(todo, held) if slot is not None]
-        if mem:
-            # a plain copy: these slots were verified (or written) when kept; checking them again
-            # in the copy would cost ~10 % more per byte (tools/bench_fused.py) for memory faults only
-            try:
-                await self._copy_in([b for _, b, _ in mem], [slot for _, _, slot in mem])
-                failed.difference_update(b for _, b, _ in mem)
-                self._count(memory_hit_blocks=len(mem))
-            finally:
-                self._keep([(k, slot) for k, _, slot in mem])  # back, as the most recently used
-            todo = [item for item, slot in zip(todo, held) if slot is None]
-        if self.layers is not None and self.layers.fits(len(todo)):
-            return await self.layers.read(t, todo, failed, bad_keys)
-        i = 0
-        while i < len(todo):
-            slots = await self._acquire(len(todo) - i)
-            chunk = todo[i:i + len(slots)]
-            keep: list[tuple[bytes, int]] = []
-            try:
-                addr = self.pool.addr
-                res = await self._blockio().read([(s, k, addr(b)) for (k, s, _), b in zip(chunk, slots)],
-                                                 payload_checked=not self._fused)
-                good = [(k, s, blk, st) for (k, s, blk), st, r in zip(chunk, slots, res) if r == 0]
-                bad_keys += [(k, s, t.group) for (k, s, _), r in zip(chunk, res) if r != 0]
-                self._count(read_errors=sum(r not in NOT_IO_ERRORS for r in res))
-                if good:
-                    ok = await self._copy_in([g[2] for g in good], [g[3] for g in good], self._fused)
-                    # Fused: a payload that did not match its CRC was copied into its KV block
-                    # anyway. Safe because whole-request loads are asynchronous (the connector
-                    # says load_async=True): vLLM uses the loaded blocks only up to the first
-                    # failed one and recomputes the rest in place. So that block stays in
-                    # `failed`, its key goes to bad_keys, and its slot goes back to the pool
-                    # (not to the memory tier), exactly as a block the separate check rejects.
-                    if not all(ok):
-                        bad_keys += [(k, s, t.group) for (k, s, _, _), v in zip(good, ok) if not v]
-                        good = [g for g, v in zip(good, ok) if v]
-                    failed.difference_update(g[2] for g in good)
-                    keep = [(k, st) for k, _, _, st in good]
-                self._count(bytes_read=len(good) * self.slot_bytes)
-            finally:
-                self._keep(keep)
-                kept_slots = {st for _, st in keep}
-                self._release([st for st in slots if st not in kept_slots])
-            i += len(chunk)
-
-    async def _load_remote(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
-        """Blocks from the shared tier: GET → verify → device; then, without holding up
-        the load, written through to their reserved local slots as a save job (committed
-        by the scheduler once every rank wrote its part). A block that does not arrive or
-        verify is a load failure (recomputed) and its reservation is given back; whatever
-        happens, every reservation is reported once."""
-        reported: set[bytes] = set()
-        try:
-            i = 0
-            while i < len(todo):
-                slots = await self._acquire(len(todo) - i)
-                chunk = todo[i:i + len(slots)]
-                handed: list[int] = []
-                try:
-                    addr, verify = self.pool.addr, self._blockio().verify
-                    got = await asyncio.gather(*(self.remote.fetch(k, addr(st), verify)
-                                                 for (k, _, _), st in zip(chunk, slots)))
-                    good = [(item, st) for item, st, g in zip(chunk, slots, got) if g == "ok"]
-                    bad_keys += [(k, s, t.group) for (k, s, _), g in zip(chunk, got) if g == "bad"]
-                    bad = sum(g == "bad" for g in got)  # arrived but did not verify: tampered, foreign
-                    self._count(remote_loaded_blocks=len(good), remote_bad_blocks=bad,
-                                remote_missed_blocks=len(chunk) - len(good) - bad)
-                    if good:
-                        await self._copy_in([b for (_, _, b), _ in good], [st for _, st in good])
-                        failed.difference_update(b for (_, _, b), _ in good)
-                        self._count(bytes_read=len(good) * self.slot_bytes)
-                        handed = [st for _, st in good]
-                        self._write_through(Transfer(t.req_id, [k for (k, _, _), _ in good],
-                                                     [s for (_, s, _), _ in good], [b for (_, _, b), _ in good],
-                                                     t.group, job=t.job), handed)
-                    reported.update(k for k, _, _ in chunk)
-                    self._give_back(t, [(k, s) for (k, s, _), g in zip(chunk, got) if g != "ok"])
-                finally:
-                    self._release([st for st in slots if st not in handed])
-                i += len(chunk)
-        finally:
-            # cancelled or failed part-way: give the other reservations back
-            self._give_back(t, [(k, s) for k, s, _ in todo if k not in reported])
-
-    def _write_through(self, t: Transfer, slots: list[int]) -> None:
-        """A save job (loop thread) of blocks just loaded from the shared tier; it owns `slots`."""
-        with self._lock:
-            self._save_ids += 1
-            job = self._save_ids
-            self._saves[job] = (t, slots)
-        asyncio.ensure_future(self._save(job, t, slots, upload=False))
-
-    def _give_back(self, t: Transfer, items: list[tuple[bytes, int]]) -> None:
-        """Reservations for shared blocks that were not loaded: released by the
-        scheduler (reported as not written), not counted as failed saves."""
-        if items:
-            with self._lock:
-                self._report.saves.append(SaveResult(t.job, self.rank, [], [k for k, _ in items]))
-                self.job_done.set()
-
-    async def _copy_in(self, block_ids, slots, checksum: bool = False) -> list[bool]:
-        """Per block whether it may count as loaded: always, unless `checksum` (the
-        payload CRCs are checked in the copy, Device.copy_in) found it corrupt."""
-        # On the loop thread, in one go: a cancellation cannot interrupt it half-way,
-        # and no hop to another thread waits for the GIL a second time.
-        if checksum:
-            return self.device.copy_in(block_ids, slots, checksum=True)
-        self.device.copy_in(block_ids, slots)
-        return [True] * len(block_ids)
-
-    def _load_done(self, t: Transfer, failed: list[int], cancelled: bool = False, bad: list[bytes] = ()) -> None:
-        with self._lock:
-            self._loads.pop(t.req_id, None)
-            n = len(t.block_ids)
-            # a cancelled load still reports its blocks failed: vLLM holds them until the load is
-            # reported, and a load cut short for a request that lives on (a cache reset) is recomputed
-            self._done_loads.append((t.req_id, failed))
-            self.job_done.set()
-            self._report.loads.append(LoadResult(t.job, self.rank, t.req_id, failed, list(bad)))
-            self._counts.update(loads_ok_blocks=n - len(failed))
-            self._counts.update(**{"load_cancelled_blocks" if cancelled else "load_failed_blocks": len(failed)})
+        self.life.call_soon(self.loads.cancel, list(req_ids))  # on the loop: cancels the tasks; their finally reports
 
     # ---- results ----
     def poll(self) -> tuple[set[str], set[int], WorkerReport]:
         """(requests finished loading, block ids that failed to load, report for the scheduler)."""
         if not self._dead and not self.thread.is_alive():
             self._die()
-        with self._lock:
-            done, self._done_loads = self._done_loads, []
-            report, self._report = self._report, WorkerReport()
-            held = self.cache.kept * self.slot_bytes  # a level: reported as its change
-            if held != self._held_reported:
-                self._counts.update(memory_held_bytes=held - self._held_reported)
-                self._held_reported = held
-            report.counters = dict(self._counts)
-            self._counts.clear()
+        done, report, counts = self.results.take()
+        if self.host.reporter is self:
+            held = self.host.held_delta()  # a level (one arena for all groups): reported as its change
+            if held:
+                counts.update(memory_held_bytes=held)
+        report.counters = dict(counts)
         finished = {r for r, _ in done}
         errors = {b for _, f in done for b in f}
         return finished, errors, report
@@ -535,29 +217,25 @@ class TransferWorker:
     def _die(self) -> None:
         log.error("aiokv: the worker loop thread died; outstanding loads are recomputed, saves dropped")
         self._dead = True
-        with self._lock:
-            loads, self._loads = list(self._loads.values()), {}
-            saves, self._saves = list(self._saves.values()), {}
-        for t, _ in loads:
-            self._load_done(t, list(t.block_ids))
-        for t, _ in saves:
-            self._save_done(t, None, [-errno.EIO] * len(t.keys))
+        loads, saves = self.results.outstanding()
+        for t in loads:
+            self.loads._load_done(t, list(t.block_ids))
+        for job, t in saves:
+            self.saves._save_done(t, None, [-errno.EIO] * len(t.keys), job)
 
     def wait_for_jobs(self, timeout: float) -> None:
         """Block (GIL released) until some load or save finishes or `timeout` passes;
         returns at once when none is outstanding or one has just finished. An engine
         with nothing to compute but waiting jobs calls this instead of spinning empty
         steps, which would keep the loop thread from the GIL."""
-        with self._lock:
-            if not (self._loads or self._saves) or self._done_loads:
-                return
-            self.job_done.clear()
-        self.job_done.wait(timeout)
+        self.results.job_done.clear()  # before looking: a job that ends after the look sets it again
+        if not self.results.in_flight or self.results.loads_done:
+            return
+        self.results.job_done.wait(timeout)
 
     @property
     def in_flight(self) -> int:
-        with self._lock:
-            return len(self._loads) + len(self._saves)
+        return self.results.in_flight
 
     def drain(self, timeout: float = CLOSE_DRAIN_S) -> None:
         """Wait until no save or load is outstanding (tests, shutdown)."""
@@ -569,45 +247,7 @@ class TransferWorker:
 
     def close(self) -> None:
         """Returns within about CLOSE_DRAIN_S + 10 s (+ flush_timeout with a shared tier),
-        even with I/O stuck in the kernel."""
-        if self.thread.is_alive():
-            # loads first (nobody waits for them any more; abandon mode ends them at
-            # once), then saves get a bounded while to land, so they can be committed
-            with self._lock:
-                futs = [fut for _, fut in self._loads.values() if fut is not None]
-            for fut in futs:
-                fut.cancel()
-            self.drain()
-            try:
-                # pending uploads (shared tier) get flush_timeout more
-                asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(
-                    5 + (self.flush_timeout if self.uploader is not None else 0))
-            except Exception:
-                log.warning("aiokv: the worker loop did not shut down in time; left to the process exit")
-        stuck = self._stop_loop() or self.stuck or (self.backend is not None and self.backend.in_flight)
-        if self.cpu is not None:  # idle once the loop has stopped: nothing awaits them any more
-            self.cpu.shutdown(wait=not stuck)
-        if stuck:
-            # the kernel may still write into staging: never unmap or unpin it under the I/O
-            log.warning("aiokv: I/O stuck in the kernel at close; its memory is left to the process exit")
-            return
-        self.device.close()
-        self.pool.close()
-
-    def _stop_loop(self) -> bool:
-        """Stops the loop thread; True if it did not stop within the bound."""
-        if self.thread is None or not self.thread.is_alive():
-            return False
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-        return self.thread.is_alive()
-
-    async def _shutdown(self) -> None:
-        if self.uploader is not None:  # a clean shutdown: pending uploads go out, within flush_timeout
-            await self.uploader.flush(self.flush_timeout)
-        await asyncio.sleep(0)  # the cancelled loads' tasks end first (abandon: at once)
-        if self.backend.in_flight or self.stuck:
-            return  # closing it would wait for the kernel; the process exit reclaims it
-        self.backend.close()
-        if self.io is not None:
-            self.io.close()
+        even with I/O stuck in the kernel. A shared host is closed by its owner, after its groups."""
+        self.life.close(self.loads.cancel_all, self.drain)
+        if self._owns_host:
+            self.host.close()

@@ -1,0 +1,204 @@
+"""The load pipeline of one worker (loop thread): per request, blocks kept in
+host memory are copied in from there, the others read from the data file (or
+fetched from the shared tier), verified and copied into the KV cache; then the
+request is reported finished, with the block ids that failed.
+
+  io_uring read -> verify -> staging -> device copy -> report
+
+A load that times out or is cancelled ends at once: its staging slots are set
+aside while the kernel still writes into them (worker/staging.py), and the load
+is reported (cancelled loads too, their blocks as failed: vLLM holds them until
+the load is reported). With `layerwise` on, a verified load that fits is staged
+for the next step's layer-by-layer copy (worker/layerwise.py) instead.
+
+The loop owns the table of running loads (`_tasks`, request -> task): `start`
+and `cancel` reach it as commands from vLLM's thread, in the order they were
+handed in.
+
+Threading contract: every method runs on the worker's event-loop thread, except
+`_load_done`, which vLLM's thread also calls for loads that never reached a
+living loop (its report goes through worker/results.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiokv.data.backend import ABANDON
+from aiokv.jobs import LoadResult, SaveResult, Transfer, WorkerReport
+from aiokv.worker.latency import latency_counts
+from aiokv.worker.staging import StagingStuck
+
+log = logging.getLogger("aiokv")
+
+
+class Loads:
+    def __init__(self, staging, reads, results, saves, life, layers, rank: int, slot_bytes: int,
+                 load_timeout: float, fused: bool):
+        self.staging = staging
+        self.reads = reads        # reads into staging, copies into the KV cache (worker/reads.py)
+        self.results = results
+        self.saves = saves        # write-through of blocks from the shared tier
+        self.life = life          # the data file, the shared tier (worker/lifecycle.py)
+        self.layers = layers      # LayerwiseLoads or None
+        self.rank = rank
+        self.slot_bytes = slot_bytes  # this group's slot image (a staging slot may be larger)
+        self.load_timeout = load_timeout
+        self.fused = fused        # payload CRCs are checked in the device copy
+        self._tasks: dict[str, asyncio.Task] = {}  # req -> its running load
+
+    # ---- commands from vLLM's thread ----
+    def start(self, t: Transfer) -> None:
+        task = asyncio.ensure_future(self._load(t))
+        self._tasks[t.req_id] = task
+        # a task cancelled before its first step never runs its body: report it here
+        task.add_done_callback(lambda task: self._never_ran(t, task))
+
+    def cancel(self, req_ids) -> None:
+        for r in req_ids:
+            task = self._tasks.get(r)
+            if task is not None:
+                task.cancel()  # its finally still reports
+
+    def cancel_all(self) -> None:
+        self.cancel(list(self._tasks))
+
+    def _never_ran(self, t: Transfer, task) -> None:
+        if self._tasks.get(t.req_id) is task:
+            del self._tasks[t.req_id]
+            self.results.count(loads_cancelled=1)
+            self._load_done(t, sorted(t.block_ids), True)
+
+    # ---- the pipeline ----
+    async def _load(self, t: Transfer) -> None:
+        t0 = time.monotonic()
+        failed = set(t.block_ids)  # until proven loaded
+        bad_keys: list[bytes] = []
+        cancelled = False
+        ABANDON.set(self.staging.abandon)  # a timed-out or cancelled load never waits for the disk
+        try:
+            await asyncio.wait_for(self._load_body(t, failed, bad_keys), self.load_timeout)
+        except asyncio.TimeoutError:
+            self.results.count(load_timeouts=1)
+            log.warning("aiokv: a load took over %.0f s; it is recomputed instead", self.load_timeout)
+        except asyncio.CancelledError:
+            cancelled = True  # the request is gone: not a failure of the cache
+            self.results.count(loads_cancelled=1)
+        except OSError as e:
+            if isinstance(e, StagingStuck):
+                self.results.count(load_staging_stuck=1)
+            log.warning("aiokv: a load failed (%s); its blocks are recomputed", e.strerror or e)
+        except Exception:
+            log.exception("aiokv: a load failed; its blocks are recomputed")
+        finally:
+            if not cancelled:  # an aborted request's load says nothing about the disk
+                self.results.count(**latency_counts("load", time.monotonic() - t0))
+            if self._tasks.get(t.req_id) is asyncio.current_task():
+                del self._tasks[t.req_id]
+            self._load_done(t, sorted(failed), cancelled, [k for k, _, _ in bad_keys])
+
+    async def _load_body(self, t: Transfer, failed: set, bad_keys: list) -> None:
+        # no slot: nothing to read; block 0 is vLLM's null block and is never written
+        flags = t.remote or [False] * len(t.keys)
+        todo = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if s >= 0 and b > 0 and not r]
+        remote = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if r]
+        if remote:
+            await self._load_remote(t, remote, failed, bad_keys)
+        held = self.staging.take_kept([k for k, _, _ in todo], self.reads.ns)  # kept in host memory: no disk read
+        mem = [(k, b, slot) for (k, _, b), slot in zip(todo, held) if slot is not None]
+        if mem:
+            # a plain copy: these slots were verified (or written) when kept; checking them again
+            # in the copy would cost ~10 % more per byte (tools/bench_fused.py) for memory faults only
+            try:
+                await self.reads.copy_in([b for _, b, _ in mem], [slot for _, _, slot in mem])
+                failed.difference_update(b for _, b, _ in mem)
+                self.results.count(memory_hit_blocks=len(mem))
+            finally:
+                self.staging.keep([(k, slot) for k, _, slot in mem], self.reads.ns)  # back, as the most recent
+            todo = [item for item, slot in zip(todo, held) if slot is None]
+        if self.layers is not None and self.layers.fits(len(todo)):
+            return await self.layers.read(t, todo, failed, bad_keys)
+        i = 0
+        while i < len(todo):
+            slots = await self.staging.wait(len(todo) - i)
+            chunk = todo[i:i + len(slots)]
+            keep: list[tuple[bytes, int]] = []
+            try:
+                res = await self.reads.read([(s, k, b) for (k, s, _), b in zip(chunk, slots)],
+                                            payload_checked=not self.fused)
+                good = [(k, s, blk, st) for (k, s, blk), st, r in zip(chunk, slots, res) if r == 0]
+                bad_keys += [(k, s, t.group) for (k, s, _), r in zip(chunk, res) if r != 0]
+                if good:
+                    ok = await self.reads.copy_in([g[2] for g in good], [g[3] for g in good], self.fused)
+                    # Fused: a payload that did not match its CRC was copied into its KV block
+                    # anyway. Safe because whole-request loads are asynchronous (the connector
+                    # says load_async=True): vLLM uses the loaded blocks only up to the first
+                    # failed one and recomputes the rest in place. So that block stays in
+                    # `failed`, its key goes to bad_keys, and its slot goes back to the pool
+                    # (not to the memory tier), exactly as a block the separate check rejects.
+                    if not all(ok):
+                        bad_keys += [(k, s, t.group) for (k, s, _, _), v in zip(good, ok) if not v]
+                        good = [g for g, v in zip(good, ok) if v]
+                    failed.difference_update(g[2] for g in good)
+                    keep = [(k, st) for k, _, _, st in good]
+                self.results.count(bytes_read=len(good) * self.slot_bytes)
+            finally:
+                self.staging.keep(keep, self.reads.ns)
+                kept_slots = {st for _, st in keep}
+                self.staging.release([st for st in slots if st not in kept_slots])
+            i += len(chunk)
+
+    async def _load_remote(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
+        """Blocks from the shared tier: GET → verify → device; then, without holding up
+        the load, written through to their reserved local slots as a save job (committed
+        by the scheduler once every rank wrote its part). A block that does not arrive or
+        verify is a load failure (recomputed) and its reservation is given back; whatever
+        happens, every reservation is reported once."""
+        reported: set[bytes] = set()
+        try:
+            i = 0
+            while i < len(todo):
+                slots = await self.staging.wait(len(todo) - i)
+                chunk = todo[i:i + len(slots)]
+                handed: list[int] = []
+                try:
+                    addr, verify = self.staging.addr, self.life.blockio().verify
+                    got = await asyncio.gather(*(self.life.remote.fetch(k, addr(st), verify)
+                                                 for (k, _, _), st in zip(chunk, slots)))
+                    good = [(item, st) for item, st, g in zip(chunk, slots, got) if g == "ok"]
+                    bad_keys += [(k, s, t.group) for (k, s, _), g in zip(chunk, got) if g == "bad"]
+                    bad = sum(g == "bad" for g in got)  # arrived but did not verify: tampered, foreign
+                    self.results.count(remote_loaded_blocks=len(good), remote_bad_blocks=bad,
+                                remote_missed_blocks=len(chunk) - len(good) - bad)
+                    if good:
+                        await self.reads.copy_in([b for (_, _, b), _ in good], [st for _, st in good])
+                        failed.difference_update(b for (_, _, b), _ in good)
+                        self.results.count(bytes_read=len(good) * self.slot_bytes)
+                        handed = [st for _, st in good]
+                        self.saves.write_through(Transfer(t.req_id, [k for (k, _, _), _ in good],
+                                                     [s for (_, s, _), _ in good], [b for (_, _, b), _ in good],
+                                                     t.group, job=t.job), handed)
+                    reported.update(k for k, _, _ in chunk)
+                    self._give_back(t, [(k, s) for (k, s, _), g in zip(chunk, got) if g != "ok"])
+                finally:
+                    self.staging.release([st for st in slots if st not in handed])
+                i += len(chunk)
+        finally:
+            # cancelled or failed part-way: give the other reservations back
+            self._give_back(t, [(k, s) for k, s, _ in todo if k not in reported])
+
+    def _give_back(self, t: Transfer, items: list[tuple[bytes, int]]) -> None:
+        """Reservations for shared blocks that were not loaded: released by the
+        scheduler (reported as not written), not counted as failed saves."""
+        if items:
+            self.results.save_done(None, WorkerReport(saves=[SaveResult(t.job, self.rank, [], [k for k, _ in items])]))
+
+    def _load_done(self, t: Transfer, failed: list[int], cancelled: bool = False, bad: list[bytes] = ()) -> None:
+        n = len(t.block_ids)
+        # a cancelled load still reports its blocks failed: vLLM holds them until the load is
+        # reported, and a load cut short for a request that lives on (a cache reset) is recomputed
+        counts = {"loads_ok_blocks": n - len(failed),
+                  "load_cancelled_blocks" if cancelled else "load_failed_blocks": len(failed)}
+        self.results.load_done(t.req_id, failed, WorkerReport(loads=[LoadResult(t.job, self.rank, t.req_id, failed,
+                                                                                list(bad))], counters=counts))

@@ -1,0 +1,42 @@
+"""What a load pipeline needs from its worker, and nothing more: reads of store
+slots into staging slots, and copies from staging into the KV cache.
+
+Whole-request loads (worker/loads.py) and layer-by-layer loads (worker/layerwise.py)
+both read through this object; the second copies in by itself, on vLLM's thread.
+
+Threading contract: `read` and `copy_in` run on the worker's event-loop thread
+(the data file is opened there at the first job); `count` on any thread.
+"""
+from __future__ import annotations
+
+import errno
+
+# results that say nothing about the disk's health (the breaker ignores them)
+NOT_IO_ERRORS = (0, -errno.EBADMSG, -errno.ECANCELED, -errno.ENOBUFS)
+
+
+class Reads:
+    def __init__(self, device, staging, blockio, count, slot_bytes: int):
+        self.device = device
+        self.staging = staging
+        self.slot_bytes = slot_bytes  # this group's slot image (a staging slot may be larger)
+        self.ns = None  # the memory tier's name for this group's keys (set by TransferWorker)
+        self._blockio = blockio  # () -> BlockIO (opened at the first job)
+        self.count = count       # count(**increments) into the worker's counters
+
+    async def read(self, items: list[tuple[int, bytes, int]], payload_checked: bool = True) -> list[int]:
+        """Read [(store location, key, staging slot)]; per item 0 or -errno (read errors counted)."""
+        addr = self.staging.addr
+        res = await self._blockio().read([(s, k, addr(b)) for s, k, b in items], payload_checked=payload_checked)
+        self.count(read_errors=sum(r not in NOT_IO_ERRORS for r in res))
+        return res
+
+    async def copy_in(self, block_ids, slots, checksum: bool = False) -> list[bool]:
+        """Per block whether it may count as loaded: always, unless `checksum` (the
+        payload CRCs are checked in the copy, Device.copy_in) found it corrupt."""
+        # On the loop thread, in one go: a cancellation cannot interrupt it half-way,
+        # and no hop to another thread waits for the GIL a second time.
+        if checksum:
+            return self.device.copy_in(block_ids, slots, checksum=True)
+        self.device.copy_in(block_ids, slots)
+        return [True] * len(block_ids)

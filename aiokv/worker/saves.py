@@ -1,0 +1,126 @@
+"""The save pipeline of one worker: device -> staging copy at the end of the step
+(vLLM's thread), then the write to the data file and the report (loop thread).
+
+A save takes as many staging slots as there are (a big prefill is saved in part,
+the rest reported failed and counted, never waited for), copies its blocks in
+before `submit` returns (vLLM may reuse them once the step ends), and hands the
+job to the loop. Written blocks stay in host memory (the memory tier); a save
+that takes over `save_timeout` ends at once, its slots set aside while the
+kernel still reads them (worker/staging.py).
+
+Threading contract: `submit` on vLLM's worker thread; `start`, `write_through`
+and the pipeline on the loop thread; `_save_done` on either (its report goes
+through worker/results.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import logging
+import time
+
+from aiokv.data.backend import ABANDON
+from aiokv.jobs import SaveResult, Transfer, WorkerReport
+from aiokv.worker.latency import latency_counts
+from aiokv.worker.reads import NOT_IO_ERRORS
+
+log = logging.getLogger("aiokv")
+
+
+class Saves:
+    def __init__(self, device, staging, results, life, rank: int, slot_bytes: int, save_timeout: float,
+                 fused: bool):
+        self.device = device
+        self.staging = staging
+        self.results = results
+        self.life = life  # the loop, the data file, the shared tier's uploader (worker/lifecycle.py)
+        self.rank = rank
+        self.slot_bytes = slot_bytes  # this group's slot image (a staging slot may be larger)
+        self.ns = None  # the memory tier's name for this group's keys (set by TransferWorker)
+        self.save_timeout = save_timeout
+        self.fused = fused  # payload CRCs come with the device copy
+
+    # ---- vLLM's thread ----
+    def submit(self, transfers: list[Transfer], dead: bool) -> None:
+        """Copy this step's blocks to staging now; write them to disk in the background."""
+        for t in transfers:
+            if dead:
+                self._save_done(t, None, [-errno.EIO] * len(t.keys))
+                continue
+            # as many as the pool has: a big prefill is saved in part, not dropped
+            slots = self.staging.acquire(len(t.keys), whole=False)
+            take = len(slots) if slots else 0
+            if take < len(t.keys):
+                rest = Transfer(t.req_id, t.keys[take:], t.slots[take:], t.block_ids[take:], t.group, job=t.job)
+                self.results.count(save_skipped_staging_full=len(rest.keys))
+                self._save_done(rest, None, [-errno.ENOBUFS] * len(rest.keys))
+                if not take:
+                    continue
+                t = Transfer(t.req_id, t.keys[:take], t.slots[:take], t.block_ids[:take], t.group, job=t.job)
+            try:
+                self.device.copy_out(t.block_ids, slots, checksum=self.fused)
+            except Exception:
+                log.exception("aiokv: copying blocks out for a save failed; that save is dropped")
+                self.staging.release(slots)
+                self._save_done(t, None, [-errno.EIO] * len(t.keys))
+                continue
+            job = self.results.next_job()
+            self.results.saves[job] = t  # handed in: reported failed if the loop dies before it ends
+            if not self.life.call_soon(self.start, job, t, slots):  # the loop is gone: this save fails, vLLM goes on
+                log.error("aiokv: the worker loop did not take a save")
+                self.results.saves.pop(job, None)
+                self.staging.release(slots)
+                self._save_done(t, None, [-errno.EIO] * len(t.keys))
+        self.device.after_step()
+
+    # ---- loop thread ----
+    def start(self, job: int, t: Transfer, slots: list[int]) -> None:
+        asyncio.ensure_future(self._save(job, t, slots, crc_ready=self.fused))
+
+    def write_through(self, t: Transfer, slots: list[int]) -> None:
+        """A save job of blocks just loaded from the shared tier; it owns `slots`."""
+        job = self.results.next_job()
+        self.results.started(job, t)
+        asyncio.ensure_future(self._save(job, t, slots, upload=False))
+
+    async def _save(self, job: int, t: Transfer, slots: list[int], upload: bool = True,
+                    crc_ready: bool = False) -> None:
+        """Write a save job's staging slots (crc_ready: their payload CRCs came with the device copy)."""
+        t0 = time.monotonic()
+        res = [-errno.EIO] * len(t.keys)
+        ABANDON.set(self.staging.abandon)
+        uploader = self.life.uploader
+        try:
+            if self.device.asynchronous:  # the device copy may still be landing
+                await asyncio.get_running_loop().run_in_executor(None, self.device.wait_out)
+            addr = self.staging.addr
+            items = [(s, k, addr(b)) for s, k, b in zip(t.slots, t.keys, slots)]
+            res = await asyncio.wait_for(self.life.blockio().write(items, crc_ready), self.save_timeout)
+            if upload and uploader is not None:  # write-behind: a copy of each block written, queued (or dropped)
+                for k, b, r in zip(t.keys, slots, res):
+                    if r == 0:
+                        uploader.offer(self.life.remote.name(k), ctypes.string_at(addr(b), self.slot_bytes))
+        except asyncio.TimeoutError:
+            # dropped from the step's accounting; a write that lands later in a slot the
+            # store has given to another key fails that key's verification (a miss)
+            res = [-errno.ETIMEDOUT] * len(t.keys)
+            self.results.count(save_timeouts=1)
+            log.warning("aiokv: a save took over %.0f s; it is dropped", self.save_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("aiokv: a save failed; only that request's save is dropped")
+        finally:
+            # written blocks stay in host memory (the memory tier); the rest are freed
+            self.staging.keep([(k, b) for k, b, r in zip(t.keys, slots, res) if r == 0], self.ns)
+            self.staging.release([b for b, r in zip(slots, res) if r != 0])
+            self.results.count(**latency_counts("save", time.monotonic() - t0))
+            self._save_done(t, slots, res, job)
+
+    def _save_done(self, t: Transfer, slots, res: list[int], job: int | None = None) -> None:
+        ok = [k for k, r in zip(t.keys, res) if r == 0]
+        bad = [k for k, r in zip(t.keys, res) if r != 0]
+        counts = dict(saves_ok_blocks=len(ok), save_failed_blocks=len(bad), bytes_written=len(ok) * self.slot_bytes,
+                      write_errors=sum(r not in NOT_IO_ERRORS for r in res))
+        self.results.save_done(job, WorkerReport(saves=[SaveResult(t.job, self.rank, ok, bad)], counters=counts))
