@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import functools
 import os
 import threading
 import time
@@ -122,12 +123,12 @@ class BlockIO:
                         got = self._open_file(e, write)
                     except BaseException as err:  # reported on the loop; _fd raises it again if it must
                         try:
-                            loop.call_soon_threadsafe(lambda: opened(err=err))
+                            loop.call_soon_threadsafe(functools.partial(opened, err=err))  # err dies with the except
                         except RuntimeError:
                             pass  # the loop is closed
                         return
                     try:
-                        loop.call_soon_threadsafe(lambda: opened(got=got))
+                        loop.call_soon_threadsafe(functools.partial(opened, got=got))
                     except RuntimeError:
                         os.close(got)
                 threading.Thread(target=target, name="aiokv-open", daemon=True).start()
