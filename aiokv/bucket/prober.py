@@ -23,9 +23,9 @@ import collections
 import threading
 import time
 
-import uvloop
 
 from aiokv.bucket.client import BucketClient, BucketError
+from aiokv.util.loops import LoopThread
 
 BATCH_BLOCKS = 256       # blocks probed by one probe, at most (8k tokens at block size 32)
 CONCURRENCY = 64         # HEADs in flight per probe
@@ -53,9 +53,8 @@ class Prober:
         self._known: collections.OrderedDict[str, tuple[bool, float]] = collections.OrderedDict()
         self._probes: dict[str, _Probe] = {}
         self.counters = collections.Counter()
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="aiokv-prober", daemon=True)
-        self.thread.start()
+        self._lt = LoopThread("aiokv-prober")
+        self.loop, self.thread = self._lt.loop, self._lt.thread
 
     def _state(self, name: str, now: float) -> bool | None:
         v = self._known.get(name)
@@ -131,6 +130,4 @@ class Prober:
                 self._known[n] = (False, self.clock() + ABSENT_TTL)
 
     def close(self) -> None:
-        if self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=5)
+        self._lt.stop(timeout=5)
