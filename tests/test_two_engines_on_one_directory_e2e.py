@@ -29,8 +29,8 @@ pytestmark = pytest.mark.vllm
 ENV = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
 
 
-def _start(spec: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.vllm_run", json.dumps(spec)], cwd=ROOT, env=ENV,
+def _start(spec: dict, env=ENV) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.vllm_run", json.dumps(spec)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -90,10 +90,16 @@ def test_two_live_engines_hit_each_others_blocks(tiny_model, tmp_path):
     b = None
     try:
         _wait(lambda: _blocks_of(cache).get(0, 0) >= full, [a], "engine A's saves")
-        # B starts while A lives: a_prompts hit A's blocks; it computes b_prompts, then waits alive
+        # B starts while A lives: a_prompts hit A's blocks; it computes b_prompts, then waits alive.
+        # B's writes end 3 s late, so its last saves finish after its last output, as they did on
+        # a loaded machine: an engine waiting idle must still step until they are reported and
+        # committed (the test driver stepped only while outputs were due, and B's blocks stayed
+        # invisible to A until this wait timed out).
         b = _start(dict(model=tiny_model, cache=cache, phases=[dict(prompts=a_prompts, max_tokens=4),
                                                                 dict(prompts=b_prompts, max_tokens=4),
-                                                                dict(prompts=[], wait_for=go_b)]))
+                                                                dict(prompts=[], wait_for=go_b)]),
+                   env=dict(ENV, AIOKV_FAULTS='[{"op": "write", "kind": "late", "delay": 3}]',
+                            AIOKV_FAULTS_ACK="inject I/O faults"))
         _wait(lambda: _blocks_of(cache).get(1, 0) >= full, [a, b], "engine B's saves")
         open(go_a, "w").close()
         ra = _result(a)

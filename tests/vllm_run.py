@@ -97,6 +97,8 @@ def main(spec: dict) -> dict:
             _settle(engine, time.monotonic() + spec.get("phase_timeout", 300))
         if phase.get("wait_for"):
             until = time.monotonic() + spec.get("phase_timeout", 300)
+            if not MP:
+                _step_while_busy(engine, sched, until)
             while not os.path.exists(phase["wait_for"]):
                 if time.monotonic() > until:
                     raise RuntimeError(f"{phase['wait_for']} did not appear")
@@ -292,6 +294,20 @@ def _settle(engine, deadline: float) -> None:
             raise RuntimeError("aiokv's saves and uploads did not settle")
         engine.step()
         time.sleep(0.01)
+    _step_while_busy(engine, engine.engine_core.engine_core.scheduler, deadline)  # its report too
+
+
+def _step_while_busy(engine, sched, deadline: float) -> None:
+    """Step while the scheduler has work, as vLLM's engine-core loop does between requests:
+    requests, or saves the workers have not reported yet (has_pending_push_work). LLMEngine's
+    has_unfinished_requests sees only outputs: a save that ends after a phase's last output
+    is reported, and committed, only at a later step (an engine left waiting idle showed its
+    last blocks to no other engine)."""
+    while sched.has_requests():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the engine kept work for the whole phase timeout")
+        engine.step()
+        time.sleep(0.005)
 
 
 if __name__ == "__main__":
