@@ -8,7 +8,7 @@ the index, the I/O thread, the stats, our journals (persist.py: their bytes,
 and the DROPs of evictions) and the other engines' bytes (following.py's
 `peer_bytes`, read only).
 
-Several engines: `_used` counts every engine's files; over the capacity each
+Several engines: `used` counts every engine's files; over the capacity each
 engine evicts its own blocks while they are the directory's oldest, and an
 engine short of room whose blocks are newer than another's may overshoot by
 capacity / SHARE_SLACK meanwhile.
@@ -220,7 +220,7 @@ class Space:
             self.grow(ns, ahead=True)
 
     def _grow_io(self, ns: Namespace, plans: list[list[int]], hwm: int):
-        """The I/O of _grow: (slots backed or None, ENOSPC count, errno of another failure)."""
+        """The I/O of grow: (slots backed or None, ENOSPC count, errno of another failure)."""
         enospc = 0
         for slots in plans:
             try:

@@ -15,7 +15,7 @@ Roles:
 - Read-only openers (`aiokv inspect`) follow every engine without a lock and
   never write.
 
-Several engines: capacity and LRU are the directory's. `_used` counts every
+Several engines: capacity and LRU are the directory's. `Space.used` counts every
 engine's files; over the capacity, each engine evicts its own blocks while they
 are the oldest in the directory (an engine holding older ones sheds those at
 its next refresh); a hit on another engine's block is a TOUCH record in our
