@@ -123,7 +123,7 @@ async def test_capacity_and_lru_are_the_directorys(tmp_path, blocks):
                for f in fs if f.endswith(".data"))
     assert disk <= cap + cap // 16, (disk, cap)
     # the directory's total, seen by both, is within the capacity once A shed
-    assert a._used() <= cap and b._used() <= cap + cap // 16
+    assert a.space.used() <= cap and b.space.used() <= cap + cap // 16
     a.close()
     b.close()
 
@@ -371,7 +371,7 @@ async def test_a_dead_engines_oldest_blocks_are_reclaimed_by_a_live_one(tmp_path
     assert b.lookup(nb, [key(i) for i in range(100, 112)]) == 12
     left = [i for i in range(12) if key(i) in nb.entries]
     assert left == list(range(12 - len(left), 12)) and 0 < len(left) < 12
-    assert b._used() <= cap
+    assert b.space.used() <= cap
     c = StoreIO(root)  # engine 0's number is held by B while it evicts there
     assert c.engine == 2 and set(c.namespace(NS, PAYLOAD).peers[0]) == {key(i) for i in left}
     c.close()

@@ -49,7 +49,7 @@ async def test_reclaim_keeps_blocks_the_view_had_not_seen(tmp_path, blocks, monk
     for i in range(100, 112):      # B fills the directory: over the capacity, it reclaims engine 0's space
         assert await _save(b, nb, blocks, [i]) == [0]
         b.refresh()
-    assert b._reclaimed, "B took over engine 0 to evict its blocks"
+    assert b.reclaim._reclaimed, "B took over engine 0 to evict its blocks"
     b.follow_interval = 0
     b.refresh()
     theirs = [i for i in range(12) if key(i) in nb.entries]

@@ -84,7 +84,7 @@ def test_a_reader_that_never_polls_holds_a_bounded_backlog(tmp_path, monkeypatch
         _commit(writer, wns, [key(i, 100 + b) for i in range(64)])
         time.sleep(0.05)
     time.sleep(0.2)
-    assert reader._handed <= 320, f"{reader._handed} records held for a reader that never polled"
+    assert reader.following._handed <= 320, f"{reader.following._handed} records held for a reader that never polled"
     # once it polls, everything arrives (the Followers kept their place)
     end = time.monotonic() + 5
     while len(rns.peers.get(writer.engine, ())) < 640 and time.monotonic() < end:

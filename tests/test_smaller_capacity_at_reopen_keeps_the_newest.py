@@ -58,7 +58,7 @@ async def test_reopen_with_a_smaller_capacity_keeps_exactly_the_newest(tmp_path,
     assert kept == set(order[-n:]), "the survivors are not the newest blocks"
     assert set(hits) <= kept
     # it fits, and not one block more was evicted than needed
-    assert st._used() <= small < st._used() + ns.slot_cost, (st._used(), small)
+    assert st.space.used() <= small < st.space.used() + ns.slot_cost, (st.space.used(), small)
     assert _data_bytes(root) <= small, "evicted blocks' space must be given back to the file system"
     assert st.lookup(ns, order[:-n]) == 0
     assert await _loads_intact(st, ns, blocks, sorted(kept))

@@ -113,7 +113,7 @@ def bench_lookups(root: str, writers: int, blocks: int, seconds: float, rate: in
         p.join(30)
     time.sleep(0.2)
     if hasattr(st, "refresh"):
-        st._followed = 0
+        st.following.followed = 0
         st.refresh()
     seen = len(ns.entries) - blocks
     st.close()
@@ -175,7 +175,7 @@ def bench_sqlite(root: str, batches: int = 2000) -> None:
         _commit(st, ns, keys)
         t_commit += time.perf_counter_ns() - t
         t = time.perf_counter_ns()
-        ro._follow(rns)
+        ro.following.follow(rns)
         t_poll += time.perf_counter_ns() - t
     assert len(rns.entries) == batches * BATCH
     t = time.perf_counter_ns()
@@ -203,9 +203,9 @@ def bench_roll(root: str, n: int) -> None:
     t_replay = time.perf_counter() - t
     st.checkpoint()
     _commit(st, ns, [(n + j).to_bytes(8, "little") * 4 for j in range(BATCH)])
-    me._followed = 0
+    me.following.followed = 0
     t = time.perf_counter()
-    me._follow_all()
+    me.following.follow_all()
     t_roll = time.perf_counter() - t
     assert len(rns.entries) == n + BATCH
     print(f"another engine with {n} blocks: first look (full replay) {t_replay:.2f} s; after its checkpoint, "

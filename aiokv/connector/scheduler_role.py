@@ -252,7 +252,7 @@ class SchedulerRole:
         st = self.sched.store
         out = dict(vars(self.sched.counters))
         out.update(store_counters(st.stats))
-        out.update(queried_tokens=self._queried_tokens, disk_bytes=st._used(),
+        out.update(queried_tokens=self._queried_tokens, disk_bytes=st.space.used(),
                    capacity_bytes=st.limit or 0, pending_saves=self.sched.pending_saves,
                    breaker_open=int(self.sched.breaker.is_open),
                    stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()))

@@ -1,25 +1,31 @@
-"""Following the other engines on the directory (a part of Store, store.py).
+"""Following the other engines on the directory.
 
 Each other engine's checkpoint and journal of a namespace is read by a
 Follower (journal.py) as it grows; what it says is applied to the in-memory
 index (their new blocks become hits here, their evicted ones misses), and the
 bytes their files take are counted against the directory's capacity.
 
+`Following` owns the Followers, the other engines' directories and bytes
+(`peer_bytes`, which space.py reads and reclaim.py corrects), when it last
+looked and the backlog counts; it is handed the directories (meta.py), the
+index and the I/O thread.
+
 Two halves: `_follow_io` reads the files (the file-system half) and
-`_follow_apply` changes the index (the in-memory half). Without the store's I/O
+`_apply` changes the index (the in-memory half). Without the store's I/O
 thread both run on the caller's thread, from refresh and lookups, at most every
-follow_interval. With it, the I/O thread runs the file-system half on its own
-every follow_interval (FsThread.every), whatever the scheduler does, and the
+`interval` (Store.follow_interval). With it, the I/O thread runs the file-system
+half on its own every interval (FsThread.every), whatever the scheduler does, and the
 scheduler applies the last finished look at its next call (`fs.poll()` in
 refresh and lookup): it never waits for a look, and an engine back from idle
 sees what the others committed up to one interval ago.
 
 Threading contract: `_follow_io`, the Followers and `followers`/`_peer_fds` are
-the I/O thread's once it has started (before: the opener's); `_follow_apply`,
-the index and `_peer_bytes` are the owner's. The I/O thread reads only the
+the I/O thread's once it has started (before: the opener's); `_apply`, the
+index and `peer_bytes` are the owner's. The I/O thread reads only the
 namespaces' fixed fields (nsid, ranks, slot sizes) and `_spaces`, a tuple the
-owner replaces (never changes) when it opens a namespace. What the owner asks
-of a Follower (`forget`, after its view drifted) is queued to the I/O thread.
+owner replaces (never changes) when it opens a namespace (`add`). What the
+owner asks of a Follower (`forget`, after its view drifted) is queued to the
+I/O thread.
 The backlog (records found and not yet applied, while the scheduler idles) is
 `_handed - _applied`, each counter written by one thread only; past BACKLOG the
 I/O thread stops looking until the owner catches up.
@@ -36,29 +42,56 @@ from aiokv.store.index import Namespace
 from aiokv.store.journal import Follower
 
 log = logging.getLogger("aiokv")
-MIN_INTERVAL = 0.01  # seconds: the I/O thread's looks, however low follow_interval is set
+FOLLOW_INTERVAL = 0.1  # seconds between looks at the other engines' journals
+MIN_INTERVAL = 0.01  # seconds: the I/O thread's looks, however low the interval is set
 BACKLOG = 100_000  # records handed over and not yet applied past which the I/O thread stops looking
 
 
+def data_bytes(dir_fd: int, ns: Namespace) -> int:
+    """Bytes an engine's data files of a namespace take on disk."""
+    total = 0
+    for rank in range(ns.ranks):
+        try:
+            total += os.stat(fmt.data_file(rank), dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512
+        except FileNotFoundError:
+            pass
+    return total
+
+
 class Following:
-    """Mixin of Store: the attributes it uses are set in Store.__init__."""
+    def __init__(self, dirs, index, fs):
+        self.dirs, self.index, self.fs = dirs, index, fs
+        self.interval = FOLLOW_INTERVAL
+        self.followed = 0.0  # time.monotonic() of the last look (with the I/O thread: the last applied)
+        self.followers: dict[tuple[bytes, int], Follower] = {}  # (nsid, engine) -> its files
+        self._peer_fds: dict[tuple[bytes, int], int] = {}       # (nsid, engine) -> its directory
+        self.peer_bytes: dict[tuple[bytes, int], int] = {}      # (nsid, engine) -> bytes its files take
+        self._spaces: tuple[Namespace, ...] = ()  # the namespaces, for the I/O thread
+        self._io_seen: dict[tuple[bytes, int], int] = {}  # the I/O thread's: bytes last handed over per engine
+        self._handed = 0   # records the I/O thread handed over (it alone writes this)
+        self._applied = 0  # records the owner applied (it alone writes this)
+
+    def add(self, ns: Namespace) -> None:
+        """A namespace opened (meta.py): followed from now on, and at once."""
+        self._spaces = tuple(self.index.namespaces.values())  # replaced, never changed: the I/O thread reads it
+        self.follow(ns)
 
     def _peer_engines(self, ns: Namespace) -> list[int]:
         """Engine numbers with files in this namespace, other than ours."""
-        nfd = self._ns_dir_fd(ns.nsid)
+        nfd = self.dirs.ns_dir_fd(ns.nsid)
         found = []
         names = os.listdir(nfd)
-        if self.engine != 0 and any(n == "checkpoint" or n.startswith("journal.") for n in names):
+        if self.dirs.engine != 0 and any(n == "checkpoint" or n.startswith("journal.") for n in names):
             found.append(0)
         for n in names:
             e = fmt.engine_of_dir(n)
-            if e is not None and e != self.engine:
+            if e is not None and e != self.dirs.engine:
                 found.append(e)
         return found
 
-    def _follow(self, ns: Namespace) -> None:
+    def follow(self, ns: Namespace) -> None:
         """Apply what the other engines committed and dropped since the last look (at once)."""
-        self._follow_apply(ns, self._follow_io(ns))
+        self._apply(ns, self._follow_io(ns))
 
     def _follow_io(self, ns: Namespace) -> list:
         """The file-system half: what each engine's files say, as
@@ -69,9 +102,9 @@ class Following:
             fl = self.followers.get(key)
             if fl is None:
                 sub = fmt.engine_dir(e)
-                path = os.path.join(self.root, "ns", nsid.hex(), sub).rstrip("/")
+                path = os.path.join(self.dirs.root, "ns", nsid.hex(), sub).rstrip("/")
                 try:
-                    dfd = self._ns_dir_fd(nsid) if not sub else open_dir(path, self._ns_dir_fd(nsid))
+                    dfd = self.dirs.ns_dir_fd(nsid) if not sub else open_dir(path, self.dirs.ns_dir_fd(nsid))
                 except (NotAStore, OSError):
                     continue  # a symlink planted there, a directory vanishing: not an engine's
                 if sub:
@@ -80,50 +113,37 @@ class Following:
             try:
                 got = fl.poll()
             except fmt.BadBlock as err:
-                if self.readonly:
+                if self.dirs.readonly:
                     raise
                 log.warning("aiokv: %s; its blocks are misses here until its engine rebuilds it", err)
                 got = ("reset", {})
             except FileNotFoundError:
                 continue  # a checkpoint replaced under us: the next look replays it
             touches = list(fl.log.touches) if got is not None and got[0] == "reset" and fl.log is not None else []
-            out.append((e, fl, got, touches, fl.disk_bytes + self._data_bytes(fl.dir_fd, ns)))
+            out.append((e, fl, got, touches, fl.disk_bytes + data_bytes(fl.dir_fd, ns)))
         return out
 
-    def _follow_apply(self, ns: Namespace, found: list) -> None:
+    def _apply(self, ns: Namespace, found: list) -> None:
         """The in-memory half (the owner's thread)."""
         for e, fl, got, touches, nbytes in found:
             if got is not None:
                 kind, what = got[0], got[1]
                 if kind == "reset":
-                    ns.peer_reset(e, {k: v for k, v in what.items() if v[0] < self._max_slots(ns)})
+                    ns.peer_reset(e, {k: v for k, v in what.items() if v[0] < self.dirs.max_slots(ns)})
                     touched = ns.peer_touches(touches)
                 else:
-                    touched = ns.peer_apply(e, what, self._max_slots(ns))
+                    touched = ns.peer_apply(e, what, self.dirs.max_slots(ns))
                     if kind == "roll" and got[2] != len(ns.peers.get(e, ())):
                         # our view of that engine drifted: replay its files next time
                         fl.forget() if self.fs.inline else self.fs.submit(fl.forget)
                 for k, atime in touched:
                     if atime > ns.atime.get(k, 0):  # another engine hit our block
                         self.index.touch(ns, [k], atime)
-            self._peer_bytes[(ns.nsid, e)] = nbytes
+            self.peer_bytes[(ns.nsid, e)] = nbytes
 
-    @staticmethod
-    def _data_bytes(dir_fd: int, ns: Namespace) -> int:
-        total = 0
-        for rank in range(ns.ranks):
-            try:
-                total += os.stat(fmt.data_file(rank), dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512
-            except FileNotFoundError:
-                pass
-        return total
-
-    def _start_following(self) -> None:
-        """With the I/O thread: it looks at the other engines every follow_interval on its own."""
-        self._io_seen: dict[tuple[bytes, int], int] = {}  # the I/O thread's: bytes last handed over per engine
-        self._handed = 0   # records the I/O thread handed over (it alone writes this)
-        self._applied = 0  # records the owner applied (it alone writes this)
-        self.fs.every(lambda: max(self.follow_interval, MIN_INTERVAL), self._follow_spaces_io, self._look_done)
+    def start(self) -> None:
+        """With the I/O thread: it looks at the other engines every interval on its own."""
+        self.fs.every(lambda: max(self.interval, MIN_INTERVAL), self._follow_spaces_io, self._look_done)
 
     def _follow_spaces_io(self):
         """One look of the I/O thread at every namespace: what changed since its last
@@ -153,19 +173,28 @@ class Following:
             found, n = found
             self._applied += n
             for ns, got in found:
-                self._follow_apply(ns, got)
-        self._followed = time.monotonic()
+                self._apply(ns, got)
+        self.followed = time.monotonic()
 
-    def _follow_all(self) -> None:
-        """Without the I/O thread: follow every namespace now if follow_interval has passed."""
+    def follow_all(self) -> None:
+        """Without the I/O thread: follow every namespace now if the interval has passed."""
         now = time.monotonic()
-        if now - self._followed < self.follow_interval:
+        if now - self.followed < self.interval:
             return
-        self._followed = now
+        self.followed = now
         try:
             for ns in list(self.index.namespaces.values()):
-                self._follow(ns)
+                self.follow(ns)
         except OSError as e:
             log.warning("aiokv: following the other engines failed (%s); trying again later", os.strerror(e.errno or 0))
         except Exception:  # lookups call this: a bug here must not reach vLLM
             log.exception("aiokv: following the other engines failed; trying again later")
+
+    def close(self) -> None:
+        """Close the Followers and the other engines' directories (where close runs: persist.py)."""
+        for fl in self.followers.values():
+            fl.close()
+        self.followers.clear()
+        for fd in self._peer_fds.values():
+            os.close(fd)
+        self._peer_fds.clear()

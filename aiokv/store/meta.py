@@ -1,6 +1,10 @@
-"""Namespace metadata and opening: the store marker (aiokv.json), the setup lock,
-the directories of the store and of each namespace, namespace.json (a part of
-Store, store.py).
+"""Opening: the store marker (aiokv.json), the setup lock, the directories of
+the store and of each namespace, namespace.json, and the namespaces opened.
+
+Two objects: `Dirs` owns the directories (their descriptors, the root's file
+system's size) and our engine's lock; `Opener` opens and creates namespaces,
+handed the parts that fill one (replay.py: our own files; following.py: the
+other engines'; space.py: the first slots reserved ahead).
 
 Opening a store checks (or creates, or migrates) aiokv.json and opens every
 namespace found under ns/; `namespace` opens or creates one. Creating or
@@ -9,11 +13,12 @@ flock of the root directory: engines starting together), waited for at most
 SETUP_WAIT. Every directory is opened relative to a descriptor, never through
 a symlink (aiokv/data/dirs.py).
 
-Threading contract: `_open` runs in Store.__init__ on the opener's thread;
-`namespace` runs on the owner's thread, its file-system part (`_namespace`) on
-the store's I/O thread once it has started (waited for at most NAMESPACE_WAIT).
-The directory descriptors are opened by whichever thread runs that part and
-read by the I/O thread afterwards.
+Threading contract: `Dirs.open` and the first `Opener.load`s run in
+Store.__init__ on the opener's thread; `Opener.namespace` runs on the owner's
+thread, its file-system part (`_namespace`) on the store's I/O thread once it
+has started (waited for at most NAMESPACE_WAIT). The directory descriptors are
+opened by whichever thread runs that part and read by the I/O thread
+afterwards; `Dirs.close` runs where close runs (persist.py).
 """
 from __future__ import annotations
 
@@ -58,56 +63,67 @@ def ns_dir(root: str, nsid: bytes) -> str:
     return os.path.join(root, "ns", nsid.hex())
 
 
-class Meta:
-    """Mixin of Store: the attributes it uses are set in Store.__init__."""
+class Dirs:
+    """The store's directories and our engine's lock."""
 
-    def _open(self, readonly: bool, engine: int | None) -> None:
+    def __init__(self, root: str, readonly: bool):
+        self.root, self.readonly = root, readonly
+        self.lock: DirLock | None = None
+        self.engine: int | None = None
+        self.root_fd: int | None = None
+        self.ns_fd: int | None = None
+        self.fs_bytes = 0  # the size of the root's file system (set by open)
+        self._dir_fds: dict[bytes, int] = {}  # namespace directories
+        self._own_fds: dict[bytes, int] = {}  # our engine's directory in each namespace
+
+    def open(self, engine: int | None) -> list[bytes]:
+        """Check (or create, or migrate) the store and take our engine's lock (not
+        read-only); the namespaces found (those with a namespace.json)."""
         # The root itself is not followed if it is a symlink, nor is anything below it.
-        if readonly:
+        if self.readonly:
             if not os.path.isdir(self.root):
                 raise NotAStore(f"aiokv: {self.root} is not an aiokv store (no aiokv.json)")
-            self._root_fd = open_dir(self.root)
-            if not _exists("aiokv.json", self._root_fd):
+            self.root_fd = open_dir(self.root)
+            if not _exists("aiokv.json", self.root_fd):
                 raise NotAStore(f"aiokv: {self.root} is not an aiokv store (no aiokv.json)")
-            self._check_meta(_read_json("aiokv.json", self._root_fd, self.root))
+            self._check_meta(_read_json("aiokv.json", self.root_fd, self.root))
         else:
             os.makedirs(os.path.dirname(self.root) or "/", exist_ok=True)
-            self._root_fd = open_dir(self.root, create=True)
-            check_private(self._root_fd, self.root)
+            self.root_fd = open_dir(self.root, create=True)
+            check_private(self.root_fd, self.root)
             # Creating or migrating the store, and creating namespaces, is done
             # under an flock of the root directory: engines starting together.
-            with setup_lock(self._root_fd, self.root):
-                if not _exists("aiokv.json", self._root_fd) and os.listdir(self._root_fd):
+            with setup_lock(self.root_fd, self.root):
+                if not _exists("aiokv.json", self.root_fd) and os.listdir(self.root_fd):
                     raise NotAStore(f"aiokv: {self.root} is not empty and not an aiokv store; "
                                     "give aiokv an empty or new directory")
-                self.lock = DirLock(self.root, self._root_fd, engine)
+                self.lock = DirLock(self.root, self.root_fd, engine)
                 self.engine = self.lock.engine
-                if not _exists("aiokv.json", self._root_fd):
-                    _write_json("aiokv.json", {"magic": fmt.STORE_MAGIC, "format": fmt.FORMAT_VERSION}, self._root_fd)
-                if self._check_meta(_read_json("aiokv.json", self._root_fd, self.root)) != fmt.FORMAT_VERSION:
+                if not _exists("aiokv.json", self.root_fd):
+                    _write_json("aiokv.json", {"magic": fmt.STORE_MAGIC, "format": fmt.FORMAT_VERSION}, self.root_fd)
+                if self._check_meta(_read_json("aiokv.json", self.root_fd, self.root)) != fmt.FORMAT_VERSION:
                     # format 1 is format 2 with engine 0 alone: nothing moves (docs/format.md)
-                    _write_json("aiokv.json", {"magic": fmt.STORE_MAGIC, "format": fmt.FORMAT_VERSION}, self._root_fd)
+                    _write_json("aiokv.json", {"magic": fmt.STORE_MAGIC, "format": fmt.FORMAT_VERSION}, self.root_fd)
                     log.info("aiokv: %s migrated to format %d (several engines)", self.root, fmt.FORMAT_VERSION)
         ns_path = os.path.join(self.root, "ns")
-        self._ns_fd = open_dir(ns_path, self._root_fd, create=not readonly)
-        if not readonly:
-            check_private(self._ns_fd, ns_path)
-        st = os.fstatvfs(self._root_fd)
+        self.ns_fd = open_dir(ns_path, self.root_fd, create=not self.readonly)
+        if not self.readonly:
+            check_private(self.ns_fd, ns_path)
+        st = os.fstatvfs(self.root_fd)
         # a file system that reports no size (ramfs) lives in memory: bounded by it
-        self._fs_bytes = st.f_blocks * st.f_frsize or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        for name in sorted(os.listdir(self._ns_fd)):
+        self.fs_bytes = st.f_blocks * st.f_frsize or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        found = []
+        for name in sorted(os.listdir(self.ns_fd)):
             try:
                 nsid = bytes.fromhex(name)
             except ValueError:
                 continue  # not ours
             if len(nsid) != fmt.NSID_BYTES:
                 continue
-            dfd = self._ns_dir_fd(nsid)
             # a namespace whose namespace.json never made it (a crash at creation) holds nothing
-            if _exists("namespace.json", dfd):
-                self._load_namespace(nsid)
-        if not readonly:
-            self._shrink_to_limit()
+            if _exists("namespace.json", self.ns_dir_fd(nsid)):
+                found.append(nsid)
+        return found
 
     def _check_meta(self, meta) -> int:
         if not isinstance(meta, dict) or meta.get("magic") != fmt.STORE_MAGIC:
@@ -117,43 +133,78 @@ class Meta:
                             f"{fmt.FORMAT_VERSION}; use a new directory")
         return meta["format"]
 
-    # ---- namespaces ----
-    def _ns_dir_fd(self, nsid: bytes, create: bool = False) -> int:
+    def max_slots(self, ns: Namespace) -> int:
+        """Slots that can exist: a data file never holds more than its file system."""
+        return self.fs_bytes // ns.slot_bytes
+
+    def ns_dir_fd(self, nsid: bytes, create: bool = False) -> int:
         fd = self._dir_fds.get(nsid)
         if fd is None:
             path = ns_dir(self.root, nsid)
-            fd = self._dir_fds[nsid] = open_dir(path, self._ns_fd, create=create)
+            fd = self._dir_fds[nsid] = open_dir(path, self.ns_fd, create=create)
             if not self.readonly:
                 check_private(fd, path)
         return fd
 
-    def _own_dir_fd(self, nsid: bytes) -> int:
+    def own_dir_fd(self, nsid: bytes) -> int:
         """Our engine's directory in a namespace (created 0700 if missing)."""
         fd = self._own_fds.get(nsid)
         if fd is None:
             sub = fmt.engine_dir(self.engine)
             if not sub:
-                fd = self._ns_dir_fd(nsid)
+                fd = self.ns_dir_fd(nsid)
             else:
                 path = os.path.join(ns_dir(self.root, nsid), sub)
-                fd = open_dir(path, self._ns_dir_fd(nsid), create=True)
+                fd = open_dir(path, self.ns_dir_fd(nsid), create=True)
                 check_private(fd, path)
             self._own_fds[nsid] = fd
         return fd
 
-    def _load_namespace(self, nsid: bytes) -> Namespace:
-        d, nfd = ns_dir(self.root, nsid), self._ns_dir_fd(nsid)
+    def read_namespace(self, nsid: bytes):
+        """(payload bytes, slot bytes, ranks, fields) of a namespace, from its namespace.json."""
+        d, nfd = ns_dir(self.root, nsid), self.ns_dir_fd(nsid)
         try:
-            pb, sb, ranks, fields = fmt.check_namespace(_read_json("namespace.json", nfd, d), nsid)
+            return fmt.check_namespace(_read_json("namespace.json", nfd, d), nsid)
         except fmt.BadBlock as e:
             raise NotAStore(f"aiokv: {d}/namespace.json is damaged ({e}); remove {d} (its blocks are lost) "
                             "or give aiokv a new directory") from None
-        ns = Namespace(nsid, pb, sb, ranks, fields, self.engine)
-        if not self.readonly:
-            self._load_own(ns)
+
+    def create_namespace(self, nsid: bytes, info: dict) -> None:
+        """Write a namespace's namespace.json, unless another engine just did."""
+        with setup_lock(self.root_fd, self.root):  # another engine may be creating it right now
+            dfd = self.ns_dir_fd(nsid, create=True)
+            if not _exists("namespace.json", dfd):
+                _write_json("namespace.json", dict(info, created=time.time()), dfd)
+
+    def close(self) -> None:
+        """Close the directories and give our engine's lock back (the last of close)."""
+        own = [fd for nsid, fd in self._own_fds.items() if fd != self._dir_fds.get(nsid)]
+        for fd in [*own, *self._dir_fds.values(), self.ns_fd, self.root_fd]:
+            if fd is not None:
+                os.close(fd)
+        self._own_fds.clear()
+        self._dir_fds.clear()
+        self.ns_fd = self.root_fd = None
+        if self.lock is not None:
+            self.lock.release()
+
+
+class Opener:
+    """Opens and creates namespaces, handed what fills one: the index, our replay,
+    the following of the other engines, the space reserved ahead."""
+
+    def __init__(self, dirs: Dirs, index, replay, following, space, fs):
+        self.dirs, self.index, self.replay, self.following, self.space, self.fs = (
+            dirs, index, replay, following, space, fs)
+
+    def load(self, nsid: bytes) -> Namespace:
+        """Open a namespace that has a namespace.json: replay our files, follow the others'."""
+        pb, sb, ranks, fields = self.dirs.read_namespace(nsid)
+        ns = Namespace(nsid, pb, sb, ranks, fields, self.dirs.engine)
+        if not self.dirs.readonly:
+            self.replay.load_own(ns)
         self.index.namespaces[nsid] = ns
-        self._spaces = tuple(self.index.namespaces.values())  # replaced, never changed: the I/O thread reads it
-        self._follow(ns)
+        self.following.add(ns)
         return ns
 
     def namespace(self, nsid: bytes, payload_bytes: int, ranks: int = 1, fields: dict | None = None) -> Namespace:
@@ -169,7 +220,7 @@ class Meta:
             raise ValueError(f"aiokv: namespace ids are {fmt.NSID_BYTES} bytes")
         ns = self.index.namespaces.get(nsid)
         if ns is None:
-            if self.readonly:
+            if self.dirs.readonly:
                 raise KeyError(nsid.hex())
             info = {"nsid": nsid.hex(), "payload_bytes": payload_bytes, "ranks": ranks, "fields": fields or {},
                     "slot_bytes": fmt.slot_bytes(payload_bytes) if type(payload_bytes) is int else None}
@@ -177,15 +228,11 @@ class Meta:
                 fmt.check_namespace(info, nsid)
             except fmt.BadBlock as e:
                 raise ValueError(f"aiokv: cannot create namespace {nsid.hex()}: {e}") from None
-            with setup_lock(self._root_fd, self.root):  # another engine may be creating it right now
-                dfd = self._ns_dir_fd(nsid, create=True)
-                if not _exists("namespace.json", dfd):
-                    _write_json("namespace.json", dict(info, created=time.time()), dfd)
-            ns = self._load_namespace(nsid)
+            self.dirs.create_namespace(nsid, info)
+            ns = self.load(nsid)
             if not self.fs.inline and len(ns.alloc.free) < GROW_AHEAD:
-                self._grow(ns, ahead=True)  # space for the first saves, reserved at start (on the I/O thread)
+                self.space.grow(ns, ahead=True)  # space for the first saves, reserved at start (on the I/O thread)
         if ns.payload_bytes != payload_bytes or ns.ranks != ranks:
             raise ValueError(f"aiokv: namespace {nsid.hex()} holds {ns.payload_bytes}-byte blocks on "
                              f"{ns.ranks} ranks, not {payload_bytes} on {ranks}: its id must cover the layout")
         return ns
-

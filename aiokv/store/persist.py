@@ -1,6 +1,12 @@
-"""Persistence and close (a part of Store, store.py): journal syncs due, checkpoints,
-and closing every file, with the I/O thread bounded by CLOSE_WAIT without an
-answer from the file system and CLOSE_MAX in all.
+"""Persistence and close: our journals (one per namespace: records appended,
+syncs due, checkpoints), and closing every file, with the I/O thread bounded by
+CLOSE_WAIT without an answer from the file system and CLOSE_MAX in all.
+
+`Persist` owns our journals (the IndexLogs, and the JournalQueues the owner
+writes through) and the close deadline; it is handed the I/O thread and the
+index (for the snapshots a checkpoint writes). What else close closes (the
+other parts' files, our lock) it is handed as a callable, run after the
+journals on the same thread.
 
 Threading contract: called on the owner's thread; the writes are queued to the
 store's I/O thread (journalq.py, fsthread.py) where it has one, else run at once.
@@ -13,6 +19,8 @@ import os
 import time
 
 from aiokv.store.index import Namespace
+from aiokv.store.journal import IndexLog
+from aiokv.store.journalq import JournalQueue
 
 CLOSE_WAIT = 5.0  # seconds close (and the last verifications) wait for the file system to answer (io_thread)
 CLOSE_MAX = 30.0  # seconds close waits in all for a file system that answers, slowly (io_thread)
@@ -20,10 +28,46 @@ _log = logging.getLogger("aiokv")  # (`log` names a journal here)
 
 
 class Persist:
-    """Mixin of Store: the attributes it uses are set in Store.__init__."""
+    def __init__(self, fs, index, sync_interval: float, checkpoint_every: int):
+        self.fs, self.index = fs, index
+        self.sync_interval = sync_interval
+        self.checkpoint_every = checkpoint_every
+        self.logs: dict[bytes, IndexLog] = {}  # our journals (the I/O thread's once it has started)
+        self.journals: dict[bytes, JournalQueue] = {}  # our journals, as the owner writes them
+        self._close_by: float | None = None
 
-    def _snapshot(self, ns: Namespace):
+    def add(self, nsid: bytes, log: IndexLog) -> None:
+        """A namespace's journal, replayed (replay.py)."""
+        self.logs[nsid] = log
+        self.journals[nsid] = JournalQueue(log, self.fs)
+
+    def append(self, ns: Namespace, recs: list[bytes], failed=None) -> None:
+        """Queue records to a namespace's journal; failed(OSError) if they were not written.
+        Without `failed`, best effort: a DROP that is not persisted resurrects an entry whose
+        slot was punched or reused; its header then fails verification: a miss. A TOUCH that
+        is not persisted only leaves a block older in the LRU."""
+        self.journals[ns.nsid].append(recs, failed)
+
+    def disk_bytes(self) -> int:
+        """Bytes our journals and checkpoints take, queued records included."""
+        return sum(jq.disk_bytes for jq in self.journals.values())
+
+    @staticmethod
+    def _snapshot(ns: Namespace):
         return [(k, s, ns.atime.get(k, 0)) for k, s in ns.own.items()]
+
+    def checkpoint_if_due(self, ns: Namespace) -> None:
+        """After a commit: checkpoint a journal grown past checkpoint_every records and the index."""
+        jq = self.journals[ns.nsid]
+        if jq.records > self.checkpoint_every and jq.records > len(ns.own):
+            jq.checkpoint(self._snapshot(ns), self._checkpoint_failed)
+
+    @staticmethod
+    def _checkpoint_failed(e) -> None:
+        if not isinstance(e, OSError):
+            raise e
+        # the journal still holds everything: try again later
+        _log.warning("aiokv: %s", f"checkpoint failed ({os.strerror(e.errno or 0)}); the journal keeps growing")
 
     def flush_if_due(self) -> None:
         """fdatasync journals whose last sync is older than sync_interval (call often; cheap)."""
@@ -47,31 +91,32 @@ class Persist:
     def _reraise(e) -> None:
         raise e
 
-    def _close_deadline(self) -> float:
+    def close_deadline(self) -> float:
         """With the I/O thread: when close stops waiting for the file system in all (set at the first call)."""
         if self._close_by is None:
             self._close_by = time.monotonic() + CLOSE_MAX
         return self._close_by
 
-    def close(self, checkpoint: bool = True) -> None:
-        """Checkpoint and close everything. With the I/O thread: what was queued is
-        written first; returns once the file system has not answered for CLOSE_WAIT,
-        or CLOSE_MAX after the first close-time call (verify_slot or this), whatever
-        the file system does; records not written by then are lost, and said so (their
-        blocks are misses after a restart: the journal never named them)."""
+    def close(self, checkpoint: bool, close_rest) -> None:
+        """Checkpoint (if asked) and close the journals, then close_rest(), the other
+        files. With the I/O thread: what was queued is written first; returns once the
+        file system has not answered for CLOSE_WAIT, or CLOSE_MAX after the first
+        close-time call (verify_slot or this), whatever the file system does; records
+        not written by then are lost, and said so (their blocks are misses after a
+        restart: the journal never named them)."""
         fs = self.fs
         if not fs.inline and fs._closed:
             return  # closed already
         snaps = None
-        if checkpoint and not self.readonly and self.lock is not None and self.lock.fd is not None:
+        if checkpoint:
             snaps = [(log, self._snapshot(self.index.namespaces[nsid])) for nsid, log in self.logs.items()]
         if fs.inline:
-            self._close_files(snaps)
+            self._close_files(snaps, close_rest)
             return
         fs.poll()
         queued = fs.pending
-        op = fs.submit(lambda: self._close_files(snaps), lambda r, e: None)
-        if not fs.drain(op, CLOSE_WAIT, self._close_deadline()):
+        op = fs.submit(lambda: self._close_files(snaps, close_rest), lambda r, e: None)
+        if not fs.drain(op, CLOSE_WAIT, self.close_deadline()):
             _log.warning("aiokv: the cache directory's file system did not answer at shutdown (%.0f s without an "
                         "answer, or %.0f s in all); %d queued operation(s) may not be written (blocks committed "
                         "since are misses after a restart) and its files are left to the process exit",
@@ -82,7 +127,7 @@ class Persist:
         if op.error is not None:
             _log.warning("aiokv: closing the store failed (%s)", op.error)
 
-    def _close_files(self, snaps) -> None:
+    def _close_files(self, snaps, close_rest) -> None:
         for log, snap in snaps or ():
             try:
                 log.checkpoint(snap)
@@ -91,19 +136,4 @@ class Persist:
                              "the journal keeps its records")
         for log in self.logs.values():
             log.close()
-        self._release_reclaimed()
-        for fl in self.followers.values():
-            fl.close()
-        self.followers.clear()
-        own = [fd for nsid, fd in self._own_fds.items() if fd != self._dir_fds.get(nsid)]
-        for fd in [*self._rank_fds.values(), *own, *self._peer_fds.values(), *self._dir_fds.values(), self._ns_fd,
-                   self._root_fd]:
-            if fd is not None:
-                os.close(fd)
-        self._rank_fds.clear()
-        self._own_fds.clear()
-        self._peer_fds.clear()
-        self._dir_fds.clear()
-        self._ns_fd = self._root_fd = None
-        if self.lock is not None:
-            self.lock.release()
+        close_rest()

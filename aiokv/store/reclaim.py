@@ -1,19 +1,25 @@
-"""Evicting a dead engine's blocks (a part of Store, store.py; the owner-side
-loop that decides when is Store._reclaim).
+"""Evicting a dead engine's blocks.
 
 Over the capacity, with the directory's oldest blocks in the files of an engine
 that is not running, a live engine takes that engine's lock and evicts its
 oldest blocks as its owner would: a DROP in its journal, its slot punched.
+
+`Reclaim` owns the dead engines' locks and files it took, and which engines
+those are as the owner knows it; it is handed the directories (meta.py), the
+index, the I/O thread, the stats, the following of the other engines
+(following.py: their Followers, and `peer_bytes`, which it corrects) and the
+space (space.py: what the directory takes, and whose blocks are oldest).
 
 Two halves: `_evict_dead_io` takes the lock, opens and writes the dead engine's
 files (the file-system half, on the store's I/O thread where it has one);
 `_evict_dead_done` changes the in-memory view of that engine (the owner's
 thread, at its next poll).
 
-Threading contract: `_reclaimed` (the locks and files taken) and the Followers
-are the I/O thread's; `_reclaiming` (the engines taken, as the owner knows it),
-the index and `_peer_bytes` are the owner's. The I/O half is handed its inputs
-(slot, used slots) by value and returns its findings by value.
+Threading contract: `run` is the owner's (from refresh); `_reclaimed` (the
+locks and files taken) and the Followers are the I/O thread's; `_reclaiming`
+(the engines taken, as the owner knows it), the index and `peer_bytes` are the
+owner's. The I/O half is handed its inputs (slot, used slots) by value and
+returns its findings by value.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import time
 from aiokv import _native
 from aiokv.data import format as fmt
 from aiokv.data.slotfile import open_data_file
+from aiokv.store.following import data_bytes
 from aiokv.store.index import Namespace
 from aiokv.store.journal import IndexLog
 from aiokv.store.lock import DirLock, StoreLocked
@@ -34,22 +41,29 @@ log = logging.getLogger("aiokv")
 
 
 class Reclaim:
-    """Mixin of Store: the attributes it uses are set in Store.__init__."""
+    def __init__(self, dirs, index, fs, stats, following, space, sync_interval: float):
+        self.dirs, self.index, self.fs, self.stats = dirs, index, fs, stats
+        self.following, self.space, self.sync_interval = following, space, sync_interval
+        # engines found dead whose oldest blocks we evict: engine -> (its lock, {(nsid, what): fd or IndexLog})
+        self._reclaimed: dict[int, tuple[DirLock, dict]] = {}  # the I/O thread's
+        self._reclaiming: set[int] = set()  # those engines, as the owner knows them
+        self._checked = 0.0
 
-    def _reclaim(self) -> None:
+    def run(self) -> None:
         """Over the capacity, with the directory's oldest blocks in the files of an
         engine that is not running: take that engine's lock (a new engine then
         takes another number) and evict its oldest blocks as its owner would — a
         DROP in its journal, its slots punched — while they are the oldest and the
         directory is over the capacity. Looks for such an engine at most every
         RECLAIM_INTERVAL seconds; a running engine (idle or not) is never touched."""
-        while self._used() > self.limit and self._peers_older() and not self.fs.busy("reclaim"):
+        space = self.space
+        while space.used() > space.limit and space.peers_older() and not self.fs.busy("reclaim"):
             ns, e, key = self._oldest_peer()
             if e not in self._reclaiming:
                 now = time.monotonic()
-                if now - self._reclaim_checked < RECLAIM_INTERVAL:
+                if now - self._checked < RECLAIM_INTERVAL:
                     return
-                self._reclaim_checked = now
+                self._checked = now
             slot = ns.peers[e][key][0]
             op = self.fs.once("reclaim", lambda ns=ns, e=e, key=key, slot=slot: self._evict_dead_io(ns, e, key, slot),
                               lambda r, err, ns=ns, e=e, key=key: self._evict_dead_done(ns, e, key, r, err))
@@ -71,16 +85,16 @@ class Reclaim:
         """None if the engine runs, or its files could not be used; ("first", its bytes,
         its journal's entries) after taking its files and punching the space no block of
         it uses; ("dropped",) after a DROP of key and a punch of its slot."""
-        fl = self.followers.get((ns.nsid, e))
+        fl = self.following.followers.get((ns.nsid, e))
         if fl is None:
             return None
         if e not in self._reclaimed:
             try:
-                lock = DirLock(self.root, self._root_fd, engine=e, wait=False)
+                lock = DirLock(self.dirs.root, self.dirs.root_fd, engine=e, wait=False)
             except StoreLocked:
                 return None  # it runs: it sheds its own blocks when it steps
             self._reclaimed[e] = (lock, {})
-            log.info("aiokv: engine %d of %s is not running; evicting its oldest blocks", e, self.root)
+            log.info("aiokv: engine %d of %s is not running; evicting its oldest blocks", e, self.dirs.root)
         files = self._reclaimed[e][1]
         sb = ns.slot_bytes
         try:
@@ -101,7 +115,7 @@ class Reclaim:
                     for first, stop in zip([0] + [u + 1 for u in used], used + [max(end, 0)]):
                         if stop > first:  # the run of unused slots between two used ones
                             _native.fallocate(fd, PUNCH, first * sb, (stop - first) * sb)
-                return "first", fl.disk_bytes + self._data_bytes(fl.dir_fd, ns), entries
+                return "first", fl.disk_bytes + data_bytes(fl.dir_fd, ns), entries
             jlog.append([fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
             for rank in range(ns.ranks):
                 _native.fallocate(files[(ns.nsid, rank)], PUNCH, slot * sb, sb)
@@ -115,15 +129,16 @@ class Reclaim:
         if r is None:
             return
         self._reclaiming.add(e)
+        peer_bytes = self.following.peer_bytes
         if r[0] == "first":
-            self._peer_bytes[(ns.nsid, e)] = r[1]
-            ns.peer_reset(e, {k: v for k, v in r[2].items() if v[0] < self._max_slots(ns)})
+            peer_bytes[(ns.nsid, e)] = r[1]
+            ns.peer_reset(e, {k: v for k, v in r[2].items() if v[0] < self.dirs.max_slots(ns)})
             return
         ns.peer_drop(e, key)
-        self._peer_bytes[(ns.nsid, e)] -= ns.slot_cost
+        peer_bytes[(ns.nsid, e)] -= ns.slot_cost
         self.stats.evictions += 1
 
-    def _release_reclaimed(self) -> None:
+    def release(self) -> None:
         """Close the dead engines' files and give their locks back (the I/O thread, at close)."""
         for lock, files in self._reclaimed.values():
             for f in files.values():

@@ -1,10 +1,13 @@
-"""Scan and verify of our own data files (a part of Store, store.py): `_scan`
-finds every slot whose header verifies on every rank (the rebuild of a lost
-index, replay.py); `verify_slot` says whether a location holds a complete,
-verifying block of a key on every rank (the scheduler side, for saves whose
-reports can no longer arrive at shutdown).
+"""Scan and verify of our own data files: `scan` finds every slot whose header
+verifies on every rank (the rebuild of a lost index, replay.py); `verify_slot`
+says whether a location holds a complete, verifying block of a key on every
+rank (the scheduler side, for saves whose reports can no longer arrive at
+shutdown).
 
-Threading contract: `_scan` runs where replay runs (the opener's thread or the
+`Scan` owns no state: it is handed the directories (meta.py), our data files
+(space.py), the I/O thread and the close deadline (persist.py).
+
+Threading contract: `scan` runs where replay runs (the opener's thread or the
 I/O thread); `verify_slot` is called on the owner's thread and, with the I/O
 thread, reads there (bounded by persist.CLOSE_WAIT and the close deadline).
 """
@@ -14,22 +17,23 @@ import os
 
 from aiokv.data import format as fmt
 from aiokv.data.slotfile import read_slot
-from aiokv.store import persist
+from aiokv.store import persist as persist_mod
 from aiokv.store.fsthread import FsTimeout
 from aiokv.store.index import Namespace
 
 
 class Scan:
-    """Mixin of Store: the attributes it uses are set in Store.__init__."""
+    def __init__(self, dirs, space, fs, persist):
+        self.dirs, self.space, self.fs, self.persist = dirs, space, fs, persist
 
-    def _scan(self, ns: Namespace) -> dict[bytes, tuple[int, int]]:
+    def scan(self, ns: Namespace) -> dict[bytes, tuple[int, int]]:
         """key -> (slot, write time) for every slot whose header verifies on every rank."""
         found: dict[bytes, tuple[int, int]] | None = None
         sb = ns.slot_bytes
         for rank in range(ns.ranks):
-            fd = self._rank_fd(ns, rank)
+            fd = self.space.rank_fd(ns, rank)
             here = {}
-            for slot in range(min(os.fstat(fd).st_size // sb, self._max_slots(ns))):
+            for slot in range(min(os.fstat(fd).st_size // sb, self.dirs.max_slots(ns))):
                 try:
                     h = read_slot(fd, slot, ns.nsid, rank, ns.payload_bytes, header_only=True)
                 except fmt.BadBlock:
@@ -48,7 +52,7 @@ class Scan:
                 op = self.fs.submit(lambda: self._verify_io(ns, key, where))
             except FsTimeout:
                 return False
-            done = self.fs.drain(op, persist.CLOSE_WAIT, self._close_deadline())
+            done = self.fs.drain(op, persist_mod.CLOSE_WAIT, self.persist.close_deadline())
             return done and op.error is None and bool(op.result)
         return self._verify_io(ns, key, where)
 
@@ -56,7 +60,7 @@ class Scan:
         slot = where & fmt.SLOT_MASK
         for rank in range(ns.ranks):
             try:
-                read_slot(self._rank_fd(ns, rank), slot, ns.nsid, rank, ns.payload_bytes, key)
+                read_slot(self.space.rank_fd(ns, rank), slot, ns.nsid, rank, ns.payload_bytes, key)
             except fmt.BadBlock:
                 return False
         return True

@@ -1,16 +1,22 @@
 """Space: the capacity and what the directory takes on disk, growing data files
 (fallocate) for new slots, punching the slots given back, eviction choice, and
-the limit lowered while the disk is full (a part of Store, store.py).
+the limit lowered while the disk is full.
 
-Several engines: `_used` counts every engine's files; over the capacity each
+`Space` owns the capacity and limit, our data files' descriptors, the bytes
+being punched and the grows in flight; it is handed the directories (meta.py),
+the index, the I/O thread, the stats, our journals (persist.py: their bytes,
+and the DROPs of evictions) and the other engines' bytes (following.py's
+`peer_bytes`, read only).
+
+Several engines: `used` counts every engine's files; over the capacity each
 engine evicts its own blocks while they are the directory's oldest, and an
 engine short of room whose blocks are newer than another's may overshoot by
 capacity / SHARE_SLACK meanwhile.
 
-Threading contract: the decisions (`_grow`, `_shrink_to`, `_evict`,
-`_make_room`, `_regain_space`) run on the owner's thread and change only
+Threading contract: the decisions (`grow`, `_shrink_to`, `evict`,
+`make_room`, `_regain_space`) run on the owner's thread and change only
 in-memory state there; their file-system halves (`_grow_io`, `_punch`,
-`_fallocate`, the free-space check) are submitted to the store's I/O thread
+`fallocate`, the free-space check) are submitted to the store's I/O thread
 (fsthread.py), or run at once without one, and their outcomes are applied on
 the owner's thread at its next poll.
 """
@@ -35,16 +41,24 @@ log = logging.getLogger("aiokv")
 
 
 class Space:
-    """Mixin of Store: the attributes it uses are set in Store.__init__."""
+    def __init__(self, capacity: int | None, dirs, index, fs, stats, persist, peer_bytes: dict):
+        self.capacity = capacity
+        self.limit = capacity  # the capacity, or lower while the disk is full
+        self.check_interval = 1.0  # seconds between free-space checks while lowered
+        self._checked = 0.0
+        self.dirs, self.index, self.fs, self.stats, self.persist = dirs, index, fs, stats, persist
+        self._peer_bytes = peer_bytes  # (nsid, engine) -> bytes its files take: following.py's
+        self._rank_fds: dict[tuple[bytes, int], int] = {}
+        self._punching = 0  # bytes of slots queued for punching (not counted as used)
+        self._growing: dict[bytes, object] = {}  # nsid -> the grow in flight
 
-    def _used(self) -> int:
+    def used(self) -> int:
         """Bytes the directory takes on disk: our backed slots (less those queued for
         punching), journals and checkpoints, and the other engines' files (as of the
         last refresh)."""
-        return (self.index.physical_bytes - self._punching + sum(jq.disk_bytes for jq in self.journals.values())
-                + sum(self._peer_bytes.values()))
+        return self.index.physical_bytes - self._punching + self.persist.disk_bytes() + sum(self._peer_bytes.values())
 
-    def _peers_older(self) -> bool:
+    def peers_older(self) -> bool:
         """Whether another engine holds a block older than our LRU victim (it, not
         we, should give space back)."""
         victim = self.index.victim()
@@ -53,10 +67,10 @@ class Space:
             return False
         return victim is None or min(oldest) < victim[0].atime.get(victim[1], 0)
 
-    def _evict(self, ns: Namespace, key: bytes, punch: bool) -> bool:
+    def evict(self, ns: Namespace, key: bytes, punch: bool) -> bool:
         """Forget the LRU entry `key`; False if its space was to be punched and could not be."""
         slot = self.index.remove(ns, key)
-        self._append_drops(ns, [fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
+        self.persist.append(ns, [fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
         self.stats.evictions += 1
         if punch:
             return self._unback(ns, slot)
@@ -80,46 +94,40 @@ class Space:
         op = self.fs.submit(lambda: self._punch(ns, slot), done)
         return not op.finished or bool(op.result)
 
-    def _append_drops(self, ns: Namespace, recs: list[bytes]) -> None:
-        # Best effort: a DROP that is not persisted resurrects an entry whose slot
-        # was punched or reused; its header then fails verification: a miss. A
-        # TOUCH that is not persisted only leaves a block older in the LRU.
-        self.journals[ns.nsid].append(recs)
-
     def _shrink_to(self, target: int, oldest_only: bool = False) -> None:
         """Punch free slots, then LRU blocks, until at most `target` bytes are used
         or nothing more can be given back; with oldest_only, only while our LRU
         block is the directory's oldest."""
-        while self._used() > target:
+        while self.used() > target:
             for ns in self.index.namespaces.values():
-                while ns.alloc.free and self._used() > target:  # unused backed slots go first
+                while ns.alloc.free and self.used() > target:  # unused backed slots go first
                     if not self._unback(ns, ns.alloc.take()):
                         return
-            if self._used() <= target or (oldest_only and self._peers_older()):
+            if self.used() <= target or (oldest_only and self.peers_older()):
                 return
             victim = self.index.victim()
-            if victim is None or not self._evict(*victim, punch=True):
+            if victim is None or not self.evict(*victim, punch=True):
                 return
 
-    def _make_room(self, nbytes: int = HEADROOM) -> None:
+    def make_room(self, nbytes: int = HEADROOM) -> None:
         """Punch LRU blocks worth nbytes and cap the capacity at what remains,
         until the file system has room again (_regain_space)."""
-        self._shrink_to(max(self._used() - nbytes, 0))
-        self.limit = self._used()
-        self._space_checked = time.monotonic()
+        self._shrink_to(max(self.used() - nbytes, 0))
+        self.limit = self.used()
+        self._checked = time.monotonic()
 
-    def _shrink_to_limit(self) -> None:
-        if self.limit is not None and self._used() > self.limit:
+    def shrink_to_limit(self) -> None:
+        if self.limit is not None and self.used() > self.limit:
             self._shrink_to(self.limit, oldest_only=True)
 
     def _regain_space(self) -> None:
         """While a full disk holds the limit under the capacity: raise it again as
-        far as the file system has room now (checked at most every space_check_interval)."""
+        far as the file system has room now (checked at most every check_interval)."""
         now = time.monotonic()
-        if self.limit == self.capacity or now - self._space_checked < self.space_check_interval:
+        if self.limit == self.capacity or now - self._checked < self.check_interval:
             return
-        self._space_checked = now
-        root_fd = self._root_fd
+        self._checked = now
+        root_fd = self.dirs.root_fd
 
         def done(st, e):
             if e is not None:
@@ -131,21 +139,21 @@ class Space:
             avail = st.f_bavail * st.f_frsize - HEADROOM
             if avail <= 0 or self.limit == self.capacity:
                 return
-            new = self._used() + avail
+            new = self.used() + avail
             if self.capacity is None:
                 self.limit = None
             elif new > self.limit:
                 self.limit = min(new, self.capacity)
         self.fs.once("space", lambda: os.fstatvfs(root_fd), done)
 
-    def _rank_fd(self, ns: Namespace, rank: int) -> int:
+    def rank_fd(self, ns: Namespace, rank: int) -> int:
         fd = self._rank_fds.get((ns.nsid, rank))
         if fd is None:
-            fd = open_data_file(self._own_dir_fd(ns.nsid), rank, write=True, create=True)[0]
+            fd = open_data_file(self.dirs.own_dir_fd(ns.nsid), rank, write=True, create=True)[0]
             self._rank_fds[(ns.nsid, rank)] = fd
         return fd
 
-    def _fallocate(self, ns: Namespace, mode: int, slots, ignore_errors: bool = False, punch: bool = False) -> None:
+    def fallocate(self, ns: Namespace, mode: int, slots, ignore_errors: bool = False, punch: bool = False) -> None:
         sb = ns.slot_bytes
         runs: list[list[int]] = []  # [first, count] of consecutive slots: one call each
         for s in sorted(slots):
@@ -154,7 +162,7 @@ class Space:
             else:
                 runs.append([s, 1])
         for rank in range(ns.ranks):
-            fd = self._rank_fd(ns, rank)
+            fd = self.rank_fd(ns, rank)
             for first, count in runs:
                 try:
                     _native.fallocate(fd, mode, first * sb, count * sb)
@@ -169,12 +177,12 @@ class Space:
     def _punch(self, ns: Namespace, slot: int) -> bool:
         """Punch one slot on every rank; False if any rank refused."""
         try:
-            self._fallocate(ns, PUNCH, [slot], punch=True)
+            self.fallocate(ns, PUNCH, [slot], punch=True)
         except OSError:
             return False
         return True
 
-    def _grow(self, ns: Namespace, ahead: bool = False) -> bool | None:
+    def grow(self, ns: Namespace, ahead: bool = False) -> bool | None:
         """Reserve disk space for more slots: a chunk, halved on ENOSPC down to one slot.
         None: a grow is in flight on the I/O thread (not waited for past this step's
         budget); ahead: only if there is room, and without waiting."""
@@ -182,9 +190,9 @@ class Space:
             self._regain_space()
         op = self._growing.get(ns.nsid)
         if op is None:
-            room = (self.limit - self._used()) if self.limit is not None else GROW_BYTES
+            room = (self.limit - self.used()) if self.limit is not None else GROW_BYTES
             n = min(max(1, GROW_BYTES // ns.slot_cost), room // ns.slot_cost)
-            if n <= 0 and self._peers_older() and not ahead:
+            if n <= 0 and self.peers_older() and not ahead:
                 # another engine holds older blocks and sheds them at its next refresh:
                 # overshoot by a slot rather than evict our newer ones, up to a bound
                 n = 1 if room + max(self.limit // SHARE_SLACK, ns.slot_cost) >= ns.slot_cost else 0
@@ -205,19 +213,25 @@ class Space:
             return None
         return bool(op.result and op.result[0])
 
+    def grow_ahead(self, ns: Namespace) -> None:
+        """With the I/O thread: more space, before it is needed, once few free slots are left."""
+        if (not self.fs.inline and ns.nsid not in self._growing
+                and len(ns.alloc.free) < max(GROW_AHEAD, GROW_BYTES // ns.slot_cost // 2)):
+            self.grow(ns, ahead=True)
+
     def _grow_io(self, ns: Namespace, plans: list[list[int]], hwm: int):
-        """The I/O of _grow: (slots backed or None, ENOSPC count, errno of another failure)."""
+        """The I/O of grow: (slots backed or None, ENOSPC count, errno of another failure)."""
         enospc = 0
         for slots in plans:
             try:
-                self._fallocate(ns, 0, slots)
+                self.fallocate(ns, 0, slots)
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     return None, enospc, e.errno or errno.EIO
                 # a failed fallocate may have allocated part of the range: give it back
-                self._fallocate(ns, PUNCH, slots, ignore_errors=True)
+                self.fallocate(ns, PUNCH, slots, ignore_errors=True)
                 for rank in range(ns.ranks):
-                    os.ftruncate(self._rank_fd(ns, rank), hwm * ns.slot_bytes)
+                    os.ftruncate(self.rank_fd(ns, rank), hwm * ns.slot_bytes)
                 enospc += 1
                 continue
             return slots, enospc, 0
@@ -239,9 +253,11 @@ class Space:
         else:
             # the disk is full below our capacity: leave the file system some room
             # (journal, other users) and cap ourselves there
-            self._make_room()
+            self.make_room()
 
-    def _max_slots(self, ns: Namespace) -> int:
-        """Slots that can exist: a data file never holds more than its file system."""
-        return self._fs_bytes // ns.slot_bytes
+    def close(self) -> None:
+        """Close our data files (where close runs: persist.py)."""
+        for fd in self._rank_fds.values():
+            os.close(fd)
+        self._rank_fds.clear()
 

@@ -7,7 +7,7 @@ Roles:
   reserves slots there, commits keys once their data is written, evicts its
   own blocks, and persists all of it (journal.py). It follows the other
   engines' journals (`refresh` once per step, and lookups; at most every
-  FOLLOW_INTERVAL), so their blocks are hits here too: `entries` and the
+  following.FOLLOW_INTERVAL), so their blocks are hits here too: `entries` and the
   locations it hands out name the engine whose file holds the block
   (format.loc). In vLLM this is the scheduler side, in the EngineCore process.
 - Data writers/readers (BlockIO, blockio.py) move slot bytes; in vLLM these are
@@ -15,7 +15,7 @@ Roles:
 - Read-only openers (`aiokv inspect`) follow every engine without a lock and
   never write.
 
-Several engines: capacity and LRU are the directory's. `_used` counts every
+Several engines: capacity and LRU are the directory's. `Space.used` counts every
 engine's files; over the capacity, each engine evicts its own blocks while they
 are the oldest in the directory (an engine holding older ones sheds those at
 its next refresh); a hit on another engine's block is a TOUCH record in our
@@ -47,13 +47,17 @@ while the file system answers: at most CLOSE_WAIT without an answer, CLOSE_MAX
 in all. Without io_thread (tools, inspect, unit tests) every call runs at once on the
 caller's thread, as before.
 
-The facade (this module): opening, lookups, reservations, commits, pins and
-drops. The rest is one job per module, each a mixin of Store sharing the
-attributes set in __init__: meta.py (aiokv.json, the setup lock, namespaces),
-replay.py (our own index at opening, rebuilt from the slots if damaged),
-space.py (capacity, grow and punch, eviction choice, a full disk), scan.py
-(scan and verify of our slots), persist.py (syncs, checkpoints, close),
-following.py (the other engines' journals), reclaim.py (a dead engine's blocks).
+The facade (this module): `Store` holds the parts, one job per module, and
+forwards to them; it does lookups, reservations, commits, pins and drops
+itself. The parts, each owning its own state and handed the others it reads:
+`Dirs` and `Opener` (meta.py: aiokv.json, the setup lock, the directories,
+our engine's lock; namespaces opened), `Replay` (replay.py: our own index at
+opening, rebuilt from the slots if damaged), `Space` (space.py: capacity and
+limit, our data files, grow and punch, eviction choice, a full disk), `Scan`
+(scan.py: scan and verify of our slots), `Persist` (persist.py: our journals,
+syncs, checkpoints, close), `Following` (following.py: the other engines'
+journals and bytes), `Reclaim` (reclaim.py: a dead engine's blocks). The
+index, the stats and the I/O thread are the Store's, handed to the parts.
 
 Threading contract: one thread calls a Store (the owner's thread); its I/O
 thread runs only the file-system parts of what the owner queued. The Store
@@ -74,18 +78,13 @@ from aiokv.data.dirs import NotAStore  # noqa: F401  (re-exported: aiokv.store)
 from aiokv.store.following import Following
 from aiokv.store.fsthread import FsThread
 from aiokv.store.index import Index, Namespace
-from aiokv.store.journal import Follower, IndexLog
-from aiokv.store.journalq import JournalQueue
-from aiokv.store.lock import DirLock
-from aiokv.store.meta import Meta, ns_dir  # noqa: F401  (ns_dir: callers name a namespace's directory)
+from aiokv.store.meta import Dirs, Opener, ns_dir  # noqa: F401  (ns_dir: callers name a namespace's directory)
 from aiokv.store.persist import Persist
 from aiokv.store.reclaim import Reclaim
 from aiokv.store.replay import Replay
 from aiokv.store.scan import Scan
-from aiokv.store import space
 from aiokv.store.space import Space
 
-FOLLOW_INTERVAL = 0.1  # seconds between looks at the other engines' journals
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
 WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight (io_thread)
 log = logging.getLogger("aiokv")
@@ -103,7 +102,21 @@ class StoreStats:
     # not on the load path).
 
 
-class Store(Meta, Replay, Space, Scan, Persist, Following, Reclaim):
+def _part(part: str, name: str) -> property:
+    """A Store attribute that is one of its parts' (read and set through the facade)."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, v: setattr(getattr(self, part), name, v))
+
+
+class Store:
+    lock = _part("dirs", "lock")
+    capacity = _part("space", "capacity")
+    limit = _part("space", "limit")  # the capacity, or lower while the disk is full
+    space_check_interval = _part("space", "check_interval")  # seconds between free-space checks while lowered
+    follow_interval = _part("following", "interval")  # seconds between looks at the other engines
+    followers = _part("following", "followers")  # (nsid, engine) -> its files
+    logs = _part("persist", "logs")  # nsid -> our journal
+
     def __init__(self, root: str, capacity=None, readonly: bool = False, sync_interval: float = 1.0,
                  checkpoint_every: int = 200_000, engine: int | None = None, io_thread: bool = False,
                  fs_timeout: float = 2.0):
@@ -111,46 +124,37 @@ class Store(Meta, Replay, Space, Scan, Persist, Following, Reclaim):
         opening, file-system calls run on the store's I/O thread (fs_timeout: its deadline)."""
         self.root = os.path.abspath(root)
         self.readonly = readonly
-        self.capacity = parse_size(capacity) if capacity is not None else None
-        self.limit = self.capacity  # the capacity, or lower while the disk is full
-        self.space_check_interval = 1.0  # seconds between free-space checks while lowered
-        self._space_checked = 0.0
-        self.sync_interval = sync_interval
-        self.checkpoint_every = checkpoint_every
         self.stats = StoreStats()
         self.index = Index()
-        self.logs: dict[bytes, IndexLog] = {}
-        self._rank_fds: dict[tuple[bytes, int], int] = {}
-        self.lock = None
-        self._root_fd: int | None = None
-        self._ns_fd: int | None = None
-        self._dir_fds: dict[bytes, int] = {}  # namespace directories
-        self._own_fds: dict[bytes, int] = {}  # our engine's directory in each namespace
+        self.fs = fs = FsThread(None)  # opening runs on the caller's thread
         self.engine: int | None = None
-        self.follow_interval = FOLLOW_INTERVAL
-        self._followed = 0.0
-        self.followers: dict[tuple[bytes, int], Follower] = {}  # (nsid, engine) -> its files
-        self._peer_fds: dict[tuple[bytes, int], int] = {}       # (nsid, engine) -> its directory
-        self._peer_bytes: dict[tuple[bytes, int], int] = {}     # (nsid, engine) -> bytes its files take
-        # engines found dead whose oldest blocks we evict: engine -> (its lock, {(nsid, what): fd or IndexLog})
-        self._reclaimed: dict[int, tuple[DirLock, dict]] = {}  # the I/O thread's (reclaim.py)
-        self._reclaiming: set[int] = set()  # those engines, as the owner knows them
-        self._reclaim_checked = 0.0
-        self.journals: dict[bytes, JournalQueue] = {}  # our journals, as the owner writes them
-        self._spaces: tuple[Namespace, ...] = ()  # the namespaces, for the I/O thread (following.py)
-        self.fs = FsThread(None)  # opening runs on the caller's thread
-        self._punching = 0      # bytes of slots queued for punching (not counted as used)
-        self._growing: dict[bytes, object] = {}  # nsid -> the grow in flight
-        self._close_by: float | None = None
         self.skipped_fs_busy = 0  # reservations skipped: the space for them was still being reserved
+        self.dirs = Dirs(self.root, readonly)
+        self.persist = Persist(fs, self.index, sync_interval, checkpoint_every)
+        self.following = Following(self.dirs, self.index, fs)
+        self.space = Space(parse_size(capacity) if capacity is not None else None, self.dirs, self.index, fs,
+                           self.stats, self.persist, self.following.peer_bytes)
+        self.scan = Scan(self.dirs, self.space, fs, self.persist)
+        replay = Replay(self.dirs, self.index, self.space, self.persist, self.scan)
+        self.reclaim = Reclaim(self.dirs, self.index, fs, self.stats, self.following, self.space, sync_interval)
+        self.opener = Opener(self.dirs, self.index, replay, self.following, self.space, fs)
         try:
-            self._open(readonly, engine)
+            found = self.dirs.open(engine)
+            self.engine = self.dirs.engine
+            for nsid in found:
+                self.opener.load(nsid)
+            if not readonly:
+                self.space.shrink_to_limit()
         except BaseException:
             self.close(checkpoint=False)
             raise
         if io_thread and not readonly:
-            self.fs.start(f"aiokv-fs{self.engine}", deadline=fs_timeout)
-            self._start_following()
+            fs.start(f"aiokv-fs{self.engine}", deadline=fs_timeout)
+            self.following.start()
+
+    def namespace(self, nsid: bytes, payload_bytes: int, ranks: int = 1, fields: dict | None = None) -> Namespace:
+        """Open or create a namespace (meta.py). nsid is derived by the caller from all that changes the bytes."""
+        return self.opener.namespace(nsid, payload_bytes, ranks, fields)
 
     @property
     def stalled(self) -> bool:
@@ -167,11 +171,12 @@ class Store(Meta, Replay, Space, Scan, Persist, Following, Reclaim):
         self.fs.poll()
         self.fs.new_step(WAIT_PER_STEP)
         if self.fs.inline:
-            self._follow_all()
-        if not self.readonly and self.limit is not None and self._used() > self.limit:
+            self.following.follow_all()
+        space = self.space
+        if not self.readonly and space.limit is not None and space.used() > space.limit:
             try:
-                self._shrink_to_limit()
-                self._reclaim()
+                space.shrink_to_limit()
+                self.reclaim.run()
             except OSError as e:
                 log.warning("aiokv: %s", f"giving back space failed ({os.strerror(e.errno or 0)}); trying again later")
 
@@ -180,10 +185,11 @@ class Store(Meta, Replay, Space, Scan, Persist, Following, Reclaim):
         # an engine idle for a while sees the others' blocks at its first lookup
         # (following only: evicting waits for the step's refresh); with the I/O thread
         # that looked on its own meanwhile, its last finished look is applied
+        following = self.following
         if not self.fs.inline:
             self.fs.poll()
-        elif time.monotonic() - self._followed >= self.follow_interval:
-            self._follow_all()
+        elif time.monotonic() - following.followed >= following.interval:
+            following.follow_all()
         return self.index.lookup(ns, keys, limit)
 
     def reserve(self, ns: Namespace, key: bytes) -> int | None:
@@ -191,22 +197,21 @@ class Store(Meta, Replay, Space, Scan, Persist, Following, Reclaim):
         present (in any engine's files), pending, or no space."""
         if key in ns.entries or key in ns.pending:
             return None
+        space = self.space
         slot = ns.alloc.take()
         while slot is None:
-            grown = self._grow(ns)
+            grown = space.grow(ns)
             if grown is None:  # space is being reserved: this save is skipped, not evicted for
                 self.skipped_fs_busy += 1
                 return None
             if not grown:
                 victim = self.index.victim()
                 # another namespace's slot is no use here: its space must be punched
-                if victim is None or not self._evict(*victim, punch=victim[0] is not ns):
+                if victim is None or not space.evict(*victim, punch=victim[0] is not ns):
                     self.stats.skipped_no_space += 1
                     return None
             slot = ns.alloc.take()
-        if (not self.fs.inline and ns.nsid not in self._growing
-                and len(ns.alloc.free) < max(space.GROW_AHEAD, space.GROW_BYTES // ns.slot_cost // 2)):
-            self._grow(ns, ahead=True)  # more space, before it is needed
+        space.grow_ahead(ns)
         ns.pending[key] = where = fmt.loc(self.engine, slot)
         return where
 
@@ -222,7 +227,6 @@ class Store(Meta, Replay, Space, Scan, Persist, Following, Reclaim):
             self.index.commit(ns, key, slot, now)
             done.append(key)
             recs.append(fmt.pack_record(fmt.REC_COMMIT, key, slot, now))
-        jq = self.journals[ns.nsid]
         if not recs:
             return
         self.stats.commits += len(recs)
@@ -239,20 +243,13 @@ class Store(Meta, Replay, Space, Scan, Persist, Following, Reclaim):
             self.stats.save_failures += len(recs)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.stats.enospc += 1
-                self._make_room()
+                self.space.make_room()
             else:
                 log.warning("aiokv: %s", f"journal write failed ({os.strerror(e.errno or 0)}); "
                             f"{len(recs)} block(s) not committed")
-        jq.append(recs, undo)
-        if not failed and jq.records > self.checkpoint_every and jq.records > len(ns.own):
-            jq.checkpoint(self._snapshot(ns), self._checkpoint_failed)
-
-    @staticmethod
-    def _checkpoint_failed(e) -> None:
-        if not isinstance(e, OSError):
-            raise e
-        # the journal still holds everything: try again later
-        log.warning("aiokv: %s", f"checkpoint failed ({os.strerror(e.errno or 0)}); the journal keeps growing")
+        self.persist.append(ns, recs, undo)
+        if not failed:
+            self.persist.checkpoint_if_due(ns)
 
     def abort(self, ns: Namespace, items, failed: bool = True) -> None:
         """Give back reservations whose data was not (fully) written."""
@@ -291,7 +288,7 @@ class Store(Meta, Replay, Space, Scan, Persist, Following, Reclaim):
             if got is not None and now - got[1] >= TOUCH_EVERY_NS:
                 ns.peer_touch(k, now)
                 recs.append(fmt.pack_record(fmt.REC_TOUCH, k, 0, now))
-        self._append_drops(ns, recs)
+        self.persist.append(ns, recs)
 
     def unpin(self, ns: Namespace, keys) -> None:
         pins = self.index.pins
@@ -320,4 +317,30 @@ class Store(Meta, Replay, Space, Scan, Persist, Following, Reclaim):
                 self.index.release_dropped(ns, k, slot)
                 recs.append(fmt.pack_record(fmt.REC_DROP, k, slot, 0))
                 self.stats.corrupt_dropped += corrupt
-        self._append_drops(ns, recs)
+        self.persist.append(ns, recs)
+
+    def verify_slot(self, ns: Namespace, key: bytes, where: int) -> bool:
+        """Whether our location `where` holds a complete, verifying block of `key` on every rank (scan.py)."""
+        return self.scan.verify_slot(ns, key, where)
+
+    def flush_if_due(self) -> None:
+        """fdatasync journals whose last sync is older than sync_interval (call often; cheap)."""
+        self.persist.flush_if_due()
+
+    def checkpoint(self) -> None:
+        """Checkpoint every journal (queued with the I/O thread)."""
+        self.persist.checkpoint()
+
+    def close(self, checkpoint: bool = True) -> None:
+        """Checkpoint and close everything (persist.py; with the I/O thread bounded by
+        CLOSE_WAIT without an answer and CLOSE_MAX in all)."""
+        lock = self.dirs.lock
+        self.persist.close(checkpoint and not self.readonly and lock is not None and lock.fd is not None,
+                           self._close_files)
+
+    def _close_files(self) -> None:
+        """After the journals, on the same thread: every other file, then our lock."""
+        self.reclaim.release()
+        self.following.close()
+        self.space.close()
+        self.dirs.close()
