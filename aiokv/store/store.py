@@ -62,7 +62,6 @@ in one process use tools/storeio.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
@@ -84,6 +83,7 @@ from aiokv.store.replay import Replay
 from aiokv.store.scan import Scan
 from aiokv.store import space
 from aiokv.store.space import Space
+from aiokv.util import counters
 
 FOLLOW_INTERVAL = 0.1  # seconds between looks at the other engines' journals
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
@@ -91,16 +91,10 @@ WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight
 log = logging.getLogger("aiokv")
 
 
-@dataclasses.dataclass
-class StoreStats:
-    commits: int = 0
-    save_failures: int = 0      # reservations aborted (I/O error in a writer)
-    skipped_no_space: int = 0   # saves skipped: nothing evictable or disk full
-    enospc: int = 0             # ENOSPC seen while reserving disk space
-    evictions: int = 0
-    corrupt_dropped: int = 0    # blocks that failed verification or I/O on read
-    # Loads are counted where they happen: the workers' reports (the Store is
-    # not on the load path).
+# what the store counts: one int per STORE row of the table of counters, named
+# less "store_". Loads are counted where they happen: the workers' reports (the
+# Store is not on the load path).
+StoreStats = counters.record("StoreStats", counters.STORE, __name__, prefix=counters.STORE_PREFIX)
 
 
 class Store(Meta, Replay, Space, Scan, Persist, Following, Reclaim):
