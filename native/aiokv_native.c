@@ -1089,9 +1089,11 @@ static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
  * check_header, unpack_header) one slot at a time, or verify_slots a batch at
  * a time. h: the slot's first byte, avail bytes of it readable; k NULL: any key;
  * layout NULL: any layout; upto: CHECK_*. Returns the first check failed
- * (SLOT_*), SLOT_OK if none. */
-static int slot_verdict(const uint8_t *h, uint64_t avail, const uint8_t *ns, uint32_t rank, uint64_t plen,
-                        const slot_key *k, const uint64_t *layout, int upto) {
+ * (SLOT_*), SLOT_OK if none. Inlined in both callers: in verify_slots' loop
+ * the key, layout and length are always there, and their tests fold away. */
+static inline __attribute__((always_inline)) int slot_verdict(const uint8_t *h, uint64_t avail, const uint8_t *ns,
+                                                               uint32_t rank, uint64_t plen, const slot_key *k,
+                                                               const uint64_t *layout, int upto) {
     if (avail < HDR_USED) return SLOT_HDR_SHORT;
     if (crc32c(0, h, HDR_BODY) != get32(h + HDR_BODY)) return SLOT_HDR_CRC;
     if (memcmp(h + HDR_OFF_MAGIC, BLOCK_MAGIC, 8)) return SLOT_MAGIC;
