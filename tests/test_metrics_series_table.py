@@ -87,7 +87,8 @@ def test_every_counter_has_a_series_or_a_reason():
     assert not missing, f"counters with no row in metrics.SERIES and no reason in NOT_EXPORTED: {missing}"
     assert not rows & set(metrics.NOT_EXPORTED)
     assert len(table.ROWS) == len(table.TABLE), "a counter with two rows"
-    # the table says where each is counted: the same names as the mechanisms that count them
+    # the table says where each is counted: the same names as the mechanisms that count them (the
+    # scheduler side's and the store's records are built from its rows: counters.record)
     assert set(table.names(table.SCHEDULER)) == {f.name for f in dataclasses.fields(SchedulerCounters)}
     assert set(table.names(table.STORE)) == {f"store_{f.name}" for f in dataclasses.fields(StoreStats)}
     assert set(transfer.COUNTERS) >= {k for k in _counted_in_code() if not k.startswith(("layerwise_", "shared_"))}

@@ -1,18 +1,23 @@
-"""The native batch stamp and check of slots are format.py's, byte for byte and verdict for verdict.
+"""One slot check for every reader, batch and single slot alike; the native stamp is format.py's header.
 
-Bug guarded against: the hot path stamps and verifies whole chunks of slots in
-C (one call, GIL released) while the store's verify, inspect and single-slot
-BlockIO.verify use format.check_slot in Python. Two definitions of "this slot
-is valid for (nsid, rank, payload length, key, layout)" can drift: a header C
-writes that Python rejects (every block a miss after a restart, or reported
-corrupt by `aiokv inspect`), or a bad block C accepts (wrong bytes loaded).
+Bug guarded against: the hot path verified whole chunks of slots in C (one
+call, GIL released) while the store's verify, inspect and single-slot
+BlockIO.verify used a second definition, format.check_slot in Python. Two
+definitions of "this slot is valid for (nsid, rank, payload length, key,
+layout)" can drift: a header C writes that Python rejects (every block a miss
+after a restart, or reported corrupt by `aiokv inspect`), or a bad block C
+accepts (wrong bytes loaded). Another drift: _native.stamp_slots writing other
+bytes than format.pack_header.
 Invariant: _native.stamp_slots writes exactly format.pack_header's bytes (and
-zeroes the rest of the header); _native.verify_slots gives, for a valid slot and
-for every kind of bad one, the verdict format.check_slot gives (its reason
-starts with SLOT_REASONS[verdict]); with skip_payload (the payload CRC checked
-in the device copy instead) the verdict is format.check_header's.
-Fix: one layout (format._HDR, mirrored by HDR_OFF_* in native/aiokv_native.c)
-and one order of checks, pinned here.
+zeroes the rest of the header); for a valid slot and every kind of bad one,
+format.check_slot (one slot) and _native.verify_slots (a batch) give the same
+verdict, in the order docs/format.md gives, named by SLOT_REASONS; with
+skip_payload (the payload CRC checked in the device copy instead) the verdict
+is format.check_header's; a reader that leaves the key or layout out (None)
+has it not checked, and a buffer too short is a verdict, never a read past it.
+Fix: one check, slot_verdict in native/aiokv_native.c, behind both entries
+(_native.check_slot, _native.verify_slots); one layout (format._HDR, mirrored
+by HDR_OFF_*); its verdicts named once (format.SLOT_REASONS).
 """
 from __future__ import annotations
 
@@ -195,3 +200,59 @@ def test_header_only_verdicts_equal_check_header(pool):
                                     True)
         assert fmt.SLOT_REASONS[v] == ("" if want == "payload checksum" else want), (name, v)
         assert py.startswith(fmt.SLOT_REASONS[v]) and (py == "") == (v == 0), (name, py)
+
+
+def test_a_reader_may_leave_key_and_layout_out(pool):
+    """key or layout None (scan's header-only reads, inspect): that field is not
+    checked, every other one is, in the same order."""
+    for name, addr, ask, want in _spoiled_cases(pool, 400):
+        view = (ctypes.c_char * SB).from_address(addr)
+        for leave in ("k", "layout"):
+            got = _python_reason(addr, **{**ask, leave: None})
+            skipped = {"k": "header names another key", "layout": "header names another layout"}[leave]
+            assert got.startswith("" if want == skipped else want) and (got == "") == (want in ("", skipped)), \
+                (name, leave, got)
+        if not want:
+            h = fmt.check_slot(view, NS, RANK, PAYLOAD)
+            assert (h["key"], h["layout"], h["payload_len"], h["rank"], h["nsid"]) == (K, LAYOUT, PAYLOAD, RANK, NS)
+
+
+def test_short_buffers_and_odd_keys_are_verdicts(pool):
+    addr = _fill(pool, 0, 500)
+    _stamp([addr], [K])
+    whole = ctypes.string_at(addr, SB)
+    for raw, want in ((whole[:fmt.HDR_USED - 1], "header short"), (b"", "header short"),
+                      (whole[:fmt.HEADER_BYTES + PAYLOAD - 1], "payload short"),
+                      (whole[:fmt.HEADER_BYTES - 1], "payload short"), (whole[:fmt.HEADER_BYTES + PAYLOAD], "")):
+        try:
+            fmt.check_slot(raw, NS, RANK, PAYLOAD, K, LAYOUT)
+            got = ""
+        except fmt.BadBlock as e:
+            got = str(e)
+        assert got == want, (len(raw), got)
+    # the header alone needs only its own bytes
+    assert fmt.check_header(whole[:fmt.HDR_USED], NS, RANK, PAYLOAD, K, LAYOUT)["key"] == K
+    assert fmt.unpack_header(whole[:fmt.HDR_USED])["key"] == K
+    # a key given as any buffer is compared by its bytes; one longer than any header's never matches
+    assert fmt.check_slot(whole, NS, RANK, PAYLOAD, bytearray(K), LAYOUT)["key"] == K
+    with pytest.raises(fmt.BadBlock, match="^header names another key$"):
+        fmt.check_slot(whole, NS, RANK, PAYLOAD, K + b"x", LAYOUT)
+    with pytest.raises(ValueError, match="nsid must be 16 bytes"):
+        fmt.check_slot(whole, NS[:8], RANK, PAYLOAD, K, LAYOUT)
+
+
+def test_unpack_header_checks_only_the_header_itself(pool):
+    """unpack_header: the first checks (length, header CRC, magic, version), none of the reader's."""
+    cases = _spoiled_cases(pool, 600)
+    own = ("", "header short", "header checksum", "magic", "format version")
+    for name, addr, ask, want in cases:
+        raw = ctypes.string_at(addr, fmt.HDR_USED)
+        try:
+            fmt.unpack_header(raw)
+            got = ""
+        except fmt.BadBlock as e:
+            got = str(e)
+        assert got.startswith(want if want in own else "") and (got == "") == (want not in own[1:]), (name, got)
+    version = next(addr for name, addr, _, _ in cases if name == "version")
+    with pytest.raises(fmt.BadBlock, match="^format version 2$"):
+        fmt.unpack_header(ctypes.string_at(version, fmt.HDR_USED))

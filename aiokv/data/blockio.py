@@ -276,8 +276,9 @@ class BlockIO:
 
     async def _checked(self, items, res, payload_checked: bool = True) -> list[int]:
         """Per-item result of reads: the slots that arrived whole are verified in
-        one native call (format.check_slot's checks, GIL released; without the
-        payload CRC unless payload_checked), then their MACs."""
+        one native call (the slot check format.check_slot makes, over the batch,
+        GIL released; without the payload CRC unless payload_checked), then their
+        MACs."""
         sb, n = self.slot_bytes, len(res)
         whole = range(n) if res.count(sb) == n else [i for i, r in enumerate(res) if r == sb]
         out = [r if r < 0 else -errno.EIO for r in res]

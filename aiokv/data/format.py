@@ -127,34 +127,50 @@ class BadBlock(Exception):
     """A slot whose header or payload does not verify; reason says which check."""
 
 
-def unpack_header(raw: bytes) -> dict:
-    """Parse a header (magic, version, header CRC) without comparing it to expectations."""
-    if len(raw) < HDR_USED:
-        raise BadBlock("header short")
-    body, (crc,) = raw[:_HDR.size], _HDR_CRC.unpack_from(raw, _HDR.size)
-    if _native.crc32c_bytes(body) != crc:
-        raise BadBlock("header checksum")
-    magic, ver, hbytes, rank, nsid, klen, pcrc, plen, key, seq, layout = _HDR.unpack(body)
-    if magic != BLOCK_MAGIC:
-        raise BadBlock("magic")
-    if ver != FILE_VERSION or hbytes != HEADER_BYTES:
-        raise BadBlock(f"format version {ver}")
+# The one slot check is native (native/aiokv_native.c, slot_verdict): one slot
+# here (check_slot, check_header, unpack_header: _native.check_slot), a batch of
+# staging slots in BlockIO (_native.verify_slots, GIL released). Both answer a
+# verdict: 0 (valid) or the first check failed, in the order checked; this is
+# the one place a verdict is named (the start of BadBlock's reason). The C side
+# (HDR_OFF_*) writes and reads the _HDR layout above byte for byte.
+SLOT_REASONS = ("", "header short", "header checksum", "magic", "format version", "header names another layout",
+                "header names another nsid", "header names another rank", "header names another key",
+                "header names another payload len", "payload short", "payload checksum")
+if len(SLOT_REASONS) != _native.SLOT_VERDICTS:
+    raise ImportError("aiokv: aiokv._native was built from another format.py; rebuild it (pip install -e .)")
+_NO_NSID = bytes(NSID_BYTES)
+
+
+def slot_reason(verdict: int, slot) -> str:
+    """BadBlock's reason for a verdict of the slot check on `slot` (its buffer)."""
+    reason = SLOT_REASONS[verdict]
+    if reason == "format version":  # the header is whole (its CRC matched): say which version
+        reason += f" {_HDR.unpack_from(slot)[1]}"
+    return reason
+
+
+def _checked(slot, upto: int, nsid: bytes, rank: int, payload_len: int, key, layout) -> dict:
+    verdict = _native.check_slot(slot, nsid, rank, payload_len, key, layout, upto)
+    if verdict:
+        raise BadBlock(slot_reason(verdict, slot))
+    magic, ver, hbytes, rank, nsid, klen, pcrc, plen, key, seq, layout = _HDR.unpack_from(slot)
     return {"rank": rank, "nsid": nsid, "key": key[:klen], "payload_crc": pcrc, "payload_len": plen, "seq": seq,
             "layout": layout}
 
 
-def check_header(raw: bytes, nsid: bytes, rank: int, payload_len: int, key: bytes | None = None,
+def unpack_header(raw) -> dict:
+    """Parse a header after its own checks (length, header CRC, magic, version),
+    without comparing it to expectations. Returns its fields; raises BadBlock."""
+    return _checked(raw, _native.CHECK_SELF, _NO_NSID, 0, 0, None, None)
+
+
+def check_header(raw, nsid: bytes, rank: int, payload_len: int, key: bytes | None = None,
                  layout: int | None = None) -> dict:
-    """The one check of a slot header, for every reader (BlockIO, the store's
-    scan and verify, inspect): parse it, then compare it with what the reader
-    expects (key or layout None: any). Returns the header; raises BadBlock
+    """The slot check without its payload: unpack_header's checks, then the
+    header against what the reader expects (layout, nsid, rank, key, payload
+    length; key or layout None: any). Returns the header; raises BadBlock
     naming the first mismatch."""
-    h = unpack_header(raw)
-    for field, want in (("layout", layout), ("nsid", nsid), ("rank", rank), ("key", key),
-                        ("payload_len", payload_len)):
-        if want is not None and h[field] != want:
-            raise BadBlock(f"header names another {field.replace('_', ' ')}")
-    return h
+    return _checked(raw, _native.CHECK_HEADER, nsid, rank, payload_len, key, layout)
 
 
 def check_slot(slot, nsid: bytes, rank: int, payload_len: int, key: bytes | None = None,
@@ -162,25 +178,9 @@ def check_slot(slot, nsid: bytes, rank: int, payload_len: int, key: bytes | None
     """The one check that a whole slot is valid for (nsid, rank, payload_len,
     key, layout): its header (check_header) and its payload's CRC32C. `slot` is
     any buffer of at least HEADER_BYTES + payload_len bytes (bytes, or ctypes
-    memory over a staging slot). Every reader calls this, or for a batch of
-    slots _native.verify_slots, which does the same checks in the same order
-    and answers with an index into SLOT_REASONS (tests pin the two together).
-    Returns the header; raises BadBlock naming the first failed check."""
-    view = memoryview(slot).cast("B")
-    h = check_header(bytes(view[:HDR_USED]), nsid, rank, payload_len, key, layout)
-    if len(view) < HEADER_BYTES + payload_len:
-        raise BadBlock("payload short")
-    if _native.crc32c_bytes(view[HEADER_BYTES:HEADER_BYTES + payload_len]) != h["payload_crc"]:
-        raise BadBlock("payload checksum")
-    return h
-
-
-# What _native.verify_slots answers per slot: the first check failed, as the
-# start of check_slot's BadBlock reason ("" : valid). The C side (native/
-# aiokv_native.c, HDR_OFF_*) writes and reads the _HDR layout above byte for byte.
-SLOT_REASONS = ("", "header checksum", "magic", "format version", "header names another layout",
-                "header names another nsid", "header names another rank", "header names another key",
-                "header names another payload len", "payload checksum")
+    memory over a staging slot). Returns the header; raises BadBlock naming the
+    first failed check."""
+    return _checked(slot, _native.CHECK_SLOT, nsid, rank, payload_len, key, layout)
 
 
 def check_namespace(info, nsid: bytes) -> tuple[int, int, int, dict]:

@@ -1,7 +1,8 @@
 """Data files and slots, for every reader and writer of them: the one opener of a
 data file (`open_data_file`, in an engine's directory opened by
 `open_engine_dir`), the one check of a slot's bytes (`check_slot`: the on-disk
-format's rules, format.check_slot, then the MAC with a secret) and the one
+format's rules, format.check_slot: the native slot check, then the MAC with a
+secret; BlockIO checks a batch by the same native check, then mac_ok) and the one
 slot reader of an open file (`read_slot`). BlockIO (blockio.py, the workers'
 data path), the store's scan and verify (aiokv/store/scan.py) and `aiokv inspect
 --verify` go through them; the file's name is format.data_file.
@@ -67,7 +68,8 @@ def check_slot(slot, nsid: bytes, rank: int, payload_bytes: int, key: bytes | No
     format's rules (format.check_slot: header, then payload CRC32C; key or layout
     None: any), then, with a secret's key, the MAC. `slot` is any buffer of a whole
     slot. Returns the header; raises BadBlock naming the first failed check. (A
-    batch of staging slots is checked by _native.verify_slots, the same checks.)"""
+    batch of staging slots: _native.verify_slots, the same native check, then
+    mac_ok.)"""
     h = fmt.check_slot(slot, nsid, rank, payload_bytes, key, layout)
     if mac_key is not None and not mac_ok(slot, payload_bytes, mac_key):
         raise fmt.BadBlock("MAC")

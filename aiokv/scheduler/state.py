@@ -10,6 +10,7 @@ import dataclasses
 
 from aiokv.scheduler.layout import GroupSpec
 from aiokv.store.index import Namespace
+from aiokv.util import counters
 
 
 @dataclasses.dataclass
@@ -38,18 +39,5 @@ class Req:
     next_save: list[int] = dataclasses.field(default_factory=list)  # per group: first block not yet considered
 
 
-@dataclasses.dataclass
-class SchedulerCounters:
-    hit_requests: int = 0
-    hit_blocks: int = 0
-    hit_tokens: int = 0
-    load_blocks: int = 0      # blocks in the loads of every KV-cache group (hit_blocks when there is one)
-    saves_planned: int = 0
-    saves_committed: int = 0
-    save_failures: int = 0
-    load_bad_blocks: int = 0
-    loads_cancelled: int = 0
-    breaker_opens: int = 0
-    saves_skipped_breaker: int = 0
-    remote_hit_blocks: int = 0
-    reports_ignored: int = 0  # worker results for a job (or a block of it) no longer held: 0 expected
+# what the scheduler side counts: one int per SCHEDULER row of the table of counters
+SchedulerCounters = counters.record("SchedulerCounters", counters.SCHEDULER, __name__)

@@ -66,7 +66,6 @@ in one process use tools/storeio.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
@@ -84,22 +83,17 @@ from aiokv.store.reclaim import Reclaim
 from aiokv.store.replay import Replay
 from aiokv.store.scan import Scan
 from aiokv.store.space import Space
+from aiokv.util import counters
 
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
 WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight (io_thread)
 log = logging.getLogger("aiokv")
 
 
-@dataclasses.dataclass
-class StoreStats:
-    commits: int = 0
-    save_failures: int = 0      # reservations aborted (I/O error in a writer)
-    skipped_no_space: int = 0   # saves skipped: nothing evictable or disk full
-    enospc: int = 0             # ENOSPC seen while reserving disk space
-    evictions: int = 0
-    corrupt_dropped: int = 0    # blocks that failed verification or I/O on read
-    # Loads are counted where they happen: the workers' reports (the Store is
-    # not on the load path).
+# what the store counts: one int per STORE row of the table of counters, named
+# less "store_". Loads are counted where they happen: the workers' reports (the
+# Store is not on the load path).
+StoreStats = counters.record("StoreStats", counters.STORE, __name__, prefix=counters.STORE_PREFIX)
 
 
 def _part(part: str, name: str) -> property:

@@ -5,7 +5,9 @@ handed and the connector's counters()), its kind, where it is counted, and
 either the Prometheus series it becomes (`vllm:aiokv_<series>`, with help and
 labels: aiokv/connector/metrics.py builds the series from this table) or why
 it is not one. A counter added anywhere gets a row here;
-tests/test_metrics_series_table.py holds every mechanism that counts to it.
+tests/test_metrics_series_table.py holds every mechanism that counts to it. The
+records the scheduler side and the store count into (SchedulerCounters,
+StoreStats) are built from the rows (`record`): adding one of theirs is a row.
 
 Kinds: COUNTER (adds up), GAUGE (the last value), LEVEL (a figure that goes up
 and down, reported by workers as its changes, which add up across ranks,
@@ -25,7 +27,7 @@ ranks is divided by the TP size, so a block loaded on every rank counts once.
 Byte counters are true sums over ranks.
 
 Threading contract: constant data, read by any thread; merge() works on the
-caller's dicts.
+caller's dicts; record() runs at import.
 """
 from __future__ import annotations
 
@@ -133,11 +135,11 @@ TABLE: tuple[Row, ...] = (
     _no("saves_ok_blocks", WORKER, "per-rank twin of saved_blocks (which counts a block once all ranks wrote it)"),
     _no("save_failed_blocks", WORKER, "per-rank twin of save_failed_blocks (save_failures, counted once per block)"),
     _no("load_cancelled_blocks", WORKER, "blocks of cancelled loads: loads_cancelled counts the loads"),
-    _no("store_commits", STORE, "the same as saves_committed"),
+    _no("store_commits", STORE, "the same as saves_committed"),  # blocks the store committed
     _no("load_staging_stuck", WORKER, "loads failed at once because every staging slot waits for a hung disk: "
                                       "part of load_failed_blocks, and the breaker's io_errors tell the cause"),
-    _no("store_save_failures", STORE, "the same as save_failures"),
-    _no("store_corrupt_dropped", STORE, "the same as load_failures{cause=corrupt}"),
+    _no("store_save_failures", STORE, "the same as save_failures"),  # reservations aborted (I/O error in a writer)
+    _no("store_corrupt_dropped", STORE, "the same as load_failures{cause=corrupt}"),  # failed verification or I/O
     _no("reports_ignored", SCHEDULER, "worker results for jobs the scheduler side no longer holds: a check, 0 expected"),
     # the bucket tier (docs/sharing.md): in the connector's counters; no series yet
     _no("remote_hit_blocks", SCHEDULER, _BUCKET),
@@ -174,6 +176,24 @@ def merge(into: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return into
 
 
+def record(cls_name: str, source: str, module: str, prefix: str = "") -> type:
+    """The dataclass a place counts into (SchedulerCounters, StoreStats): one int
+    field, 0 at first, per counter the table says is counted at `source`, named
+    by its key less `prefix`; so a counter added there is one row here. Built
+    once, at import of `module` (the defining module's name, for repr and pickle)."""
+    keys = names(source)
+    if not all(k.startswith(prefix) for k in keys):
+        raise ValueError(f"aiokv: every counter at {source} is named {prefix}<name>: {keys}")
+    fields = [(k.removeprefix(prefix), int, dataclasses.field(default=0)) for k in keys]
+    cls = dataclasses.make_dataclass(cls_name, fields)
+    cls.__module__ = module
+    cls.__doc__ = f"The counters counted at {source}: built from the table of counters (aiokv/util/counters.py)."
+    return cls
+
+
+STORE_PREFIX = "store_"  # the store's counters are keyed store_<its StoreStats field>
+
+
 def store_counters(stats) -> dict[str, int]:
     """The store's stats (StoreStats) under their table names, `store_<name>`."""
-    return {f"store_{k}": v for k, v in vars(stats).items()}
+    return {STORE_PREFIX + k: v for k, v in vars(stats).items()}
