@@ -27,9 +27,9 @@ class Transfer:
     slots: list[int]      # store locations: engine << 32 | slot (format.split), the same in every rank's file
     block_ids: list[int]  # vLLM KV block ids
     group: int = 0        # vLLM KV-cache group (aiokv/scheduler/layout.py): its own store namespace
-    # loads: True where the block comes from the shared tier (docs/sharing.md); its slot
+    # loads: True where the block comes from the bucket tier (docs/sharing.md); its slot
     # is then a fresh reservation the worker writes through to and reports as saved
-    remote: list[bool] = dataclasses.field(default_factory=list)
+    from_bucket: list[bool] = dataclasses.field(default_factory=list)
     job: int = 0          # the scheduler side's id for it (from 1, never reused); results name it
 
 
@@ -49,7 +49,7 @@ class StepPlan:
 @dataclasses.dataclass
 class SaveResult:
     """Blocks of one job a rank wrote, or did not (a save, or a load's write-through of
-    blocks from the shared tier; a part of a job may be reported in each of several steps)."""
+    blocks from the bucket tier; a part of a job may be reported in each of several steps)."""
 
     job: int
     rank: int

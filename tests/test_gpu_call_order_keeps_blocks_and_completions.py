@@ -557,7 +557,7 @@ def test_gpu_call_order_keeps_blocks_and_completions(case, tiny_model, tmp_path)
         f"get_finished waited {busy_calls} times ({busy_s * 1e3:.1f} ms) on {runner.steps['busy']} steps that compute"
     assert runner.steps["idle"] > 0 and runner.waits["idle"][0] > 0, (runner.steps, runner.waits)
 
-    # hits are labelled by their tier: the local cache directory is "disk" (no shared tier here)
+    # hits are labelled by their tier: the local cache directory is "disk" (no bucket tier here)
     assert set(engine.hit_sources) == {"disk"} and engine.hit_sources["disk"] > 0, engine.hit_sources
 
     # nothing left behind: pins, reservations, staging slots, vLLM blocks

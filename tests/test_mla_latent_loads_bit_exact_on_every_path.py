@@ -144,17 +144,17 @@ def test_the_latent_loads_layer_by_layer(tmp_path, backend_kind):
 def test_the_latent_loads_from_the_bucket_on_another_node(tmp_path, s3env):
     rank0, rank1 = _latent(0), _latent(1)
     url = s3env.url("mla")
-    w0 = _worker(str(tmp_path / "node-a"), rank0, shared=BucketClient(url, timeout=5))
+    w0 = _worker(str(tmp_path / "node-a"), rank0, bucket=BucketClient(url, timeout=5))
     try:
         _save(w0)
     finally:
         w0.close()  # flushes the uploads
     other = str(tmp_path / "node-b")  # nothing on this node's disk
-    w = _worker(other, rank1, shared=BucketClient(url, timeout=5))
+    w = _worker(other, rank1, bucket=BucketClient(url, timeout=5))
     try:
-        w.load([Transfer("r", [key(i) for i in range(N)], list(range(N)), DST, remote=[True] * N)])
+        w.load([Transfer("r", [key(i) for i in range(N)], list(range(N)), DST, from_bucket=[True] * N)])
         errors, c, saved = _poll_until(w, "r")
-        assert not errors and c["remote_loaded_blocks"] == N, c
+        assert not errors and c["bucket_loaded_blocks"] == N, c
         w.drain(30)  # the write-through of what arrived
         saved += w.poll()[2].written()
         assert len(saved) == N, saved

@@ -20,7 +20,7 @@ from aiokv.bucket.naming import object_name
 OK, MISSING, BAD, UNAVAILABLE = "ok", "missing", "bad", "unavailable"
 
 
-class RemoteLoader:
+class BucketLoader:
     def __init__(self, client: BucketClient, nsid: bytes, rank: int, slot_bytes: int):
         self.client = client
         self.nsid = nsid

@@ -51,5 +51,5 @@ class SchedulerCounters:
     loads_cancelled: int = 0
     breaker_opens: int = 0
     saves_skipped_breaker: int = 0
-    remote_hit_blocks: int = 0
+    bucket_hit_blocks: int = 0
     reports_ignored: int = 0  # worker results for a job (or a block of it) no longer held: 0 expected

@@ -140,12 +140,12 @@ TABLE: tuple[Row, ...] = (
     _no("store_corrupt_dropped", STORE, "the same as load_failures{cause=corrupt}"),
     _no("reports_ignored", SCHEDULER, "worker results for jobs the scheduler side no longer holds: a check, 0 expected"),
     # the bucket tier (docs/sharing.md): in the connector's counters; no series yet
-    _no("remote_hit_blocks", SCHEDULER, _BUCKET),
+    _no("bucket_hit_blocks", SCHEDULER, _BUCKET),
     *(_no(k, WORKER, _BUCKET) for k in (
-        "remote_loaded_blocks", "remote_missed_blocks", "remote_bad_blocks", "uploaded", "upload_bytes",
+        "bucket_loaded_blocks", "bucket_missed_blocks", "bucket_bad_blocks", "uploaded", "upload_bytes",
         "upload_already_there", "upload_failed", "upload_replaced_bad", "upload_dropped_queue_full",
         "upload_dropped_unavailable", "upload_dropped_at_close")),
-    *(_no(k, BUCKET, _BUCKET) for k in ("shared_probes", "shared_probe_gave_up", "shared_breaker_opened")),
+    *(_no(k, BUCKET, _BUCKET) for k in ("bucket_probes", "bucket_probe_gave_up", "bucket_breaker_opened")),
     # the state of this instance (counters() only)
     *(_no(k, STATE, _STATE, GAUGE) for k in (
         "pinned", "hits_offered", "worker_in_flight", "staging_in_use",

@@ -108,7 +108,7 @@ class LayerwiseLoads:
             nb = self.device.num_blocks
             good = {b: (slot, k) for (k, _, b), slot, r in zip(todo, slots, res) if r == 0 and 0 < b < nb}
             # vLLM recomputes from a request's first block not loaded (a bad read, a key gone,
-            # a shared-tier block that did not arrive): nothing from there on is staged, or
+            # a bucket-tier block that did not arrive): nothing from there on is staged, or
             # its copy could race that recompute
             blocks = []
             for b in t.block_ids:

@@ -1,6 +1,6 @@
 """The load pipeline of one worker (loop thread): per request, blocks kept in
 host memory are copied in from there, the others read from the data file (or
-fetched from the shared tier), verified and copied into the KV cache; then the
+fetched from the bucket tier), verified and copied into the KV cache; then the
 request is reported finished, with the block ids that failed.
 
   io_uring read -> verify -> staging -> device copy -> report
@@ -39,8 +39,8 @@ class Loads:
         self.staging = staging
         self.reads = reads        # reads into staging, copies into the KV cache (worker/reads.py)
         self.results = results
-        self.saves = saves        # write-through of blocks from the shared tier
-        self.life = life          # the data file, the shared tier (worker/lifecycle.py)
+        self.saves = saves        # write-through of blocks from the bucket tier
+        self.life = life          # the data file, the bucket tier (worker/lifecycle.py)
         self.layers = layers      # LayerwiseLoads or None
         self.rank = rank
         self.slot_bytes = slot_bytes  # this group's slot image (a staging slot may be larger)
@@ -100,11 +100,11 @@ class Loads:
 
     async def _load_body(self, t: Transfer, failed: set, bad_keys: list) -> None:
         # no slot: nothing to read; block 0 is vLLM's null block and is never written
-        flags = t.remote or [False] * len(t.keys)
+        flags = t.from_bucket or [False] * len(t.keys)
         todo = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if s >= 0 and b > 0 and not r]
-        remote = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if r]
-        if remote:
-            await self._load_remote(t, remote, failed, bad_keys)
+        from_bucket = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if r]
+        if from_bucket:
+            await self._load_from_bucket(t, from_bucket, failed, bad_keys)
         held = self.staging.take_kept([k for k, _, _ in todo], self.reads.ns)  # kept in host memory: no disk read
         mem = [(k, b, slot) for (k, _, b), slot in zip(todo, held) if slot is not None]
         if mem:
@@ -149,8 +149,8 @@ class Loads:
                 self.staging.release([st for st in slots if st not in kept_slots])
             i += len(chunk)
 
-    async def _load_remote(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
-        """Blocks from the shared tier: GET → verify → device; then, without holding up
+    async def _load_from_bucket(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
+        """Blocks from the bucket tier: GET → verify → device; then, without holding up
         the load, written through to their reserved local slots as a save job (committed
         by the scheduler once every rank wrote its part). A block that does not arrive or
         verify is a load failure (recomputed) and its reservation is given back; whatever
@@ -164,13 +164,13 @@ class Loads:
                 handed: list[int] = []
                 try:
                     addr, verify = self.staging.addr, self.life.blockio().verify
-                    got = await asyncio.gather(*(self.life.remote.fetch(k, addr(st), verify)
+                    got = await asyncio.gather(*(self.life.bucket_loader.fetch(k, addr(st), verify)
                                                  for (k, _, _), st in zip(chunk, slots)))
                     good = [(item, st) for item, st, g in zip(chunk, slots, got) if g == "ok"]
                     bad_keys += [(k, s, t.group) for (k, s, _), g in zip(chunk, got) if g == "bad"]
                     bad = sum(g == "bad" for g in got)  # arrived but did not verify: tampered, foreign
-                    self.results.count(remote_loaded_blocks=len(good), remote_bad_blocks=bad,
-                                remote_missed_blocks=len(chunk) - len(good) - bad)
+                    self.results.count(bucket_loaded_blocks=len(good), bucket_bad_blocks=bad,
+                                bucket_missed_blocks=len(chunk) - len(good) - bad)
                     if good:
                         await self.reads.copy_in([b for (_, _, b), _ in good], [st for _, st in good])
                         failed.difference_update(b for (_, _, b), _ in good)
@@ -189,7 +189,7 @@ class Loads:
             self._give_back(t, [(k, s) for k, s, _ in todo if k not in reported])
 
     def _give_back(self, t: Transfer, items: list[tuple[bytes, int]]) -> None:
-        """Reservations for shared blocks that were not loaded: released by the
+        """Reservations for bucket blocks that were not loaded: released by the
         scheduler (reported as not written), not counted as failed saves."""
         if items:
             self.results.save_done(None, WorkerReport(saves=[SaveResult(t.job, self.rank, [], [k for k, _ in items])]))

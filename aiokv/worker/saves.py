@@ -34,7 +34,7 @@ class Saves:
         self.device = device
         self.staging = staging
         self.results = results
-        self.life = life  # the loop, the data file, the shared tier's uploader (worker/lifecycle.py)
+        self.life = life  # the loop, the data file, the bucket tier's uploader (worker/lifecycle.py)
         self.rank = rank
         self.slot_bytes = slot_bytes  # this group's slot image (a staging slot may be larger)
         self.ns = None  # the memory tier's name for this group's keys (set by TransferWorker)
@@ -79,7 +79,7 @@ class Saves:
         asyncio.ensure_future(self._save(job, t, slots, crc_ready=self.fused))
 
     def write_through(self, t: Transfer, slots: list[int]) -> None:
-        """A save job of blocks just loaded from the shared tier; it owns `slots`."""
+        """A save job of blocks just loaded from the bucket tier; it owns `slots`."""
         job = self.results.next_job()
         self.results.started(job, t)
         asyncio.ensure_future(self._save(job, t, slots, upload=False))
@@ -100,7 +100,7 @@ class Saves:
             if upload and uploader is not None:  # write-behind: a copy of each block written, queued (or dropped)
                 for k, b, r in zip(t.keys, slots, res):
                     if r == 0:
-                        uploader.offer(self.life.remote.name(k), ctypes.string_at(addr(b), self.slot_bytes))
+                        uploader.offer(self.life.bucket_loader.name(k), ctypes.string_at(addr(b), self.slot_bytes))
         except asyncio.TimeoutError:
             # dropped from the step's accounting; a write that lands later in a slot the
             # store has given to another key fails that key's verification (a miss)

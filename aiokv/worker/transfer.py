@@ -75,7 +75,7 @@ class TransferWorker:
     they are the host's business and ignored here)."""
 
     def __init__(self, device, ns_dir: str, nsid: bytes, rank: int, staging_bytes: int, io: str = "auto",
-                 queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0, shared=None,
+                 queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0, bucket=None,
                  upload_queue: int = 256 << 20, flush_timeout: float = 10.0, secret: str | None = None,
                  memory_bytes: int = 0, layerwise: bool = False, checksum_threads: int | None = None,
                  host: WorkerHost | None = None):
@@ -102,7 +102,7 @@ class TransferWorker:
             # payload CRCs inside the device copies; with a secret the MAC reads the payload anyway
             fused = self.device.fuses_checksums and self.secret is None
             self.life = Lifecycle(host, device, self._count, ns_dir, nsid, rank, slot_bytes, io, queue_depth,
-                                  secret, shared, upload_queue, flush_timeout)
+                                  secret, bucket, upload_queue, flush_timeout)
         except BaseException:
             # nothing may outlive a worker that did not start: loop thread, arena, pinning
             # (a shared host gives them back when its owner closes it)
@@ -246,7 +246,7 @@ class TransferWorker:
             time.sleep(0.001)
 
     def close(self) -> None:
-        """Returns within about CLOSE_DRAIN_S + 10 s (+ flush_timeout with a shared tier),
+        """Returns within about CLOSE_DRAIN_S + 10 s (+ flush_timeout with a bucket tier),
         even with I/O stuck in the kernel. A shared host is closed by its owner, after its groups."""
         self.life.close(self.loads.cancel_all, self.drain)
         if self._owns_host:
