@@ -169,9 +169,9 @@ class Runner:
 
         real_in, real_layer = dev.copy_in, dev.copy_in_layer
 
-        def copy_in(block_ids, slots, checksum=False):
+        def copy_in(block_ids, slots, crc_in_copy=False):
             check(block_ids)
-            out = real_in(block_ids, slots, checksum=checksum)
+            out = real_in(block_ids, slots, crc_in_copy=crc_in_copy)
             check(block_ids)  # still nobody else's once the bytes have landed
             return out
 

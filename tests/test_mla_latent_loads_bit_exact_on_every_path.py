@@ -9,7 +9,7 @@ a rank other than 0 reading a file or a layout that is not the one rank 0 wrote.
 Invariant: latent blocks laid out as vLLM's MLA backends lay them (per layer
 `[blocks, block_size, kv_lora_rank + rope_dim = 576]`, bf16) saved by storage rank 0 alone (one data
 file, rank0.data) load bit-exact into other blocks of another rank's KV tensors: from disk (the
-payload checked inside the fused CPU copy, and in the separate pass when a `secret` MACs it), from
+payload CRC checked inside the CPU device copy, and in the separate pass when a `secret` MACs it), from
 the memory tier, layer by layer, and from the bucket tier into another node's directory.
 """
 from __future__ import annotations
@@ -80,13 +80,13 @@ def _data_files(root: str) -> list[str]:
     return sorted(f for f in os.listdir(ns_dir(root, NS)) if f.endswith(".data"))
 
 
-@pytest.mark.parametrize("secret", [None, "a-secret"], ids=["fused-crc", "separate-pass-mac"])
+@pytest.mark.parametrize("secret", [None, "a-secret"], ids=["crc-in-copy", "separate-pass-mac"])
 def test_every_rank_loads_rank0s_latent_from_disk(tmp_path, backend_kind, secret):
     root = str(tmp_path)
     rank0, rank1 = _latent(0), _latent(1)
     w0 = _worker(root, rank0, secret=secret)
     try:
-        assert w0.device.fuses_checksums, "the latent layout is copied by the fused CPU path"
+        assert w0.device.crc_in_copy, "the latent layout is copied with the CRC in the CPU copy"
         _save(w0)
     finally:
         w0.close()

@@ -18,16 +18,16 @@ Two implementations of one interface:
   copy_in scatters on the side stream and synchronises before the load is
   reported. Checked by tools/gpu_check.py on a CUDA machine.
 
-Fused checksums (`fuses_checksums`): a device whose copies pass every byte
+The CRC in the copy (`crc_in_copy`): a device whose copies pass every byte
 through the CPU anyway (CpuDevice with contiguous blocks) computes the payload
 CRC32C inside them, a cache-sized piece at a time, instead of a second pass
-over the slot in BlockIO. copy_out(..., checksum=True) leaves each payload's CRC
-in its header's payload-CRC field (then BlockIO.write(..., crc_ready=True));
-copy_in(..., checksum=True) copies and returns, per block, whether the payload
-matched the CRC in its header (after BlockIO.read(..., payload_checked=False)).
+over the slot in BlockIO. copy_out(..., crc_in_copy=True) leaves each payload's CRC
+in its header's payload-CRC field (then BlockIO.write(..., crc_in_copy=True));
+copy_in(..., crc_in_copy=True) copies and returns, per block, whether the payload
+matched the CRC in its header (after BlockIO.read(..., crc_in_copy=True)).
 A block that did not match has been copied all the same: the caller must
 report it as a failed load. Other devices (the torch-gather fallback, CUDA)
-have fuses_checksums False and are never asked.
+have crc_in_copy False and are never asked.
 
 Layer by layer (aiokv/worker/layerwise.py): copy_in_layer (CPU) copies one
 layer of verified blocks; copy_in_layer_async (CUDA) queues one layer's copies
@@ -85,7 +85,7 @@ class Device:
     """Copies blocks of the registered layers to and from staging slots."""
 
     asynchronous = False  # True: copy_out returns before the bytes are in staging
-    fuses_checksums = False  # True: copy_out/copy_in take checksum=True (set by attach)
+    crc_in_copy = False  # True: copy_out/copy_in take crc_in_copy=True (set by attach)
     # default count of threads that checksum off the worker's loop thread (TransferWorker)
     checksum_threads = 0
 
@@ -113,9 +113,9 @@ class Device:
             yield layer, off, off + layer.nbytes
             off += layer.nbytes
 
-    def copy_out(self, block_ids: list[int], slots: list[int], checksum: bool = False) -> None:
-        """KV blocks -> staging slots' payloads; checksum (only where fuses_checksums):
-        each payload's CRC32C is also left in its slot's header, for BlockIO.write(crc_ready=True)."""
+    def copy_out(self, block_ids: list[int], slots: list[int], crc_in_copy: bool = False) -> None:
+        """KV blocks -> staging slots' payloads; crc_in_copy (only where the device has it):
+        each payload's CRC32C is also left in its slot's header, for BlockIO.write(crc_in_copy=True)."""
         raise NotImplementedError
 
     def wait_out(self) -> None:
@@ -127,8 +127,8 @@ class Device:
     def before_loads(self) -> None:
         """Called on vLLM's thread when loads are handed to the loop (orders them after its kernels)."""
 
-    def copy_in(self, block_ids: list[int], slots: list[int], checksum: bool = False) -> list[bool] | None:
-        """Staging slots' payloads -> KV blocks. checksum (only where fuses_checksums):
+    def copy_in(self, block_ids: list[int], slots: list[int], crc_in_copy: bool = False) -> list[bool] | None:
+        """Staging slots' payloads -> KV blocks. crc_in_copy (only where the device has it):
         returns per block whether its payload matched the CRC in its slot's header
         (a block that did not was copied anyway: a failed load); else None."""
         raise NotImplementedError
@@ -154,12 +154,12 @@ class CpuDevice(Device):
                 flat.append((layer.view.data_ptr(), layer.view.stride(0) * layer.view.element_size(), a,
                              layer.nbytes))
         self._flat = flat if len(flat) == len(self.layers) and len({f[3] for f in flat}) == 1 else None
-        self.fuses_checksums = self._flat is not None
+        self.crc_in_copy = self._flat is not None
 
     def _addrs(self, block_ids, slots, flat=None, bases=False):
         """(device addresses, staging addresses, bytes per layer) as int64 arrays,
         layer-major (of the layers in `flat`, default all); with `bases`
-        (device addresses, slot addresses): the fused copies' arguments."""
+        (device addresses, slot addresses): the arguments of the copies with the CRC."""
         # raw addresses: an id out of range would be memory corruption, not an IndexError
         if len(block_ids) != len(slots) or min(block_ids) < 0 or max(block_ids) >= self.num_blocks \
                 or min(slots) < 0 or max(slots) >= self.pool.count:
@@ -173,23 +173,23 @@ class CpuDevice(Device):
         stg = torch.cat([rows + col for _, _, col, _ in flat])
         return _raw(dev), _raw(stg), self._flat[0][3]
 
-    def copy_out(self, block_ids, slots, checksum=False):
-        if checksum:
-            dev, stg = self._fused_addrs(block_ids, slots)
+    def copy_out(self, block_ids, slots, crc_in_copy=False):
+        if crc_in_copy:
+            dev, stg = self._crc_addrs(block_ids, slots)
             _native.memcpy_crc_out(stg, dev, self._flat[0][3])
         else:
             self._copy(block_ids, slots, out=True)
 
-    def copy_in(self, block_ids, slots, checksum=False):
-        if checksum:
-            dev, stg = self._fused_addrs(block_ids, slots)
+    def copy_in(self, block_ids, slots, crc_in_copy=False):
+        if crc_in_copy:
+            dev, stg = self._crc_addrs(block_ids, slots)
             return [v == 0 for v in _native.memcpy_crc_in(dev, stg, self._flat[0][3])]
         self._copy(block_ids, slots, out=False)
 
-    def _fused_addrs(self, block_ids, slots):
-        if not self.fuses_checksums:
+    def _crc_addrs(self, block_ids, slots):
+        if not self.crc_in_copy:
             raise ValueError("aiokv: this KV layout is copied by torch, without checksums; "
-                             "call copy_out/copy_in with checksum=False")
+                             "call copy_out/copy_in with crc_in_copy=False")
         return self._addrs(block_ids, slots, bases=True)
 
     def copy_in_layer(self, index, block_ids, slots):
@@ -257,7 +257,7 @@ class CudaDevice(Device):
         with torch.cuda.stream(self.out_stream):  # its memory belongs to the copy stream
             self._gather = torch.empty(rows, self.payload_bytes, dtype=torch.uint8, device=self.device)
 
-    def copy_out(self, block_ids, slots, checksum=False):  # never fuses: checksum is never True here
+    def copy_out(self, block_ids, slots, crc_in_copy=False):  # crc_in_copy is never True here
         h = fmt.HEADER_BYTES
         compute = torch.cuda.current_stream(self.device)
         buf = self._gather
@@ -294,7 +294,7 @@ class CudaDevice(Device):
         ev.record(torch.cuda.current_stream(self.device))
         self._compute_event = ev
 
-    def copy_in(self, block_ids, slots, checksum=False):  # never fuses: checksum is never True here
+    def copy_in(self, block_ids, slots, crc_in_copy=False):  # crc_in_copy is never True here
         torch.cuda.set_device(self.device)  # called from the loop thread
         rows = torch.tensor(slots, dtype=torch.long)
         n = len(block_ids)

@@ -35,7 +35,7 @@ log = logging.getLogger("aiokv")
 
 class Loads:
     def __init__(self, staging, reads, results, saves, life, layers, rank: int, slot_bytes: int,
-                 load_timeout: float, fused: bool):
+                 load_timeout: float, crc_in_copy: bool):
         self.staging = staging
         self.reads = reads        # reads into staging, copies into the KV cache (worker/reads.py)
         self.results = results
@@ -45,7 +45,7 @@ class Loads:
         self.rank = rank
         self.slot_bytes = slot_bytes  # this group's slot image (a staging slot may be larger)
         self.load_timeout = load_timeout
-        self.fused = fused        # payload CRCs are checked in the device copy
+        self.crc_in_copy = crc_in_copy  # payload CRCs are checked in the device copy
         self._tasks: dict[str, asyncio.Task] = {}  # req -> its running load
 
     # ---- commands from vLLM's thread ----
@@ -126,12 +126,12 @@ class Loads:
             keep: list[tuple[bytes, int]] = []
             try:
                 res = await self.reads.read([(s, k, b) for (k, s, _), b in zip(chunk, slots)],
-                                            payload_checked=not self.fused)
+                                            crc_in_copy=self.crc_in_copy)
                 good = [(k, s, blk, st) for (k, s, blk), st, r in zip(chunk, slots, res) if r == 0]
                 bad_keys += [(k, s, t.group) for (k, s, _), r in zip(chunk, res) if r != 0]
                 if good:
-                    ok = await self.reads.copy_in([g[2] for g in good], [g[3] for g in good], self.fused)
-                    # Fused: a payload that did not match its CRC was copied into its KV block
+                    ok = await self.reads.copy_in([g[2] for g in good], [g[3] for g in good], self.crc_in_copy)
+                    # CRC in the copy: a payload that did not match its CRC was copied into its KV block
                     # anyway. Safe because whole-request loads are asynchronous (the connector
                     # says load_async=True): vLLM uses the loaded blocks only up to the first
                     # failed one and recomputes the rest in place. So that block stays in

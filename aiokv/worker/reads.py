@@ -24,19 +24,19 @@ class Reads:
         self._blockio = blockio  # () -> BlockIO (opened at the first job)
         self.count = count       # count(**increments) into the worker's counters
 
-    async def read(self, items: list[tuple[int, bytes, int]], payload_checked: bool = True) -> list[int]:
+    async def read(self, items: list[tuple[int, bytes, int]], crc_in_copy: bool = False) -> list[int]:
         """Read [(store location, key, staging slot)]; per item 0 or -errno (read errors counted)."""
         addr = self.staging.addr
-        res = await self._blockio().read([(s, k, addr(b)) for s, k, b in items], payload_checked=payload_checked)
+        res = await self._blockio().read([(s, k, addr(b)) for s, k, b in items], crc_in_copy=crc_in_copy)
         self.count(read_errors=sum(r not in NOT_IO_ERRORS for r in res))
         return res
 
-    async def copy_in(self, block_ids, slots, checksum: bool = False) -> list[bool]:
-        """Per block whether it may count as loaded: always, unless `checksum` (the
+    async def copy_in(self, block_ids, slots, crc_in_copy: bool = False) -> list[bool]:
+        """Per block whether it may count as loaded: always, unless `crc_in_copy` (the
         payload CRCs are checked in the copy, Device.copy_in) found it corrupt."""
         # On the loop thread, in one go: a cancellation cannot interrupt it half-way,
         # and no hop to another thread waits for the GIL a second time.
-        if checksum:
-            return self.device.copy_in(block_ids, slots, checksum=True)
+        if crc_in_copy:
+            return self.device.copy_in(block_ids, slots, crc_in_copy=True)
         self.device.copy_in(block_ids, slots)
         return [True] * len(block_ids)

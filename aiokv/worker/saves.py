@@ -30,7 +30,7 @@ log = logging.getLogger("aiokv")
 
 class Saves:
     def __init__(self, device, staging, results, life, rank: int, slot_bytes: int, save_timeout: float,
-                 fused: bool):
+                 crc_in_copy: bool):
         self.device = device
         self.staging = staging
         self.results = results
@@ -39,7 +39,7 @@ class Saves:
         self.slot_bytes = slot_bytes  # this group's slot image (a staging slot may be larger)
         self.ns = None  # the memory tier's name for this group's keys (set by TransferWorker)
         self.save_timeout = save_timeout
-        self.fused = fused  # payload CRCs come with the device copy
+        self.crc_in_copy = crc_in_copy  # payload CRCs come with the device copy
 
     # ---- vLLM's thread ----
     def submit(self, transfers: list[Transfer], dead: bool) -> None:
@@ -59,7 +59,7 @@ class Saves:
                     continue
                 t = Transfer(t.req_id, t.keys[:take], t.slots[:take], t.block_ids[:take], t.group, job=t.job)
             try:
-                self.device.copy_out(t.block_ids, slots, checksum=self.fused)
+                self.device.copy_out(t.block_ids, slots, crc_in_copy=self.crc_in_copy)
             except Exception:
                 log.exception("aiokv: copying blocks out for a save failed; that save is dropped")
                 self.staging.release(slots)
@@ -76,7 +76,7 @@ class Saves:
 
     # ---- loop thread ----
     def start(self, job: int, t: Transfer, slots: list[int]) -> None:
-        asyncio.ensure_future(self._save(job, t, slots, crc_ready=self.fused))
+        asyncio.ensure_future(self._save(job, t, slots, crc_in_copy=self.crc_in_copy))
 
     def write_through(self, t: Transfer, slots: list[int]) -> None:
         """A save job of blocks just loaded from the bucket tier; it owns `slots`."""
@@ -85,8 +85,8 @@ class Saves:
         asyncio.ensure_future(self._save(job, t, slots, upload=False))
 
     async def _save(self, job: int, t: Transfer, slots: list[int], upload: bool = True,
-                    crc_ready: bool = False) -> None:
-        """Write a save job's staging slots (crc_ready: their payload CRCs came with the device copy)."""
+                    crc_in_copy: bool = False) -> None:
+        """Write a save job's staging slots (crc_in_copy: their payload CRCs came with the device copy)."""
         t0 = time.monotonic()
         res = [-errno.EIO] * len(t.keys)
         ABANDON.set(self.staging.abandon)
@@ -96,7 +96,7 @@ class Saves:
                 await asyncio.get_running_loop().run_in_executor(None, self.device.wait_out)
             addr = self.staging.addr
             items = [(s, k, addr(b)) for s, k, b in zip(t.slots, t.keys, slots)]
-            res = await asyncio.wait_for(self.life.blockio().write(items, crc_ready), self.save_timeout)
+            res = await asyncio.wait_for(self.life.blockio().write(items, crc_in_copy), self.save_timeout)
             if upload and uploader is not None:  # write-behind: a copy of each block written, queued (or dropped)
                 for k, b, r in zip(t.keys, slots, res):
                     if r == 0:

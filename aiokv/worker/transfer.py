@@ -15,7 +15,7 @@ thread calls; the parts are
         -> report the request finished, with the block ids that failed
         (a block kept in host memory, worker/memory.py, skips the read)
 
-On a device that checksums inside its copies (Device.fuses_checksums, the CPU
+On a device that checksums inside its copies (Device.crc_in_copy, the CPU
 build) and without a secret, the payload CRC32C is computed by the save's copy
 and checked by the load's copy: no separate pass over the bytes (worker/device.py).
 
@@ -100,7 +100,7 @@ class TransferWorker:
         try:
             host.attach(device)
             # payload CRCs inside the device copies; with a secret the MAC reads the payload anyway
-            fused = self.device.fuses_checksums and self.secret is None
+            crc_in_copy = self.device.crc_in_copy and self.secret is None
             self.life = Lifecycle(host, device, self._count, ns_dir, nsid, rank, slot_bytes, io, queue_depth,
                                   secret, bucket, upload_queue, flush_timeout)
         except BaseException:
@@ -112,21 +112,21 @@ class TransferWorker:
         self.reads = Reads(device, self.staging, self.life.blockio, self._count, slot_bytes)
         # verified loads copied in layer by layer during the next forward (worker/layerwise.py)
         self.layers = LayerwiseLoads(device, self.staging, self.reads, rank) if layerwise else None
-        self.saves = Saves(device, self.staging, self.results, self.life, rank, slot_bytes, save_timeout, fused)
+        self.saves = Saves(device, self.staging, self.results, self.life, rank, slot_bytes, save_timeout, crc_in_copy)
         self.loads = Loads(self.staging, self.reads, self.results, self.saves, self.life, self.layers, rank,
-                           slot_bytes, load_timeout, fused)
+                           slot_bytes, load_timeout, crc_in_copy)
         # the groups of a process share one memory tier; a key names a block only within its
         # group's namespace and rank, so the tier knows this group's keys under this name
         self.memory_ns = self.reads.ns = self.saves.ns = (nsid, rank)
 
     @property
-    def _fused(self) -> bool:
+    def _crc_in_copy(self) -> bool:
         """Payload CRCs are computed and checked inside the device copies (tools/bench_fused.py turns it)."""
-        return self.saves.fused
+        return self.saves.crc_in_copy
 
-    @_fused.setter
-    def _fused(self, on: bool) -> None:
-        self.saves.fused = self.loads.fused = on
+    @_crc_in_copy.setter
+    def _crc_in_copy(self, on: bool) -> None:
+        self.saves.crc_in_copy = self.loads.crc_in_copy = on
 
     # ---- what lives on the loop (worker/lifecycle.py) ----
     @property
