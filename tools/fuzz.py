@@ -157,7 +157,7 @@ def life(args) -> dict:
         def load(transfers):
             for t in transfers:
                 # (a load whose key went missing carries slot -1: it writes nothing)
-                if not {b for b, s in zip(t.block_ids, t.slots) if s >= 0} <= owned(t.req_id, t.group):
+                if not {b for b, s in zip(t.block_ids, t.locations) if s >= 0} <= owned(t.req_id, t.group):
                     violations.append(f"load of {t.req_id} writes blocks it does not own: {t.block_ids}")
             return orig_load(transfers)
 

@@ -55,7 +55,7 @@ SLOT_MASK = (1 << ENGINE_SHIFT) - 1
 
 
 def loc(engine: int, slot: int) -> int:
-    """A block's location as one int (what Transfer.slots carry): engine 0's are plain slots."""
+    """A block's location as one int (what Transfer.locations carry): engine 0's are plain slots."""
     return engine << ENGINE_SHIFT | slot
 
 

@@ -53,7 +53,7 @@ def alloc(store, ledger: Ledger, groups: list[Group], st: Req, req_id: str, bloc
             t = Transfer(req_id, keys, [-1 if s is None or b == 0 else s for s, b in zip(slots, blocks)], blocks, gi,
                          bucket_flags, job=ledger.new_id())
             transfers.append(t)
-            jobs[t.job] = Job(req_id, gi, pinned=pinned[-1][1], read=dict(zip(t.keys, t.slots)),
+            jobs[t.job] = Job(req_id, gi, pinned=pinned[-1][1], read=dict(zip(t.keys, t.locations)),
                               saving={k: (s, set(), set()) for _, k, s in mine}, from_bucket=True)
     except BaseException:
         for gi, keys in pinned:
@@ -138,9 +138,9 @@ def reserve(store, ledger: Ledger, groups: list[Group], counters: SchedulerCount
         if t is None:
             t = out[gi] = Transfer(req_id, [], [], [], gi, job=ledger.new_id())
         t.keys.append(key)
-        t.slots.append(slot)
+        t.locations.append(slot)
         t.block_ids.append(block)
     for t in out.values():
-        ledger.add_save(t.job, req_id, t.group, list(zip(t.keys, t.slots)))
+        ledger.add_save(t.job, req_id, t.group, list(zip(t.keys, t.locations)))
     counters.saves_planned += len(got)
     return list(out.values())

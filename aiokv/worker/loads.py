@@ -101,8 +101,8 @@ class Loads:
     async def _load_body(self, t: Transfer, failed: set, bad_keys: list) -> None:
         # no slot: nothing to read; block 0 is vLLM's null block and is never written
         flags = t.from_bucket or [False] * len(t.keys)
-        todo = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if s >= 0 and b > 0 and not r]
-        from_bucket = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if r]
+        todo = [(k, s, b) for k, s, b, r in zip(t.keys, t.locations, t.block_ids, flags) if s >= 0 and b > 0 and not r]
+        from_bucket = [(k, s, b) for k, s, b, r in zip(t.keys, t.locations, t.block_ids, flags) if r]
         if from_bucket:
             await self._load_from_bucket(t, from_bucket, failed, bad_keys)
         held = self.staging.take_kept([k for k, _, _ in todo], self.reads.ns)  # kept in host memory: no disk read

@@ -52,12 +52,12 @@ class Saves:
             slots = self.staging.acquire(len(t.keys), whole=False)
             take = len(slots) if slots else 0
             if take < len(t.keys):
-                rest = Transfer(t.req_id, t.keys[take:], t.slots[take:], t.block_ids[take:], t.group, job=t.job)
+                rest = Transfer(t.req_id, t.keys[take:], t.locations[take:], t.block_ids[take:], t.group, job=t.job)
                 self.results.count(save_skipped_staging_full=len(rest.keys))
                 self._save_done(rest, None, [-errno.ENOBUFS] * len(rest.keys))
                 if not take:
                     continue
-                t = Transfer(t.req_id, t.keys[:take], t.slots[:take], t.block_ids[:take], t.group, job=t.job)
+                t = Transfer(t.req_id, t.keys[:take], t.locations[:take], t.block_ids[:take], t.group, job=t.job)
             try:
                 self.device.copy_out(t.block_ids, slots, crc_in_copy=self.crc_in_copy)
             except Exception:
@@ -95,7 +95,7 @@ class Saves:
             if self.device.asynchronous:  # the device copy may still be landing
                 await asyncio.get_running_loop().run_in_executor(None, self.device.wait_out)
             addr = self.staging.addr
-            items = [(s, k, addr(b)) for s, k, b in zip(t.slots, t.keys, slots)]
+            items = [(s, k, addr(b)) for s, k, b in zip(t.locations, t.keys, slots)]
             res = await asyncio.wait_for(self.life.blockio().write(items, crc_in_copy), self.save_timeout)
             if upload and uploader is not None:  # write-behind: a copy of each block written, queued (or dropped)
                 for k, b, r in zip(t.keys, slots, res):
