@@ -4,7 +4,7 @@ Bug guarded against: a block loaded from a bucket is trusted because its name
 matched: a truncated upload, a tampered object, one written by another model
 (namespace), rank or key, would then put wrong KV into a request.
 Invariant: uploads are write-once (a second PUT of the same block is "already
-there", a success); a GET fills a staging slot that passes exactly the check a
+there", a success); a GET fills a staging buffer that passes exactly the check a
 local read passes (BlockIO.verify), or the block is a miss (MISSING / BAD);
 the prober answers "not yet" (None) while it asks the server, then from its
 caches, and never counts a truncated object as present.

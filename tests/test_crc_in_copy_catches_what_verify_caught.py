@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from aiokv import _native
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 from aiokv.jobs import Transfer
 from aiokv.data import format as fmt
 from aiokv.data.slotfile import data_path
@@ -46,10 +46,10 @@ def _arr(addrs) -> bytes:
 
 
 def _setup(seg: int, layers: int, n: int):
-    """n blocks of `layers` random segments of `seg` bytes; 2n staging slots."""
+    """n blocks of `layers` random segments of `seg` bytes; 2n staging buffers."""
     g = torch.Generator().manual_seed(seg * 31 + layers)
     kv = [torch.randint(0, 256, (n, seg), dtype=torch.uint8, generator=g) for _ in range(layers)]
-    pool = SlotPool(fmt.slot_bytes(seg * layers), 2 * n)
+    pool = BufferPool(fmt.slot_bytes(seg * layers), 2 * n)
     slots = [pool.addr(s) for s in pool.acquire(2 * n)]
     for a in slots:
         ctypes.memset(a, 0xAB, pool.slot_bytes)

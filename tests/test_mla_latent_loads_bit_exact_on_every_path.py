@@ -39,12 +39,12 @@ def _latent(seed: int) -> dict:
             for i in range(LAYERS)}
 
 
-def _worker(root: str, kv: dict, memory_slots: int = 0, **kw) -> TransferWorker:
+def _worker(root: str, kv: dict, memory_bufs: int = 0, **kw) -> TransferWorker:
     """A worker of storage rank 0 (replicated KV: every TP rank reads rank 0's blocks)."""
     os.makedirs(ns_dir(root, NS), exist_ok=True)
     dev = CpuDevice(kv, NB)
     sb = fmt.slot_bytes(dev.payload_bytes)
-    return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=2 * N * sb, memory_bytes=memory_slots * sb,
+    return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=2 * N * sb, memory_bytes=memory_bufs * sb,
                           **kw)
 
 
@@ -105,7 +105,7 @@ def test_every_rank_loads_rank0s_latent_from_disk(tmp_path, backend_kind, secret
 
 def test_the_latent_loads_from_the_memory_tier(tmp_path):
     kv = _latent(0)
-    w = _worker(str(tmp_path), kv, memory_slots=2 * N)
+    w = _worker(str(tmp_path), kv, memory_bufs=2 * N)
     try:
         _save(w)
         os.unlink(os.path.join(ns_dir(str(tmp_path), NS), "rank0.data"))  # served without the disk

@@ -12,7 +12,7 @@ $AIOKV_BENCH_BUCKET (default aiokv-bench), which must exist.
 - upload: `Uploader` (aiokv's write-behind queue: copies, bounded queue,
   write-once PUT) against raw `obstore.put_async(mode="create")` of the same
   bytes under another prefix, with the same concurrency.
-- download: `BucketLoader.fetch` (GET into a staging slot, then the full slot
+- download: `BucketLoader.fetch` (GET into a staging buffer, then the full slot
   verification: header, CRC32C of the payload) against raw `obstore.get_async`
   + bytes, same objects.
 - with --botocore: aiobotocore's put_object / get_object on the same objects,
@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, botocore: bool) -> dict:
     import obstore
 
-    from aiokv.data.buffers import SlotPool
+    from aiokv.data.buffers import BufferPool
     from aiokv.bucket.client import BucketClient
     from aiokv.bucket.loader import OK, BucketLoader
     from aiokv.bucket.naming import object_name
@@ -51,7 +51,7 @@ async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, 
 
     sb = fmt.slot_bytes(slot_payload)
     nsid = os.urandom(16)
-    pool = SlotPool(sb, n)
+    pool = BufferPool(sb, n)
     slots = pool.acquire(n)
     keys = [os.urandom(32) for _ in range(n)]
     # a store's BlockIO only for stamp/verify (no disk I/O is timed here)

@@ -85,7 +85,7 @@ def run(args) -> dict:
 
     io = w._blockio()
     lay = (io.nsid, io.rank, io.payload_bytes, io.layout)
-    stg = list(range(n))  # the worker is idle in the memory rounds: its staging slots, used directly
+    stg = list(range(n))  # the worker is idle in the memory rounds: its staging buffers, used directly
     addrs = [w.pool.addr(s) for s in stg]
 
     def mem_save(in_copy):

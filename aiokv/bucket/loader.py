@@ -1,4 +1,4 @@
-"""Loads from the bucket: GET a block's object into a staging slot and verify it exactly
+"""Loads from the bucket: GET a block's object into a staging buffer and verify it exactly
 as a local read is verified (BlockIO.verify: magic, version, namespace, rank,
 key, layout, length, CRC32C, and the MAC when a secret is set).
 
@@ -31,7 +31,7 @@ class BucketLoader:
         return object_name(self.client.prefix, self.nsid, self.rank, key)
 
     async def fetch(self, key: bytes, addr: int, verify) -> str:
-        """Fill the staging slot at addr with the block of `key`; OK, MISSING, BAD or UNAVAILABLE."""
+        """Fill the staging buffer at addr with the block of `key`; OK, MISSING, BAD or UNAVAILABLE."""
         try:
             data = await self.client.get(self.name(key))
         except BucketError:

@@ -20,7 +20,8 @@ hold the loop thread (a load's timeout runs there); a missing file is looked
 for again at most every MISSING_RETRY seconds.
 
 Threading contract: one asyncio loop thread (the one that owns the backend).
-Buffers are staging slots: 4096-aligned, `slot_bytes` long, header first.
+Buffers are staging buffers (data/buffers.py): 4096-aligned, `slot_bytes` long (one slot image),
+header first.
 
 The CRC in the copy (`crc_in_copy`): a device that copies and checksums in one pass
 (worker/device.py) leaves the payload CRC in the header on saves, so
@@ -174,7 +175,7 @@ class BlockIO:
         return ops, min(fds.values()) >= 0
 
     def stamp(self, key: bytes, addr: int) -> None:
-        """Fill the header of the staging slot at addr for `key` (payload already there)."""
+        """Fill the header of the staging buffer at addr for `key` (payload already there)."""
         _native.stamp_slots([addr], [key], self.nsid, self.rank, self.payload_bytes, self.layout, False)
         self._add_macs([addr])
 
@@ -222,7 +223,7 @@ class BlockIO:
         return mac_ok((ctypes.c_char * self.slot_bytes).from_address(addr), self.payload_bytes, self.mac_key)
 
     def verify(self, key: bytes, addr: int) -> bool:
-        """Whether the staging slot at addr holds `key` intact (check_slot: the format's checks, then the MAC)."""
+        """Whether the staging buffer at addr holds `key` intact (check_slot: the format's checks, then the MAC)."""
         try:
             check_slot((ctypes.c_char * self.slot_bytes).from_address(addr), self.nsid, self.rank,
                        self.payload_bytes, key, self.layout, self.mac_key)

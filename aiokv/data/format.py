@@ -162,7 +162,7 @@ def check_slot(slot, nsid: bytes, rank: int, payload_len: int, key: bytes | None
     """The one check that a whole slot is valid for (nsid, rank, payload_len,
     key, layout): its header (check_header) and its payload's CRC32C. `slot` is
     any buffer of at least HEADER_BYTES + payload_len bytes (bytes, or ctypes
-    memory over a staging slot). Every reader calls this, or for a batch of
+    memory over a staging buffer). Every reader calls this, or for a batch of
     slots _native.verify_slots, which does the same checks in the same order
     and answers with an index into SLOT_REASONS (tests pin the two together).
     Returns the header; raises BadBlock naming the first failed check."""

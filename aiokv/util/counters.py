@@ -134,7 +134,7 @@ TABLE: tuple[Row, ...] = (
     _no("save_failed_blocks", WORKER, "per-rank twin of save_failed_blocks (save_failures, counted once per block)"),
     _no("load_cancelled_blocks", WORKER, "blocks of cancelled loads: loads_cancelled counts the loads"),
     _no("store_commits", STORE, "the same as saves_committed"),
-    _no("load_staging_stuck", WORKER, "loads failed at once because every staging slot waits for a hung disk: "
+    _no("load_staging_stuck", WORKER, "loads failed at once because every staging buffer waits for a hung disk: "
                                       "part of load_failed_blocks, and the breaker's io_errors tell the cause"),
     _no("store_save_failures", STORE, "the same as save_failures"),
     _no("store_corrupt_dropped", STORE, "the same as load_failures{cause=corrupt}"),

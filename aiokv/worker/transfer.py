@@ -28,13 +28,13 @@ Failure contract (docs/reliability.md lists the scenarios and their tests):
 - The loop never dies of a job: each pipeline catches everything. If the loop
   thread dies anyway, poll() reports every outstanding load as failed and
   every outstanding save as failed, and the worker stops taking jobs.
-- Staging slots come from a bounded pool: a save that finds it full is
-  dropped (counted), never waited for; a load waits for slots, but fails at
-  once when every slot in use is stuck (below).
+- Staging buffers come from a bounded pool: a save that finds it full is
+  dropped (counted), never waited for; a load waits for buffers, but fails at
+  once when every buffer in use is stuck (below).
 - A hung disk never hangs vLLM: loads and saves run in the backend's abandon
   mode (data/backend.py). A load that times out or is cancelled, and a save that
   takes over `save_timeout`, end at once (reported failed or cancelled) while
-  the staging slots the kernel still writes into or reads from are set aside
+  the staging buffers the kernel still writes into or reads from are set aside
   ("stuck") until their I/O ends; only then do they go back to the pool.
   close() returns within a bound whatever the disk does: it leaves a backend
   with stuck I/O, and the staging memory, to the process exit.
@@ -172,7 +172,7 @@ class TransferWorker:
 
     @property
     def stuck(self) -> int:
-        """Staging slots set aside until the kernel gives them back."""
+        """Staging buffers set aside until the kernel gives them back."""
         return self.staging.stuck
 
     # ---- jobs in ----
