@@ -2,7 +2,8 @@
 
 Every wrong or missing setting fails at start with one line that names the fix.
 The bucket tier's setting is `bucket`; its old name `shared` is still accepted,
-with one deprecation line per process.
+with one deprecation line per process; so is `remote_timeout`, the old name of
+`bucket_timeout`.
 
 Threading contract: from_extra runs in the connector's __init__ (either role);
 the config is read only afterwards.
@@ -44,7 +45,7 @@ class AioKVConfig:
     checksum_threads: int | None = None  # threads per worker checksumming off its loop (None: 0 on CPU, 2 on CUDA)
     # bucket tier (docs/sharing.md): "s3://BUCKET/PREFIX"; endpoint and credentials from AWS_* variables
     bucket: str | None = None
-    remote_timeout: float = 5.0       # seconds any one request to the bucket may take
+    bucket_timeout: float = 5.0       # seconds any one request to the bucket may take
     probe_timeout: float = 1.0        # seconds a lookup waits for the bucket before giving up on it
     upload_queue: int = 256 << 20     # bytes of blocks waiting for upload per worker; beyond: dropped
     flush_timeout: float = 10.0       # seconds a clean shutdown waits for pending uploads
@@ -58,7 +59,13 @@ class AioKVConfig:
             if "bucket" in extra:
                 raise ConfigError("aiokv: bucket and shared are one setting (shared is its old name); give bucket only")
             extra["bucket"] = extra.pop("shared")
-            _say_shared_is_bucket()
+            _say_renamed("shared", "bucket")
+        if "remote_timeout" in extra:
+            if "bucket_timeout" in extra:
+                raise ConfigError("aiokv: bucket_timeout and remote_timeout are one setting (remote_timeout is its "
+                                  "old name); give bucket_timeout only")
+            extra["bucket_timeout"] = extra.pop("remote_timeout")
+            _say_renamed("remote_timeout", "bucket_timeout")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -88,7 +95,7 @@ class AioKVConfig:
             if cfg.io not in ("auto", "uring", "threads"):
                 raise ConfigError(f"aiokv: io must be auto, uring or threads, not {cfg.io!r}")
         for name, typ in (("queue_depth", int), ("load_timeout", float), ("save_timeout", float),
-                          ("breaker_failures", int), ("breaker_cooldown", float), ("remote_timeout", float),
+                          ("breaker_failures", int), ("breaker_cooldown", float), ("bucket_timeout", float),
                           ("probe_timeout", float), ("flush_timeout", float),
                           ("fs_timeout", float), ("start_timeout", float)):
             if name in extra:
@@ -128,7 +135,7 @@ class AioKVConfig:
                 try:
                     import obstore  # noqa: F401
                 except ImportError:
-                    raise ConfigError("aiokv: bucket needs the obstore package: pip install 'aiokv[shared]'") from None
+                    raise ConfigError("aiokv: bucket needs the obstore package: pip install 'aiokv[bucket]'") from None
         return cfg
 
 
@@ -149,13 +156,12 @@ def parse_size(v) -> int:
     return int(float(num) * units[unit])
 
 
-_said_shared = False
+_said_renamed: set[str] = set()
 
 
-def _say_shared_is_bucket() -> None:
-    """Once per process: the old name of the setting still works, and says so."""
-    global _said_shared
-    if not _said_shared:
-        _said_shared = True
-        log.warning("aiokv: the setting 'shared' is now called 'bucket' (docs/sharing.md); 'shared' still works "
-                    "for now")
+def _say_renamed(old: str, new: str) -> None:
+    """Once per process and old name: the old name of a setting still works, and says so."""
+    if old not in _said_renamed:
+        _said_renamed.add(old)
+        log.warning("aiokv: the setting '%s' is now called '%s' (docs/sharing.md); '%s' still works for now",
+                    old, new, old)

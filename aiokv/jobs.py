@@ -1,10 +1,10 @@
 """Job records that travel from the scheduler side to the workers and back.
 
-One explicit list of (key, slot, block id) per request, group and direction, built
+One explicit list of (key, location, block id) per request, group and direction, built
 once by the scheduler side, which gives it a job id: the worker never recomputes
 keys or block ranges, so the two sides cannot disagree about what is loaded or
 saved, and every result names the job (and the rank) it is about, never a
-(key, slot) to be matched against whatever the scheduler holds by then.
+(key, location) to be matched against whatever the scheduler holds by then.
 Plain dataclasses of lists and bytes: they pickle across vLLM's processes.
 
 Threading contract: none of their own (plain data); built on the scheduler thread,
@@ -24,12 +24,12 @@ class Transfer:
 
     req_id: str
     keys: list[bytes]
-    slots: list[int]      # store locations: engine << 32 | slot (format.split), the same in every rank's file
+    locations: list[int]  # where each block is: engine << 32 | slot (format.loc), the same in every rank's file
     block_ids: list[int]  # vLLM KV block ids
     group: int = 0        # vLLM KV-cache group (aiokv/scheduler/layout.py): its own store namespace
-    # loads: True where the block comes from the shared tier (docs/sharing.md); its slot
+    # loads: True where the block comes from the bucket tier (docs/sharing.md); its location
     # is then a fresh reservation the worker writes through to and reports as saved
-    remote: list[bool] = dataclasses.field(default_factory=list)
+    from_bucket: list[bool] = dataclasses.field(default_factory=list)
     job: int = 0          # the scheduler side's id for it (from 1, never reused); results name it
 
 
@@ -49,7 +49,7 @@ class StepPlan:
 @dataclasses.dataclass
 class SaveResult:
     """Blocks of one job a rank wrote, or did not (a save, or a load's write-through of
-    blocks from the shared tier; a part of a job may be reported in each of several steps)."""
+    blocks from the bucket tier; a part of a job may be reported in each of several steps)."""
 
     job: int
     rank: int

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 from aiokv.data import format as fmt
 
 PAYLOAD = 64 << 10
@@ -39,15 +39,15 @@ def backend_kind(request, monkeypatch):
 
 
 class Blocks:
-    """Staging slots filled with a deterministic pattern per key."""
+    """Staging buffers filled with a deterministic pattern per key."""
 
     def __init__(self, payload: int, count: int):
         self.payload = payload
-        self.pool = SlotPool(fmt.slot_bytes(payload), count)
-        self.slots = self.pool.acquire(count)
+        self.pool = BufferPool(fmt.slot_bytes(payload), count)
+        self.bufs = self.pool.acquire(count)
 
     def addr(self, i: int) -> int:
-        return self.pool.addr(self.slots[i])
+        return self.pool.addr(self.bufs[i])
 
     def fill(self, i: int, key: bytes) -> None:
         pattern = (key * (self.payload // len(key) + 1))[: self.payload]

@@ -3,9 +3,9 @@
 Bug: uploads are write-once PUTs (If-None-Match: *), and "already there" was
 taken as success whatever was there. A truncated upload, a tampered object, an
 object of another key or layout under this block's name made the block a
-shared-tier miss forever: every engine's PUT found the name taken.
+bucket-tier miss forever: every engine's PUT found the name taken.
 Invariant: after an upload, the object under the block's name verifies as that
-block (BlockIO.verify, as a remote load checks it): a valid object already
+block (BlockIO.verify, as a load from the bucket checks it): a valid object already
 there is left alone (counted upload_already_there), any other is replaced
 (upload_replaced_bad); two engines uploading the same block onto a bad object
 at once leave a valid one.
@@ -18,7 +18,7 @@ import ctypes
 import os
 
 from aiokv.bucket.client import BucketClient
-from aiokv.bucket.loader import OK, RemoteLoader
+from aiokv.bucket.loader import OK, BucketLoader
 from aiokv.bucket.naming import object_name
 from aiokv.bucket.uploader import Uploader
 from tools.storeio import StoreIO
@@ -50,7 +50,7 @@ async def test_bad_objects_are_replaced_valid_ones_kept(tmp_path, blocks, s3env)
         assert up.offer(name(i), image[i])
     assert await up.flush(30) == 0
     assert up.counters["upload_replaced_bad"] == 4 and up.counters["upload_already_there"] == 1, up.counters
-    loader = RemoteLoader(client, NS, 0, SB)
+    loader = BucketLoader(client, NS, 0, SB)
     for i in range(5):
         blocks.clear(20 + i)
         assert await loader.fetch(key(i), blocks.addr(20 + i), io.verify) == OK, i

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from aiokv.data.backend import OP_READ, open_backend
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, key
@@ -53,7 +53,7 @@ async def _cancel_once_in_flight(start, undo, io, delay: float) -> None:
 async def test_cancelled_save_and_load_own_nothing(tmp_path, backend_kind, delay):
     st = StoreIO(tmp_path / "s")
     ns = st.namespace(NS, PAYLOAD)
-    pool = SlotPool(fmt.slot_bytes(PAYLOAD), 48)
+    pool = BufferPool(fmt.slot_bytes(PAYLOAD), 48)
     slots = pool.acquire(48)
     items = [(key(i), pool.addr(s)) for i, s in enumerate(slots)]
     io = st.blockio(ns)
@@ -87,7 +87,7 @@ async def test_cancel_twice_still_waits(tmp_path, backend_kind):
 
     fd = os.open(path, os.O_RDONLY)
     backend = open_backend(asyncio.get_running_loop())
-    pool = SlotPool(1 << 20, 8)
+    pool = BufferPool(1 << 20, 8)
     ops = [(OP_READ, fd, pool.addr(s), 1 << 20, i << 20) for i, s in enumerate(pool.acquire(8))]
     for _ in range(50):  # 8 MiB of page-cached reads: on a busy machine they may all end unseen; try again
         task = asyncio.ensure_future(backend.run(ops))

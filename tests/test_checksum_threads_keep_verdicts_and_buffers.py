@@ -34,7 +34,7 @@ import torch
 
 from aiokv.config import AioKVConfig, ConfigError
 from aiokv.data.backend import open_backend
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 from aiokv.jobs import Transfer
 from aiokv.data import format as fmt
 from aiokv.data.blockio import SPREAD_MIN_BYTES, BlockIO
@@ -71,7 +71,7 @@ class CountingPool(concurrent.futures.ThreadPoolExecutor):
         return super().submit(timed)
 
 
-def _fill(pool: SlotPool, seed: int) -> None:
+def _fill(pool: BufferPool, seed: int) -> None:
     for i in range(N):
         ctypes.memset(pool.addr(i) + fmt.HEADER_BYTES, (seed + i * 7) % 251, PAYLOAD)
 
@@ -86,7 +86,7 @@ async def test_threads_give_the_loops_verdicts(tmp_path):
     results = {}
     for name, cpu in (("loop", None), ("threads", CountingPool(2))):
         root = str(tmp_path / name)
-        pool = SlotPool(fmt.slot_bytes(PAYLOAD), N)
+        pool = BufferPool(fmt.slot_bytes(PAYLOAD), N)
         io = _io(root, cpu)
         _fill(pool, 3)
         items = [(i, key(i), pool.addr(i)) for i in range(N)]
@@ -122,7 +122,7 @@ async def test_threads_give_the_loops_verdicts(tmp_path):
 
 async def test_small_chunks_stay_on_the_loop(tmp_path):
     cpu = CountingPool(2)
-    pool = SlotPool(fmt.slot_bytes(PAYLOAD), N)
+    pool = BufferPool(fmt.slot_bytes(PAYLOAD), N)
     io = _io(str(tmp_path), cpu)
     _fill(pool, 1)
     n = SPREAD_MIN_BYTES // PAYLOAD - 1  # under the threshold, one batch
@@ -139,7 +139,7 @@ async def test_small_chunks_stay_on_the_loop(tmp_path):
 @pytest.mark.parametrize("op", ["write", "read"])
 async def test_cancelled_call_returns_after_its_threads(tmp_path, op):
     cpu = CountingPool(2, delay=0.3)
-    pool = SlotPool(fmt.slot_bytes(PAYLOAD), N)
+    pool = BufferPool(fmt.slot_bytes(PAYLOAD), N)
     io = _io(str(tmp_path), cpu)
     _fill(pool, 2)
     items = [(i, key(i), pool.addr(i)) for i in range(N)]
@@ -173,7 +173,7 @@ async def test_cancelled_call_returns_after_its_threads(tmp_path, op):
 
 def test_worker_checksums_on_its_threads(tmp_path):
     """A worker that checks payloads in BlockIO (here: with a secret, so the CPU
-    device's fused copy is off) stamps and verifies on its checksum threads."""
+    device's CRC in the copy is off) stamps and verifies on its checksum threads."""
     nb = 24
     kv = {f"l{i}": torch.randn(nb, 2, 256, 64) for i in range(2)}  # 256 KiB per block
     root = str(tmp_path)

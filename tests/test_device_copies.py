@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 from aiokv.data import format as fmt
 from aiokv.worker.device import CpuDevice, LayoutError
 
@@ -34,7 +34,7 @@ def _dim(t: torch.Tensor) -> int:
 def test_blocks_round_trip_exactly(kind):
     kv = _kv(kind)
     dev = CpuDevice(kv, NB)
-    pool = SlotPool(fmt.slot_bytes(dev.payload_bytes), 6)
+    pool = BufferPool(fmt.slot_bytes(dev.payload_bytes), 6)
     dev.attach(pool)
     assert (dev._flat is not None) == (kind == "cpu")
     slots = pool.acquire(3)

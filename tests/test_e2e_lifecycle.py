@@ -2,7 +2,7 @@
 concurrent requests, repeated generate calls in one engine.
 
 Invariant: no crash; tokens of every request that was not aborted equal a run
-without aiokv; every block goes back to vLLM; no staging slot, pin, pending
+without aiokv; every block goes back to vLLM; no staging buffer, pin, pending
 save or in-flight job is left; no save is ever read from a block that changed
 owner (a later warm run with the same prompts hits and still matches).
 """

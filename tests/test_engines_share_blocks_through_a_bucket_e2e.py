@@ -1,7 +1,7 @@
 """End to end on real vLLM (CPU): engines with separate local directories share
 a bucket (a real S3 server, SeaweedFS, started here).
 
-Bug guarded against: a shared tier that does not hit across engines (names
+Bug guarded against: a bucket tier that does not hit across engines (names
 differ), hits but serves wrong KV, or a dead server that stalls or fails
 requests.
 Invariants: an engine with an empty local directory hits every block a first
@@ -12,7 +12,7 @@ tokens, and the drops are counted; once the server is back, uploads and hits
 work again. A tampered object or one written under another secret is a miss
 (recomputed, same tokens).
 Fix: aiokv/bucket/ wired in by SchedulerSide.match/on_alloc (probe, reserve),
-TransferWorker._save (upload) and _load_remote (GET, verify, write through).
+TransferWorker._save (upload) and _load_from_bucket (GET, verify, write through).
 """
 from __future__ import annotations
 
@@ -35,21 +35,21 @@ def test_second_engine_hits_what_the_first_uploaded(tiny_model, tmp_path, s3serv
     env = s3server.env()
     ps = prompts(4, LEN, seed=7)
     spec = dict(model=tiny_model, block_size=BS, phases=[dict(prompts=ps, max_tokens=8)])
-    shared = {"bucket": s3server.url("e2e")}
+    bucket = {"bucket": s3server.url("e2e")}
     base = run(spec)
-    a = run({**spec, "cache": str(tmp_path / "a"), "extra": shared}, env=env)
+    a = run({**spec, "cache": str(tmp_path / "a"), "extra": bucket}, env=env)
     happened(a, base, uploaded=">0")  # (the rest are flushed at shutdown, after the counters are read)
     # every full block (prompt and output) of every request was uploaded by the time A exited
     assert len(_objects(s3server, "e2e/")) >= 4 * FULL
 
-    b = run({**spec, "cache": str(tmp_path / "b"), "extra": shared}, env=env)
-    happened(b, base, remote_hit_blocks=4 * FULL, remote_loaded_blocks=4 * FULL, remote_missed_blocks=0,
-             remote_bad_blocks=0)
+    b = run({**spec, "cache": str(tmp_path / "b"), "extra": bucket}, env=env)
+    happened(b, base, bucket_hit_blocks=4 * FULL, bucket_loaded_blocks=4 * FULL, bucket_missed_blocks=0,
+             bucket_bad_blocks=0)
     assert b["cached"][0] == [FULL * BS] * 4
 
     # written through: B's own directory serves them now, with no server at all
     b2 = run({**spec, "cache": str(tmp_path / "b")}, env=env)
-    happened(b2, base, hit_blocks=4 * FULL, loads_ok_blocks=4 * FULL, remote_hit_blocks=0)
+    happened(b2, base, hit_blocks=4 * FULL, loads_ok_blocks=4 * FULL, bucket_hit_blocks=0)
 
 
 def test_tampered_or_foreign_objects_are_misses(tiny_model, tmp_path, s3server):
@@ -70,17 +70,17 @@ def test_tampered_or_foreign_objects_are_misses(tiny_model, tmp_path, s3server):
     other = run({**spec, "cache": str(tmp_path / "o"), "extra": {**secret, "secret": "another-secret-987654321"}},
                 env=env)
     # (the objects were found, fetched and refused: not merely absent)
-    happened(other, base, allow_load_errors=True, shared_probes=">0", remote_hit_blocks=">0", remote_loaded_blocks=0,
-             remote_bad_blocks=">0", remote_missed_blocks=0)
+    happened(other, base, allow_load_errors=True, bucket_probes=">0", bucket_hit_blocks=">0", bucket_loaded_blocks=0,
+             bucket_bad_blocks=">0", bucket_missed_blocks=0)
     # the right secret: all but the spoiled block's request's blocks load; that one recomputes
     b = run({**spec, "cache": str(tmp_path / "b"), "extra": secret}, env=env)
-    happened(b, base, allow_load_errors=True, remote_bad_blocks=1, remote_missed_blocks=0,
-             remote_loaded_blocks=">=1")
+    happened(b, base, allow_load_errors=True, bucket_bad_blocks=1, bucket_missed_blocks=0,
+             bucket_loaded_blocks=">=1")
 
 
 def test_killed_server_mid_run_then_back(tiny_model, tmp_path, s3server):
     env = s3server.env()
-    shared = {"bucket": s3server.url("kill"), "remote_timeout": 1.0}
+    bucket = {"bucket": s3server.url("kill"), "bucket_timeout": 1.0}
     ps1, ps2, ps3 = prompts(3, LEN, seed=21), prompts(3, LEN, seed=22), prompts(1, 100, seed=23)
     spec = dict(model=tiny_model, block_size=BS, phases=[dict(prompts=ps1, max_tokens=8),
                                                          dict(prompts=ps2, max_tokens=8),
@@ -92,7 +92,7 @@ def test_killed_server_mid_run_then_back(tiny_model, tmp_path, s3server):
     killed = {**spec, "phases": [spec["phases"][0],
                                  {**spec["phases"][1], "settle": True, "kill_at_step": [0, s3server.proc.pid]},
                                  spec["phases"][2]]}
-    a = run({**killed, "cache": str(tmp_path / "a"), "extra": shared}, env=env)
+    a = run({**killed, "cache": str(tmp_path / "a"), "extra": bucket}, env=env)
     s3server.proc.wait()
     s3server.proc = None
     happened(a, base, uploaded=3 * FULL)
@@ -105,20 +105,20 @@ def test_killed_server_mid_run_then_back(tiny_model, tmp_path, s3server):
     s3server.log.close()
     s3server.start()
     loadkill = {**spec, "phases": [{**spec["phases"][0], "stagger": True, "kill_when_loading": s3server.proc.pid}]}
-    b = run({**loadkill, "cache": str(tmp_path / "b"), "extra": shared}, env=env)
+    b = run({**loadkill, "cache": str(tmp_path / "b"), "extra": bucket}, env=env)
     s3server.proc.wait()
     s3server.proc = None
     assert "killed_at_step" in b, "no load from the bucket was ever in flight"
-    happened(b, part(base, [0]), allow_load_errors=True, remote_hit_blocks=">0")
+    happened(b, part(base, [0]), allow_load_errors=True, bucket_hit_blocks=">0")
     c = b["counters"]  # every block promised from the bucket loaded, or failed and was recomputed
-    assert c.get("remote_loaded_blocks", 0) + c.get("remote_missed_blocks", 0) <= c["remote_hit_blocks"], c
+    assert c.get("bucket_loaded_blocks", 0) + c.get("bucket_missed_blocks", 0) <= c["bucket_hit_blocks"], c
 
     # back: the same server, its data kept; what the dead server missed is not there
     s3server.log.close()
     s3server.start()
     assert len(_objects(s3server, "kill/")) == 3 * FULL  # phase 1 only
     # uploads and hits resume
-    c2 = run({**spec, "cache": str(tmp_path / "c"), "extra": shared}, env=env)
-    happened(c2, base, remote_hit_blocks=3 * FULL)  # its uploads: the hits of d below
-    d = run({**spec, "cache": str(tmp_path / "d"), "extra": shared}, env=env)
-    happened(d, base, remote_hit_blocks=6 * FULL + 100 // BS)
+    c2 = run({**spec, "cache": str(tmp_path / "c"), "extra": bucket}, env=env)
+    happened(c2, base, bucket_hit_blocks=3 * FULL)  # its uploads: the hits of d below
+    d = run({**spec, "cache": str(tmp_path / "d"), "extra": bucket}, env=env)
+    happened(d, base, bucket_hit_blocks=6 * FULL + 100 // BS)

@@ -25,7 +25,7 @@ import os
 import pytest
 
 from aiokv.data.backend import OP_READ, OP_WRITE
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 
 try:
     from aiokv.data.uring import UringBackend
@@ -42,7 +42,7 @@ def setup(tmp_path):
     with open(path, "wb") as f:
         f.write(b"\xAA" * BS + b"\xBB" * BS + b"\xCC" * BS)
     fd = os.open(path, os.O_RDWR)
-    pool = SlotPool(BS, 4)
+    pool = BufferPool(BS, 4)
     yield fd, [pool.addr(s) for s in pool.acquire(4)]
     os.close(fd)
     pool.close()

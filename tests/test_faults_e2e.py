@@ -3,7 +3,7 @@ late, or with flipped bytes.
 
 Invariant: the engine keeps serving; tokens equal a run without aiokv; the
 failure shows in aiokv's counters (a failed load is never counted as loaded);
-nothing leaks: staging slots, pins, pending saves, in-flight jobs, and vLLM's
+nothing leaks: staging buffers, pins, pending saves, in-flight jobs, and vLLM's
 free block count all return to baseline.
 Fix under test: per-item I/O results, self-verifying blocks, load errors
 reported to vLLM (recompute), the loop surviving every job failure.

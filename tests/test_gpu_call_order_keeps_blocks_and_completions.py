@@ -23,7 +23,7 @@ deferred frees as 0.33), with the worker driven in vLLM 0.33's exact call order:
   the KV of its tokens: loads are bit-exact and nothing overwrote them;
 - every promised load completion is reported once (finished_recving), every
   planned save once (saved or failed), and at the end no pin, reservation,
-  staging slot or vLLM block is left.
+  staging buffer or vLLM block is left.
 
 The fix: the scheduler side puts `idle` (the step schedules zero tokens) into the
 step's AioKVMetadata; the worker waits only on such steps.
@@ -169,15 +169,15 @@ class Runner:
 
         real_in, real_layer = dev.copy_in, dev.copy_in_layer
 
-        def copy_in(block_ids, slots, checksum=False):
+        def copy_in(block_ids, bufs, crc_in_copy=False):
             check(block_ids)
-            out = real_in(block_ids, slots, checksum=checksum)
+            out = real_in(block_ids, bufs, crc_in_copy=crc_in_copy)
             check(block_ids)  # still nobody else's once the bytes have landed
             return out
 
-        def copy_in_layer(index, block_ids, slots):
+        def copy_in_layer(index, block_ids, bufs):
             check(block_ids)
-            real_layer(index, block_ids, slots)
+            real_layer(index, block_ids, bufs)
             check(block_ids)
 
         dev.copy_in, dev.copy_in_layer = copy_in, copy_in_layer
@@ -557,10 +557,10 @@ def test_gpu_call_order_keeps_blocks_and_completions(case, tiny_model, tmp_path)
         f"get_finished waited {busy_calls} times ({busy_s * 1e3:.1f} ms) on {runner.steps['busy']} steps that compute"
     assert runner.steps["idle"] > 0 and runner.waits["idle"][0] > 0, (runner.steps, runner.waits)
 
-    # hits are labelled by their tier: the local cache directory is "disk" (no shared tier here)
+    # hits are labelled by their tier: the local cache directory is "disk" (no bucket tier here)
     assert set(engine.hit_sources) == {"disk"} and engine.hit_sources["disk"] > 0, engine.hit_sources
 
-    # nothing left behind: pins, reservations, staging slots, vLLM blocks
+    # nothing left behind: pins, reservations, staging buffers, vLLM blocks
     assert s["pinned"] == 0 and s["pending_saves"] == 0, s
     assert w["staging_in_use"] <= w.get("layerwise_copied_blocks", 0), w
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == NB - 1

@@ -56,7 +56,7 @@ def test_hit_falls_back_to_the_last_checkpoint_every_group_has(tmp_path):
     plan = side.plan([])
     by_group = {t.group: t for t in plan.loads}
     assert by_group[0].block_ids == list(range(1, 8)) and by_group[0].keys == keys[:7]
-    assert by_group[1].block_ids == [42] and by_group[1].keys == [keys[6]] and by_group[1].slots[0] >= 0
+    assert by_group[1].block_ids == [42] and by_group[1].keys == [keys[6]] and by_group[1].locations[0] >= 0
     assert len(side.store.index.pins) == 8
     side.on_report(None, {"r"})
     assert not side.store.index.pins

@@ -9,7 +9,7 @@ aiokv, each hit costing at most one `load_timeout`; after the first failures
 the circuit breaker stops offering hits, so later requests do not wait at all;
 the engine's shutdown returns; the process exits once the reads answer.
 
-Fix: abandoned loads with stuck staging slots set aside (aiokv/data/backend.py,
+Fix: abandoned loads with stuck staging buffers set aside (aiokv/data/backend.py,
 aiokv/worker/transfer.py), a bounded worker close, the breaker (aiokv/util/breaker.py).
 """
 from __future__ import annotations

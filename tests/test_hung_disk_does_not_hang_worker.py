@@ -5,12 +5,12 @@ cancelled batch, a thread in `preadv` (or io_uring's worker) cannot be
 interrupted, and worker `close()` waited without a bound. vLLM hung.
 
 Invariant: a cancelled or timed-out load or save ends at once (reported failed
-or cancelled); the staging slots the kernel still owns are set aside, never
-handed out, and come back exactly when the I/O ends; with every slot stuck a
+or cancelled); the staging buffers the kernel still owns are set aside, never
+handed out, and come back exactly when the I/O ends; with every buffer stuck a
 load fails at once instead of waiting; `close()` returns within its bound.
 
 Fix: the backend's abandon mode (aiokv/data/backend.py, ABANDON) and the
-worker's stuck-slot bookkeeping and bounded close (aiokv/worker/transfer.py).
+worker's stuck-buffer bookkeeping and bounded close (aiokv/worker/transfer.py).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from aiokv.data.backend import ABANDON, OP_READ, open_backend
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 from aiokv.jobs import SaveResult, Transfer
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
@@ -67,7 +67,7 @@ async def test_abandoned_read_returns_at_once_and_hands_back_later(stallfs, back
         f.write(b"\x42" * 8192)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     backend = open_backend(asyncio.get_running_loop())
-    pool = SlotPool(8192, 2)
+    pool = BufferPool(8192, 2)
     (s,) = pool.acquire(1)
     ctypes.memset(pool.addr(s), 0, 8192)
     handed: list = []
@@ -107,7 +107,7 @@ async def test_abandoned_read_returns_at_once_and_hands_back_later(stallfs, back
 def _worker(root: str, **kw) -> tuple[TransferWorker, dict]:
     kv = {f"l{i}": torch.randn(NB, 2, 32, 8) for i in range(2)}
     os.makedirs(ns_dir(root, NS), exist_ok=True)
-    w = TransferWorker(CpuDevice(kv, NB), ns_dir(root, NS), NS, 0, staging_bytes=1, **kw)  # the 4-slot minimum
+    w = TransferWorker(CpuDevice(kv, NB), ns_dir(root, NS), NS, 0, staging_bytes=1, **kw)  # the 4-buffer minimum
     return w, kv
 
 
@@ -120,7 +120,7 @@ def _saved(w: TransferWorker, n: int) -> list[Transfer]:
     return ts
 
 
-def test_timed_out_load_is_reported_and_its_slots_set_aside(stallfs):
+def test_timed_out_load_is_reported_and_its_buffers_set_aside(stallfs):
     mnt, stall, resume = stallfs
     w, kv = _worker(mnt, load_timeout=TIMEOUT, io="threads")
     try:
@@ -146,20 +146,20 @@ def test_timed_out_load_is_reported_and_its_slots_set_aside(stallfs):
         assert TIMEOUT * 0.9 < took < TIMEOUT + SLACK, took
         assert counts.get("load_timeouts") == 1, counts
         assert errors == {9, 10}, "a timed-out load fails its blocks (vLLM recomputes them)"
-        assert w.stuck == 2 and w.pool.available == 2, "the slots the kernel holds are not handed out"
+        assert w.stuck == 2 and w.pool.available == 2, "the buffers the kernel holds are not handed out"
         assert w.in_flight == 0, "the job is over: nothing left for the engine to wait for"
-        # a second load takes the two free slots and hangs too (and times out); a third finds every
-        # slot stuck
+        # a second load takes the two free buffers and hangs too (and times out); a third finds every
+        # buffer stuck
         w.load([Transfer("r2", [key(2), key(3)], [2, 3], [11, 12])])
         assert _until(lambda: finished("r2"), TIMEOUT + 2 * SLACK) and w.stuck == 4
         counts.clear()
         w.load([Transfer("r3", [key(0)], [0], [13])])
         assert _until(lambda: finished("r3"), TIMEOUT + 2 * SLACK)
-        # failed at once, without waiting for a slot: the refusal counted, no timeout (a load that
-        # waited for a slot here would end by its timeout instead)
+        # failed at once, without waiting for a buffer: the refusal counted, no timeout (a load that
+        # waited for a buffer here would end by its timeout instead)
         assert counts.get("load_staging_stuck") == 1 and not counts.get("load_timeouts"), counts
         resume()
-        assert _until(lambda: w.stuck == 0, 10), "stuck slots come back once the reads answer"
+        assert _until(lambda: w.stuck == 0, 10), "stuck buffers come back once the reads answer"
         assert w.pool.available == w.pool.count and w.pool.in_use == 0
         # and the disk works again: a load now succeeds
         w.load([Transfer("r4", [key(1)], [1], [14])])
@@ -209,7 +209,7 @@ def test_stuck_save_is_dropped_after_save_timeout(stallfs):
         assert rep.saves == [SaveResult(0, 0, [], [key(7)])], "reported failed: its slot is given back"
         assert rep.counters.get("save_timeouts") == 1
         assert rep.counters.get("write_errors") == 1, "a save timeout counts against the disk (breaker)"
-        assert w.stuck == 1 and w.pool.in_use == 1, "its staging slot waits for the write the daemon holds"
+        assert w.stuck == 1 and w.pool.in_use == 1, "its staging buffer waits for the write the daemon holds"
         resume()
         assert _until(lambda: w.stuck == 0 and w.pool.in_use == 0, 10)
     finally:

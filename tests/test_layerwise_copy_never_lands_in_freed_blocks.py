@@ -7,7 +7,7 @@ Invariant: nothing reaches the KV cache before `begin` (the step's start); every
 layer of every staged block is in place when its `wait_layer` returns and when
 `end_step` returns; a cancelled request's staged blocks are never copied,
 whether the cancel comes before or after the load was staged; blocks from the
-first failed one on are never staged; staging slots all come back; a load
+first failed one on are never staged; staging buffers all come back; a load
 bigger than half the pool takes the whole-request path (copied before it is
 reported).
 Fix: aiokv/worker/layerwise.py (stage, cancel-before-copy, per-layer events).
@@ -35,13 +35,13 @@ NB = 24
 SLOTS = 16
 
 
-def _worker(root: str, backend_kind: str, memory_slots: int = 0) -> tuple[TransferWorker, dict]:
+def _worker(root: str, backend_kind: str, memory_bufs: int = 0) -> tuple[TransferWorker, dict]:
     kv = {f"l{i}": torch.randn(NB, 2, 32, 8) for i in range(2)}
     os.makedirs(ns_dir(root, NS), exist_ok=True)
     dev = CpuDevice(kv, NB)
     sb = fmt.slot_bytes(dev.payload_bytes)
     w = TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=SLOTS * sb, io=backend_kind,
-                       memory_bytes=memory_slots * sb, layerwise=True)
+                       memory_bytes=memory_bufs * sb, layerwise=True)
     return w, kv
 
 
@@ -119,7 +119,7 @@ def test_copied_blocks_join_the_memory_tier(tmp_path, backend_kind):
     w, _ = _worker(str(tmp_path), backend_kind)
     _save(w, 3)
     w.close()
-    w, kv = _worker(str(tmp_path), backend_kind, memory_slots=8)  # a restart: nothing in memory
+    w, kv = _worker(str(tmp_path), backend_kind, memory_bufs=8)  # a restart: nothing in memory
     try:
         w.load([Transfer("a", [key(i) for i in range(3)], [0, 1, 2], [11, 12, 13])])
         _finished(w, "a")

@@ -2,7 +2,7 @@
 
 Bug guarded against: loaded KV used by the forward before it is in place or
 before it is verified; a copy landing in blocks vLLM has freed (an aborted
-request) or racing the recompute of a block that failed; staging slots or pins
+request) or racing the recompute of a block that failed; staging buffers or pins
 leaked by the deferred copy.
 Invariant: tokens identical to a run without aiokv, with full hits and with
 hits on half the prompt (compute beside the copy), with corrupted blocks

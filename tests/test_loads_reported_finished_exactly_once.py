@@ -117,7 +117,7 @@ def test_a_load_that_cannot_be_prepared_leaves_one_failed_load_and_no_pin(tmp_pa
     assert not store.index.pins  # group 0's pins were given back
     plan = side.plan([])
     assert [(t.req_id, t.group) for t in plan.loads] == [("r", 0)]  # one load, failed: nothing to read
-    assert not plan.loads[0].keys and not plan.loads[0].slots and plan.loads[0].block_ids == list(range(1, 7))
+    assert not plan.loads[0].keys and not plan.loads[0].locations and plan.loads[0].block_ids == list(range(1, 7))
     side.on_report(None, {"r"})
     assert not store.index.pins and side.pending_saves == 0
     assert side.counters.load_blocks == 6 and side.counters.hit_requests == 0

@@ -5,7 +5,7 @@ disk, outgrow its budget, or hand a job a slot another job still reads.
 Invariants: a block kept in host memory is served without any disk read (the
 data file may be gone); only blocks written (saves) or read and verified
 (loads) are kept; the tier holds at most `memory_bytes` of slots, least
-recently used out first; kept slots are not counted as staging in use, and
+recently used out first; kept buffers are not counted as staging in use, and
 saves and loads still get slots when the tier is full (they evict it);
 `memory_held_bytes` reports the level as it changes.
 
@@ -56,7 +56,7 @@ def test_recent_blocks_load_from_memory_without_the_disk(tmp_path):
     try:
         rep = _save(w, range(6))
         assert rep.counters["memory_held_bytes"] == 6 * w.slot_bytes
-        assert w.staging_in_use == 0, "kept slots are not staging in use"
+        assert w.staging_in_use == 0, "kept buffers are not staging in use"
         os.unlink(data_path(ns_dir(str(tmp_path), NS), 0))  # no disk behind them any more
         errors, c = _load(w, range(6), 20)
         assert not errors

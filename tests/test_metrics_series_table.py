@@ -64,7 +64,7 @@ def _counted_in_code() -> set[str]:
                               ("aiokv/worker/reads.py", "self.count", ""),
                               ("aiokv/bucket/uploader.py", "self.count", ""),
                               ("aiokv/worker/layerwise.py", "self.counts.update", "layerwise_"),
-                              ("aiokv/bucket/prober.py", "self.counters", "shared_")):
+                              ("aiokv/bucket/prober.py", "self.counters", "bucket_")):
         with open(os.path.join(root, rel)) as f:
             tree = ast.parse(f.read())
         for node in ast.walk(tree):
@@ -91,7 +91,7 @@ def test_every_counter_has_a_series_or_a_reason():
     # scheduler side's and the store's records are built from its rows: counters.record)
     assert set(table.names(table.SCHEDULER)) == {f.name for f in dataclasses.fields(SchedulerCounters)}
     assert set(table.names(table.STORE)) == {f"store_{f.name}" for f in dataclasses.fields(StoreStats)}
-    assert set(transfer.COUNTERS) >= {k for k in _counted_in_code() if not k.startswith(("layerwise_", "shared_"))}
+    assert set(transfer.COUNTERS) >= {k for k in _counted_in_code() if not k.startswith(("layerwise_", "bucket_"))}
     assert all(r.kind in (metrics.COUNTER, metrics.GAUGE, metrics.LEVEL, metrics.HISTOGRAM) for r in table.TABLE)
     # one help text, kind and label set per series
     by_series = {}

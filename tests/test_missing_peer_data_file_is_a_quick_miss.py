@@ -15,7 +15,7 @@ import errno
 from aiokv.data import format as fmt
 from aiokv.data.backend import open_backend
 from aiokv.data.blockio import BlockIO
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 from aiokv.store import Store
 from aiokv.store.store import ns_dir
 
@@ -24,7 +24,7 @@ async def test_a_block_in_a_missing_data_file_is_a_miss_within_a_second(tmp_path
     st = Store(str(tmp_path / "s"))
     ns = st.namespace(bytes(16), 4096)
     io = BlockIO(open_backend(asyncio.get_running_loop()), ns_dir(st.root, ns.nsid), ns.nsid, 0, 4096)
-    pool = SlotPool(fmt.slot_bytes(4096), 1)
+    pool = BufferPool(fmt.slot_bytes(4096), 1)
     try:
         for _ in range(2):  # the second read finds the file known missing
             res = await asyncio.wait_for(io.read([(fmt.loc(3, 0), b"k" * 16, pool.addr(0))]), 1.0)

@@ -9,7 +9,7 @@ a rank other than 0 reading a file or a layout that is not the one rank 0 wrote.
 Invariant: latent blocks laid out as vLLM's MLA backends lay them (per layer
 `[blocks, block_size, kv_lora_rank + rope_dim = 576]`, bf16) saved by storage rank 0 alone (one data
 file, rank0.data) load bit-exact into other blocks of another rank's KV tensors: from disk (the
-payload checked inside the fused CPU copy, and in the separate pass when a `secret` MACs it), from
+payload CRC checked inside the CPU device copy, and in the separate pass when a `secret` MACs it), from
 the memory tier, layer by layer, and from the bucket tier into another node's directory.
 """
 from __future__ import annotations
@@ -39,12 +39,12 @@ def _latent(seed: int) -> dict:
             for i in range(LAYERS)}
 
 
-def _worker(root: str, kv: dict, memory_slots: int = 0, **kw) -> TransferWorker:
+def _worker(root: str, kv: dict, memory_bufs: int = 0, **kw) -> TransferWorker:
     """A worker of storage rank 0 (replicated KV: every TP rank reads rank 0's blocks)."""
     os.makedirs(ns_dir(root, NS), exist_ok=True)
     dev = CpuDevice(kv, NB)
     sb = fmt.slot_bytes(dev.payload_bytes)
-    return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=2 * N * sb, memory_bytes=memory_slots * sb,
+    return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=2 * N * sb, memory_bytes=memory_bufs * sb,
                           **kw)
 
 
@@ -80,13 +80,13 @@ def _data_files(root: str) -> list[str]:
     return sorted(f for f in os.listdir(ns_dir(root, NS)) if f.endswith(".data"))
 
 
-@pytest.mark.parametrize("secret", [None, "a-secret"], ids=["fused-crc", "separate-pass-mac"])
+@pytest.mark.parametrize("secret", [None, "a-secret"], ids=["crc-in-copy", "separate-pass-mac"])
 def test_every_rank_loads_rank0s_latent_from_disk(tmp_path, backend_kind, secret):
     root = str(tmp_path)
     rank0, rank1 = _latent(0), _latent(1)
     w0 = _worker(root, rank0, secret=secret)
     try:
-        assert w0.device.fuses_checksums, "the latent layout is copied by the fused CPU path"
+        assert w0.device.crc_in_copy, "the latent layout is copied with the CRC in the CPU copy"
         _save(w0)
     finally:
         w0.close()
@@ -105,7 +105,7 @@ def test_every_rank_loads_rank0s_latent_from_disk(tmp_path, backend_kind, secret
 
 def test_the_latent_loads_from_the_memory_tier(tmp_path):
     kv = _latent(0)
-    w = _worker(str(tmp_path), kv, memory_slots=2 * N)
+    w = _worker(str(tmp_path), kv, memory_bufs=2 * N)
     try:
         _save(w)
         os.unlink(os.path.join(ns_dir(str(tmp_path), NS), "rank0.data"))  # served without the disk
@@ -144,17 +144,17 @@ def test_the_latent_loads_layer_by_layer(tmp_path, backend_kind):
 def test_the_latent_loads_from_the_bucket_on_another_node(tmp_path, s3env):
     rank0, rank1 = _latent(0), _latent(1)
     url = s3env.url("mla")
-    w0 = _worker(str(tmp_path / "node-a"), rank0, shared=BucketClient(url, timeout=5))
+    w0 = _worker(str(tmp_path / "node-a"), rank0, bucket=BucketClient(url, timeout=5))
     try:
         _save(w0)
     finally:
         w0.close()  # flushes the uploads
     other = str(tmp_path / "node-b")  # nothing on this node's disk
-    w = _worker(other, rank1, shared=BucketClient(url, timeout=5))
+    w = _worker(other, rank1, bucket=BucketClient(url, timeout=5))
     try:
-        w.load([Transfer("r", [key(i) for i in range(N)], list(range(N)), DST, remote=[True] * N)])
+        w.load([Transfer("r", [key(i) for i in range(N)], list(range(N)), DST, from_bucket=[True] * N)])
         errors, c, saved = _poll_until(w, "r")
-        assert not errors and c["remote_loaded_blocks"] == N, c
+        assert not errors and c["bucket_loaded_blocks"] == N, c
         w.drain(30)  # the write-through of what arrived
         saved += w.poll()[2].written()
         assert len(saved) == N, saved

@@ -29,7 +29,7 @@ import time
 import pytest
 
 from aiokv import _native
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 from aiokv.data import format as fmt
 
 NS = bytes(range(16))
@@ -45,7 +45,7 @@ def key(i: int, n: int = 32) -> bytes:
 
 @pytest.fixture
 def pool():
-    p = SlotPool(SB, 64)
+    p = BufferPool(SB, 64)
     yield p
     p.close()
 

@@ -237,7 +237,7 @@ class Engine:
                 if j >= len(t.keys):  # nothing to read (a load that could not be prepared)
                     failed.append(block)
                     continue
-                key, slot = t.keys[j], t.slots[j]
+                key, slot = t.keys[j], t.locations[j]
                 if slot < 0 or block == 0 or t.req_id in cancelled:
                     failed.append(block)
                     continue
@@ -262,7 +262,7 @@ class Engine:
             self.in_flight.append(t)
         for t in plan.saves:
             self.report.saves.append(SaveResult(t.job, 0, list(t.keys)))
-            for key, slot, block in zip(t.keys, t.slots, t.block_ids):
+            for key, slot, block in zip(t.keys, t.locations, t.block_ids):
                 owner = self.owner.get(block)
                 if owner is None or owner[:2] != (t.req_id, t.group) or self.content.get(block) != key:
                     self.violations.append(f"save of {t.req_id} group {t.group} reads block {block} "

@@ -91,13 +91,13 @@ def test_a_block_one_rank_failed_to_write_is_never_committed(tmpfs):
         # rank 1's file loses the space reserved for blocks 1..3, and the disk fills up:
         # its writes there need new pages, which the kernel refuses
         fd = os.open(os.path.join(ns_dir(root, NS), "rank1.data"), os.O_RDWR)
-        for slot in t.slots[1:]:
+        for slot in t.locations[1:]:
             off = (slot & fmt.SLOT_MASK) * ns.slot_bytes
             _native.fallocate(fd, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, off, ns.slot_bytes)
         os.close(fd)
         _fill_up(tmpfs / "filler")
         for w in workers:
-            w.save([Transfer(t.req_id, list(t.keys), list(t.slots), list(t.block_ids), t.group, job=t.job)])
+            w.save([Transfer(t.req_id, list(t.keys), list(t.locations), list(t.block_ids), t.group, job=t.job)])
         rep0, rep1 = (_report(w, 4) for w in workers)
         os.unlink(tmpfs / "filler")  # (the journal needs room for the commit below)
         assert {k for _, _, k in rep0.written()} == set(keys) and not rep0.not_written(), rep0

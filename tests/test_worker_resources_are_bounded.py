@@ -23,7 +23,7 @@ import threading
 import pytest
 import torch
 
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 from aiokv.data import format as fmt
 from aiokv.worker import device as devmod
 from aiokv.worker.device import CpuDevice, CudaDevice, gather_rows
@@ -118,12 +118,12 @@ def test_cuda_save_gathers_through_one_bounded_buffer(fake_cuda, monkeypatch):
     monkeypatch.setattr(devmod, "GATHER_BYTES", 3 * payload)  # 3 blocks: a 30-block save takes 10 rounds
     assert gather_rows(payload, 3 * payload) == 3 and gather_rows(payload, 1) == 1
     dev = CudaDevice(kv, NB)
-    pool = SlotPool(fmt.slot_bytes(payload), 32)
+    pool = BufferPool(fmt.slot_bytes(payload), 32)
     dev.attach(pool)
     assert tuple(dev._gather.shape) == (3, payload), "one fixed gather buffer of GATHER_BYTES"
     assert fake_cuda.registered == [pool.arena.addr]
     ref = CpuDevice(kv, NB)
-    ref_pool = SlotPool(fmt.slot_bytes(payload), 32)
+    ref_pool = BufferPool(fmt.slot_bytes(payload), 32)
     ref.attach(ref_pool)
     blocks = list(range(5, 35))
     slots = pool.acquire(30)

@@ -22,7 +22,7 @@ from aiokv import _native
 from aiokv.config import AioKVConfig, ConfigError
 from aiokv.data.backend import open_backend
 from aiokv.bucket.client import BucketClient
-from aiokv.bucket.loader import BAD, OK, RemoteLoader
+from aiokv.bucket.loader import BAD, OK, BucketLoader
 from aiokv.bucket.naming import object_name
 from aiokv.store import Store
 from aiokv.data import format as fmt
@@ -87,7 +87,7 @@ async def test_wrong_secret_from_the_bucket_is_a_miss(tmp_path, blocks, s3env):
         blocks.fill(i, key(i))
         io[writer].stamp(key(i), blocks.addr(i))
         assert await client.put_once(object_name(client.prefix, NS, 0, key(i)), ctypes.string_at(blocks.addr(i), SB))
-    loader = RemoteLoader(client, NS, 0, SB)
+    loader = BucketLoader(client, NS, 0, SB)
     assert await loader.fetch(key(0), blocks.addr(10), io["a"].verify) == OK
     assert blocks.holds(10, key(0))
     assert await loader.fetch(key(1), blocks.addr(10), io["a"].verify) == BAD
@@ -106,6 +106,6 @@ def test_secret_setting(monkeypatch):
         AioKVConfig.from_extra({"path": "/tmp/x", "secret": "short"})
     with pytest.raises(ConfigError, match="s3://BUCKET/PREFIX"):
         AioKVConfig.from_extra({"path": "/tmp/x", "bucket": "bucket/prefix"})
-    cfg = AioKVConfig.from_extra({"path": "/tmp/x", "bucket": "s3://my-bucket/kv", "remote_timeout": 2,
+    cfg = AioKVConfig.from_extra({"path": "/tmp/x", "bucket": "s3://my-bucket/kv", "bucket_timeout": 2,
                                   "upload_queue": "64MiB"})
-    assert (cfg.bucket, cfg.remote_timeout, cfg.upload_queue) == ("s3://my-bucket/kv", 2.0, 64 << 20)
+    assert (cfg.bucket, cfg.bucket_timeout, cfg.upload_queue) == ("s3://my-bucket/kv", 2.0, 64 << 20)

@@ -22,7 +22,7 @@ idle until that file exists (tests that run two engines at once use it to order
 them); peer_blocks waits, after that, until this engine's store sees at least n
 blocks the other engines on the directory committed (it looks every
 FOLLOW_INTERVAL, so a file on disk is not yet a hit here); settle waits, before the phase, until the previous phases' saves and
-shared-tier uploads are done (one process, TP 1); kill_at_step kills -9 that
+bucket-tier uploads are done (one process, TP 1); kill_at_step kills -9 that
 process group at that step of the phase; reload_weights loads other weights into
 the running engine (collective_rpc) and reset_prefix_cache then calls
 LLM.reset_prefix_cache(**kwargs), both before the phase (its result in "reset").
@@ -145,7 +145,7 @@ def main(spec: dict) -> dict:
                         result["aborted_while"][where] = result["aborted_while"].get(where, 0) + 1
                     engine.abort_request([rid])
                     outs[rid] = None
-            if phase.get("kill_at_step") and phase["kill_at_step"][0] == step:  # e.g. the shared tier's server
+            if phase.get("kill_at_step") and phase["kill_at_step"][0] == step:  # e.g. the bucket tier's server
                 import signal
 
                 os.killpg(phase["kill_at_step"][1], signal.SIGKILL)

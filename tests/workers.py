@@ -12,13 +12,13 @@ from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS
 
 
-def cpu_worker(root: str, kv: dict, staging_slots: int, kept: int = 0, **kw) -> TransferWorker:
-    """A worker on namespace NS under root, `staging_slots` staging slots plus
+def cpu_worker(root: str, kv: dict, staging_bufs: int, kept: int = 0, **kw) -> TransferWorker:
+    """A worker on namespace NS under root, `staging_bufs` staging buffers plus
     `kept` slots of memory tier; kw go to TransferWorker."""
     os.makedirs(ns_dir(root, NS), exist_ok=True)
     dev = CpuDevice(kv, next(iter(kv.values())).shape[0])
     slot = fmt.slot_bytes(dev.payload_bytes)
-    return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=staging_slots * slot,
+    return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=staging_bufs * slot,
                           memory_bytes=kept * slot, **kw)
 
 

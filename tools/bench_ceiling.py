@@ -39,14 +39,14 @@ import uvloop  # noqa: E402
 
 import bench_store as bs  # noqa: E402
 
-from aiokv.data.buffers import SlotPool  # noqa: E402
+from aiokv.data.buffers import BufferPool  # noqa: E402
 from aiokv.data import format as fmt  # noqa: E402
 from aiokv.config import parse_size  # noqa: E402
 from aiokv.data.blockio import BlockIO  # noqa: E402
 from aiokv.store.store import ns_dir  # noqa: E402
 
 
-async def one_pass(io: BlockIO, pool: SlotPool, n: int, salt: int) -> dict:
+async def one_pass(io: BlockIO, pool: BufferPool, n: int, salt: int) -> dict:
     payload = io.payload_bytes
     keys = bs._keys(n, salt)
     items = [(i, keys[i], pool.addr(i)) for i in range(n)]
@@ -67,7 +67,7 @@ async def one_pass(io: BlockIO, pool: SlotPool, n: int, salt: int) -> dict:
 async def measure(size: int, threads: int, depth: int, gib: float, rounds: int, root: str) -> dict:
     slot = fmt.slot_bytes(size)
     n = max(8, int(gib * (1 << 30)) // slot)
-    pool = SlotPool(slot, n, populate=True)
+    pool = BufferPool(slot, n, populate=True)
     backend = bs.NullBackend(asyncio.get_running_loop())
     backend.depth = depth  # BlockIO's chunk: depth / 4 blocks per batch, as on io_uring
     cpu = concurrent.futures.ThreadPoolExecutor(threads, "crc") if threads else None

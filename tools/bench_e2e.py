@@ -76,7 +76,7 @@ def child(args) -> None:
         kw["kv_transfer_config"] = {"kv_connector": "AioKVConnector", "kv_role": "kv_both",
                                     "kv_connector_module_path": "aiokv.connector",
                                     "kv_connector_extra_config": {"path": args.cache, "capacity": "8GiB",
-                                                                  # more settings (tools/bench_shared.py)
+                                                                  # more settings (tools/bench_bucket.py)
                                                                   **json.loads(os.environ.get("AIOKV_BENCH_EXTRA",
                                                                                               "{}"))}}
     llm = LLM(**kw)

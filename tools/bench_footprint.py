@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Read bandwidth against the buffer footprint: aiokv's io_uring backend alone
 (no aiokv code above it: no verification, no index, no per-block Python)
-reading one file into K distinct huge-page staging slots, next to fio on the
+reading one file into K distinct huge-page staging buffers, next to fio on the
 same file, same block size, same depth.
 
     PYTHONPATH=. .venv/bin/python tools/bench_footprint.py [--mib 384] [--size 256K] [--depth 16]
@@ -9,7 +9,7 @@ same file, same block size, same depth.
         [--dir PATH] [--json]
 
 Why: fio reads into its `iodepth` buffers again and again (a few MiB, hot in
-the caches), aiokv into staging slots that each hold a block until it is
+the caches), aiokv into staging buffers that each hold a block until it is
 copied into the KV cache (tools/bench_store.py gives every block its own slot,
 as a large load does). On a virtual disk the device's "DMA" is a copy made by
 the host, and its speed depends on where it writes. This tool separates that

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """CPU seconds per GB of a worker-level save and load, with the payload CRC32C as
-a separate pass (old) and fused into the CPU device copy (fused).
+a separate pass ("separate") and inside the CPU device copy ("in copy", the worker's
+crc_in_copy).
 
     PYTHONPATH=. .venv/bin/python tools/bench_fused.py [--gib 1] [--layers 28] [--rounds 3] [--dir DIR]
 
@@ -9,13 +10,13 @@ A TransferWorker over a CpuDevice with the CPU backend's KV layout (per layer
   save = TransferWorker.save of every block (device copy on this thread, then
          stamp + io_uring write on the worker loop), until all are reported;
   load = TransferWorker.load of every block (read, verify, device copy), until reported.
-Old and fused alternate on the same worker, files and data (the worker's
-`_fused` switched between rounds); every byte is cold (the KV cache and the
+The separate pass and the CRC in the copy alternate on the same worker, files and
+data (the worker's `_crc_in_copy` switched between rounds); every byte is cold (the KV cache and the
 staging arena are each --gib, far above the caches). "disk" rows: the whole
 job, CPU of the process (time.process_time: every thread, kernel included).
 "memory" rows: the same CPU work without the disk (device copy + stamp, and
 verify + device copy, on slots already in staging). "copy in": the device copy
-alone, plain against fused (what a memory-tier hit would pay for checking its
+alone, plain against the CRC in the copy (what a memory-tier hit would pay for checking its
 already verified slots again). core-s/GB per GB of
 payload, median of --rounds; wall GB/s alongside.
 """
@@ -59,7 +60,7 @@ def run(args) -> dict:
     dev = CpuDevice(kv, n + 1)
     slot = fmt.slot_bytes(dev.payload_bytes)
     w = TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=n * slot, queue_depth=args.depth)
-    assert w._fused and dev.fuses_checksums, "this layout should copy with checksums"
+    assert w._crc_in_copy and dev.crc_in_copy, "this layout should copy with checksums"
     keys = [i.to_bytes(4, "little") * 8 for i in range(n)]
     ids = list(range(1, n + 1))
     gb = n * payload / 1e9
@@ -84,30 +85,30 @@ def run(args) -> dict:
 
     io = w._blockio()
     lay = (io.nsid, io.rank, io.payload_bytes, io.layout)
-    stg = list(range(n))  # the worker is idle in the memory rounds: its staging slots, used directly
+    stg = list(range(n))  # the worker is idle in the memory rounds: its staging buffers, used directly
     addrs = [w.pool.addr(s) for s in stg]
 
-    def mem_save(fused):
-        dev.copy_out(ids, stg, checksum=fused)
-        _native.stamp_slots(addrs, keys, *lay, fused)
+    def mem_save(in_copy):
+        dev.copy_out(ids, stg, crc_in_copy=in_copy)
+        _native.stamp_slots(addrs, keys, *lay, in_copy)
 
-    def mem_load(fused):
-        v = _native.verify_slots(addrs, keys, *lay, fused)
-        ok = dev.copy_in(ids, stg, checksum=fused)
+    def mem_load(in_copy):
+        v = _native.verify_slots(addrs, keys, *lay, in_copy)
+        ok = dev.copy_in(ids, stg, crc_in_copy=in_copy)
         assert not any(v) and (ok is None or all(ok))
 
     try:
         save()  # the data file grows to its size once, outside the measured rounds
         load()
         for _ in range(args.rounds):
-            for fused in (False, True):
-                tag = "fused" if fused else "old"
-                w._fused = fused
+            for in_copy in (False, True):
+                tag = "in copy" if in_copy else "separate"
+                w._crc_in_copy = in_copy
                 phase(f"disk save {tag}", save)
                 phase(f"disk load {tag}", load)
-                phase(f"memory save {tag}", lambda: mem_save(fused))
-                phase(f"memory load {tag}", lambda: mem_load(fused))
-                phase(f"copy in {tag}", lambda: dev.copy_in(ids, stg, checksum=fused))
+                phase(f"memory save {tag}", lambda: mem_save(in_copy))
+                phase(f"memory load {tag}", lambda: mem_load(in_copy))
+                phase(f"copy in {tag}", lambda: dev.copy_in(ids, stg, crc_in_copy=in_copy))
     finally:
         w.close()
         shutil.rmtree(root)
@@ -130,11 +131,12 @@ def main() -> int:
     r = run(args)
     print(f"{r['blocks']} blocks of {r['payload'] / 1024:.0f} KiB ({r['gb']:.2f} GB) each way, "
           f"CRC32C path {r['crc_path']}, median of {args.rounds} rounds")
-    print(f"{'':14}{'old core-s/GB':>15}{'fused core-s/GB':>17}{'saved':>8}{'old GB/s':>10}{'fused GB/s':>12}")
+    print(f"{'':14}{'separate core-s/GB':>20}{'in copy core-s/GB':>19}{'saved':>8}{'separate GB/s':>15}"
+          f"{'in copy GB/s':>14}")
     res = r["results"]
     for kind in ("disk save", "disk load", "memory save", "memory load", "copy in"):
-        (oc, og), (fc, fg) = res[f"{kind} old"], res[f"{kind} fused"]
-        print(f"{kind:14}{oc:15.4f}{fc:17.4f}{oc - fc:8.4f}{og:10.2f}{fg:12.2f}")
+        (oc, og), (fc, fg) = res[f"{kind} separate"], res[f"{kind} in copy"]
+        print(f"{kind:14}{oc:20.4f}{fc:19.4f}{oc - fc:8.4f}{og:15.2f}{fg:14.2f}")
     return 0
 
 

@@ -11,7 +11,7 @@ directory (medians of the rounds are reported):
   with StoreIO.save, then loaded with StoreIO.load (tools/storeio.py: the
   index's calls around BlockIO's writes and reads; headers stamped, CRC32C
   computed on save and verified on load, index committed to the journal), on
-  uvloop. Staging slots come from one SlotPool (a huge-page-advised arena).
+  uvloop. Staging buffers come from one BufferPool (a huge-page-advised arena).
   D blocks are kept in flight as W concurrent save()/load() loops (default
   W = D, one block per call). N = --mib MiB / slot.
 - fio: io_uring, direct=1, bs = the slot size (B + 4096 header), iodepth=D,
@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aiokv import _native  # noqa: E402
 from aiokv.data.backend import IOBackend, open_backend  # noqa: E402
-from aiokv.data.buffers import SlotPool  # noqa: E402
+from aiokv.data.buffers import BufferPool  # noqa: E402
 from aiokv.config import parse_size  # noqa: E402
 from tools.storeio import StoreIO  # noqa: E402
 from aiokv.data import format as fmt  # noqa: E402
@@ -121,9 +121,9 @@ async def _aiokv_round(root: str, payload: int, n: int, depth: int, workers: int
     per = n if batch else max(1, depth // workers)
     if batch:
         workers = 1
-    if null_io:  # one staging slot per key, so a "load" finds the header its save stamped
+    if null_io:  # one staging buffer per key, so a "load" finds the header its save stamped
         n = min(n, 128)
-    pool = SlotPool(fmt.slot_bytes(payload), n if (null_io or batch) else per * workers)
+    pool = BufferPool(fmt.slot_bytes(payload), n if (null_io or batch) else per * workers)
     st = StoreIO(root)
     try:
         if null_io:
@@ -179,7 +179,7 @@ def aiokv_round(*a, **kw) -> dict:
 
 
 def crc_us(payload: int, reps: int = 50) -> float:
-    pool = SlotPool(fmt.slot_bytes(payload), 1)
+    pool = BufferPool(fmt.slot_bytes(payload), 1)
     try:
         a = pool.addr(0)
         t = time.perf_counter()

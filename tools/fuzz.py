@@ -24,7 +24,7 @@ at the end no reservation may be left in the store and no load reported twice.
 After every step it checks:
 - every block a save reads or a load writes belongs, at that moment, to the
   request it is for (no block read or written after release);
-- staging slots in use never exceed the pool, pins are held only by loads in
+- staging buffers in use never exceed the pool, pins are held only by loads in
   flight, pending saves only by reserved slots.
 At the end of each life: every request that was not aborted produced the same
 tokens as a run without aiokv; the engine's free block count, pins, pending
@@ -157,7 +157,7 @@ def life(args) -> dict:
         def load(transfers):
             for t in transfers:
                 # (a load whose key went missing carries slot -1: it writes nothing)
-                if not {b for b, s in zip(t.block_ids, t.slots) if s >= 0} <= owned(t.req_id, t.group):
+                if not {b for b, s in zip(t.block_ids, t.locations) if s >= 0} <= owned(t.req_id, t.group):
                     violations.append(f"load of {t.req_id} writes blocks it does not own: {t.block_ids}")
             return orig_load(transfers)
 

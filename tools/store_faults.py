@@ -74,7 +74,7 @@ def install(conn, wc, managers, rate: float, seed: int, violations: list[str]) -
 
     def load(transfers):
         for t in transfers:
-            check(t, "load", [(k, b) for k, s, b in zip(t.keys, t.slots, t.block_ids) if s >= 0])
+            check(t, "load", [(k, b) for k, s, b in zip(t.keys, t.locations, t.block_ids) if s >= 0])
         return orig_load(transfers)
 
     w.save, w.load = save, load

@@ -42,7 +42,7 @@ class StoreIO(Store):
         return io
 
     async def save(self, ns: Namespace, items, rank: int = 0) -> list[int]:
-        """Store (key, addr) staging slots; per item 0, -EEXIST, -ENOSPC or -errno."""
+        """Store (key, addr) staging buffers; per item 0, -EEXIST, -ENOSPC or -errno."""
         if ns.ranks != 1:
             raise ValueError("aiokv: StoreIO.save is for one-rank namespaces; ranks commit through the owner")
         res = [0] * len(items)
@@ -66,7 +66,7 @@ class StoreIO(Store):
         return res
 
     async def load(self, ns: Namespace, items, rank: int = 0) -> list[int]:
-        """Read (key, addr) into staging slots; per item 0, -ENOENT, -EBADMSG or -errno."""
+        """Read (key, addr) into staging buffers; per item 0, -ENOENT, -EBADMSG or -errno."""
         keys = [k for k, _ in items]
         slots = self.pin(ns, keys)
         try:

@@ -6,7 +6,7 @@ engines (other nodes) load them instead of recomputing (docs/sharing.md).
                 a circuit breaker (aiokv/util/breaker.py): a failing server is skipped for a while
     uploader.py write-behind uploads from a worker's event loop (bounded, lossy)
     prober.py   asynchronous, cached existence probes for the scheduler thread
-    loader.py   loads from the bucket into a staging slot, verified like a local read
+    loader.py   loads from the bucket into a staging buffer, verified like a local read
 
 Nothing here imports vLLM.
 """

@@ -1,4 +1,4 @@
-"""Loads from the bucket: GET a block's object into a staging slot and verify it exactly
+"""Loads from the bucket: GET a block's object into a staging buffer and verify it exactly
 as a local read is verified (BlockIO.verify: magic, version, namespace, rank,
 key, layout, length, CRC32C, and the MAC when a secret is set).
 
@@ -20,7 +20,7 @@ from aiokv.bucket.naming import object_name
 OK, MISSING, BAD, UNAVAILABLE = "ok", "missing", "bad", "unavailable"
 
 
-class RemoteLoader:
+class BucketLoader:
     def __init__(self, client: BucketClient, nsid: bytes, rank: int, slot_bytes: int):
         self.client = client
         self.nsid = nsid
@@ -31,7 +31,7 @@ class RemoteLoader:
         return object_name(self.client.prefix, self.nsid, self.rank, key)
 
     async def fetch(self, key: bytes, addr: int, verify) -> str:
-        """Fill the staging slot at addr with the block of `key`; OK, MISSING, BAD or UNAVAILABLE."""
+        """Fill the staging buffer at addr with the block of `key`; OK, MISSING, BAD or UNAVAILABLE."""
         try:
             data = await self.client.get(self.name(key))
         except BucketError:

@@ -45,7 +45,7 @@ class BucketLookup:
 
     @property
     def counters(self) -> dict[str, int]:
-        return {f"shared_{k}": v for k, v in self.prober.counters.items()} | {"shared_breaker_opened":
+        return {f"bucket_{k}": v for k, v in self.prober.counters.items()} | {"bucket_breaker_opened":
                                                                                 self.client.breaker.opens}
 
     def close(self) -> None:

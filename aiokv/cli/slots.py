@@ -25,7 +25,7 @@ from aiokv.data import format as fmt
 from aiokv.data.backend import OP_READ, open_backend
 from aiokv.data import slotfile
 from aiokv.data.slotfile import open_data_file, open_engine_dir
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 from aiokv.store.store import NotAStore, Store, ns_dir
 
 IN_FLIGHT = 32            # verify reads in flight
@@ -108,7 +108,7 @@ async def _verify_ns(backend, root: str, ns, items, progress: Progress | None) -
                 progress.add(1, 0)
         else:
             todo.append((rank, key, slot, fd, engine))
-    pool = SlotPool(sb, depth) if todo else None
+    pool = BufferPool(sb, depth) if todo else None
     try:
         workers = min(4, depth)
         per = max(1, depth // workers)

@@ -112,7 +112,7 @@ class SchedulerRole:
             from aiokv.bucket.lookup import BucketLookup
             from aiokv.data.format import slot_bytes
 
-            self.sched.shared = BucketLookup(self.cfg.bucket, self.cfg.remote_timeout, self.cfg.probe_timeout,
+            self.sched.bucket = BucketLookup(self.cfg.bucket, self.cfg.bucket_timeout, self.cfg.probe_timeout,
                                              [(ns.nsid, ns.ranks, slot_bytes(ns.payload_bytes)) for _, ns in spaces])
         log.info("aiokv %s: cache %s, namespace %s (%s), %d blocks stored", __version__, self.cfg.path,
                  self.nsid.hex(), ", ".join(g.kind for g in self.groups), sum(len(ns.entries) for _, ns in spaces))
@@ -177,7 +177,7 @@ class SchedulerRole:
         if self.sched is None:
             return
         self._queried_tokens += self._queried.pop(request.request_id, 0)
-        self._bucket_tokens[request.request_id] = self.sched.shared_hit_tokens(request.request_id, num_external_tokens)
+        self._bucket_tokens[request.request_id] = self.sched.bucket_hit_tokens(request.request_id, num_external_tokens)
         try:
             self.sched.on_alloc(request.request_id, request.all_token_ids, self._root(request),
                                 blocks.get_block_ids(), num_external_tokens)
@@ -256,8 +256,8 @@ class SchedulerRole:
                    capacity_bytes=st.limit or 0, pending_saves=self.sched.pending_saves,
                    breaker_open=int(self.sched.breaker.is_open),
                    stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()))
-        if self.sched.shared is not None:
-            out.update(self.sched.shared.counters)
+        if self.sched.bucket is not None:
+            out.update(self.sched.bucket.counters)
         return out
 
 

@@ -88,7 +88,7 @@ class WorkerRole:
             if self.cfg.bucket:  # one client (and breaker) for this worker's groups
                 from aiokv.bucket.client import BucketClient
 
-                bucket = BucketClient(self.cfg.bucket, self.cfg.remote_timeout)
+                bucket = BucketClient(self.cfg.bucket, self.cfg.bucket_timeout)
             devices = []
             for g in self.groups:
                 device = make_device(kv_tensors(kv_caches, g.layer_names), self.kv_cache_config.num_blocks)

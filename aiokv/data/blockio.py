@@ -8,7 +8,7 @@ error or short transfer, or -EBADMSG for a slot that does not verify (wrong
 magic, version, namespace, rank, key, length, checksum, or the MAC when a
 secret is set). Nothing raises for a
 bad block; a bad block is never reported as loaded (with read's
-payload_checked=False, the payload's checksum is left to the caller).
+crc_in_copy=True, the payload's checksum is left to the caller's device copy).
 
 Several engines: items name locations (format.loc: engine << 32 | slot), so a
 BlockIO reads any engine's data file of its (namespace, rank), opened at first
@@ -20,12 +20,13 @@ hold the loop thread (a load's timeout runs there); a missing file is looked
 for again at most every MISSING_RETRY seconds.
 
 Threading contract: one asyncio loop thread (the one that owns the backend).
-Buffers are staging slots: 4096-aligned, `slot_bytes` long, header first.
+Buffers are staging buffers (data/buffers.py): 4096-aligned, `slot_bytes` long (one slot image),
+header first.
 
-Fused checksums: a device that copies and checksums in one pass (worker/device.py)
-leaves the payload CRC in the header on saves, so `write(..., crc_ready=True)`
-does not read the payload again; on loads it checks the payload CRC while
-copying, so `read(..., payload_checked=False)` checks everything else (the
+The CRC in the copy (`crc_in_copy`): a device that copies and checksums in one pass
+(worker/device.py) leaves the payload CRC in the header on saves, so
+`write(..., crc_in_copy=True)` does not read the payload again; on loads it checks
+the payload CRC while copying, so `read(..., crc_in_copy=True)` checks everything else (the
 header: format.check_header). Either way a slot on disk is what docs/format.md
 says. With a secret the MAC reads the payload anyway: it is still checked.
 
@@ -40,7 +41,7 @@ Checksum threads (`cpu`, an Executor; None: everything on the loop thread): a
 stamp or verify call over at least SPREAD_MIN_BYTES of payload runs on those
 threads (the native calls release the GIL), so the loop thread only submits and
 reaps, and the chunks of one call are checked on several cores at once. Where
-the device copy checks the payloads (crc_ready / payload_checked=False) the
+the device copy checks the payloads (crc_in_copy=True) the
 calls read only headers and stay on the loop. A call cancelled while a thread
 is still stamping or verifying its slots returns only once that thread is done
 with them, like the I/O above.
@@ -174,16 +175,16 @@ class BlockIO:
         return ops, min(fds.values()) >= 0
 
     def stamp(self, key: bytes, addr: int) -> None:
-        """Fill the header of the staging slot at addr for `key` (payload already there)."""
+        """Fill the header of the staging buffer at addr for `key` (payload already there)."""
         _native.stamp_slots([addr], [key], self.nsid, self.rank, self.payload_bytes, self.layout, False)
         self._add_macs([addr])
 
-    async def _stamp_many(self, keys: list, addrs: list, crc_ready: bool = False) -> None:
+    async def _stamp_many(self, keys: list, addrs: list, crc_in_copy: bool = False) -> None:
         """Stamp many slots: one native call (CRC32C and header of each, GIL
-        released; crc_ready: the payload CRC is already in each header), then the
+        released; crc_in_copy: the payload CRC is already in each header), then the
         MACs where a secret is set."""
-        await self._native(0 if crc_ready else len(addrs), _native.stamp_slots, addrs, keys, self.nsid, self.rank,
-                           self.payload_bytes, self.layout, crc_ready)
+        await self._native(0 if crc_in_copy else len(addrs), _native.stamp_slots, addrs, keys, self.nsid, self.rank,
+                           self.payload_bytes, self.layout, crc_in_copy)
         self._add_macs(addrs)
 
     def _add_macs(self, addrs: list) -> None:
@@ -222,7 +223,7 @@ class BlockIO:
         return mac_ok((ctypes.c_char * self.slot_bytes).from_address(addr), self.payload_bytes, self.mac_key)
 
     def verify(self, key: bytes, addr: int) -> bool:
-        """Whether the staging slot at addr holds `key` intact (check_slot: the format's checks, then the MAC)."""
+        """Whether the staging buffer at addr holds `key` intact (check_slot: the format's checks, then the MAC)."""
         try:
             check_slot((ctypes.c_char * self.slot_bytes).from_address(addr), self.nsid, self.rank,
                        self.payload_bytes, key, self.layout, self.mac_key)
@@ -239,31 +240,31 @@ class BlockIO:
         depth = getattr(self.backend, "depth", 16)
         return max(2, depth // 4, min(depth, -(-CHUNK_MIN_BYTES // self.payload_bytes)))
 
-    async def write(self, items, crc_ready: bool = False) -> list[int]:
+    async def write(self, items, crc_in_copy: bool = False) -> list[int]:
         """items: (slot, key, addr). Stamps headers, writes, returns per-item 0/-errno.
-        crc_ready: each payload's CRC32C is already at its header's payload-CRC
-        field (Device.copy_out(..., checksum=True)); the payloads are not read."""
+        crc_in_copy: each payload's CRC32C is already at its header's payload-CRC
+        field (Device.copy_out(..., crc_in_copy=True)); the payloads are not read."""
         sb = self.slot_bytes
         await self._ensure_open(True, items)
         if len(items) <= PIPELINE_MIN:
-            await self._stamp_many([key for _, key, _ in items], [addr for _, _, addr in items], crc_ready)
+            await self._stamp_many([key for _, key, _ in items], [addr for _, _, addr in items], crc_in_copy)
             res = await self.backend.run(self._ops(OP_WRITE, items)[0])
         else:
-            res = await self._pipelined(OP_WRITE, items, crc_ready=crc_ready)
+            res = await self._pipelined(OP_WRITE, items, crc_in_copy=crc_in_copy)
         if res.count(sb) == len(res):  # the common case, without a Python step per item
             return [0] * len(res)
         return [0 if r == sb else (r if r < 0 else -errno.EIO) for r in res]
 
-    async def read(self, items, payload_checked: bool = True) -> list[int]:
+    async def read(self, items, crc_in_copy: bool = False) -> list[int]:
         """items: (slot, key, addr). Reads and verifies; per-item 0/-errno/-EBADMSG.
-        payload_checked=False: everything but the payload CRC is checked (the
+        crc_in_copy=True: everything but the payload CRC is checked (the
         header, and the MAC with a secret); the caller must check that CRC
-        before it trusts the payload (Device.copy_in(..., checksum=True))."""
+        before it trusts the payload (Device.copy_in(..., crc_in_copy=True))."""
         await self._ensure_open(False, items)
         if len(items) <= PIPELINE_MIN:
             res = await self._run_reads(items)
-            return await self._checked(items, res, payload_checked)
-        return await self._pipelined(OP_READ, items, payload_checked=payload_checked)
+            return await self._checked(items, res, crc_in_copy)
+        return await self._pipelined(OP_READ, items, crc_in_copy=crc_in_copy)
 
     async def _run_reads(self, items) -> list[int]:
         """Backend reads of items; an item whose engine's file is missing: -ENOENT."""
@@ -274,10 +275,10 @@ class BlockIO:
         res = iter(await self.backend.run(todo) if todo else [])
         return [next(res) if op[1] >= 0 else -errno.ENOENT for op in ops]
 
-    async def _checked(self, items, res, payload_checked: bool = True) -> list[int]:
+    async def _checked(self, items, res, crc_in_copy: bool = False) -> list[int]:
         """Per-item result of reads: the slots that arrived whole are verified in
         one native call (the slot check format.check_slot makes, over the batch,
-        GIL released; without the payload CRC unless payload_checked), then their
+        GIL released; without the payload CRC with crc_in_copy), then their
         MACs."""
         sb, n = self.slot_bytes, len(res)
         whole = range(n) if res.count(sb) == n else [i for i, r in enumerate(res) if r == sb]
@@ -285,16 +286,16 @@ class BlockIO:
         if not whole:
             return out
         pick = items if len(whole) == n else [items[i] for i in whole]
-        verdicts = await self._native(len(whole) if payload_checked else 0, _native.verify_slots,
+        verdicts = await self._native(0 if crc_in_copy else len(whole), _native.verify_slots,
                                       [it[2] for it in pick], [it[1] for it in pick], self.nsid, self.rank,
-                                      self.payload_bytes, self.layout, not payload_checked)
+                                      self.payload_bytes, self.layout, crc_in_copy)
         if len(whole) == n and self.mac_key is None and not any(verdicts):
             return [0] * n  # the common case, without a Python step per item
         for i, v in zip(whole, verdicts):
             out[i] = 0 if v == 0 and (self.mac_key is None or self._mac_ok(items[i][2])) else EBADMSG
         return out
 
-    async def _pipelined(self, op: int, items, crc_ready: bool = False, payload_checked: bool = True) -> list:
+    async def _pipelined(self, op: int, items, crc_in_copy: bool = False) -> list:
         """Several backend batches: writes stamped chunk by chunk just before their
         batch starts; reads verified chunk by chunk as their batch ends. Returns
         raw byte counts (writes) or per-item results (reads)."""
@@ -304,10 +305,10 @@ class BlockIO:
         futs: list[asyncio.Future] = []
         out: list[int] = []
         try:
-            if op == OP_WRITE and (crc_ready or not self._spreads(step)):
+            if op == OP_WRITE and (crc_in_copy or not self._spreads(step)):
                 # stamped here, on the loop thread: each batch reaches the kernel before the next is stamped
                 for k, part in enumerate(parts):
-                    await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part], crc_ready)
+                    await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part], crc_in_copy)
                     futs.append(asyncio.ensure_future(run(self._ops(OP_WRITE, part)[0])))
                     if k + 1 < len(parts):
                         await asyncio.sleep(0)
@@ -316,7 +317,7 @@ class BlockIO:
                 futs = [asyncio.ensure_future(self._stamp_and_write(part)) for part in parts]
             else:
                 # each chunk verified as soon as it has arrived (on the checksum threads when big enough)
-                futs = [asyncio.ensure_future(self._read_and_check(part, payload_checked)) for part in parts]
+                futs = [asyncio.ensure_future(self._read_and_check(part, crc_in_copy)) for part in parts]
             for f in futs:
                 out += await f
         except BaseException:
@@ -334,8 +335,8 @@ class BlockIO:
         await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part])
         return await self.backend.run(self._ops(OP_WRITE, part)[0])
 
-    async def _read_and_check(self, part, payload_checked: bool) -> list[int]:
-        return await self._checked(part, await self._run_reads(part), payload_checked)
+    async def _read_and_check(self, part, crc_in_copy: bool) -> list[int]:
+        return await self._checked(part, await self._run_reads(part), crc_in_copy)
 
     def close(self) -> None:
         for fd in self.fds():

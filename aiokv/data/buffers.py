@@ -7,7 +7,7 @@ staging memory is one 2 MiB-aligned anonymous mapping with MADV_HUGEPAGE
 (see docs/design.md, "Staging memory").
 
 Threading contract: an Arena is immutable after construction and may be read from
-any thread. A SlotPool is called from one thread only (the worker's event loop).
+any thread. A BufferPool is called from one thread only (the worker's event loop).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class Arena:
     instead of at first use. A worker's arena is populated at start: a load
     into never-touched slots pays the page faults and the zeroing inside the
     O_DIRECT read (measured: the first warm loads after a restart took up to
-    2x longer with the memory tier on, whose kept slots are never reused), and
+    2x longer with the memory tier on, whose kept buffers are never reused), and
     on CUDA the arena is pinned, i.e. populated, at start anyway."""
 
     def __init__(self, size: int, populate: bool = False):
@@ -65,24 +65,24 @@ class Arena:
             pass  # a tensor still views it; the mapping lives until that is gone
 
 
-class SlotPool:
-    """A bounded pool of equal, aligned slots carved from one Arena.
+class BufferPool:
+    """A bounded pool of equal, aligned buffers (staging buffers, one slot image each) carved from one Arena.
 
-    acquire(n) returns n slot indices or None when the pool cannot give that many:
+    acquire(n) returns n buffer indices or None when the pool cannot give that many:
     callers drop work instead of waiting, so a full pool never stalls the engine.
     """
 
     def __init__(self, slot_bytes: int, count: int, populate: bool = False):
         if slot_bytes % ALIGN:
-            raise ValueError("slot size must be a multiple of 4096")
+            raise ValueError("buffer size must be a multiple of 4096")
         self.slot_bytes = slot_bytes
         self.count = count
         self.arena = Arena(slot_bytes * count, populate)
         self._free = list(range(count - 1, -1, -1))
         self._used: set[int] = set()
 
-    def addr(self, slot: int) -> int:
-        return self.arena.addr + slot * self.slot_bytes
+    def addr(self, buf: int) -> int:
+        return self.arena.addr + buf * self.slot_bytes
 
     @property
     def available(self) -> int:
@@ -96,10 +96,10 @@ class SlotPool:
         self._used.update(out)
         return out
 
-    def release(self, slots: list[int]) -> None:
-        for s in slots:
+    def release(self, bufs: list[int]) -> None:
+        for s in bufs:
             if s not in self._used:
-                raise RuntimeError(f"staging slot {s} released twice")
+                raise RuntimeError(f"staging buffer {s} released twice")
             self._used.remove(s)
             self._free.append(s)
 

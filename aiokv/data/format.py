@@ -55,7 +55,7 @@ SLOT_MASK = (1 << ENGINE_SHIFT) - 1
 
 
 def loc(engine: int, slot: int) -> int:
-    """A block's location as one int (what Transfer.slots carry): engine 0's are plain slots."""
+    """A block's location as one int (what Transfer.locations carry): engine 0's are plain slots."""
     return engine << ENGINE_SHIFT | slot
 
 
@@ -129,7 +129,7 @@ class BadBlock(Exception):
 
 # The one slot check is native (native/aiokv_native.c, slot_verdict): one slot
 # here (check_slot, check_header, unpack_header: _native.check_slot), a batch of
-# staging slots in BlockIO (_native.verify_slots, GIL released). Both answer a
+# staging buffers in BlockIO (_native.verify_slots, GIL released). Both answer a
 # verdict: 0 (valid) or the first check failed, in the order checked; this is
 # the one place a verdict is named (the start of BadBlock's reason). The C side
 # (HDR_OFF_*) writes and reads the _HDR layout above byte for byte.
@@ -178,7 +178,7 @@ def check_slot(slot, nsid: bytes, rank: int, payload_len: int, key: bytes | None
     """The one check that a whole slot is valid for (nsid, rank, payload_len,
     key, layout): its header (check_header) and its payload's CRC32C. `slot` is
     any buffer of at least HEADER_BYTES + payload_len bytes (bytes, or ctypes
-    memory over a staging slot). Returns the header; raises BadBlock naming the
+    memory over a staging buffer). Returns the header; raises BadBlock naming the
     first failed check."""
     return _checked(slot, _native.CHECK_SLOT, nsid, rank, payload_len, key, layout)
 

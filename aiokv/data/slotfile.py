@@ -68,7 +68,7 @@ def check_slot(slot, nsid: bytes, rank: int, payload_bytes: int, key: bytes | No
     format's rules (format.check_slot: header, then payload CRC32C; key or layout
     None: any), then, with a secret's key, the MAC. `slot` is any buffer of a whole
     slot. Returns the header; raises BadBlock naming the first failed check. (A
-    batch of staging slots: _native.verify_slots, the same native check, then
+    batch of staging buffers: _native.verify_slots, the same native check, then
     mac_ok.)"""
     h = fmt.check_slot(slot, nsid, rank, payload_bytes, key, layout)
     if mac_key is not None and not mac_ok(slot, payload_bytes, mac_key):

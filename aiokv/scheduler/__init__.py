@@ -1,7 +1,7 @@
 """The scheduler side (EngineCore process, vLLM's scheduler thread); no vLLM imports.
 
     side.py     SchedulerSide: the facade the connector calls
-    match.py    hits: what every KV-cache group (and the shared tier) can serve
+    match.py    hits: what every KV-cache group (and the bucket tier) can serve
     plan.py     load jobs at allocation, save jobs per step, their reservations
     commits.py  the ledger of jobs in flight: reports -> commits, give-backs
     state.py    plain data: scheduled requests, groups, requests, counters

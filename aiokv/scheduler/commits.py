@@ -41,7 +41,7 @@ class Job:
     read: dict[bytes, int] = dataclasses.field(default_factory=dict)  # a load's key -> the slot it reads
     # key -> (slot reserved, ranks that reported it, ranks that failed it), until every rank has
     saving: dict[bytes, tuple[int, set[int], set[int]]] = dataclasses.field(default_factory=dict)
-    shared: bool = False   # `saving` holds a load's reservations for blocks of the shared tier
+    from_bucket: bool = False   # `saving` holds a load's reservations for blocks of the bucket tier
     loading: bool = False  # a load whose request vLLM has not reported finished yet
 
 
@@ -78,7 +78,7 @@ class Ledger:
             del self.jobs[job]
 
     def forget(self, job: int) -> None:
-        """A load job that never reached the workers: its shared-tier reservations go back
+        """A load job that never reached the workers: its bucket-tier reservations go back
         (its pins with the request's loads, loads_done)."""
         rec = self.jobs.get(job)
         if rec is not None and rec.saving:
@@ -100,10 +100,10 @@ class Ledger:
     def on_report(self, report: WorkerReport | None, finished) -> tuple[set[str], list[tuple[int, bytes]]]:
         """The workers' results, then the requests vLLM reported finished loading. Returns
         (requests whose load failed, (group, key) that did not verify and are not in the
-        store under the slot read: shared-tier blocks)."""
+        store under the slot read: bucket-tier blocks)."""
         done: dict[int, list] = {}
         failed: dict[int, list] = {}
-        shared_lost: dict[int, list] = {}
+        bucket_lost: dict[int, list] = {}
         bad: dict[int, list] = {}
         failed_loads: set[str] = set()
         missing: list[tuple[int, bytes]] = []
@@ -124,8 +124,8 @@ class Ledger:
                 if len(ranks) < self.groups[rec.group].ns.ranks:
                     continue  # committed, or given back, once every rank has reported
                 del rec.saving[key]
-                # a shared block that did not arrive: a miss, not a failed save
-                into = (shared_lost if rec.shared else failed) if failing else done
+                # a bucket block that did not arrive: a miss, not a failed save
+                into = (bucket_lost if rec.from_bucket else failed) if failing else done
                 into.setdefault(rec.group, []).append((key, slot))
             self._settle(r.job)
         seen: set[tuple[int, bytes, int]] = set()
@@ -160,7 +160,7 @@ class Ledger:
         for gi, items in failed.items():
             self.give_back(("abort", gi, items, True))
             self.counters.save_failures += len(items)
-        for gi, items in shared_lost.items():
+        for gi, items in bucket_lost.items():
             self.give_back(("abort", gi, items, False))
         for gi, items in bad.items():
             self.give_back(("drop", gi, items))

@@ -4,7 +4,7 @@ A hit is the longest run of full blocks, capped so at least one token is left to
 compute, for which every group has what vLLM will load: every block for full
 attention, the blocks inside the window that ends at the hit for sliding-window
 groups, the state checkpoint at the hit's end for recurrent-state groups
-(aiokv/scheduler/layout.py); the shared tier may extend a full-attention hit
+(aiokv/scheduler/layout.py); the bucket tier may extend a full-attention hit
 (docs/sharing.md). Lookups only: no side effects on the store.
 
 Threading contract: the EngineCore scheduler thread only (through SchedulerSide).
@@ -34,11 +34,11 @@ def serves(g: Group, keys: list[bytes], h: int, local: int, bs: int) -> bool:
     return all(keys[i] in entries for i in range(first, h))
 
 
-def shared_extend(shared, groups: list[Group], req_id: str, keys: list[bytes], start: int,
+def bucket_extend(bucket, groups: list[Group], req_id: str, keys: list[bytes], start: int,
                   usable: int) -> tuple[int, tuple[int, int] | None] | None:
-    """The hit extended past `start` by what the shared tier holds, with the span of
-    blocks it serves (None: none); None: the shared tier has not answered yet."""
-    more = shared.extend(req_id, keys, start, usable)
+    """The hit extended past `start` by what the bucket tier holds, with the span of
+    blocks it serves (None: none); None: the bucket tier has not answered yet."""
+    more = bucket.extend(req_id, keys, start, usable)
     if more is None:
         return None
     for i in range(start, start + more):  # a block on its way in for another request: stop before it

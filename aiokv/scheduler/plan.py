@@ -2,7 +2,7 @@
 
 - A load is one Transfer per group, built at allocation from the block ids vLLM
   allocated (null blocks are skipped; a state group loads only the state at the
-  hit's end); its keys are pinned, and blocks the shared tier serves get a
+  hit's end); its keys are pinned, and blocks the bucket tier serves get a
   reserved slot the workers write through to. Every group's transfer, pin and
   reservation is built before any is kept: if anything raises, all of them are
   given back and the exception goes to the caller.
@@ -29,9 +29,9 @@ log = logging.getLogger("aiokv")
 
 
 def alloc(store, ledger: Ledger, groups: list[Group], st: Req, req_id: str, block_ids: tuple[list[int], ...],
-          local: int, n: int, remote) -> tuple[list[Transfer], dict[int, Job], int]:
+          local: int, n: int, from_bucket) -> tuple[list[Transfer], dict[int, Job], int]:
     """The load of blocks [local, local + n): (one transfer per group, their job records,
-    blocks reserved for the shared tier). Raises with nothing of it left behind."""
+    blocks reserved for the bucket tier). Raises with nothing of it left behind."""
     transfers, jobs, pinned, reserved = [], {}, [], []
     try:
         for gi, g in enumerate(groups):
@@ -45,15 +45,16 @@ def alloc(store, ledger: Ledger, groups: list[Group], st: Req, req_id: str, bloc
             slots = store.pin(g.ns, keys)
             pinned.append((gi, [k for k, s in zip(keys, slots) if s is not None]))
             first = len(reserved)
-            from_shared = reserve_remote(store, g, gi, idx, keys, slots, remote, reserved) if remote else []
+            bucket_flags = (reserve_from_bucket(store, g, gi, idx, keys, slots, from_bucket, reserved)
+                            if from_bucket else [])
             mine = reserved[first:]
             # a key gone since match, or no block to load into, cannot be loaded:
             # slot -1 makes the worker report it failed (vLLM recomputes)
             t = Transfer(req_id, keys, [-1 if s is None or b == 0 else s for s, b in zip(slots, blocks)], blocks, gi,
-                         from_shared, job=ledger.new_id())
+                         bucket_flags, job=ledger.new_id())
             transfers.append(t)
-            jobs[t.job] = Job(req_id, gi, pinned=pinned[-1][1], read=dict(zip(t.keys, t.slots)),
-                              saving={k: (s, set(), set()) for _, k, s in mine}, shared=True)
+            jobs[t.job] = Job(req_id, gi, pinned=pinned[-1][1], read=dict(zip(t.keys, t.locations)),
+                              saving={k: (s, set(), set()) for _, k, s in mine}, from_bucket=True)
     except BaseException:
         for gi, keys in pinned:
             ledger.give_back(("unpin", gi, keys))
@@ -62,14 +63,14 @@ def alloc(store, ledger: Ledger, groups: list[Group], st: Req, req_id: str, bloc
     return transfers, jobs, len(reserved)
 
 
-def reserve_remote(store, g: Group, gi: int, idx: list[int], keys: list[bytes], slots: list, remote,
-                   reserved: list) -> list[bool]:
-    """Blocks of `remote` (range) not stored locally get a reserved slot (in `slots`,
-    and (group, key, slot) in `reserved`): the worker loads them from the shared tier
+def reserve_from_bucket(store, g: Group, gi: int, idx: list[int], keys: list[bytes], slots: list, span,
+                        reserved: list) -> list[bool]:
+    """Blocks of `span` (a range) not stored locally get a reserved slot (in `slots`,
+    and (group, key, slot) in `reserved`): the worker loads them from the bucket tier
     and writes them through to it."""
     out = [False] * len(keys)
     for j, i in enumerate(idx):
-        if slots[j] is None and remote[0] <= i < remote[1]:
+        if slots[j] is None and span[0] <= i < span[1]:
             slot = store.reserve(g.ns, keys[j])
             if slot is not None:
                 slots[j] = slot
@@ -137,9 +138,9 @@ def reserve(store, ledger: Ledger, groups: list[Group], counters: SchedulerCount
         if t is None:
             t = out[gi] = Transfer(req_id, [], [], [], gi, job=ledger.new_id())
         t.keys.append(key)
-        t.slots.append(slot)
+        t.locations.append(slot)
         t.block_ids.append(block)
     for t in out.values():
-        ledger.add_save(t.job, req_id, t.group, list(zip(t.keys, t.slots)))
+        ledger.add_save(t.job, req_id, t.group, list(zip(t.keys, t.locations)))
     counters.saves_planned += len(got)
     return list(out.values())

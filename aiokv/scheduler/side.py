@@ -2,7 +2,7 @@
 load/save jobs. Runs in vLLM's EngineCore process; imports no vLLM.
 
 SchedulerSide is the facade the connector calls; the work is done by:
-    match.py    hits (every group serves them; the shared tier may extend one)
+    match.py    hits (every group serves them; the bucket tier may extend one)
     plan.py     load jobs at allocation, save jobs per step, their reservations
     commits.py  the ledger of jobs in flight: reports -> commits, give-backs
     state.py    the plain data (scheduled requests, groups, requests, counters)
@@ -72,9 +72,9 @@ class SchedulerSide:
         self.disabled = False  # a worker could not start: no hits, no saves from now on
         self._saves_allowed = True  # the breaker's word for this step's saves
         self.saves = True  # False: this engine saves nothing (kv_role kv_consumer; set by the connector)
-        # the shared tier's lookups (aiokv/bucket/lookup.py), set by the connector; None: no shared tier
-        self.shared = None
-        self._remote: dict[str, tuple[int, int]] = {}  # req -> blocks [start, end) from the shared tier
+        # the bucket tier's lookups (aiokv/bucket/lookup.py), set by the connector; None: no bucket tier
+        self.bucket = None
+        self._from_bucket: dict[str, tuple[int, int]] = {}  # req -> blocks [start, end) from the bucket tier
         # layerwise loads (worker/layerwise.py): a load reported finished may still sit in
         # staging, copied in at the workers' next step; until the request ends, its end
         # is sent as a cancel so that its blocks, once vLLM frees them, are never written
@@ -100,7 +100,7 @@ class SchedulerSide:
 
     def match(self, req_id: str, tokens, root: bytes, num_computed: int) -> int | None:
         """External hit tokens beyond the num_computed local ones (block multiple);
-        None: the shared tier has not answered yet (vLLM asks again next step)."""
+        None: the bucket tier has not answered yet (vLLM asks again next step)."""
         if req_id in self._no_hits or self.disabled or not self.breaker.allow_hit(len(self.jobs.loading)):
             return 0
         st = self._state(req_id, tokens, root)
@@ -108,22 +108,22 @@ class SchedulerSide:
         extend_keys(st.keys, root, tokens, self.bs, usable)
         local = num_computed // self.bs
         hit = matching.hit(self.store, self._full, self._partial, st.keys, usable, local, self.bs)
-        if self.shared is not None and not self._partial:
-            got = matching.shared_extend(self.shared, self.groups, req_id, st.keys, max(hit, local), usable)
+        if self.bucket is not None and not self._partial:
+            got = matching.bucket_extend(self.bucket, self.groups, req_id, st.keys, max(hit, local), usable)
             if got is None:
                 return None
             hit, span = got
             if span is None:
-                self._remote.pop(req_id, None)
+                self._from_bucket.pop(req_id, None)
             else:
-                self._remote[req_id] = span
+                self._from_bucket[req_id] = span
         self._local_blocks[req_id] = local
         return (hit - local) * self.bs if hit > local else 0
 
-    def shared_hit_tokens(self, req_id: str, num_external: int) -> int:
+    def bucket_hit_tokens(self, req_id: str, num_external: int) -> int:
         """Tokens of the hit just matched (num_external beyond the local ones) that the shared
         tier serves; call before on_alloc (which consumes the match)."""
-        return matching.span_tokens(self._remote.get(req_id), self._local_blocks.get(req_id, 0), num_external,
+        return matching.span_tokens(self._from_bucket.get(req_id), self._local_blocks.get(req_id, 0), num_external,
                                     self.bs)
 
     def on_alloc(self, req_id: str, tokens, root: bytes, block_ids: tuple[list[int], ...], num_external: int) -> None:
@@ -135,13 +135,13 @@ class SchedulerSide:
             return
         local = self._local_blocks.get(req_id, 0)
         n = num_external // self.bs
-        remote = self._remote.pop(req_id, None)
+        from_bucket = self._from_bucket.pop(req_id, None)
         transfers, jobs, reserved = planning.alloc(self.store, self.jobs, self.groups, st, req_id, block_ids,
-                                                   local, n, remote)
-        # committed together: every group's load, its pins, its shared-tier reservations
+                                                   local, n, from_bucket)
+        # committed together: every group's load, its pins, its bucket-tier reservations
         self._new_loads += transfers
         self.jobs.add_loads(req_id, jobs)
-        self.counters.remote_hit_blocks += reserved
+        self.counters.bucket_hit_blocks += reserved
         self.counters.load_blocks += sum(len(t.keys) for t in transfers)
         self.counters.hit_requests += 1
         self.counters.hit_blocks += n
@@ -155,7 +155,7 @@ class SchedulerSide:
         if dropped:
             self._new_loads = [t for t in self._new_loads if t.req_id != req_id]
             self.counters.load_blocks -= sum(len(t.keys) for t in dropped)
-            for t in dropped:  # its shared-tier reservations go back
+            for t in dropped:  # its bucket-tier reservations go back
                 self.jobs.forget(t.job)
         self.jobs.loads_done(req_id)
         try:
@@ -243,9 +243,9 @@ class SchedulerSide:
                 log.error("aiokv: a worker is disabled; aiokv stops offering hits and saving")
         failed, missing = self.jobs.on_report(report, finished_recving)
         self._no_hits.update(r for r in failed if r in self._reqs)
-        if self.shared is not None:
+        if self.bucket is not None:
             for gi, key in missing:
-                self.shared.missing(gi, key)  # a shared block that failed: not offered for a while
+                self.bucket.missing(gi, key)  # a bucket block that failed: not offered for a while
 
     def new_epoch(self) -> None:
         """The cache was reset (connector.reset_cache: the weights may have changed in
@@ -258,7 +258,7 @@ class SchedulerSide:
         self._stale |= alive
         self._no_hits |= alive
         self._cancel += [r for r in loading if r not in self._cancel]
-        self._remote.clear()
+        self._from_bucket.clear()
         self._reset_workers = True
 
     def finished(self, req_id: str) -> bool:
@@ -267,9 +267,9 @@ class SchedulerSide:
         self._local_blocks.pop(req_id, None)
         self._no_hits.discard(req_id)
         self._stale.discard(req_id)
-        self._remote.pop(req_id, None)
-        if self.shared is not None:
-            self.shared.forget(req_id)
+        self._from_bucket.pop(req_id, None)
+        if self.bucket is not None:
+            self.bucket.forget(req_id)
         if req_id in self.jobs.loading:
             self._cancel.append(req_id)  # vLLM keeps its blocks until we report the load
             self.counters.loads_cancelled += 1
@@ -286,8 +286,8 @@ class SchedulerSide:
             self.store.close()
         except Exception:
             log.exception("aiokv: closing the store failed")
-        if self.shared is not None:
-            self.shared.close()
+        if self.bucket is not None:
+            self.bucket.close()
 
     @property
     def pending_saves(self) -> int:

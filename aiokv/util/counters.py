@@ -136,18 +136,18 @@ TABLE: tuple[Row, ...] = (
     _no("save_failed_blocks", WORKER, "per-rank twin of save_failed_blocks (save_failures, counted once per block)"),
     _no("load_cancelled_blocks", WORKER, "blocks of cancelled loads: loads_cancelled counts the loads"),
     _no("store_commits", STORE, "the same as saves_committed"),  # blocks the store committed
-    _no("load_staging_stuck", WORKER, "loads failed at once because every staging slot waits for a hung disk: "
+    _no("load_staging_stuck", WORKER, "loads failed at once because every staging buffer waits for a hung disk: "
                                       "part of load_failed_blocks, and the breaker's io_errors tell the cause"),
     _no("store_save_failures", STORE, "the same as save_failures"),  # reservations aborted (I/O error in a writer)
     _no("store_corrupt_dropped", STORE, "the same as load_failures{cause=corrupt}"),  # failed verification or I/O
     _no("reports_ignored", SCHEDULER, "worker results for jobs the scheduler side no longer holds: a check, 0 expected"),
     # the bucket tier (docs/sharing.md): in the connector's counters; no series yet
-    _no("remote_hit_blocks", SCHEDULER, _BUCKET),
+    _no("bucket_hit_blocks", SCHEDULER, _BUCKET),
     *(_no(k, WORKER, _BUCKET) for k in (
-        "remote_loaded_blocks", "remote_missed_blocks", "remote_bad_blocks", "uploaded", "upload_bytes",
+        "bucket_loaded_blocks", "bucket_missed_blocks", "bucket_bad_blocks", "uploaded", "upload_bytes",
         "upload_already_there", "upload_failed", "upload_replaced_bad", "upload_dropped_queue_full",
         "upload_dropped_unavailable", "upload_dropped_at_close")),
-    *(_no(k, BUCKET, _BUCKET) for k in ("shared_probes", "shared_probe_gave_up", "shared_breaker_opened")),
+    *(_no(k, BUCKET, _BUCKET) for k in ("bucket_probes", "bucket_probe_gave_up", "bucket_breaker_opened")),
     # the state of this instance (counters() only)
     *(_no(k, STATE, _STATE, GAUGE) for k in (
         "pinned", "hits_offered", "worker_in_flight", "staging_in_use",

@@ -1,4 +1,4 @@
-"""Device copies: whole KV blocks between vLLM's KV tensors and staging slots.
+"""Device copies: whole KV blocks between vLLM's KV tensors and staging buffers.
 
 The layout is detected from the registered tensors: for each layer, the block
 dimension is the one whose size is the number of blocks (GPU backends put it
@@ -9,7 +9,7 @@ and ISA specific (the CPU backend stores K transposed).
 
 Two implementations of one interface:
 - CpuDevice (every test): copies run synchronously. copy_out returns when the
-  staging slots hold the blocks, so vLLM may free or reuse the blocks as soon
+  staging buffers hold the blocks, so vLLM may free or reuse the blocks as soon
   as the step that saved them has ended.
 - CudaDevice: gathers on the GPU and copies to pinned staging memory on a side
   stream; copy_out records an event that the compute stream waits on before the
@@ -18,16 +18,16 @@ Two implementations of one interface:
   copy_in scatters on the side stream and synchronises before the load is
   reported. Checked by tools/gpu_check.py on a CUDA machine.
 
-Fused checksums (`fuses_checksums`): a device whose copies pass every byte
+The CRC in the copy (`crc_in_copy`): a device whose copies pass every byte
 through the CPU anyway (CpuDevice with contiguous blocks) computes the payload
 CRC32C inside them, a cache-sized piece at a time, instead of a second pass
-over the slot in BlockIO. copy_out(..., checksum=True) leaves each payload's CRC
-in its header's payload-CRC field (then BlockIO.write(..., crc_ready=True));
-copy_in(..., checksum=True) copies and returns, per block, whether the payload
-matched the CRC in its header (after BlockIO.read(..., payload_checked=False)).
+over the buffer in BlockIO. copy_out(..., crc_in_copy=True) leaves each payload's CRC
+in its header's payload-CRC field (then BlockIO.write(..., crc_in_copy=True));
+copy_in(..., crc_in_copy=True) copies and returns, per block, whether the payload
+matched the CRC in its header (after BlockIO.read(..., crc_in_copy=True)).
 A block that did not match has been copied all the same: the caller must
 report it as a failed load. Other devices (the torch-gather fallback, CUDA)
-have fuses_checksums False and are never asked.
+have crc_in_copy False and are never asked.
 
 Layer by layer (aiokv/worker/layerwise.py): copy_in_layer (CPU) copies one
 layer of verified blocks; copy_in_layer_async (CUDA) queues one layer's copies
@@ -46,7 +46,7 @@ import hashlib
 import torch
 
 from aiokv import _native
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 from aiokv.data import format as fmt
 
 GATHER_BYTES = 32 << 20  # device memory a CUDA save gathers through, at most (outside vLLM's budget)
@@ -82,14 +82,14 @@ class Layer:
 
 
 class Device:
-    """Copies blocks of the registered layers to and from staging slots."""
+    """Copies blocks of the registered layers to and from staging buffers."""
 
     asynchronous = False  # True: copy_out returns before the bytes are in staging
-    fuses_checksums = False  # True: copy_out/copy_in take checksum=True (set by attach)
+    crc_in_copy = False  # True: copy_out/copy_in take crc_in_copy=True (set by attach)
     # default count of threads that checksum off the worker's loop thread (TransferWorker)
     checksum_threads = 0
 
-    def __init__(self, kv_caches, num_blocks: int, pool: SlotPool | None = None):
+    def __init__(self, kv_caches, num_blocks: int, pool: BufferPool | None = None):
         """kv_caches: {layer name: tensor}, or [(layer name, tensor)] (kv_tensors: a layer may
         have several tensors, in order)."""
         self.num_blocks = num_blocks
@@ -103,7 +103,7 @@ class Device:
         self.layout_tag = int.from_bytes(hashlib.blake2b(sig, digest_size=8).digest(), "little")
         self.pool = pool
 
-    def attach(self, pool: SlotPool) -> None:
+    def attach(self, pool: BufferPool) -> None:
         self.pool = pool
         self._rows = pool.arena.tensor().view(pool.count, pool.slot_bytes)
 
@@ -113,9 +113,9 @@ class Device:
             yield layer, off, off + layer.nbytes
             off += layer.nbytes
 
-    def copy_out(self, block_ids: list[int], slots: list[int], checksum: bool = False) -> None:
-        """KV blocks -> staging slots' payloads; checksum (only where fuses_checksums):
-        each payload's CRC32C is also left in its slot's header, for BlockIO.write(crc_ready=True)."""
+    def copy_out(self, block_ids: list[int], bufs: list[int], crc_in_copy: bool = False) -> None:
+        """KV blocks -> staging buffers' payloads; crc_in_copy (only where the device has it):
+        each payload's CRC32C is also left in its buffer's header, for BlockIO.write(crc_in_copy=True)."""
         raise NotImplementedError
 
     def wait_out(self) -> None:
@@ -127,13 +127,13 @@ class Device:
     def before_loads(self) -> None:
         """Called on vLLM's thread when loads are handed to the loop (orders them after its kernels)."""
 
-    def copy_in(self, block_ids: list[int], slots: list[int], checksum: bool = False) -> list[bool] | None:
-        """Staging slots' payloads -> KV blocks. checksum (only where fuses_checksums):
-        returns per block whether its payload matched the CRC in its slot's header
+    def copy_in(self, block_ids: list[int], bufs: list[int], crc_in_copy: bool = False) -> list[bool] | None:
+        """Staging buffers' payloads -> KV blocks. crc_in_copy (only where the device has it):
+        returns per block whether its payload matched the CRC in its buffer's header
         (a block that did not was copied anyway: a failed load); else None."""
         raise NotImplementedError
 
-    def copy_in_layer(self, index: int, block_ids: list[int], slots: list[int]) -> None:
+    def copy_in_layer(self, index: int, block_ids: list[int], bufs: list[int]) -> None:
         """Only layer `index` of the blocks, staging -> KV cache (synchronous devices)."""
         raise NotImplementedError
 
@@ -146,7 +146,7 @@ class CpuDevice(Device):
     with one native call per step (memcpy per block and layer, GIL released);
     others with torch gathers/scatters."""
 
-    def attach(self, pool: SlotPool) -> None:
+    def attach(self, pool: BufferPool) -> None:
         super().attach(pool)
         flat = []
         for layer, a, _ in self._cols():
@@ -154,18 +154,18 @@ class CpuDevice(Device):
                 flat.append((layer.view.data_ptr(), layer.view.stride(0) * layer.view.element_size(), a,
                              layer.nbytes))
         self._flat = flat if len(flat) == len(self.layers) and len({f[3] for f in flat}) == 1 else None
-        self.fuses_checksums = self._flat is not None
+        self.crc_in_copy = self._flat is not None
 
-    def _addrs(self, block_ids, slots, flat=None, bases=False):
+    def _addrs(self, block_ids, bufs, flat=None, bases=False):
         """(device addresses, staging addresses, bytes per layer) as int64 arrays,
         layer-major (of the layers in `flat`, default all); with `bases`
-        (device addresses, slot addresses): the fused copies' arguments."""
+        (device addresses, buffer addresses): the arguments of the copies with the CRC."""
         # raw addresses: an id out of range would be memory corruption, not an IndexError
-        if len(block_ids) != len(slots) or min(block_ids) < 0 or max(block_ids) >= self.num_blocks \
-                or min(slots) < 0 or max(slots) >= self.pool.count:
-            raise IndexError(f"aiokv: block ids or staging slots out of range ({len(block_ids)} blocks)")
+        if len(block_ids) != len(bufs) or min(block_ids) < 0 or max(block_ids) >= self.num_blocks \
+                or min(bufs) < 0 or max(bufs) >= self.pool.count:
+            raise IndexError(f"aiokv: block ids or staging buffers out of range ({len(block_ids)} blocks)")
         blocks = torch.tensor(block_ids, dtype=torch.int64)
-        rows = torch.tensor(slots, dtype=torch.int64) * self.pool.slot_bytes + self.pool.arena.addr
+        rows = torch.tensor(bufs, dtype=torch.int64) * self.pool.slot_bytes + self.pool.arena.addr
         flat = self._flat if flat is None else flat
         dev = torch.cat([base + blocks * stride for base, stride, _, _ in flat])
         if bases:
@@ -173,38 +173,38 @@ class CpuDevice(Device):
         stg = torch.cat([rows + col for _, _, col, _ in flat])
         return _raw(dev), _raw(stg), self._flat[0][3]
 
-    def copy_out(self, block_ids, slots, checksum=False):
-        if checksum:
-            dev, stg = self._fused_addrs(block_ids, slots)
+    def copy_out(self, block_ids, bufs, crc_in_copy=False):
+        if crc_in_copy:
+            dev, stg = self._crc_addrs(block_ids, bufs)
             _native.memcpy_crc_out(stg, dev, self._flat[0][3])
         else:
-            self._copy(block_ids, slots, out=True)
+            self._copy(block_ids, bufs, out=True)
 
-    def copy_in(self, block_ids, slots, checksum=False):
-        if checksum:
-            dev, stg = self._fused_addrs(block_ids, slots)
+    def copy_in(self, block_ids, bufs, crc_in_copy=False):
+        if crc_in_copy:
+            dev, stg = self._crc_addrs(block_ids, bufs)
             return [v == 0 for v in _native.memcpy_crc_in(dev, stg, self._flat[0][3])]
-        self._copy(block_ids, slots, out=False)
+        self._copy(block_ids, bufs, out=False)
 
-    def _fused_addrs(self, block_ids, slots):
-        if not self.fuses_checksums:
+    def _crc_addrs(self, block_ids, bufs):
+        if not self.crc_in_copy:
             raise ValueError("aiokv: this KV layout is copied by torch, without checksums; "
-                             "call copy_out/copy_in with checksum=False")
-        return self._addrs(block_ids, slots, bases=True)
+                             "call copy_out/copy_in with crc_in_copy=False")
+        return self._addrs(block_ids, bufs, bases=True)
 
-    def copy_in_layer(self, index, block_ids, slots):
-        self._copy(block_ids, slots, out=False, only=index)
+    def copy_in_layer(self, index, block_ids, bufs):
+        self._copy(block_ids, bufs, out=False, only=index)
 
-    def _copy(self, block_ids, slots, out: bool, only: int | None = None) -> None:
-        """KV blocks -> staging slots (out) or back, whole blocks of every layer
+    def _copy(self, block_ids, bufs, out: bool, only: int | None = None) -> None:
+        """KV blocks -> staging buffers (out) or back, whole blocks of every layer
         (or of layer `only`)."""
         if self._flat is not None:
             flat = None if only is None else self._flat[only:only + 1]
-            dev, stg, nbytes = self._addrs(block_ids, slots, flat)
+            dev, stg, nbytes = self._addrs(block_ids, bufs, flat)
             _native.memcpy_many(stg, dev, nbytes) if out else _native.memcpy_many(dev, stg, nbytes)
             return
         blocks = torch.tensor(block_ids, dtype=torch.long)
-        rows = torch.tensor(slots, dtype=torch.long)
+        rows = torch.tensor(bufs, dtype=torch.long)
         n = len(block_ids)
         for i, (layer, a, b) in enumerate(self._cols()):
             if only is not None and i != only:
@@ -239,7 +239,7 @@ class CudaDevice(Device):
     # drives would be more than one loop thread can do (docs/benchmarks.md, round two)
     checksum_threads = 2
 
-    def attach(self, pool: SlotPool) -> None:
+    def attach(self, pool: BufferPool) -> None:
         super().attach(pool)
         # pin the staging arena once (not many small pinned buffers) so copies are DMA; the
         # KV-cache groups of one process share it (worker/host.py): the first device pins it
@@ -257,14 +257,14 @@ class CudaDevice(Device):
         with torch.cuda.stream(self.out_stream):  # its memory belongs to the copy stream
             self._gather = torch.empty(rows, self.payload_bytes, dtype=torch.uint8, device=self.device)
 
-    def copy_out(self, block_ids, slots, checksum=False):  # never fuses: checksum is never True here
+    def copy_out(self, block_ids, bufs, crc_in_copy=False):  # crc_in_copy is never True here
         h = fmt.HEADER_BYTES
         compute = torch.cuda.current_stream(self.device)
         buf = self._gather
         with torch.cuda.stream(self.out_stream):
             self.out_stream.wait_stream(compute)  # the forward that wrote the blocks comes first
             for c in range(0, len(block_ids), len(buf)):
-                ids, part = block_ids[c:c + len(buf)], slots[c:c + len(buf)]
+                ids, part = block_ids[c:c + len(buf)], bufs[c:c + len(buf)]
                 n = len(ids)
                 # allocated on this stream, so the allocator cannot hand its memory to the
                 # compute stream while our gathers still read it
@@ -294,9 +294,9 @@ class CudaDevice(Device):
         ev.record(torch.cuda.current_stream(self.device))
         self._compute_event = ev
 
-    def copy_in(self, block_ids, slots, checksum=False):  # never fuses: checksum is never True here
+    def copy_in(self, block_ids, bufs, crc_in_copy=False):  # crc_in_copy is never True here
         torch.cuda.set_device(self.device)  # called from the loop thread
-        rows = torch.tensor(slots, dtype=torch.long)
+        rows = torch.tensor(bufs, dtype=torch.long)
         n = len(block_ids)
         with torch.cuda.stream(self.in_stream):
             if getattr(self, "_compute_event", None) is not None:
@@ -318,17 +318,17 @@ class CudaDevice(Device):
             self.in_stream.wait_stream(compute)
             return torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
 
-    def copy_in_layer_async(self, index: int, idx, slots: list[int]):
+    def copy_in_layer_async(self, index: int, idx, bufs: list[int]):
         """Queue layer `index` of verified blocks, pinned staging -> KV cache, on
         the side stream; returns the event recorded after it. Nothing here waits:
         the compute stream waits on the event before that layer's attention, and
-        the staging slots are given back once the last event has completed."""
+        the staging buffers are given back once the last event has completed."""
         layer, a, b = list(self._cols())[index]
-        n = len(slots)
+        n = len(bufs)
         with torch.cuda.stream(self.in_stream):
             # allocated on the side stream: the allocator reuses it only after this stream's work
             dev = torch.empty(n, b - a, dtype=torch.uint8, device=self.device)
-            for i, s in enumerate(slots):  # rows of the pinned arena: DMA, no host gather
+            for i, s in enumerate(bufs):  # rows of the pinned arena: DMA, no host gather
                 dev[i].copy_(self._rows[s, a:b], non_blocking=True)
             layer.view.index_copy_(0, idx, dev.view(layer.dtype).view(n, *layer.block_shape))
             ev = torch.cuda.Event()

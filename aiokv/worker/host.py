@@ -1,6 +1,6 @@
 """What one worker process has once, for all its KV-cache groups: the event loop
 (one thread, util/loops.py), the staging buffers (worker/staging.py: one arena,
-its slots the size of the largest group's slot, pinned once) and the checksum
+its buffers the size of the largest group's slot, pinned once) and the checksum
 threads. Each group's TransferWorker (its device, namespace, data file, backend,
 pipelines) is a plain object driven by this one loop.
 

@@ -2,7 +2,7 @@
 
 With `layerwise` on, a load is read and verified whole, exactly as without it
 (every block's header, payload CRC32C and MAC before anything is used), but the
-verified blocks stay in their staging slots instead of being copied into the KV
+verified blocks stay in their staging buffers instead of being copied into the KV
 cache on the loop thread: the load is reported finished at once, and the next
 engine step copies them in, layer by layer, while the forward pass runs:
 
@@ -28,16 +28,16 @@ CPU: a copy thread copies layer after layer (native memcpy, GIL released) and
 sets one event per layer. CUDA: the copies run on the device's side stream, one
 event per layer; wait_layer makes the compute stream wait on the layer's event
 (no host wait); later layers are queued LOOKAHEAD layers ahead of the forward,
-so the host cost of queueing them overlaps the GPU's work; the staging slots go
+so the host cost of queueing them overlaps the GPU's work; the staging buffers go
 back to the pool once the last event has completed. A step that may replay a
 full CUDA graph (every request computes one token) never calls wait_layer: its
 compute stream waits for every layer's copy before the forward (`begin(whole)`).
 
 A load that needs more than half the staging pool is copied in on the loop
-thread as before (holding its slots for a step could starve other loads).
+thread as before (holding its buffers for a step could starve other loads).
 
 It reaches its worker through two public objects only: the staging owner
-(worker/staging.py: slots taken, given back, kept in the memory tier) and the
+(worker/staging.py: buffers taken, given back, kept in the memory tier) and the
 reads object (worker/reads.py: reads into staging, counters).
 
 Threading contract: `read` runs on the worker's event-loop thread; `begin`,
@@ -61,10 +61,10 @@ CANCELLED_MEMORY = 4096  # request ids remembered as cancelled (a cancel may com
 
 
 class _Batch:
-    """The staged loads one step copies in: block ids, staging slots, per-layer done markers."""
+    """The staged loads one step copies in: block ids, staging buffers, per-layer done markers."""
 
-    def __init__(self, blocks: list[int], slots: list[int], keys: list[bytes], layers: int):
-        self.blocks, self.slots, self.keys = blocks, slots, keys
+    def __init__(self, blocks: list[int], bufs: list[int], keys: list[bytes], layers: int):
+        self.blocks, self.bufs, self.keys = blocks, bufs, keys
         self.done = [threading.Event() for _ in range(layers)]  # CPU
         self.events: list = []                                  # CUDA, one per queued layer
         self.idx = None
@@ -82,11 +82,11 @@ class LayerwiseLoads:
         self.rank = rank
         self.names = {layer.name: i for i, layer in enumerate(self.device.layers)}
         self._lock = threading.Lock()
-        # (req, block ids, slots, keys) verified, not copied yet
+        # (req, block ids, staging buffers, keys) verified, not copied yet
         self._staged: list[tuple[str, list[int], list[int], list[bytes]]] = []
         self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._batch: _Batch | None = None
-        self._pending: list[tuple[object, list[int], list[bytes]]] = []  # CUDA: (last event, slots, keys)
+        self._pending: list[tuple[object, list[int], list[bytes]]] = []  # CUDA: (last event, bufs, keys)
         self._thread: threading.Thread | None = None
         self._queue: collections.deque = collections.deque()
         self._wake = threading.Condition()
@@ -94,21 +94,21 @@ class LayerwiseLoads:
 
     # ---- loop thread ----
     def fits(self, n: int) -> bool:
-        """At most half the staging slots (the pool less the memory tier's share)."""
+        """At most half the staging buffers (the pool less the memory tier's share)."""
         return 0 < n <= (self.staging.count - self.staging.limit) // 2
 
     async def read(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
-        """Read and verify `todo` [(key, location, block id)] into staging slots taken
+        """Read and verify `todo` [(key, location, block id)] into staging buffers taken
         all at once; stage the verified blocks before the first failed one."""
-        slots = await self.staging.wait(len(todo), whole=True)
+        bufs = await self.staging.wait(len(todo), whole=True)
         keep, picked = 0, []
         try:
-            res = await self.reads.read([(s, k, b) for (k, s, _), b in zip(todo, slots)])
+            res = await self.reads.read([(s, k, b) for (k, s, _), b in zip(todo, bufs)])
             bad_keys += [(k, s, t.group) for (k, s, _), r in zip(todo, res) if r != 0]
             nb = self.device.num_blocks
-            good = {b: (slot, k) for (k, _, b), slot, r in zip(todo, slots, res) if r == 0 and 0 < b < nb}
+            good = {b: (buf, k) for (k, _, b), buf, r in zip(todo, bufs, res) if r == 0 and 0 < b < nb}
             # vLLM recomputes from a request's first block not loaded (a bad read, a key gone,
-            # a shared-tier block that did not arrive): nothing from there on is staged, or
+            # a bucket-tier block that did not arrive): nothing from there on is staged, or
             # its copy could race that recompute
             blocks = []
             for b in t.block_ids:
@@ -132,7 +132,7 @@ class LayerwiseLoads:
                 self.reads.count(bytes_read=keep * self.reads.slot_bytes)
         finally:
             held = set(picked)
-            self.staging.release([s for s in slots if s not in held])
+            self.staging.release([s for s in bufs if s not in held])
 
     # ---- vLLM's thread ----
     def started(self, req_id: str) -> None:
@@ -156,8 +156,8 @@ class LayerwiseLoads:
                 (drop if item[0] in self._cancelled else keep).append(item)
             self._staged = keep
             self.counts.update(dropped_blocks=sum(len(b) for _, b, _, _ in drop))
-        for _, _, slots, _ in drop:
-            self.staging.release(slots)
+        for _, _, bufs, _ in drop:
+            self.staging.release(bufs)
 
     def begin(self, whole: bool = False) -> None:
         """Start copying every staged load in (before this step's forward). `whole`:
@@ -172,9 +172,9 @@ class LayerwiseLoads:
         if not staged:
             return
         blocks = [b for _, bs, _, _ in staged for b in bs]
-        slots = [s for _, _, ss, _ in staged for s in ss]
+        bufs = [s for _, _, ss, _ in staged for s in ss]
         keys = [k for _, _, _, ks in staged for k in ks]
-        batch = self._batch = _Batch(blocks, slots, keys, len(self.device.layers))
+        batch = self._batch = _Batch(blocks, bufs, keys, len(self.device.layers))
         self.counts.update(copied_blocks=len(blocks))
         if self.device.asynchronous:
             batch.idx = self.device.begin_layers(blocks)
@@ -214,7 +214,7 @@ class LayerwiseLoads:
         if self.device.asynchronous:
             self._queue_cuda(len(self.device.layers) - 1, batch)
             torch.cuda.current_stream(self.device.device).wait_event(batch.events[-1])
-            self._pending.append((batch.events[-1], batch.slots, batch.keys))
+            self._pending.append((batch.events[-1], batch.bufs, batch.keys))
         else:
             batch.done[-1].wait()  # layers are copied in order: the last one done means all
             if batch.error is not None:
@@ -231,10 +231,10 @@ class LayerwiseLoads:
         batch = batch or self._batch
         last = min(upto, len(self.device.layers) - 1)
         while len(batch.events) <= last:
-            batch.events.append(self.device.copy_in_layer_async(len(batch.events), batch.idx, batch.slots))
+            batch.events.append(self.device.copy_in_layer_async(len(batch.events), batch.idx, batch.bufs))
 
     def _give_back_done(self) -> None:
-        """CUDA: staging slots whose copies have completed are given back."""
+        """CUDA: staging buffers whose copies have completed are given back."""
         still = []
         for item in self._pending:
             if item[0].query():
@@ -243,13 +243,13 @@ class LayerwiseLoads:
                 still.append(item)
         self._pending = still
 
-    def _done(self, slots: list[int], keys: list[bytes], ok: bool = True) -> None:
-        """Copied blocks' slots (verified images of their keys) join the memory tier,
+    def _done(self, bufs: list[int], keys: list[bytes], ok: bool = True) -> None:
+        """Copied blocks' buffers (verified images of their keys) join the memory tier,
         as after a whole-request load; others are freed."""
         if ok:
-            self.staging.keep(list(zip(keys, slots)), self.reads.ns)
-            slots = []  # (kept slots can be taken by a job: the release below wakes waiting loads)
-        self.staging.release(slots)
+            self.staging.keep(list(zip(keys, bufs)), self.reads.ns)
+            bufs = []  # (kept buffers can be taken by a job: the release below wakes waiting loads)
+        self.staging.release(bufs)
 
     # ---- copy thread (CPU) ----
     def _copier(self) -> None:
@@ -260,7 +260,7 @@ class LayerwiseLoads:
                 batch = self._queue.popleft()
             try:
                 for i, ev in enumerate(batch.done):
-                    self.device.copy_in_layer(i, batch.blocks, batch.slots)
+                    self.device.copy_in_layer(i, batch.blocks, batch.bufs)
                     ev.set()
             except BaseException as e:
                 # a bug, not a disk fault (the bytes were verified, the ids checked
@@ -271,11 +271,11 @@ class LayerwiseLoads:
             finally:
                 for ev in batch.done:
                     ev.set()
-                self._done(batch.slots, batch.keys, batch.error is None)
+                self._done(batch.bufs, batch.keys, batch.error is None)
 
     @property
     def held(self) -> int:
-        """Staging slots held by staged or copying loads."""
+        """Staging buffers held by staged or copying loads."""
         with self._lock:
             n = sum(len(s) for _, _, s, _ in self._staged)
         return n + sum(len(s) for _, s, _ in self._pending)

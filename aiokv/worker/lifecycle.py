@@ -1,7 +1,7 @@
 """What one KV-cache group's worker has on the process's loop (worker/host.py),
 from start to close: its I/O backend, its data file (opened at the first job: the
 engine that owns the store creates the directory after the workers have started)
-and the shared tier's uploader and loader.
+and the bucket tier's uploader and loader.
 
 Start is bounded (opening the backend looks at the cache directory's file
 system: START_TIMEOUT); so is close, whatever the disk does: outstanding loads
@@ -29,11 +29,11 @@ CLOSE_DRAIN_S = 10.0  # close() waits this long for outstanding jobs, then leave
 
 class Lifecycle:
     def __init__(self, host, device, count, ns_dir: str, nsid: bytes, rank: int, slot_bytes: int, io: str,
-                 queue_depth: int, secret, shared, upload_queue: int, flush_timeout: float):
+                 queue_depth: int, secret, bucket, upload_queue: int, flush_timeout: float):
         self.device, self.staging, self.rank, self.secret = device, host.staging, rank, secret
         self.ns_dir, self.nsid, self.slot_bytes = ns_dir, nsid, slot_bytes
-        self.shared, self.upload_queue, self.flush_timeout = shared, upload_queue, flush_timeout
-        self.uploader = self.remote = None
+        self.bucket, self.upload_queue, self.flush_timeout = bucket, upload_queue, flush_timeout
+        self.uploader = self.bucket_loader = None
         self.backend = None
         self.io: BlockIO | None = None
         self.cpu = host.cpu
@@ -48,16 +48,16 @@ class Lifecycle:
 
     async def _setup(self, io, depth, count):
         self.backend = open_backend(self.loop, io, depth=depth, path=self.ns_dir)
-        if self.shared is not None:
-            from aiokv.bucket.loader import RemoteLoader
+        if self.bucket is not None:
+            from aiokv.bucket.loader import BucketLoader
             from aiokv.bucket.uploader import Uploader
 
             # an object already under a block's name that does not verify is replaced by ours, but
             # not with a secret: there a fleet engine's block under another secret (a misconfigured
             # engine's view) and a planted one look alike, and ours must never overwrite the fleet's
             verify = None if self.secret else (lambda key, addr: self.blockio().verify(key, addr))
-            self.uploader = Uploader(self.shared, self.upload_queue, count=count, verify=verify)
-            self.remote = RemoteLoader(self.shared, self.nsid, self.rank, self.slot_bytes)
+            self.uploader = Uploader(self.bucket, self.upload_queue, count=count, verify=verify)
+            self.bucket_loader = BucketLoader(self.bucket, self.nsid, self.rank, self.slot_bytes)
 
     def blockio(self) -> BlockIO:
         if self.io is None:
@@ -82,7 +82,7 @@ class Lifecycle:
             self.call_soon(cancel_loads)
             drain()
             try:
-                # pending uploads (shared tier) get flush_timeout more
+                # pending uploads (bucket tier) get flush_timeout more
                 self.lt.submit(self._shutdown()).result(5 + (self.flush_timeout if self.uploader is not None else 0))
             except Exception:
                 log.warning("aiokv: the worker loop did not shut down in time; left to the process exit")

@@ -1,11 +1,11 @@
 """The load pipeline of one worker (loop thread): per request, blocks kept in
 host memory are copied in from there, the others read from the data file (or
-fetched from the shared tier), verified and copied into the KV cache; then the
+fetched from the bucket tier), verified and copied into the KV cache; then the
 request is reported finished, with the block ids that failed.
 
   io_uring read -> verify -> staging -> device copy -> report
 
-A load that times out or is cancelled ends at once: its staging slots are set
+A load that times out or is cancelled ends at once: its staging buffers are set
 aside while the kernel still writes into them (worker/staging.py), and the load
 is reported (cancelled loads too, their blocks as failed: vLLM holds them until
 the load is reported). With `layerwise` on, a verified load that fits is staged
@@ -35,17 +35,17 @@ log = logging.getLogger("aiokv")
 
 class Loads:
     def __init__(self, staging, reads, results, saves, life, layers, rank: int, slot_bytes: int,
-                 load_timeout: float, fused: bool):
+                 load_timeout: float, crc_in_copy: bool):
         self.staging = staging
         self.reads = reads        # reads into staging, copies into the KV cache (worker/reads.py)
         self.results = results
-        self.saves = saves        # write-through of blocks from the shared tier
-        self.life = life          # the data file, the shared tier (worker/lifecycle.py)
+        self.saves = saves        # write-through of blocks from the bucket tier
+        self.life = life          # the data file, the bucket tier (worker/lifecycle.py)
         self.layers = layers      # LayerwiseLoads or None
         self.rank = rank
-        self.slot_bytes = slot_bytes  # this group's slot image (a staging slot may be larger)
+        self.slot_bytes = slot_bytes  # this group's slot image (a staging buffer may be larger)
         self.load_timeout = load_timeout
-        self.fused = fused        # payload CRCs are checked in the device copy
+        self.crc_in_copy = crc_in_copy  # payload CRCs are checked in the device copy
         self._tasks: dict[str, asyncio.Task] = {}  # req -> its running load
 
     # ---- commands from vLLM's thread ----
@@ -99,43 +99,43 @@ class Loads:
             self._load_done(t, sorted(failed), cancelled, [k for k, _, _ in bad_keys])
 
     async def _load_body(self, t: Transfer, failed: set, bad_keys: list) -> None:
-        # no slot: nothing to read; block 0 is vLLM's null block and is never written
-        flags = t.remote or [False] * len(t.keys)
-        todo = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if s >= 0 and b > 0 and not r]
-        remote = [(k, s, b) for k, s, b, r in zip(t.keys, t.slots, t.block_ids, flags) if r]
-        if remote:
-            await self._load_remote(t, remote, failed, bad_keys)
+        # no location: nothing to read; block 0 is vLLM's null block and is never written
+        flags = t.from_bucket or [False] * len(t.keys)
+        todo = [(k, s, b) for k, s, b, r in zip(t.keys, t.locations, t.block_ids, flags) if s >= 0 and b > 0 and not r]
+        from_bucket = [(k, s, b) for k, s, b, r in zip(t.keys, t.locations, t.block_ids, flags) if r]
+        if from_bucket:
+            await self._load_from_bucket(t, from_bucket, failed, bad_keys)
         held = self.staging.take_kept([k for k, _, _ in todo], self.reads.ns)  # kept in host memory: no disk read
-        mem = [(k, b, slot) for (k, _, b), slot in zip(todo, held) if slot is not None]
+        mem = [(k, b, buf) for (k, _, b), buf in zip(todo, held) if buf is not None]
         if mem:
-            # a plain copy: these slots were verified (or written) when kept; checking them again
+            # a plain copy: these buffers were verified (or written) when kept; checking them again
             # in the copy would cost ~10 % more per byte (tools/bench_fused.py) for memory faults only
             try:
-                await self.reads.copy_in([b for _, b, _ in mem], [slot for _, _, slot in mem])
+                await self.reads.copy_in([b for _, b, _ in mem], [buf for _, _, buf in mem])
                 failed.difference_update(b for _, b, _ in mem)
                 self.results.count(memory_hit_blocks=len(mem))
             finally:
-                self.staging.keep([(k, slot) for k, _, slot in mem], self.reads.ns)  # back, as the most recent
-            todo = [item for item, slot in zip(todo, held) if slot is None]
+                self.staging.keep([(k, buf) for k, _, buf in mem], self.reads.ns)  # back, as the most recent
+            todo = [item for item, buf in zip(todo, held) if buf is None]
         if self.layers is not None and self.layers.fits(len(todo)):
             return await self.layers.read(t, todo, failed, bad_keys)
         i = 0
         while i < len(todo):
-            slots = await self.staging.wait(len(todo) - i)
-            chunk = todo[i:i + len(slots)]
+            bufs = await self.staging.wait(len(todo) - i)
+            chunk = todo[i:i + len(bufs)]
             keep: list[tuple[bytes, int]] = []
             try:
-                res = await self.reads.read([(s, k, b) for (k, s, _), b in zip(chunk, slots)],
-                                            payload_checked=not self.fused)
-                good = [(k, s, blk, st) for (k, s, blk), st, r in zip(chunk, slots, res) if r == 0]
+                res = await self.reads.read([(s, k, b) for (k, s, _), b in zip(chunk, bufs)],
+                                            crc_in_copy=self.crc_in_copy)
+                good = [(k, s, blk, st) for (k, s, blk), st, r in zip(chunk, bufs, res) if r == 0]
                 bad_keys += [(k, s, t.group) for (k, s, _), r in zip(chunk, res) if r != 0]
                 if good:
-                    ok = await self.reads.copy_in([g[2] for g in good], [g[3] for g in good], self.fused)
-                    # Fused: a payload that did not match its CRC was copied into its KV block
+                    ok = await self.reads.copy_in([g[2] for g in good], [g[3] for g in good], self.crc_in_copy)
+                    # CRC in the copy: a payload that did not match its CRC was copied into its KV block
                     # anyway. Safe because whole-request loads are asynchronous (the connector
                     # says load_async=True): vLLM uses the loaded blocks only up to the first
                     # failed one and recomputes the rest in place. So that block stays in
-                    # `failed`, its key goes to bad_keys, and its slot goes back to the pool
+                    # `failed`, its key goes to bad_keys, and its buffer goes back to the pool
                     # (not to the memory tier), exactly as a block the separate check rejects.
                     if not all(ok):
                         bad_keys += [(k, s, t.group) for (k, s, _, _), v in zip(good, ok) if not v]
@@ -145,12 +145,12 @@ class Loads:
                 self.results.count(bytes_read=len(good) * self.slot_bytes)
             finally:
                 self.staging.keep(keep, self.reads.ns)
-                kept_slots = {st for _, st in keep}
-                self.staging.release([st for st in slots if st not in kept_slots])
+                kept_bufs = {st for _, st in keep}
+                self.staging.release([st for st in bufs if st not in kept_bufs])
             i += len(chunk)
 
-    async def _load_remote(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
-        """Blocks from the shared tier: GET → verify → device; then, without holding up
+    async def _load_from_bucket(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
+        """Blocks from the bucket tier: GET → verify → device; then, without holding up
         the load, written through to their reserved local slots as a save job (committed
         by the scheduler once every rank wrote its part). A block that does not arrive or
         verify is a load failure (recomputed) and its reservation is given back; whatever
@@ -159,18 +159,18 @@ class Loads:
         try:
             i = 0
             while i < len(todo):
-                slots = await self.staging.wait(len(todo) - i)
-                chunk = todo[i:i + len(slots)]
+                bufs = await self.staging.wait(len(todo) - i)
+                chunk = todo[i:i + len(bufs)]
                 handed: list[int] = []
                 try:
                     addr, verify = self.staging.addr, self.life.blockio().verify
-                    got = await asyncio.gather(*(self.life.remote.fetch(k, addr(st), verify)
-                                                 for (k, _, _), st in zip(chunk, slots)))
-                    good = [(item, st) for item, st, g in zip(chunk, slots, got) if g == "ok"]
+                    got = await asyncio.gather(*(self.life.bucket_loader.fetch(k, addr(st), verify)
+                                                 for (k, _, _), st in zip(chunk, bufs)))
+                    good = [(item, st) for item, st, g in zip(chunk, bufs, got) if g == "ok"]
                     bad_keys += [(k, s, t.group) for (k, s, _), g in zip(chunk, got) if g == "bad"]
                     bad = sum(g == "bad" for g in got)  # arrived but did not verify: tampered, foreign
-                    self.results.count(remote_loaded_blocks=len(good), remote_bad_blocks=bad,
-                                remote_missed_blocks=len(chunk) - len(good) - bad)
+                    self.results.count(bucket_loaded_blocks=len(good), bucket_bad_blocks=bad,
+                                bucket_missed_blocks=len(chunk) - len(good) - bad)
                     if good:
                         await self.reads.copy_in([b for (_, _, b), _ in good], [st for _, st in good])
                         failed.difference_update(b for (_, _, b), _ in good)
@@ -182,14 +182,14 @@ class Loads:
                     reported.update(k for k, _, _ in chunk)
                     self._give_back(t, [(k, s) for (k, s, _), g in zip(chunk, got) if g != "ok"])
                 finally:
-                    self.staging.release([st for st in slots if st not in handed])
+                    self.staging.release([st for st in bufs if st not in handed])
                 i += len(chunk)
         finally:
             # cancelled or failed part-way: give the other reservations back
             self._give_back(t, [(k, s) for k, s, _ in todo if k not in reported])
 
     def _give_back(self, t: Transfer, items: list[tuple[bytes, int]]) -> None:
-        """Reservations for shared blocks that were not loaded: released by the
+        """Reservations for bucket blocks that were not loaded: released by the
         scheduler (reported as not written), not counted as failed saves."""
         if items:
             self.results.save_done(None, WorkerReport(saves=[SaveResult(t.job, self.rank, [], [k for k, _ in items])]))

@@ -1,17 +1,17 @@
 """The host-memory tier: blocks recently saved or loaded stay in host memory,
 so that another hit on them is a copy into the KV cache, not a disk read.
 
-Staging and the memory tier are one arena (data/buffers.py SlotPool, pinned on
-CUDA by device.attach), owned by one object (worker/staging.py). A slot is free, owned by a job (a device copy or I/O
+Staging and the memory tier are one arena (data/buffers.py BufferPool, pinned on
+CUDA by device.attach), owned by one object (worker/staging.py). A buffer is free, owned by a job (a device copy or I/O
 uses it), or kept: it holds the whole verified slot image (header + payload)
-of one key, in LRU order. Slots reach the tier only from jobs that succeeded:
-a save keeps its slots once they are on disk (the disk stays the persistent
-copy; a block that failed to write is not kept), a load keeps the slots it
+of one key, in LRU order. Buffers reach the tier only from jobs that succeeded:
+a save keeps its buffers once they are on disk (the disk stays the persistent
+copy; a block that failed to write is not kept), a load keeps the buffers it
 read and verified once their copy into the KV cache is done. Jobs take free
-slots first, then the least recently used kept ones: a job never waits for
-the tier, and the tier never holds more than `limit` slots.
+buffers first, then the least recently used kept ones: a job never waits for
+the tier, and the tier never holds more than `limit` buffers.
 
-Why the staging slots themselves and not a copy: keeping a block costs no copy
+Why the staging buffers themselves and not a copy: keeping a block costs no copy
 (it is in staging already when its job ends), and a hit from memory is the
 same one copy into the KV cache that ends a disk load.
 
@@ -24,21 +24,21 @@ it now. Which keys are hits is still the scheduler's index: a block the disk
 tier evicted is not offered, even if it is kept here.
 
 Threading contract: its one owner is the worker's Staging (worker/staging.py),
-which calls every method with its lock held (vLLM's worker thread takes slots
+which calls every method with its lock held (vLLM's worker thread takes buffers
 for saves, the loop thread for loads and for keeping); nothing else calls it.
 """
 from __future__ import annotations
 
 import collections
 
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 
 
 class HostCache:
-    def __init__(self, pool: SlotPool, limit: int):
+    def __init__(self, pool: BufferPool, limit: int):
         self.pool = pool
-        self.limit = limit  # slots kept at most (0: the tier is off)
-        self._kept: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> slot, LRU first
+        self.limit = limit  # buffers kept at most (0: the tier is off)
+        self._kept: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> buf, LRU first
 
     @property
     def kept(self) -> int:
@@ -46,11 +46,11 @@ class HostCache:
 
     @property
     def available(self) -> int:
-        """Slots a job can take now: free ones and kept ones."""
+        """Buffers a job can take now: free ones and kept ones."""
         return self.pool.available + len(self._kept)
 
     def acquire(self, n: int) -> list[int] | None:
-        """n slots for a job (evicting kept blocks, oldest first, if the free ones are short), or None."""
+        """n buffers for a job (evicting kept blocks, oldest first, if the free ones are short), or None."""
         if n > self.available:
             return None
         while self.pool.available < n:
@@ -58,19 +58,19 @@ class HostCache:
         return self.pool.acquire(n)
 
     def take(self, key: bytes) -> int | None:
-        """The slot holding `key`, now owned by the caller (a job that reads it), or None."""
+        """The buffer holding `key`, now owned by the caller (a job that reads it), or None."""
         return self._kept.pop(key, None)
 
-    def keep(self, key: bytes, slot: int) -> None:
-        """A job's slot, holding a verified image of `key`, joins the tier as the most
+    def keep(self, key: bytes, buf: int) -> None:
+        """A job's buffer, holding a verified image of `key`, joins the tier as the most
         recent block (with the tier off it is simply freed)."""
         old = self._kept.pop(key, None)
         if old is not None:
             self.pool.release([old])
         if self.limit <= 0:
-            self.pool.release([slot])
+            self.pool.release([buf])
         else:
-            self._kept[key] = slot
+            self._kept[key] = buf
             while len(self._kept) > self.limit:
                 self._evict()
 
@@ -82,5 +82,5 @@ class HostCache:
         return n
 
     def _evict(self) -> None:
-        _, slot = self._kept.popitem(last=False)
-        self.pool.release([slot])
+        _, buf = self._kept.popitem(last=False)
+        self.pool.release([buf])

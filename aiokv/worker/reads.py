@@ -1,5 +1,5 @@
 """What a load pipeline needs from its worker, and nothing more: reads of store
-slots into staging slots, and copies from staging into the KV cache.
+slots into staging buffers, and copies from staging into the KV cache.
 
 Whole-request loads (worker/loads.py) and layer-by-layer loads (worker/layerwise.py)
 both read through this object; the second copies in by itself, on vLLM's thread.
@@ -19,24 +19,24 @@ class Reads:
     def __init__(self, device, staging, blockio, count, slot_bytes: int):
         self.device = device
         self.staging = staging
-        self.slot_bytes = slot_bytes  # this group's slot image (a staging slot may be larger)
+        self.slot_bytes = slot_bytes  # this group's slot image (a staging buffer may be larger)
         self.ns = None  # the memory tier's name for this group's keys (set by TransferWorker)
         self._blockio = blockio  # () -> BlockIO (opened at the first job)
         self.count = count       # count(**increments) into the worker's counters
 
-    async def read(self, items: list[tuple[int, bytes, int]], payload_checked: bool = True) -> list[int]:
-        """Read [(store location, key, staging slot)]; per item 0 or -errno (read errors counted)."""
+    async def read(self, items: list[tuple[int, bytes, int]], crc_in_copy: bool = False) -> list[int]:
+        """Read [(store location, key, staging buffer)]; per item 0 or -errno (read errors counted)."""
         addr = self.staging.addr
-        res = await self._blockio().read([(s, k, addr(b)) for s, k, b in items], payload_checked=payload_checked)
+        res = await self._blockio().read([(s, k, addr(b)) for s, k, b in items], crc_in_copy=crc_in_copy)
         self.count(read_errors=sum(r not in NOT_IO_ERRORS for r in res))
         return res
 
-    async def copy_in(self, block_ids, slots, checksum: bool = False) -> list[bool]:
-        """Per block whether it may count as loaded: always, unless `checksum` (the
+    async def copy_in(self, block_ids, bufs, crc_in_copy: bool = False) -> list[bool]:
+        """Per block whether it may count as loaded: always, unless `crc_in_copy` (the
         payload CRCs are checked in the copy, Device.copy_in) found it corrupt."""
         # On the loop thread, in one go: a cancellation cannot interrupt it half-way,
         # and no hop to another thread waits for the GIL a second time.
-        if checksum:
-            return self.device.copy_in(block_ids, slots, checksum=True)
-        self.device.copy_in(block_ids, slots)
+        if crc_in_copy:
+            return self.device.copy_in(block_ids, bufs, crc_in_copy=True)
+        self.device.copy_in(block_ids, bufs)
         return [True] * len(block_ids)

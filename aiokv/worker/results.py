@@ -51,7 +51,7 @@ class Results:
         self._q.put((_REPORT, part))
 
     def started(self, job: int, t: Transfer) -> None:
-        """A save job the loop started by itself (a write-through of shared blocks)."""
+        """A save job the loop started by itself (a write-through of blocks from the bucket)."""
         self._q.put((_SAVE_STARTED, job, t))
 
     def load_done(self, req_id: str, failed: list[int], part: WorkerReport) -> None:

@@ -1,11 +1,11 @@
 """The save pipeline of one worker: device -> staging copy at the end of the step
 (vLLM's thread), then the write to the data file and the report (loop thread).
 
-A save takes as many staging slots as there are (a big prefill is saved in part,
+A save takes as many staging buffers as there are (a big prefill is saved in part,
 the rest reported failed and counted, never waited for), copies its blocks in
 before `submit` returns (vLLM may reuse them once the step ends), and hands the
 job to the loop. Written blocks stay in host memory (the memory tier); a save
-that takes over `save_timeout` ends at once, its slots set aside while the
+that takes over `save_timeout` ends at once, its staging buffers set aside while the
 kernel still reads them (worker/staging.py).
 
 Threading contract: `submit` on vLLM's worker thread; `start`, `write_through`
@@ -30,16 +30,16 @@ log = logging.getLogger("aiokv")
 
 class Saves:
     def __init__(self, device, staging, results, life, rank: int, slot_bytes: int, save_timeout: float,
-                 fused: bool):
+                 crc_in_copy: bool):
         self.device = device
         self.staging = staging
         self.results = results
-        self.life = life  # the loop, the data file, the shared tier's uploader (worker/lifecycle.py)
+        self.life = life  # the loop, the data file, the bucket tier's uploader (worker/lifecycle.py)
         self.rank = rank
-        self.slot_bytes = slot_bytes  # this group's slot image (a staging slot may be larger)
+        self.slot_bytes = slot_bytes  # this group's slot image (a staging buffer may be larger)
         self.ns = None  # the memory tier's name for this group's keys (set by TransferWorker)
         self.save_timeout = save_timeout
-        self.fused = fused  # payload CRCs come with the device copy
+        self.crc_in_copy = crc_in_copy  # payload CRCs come with the device copy
 
     # ---- vLLM's thread ----
     def submit(self, transfers: list[Transfer], dead: bool) -> None:
@@ -49,44 +49,44 @@ class Saves:
                 self._save_done(t, None, [-errno.EIO] * len(t.keys))
                 continue
             # as many as the pool has: a big prefill is saved in part, not dropped
-            slots = self.staging.acquire(len(t.keys), whole=False)
-            take = len(slots) if slots else 0
+            bufs = self.staging.acquire(len(t.keys), whole=False)
+            take = len(bufs) if bufs else 0
             if take < len(t.keys):
-                rest = Transfer(t.req_id, t.keys[take:], t.slots[take:], t.block_ids[take:], t.group, job=t.job)
+                rest = Transfer(t.req_id, t.keys[take:], t.locations[take:], t.block_ids[take:], t.group, job=t.job)
                 self.results.count(save_skipped_staging_full=len(rest.keys))
                 self._save_done(rest, None, [-errno.ENOBUFS] * len(rest.keys))
                 if not take:
                     continue
-                t = Transfer(t.req_id, t.keys[:take], t.slots[:take], t.block_ids[:take], t.group, job=t.job)
+                t = Transfer(t.req_id, t.keys[:take], t.locations[:take], t.block_ids[:take], t.group, job=t.job)
             try:
-                self.device.copy_out(t.block_ids, slots, checksum=self.fused)
+                self.device.copy_out(t.block_ids, bufs, crc_in_copy=self.crc_in_copy)
             except Exception:
                 log.exception("aiokv: copying blocks out for a save failed; that save is dropped")
-                self.staging.release(slots)
+                self.staging.release(bufs)
                 self._save_done(t, None, [-errno.EIO] * len(t.keys))
                 continue
             job = self.results.next_job()
             self.results.saves[job] = t  # handed in: reported failed if the loop dies before it ends
-            if not self.life.call_soon(self.start, job, t, slots):  # the loop is gone: this save fails, vLLM goes on
+            if not self.life.call_soon(self.start, job, t, bufs):  # the loop is gone: this save fails, vLLM goes on
                 log.error("aiokv: the worker loop did not take a save")
                 self.results.saves.pop(job, None)
-                self.staging.release(slots)
+                self.staging.release(bufs)
                 self._save_done(t, None, [-errno.EIO] * len(t.keys))
         self.device.after_step()
 
     # ---- loop thread ----
-    def start(self, job: int, t: Transfer, slots: list[int]) -> None:
-        asyncio.ensure_future(self._save(job, t, slots, crc_ready=self.fused))
+    def start(self, job: int, t: Transfer, bufs: list[int]) -> None:
+        asyncio.ensure_future(self._save(job, t, bufs, crc_in_copy=self.crc_in_copy))
 
-    def write_through(self, t: Transfer, slots: list[int]) -> None:
-        """A save job of blocks just loaded from the shared tier; it owns `slots`."""
+    def write_through(self, t: Transfer, bufs: list[int]) -> None:
+        """A save job of blocks just loaded from the bucket tier; it owns `bufs`."""
         job = self.results.next_job()
         self.results.started(job, t)
-        asyncio.ensure_future(self._save(job, t, slots, upload=False))
+        asyncio.ensure_future(self._save(job, t, bufs, upload=False))
 
-    async def _save(self, job: int, t: Transfer, slots: list[int], upload: bool = True,
-                    crc_ready: bool = False) -> None:
-        """Write a save job's staging slots (crc_ready: their payload CRCs came with the device copy)."""
+    async def _save(self, job: int, t: Transfer, bufs: list[int], upload: bool = True,
+                    crc_in_copy: bool = False) -> None:
+        """Write a save job's staging buffers (crc_in_copy: their payload CRCs came with the device copy)."""
         t0 = time.monotonic()
         res = [-errno.EIO] * len(t.keys)
         ABANDON.set(self.staging.abandon)
@@ -95,12 +95,12 @@ class Saves:
             if self.device.asynchronous:  # the device copy may still be landing
                 await asyncio.get_running_loop().run_in_executor(None, self.device.wait_out)
             addr = self.staging.addr
-            items = [(s, k, addr(b)) for s, k, b in zip(t.slots, t.keys, slots)]
-            res = await asyncio.wait_for(self.life.blockio().write(items, crc_ready), self.save_timeout)
+            items = [(s, k, addr(b)) for s, k, b in zip(t.locations, t.keys, bufs)]
+            res = await asyncio.wait_for(self.life.blockio().write(items, crc_in_copy), self.save_timeout)
             if upload and uploader is not None:  # write-behind: a copy of each block written, queued (or dropped)
-                for k, b, r in zip(t.keys, slots, res):
+                for k, b, r in zip(t.keys, bufs, res):
                     if r == 0:
-                        uploader.offer(self.life.remote.name(k), ctypes.string_at(addr(b), self.slot_bytes))
+                        uploader.offer(self.life.bucket_loader.name(k), ctypes.string_at(addr(b), self.slot_bytes))
         except asyncio.TimeoutError:
             # dropped from the step's accounting; a write that lands later in a slot the
             # store has given to another key fails that key's verification (a miss)
@@ -113,12 +113,12 @@ class Saves:
             log.exception("aiokv: a save failed; only that request's save is dropped")
         finally:
             # written blocks stay in host memory (the memory tier); the rest are freed
-            self.staging.keep([(k, b) for k, b, r in zip(t.keys, slots, res) if r == 0], self.ns)
-            self.staging.release([b for b, r in zip(slots, res) if r != 0])
+            self.staging.keep([(k, b) for k, b, r in zip(t.keys, bufs, res) if r == 0], self.ns)
+            self.staging.release([b for b, r in zip(bufs, res) if r != 0])
             self.results.count(**latency_counts("save", time.monotonic() - t0))
-            self._save_done(t, slots, res, job)
+            self._save_done(t, bufs, res, job)
 
-    def _save_done(self, t: Transfer, slots, res: list[int], job: int | None = None) -> None:
+    def _save_done(self, t: Transfer, bufs, res: list[int], job: int | None = None) -> None:
         ok = [k for k, r in zip(t.keys, res) if r == 0]
         bad = [k for k, r in zip(t.keys, res) if r != 0]
         counts = dict(saves_ok_blocks=len(ok), save_failed_blocks=len(bad), bytes_written=len(ok) * self.slot_bytes,

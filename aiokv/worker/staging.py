@@ -1,23 +1,23 @@
 """The staging buffers of one worker, and their one owner.
 
-A staging slot (data/buffers.py SlotPool, one pinned arena) is at any time one of:
+A staging buffer (data/buffers.py BufferPool, one pinned arena) is at any time one of:
 - free;
 - a job's: `acquire` hands it out, `release` takes it back (a device copy, a read
   or a write uses it in between);
 - kept: it holds the verified image of one key in the memory tier (worker/memory.py
-  HostCache, LRU); `keep` turns a job's slot into a kept one, `take_kept` a kept one
-  back into a job's, and `acquire` evicts the oldest kept slots when too few are free;
+  HostCache, LRU); `keep` turns a job's buffer into a kept one, `take_kept` a kept one
+  back into a job's, and `acquire` evicts the oldest kept buffers when too few are free;
 - stuck: the backend's abandon mode (data/backend.py) left I/O on it that the kernel
-  or a thread still holds; `abandon` sets it aside, and a stuck slot its job has
+  or a thread still holds; `abandon` sets it aside, and a stuck buffer its job has
   released ("held") goes back to the pool only once that I/O has ended.
 
-Loads that need slots wait for them (`wait`), except when every slot in use is stuck
+Loads that need buffers wait for them (`wait`), except when every buffer in use is stuck
 (none may come back soon): they then fail at once (`StagingStuck`).
 
 Threading contract: every method may be called from any thread (vLLM's worker
-thread takes slots for saves, the loop thread for loads, the layerwise copy thread
+thread takes buffers for saves, the loop thread for loads, the layerwise copy thread
 gives them back); one lock of this object guards the pool, the memory tier and the
-stuck slots, and is held only for in-memory bookkeeping. `bind` (once) and `wait`
+stuck buffers, and is held only for in-memory bookkeeping. `bind` (once) and `wait`
 run on the worker's event-loop thread; a release on any thread wakes the waiters
 there. `close` is called once no I/O or copy can still touch the arena.
 """
@@ -27,27 +27,27 @@ import asyncio
 import errno
 import threading
 
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 from aiokv.worker.memory import HostCache
 
 
 class StagingStuck(OSError):
-    """Every staging slot in use is held by I/O the disk has not finished."""
+    """Every staging buffer in use is held by I/O the disk has not finished."""
 
 
 class Staging:
     def __init__(self, slot_bytes: int, count: int, kept: int):
-        self.slot_bytes = slot_bytes  # every slot's size (the largest KV-cache group's slot)
-        self.pool = SlotPool(slot_bytes, count, populate=True)
+        self.slot_bytes = slot_bytes  # every buffer's size (the largest KV-cache group's slot)
+        self.pool = BufferPool(slot_bytes, count, populate=True)
         self.cache = HostCache(self.pool, kept)
         self._lock = threading.Lock()
-        self._stuck: set[int] = set()  # slots whose abandoned I/O the kernel or a thread still holds
-        self._held: set[int] = set()   # stuck slots their job has let go of: freed when the I/O ends
+        self._stuck: set[int] = set()  # buffers whose abandoned I/O the kernel or a thread still holds
+        self._held: set[int] = set()   # stuck buffers their job has let go of: freed when the I/O ends
         self._loop = None
         self._freed: asyncio.Event | None = None
 
     def bind(self, loop) -> None:
-        """On `loop`'s thread: the loop whose loads `wait` for slots."""
+        """On `loop`'s thread: the loop whose loads `wait` for buffers."""
         self._loop, self._freed = loop, asyncio.Event()
 
     # ---- sizes ----
@@ -57,7 +57,7 @@ class Staging:
 
     @property
     def limit(self) -> int:
-        """Slots the memory tier may keep at most."""
+        """Buffers the memory tier may keep at most."""
         return self.cache.limit
 
     @property
@@ -67,22 +67,22 @@ class Staging:
 
     @property
     def in_use(self) -> int:
-        """Slots owned by jobs (not those kept in the memory tier)."""
+        """Buffers owned by jobs (not those kept in the memory tier)."""
         with self._lock:
             return self.pool.in_use - self.cache.kept
 
     @property
     def stuck(self) -> int:
-        """Slots set aside until the kernel gives them back."""
+        """Buffers set aside until the kernel gives them back."""
         with self._lock:
             return len(self._stuck)
 
-    def addr(self, slot: int) -> int:
-        return self.pool.addr(slot)
+    def addr(self, buf: int) -> int:
+        return self.pool.addr(buf)
 
-    # ---- jobs' slots ----
+    # ---- jobs' buffers ----
     def acquire(self, n: int, whole: bool = True) -> list[int] | None:
-        """n slots (`whole`) or as many up to n as there are (at least one), free ones
+        """n buffers (`whole`) or as many up to n as there are (at least one), free ones
         first, then the memory tier's oldest; None when that many are not there. Never waits."""
         with self._lock:
             take = n if whole else min(n, self.cache.available)
@@ -90,40 +90,40 @@ class Staging:
 
     async def wait(self, n: int, whole: bool = False) -> list[int]:
         """Loop thread: like `acquire`, but waits while too few are there; raises
-        StagingStuck at once when every slot in use is stuck."""
+        StagingStuck at once when every buffer in use is stuck."""
         while True:
             with self._lock:
                 take = n if whole else min(n, self.cache.available)
-                slots = self.cache.acquire(take) if take else None
+                bufs = self.cache.acquire(take) if take else None
                 used = self.pool.in_use - self.cache.kept
-                all_stuck = slots is None and used and used == len(self._stuck)
-            if slots is not None:
-                return slots
+                all_stuck = bufs is None and used and used == len(self._stuck)
+            if bufs is not None:
+                return bufs
             if all_stuck:
-                raise StagingStuck(errno.EBUSY, "every staging slot is held by I/O the disk has not finished")
+                raise StagingStuck(errno.EBUSY, "every staging buffer is held by I/O the disk has not finished")
             self._freed.clear()
             await self._freed.wait()
 
-    def release(self, slots: list[int]) -> None:
-        """A job is done with these slots: free now, or once their stuck I/O has ended."""
+    def release(self, bufs: list[int]) -> None:
+        """A job is done with these buffers: free now, or once their stuck I/O has ended."""
         with self._lock:
-            stuck = self._stuck.intersection(slots)
+            stuck = self._stuck.intersection(bufs)
             self._held |= stuck
-            self.pool.release([s for s in slots if s not in stuck])
+            self.pool.release([s for s in bufs if s not in stuck])
         self._wake()
 
     # ---- the memory tier ----
     def keep(self, items: list[tuple[bytes, int]], ns=None) -> None:
-        """Slots of jobs that succeeded (verified images of their keys) join the memory tier.
+        """Buffers of jobs that succeeded (verified images of their keys) join the memory tier.
         `ns` names the keys' namespace: the KV-cache groups of a process share the tier, and a
         key names a block only within its group's namespace (and rank)."""
         if items:
             with self._lock:
-                for key, slot in items:
-                    self.cache.keep((ns, key), slot)
+                for key, buf in items:
+                    self.cache.keep((ns, key), buf)
 
     def take_kept(self, keys: list[bytes], ns=None) -> list[int | None]:
-        """Per key (of namespace `ns`), the kept slot holding it, now the caller's (a job
+        """Per key (of namespace `ns`), the kept buffer holding it, now the caller's (a job
         that reads it), or None."""
         with self._lock:
             return [self.cache.take((ns, k)) for k in keys]
@@ -139,15 +139,15 @@ class Staging:
     def abandon(self, addrs: list[int], done: asyncio.Future) -> None:
         """Backend callback (loop thread): these buffers stay the kernel's until `done`."""
         base, size = self.pool.arena.addr, self.slot_bytes
-        slots = {(a - base) // size for a in addrs}
+        bufs = {(a - base) // size for a in addrs}
         with self._lock:
-            self._stuck |= slots
-        done.add_done_callback(lambda _: self._unstick(slots))
+            self._stuck |= bufs
+        done.add_done_callback(lambda _: self._unstick(bufs))
 
-    def _unstick(self, slots: set[int]) -> None:
+    def _unstick(self, bufs: set[int]) -> None:
         with self._lock:
-            self._stuck -= slots
-            back = self._held & slots
+            self._stuck -= bufs
+            back = self._held & bufs
             self._held -= back
         if back:
             self.release(list(back))
@@ -157,7 +157,7 @@ class Staging:
             try:
                 self._loop.call_soon_threadsafe(self._freed.set)
             except RuntimeError:
-                pass  # the loop is closed: nobody waits for slots any more
+                pass  # the loop is closed: nobody waits for buffers any more
 
     def close(self) -> None:
         self.pool.close()

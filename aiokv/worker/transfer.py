@@ -15,7 +15,7 @@ thread calls; the parts are
         -> report the request finished, with the block ids that failed
         (a block kept in host memory, worker/memory.py, skips the read)
 
-On a device that checksums inside its copies (Device.fuses_checksums, the CPU
+On a device that checksums inside its copies (Device.crc_in_copy, the CPU
 build) and without a secret, the payload CRC32C is computed by the save's copy
 and checked by the load's copy: no separate pass over the bytes (worker/device.py).
 
@@ -28,13 +28,13 @@ Failure contract (docs/reliability.md lists the scenarios and their tests):
 - The loop never dies of a job: each pipeline catches everything. If the loop
   thread dies anyway, poll() reports every outstanding load as failed and
   every outstanding save as failed, and the worker stops taking jobs.
-- Staging slots come from a bounded pool: a save that finds it full is
-  dropped (counted), never waited for; a load waits for slots, but fails at
-  once when every slot in use is stuck (below).
+- Staging buffers come from a bounded pool: a save that finds it full is
+  dropped (counted), never waited for; a load waits for buffers, but fails at
+  once when every buffer in use is stuck (below).
 - A hung disk never hangs vLLM: loads and saves run in the backend's abandon
   mode (data/backend.py). A load that times out or is cancelled, and a save that
   takes over `save_timeout`, end at once (reported failed or cancelled) while
-  the staging slots the kernel still writes into or reads from are set aside
+  the staging buffers the kernel still writes into or reads from are set aside
   ("stuck") until their I/O ends; only then do they go back to the pool.
   close() returns within a bound whatever the disk does: it leaves a backend
   with stuck I/O, and the staging memory, to the process exit.
@@ -75,7 +75,7 @@ class TransferWorker:
     they are the host's business and ignored here)."""
 
     def __init__(self, device, ns_dir: str, nsid: bytes, rank: int, staging_bytes: int, io: str = "auto",
-                 queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0, shared=None,
+                 queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0, bucket=None,
                  upload_queue: int = 256 << 20, flush_timeout: float = 10.0, secret: str | None = None,
                  memory_bytes: int = 0, layerwise: bool = False, checksum_threads: int | None = None,
                  host: WorkerHost | None = None):
@@ -100,9 +100,9 @@ class TransferWorker:
         try:
             host.attach(device)
             # payload CRCs inside the device copies; with a secret the MAC reads the payload anyway
-            fused = self.device.fuses_checksums and self.secret is None
+            crc_in_copy = self.device.crc_in_copy and self.secret is None
             self.life = Lifecycle(host, device, self._count, ns_dir, nsid, rank, slot_bytes, io, queue_depth,
-                                  secret, shared, upload_queue, flush_timeout)
+                                  secret, bucket, upload_queue, flush_timeout)
         except BaseException:
             # nothing may outlive a worker that did not start: loop thread, arena, pinning
             # (a shared host gives them back when its owner closes it)
@@ -112,21 +112,21 @@ class TransferWorker:
         self.reads = Reads(device, self.staging, self.life.blockio, self._count, slot_bytes)
         # verified loads copied in layer by layer during the next forward (worker/layerwise.py)
         self.layers = LayerwiseLoads(device, self.staging, self.reads, rank) if layerwise else None
-        self.saves = Saves(device, self.staging, self.results, self.life, rank, slot_bytes, save_timeout, fused)
+        self.saves = Saves(device, self.staging, self.results, self.life, rank, slot_bytes, save_timeout, crc_in_copy)
         self.loads = Loads(self.staging, self.reads, self.results, self.saves, self.life, self.layers, rank,
-                           slot_bytes, load_timeout, fused)
+                           slot_bytes, load_timeout, crc_in_copy)
         # the groups of a process share one memory tier; a key names a block only within its
         # group's namespace and rank, so the tier knows this group's keys under this name
         self.memory_ns = self.reads.ns = self.saves.ns = (nsid, rank)
 
     @property
-    def _fused(self) -> bool:
+    def _crc_in_copy(self) -> bool:
         """Payload CRCs are computed and checked inside the device copies (tools/bench_fused.py turns it)."""
-        return self.saves.fused
+        return self.saves.crc_in_copy
 
-    @_fused.setter
-    def _fused(self, on: bool) -> None:
-        self.saves.fused = self.loads.fused = on
+    @_crc_in_copy.setter
+    def _crc_in_copy(self, on: bool) -> None:
+        self.saves.crc_in_copy = self.loads.crc_in_copy = on
 
     # ---- what lives on the loop (worker/lifecycle.py) ----
     @property
@@ -172,7 +172,7 @@ class TransferWorker:
 
     @property
     def stuck(self) -> int:
-        """Staging slots set aside until the kernel gives them back."""
+        """Staging buffers set aside until the kernel gives them back."""
         return self.staging.stuck
 
     # ---- jobs in ----
@@ -246,7 +246,7 @@ class TransferWorker:
             time.sleep(0.001)
 
     def close(self) -> None:
-        """Returns within about CLOSE_DRAIN_S + 10 s (+ flush_timeout with a shared tier),
+        """Returns within about CLOSE_DRAIN_S + 10 s (+ flush_timeout with a bucket tier),
         even with I/O stuck in the kernel. A shared host is closed by its owner, after its groups."""
         self.life.close(self.loads.cancel_all, self.drain)
         if self._owns_host:

