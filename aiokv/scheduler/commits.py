@@ -2,7 +2,7 @@
 
 Every transfer the scheduler side plans is a job with an id of its own (Transfer.job:
 from 1, never reused in the life of the ledger). The ledger keeps one record per job:
-what it pinned (a load), what it reserved (a save; a load's blocks from the shared
+what it pinned (a load), what it reserved (a save; a load's blocks from the bucket
 tier). The workers report per job, each result naming its rank (aiokv/jobs.py); the
 ledger counts the ranks per block of a job (docs/design.md, "A step", 5-6):
 - a block is committed once every rank reported it written;

@@ -121,7 +121,7 @@ class SchedulerSide:
         return (hit - local) * self.bs if hit > local else 0
 
     def bucket_hit_tokens(self, req_id: str, num_external: int) -> int:
-        """Tokens of the hit just matched (num_external beyond the local ones) that the shared
+        """Tokens of the hit just matched (num_external beyond the local ones) that the bucket
         tier serves; call before on_alloc (which consumes the match)."""
         return matching.span_tokens(self._from_bucket.get(req_id), self._local_blocks.get(req_id, 0), num_external,
                                     self.bs)

@@ -128,34 +128,14 @@ class TransferWorker:
     def _crc_in_copy(self, on: bool) -> None:
         self.saves.crc_in_copy = self.loads.crc_in_copy = on
 
-    # ---- what lives on the loop (worker/lifecycle.py) ----
-    @property
-    def loop(self):
-        return self.life.loop
-
-    @property
-    def thread(self):
-        return self.life.thread
-
-    @property
-    def backend(self):
-        return self.life.backend
-
-    @property
-    def io(self):
-        return self.life.io
-
-    @property
-    def cpu(self):
-        return self.life.cpu
+    # ---- what lives on the loop (worker/lifecycle.py), read through ----
+    loop, thread, backend, io, cpu, uploader = (
+        property(lambda self, n=n: getattr(self.life, n), doc=f"the lifecycle's {n}")
+        for n in ("loop", "thread", "backend", "io", "cpu", "uploader"))
 
     @property
     def checksum_threads(self) -> int:
         return self.host.checksum_threads
-
-    @property
-    def uploader(self):
-        return self.life.uploader
 
     def _blockio(self):
         return self.life.blockio()
@@ -167,7 +147,7 @@ class TransferWorker:
 
     @property
     def staging_in_use(self) -> int:
-        """Slots owned by jobs (not those kept in the memory tier)."""
+        """Staging buffers owned by jobs (not those kept in the memory tier)."""
         return self.staging.in_use
 
     @property
