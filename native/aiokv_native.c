@@ -42,6 +42,8 @@
 #endif
 #include <time.h>
 
+#include "blake3/blake3.h" /* native/blake3: BLAKE3's C implementation (CC0), for the slot MAC */
+
 #define OP_READ 0
 #define OP_WRITE 1
 #define OP_NOP 2
@@ -965,7 +967,7 @@ static const char BLOCK_MAGIC[8] = {'A', 'I', 'O', 'K', 'V', 'B', 'L', 'K'};
 /* Verdicts, in the order checked: index into format.SLOT_REASONS (the one
  * place they are named; SLOT_VERDICTS, exported, is their count). */
 enum { SLOT_OK, SLOT_HDR_SHORT, SLOT_HDR_CRC, SLOT_MAGIC, SLOT_VERSION, SLOT_LAYOUT, SLOT_NSID, SLOT_RANK, SLOT_KEY,
-       SLOT_PLEN, SLOT_PAYLOAD_SHORT, SLOT_PAYLOAD_CRC, SLOT_VERDICTS };
+       SLOT_PLEN, SLOT_PAYLOAD_SHORT, SLOT_PAYLOAD_CRC, SLOT_MAC, SLOT_VERDICTS };
 
 /* How far a check goes (exported as CHECK_*): the header's own integrity (CRC,
  * magic, version: format.unpack_header), the header against what the reader
@@ -1040,19 +1042,110 @@ static inline uint16_t get16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); r
 static inline uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline uint64_t get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 
-/* stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_ready=0): for
- * each slot, CRC32C its payload and write its header (sequence: the wall clock
- * in ns, as time.time_ns()), zeroing the rest of the header. With crc_ready the
- * payload is not read: its CRC is the one already at HDR_OFF_PCRC (put there by
- * memcpy_crc_out while it copied the payload in). One call per chunk, GIL
- * released for all of it. The MAC, where a secret is set, is added after. */
+/* ---- the slot MAC, with a secret (docs/format.md, "The MAC") ----
+ * Scheme 1: keyed BLAKE3-256 (key: mac_key, BLAKE3's derive_key of the secret
+ * under MAC_CONTEXT) of the payload, then the 96 header bytes the header CRC
+ * covers (the scheme byte at HDR_OFF_MACS among them), at HDR_OFF_MAC. The
+ * payload goes first so that BLAKE3's chunks line up with it. Slots without a
+ * MAC have scheme 0 there; a reader with a secret takes only scheme 1. */
+#define HDR_OFF_MACS 33
+#define MAC_SCHEME 1
+#define HDR_OFF_MAC 100
+#define MAC_BYTES 32
+#define MAC_PIECE (64 << 10) /* CRC32C and MAC of one piece after the other: the second reads it from cache */
+static const char MAC_CONTEXT[] = "aiokv slot MAC, scheme 1";
+
+static void mac_finish(blake3_hasher *s, const uint8_t *fields, uint8_t *out) {
+    blake3_hasher_update(s, fields, HDR_BODY);
+    blake3_hasher_finalize(s, out, MAC_BYTES);
+}
+
+/* Whether slot h (header and plen payload bytes readable) carries scheme 1 and
+ * the MAC of key mk. Constant time in the MAC's bytes. */
+static int mac_ok(const uint8_t *mk, const uint8_t *h, uint64_t plen) {
+    if (h[HDR_OFF_MACS] != MAC_SCHEME) return 0;
+    blake3_hasher s;
+    uint8_t m[MAC_BYTES], d = 0;
+    blake3_hasher_init_keyed(&s, mk);
+    blake3_hasher_update(&s, h + HDR_BYTES, (size_t)plen);
+    mac_finish(&s, h, m);
+    for (int i = 0; i < MAC_BYTES; i++) d |= m[i] ^ h[HDR_OFF_MAC + i];
+    return d == 0;
+}
+
+/* An optional MAC key argument (None or 32 bytes) into mk; returns 0, or -1 with an exception set. */
+static int mac_arg(PyObject *o, uint8_t mk[MAC_BYTES], const uint8_t **pmk) {
+    *pmk = NULL;
+    if (o == NULL || o == Py_None) return 0;
+    char *b;
+    Py_ssize_t n;
+    if (PyBytes_AsStringAndSize(o, &b, &n) < 0) return -1;
+    if (n != MAC_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "aiokv: a MAC key is 32 bytes (format.mac_key)");
+        return -1;
+    }
+    memcpy(mk, b, MAC_BYTES);
+    *pmk = mk;
+    return 0;
+}
+
+/* mac_key(secret) -> 32 bytes: the MAC key of a secret (any bytes). */
+static PyObject *py_mac_key(PyObject *self, PyObject *args) {
+    Py_buffer sec;
+    if (!PyArg_ParseTuple(args, "y*", &sec)) return NULL;
+    blake3_hasher s;
+    uint8_t k[MAC_BYTES];
+    blake3_hasher_init_derive_key(&s, MAC_CONTEXT);
+    blake3_hasher_update(&s, sec.buf, (size_t)sec.len);
+    blake3_hasher_finalize(&s, k, MAC_BYTES);
+    PyBuffer_Release(&sec);
+    return PyBytes_FromStringAndSize((const char *)k, MAC_BYTES);
+}
+
+/* blake3_keyed(key, data) -> 32 bytes: keyed BLAKE3-256 of a buffer (tests: the published vectors). */
+static PyObject *py_blake3_keyed(PyObject *self, PyObject *args) {
+    Py_buffer key, data;
+    if (!PyArg_ParseTuple(args, "y*y*", &key, &data)) return NULL;
+    PyObject *out = NULL;
+    if (key.len != BLAKE3_KEY_LEN) {
+        PyErr_SetString(PyExc_ValueError, "aiokv: a BLAKE3 key is 32 bytes");
+    } else {
+        blake3_hasher s;
+        uint8_t m[MAC_BYTES];
+        blake3_hasher_init_keyed(&s, key.buf);
+        Py_BEGIN_ALLOW_THREADS
+        blake3_hasher_update(&s, data.buf, (size_t)data.len);
+        Py_END_ALLOW_THREADS
+        blake3_hasher_finalize(&s, m, MAC_BYTES);
+        out = PyBytes_FromStringAndSize((const char *)m, MAC_BYTES);
+    }
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&data);
+    return out;
+}
+
+/* stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_ready=0,
+ * mac_key=None): for each slot, CRC32C its payload and write its header
+ * (sequence: the wall clock in ns, as time.time_ns()), zeroing the rest of the
+ * header. With crc_ready the payload's CRC is not computed: it is the one
+ * already at HDR_OFF_PCRC (put there by memcpy_crc_out while it copied the
+ * payload in). With a MAC key (a secret's, format.mac_key) the header also
+ * gets the MAC (scheme 1), computed in the same pass over the payload as its
+ * CRC. One call per chunk, GIL released for all of it. */
 static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
-    PyObject *addrs, *keys;
+    PyObject *addrs, *keys, *mko = NULL;
     Py_buffer nsid;
     unsigned int rank;
     unsigned long long plen, layout;
     int crc_ready = 0;
-    if (!PyArg_ParseTuple(args, "OOy*IKK|p", &addrs, &keys, &nsid, &rank, &plen, &layout, &crc_ready)) return NULL;
+    uint8_t mkb[MAC_BYTES];
+    const uint8_t *mk;
+    if (!PyArg_ParseTuple(args, "OOy*IKK|pO", &addrs, &keys, &nsid, &rank, &plen, &layout, &crc_ready, &mko))
+        return NULL;
+    if (mac_arg(mko, mkb, &mk) < 0) {
+        PyBuffer_Release(&nsid);
+        return NULL;
+    }
     uint64_t *pa;
     slot_key *pk;
     Py_ssize_t n = slots_parse(addrs, keys, &nsid, &pa, &pk);
@@ -1062,24 +1155,43 @@ static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++) {
             uint8_t *h = (uint8_t *)(uintptr_t)pa[i];
-            uint32_t pcrc = crc_ready ? get32(h + HDR_OFF_PCRC) : crc32c(0, h + HDR_BYTES, (size_t)plen);
+            const uint8_t *pay = h + HDR_BYTES;
+            blake3_hasher s;
+            uint32_t pcrc = 0;
+            if (mk) {
+                blake3_hasher_init_keyed(&s, mk);
+                if (crc_ready) {
+                    pcrc = get32(h + HDR_OFF_PCRC);
+                    blake3_hasher_update(&s, pay, (size_t)plen);
+                } else {
+                    for (uint64_t off = 0; off < plen; off += MAC_PIECE) {
+                        size_t k = plen - off < MAC_PIECE ? (size_t)(plen - off) : MAC_PIECE;
+                        pcrc = crc32c(pcrc, pay + off, k);
+                        blake3_hasher_update(&s, pay + off, k);
+                    }
+                }
+            } else {
+                pcrc = crc_ready ? get32(h + HDR_OFF_PCRC) : crc32c(0, pay, (size_t)plen);
+            }
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
-            uint8_t hdr[HDR_USED] = {0};
+            uint8_t hdr[HDR_USED + MAC_BYTES] = {0};
             memcpy(hdr + HDR_OFF_MAGIC, BLOCK_MAGIC, 8);
             put16(hdr + HDR_OFF_VERSION, FILE_VERSION);
             put16(hdr + HDR_OFF_HBYTES, HDR_BYTES);
             put32(hdr + HDR_OFF_RANK, rank);
             memcpy(hdr + HDR_OFF_NSID, ns, 16);
             hdr[HDR_OFF_KLEN] = pk[i].len;
+            hdr[HDR_OFF_MACS] = mk ? MAC_SCHEME : 0;
             put32(hdr + HDR_OFF_PCRC, pcrc);
             put64(hdr + HDR_OFF_PLEN, plen);
             memcpy(hdr + HDR_OFF_KEY, pk[i].b, MAX_KEY);
             put64(hdr + HDR_OFF_SEQ, (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec);
             put64(hdr + HDR_OFF_LAYOUT, layout);
             put32(hdr + HDR_BODY, crc32c(0, hdr, HDR_BODY));
-            memcpy(h, hdr, HDR_USED);
-            memset(h + HDR_USED, 0, HDR_BYTES - HDR_USED);
+            if (mk) mac_finish(&s, hdr, hdr + HDR_OFF_MAC);
+            memcpy(h, hdr, sizeof hdr);
+            memset(h + sizeof hdr, 0, HDR_BYTES - sizeof hdr);
         }
         Py_END_ALLOW_THREADS
         PyMem_Free(pa);
@@ -1093,12 +1205,15 @@ static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
 /* The one slot check: every reader's, through format.check_slot (and
  * check_header, unpack_header) one slot at a time, or verify_slots a batch at
  * a time. h: the slot's first byte, avail bytes of it readable; k NULL: any key;
- * layout NULL: any layout; upto: CHECK_*. Returns the first check failed
+ * layout NULL: any layout; upto: CHECK_*; mk: a MAC key, or NULL. With mk the
+ * MAC is checked past CHECK_SELF, in place of the payload CRC (it covers the
+ * payload too), at CHECK_HEADER as well. Returns the first check failed
  * (SLOT_*), SLOT_OK if none. Inlined in both callers: in verify_slots' loop
  * the key, layout and length are always there, and their tests fold away. */
 static inline __attribute__((always_inline)) int slot_verdict(const uint8_t *h, uint64_t avail, const uint8_t *ns,
                                                                uint32_t rank, uint64_t plen, const slot_key *k,
-                                                               const uint64_t *layout, int upto) {
+                                                               const uint64_t *layout, int upto,
+                                                               const uint8_t *mk) {
     if (avail < HDR_USED) return SLOT_HDR_SHORT;
     if (crc32c(0, h, HDR_BODY) != get32(h + HDR_BODY)) return SLOT_HDR_CRC;
     if (memcmp(h + HDR_OFF_MAGIC, BLOCK_MAGIC, 8)) return SLOT_MAGIC;
@@ -1110,25 +1225,33 @@ static inline __attribute__((always_inline)) int slot_verdict(const uint8_t *h, 
     unsigned klen = h[HDR_OFF_KLEN] < MAX_KEY ? h[HDR_OFF_KLEN] : MAX_KEY; /* Python's key[:klen] */
     if (k && (klen != k->len || memcmp(h + HDR_OFF_KEY, k->b, klen))) return SLOT_KEY;
     if (get64(h + HDR_OFF_PLEN) != plen) return SLOT_PLEN;
-    if (upto == CHECK_HEADER) return SLOT_OK;
+    if (upto == CHECK_HEADER && !mk) return SLOT_OK;
     if (avail < HDR_BYTES || avail - HDR_BYTES < plen) return SLOT_PAYLOAD_SHORT;
+    if (mk) return mac_ok(mk, h, plen) ? SLOT_OK : SLOT_MAC; /* it covers the payload: no CRC pass besides */
     if (crc32c(0, h + HDR_BYTES, (size_t)plen) != get32(h + HDR_OFF_PCRC)) return SLOT_PAYLOAD_CRC;
     return SLOT_OK;
 }
 
-/* verify_slots(addrs, keys, nsid, rank, payload_len, layout, skip_payload=0)
- * -> bytes: per slot 0 (valid for that key) or the index in
+/* verify_slots(addrs, keys, nsid, rank, payload_len, layout, skip_payload=0,
+ * mac_key=None) -> bytes: per slot 0 (valid for that key) or the index in
  * format.SLOT_REASONS of the first check it fails (slot_verdict; each
  * address a whole slot); with skip_payload the payload CRC is left to the
- * caller (never reported). One call per chunk, GIL released for all of it. */
+ * caller (never reported); with a MAC key the MAC is checked (skip_payload or
+ * not). One call per chunk, GIL released for all of it. */
 static PyObject *py_verify_slots(PyObject *self, PyObject *args) {
-    PyObject *addrs, *keys;
+    PyObject *addrs, *keys, *mko = NULL;
     Py_buffer nsid;
     unsigned int rank;
     unsigned long long plen, layout;
     int skip_payload = 0;
-    if (!PyArg_ParseTuple(args, "OOy*IKK|p", &addrs, &keys, &nsid, &rank, &plen, &layout, &skip_payload))
+    uint8_t mkb[MAC_BYTES];
+    const uint8_t *mk;
+    if (!PyArg_ParseTuple(args, "OOy*IKK|pO", &addrs, &keys, &nsid, &rank, &plen, &layout, &skip_payload, &mko))
         return NULL;
+    if (mac_arg(mko, mkb, &mk) < 0) {
+        PyBuffer_Release(&nsid);
+        return NULL;
+    }
     uint64_t *pa;
     slot_key *pk;
     PyObject *out = NULL;
@@ -1143,7 +1266,7 @@ static PyObject *py_verify_slots(PyObject *self, PyObject *args) {
             Py_BEGIN_ALLOW_THREADS
             for (Py_ssize_t i = 0; i < n; i++)
                 v[i] = (uint8_t)slot_verdict((const uint8_t *)(uintptr_t)pa[i], HDR_BYTES + plen, ns, rank, plen,
-                                             &pk[i], &lay, upto);
+                                             &pk[i], &lay, upto, mk);
             Py_END_ALLOW_THREADS
         }
         PyMem_Free(pa);
@@ -1153,21 +1276,25 @@ static PyObject *py_verify_slots(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* check_slot(buffer, nsid, rank, payload_len, key, layout, upto) -> int: the
- * verdict of slot_verdict for one slot in any buffer (bytes, ctypes memory
- * over a staging slot), as verify_slots gives it; key or layout None: any;
- * upto: CHECK_*. What format.check_slot, check_header and unpack_header call.
- * GIL released over a payload of more than 64 KiB. */
+/* check_slot(buffer, nsid, rank, payload_len, key, layout, upto, mac_key=None)
+ * -> int: the verdict of slot_verdict for one slot in any buffer (bytes,
+ * ctypes memory over a staging slot), as verify_slots gives it; key or layout
+ * None: any; upto: CHECK_*; mac_key: check the MAC too. What format.check_slot,
+ * check_header and unpack_header call. GIL released over a payload of more
+ * than 64 KiB. */
 static PyObject *py_check_slot(PyObject *self, PyObject *args) {
     Py_buffer buf, nsid;
     unsigned int rank;
     unsigned long long plen;
-    PyObject *key, *layout;
+    PyObject *key, *layout, *mko = NULL;
     int upto;
-    if (!PyArg_ParseTuple(args, "y*y*IKOOi", &buf, &nsid, &rank, &plen, &key, &layout, &upto)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*IKOOi|O", &buf, &nsid, &rank, &plen, &key, &layout, &upto, &mko)) return NULL;
     slot_key k, *kp = NULL;
     uint64_t lay, *lp = NULL;
+    uint8_t mkb[MAC_BYTES];
+    const uint8_t *mk = NULL;
     int verdict = -1;
+    if (mac_arg(mko, mkb, &mk) < 0) goto done;
     if (nsid.len != 16) {
         PyErr_SetString(PyExc_ValueError, "aiokv: nsid must be 16 bytes");
         goto done;
@@ -1190,12 +1317,13 @@ static PyObject *py_check_slot(PyObject *self, PyObject *args) {
         if (PyErr_Occurred()) goto done;
         lp = &lay;
     }
-    if (upto == CHECK_SLOT && plen > 65536) {
+    if (upto == CHECK_SELF) mk = NULL; /* the header's own integrity only */
+    if ((upto == CHECK_SLOT || mk) && plen > 65536) {
         Py_BEGIN_ALLOW_THREADS
-        verdict = slot_verdict(buf.buf, (uint64_t)buf.len, nsid.buf, rank, plen, kp, lp, upto);
+        verdict = slot_verdict(buf.buf, (uint64_t)buf.len, nsid.buf, rank, plen, kp, lp, upto, mk);
         Py_END_ALLOW_THREADS
     } else {
-        verdict = slot_verdict(buf.buf, (uint64_t)buf.len, nsid.buf, rank, plen, kp, lp, upto);
+        verdict = slot_verdict(buf.buf, (uint64_t)buf.len, nsid.buf, rank, plen, kp, lp, upto, mk);
     }
 done:
     PyBuffer_Release(&buf);
@@ -1353,6 +1481,8 @@ static PyMethodDef module_methods[] = {
     {"check_slot", py_check_slot, METH_VARARGS,
      "check_slot(buffer, nsid, rank, payload_len, key, layout, upto) -> verdict (key, layout None: any)"},
     {"fallocate", py_fallocate, METH_VARARGS, "fallocate(fd, mode, offset, length)"},
+    {"mac_key", py_mac_key, METH_VARARGS, "mac_key(secret) -> the 32-byte MAC key of a secret (format.mac_key)"},
+    {"blake3_keyed", py_blake3_keyed, METH_VARARGS, "blake3_keyed(key, data) -> keyed BLAKE3-256 (tests)"},
     {NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "aiokv._native",
@@ -1381,6 +1511,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "CHECK_HEADER", CHECK_HEADER);
     PyModule_AddIntConstant(m, "CHECK_SLOT", CHECK_SLOT);
     PyModule_AddIntConstant(m, "SLOT_VERDICTS", SLOT_VERDICTS);
+    PyModule_AddIntConstant(m, "MAC_SCHEME", MAC_SCHEME);
     PyModule_AddIntConstant(m, "OP_READ", OP_READ);
     PyModule_AddIntConstant(m, "OP_WRITE", OP_WRITE);
     PyModule_AddIntConstant(m, "OP_NOP", 2);

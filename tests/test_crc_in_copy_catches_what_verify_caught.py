@@ -17,7 +17,8 @@ failed load, reported as a bad key and not kept in memory, while the others load
 
 Fix: CpuDevice.copy_out/copy_in(crc_in_copy=True) over the native copies with the CRC,
 BlockIO.write(crc_in_copy=True) / read(crc_in_copy=True), used by
-TransferWorker's saves and whole-request disk loads (no secret set).
+TransferWorker's saves and whole-request disk loads (with a secret too: its
+MAC is computed in the native stamp and check, tests/test_slot_mac_is_native_blake3_and_versioned.py).
 """
 from __future__ import annotations
 
@@ -144,10 +145,14 @@ def _worker(root: str, kept: int, secret=None) -> tuple[TransferWorker, dict]:
 _run = run_jobs
 
 
-def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path):
+@pytest.mark.parametrize("secret", [None, "s3cret"])
+def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path, secret):
+    """With a secret as without: the CRC is the copy's, and the MAC (native, in the
+    stamp and check) is on every slot and caught the flips too."""
     root, ids = str(tmp_path), range(10)  # more than one write/read batch: the pipelined paths too
-    w, kv = _worker(root, kept=0)
-    assert w._crc_in_copy, "the CPU layout copies with checksums when no secret is set"
+    mk = fmt.mac_key(secret) if secret else None
+    w, kv = _worker(root, kept=0, secret=secret)
+    assert w._crc_in_copy, "the CPU layout copies with checksums, with a secret or without"
     try:
         _, _, rep = _run(w, w.save, [Transfer("s", [key(i) for i in ids], list(ids), [i + 1 for i in ids])])
         assert len(rep.written()) == 10 and not rep.not_written()
@@ -158,7 +163,8 @@ def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path):
     with open(path, "rb") as f:
         disk = f.read()
     for i in ids:  # what the save with the CRC in the copy wrote is a valid slot of docs/format.md
-        fmt.check_slot(disk[i * sb:(i + 1) * sb], NS, 0, w.device.payload_bytes, key(i), w.device.layout_tag)
+        h = fmt.check_slot(disk[i * sb:(i + 1) * sb], NS, 0, w.device.payload_bytes, key(i), w.device.layout_tag, mk)
+        assert h["mac_scheme"] == (fmt.MAC_SCHEME if secret else 0)
     bad = {3: 0, 7: w.device.payload_bytes - 1}  # slot -> payload byte flipped
     with open(path, "r+b") as f:
         for s, off in bad.items():
@@ -167,7 +173,17 @@ def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path):
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([b ^ 0x20]))
 
-    w, kv = _worker(root, kept=16)
+    if secret:  # the MAC alone catches the flips: a slot whose CRC was fixed up after them is bad still
+        with open(path, "r+b") as f:
+            for s in bad:
+                f.seek(s * sb)
+                slot = bytearray(f.read(sb))
+                crc = _native.crc32c_bytes(bytes(slot[fmt.HEADER_BYTES:fmt.HEADER_BYTES + w.device.payload_bytes]))
+                slot[36:40] = crc.to_bytes(4, "little")
+                slot[96:100] = _native.crc32c_bytes(bytes(slot[:96])).to_bytes(4, "little")
+                f.seek(s * sb)
+                f.write(slot)
+    w, kv = _worker(root, kept=16, secret=secret)
     try:
         first = 20
         t = Transfer("r", [key(i) for i in ids], list(ids), [first + i for i in ids])
@@ -183,18 +199,6 @@ def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path):
             "a corrupt block is not kept in memory"
         assert w.staging.kept == 8
         assert w.staging_in_use == 0, "every slot went back"
-    finally:
-        w.close()
-
-
-def test_with_a_secret_the_separate_pass_and_the_mac_stay(tmp_path):
-    w, kv = _worker(str(tmp_path), kept=0, secret="s3cret")
-    try:
-        assert w.device.crc_in_copy and not w._crc_in_copy
-        _, _, rep = _run(w, w.save, [Transfer("s", [key(0)], [0], [1])])
-        assert len(rep.written()) == 1
-        done, errors, rep = _run(w, w.load, [Transfer("r", [key(0)], [0], [2])])
-        assert not errors and all(torch.equal(t[2], t[1]) for t in kv.values())
     finally:
         w.close()
 

@@ -88,7 +88,7 @@ def test_stamp_writes_format_headers_byte_for_byte(pool):
 
 def _refix(addr: int, **fields) -> None:
     """Rewrite header fields and recompute the header CRC: a well-formed header that says something else."""
-    names = ("magic", "version", "hbytes", "rank", "nsid", "klen", "pcrc", "plen", "key", "seq", "layout")
+    names = ("magic", "version", "hbytes", "rank", "nsid", "klen", "macs", "pcrc", "plen", "key", "seq", "layout")
     vals = dict(zip(names, fmt._HDR.unpack(ctypes.string_at(addr, fmt._HDR.size))))
     vals.update(fields)
     body = fmt._HDR.pack(*(vals[n] for n in names))

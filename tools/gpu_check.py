@@ -122,7 +122,7 @@ def part_env() -> dict:
 
 
 def build_extension(timeout: float) -> dict:
-    """Import aiokv._native, or compile native/aiokv_native.c into aiokv/ with the C compiler
+    """Import aiokv._native, or compile its units (native/recipe.py) into aiokv/ with the C compiler
     (no setuptools needed); without liburing's header, without io_uring."""
     try:
         import aiokv._native as n
@@ -140,16 +140,28 @@ def build_extension(timeout: float) -> dict:
     uring = os.environ.get("AIOKV_WITHOUT_URING") != "1" and \
         any(os.path.exists(os.path.join(d, "liburing.h")) for d in ("/usr/include", "/usr/local/include"))
     target = os.path.join(ROOT, "aiokv", "_native" + sysconfig.get_config_var("EXT_SUFFIX"))
-    cmd = [cc, "-O2", "-std=gnu11", "-fPIC", "-shared", "-I" + inc, os.path.join(ROOT, "native", "aiokv_native.c"),
-           "-o", target]
-    if uring:
-        static = [p for p in ("/usr/lib/x86_64-linux-gnu/liburing.a", "/usr/lib/aarch64-linux-gnu/liburing.a",
-                              "/usr/lib/liburing.a", "/usr/local/lib/liburing.a") if os.path.exists(p)]
-        cmd[1:1] = ["-DAIOKV_HAVE_URING=1"]
-        cmd += static[:1] or ["-luring"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise RuntimeError(f"building the extension failed ({' '.join(cmd)}): {p.stderr[-2000:]}")
+    sys.path.insert(0, os.path.join(ROOT, "native"))
+    import recipe  # native/recipe.py: the units setup.py builds, with their flags
+
+    units, macros = recipe.units()
+    defs = [f"-D{k}={v}" for k, v in macros] + (["-DAIOKV_HAVE_URING=1"] if uring else [])
+    objs = []
+    with tempfile.TemporaryDirectory(prefix="aiokv-build-") as tmp:
+        for i, (src, flags) in enumerate(units):
+            obj = os.path.join(tmp, f"{i}.o")
+            cmd = [cc, *recipe.CFLAGS, "-fPIC", "-I" + inc, *defs, *flags, "-c", os.path.join(ROOT, src), "-o", obj]
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"building the extension failed ({' '.join(cmd)}): {p.stderr[-2000:]}")
+            objs.append(obj)
+        cmd = [cc, "-shared", *objs, "-o", target]
+        if uring:
+            static = [p for p in ("/usr/lib/x86_64-linux-gnu/liburing.a", "/usr/lib/aarch64-linux-gnu/liburing.a",
+                                  "/usr/lib/liburing.a", "/usr/local/lib/liburing.a") if os.path.exists(p)]
+            cmd += static[:1] or ["-luring"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"linking the extension failed ({' '.join(cmd)}): {p.stderr[-2000:]}")
     import importlib
 
     importlib.invalidate_caches()

@@ -28,7 +28,8 @@ The CRC in the copy (`crc_in_copy`): a device that copies and checksums in one p
 `write(..., crc_in_copy=True)` does not read the payload again; on loads it checks
 the payload CRC while copying, so `read(..., crc_in_copy=True)` checks everything else (the
 header: format.check_header). Either way a slot on disk is what docs/format.md
-says. With a secret the MAC reads the payload anyway: it is still checked.
+says. With a secret the native stamp and check compute the MAC over the payload
+in the same call (the check then skips the payload CRC, which the MAC covers).
 
 Pipelining: a call with more than PIPELINE_MIN items runs as several backend
 batches of `chunk` items, so the CPU work overlaps the disk: a write stamps
@@ -42,7 +43,8 @@ stamp or verify call over at least SPREAD_MIN_BYTES of payload runs on those
 threads (the native calls release the GIL), so the loop thread only submits and
 reaps, and the chunks of one call are checked on several cores at once. Where
 the device copy checks the payloads (crc_in_copy=True) the
-calls read only headers and stay on the loop. A call cancelled while a thread
+calls read only headers and stay on the loop, unless a secret's MAC (computed
+and checked in the same native calls) reads the payloads. A call cancelled while a thread
 is still stamping or verifying its slots returns only once that thread is done
 with them, like the I/O above.
 """
@@ -59,7 +61,7 @@ import time
 from aiokv import _native
 from aiokv.data.backend import OP_READ, OP_WRITE, settle
 from aiokv.data import format as fmt
-from aiokv.data.slotfile import check_slot, mac_ok, open_data_file, open_engine_dir
+from aiokv.data.slotfile import check_slot, open_data_file, open_engine_dir
 
 EBADMSG = -errno.EBADMSG
 PIPELINE_MIN = 4  # up to this many items: one backend batch
@@ -176,23 +178,19 @@ class BlockIO:
 
     def stamp(self, key: bytes, addr: int) -> None:
         """Fill the header of the staging buffer at addr for `key` (payload already there)."""
-        _native.stamp_slots([addr], [key], self.nsid, self.rank, self.payload_bytes, self.layout, False)
-        self._add_macs([addr])
+        _native.stamp_slots([addr], [key], self.nsid, self.rank, self.payload_bytes, self.layout, False, self.mac_key)
+
+    def _reads_payload(self, crc_in_copy: bool, n: int) -> int:
+        """Payloads a native slot call over n slots reads: none when their CRC is the
+        copy's and there is no MAC to compute."""
+        return 0 if crc_in_copy and self.mac_key is None else n
 
     async def _stamp_many(self, keys: list, addrs: list, crc_in_copy: bool = False) -> None:
-        """Stamp many slots: one native call (CRC32C and header of each, GIL
-        released; crc_in_copy: the payload CRC is already in each header), then the
-        MACs where a secret is set."""
-        await self._native(0 if crc_in_copy else len(addrs), _native.stamp_slots, addrs, keys, self.nsid, self.rank,
-                           self.payload_bytes, self.layout, crc_in_copy)
-        self._add_macs(addrs)
-
-    def _add_macs(self, addrs: list) -> None:
-        if self.mac_key is not None:
-            for addr in addrs:
-                raw = ctypes.string_at(addr, fmt.HDR_USED)
-                ctypes.memmove(addr + fmt.MAC_OFFSET, fmt.block_mac(self.mac_key, raw, self._payload(addr)),
-                               fmt.MAC_BYTES)
+        """Stamp many slots: one native call (CRC32C and header of each, and the MAC
+        where a secret is set, GIL released; crc_in_copy: the payload CRC is
+        already in each header)."""
+        await self._native(self._reads_payload(crc_in_copy, len(addrs)), _native.stamp_slots, addrs, keys, self.nsid,
+                           self.rank, self.payload_bytes, self.layout, crc_in_copy, self.mac_key)
 
     def _spreads(self, payloads: int) -> bool:
         """Whether a native call over that many payloads goes to the checksum threads."""
@@ -215,12 +213,6 @@ class BlockIO:
             if not fut.cancelled():
                 fut.exception()  # retrieved: the cancellation is what the caller gets
             raise
-
-    def _payload(self, addr: int):
-        return (ctypes.c_char * self.payload_bytes).from_address(addr + fmt.HEADER_BYTES)
-
-    def _mac_ok(self, addr: int) -> bool:
-        return mac_ok((ctypes.c_char * self.slot_bytes).from_address(addr), self.payload_bytes, self.mac_key)
 
     def verify(self, key: bytes, addr: int) -> bool:
         """Whether the staging buffer at addr holds `key` intact (check_slot: the format's checks, then the MAC)."""
@@ -286,13 +278,13 @@ class BlockIO:
         if not whole:
             return out
         pick = items if len(whole) == n else [items[i] for i in whole]
-        verdicts = await self._native(0 if crc_in_copy else len(whole), _native.verify_slots,
+        verdicts = await self._native(self._reads_payload(crc_in_copy, len(whole)), _native.verify_slots,
                                       [it[2] for it in pick], [it[1] for it in pick], self.nsid, self.rank,
-                                      self.payload_bytes, self.layout, crc_in_copy)
-        if len(whole) == n and self.mac_key is None and not any(verdicts):
+                                      self.payload_bytes, self.layout, crc_in_copy, self.mac_key)
+        if len(whole) == n and not any(verdicts):
             return [0] * n  # the common case, without a Python step per item
         for i, v in zip(whole, verdicts):
-            out[i] = 0 if v == 0 and (self.mac_key is None or self._mac_ok(items[i][2])) else EBADMSG
+            out[i] = 0 if v == 0 else EBADMSG
         return out
 
     async def _pipelined(self, op: int, items, crc_in_copy: bool = False) -> list:
@@ -305,7 +297,7 @@ class BlockIO:
         futs: list[asyncio.Future] = []
         out: list[int] = []
         try:
-            if op == OP_WRITE and (crc_in_copy or not self._spreads(step)):
+            if op == OP_WRITE and not self._spreads(self._reads_payload(crc_in_copy, step)):
                 # stamped here, on the loop thread: each batch reaches the kernel before the next is stamped
                 for k, part in enumerate(parts):
                     await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part], crc_in_copy)
@@ -314,7 +306,7 @@ class BlockIO:
                         await asyncio.sleep(0)
             elif op == OP_WRITE:
                 # every chunk stamped on the checksum threads at once; each batch starts when its chunk is stamped
-                futs = [asyncio.ensure_future(self._stamp_and_write(part)) for part in parts]
+                futs = [asyncio.ensure_future(self._stamp_and_write(part, crc_in_copy)) for part in parts]
             else:
                 # each chunk verified as soon as it has arrived (on the checksum threads when big enough)
                 futs = [asyncio.ensure_future(self._read_and_check(part, crc_in_copy)) for part in parts]
@@ -331,8 +323,8 @@ class BlockIO:
             raise
         return out
 
-    async def _stamp_and_write(self, part) -> list[int]:
-        await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part])
+    async def _stamp_and_write(self, part, crc_in_copy: bool) -> list[int]:
+        await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part], crc_in_copy)
         return await self.backend.run(self._ops(OP_WRITE, part)[0])
 
     async def _read_and_check(self, part, crc_in_copy: bool) -> list[int]:

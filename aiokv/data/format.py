@@ -26,7 +26,6 @@ a CRC32C of the header itself. Any mismatch is a miss.
 """
 from __future__ import annotations
 
-import hashlib
 import struct
 
 from aiokv import _native
@@ -82,29 +81,25 @@ def engine_of_dir(name: str) -> int | None:
 
 # ---- slot header ----
 BLOCK_MAGIC = b"AIOKVBLK"
-# magic, version, header bytes, rank, nsid, key len, payload crc, payload len, key, seq, layout tag
-_HDR = struct.Struct("<8sHHI16sB3xIQ32sQQ")
+# magic, version, header bytes, rank, nsid, key len, MAC scheme, payload crc, payload len, key, seq, layout tag
+_HDR = struct.Struct("<8sHHI16sBB2xIQ32sQQ")
 _HDR_CRC = struct.Struct("<I")
 HDR_USED = _HDR.size + _HDR_CRC.size
-# With a secret (docs/sharing.md), a keyed BLAKE2b of the header fields and the
-# payload follows the header CRC; without one these bytes stay zero and are not
-# read, so blocks with and without a MAC are the same format version.
+# With a secret (docs/sharing.md), the header carries a MAC after its CRC: byte
+# MAC_SCHEME_OFFSET names the scheme, MAC_BYTES at MAC_OFFSET hold it. Scheme 1
+# (MAC_SCHEME): keyed BLAKE3-256 of the payload, then of the header's first
+# _HDR.size bytes (the scheme byte among them), keyed by mac_key(secret);
+# computed natively in the slot stamp and check (native/aiokv_native.c), GIL
+# released. Without a secret the scheme is 0 and the MAC bytes zero, not read:
+# blocks with and without a MAC are the same format version. A reader with a
+# secret takes only scheme 1 (the BLAKE2b MAC of earlier versions, scheme 0, is a miss).
+MAC_SCHEME_OFFSET, MAC_SCHEME = 33, _native.MAC_SCHEME
 MAC_OFFSET, MAC_BYTES = HDR_USED, 32
 
 
 def mac_key(secret: str | bytes) -> bytes:
-    """The BLAKE2b key derived from a secret of any length."""
-    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
-    return hashlib.blake2b(raw, digest_size=32, person=b"aiokv-secret").digest()
-
-
-def block_mac(key: bytes, header: bytes, payload) -> bytes:
-    """MAC of a slot: header fields (the first _HDR.size bytes: namespace, rank,
-    key, lengths, CRC, layout) and the payload (any buffer)."""
-    h = hashlib.blake2b(key=key, digest_size=MAC_BYTES, person=b"aiokv-block")
-    h.update(header[:_HDR.size])
-    h.update(payload)
-    return h.digest()
+    """The 32-byte MAC key of a secret of any length (BLAKE3's derive_key under aiokv's context)."""
+    return _native.mac_key(secret.encode() if isinstance(secret, str) else bytes(secret))
 
 
 def slot_bytes(payload_bytes: int) -> int:
@@ -117,8 +112,10 @@ def check_key(key: bytes) -> None:
 
 
 def pack_header(nsid: bytes, rank: int, key: bytes, payload_len: int, payload_crc: int, seq: int,
-                layout: int = 0) -> bytes:
-    body = _HDR.pack(BLOCK_MAGIC, FILE_VERSION, HEADER_BYTES, rank, nsid, len(key), payload_crc,
+                layout: int = 0, mac_scheme: int = 0) -> bytes:
+    """A slot header's first HDR_USED bytes (what _native.stamp_slots writes; the MAC,
+    where mac_scheme says there is one, follows them)."""
+    body = _HDR.pack(BLOCK_MAGIC, FILE_VERSION, HEADER_BYTES, rank, nsid, len(key), mac_scheme, payload_crc,
                      payload_len, key, seq, layout)
     return body + _HDR_CRC.pack(_native.crc32c_bytes(body))
 
@@ -135,7 +132,7 @@ class BadBlock(Exception):
 # (HDR_OFF_*) writes and reads the _HDR layout above byte for byte.
 SLOT_REASONS = ("", "header short", "header checksum", "magic", "format version", "header names another layout",
                 "header names another nsid", "header names another rank", "header names another key",
-                "header names another payload len", "payload short", "payload checksum")
+                "header names another payload len", "payload short", "payload checksum", "MAC")
 if len(SLOT_REASONS) != _native.SLOT_VERDICTS:
     raise ImportError("aiokv: aiokv._native was built from another format.py; rebuild it (pip install -e .)")
 _NO_NSID = bytes(NSID_BYTES)
@@ -149,13 +146,13 @@ def slot_reason(verdict: int, slot) -> str:
     return reason
 
 
-def _checked(slot, upto: int, nsid: bytes, rank: int, payload_len: int, key, layout) -> dict:
-    verdict = _native.check_slot(slot, nsid, rank, payload_len, key, layout, upto)
+def _checked(slot, upto: int, nsid: bytes, rank: int, payload_len: int, key, layout, mac_key=None) -> dict:
+    verdict = _native.check_slot(slot, nsid, rank, payload_len, key, layout, upto, mac_key)
     if verdict:
         raise BadBlock(slot_reason(verdict, slot))
-    magic, ver, hbytes, rank, nsid, klen, pcrc, plen, key, seq, layout = _HDR.unpack_from(slot)
+    magic, ver, hbytes, rank, nsid, klen, macs, pcrc, plen, key, seq, layout = _HDR.unpack_from(slot)
     return {"rank": rank, "nsid": nsid, "key": key[:klen], "payload_crc": pcrc, "payload_len": plen, "seq": seq,
-            "layout": layout}
+            "layout": layout, "mac_scheme": macs}
 
 
 def unpack_header(raw) -> dict:
@@ -174,13 +171,14 @@ def check_header(raw, nsid: bytes, rank: int, payload_len: int, key: bytes | Non
 
 
 def check_slot(slot, nsid: bytes, rank: int, payload_len: int, key: bytes | None = None,
-               layout: int | None = None) -> dict:
+               layout: int | None = None, mac_key: bytes | None = None) -> dict:
     """The one check that a whole slot is valid for (nsid, rank, payload_len,
-    key, layout): its header (check_header) and its payload's CRC32C. `slot` is
-    any buffer of at least HEADER_BYTES + payload_len bytes (bytes, or ctypes
+    key, layout): its header (check_header), then its payload's CRC32C or, with
+    a secret's mac_key, its MAC (which covers the payload and the header). `slot`
+    is any buffer of at least HEADER_BYTES + payload_len bytes (bytes, or ctypes
     memory over a staging buffer). Returns the header; raises BadBlock naming the
     first failed check."""
-    return _checked(slot, _native.CHECK_SLOT, nsid, rank, payload_len, key, layout)
+    return _checked(slot, _native.CHECK_SLOT, nsid, rank, payload_len, key, layout, mac_key)
 
 
 def check_namespace(info, nsid: bytes) -> tuple[int, int, int, dict]:

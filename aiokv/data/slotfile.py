@@ -1,8 +1,8 @@
 """Data files and slots, for every reader and writer of them: the one opener of a
 data file (`open_data_file`, in an engine's directory opened by
 `open_engine_dir`), the one check of a slot's bytes (`check_slot`: the on-disk
-format's rules, format.check_slot: the native slot check, then the MAC with a
-secret; BlockIO checks a batch by the same native check, then mac_ok) and the one
+format's rules, format.check_slot: the native slot check, the MAC with a
+secret among them; BlockIO checks a batch by the same native check) and the one
 slot reader of an open file (`read_slot`). BlockIO (blockio.py, the workers'
 data path), the store's scan and verify (aiokv/store/scan.py) and `aiokv inspect
 --verify` go through them; the file's name is format.data_file.
@@ -13,7 +13,6 @@ them on its I/O thread, BlockIO on a thread of its own for opens).
 from __future__ import annotations
 
 import errno
-import hmac
 import os
 
 from aiokv.data import format as fmt
@@ -53,27 +52,16 @@ def data_path(ns_dir: str, rank: int, engine: int = 0) -> str:
     return os.path.join(ns_dir, fmt.engine_dir(engine), fmt.data_file(rank))
 
 
-def mac_ok(slot, payload_bytes: int, mac_key: bytes) -> bool:
-    """Whether a slot's MAC (a secret's, docs/sharing.md) matches its header fields and payload."""
-    view = memoryview(slot).cast("B")
-    raw = bytes(view[:fmt.MAC_OFFSET + fmt.MAC_BYTES])
-    payload = view[fmt.HEADER_BYTES:fmt.HEADER_BYTES + payload_bytes]
-    return hmac.compare_digest(raw[fmt.MAC_OFFSET:], fmt.block_mac(mac_key, raw, payload))
-
-
 def check_slot(slot, nsid: bytes, rank: int, payload_bytes: int, key: bytes | None = None,
                layout: int | None = None, mac_key: bytes | None = None) -> dict:
     """The one check of a slot's bytes, for every reader (BlockIO, the bucket tier
     through BlockIO.verify, the store's scan and verify, inspect): the on-disk
-    format's rules (format.check_slot: header, then payload CRC32C; key or layout
-    None: any), then, with a secret's key, the MAC. `slot` is any buffer of a whole
-    slot. Returns the header; raises BadBlock naming the first failed check. (A
-    batch of staging buffers: _native.verify_slots, the same native check, then
-    mac_ok.)"""
-    h = fmt.check_slot(slot, nsid, rank, payload_bytes, key, layout)
-    if mac_key is not None and not mac_ok(slot, payload_bytes, mac_key):
-        raise fmt.BadBlock("MAC")
-    return h
+    format's rules (format.check_slot: header, then payload CRC32C, or with a
+    secret's key the MAC; key or layout None: any). `slot` is any buffer of a
+    whole slot. Returns the header; raises BadBlock naming the first failed
+    check. (A batch of staging buffers: _native.verify_slots, the same native
+    check.)"""
+    return fmt.check_slot(slot, nsid, rank, payload_bytes, key, layout, mac_key)
 
 
 def read_slot(fd: int, slot: int, nsid: bytes, rank: int, payload_bytes: int, key: bytes | None = None,

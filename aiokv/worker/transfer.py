@@ -16,8 +16,9 @@ thread calls; the parts are
         (a block kept in host memory, worker/memory.py, skips the read)
 
 On a device that checksums inside its copies (Device.crc_in_copy, the CPU
-build) and without a secret, the payload CRC32C is computed by the save's copy
-and checked by the load's copy: no separate pass over the bytes (worker/device.py).
+build), the payload CRC32C is computed by the save's copy and checked by the
+load's copy: no separate pass over the bytes (worker/device.py). With a secret,
+the MAC is computed and checked natively in BlockIO's stamp and check calls.
 
 Failure contract (docs/reliability.md lists the scenarios and their tests):
 - A job's failure affects only its request: a failed save is reported so its
@@ -99,8 +100,8 @@ class TransferWorker:
         self._dead = False
         try:
             host.attach(device)
-            # payload CRCs inside the device copies; with a secret the MAC reads the payload anyway
-            crc_in_copy = self.device.crc_in_copy and self.secret is None
+            # payload CRCs inside the device copies (with a secret, the MAC's pass is the stamp's and check's)
+            crc_in_copy = self.device.crc_in_copy
             self.life = Lifecycle(host, device, self._count, ns_dir, nsid, rank, slot_bytes, io, queue_depth,
                                   secret, bucket, upload_queue, flush_timeout)
         except BaseException:
