@@ -51,6 +51,8 @@ class AioKVConfig:
     flush_timeout: float = 10.0       # seconds a clean shutdown waits for pending uploads
     # a keyed MAC on every block (local and in the bucket); without the same secret a block is a miss
     secret: str | None = dataclasses.field(default=None, repr=False)
+    bucket_unsigned: bool = False     # true: accept a bucket tier without a secret (anyone who can write
+                                      # the bucket can then plant blocks that verify)
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "AioKVConfig":
@@ -113,7 +115,7 @@ class AioKVConfig:
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 64:
                 raise ConfigError("aiokv: checksum_threads must be a whole number from 0 (on the loop thread) to 64")
             cfg.checksum_threads = v
-        for name in ("strict_load_failures", "layerwise"):
+        for name in ("strict_load_failures", "layerwise", "bucket_unsigned"):
             if name in extra:
                 v = extra.pop(name)
                 if not isinstance(v, bool):
@@ -136,7 +138,17 @@ class AioKVConfig:
                     import obstore  # noqa: F401
                 except ImportError:
                     raise ConfigError("aiokv: bucket needs the obstore package: pip install 'aiokv[bucket]'") from None
+                if cfg.secret is None and not cfg.bucket_unsigned:
+                    raise ConfigError(UNSIGNED)
+                if cfg.secret is None:
+                    _say_once("unsigned", "aiokv: the bucket's blocks carry no MAC (bucket_unsigned): whoever can "
+                                          "write the bucket can plant KV this engine serves")
         return cfg
+
+
+UNSIGNED = ("aiokv: a bucket tier without a secret lets whoever can write the bucket plant KV that every engine "
+            "serves; set secret (or AIOKV_SECRET: the same string of 16+ characters on every engine), or "
+            "bucket_unsigned: true to accept that")
 
 
 def parse_size(v) -> int:
@@ -156,12 +168,16 @@ def parse_size(v) -> int:
     return int(float(num) * units[unit])
 
 
-_said_renamed: set[str] = set()
+_said: set[str] = set()
+
+
+def _say_once(what: str, line: str) -> None:
+    """One warning line per process and `what`."""
+    if what not in _said:
+        _said.add(what)
+        log.warning(line)
 
 
 def _say_renamed(old: str, new: str) -> None:
     """Once per process and old name: the old name of a setting still works, and says so."""
-    if old not in _said_renamed:
-        _said_renamed.add(old)
-        log.warning("aiokv: the setting '%s' is now called '%s' (docs/sharing.md); '%s' still works for now",
-                    old, new, old)
+    _say_once(old, f"aiokv: the setting '{old}' is now called '{new}' (docs/sharing.md); '{old}' still works for now")

@@ -19,16 +19,17 @@ from aiokv import config
 from aiokv.config import AioKVConfig, ConfigError
 
 URL = "s3://my-bucket/kv"
+SECRET = "fleet-secret-0123456789"
 
 
 def test_the_old_name_sets_the_bucket_and_says_so_once(monkeypatch, caplog):
     pytest.importorskip("obstore")
-    monkeypatch.setattr(config, "_said_renamed", set())  # a new process
+    monkeypatch.setattr(config, "_said", set())  # a new process
     with caplog.at_level(logging.WARNING, logger="aiokv"):
-        assert AioKVConfig.from_extra({"path": "/tmp/x", "bucket": URL}).bucket == URL
+        assert AioKVConfig.from_extra({"path": "/tmp/x", "bucket": URL, "secret": SECRET}).bucket == URL
         assert not caplog.records
         for _ in range(3):
-            assert AioKVConfig.from_extra({"path": "/tmp/x", "shared": URL}).bucket == URL
+            assert AioKVConfig.from_extra({"path": "/tmp/x", "shared": URL, "secret": SECRET}).bucket == URL
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "'shared' is now called 'bucket'" in said[0], said
     assert AioKVConfig.from_extra({"path": "/tmp/x"}).bucket is None
@@ -39,7 +40,7 @@ def test_the_old_name_sets_the_bucket_and_says_so_once(monkeypatch, caplog):
 
 
 def test_the_old_timeout_name_sets_bucket_timeout_and_says_so_once(monkeypatch, caplog):
-    monkeypatch.setattr(config, "_said_renamed", set())  # a new process
+    monkeypatch.setattr(config, "_said", set())  # a new process
     with caplog.at_level(logging.WARNING, logger="aiokv"):
         assert AioKVConfig.from_extra({"path": "/tmp/x", "bucket_timeout": 3}).bucket_timeout == 3.0
         assert not caplog.records

@@ -35,7 +35,7 @@ def test_second_engine_hits_what_the_first_uploaded(tiny_model, tmp_path, s3serv
     env = s3server.env()
     ps = prompts(4, LEN, seed=7)
     spec = dict(model=tiny_model, block_size=BS, phases=[dict(prompts=ps, max_tokens=8)])
-    bucket = {"bucket": s3server.url("e2e")}
+    bucket = {"bucket": s3server.url("e2e"), "secret": "fleet-secret-0123456789"}  # a fleet's setup
     base = run(spec)
     a = run({**spec, "cache": str(tmp_path / "a"), "extra": bucket}, env=env)
     happened(a, base, uploaded=">0")  # (the rest are flushed at shutdown, after the counters are read)
@@ -80,7 +80,7 @@ def test_tampered_or_foreign_objects_are_misses(tiny_model, tmp_path, s3server):
 
 def test_killed_server_mid_run_then_back(tiny_model, tmp_path, s3server):
     env = s3server.env()
-    bucket = {"bucket": s3server.url("kill"), "bucket_timeout": 1.0}
+    bucket = {"bucket": s3server.url("kill"), "bucket_timeout": 1.0, "bucket_unsigned": True}
     ps1, ps2, ps3 = prompts(3, LEN, seed=21), prompts(3, LEN, seed=22), prompts(1, 100, seed=23)
     spec = dict(model=tiny_model, block_size=BS, phases=[dict(prompts=ps1, max_tokens=8),
                                                          dict(prompts=ps2, max_tokens=8),

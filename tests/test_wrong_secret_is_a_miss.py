@@ -4,12 +4,12 @@ Bug guarded against: whoever can write a shared cache directory or bucket can
 plant KV blocks (every checksum in the slot header is public arithmetic: a
 CRC32C anyone can recompute), and so steer other engines' outputs.
 Invariant: with a secret (setting `secret` or AIOKV_SECRET) every stamped
-block carries a keyed BLAKE2b MAC of its header fields and payload; a reader
+block carries a keyed BLAKE3 MAC of its payload and header fields; a reader
 with the secret accepts a block only with the right MAC: a block stamped with
 another secret, with none, or forged (payload changed, CRC recomputed) is a
 miss. Without a secret nothing changes (and a forged block with a right CRC
 verifies: the threat model docs/sharing.md states).
-Fix: format.block_mac and BlockIO.stamp/verify with `secret`; the shared
+Fix: the native MAC in the slot stamp and check (format.mac_key) through BlockIO.stamp/verify with `secret`; the bucket
 loader verifies through the same BlockIO.verify.
 """
 from __future__ import annotations
@@ -107,5 +107,32 @@ def test_secret_setting(monkeypatch):
     with pytest.raises(ConfigError, match="s3://BUCKET/PREFIX"):
         AioKVConfig.from_extra({"path": "/tmp/x", "bucket": "bucket/prefix"})
     cfg = AioKVConfig.from_extra({"path": "/tmp/x", "bucket": "s3://my-bucket/kv", "bucket_timeout": 2,
-                                  "upload_queue": "64MiB"})
+                                  "upload_queue": "64MiB"})  # B from AIOKV_SECRET
     assert (cfg.bucket, cfg.bucket_timeout, cfg.upload_queue) == ("s3://my-bucket/kv", 2.0, 64 << 20)
+
+
+def test_a_bucket_without_a_secret_is_refused_unless_asked_for(monkeypatch, caplog):
+    """Without a secret, anyone who can write the bucket plants KV that verifies: refused
+    at start in one line naming both fixes; bucket_unsigned: true accepts it, said once."""
+    import logging
+
+    from aiokv import config
+
+    pytest.importorskip("obstore")
+    monkeypatch.delenv("AIOKV_SECRET", raising=False)
+    monkeypatch.setattr(config, "_said", set())  # a new process
+    url = "s3://my-bucket/kv"
+    with pytest.raises(ConfigError) as e:
+        AioKVConfig.from_extra({"path": "/tmp/x", "bucket": url})
+    line = str(e.value)
+    assert "\n" not in line and "secret" in line and "bucket_unsigned: true" in line, line
+    with pytest.raises(ConfigError, match="bucket_unsigned must be true or false"):
+        AioKVConfig.from_extra({"path": "/tmp/x", "bucket": url, "bucket_unsigned": "yes"})
+    with caplog.at_level(logging.WARNING, logger="aiokv"):
+        for _ in range(3):
+            cfg = AioKVConfig.from_extra({"path": "/tmp/x", "bucket": url, "bucket_unsigned": True})
+            assert cfg.bucket == url and cfg.secret is None
+        assert AioKVConfig.from_extra({"path": "/tmp/x", "bucket": url, "secret": A}).secret == A
+        assert AioKVConfig.from_extra({"path": "/tmp/x", "bucket_unsigned": True}).bucket is None  # no bucket: no line
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "no MAC (bucket_unsigned)" in said[0], said

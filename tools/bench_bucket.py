@@ -161,7 +161,9 @@ def main() -> int:
     ap.add_argument("--botocore", action="store_true")
     ap.add_argument("--e2e", action="store_true")
     ap.add_argument("--lengths", default="2048,4096")
-    ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config settings for --e2e (JSON)")
+    ap.add_argument("--extra", default='{"secret": "bench-secret-0123456789"}',
+                    help="more kv_connector_extra_config settings for --e2e (JSON); a bucket needs a secret, or "
+                         "bucket_unsigned: true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     srv = None
