@@ -7,7 +7,7 @@ an extension that only built with liburing.
 
 The invariant: in a copy of the tree without a built extension, with vllm, uvloop
 and numpy unimportable and the extension built without io_uring, the check runs to
-the end on the CPU: every layout round-trips bit-exact (disk, memory tier,
+the end on the CPU: every layout round-trips bit-exact (disk, memory tier, with a secret's MAC,
 layerwise), the CUDA parts are skipped with a line saying so, the worker side
 imported no vLLM, exit status 0, one JSON report.
 
@@ -68,5 +68,6 @@ def test_gpu_check_runs_without_a_gpu(tmp_path):
     assert all(c["ok"] for c in cases.values()), {k: c for k, c in cases.items() if not c["ok"]}
     assert all(cases[f"{n}/memory"]["memory_hit_blocks"] == 12 for n in names)
     assert cases["flash_attn/layerwise"]["layerwise_copied_blocks"] == 12
+    assert all(cases[f"{n}/secret"]["mac_scheme"] == 1 for n in names), "the native MAC on every layout"
     assert parts["overlap"]["ok"] is None and parts["bandwidth"]["ok"] is None
     assert r["vllm_imported"] is False and r["ok"] is True

@@ -242,7 +242,10 @@ def _blocks(dev, ids) -> list:
     return [layer.view.index_select(0, idx).contiguous().view(torch.uint8).cpu() for layer in dev.layers]
 
 
-def _worker(root: str, items, nb: int, memory_bufs: int = 0, layerwise: bool = False):
+SECRET = "gpu-check-secret-0123456789"
+
+
+def _worker(root: str, items, nb: int, memory_bufs: int = 0, layerwise: bool = False, secret=None):
     from aiokv.data import format as fmt
     from aiokv.store.store import ns_dir
     from aiokv.worker.device import make_device
@@ -252,7 +255,7 @@ def _worker(root: str, items, nb: int, memory_bufs: int = 0, layerwise: bool = F
     dev = make_device(_tensors(items), nb)
     slot = fmt.slot_bytes(dev.payload_bytes)
     return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=48 * slot, memory_bytes=memory_bufs * slot,
-                          layerwise=layerwise, load_timeout=60, save_timeout=60)
+                          layerwise=layerwise, load_timeout=60, save_timeout=60, secret=secret)
 
 
 def _jobs(w, fn, arg, timeout: float = 60.0):
@@ -274,7 +277,8 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
     n = 12
     src, dst = list(range(1, 1 + n)), list(range(nb - n, nb))
     keys = [os.urandom(32) for _ in src]
-    w = _worker(root, items, nb, memory_bufs=2 * n if mode == "memory" else 0, layerwise=mode == "layerwise")
+    w = _worker(root, items, nb, memory_bufs=2 * n if mode == "memory" else 0, layerwise=mode == "layerwise",
+                secret=SECRET if mode == "secret" else None)
     try:
         _fill(items)
         want = _blocks(w.device, src)
@@ -288,6 +292,15 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
             raise AssertionError(f"load: finished {finished}, {len(errors)} blocks failed")
         out = {"payload_bytes": w.device.payload_bytes, "device": type(w.device).__name__,
                "memory_hit_blocks": rep.counters.get("memory_hit_blocks", 0)}
+        if mode == "secret":  # every slot on disk carries the MAC (scheme 1) of the secret's key
+            from aiokv.data import format as fmt
+            from aiokv.data.slotfile import data_path
+            from aiokv.store.store import ns_dir
+
+            with open(data_path(ns_dir(root, NS), 0), "rb") as f:
+                raw = f.read(w.slot_bytes)
+            out["mac_scheme"] = fmt.check_slot(raw, NS, 0, w.device.payload_bytes, None, None,
+                                               fmt.mac_key(SECRET))["mac_scheme"]
         if mode == "memory" and out["memory_hit_blocks"] != n:
             raise AssertionError(f"memory tier: {out['memory_hit_blocks']} of {n} blocks served from host memory")
         if mode == "layerwise":
@@ -319,7 +332,7 @@ def part_layouts(root: str, device: str) -> dict:
     nb = 40  # no other dimension of the layouts is 40
     out, ok = {}, True
     for name, (items, lw_ok) in layouts(device, nb).items():
-        for mode in ("disk", "memory") + (("layerwise",) if lw_ok else ()):
+        for mode in ("disk", "memory", "secret") + (("layerwise",) if lw_ok else ()):
             d = tempfile.mkdtemp(prefix=f"{name}-{mode}-", dir=root)
             try:
                 out[f"{name}/{mode}"] = {"ok": True, **_roundtrip(d, items, nb, mode)}
