@@ -1124,10 +1124,10 @@ static PyObject *py_blake3_keyed(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_ready=0,
+/* stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0,
  * mac_key=None): for each slot, CRC32C its payload and write its header
  * (sequence: the wall clock in ns, as time.time_ns()), zeroing the rest of the
- * header. With crc_ready the payload's CRC is not computed: it is the one
+ * header. With crc_in_copy the payload's CRC is not computed: it is the one
  * already at HDR_OFF_PCRC (put there by memcpy_crc_out while it copied the
  * payload in). With a MAC key (a secret's, format.mac_key) the header also
  * gets the MAC (scheme 1), computed in the same pass over the payload as its
@@ -1137,10 +1137,10 @@ static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
     Py_buffer nsid;
     unsigned int rank;
     unsigned long long plen, layout;
-    int crc_ready = 0;
+    int crc_in_copy = 0;
     uint8_t mkb[MAC_BYTES];
     const uint8_t *mk;
-    if (!PyArg_ParseTuple(args, "OOy*IKK|pO", &addrs, &keys, &nsid, &rank, &plen, &layout, &crc_ready, &mko))
+    if (!PyArg_ParseTuple(args, "OOy*IKK|pO", &addrs, &keys, &nsid, &rank, &plen, &layout, &crc_in_copy, &mko))
         return NULL;
     if (mac_arg(mko, mkb, &mk) < 0) {
         PyBuffer_Release(&nsid);
@@ -1160,7 +1160,7 @@ static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
             uint32_t pcrc = 0;
             if (mk) {
                 blake3_hasher_init_keyed(&s, mk);
-                if (crc_ready) {
+                if (crc_in_copy) {
                     pcrc = get32(h + HDR_OFF_PCRC);
                     blake3_hasher_update(&s, pay, (size_t)plen);
                 } else {
@@ -1171,7 +1171,7 @@ static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
                     }
                 }
             } else {
-                pcrc = crc_ready ? get32(h + HDR_OFF_PCRC) : crc32c(0, pay, (size_t)plen);
+                pcrc = crc_in_copy ? get32(h + HDR_OFF_PCRC) : crc32c(0, pay, (size_t)plen);
             }
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
@@ -1232,21 +1232,21 @@ static inline __attribute__((always_inline)) int slot_verdict(const uint8_t *h, 
     return SLOT_OK;
 }
 
-/* verify_slots(addrs, keys, nsid, rank, payload_len, layout, skip_payload=0,
+/* verify_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0,
  * mac_key=None) -> bytes: per slot 0 (valid for that key) or the index in
  * format.SLOT_REASONS of the first check it fails (slot_verdict; each
- * address a whole slot); with skip_payload the payload CRC is left to the
- * caller (never reported); with a MAC key the MAC is checked (skip_payload or
+ * address a whole slot); with crc_in_copy the payload CRC is left to the
+ * caller (never reported); with a MAC key the MAC is checked (crc_in_copy or
  * not). One call per chunk, GIL released for all of it. */
 static PyObject *py_verify_slots(PyObject *self, PyObject *args) {
     PyObject *addrs, *keys, *mko = NULL;
     Py_buffer nsid;
     unsigned int rank;
     unsigned long long plen, layout;
-    int skip_payload = 0;
+    int crc_in_copy = 0;
     uint8_t mkb[MAC_BYTES];
     const uint8_t *mk;
-    if (!PyArg_ParseTuple(args, "OOy*IKK|pO", &addrs, &keys, &nsid, &rank, &plen, &layout, &skip_payload, &mko))
+    if (!PyArg_ParseTuple(args, "OOy*IKK|pO", &addrs, &keys, &nsid, &rank, &plen, &layout, &crc_in_copy, &mko))
         return NULL;
     if (mac_arg(mko, mkb, &mk) < 0) {
         PyBuffer_Release(&nsid);
@@ -1261,7 +1261,7 @@ static PyObject *py_verify_slots(PyObject *self, PyObject *args) {
         if (out) {
             uint8_t *v = (uint8_t *)PyBytes_AS_STRING(out), ns[16];
             uint64_t lay = layout;
-            int upto = skip_payload ? CHECK_HEADER : CHECK_SLOT;
+            int upto = crc_in_copy ? CHECK_HEADER : CHECK_SLOT;
             memcpy(ns, nsid.buf, 16);
             Py_BEGIN_ALLOW_THREADS
             for (Py_ssize_t i = 0; i < n; i++)
@@ -1374,14 +1374,14 @@ static PyObject *py_memcpy_many(PyObject *self, PyObject *args) {
  * the same bytes; done a cache-sized piece at a time, the second pass reads the
  * piece from cache instead of DRAM, which removes the separate CRC pass over
  * every byte saved or loaded. */
-#ifndef FUSE_PIECE /* (tools/bench_fused.py, built with -DFUSE_PIECE=...): 8-16 KiB pieces were the */
-#define FUSE_PIECE (16 << 10) /* cheapest, 4 KiB and 32-256 KiB cost 0.01-0.03 core-s/GB more on loads */
+#ifndef COPY_PIECE /* (tools/bench_crc_in_copy.py, built with -DCOPY_PIECE=...): 8-16 KiB pieces were the */
+#define COPY_PIECE (16 << 10) /* cheapest, 4 KiB and 32-256 KiB cost 0.01-0.03 core-s/GB more on loads */
 #endif
 
 /* Parses (slot_addrs, seg_addrs): int64 arrays, n slot bases and n * layers
  * segment addresses, layer-major (layer l of slot i at [l * n + i]). Returns
  * the layer count, or -1 with an exception set. */
-static Py_ssize_t fused_parse(Py_buffer *slots, Py_buffer *segs, Py_ssize_t *n) {
+static Py_ssize_t copy_parse(Py_buffer *slots, Py_buffer *segs, Py_ssize_t *n) {
     *n = slots->len / 8;
     if (slots->len % 8 || segs->len % 8 || !*n || (segs->len / 8) % *n || segs->len / 8 < *n) {
         PyErr_SetString(PyExc_ValueError, "aiokv: address arrays must be int64 arrays, a whole number of segments "
@@ -1393,14 +1393,14 @@ static Py_ssize_t fused_parse(Py_buffer *slots, Py_buffer *segs, Py_ssize_t *n) 
 
 /* memcpy_crc_out(slot_addrs, seg_addrs, nbytes): for each slot, copy its
  * layers' segments into its payload, in order, and put the payload's CRC32C
- * at HDR_OFF_PCRC of its header, for stamp_slots(..., crc_ready=1). Each
+ * at HDR_OFF_PCRC of its header, for stamp_slots(..., crc_in_copy=1). Each
  * piece is checksummed in the destination just after it was written (what
  * goes to disk is what the CRC covers). GIL released. */
 static PyObject *py_memcpy_crc_out(PyObject *self, PyObject *args) {
     Py_buffer slots, segs;
     unsigned long long nbytes;
     if (!PyArg_ParseTuple(args, "y*y*K", &slots, &segs, &nbytes)) return NULL;
-    Py_ssize_t n, layers = fused_parse(&slots, &segs, &n);
+    Py_ssize_t n, layers = copy_parse(&slots, &segs, &n);
     if (layers >= 0) {
         const uint64_t *sa = slots.buf, *ga = segs.buf;
         Py_BEGIN_ALLOW_THREADS
@@ -1409,8 +1409,8 @@ static PyObject *py_memcpy_crc_out(PyObject *self, PyObject *args) {
             uint32_t crc = 0;
             for (Py_ssize_t l = 0; l < layers; l++) {
                 const uint8_t *src = (const uint8_t *)(uintptr_t)ga[l * n + i];
-                for (size_t off = 0; off < nbytes; off += FUSE_PIECE) {
-                    size_t k = nbytes - off < FUSE_PIECE ? nbytes - off : FUSE_PIECE;
+                for (size_t off = 0; off < nbytes; off += COPY_PIECE) {
+                    size_t k = nbytes - off < COPY_PIECE ? nbytes - off : COPY_PIECE;
                     memcpy(dst, src + off, k);
                     crc = crc32c(crc, dst, k);
                     dst += k;
@@ -1432,13 +1432,13 @@ static PyObject *py_memcpy_crc_out(PyObject *self, PyObject *args) {
  * its header, else SLOT_PAYLOAD_CRC (format.SLOT_REASONS). The copy is made
  * either way: the caller reports a mismatched block as a failed load, and its
  * KV blocks are recomputed in place. The header itself is checked before
- * (verify_slots(..., skip_payload=1)). GIL released. */
+ * (verify_slots(..., crc_in_copy=1)). GIL released. */
 static PyObject *py_memcpy_crc_in(PyObject *self, PyObject *args) {
     Py_buffer slots, segs;
     unsigned long long nbytes;
     if (!PyArg_ParseTuple(args, "y*y*K", &segs, &slots, &nbytes)) return NULL;
     PyObject *out = NULL;
-    Py_ssize_t n, layers = fused_parse(&slots, &segs, &n);
+    Py_ssize_t n, layers = copy_parse(&slots, &segs, &n);
     if (layers >= 0 && (out = PyBytes_FromStringAndSize(NULL, n))) {
         const uint64_t *sa = slots.buf, *ga = segs.buf;
         uint8_t *v = (uint8_t *)PyBytes_AS_STRING(out);
@@ -1448,8 +1448,8 @@ static PyObject *py_memcpy_crc_in(PyObject *self, PyObject *args) {
             uint32_t crc = 0;
             for (Py_ssize_t l = 0; l < layers; l++) {
                 uint8_t *dst = (uint8_t *)(uintptr_t)ga[l * n + i];
-                for (size_t off = 0; off < nbytes; off += FUSE_PIECE) {
-                    size_t k = nbytes - off < FUSE_PIECE ? nbytes - off : FUSE_PIECE;
+                for (size_t off = 0; off < nbytes; off += COPY_PIECE) {
+                    size_t k = nbytes - off < COPY_PIECE ? nbytes - off : COPY_PIECE;
                     crc = crc32c(crc, src, k);
                     memcpy(dst + off, src, k);
                     src += k;
@@ -1475,9 +1475,9 @@ static PyMethodDef module_methods[] = {
     {"memcpy_crc_in", py_memcpy_crc_in, METH_VARARGS,
      "memcpy_crc_in(seg_addrs, slot_addrs, nbytes) -> bytes of verdicts (0 or payload checksum)"},
     {"stamp_slots", py_stamp_slots, METH_VARARGS,
-     "stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_ready=0)"},
+     "stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0)"},
     {"verify_slots", py_verify_slots, METH_VARARGS,
-     "verify_slots(addrs, keys, nsid, rank, payload_len, layout, skip_payload=0) -> bytes of verdicts"},
+     "verify_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0) -> bytes of verdicts"},
     {"check_slot", py_check_slot, METH_VARARGS,
      "check_slot(buffer, nsid, rank, payload_len, key, layout, upto) -> verdict (key, layout None: any)"},
     {"fallocate", py_fallocate, METH_VARARGS, "fallocate(fd, mode, offset, length)"},

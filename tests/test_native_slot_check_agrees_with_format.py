@@ -12,7 +12,7 @@ Invariant: _native.stamp_slots writes exactly format.pack_header's bytes (and
 zeroes the rest of the header); for a valid slot and every kind of bad one,
 format.check_slot (one slot) and _native.verify_slots (a batch) give the same
 verdict, in the order docs/format.md gives, named by SLOT_REASONS; with
-skip_payload (the payload CRC checked in the device copy instead) the verdict
+crc_in_copy (the payload CRC checked in the device copy instead) the verdict
 is format.check_header's; a reader that leaves the key or layout out (None)
 has it not checked, and a buffer too short is a verdict, never a read past it.
 Fix: one check, slot_verdict in native/aiokv_native.c, behind both entries
@@ -187,7 +187,7 @@ def test_bad_arguments_are_clear_errors_and_touch_nothing(pool):
 
 
 def test_header_only_verdicts_equal_check_header(pool):
-    """verify_slots(..., skip_payload=True), used when the device copy checks the
+    """verify_slots(..., crc_in_copy=True), used when the device copy checks the
     payload CRC, is check_slot without its last check: format.check_header."""
     for name, addr, ask, want in _spoiled_cases(pool, 300):
         try:

@@ -15,8 +15,8 @@ fixed up), in the MAC, a scheme other than 1 (the BLAKE2b slots of earlier
 versions) or another secret is a "MAC" verdict; a reader without a secret
 still reads a MACed slot, and one with a secret still refuses a slot whose
 payload CRC alone is wrong only through the MAC (the MAC covers the CRC field).
-The same verdicts with the payload CRC already in the header (crc_ready) and
-with the check's payload CRC left to the copy (skip_payload).
+The same verdicts with the payload CRC already in the header (crc_in_copy) and
+with the check's payload CRC left to the copy (crc_in_copy).
 Fix: native/aiokv_native.c (stamp_slots, verify_slots, check_slot with a MAC
 key; native/blake3), format.mac_key, BlockIO passing its key to them.
 """
@@ -91,14 +91,14 @@ def _verdicts(addrs, plen, mk, skip=False) -> list[str]:
     return [fmt.SLOT_REASONS[v] for v in got]
 
 
-@pytest.mark.parametrize("crc_ready", [False, True])
-def test_stamped_mac_is_keyed_blake3_of_payload_then_header_fields(slots, crc_ready):
+@pytest.mark.parametrize("crc_in_copy", [False, True])
+def test_stamped_mac_is_keyed_blake3_of_payload_then_header_fields(slots, crc_in_copy):
     plen, addrs = slots
     mk = fmt.mac_key("s3cret")
-    if crc_ready:  # the CRC already in the header (what the device copy leaves there)
+    if crc_in_copy:  # the CRC already in the header (what the device copy leaves there)
         for a in addrs:
             ctypes.memmove(a + 36, _native.crc32c(a + fmt.HEADER_BYTES, plen).to_bytes(4, "little"), 4)
-    _native.stamp_slots(addrs, [key(i) for i in range(8)], NS, RANK, plen, LAYOUT, crc_ready, mk)
+    _native.stamp_slots(addrs, [key(i) for i in range(8)], NS, RANK, plen, LAYOUT, crc_in_copy, mk)
     for i, a in enumerate(addrs):
         raw = _slot(a, plen)
         h = fmt.check_slot(raw, NS, RANK, plen, key(i), LAYOUT)  # the CRC path still holds

@@ -109,7 +109,7 @@ class Loads:
         mem = [(k, b, buf) for (k, _, b), buf in zip(todo, held) if buf is not None]
         if mem:
             # a plain copy: these buffers were verified (or written) when kept; checking them again
-            # in the copy would cost ~10 % more per byte (tools/bench_fused.py) for memory faults only
+            # in the copy would cost ~10 % more per byte (tools/bench_crc_in_copy.py) for memory faults only
             try:
                 await self.reads.copy_in([b for _, b, _ in mem], [buf for _, _, buf in mem])
                 failed.difference_update(b for _, b, _ in mem)

@@ -122,7 +122,7 @@ class TransferWorker:
 
     @property
     def _crc_in_copy(self) -> bool:
-        """Payload CRCs are computed and checked inside the device copies (tools/bench_fused.py turns it)."""
+        """Payload CRCs are computed and checked inside the device copies (tools/bench_crc_in_copy.py turns it)."""
         return self.saves.crc_in_copy
 
     @_crc_in_copy.setter

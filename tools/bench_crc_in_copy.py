@@ -3,7 +3,7 @@
 a separate pass ("separate") and inside the CPU device copy ("in copy", the worker's
 crc_in_copy).
 
-    PYTHONPATH=. .venv/bin/python tools/bench_fused.py [--gib 1] [--layers 28] [--rounds 3] [--dir DIR]
+    PYTHONPATH=. .venv/bin/python tools/bench_crc_in_copy.py [--gib 1] [--layers 28] [--rounds 3] [--dir DIR]
 
 A TransferWorker over a CpuDevice with the CPU backend's KV layout (per layer
 [num_blocks, kv_heads, block_size, 2 * head_dim] bf16, views of one buffer):
@@ -55,7 +55,7 @@ def run(args) -> dict:
     n = max(8, (args.gib << 30) // payload)
     buf = torch.randn(args.layers, n + 1, args.heads, args.block, 2 * args.head_dim).to(torch.bfloat16)
     kv = {f"l{i}": buf[i] for i in range(args.layers)}
-    root = tempfile.mkdtemp(dir=args.dir, prefix="bench_fused.")
+    root = tempfile.mkdtemp(dir=args.dir, prefix="bench_crc_in_copy.")
     os.makedirs(ns_dir(root, NS), exist_ok=True)
     dev = CpuDevice(kv, n + 1)
     slot = fmt.slot_bytes(dev.payload_bytes)
