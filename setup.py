@@ -1,5 +1,5 @@
 """Builds aiokv._native, the C extension over liburing (native/aiokv_native.c, with
-BLAKE3 for the slot MAC: native/recipe.py lists the units and their flags).
+BLAKE3 for the slot MAC: native/recipe.py lists the units).
 
 liburing is linked statically when Debian's liburing.a is present, so the built
 wheel needs only libc at run time. Without liburing's header, building the
@@ -31,25 +31,20 @@ class BuildExt(build_ext):
         super().run()
 
     def build_extension(self, ext):
-        # the units that need an instruction set allowed (BLAKE3's SIMD files) are compiled here, alone
-        objs = []
-        for src, flags in SIMD:
-            objs += self.compiler.compile([src], output_dir=self.build_temp, macros=MACROS,
-                                          extra_postargs=recipe.CFLAGS + flags)
-        ext.extra_objects = objs + ext.extra_objects
+        self.compiler.src_extensions.append(".S")  # BLAKE3's assembly (native/recipe.py)
         super().build_extension(ext)
 
 
 UNITS, MACROS = recipe.units()
-SIMD = [(src, flags) for src, flags in UNITS if flags]
 static = [] if WITHOUT else sorted(glob.glob("/usr/lib/*/liburing.a") + glob.glob("/usr/lib/liburing.a")
                                    + glob.glob("/usr/local/lib/liburing.a"))
 ext = Extension(
     "aiokv._native",
-    sources=[src for src, flags in UNITS if not flags],
+    sources=UNITS,
     extra_compile_args=recipe.CFLAGS,
     define_macros=MACROS + ([] if WITHOUT else [("AIOKV_HAVE_URING", "1")]),
-    depends=glob.glob("native/blake3/*.h") + ["native/recipe.py"],
+    depends=glob.glob("native/blake3/*.h") + ["native/recipe.py", recipe.EXPORTS],
+    extra_link_args=[f"-Wl,--version-script={recipe.EXPORTS}"],
     extra_objects=static[:1],
     libraries=[] if WITHOUT or static else ["uring"],
 )

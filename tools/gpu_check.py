@@ -141,20 +141,20 @@ def build_extension(timeout: float) -> dict:
         any(os.path.exists(os.path.join(d, "liburing.h")) for d in ("/usr/include", "/usr/local/include"))
     target = os.path.join(ROOT, "aiokv", "_native" + sysconfig.get_config_var("EXT_SUFFIX"))
     sys.path.insert(0, os.path.join(ROOT, "native"))
-    import recipe  # native/recipe.py: the units setup.py builds, with their flags
+    import recipe  # native/recipe.py: the units setup.py builds
 
     units, macros = recipe.units()
     defs = [f"-D{k}={v}" for k, v in macros] + (["-DAIOKV_HAVE_URING=1"] if uring else [])
     objs = []
     with tempfile.TemporaryDirectory(prefix="aiokv-build-") as tmp:
-        for i, (src, flags) in enumerate(units):
+        for i, src in enumerate(units):
             obj = os.path.join(tmp, f"{i}.o")
-            cmd = [cc, *recipe.CFLAGS, "-fPIC", "-I" + inc, *defs, *flags, "-c", os.path.join(ROOT, src), "-o", obj]
+            cmd = [cc, *recipe.CFLAGS, "-fPIC", "-I" + inc, *defs, "-c", os.path.join(ROOT, src), "-o", obj]
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if p.returncode != 0:
                 raise RuntimeError(f"building the extension failed ({' '.join(cmd)}): {p.stderr[-2000:]}")
             objs.append(obj)
-        cmd = [cc, "-shared", *objs, "-o", target]
+        cmd = [cc, "-shared", f"-Wl,--version-script={os.path.join(ROOT, recipe.EXPORTS)}", *objs, "-o", target]
         if uring:
             static = [p for p in ("/usr/lib/x86_64-linux-gnu/liburing.a", "/usr/lib/aarch64-linux-gnu/liburing.a",
                                   "/usr/lib/liburing.a", "/usr/local/lib/liburing.a") if os.path.exists(p)]
