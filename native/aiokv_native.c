@@ -1060,17 +1060,27 @@ static void mac_finish(blake3_hasher *s, const uint8_t *fields, uint8_t *out) {
     blake3_hasher_finalize(s, out, MAC_BYTES);
 }
 
-/* Whether slot h (header and plen payload bytes readable) carries scheme 1 and
- * the MAC of key mk. Constant time in the MAC's bytes. */
-static int mac_ok(const uint8_t *mk, const uint8_t *h, uint64_t plen) {
-    if (h[HDR_OFF_MACS] != MAC_SCHEME) return 0;
+/* The MAC verdict of slot h (header and plen payload bytes readable): SLOT_MAC
+ * unless it carries scheme 1 and the MAC of key mk (compared in constant time);
+ * with crc, then SLOT_PAYLOAD_CRC unless the payload matches its CRC too, computed
+ * piece by piece in the same pass (the MAC covers the CRC field, not whether
+ * the writer got it right: every reader checks it, as without a secret). */
+static int mac_verdict(const uint8_t *mk, const uint8_t *h, uint64_t plen, int crc) {
+    if (h[HDR_OFF_MACS] != MAC_SCHEME) return SLOT_MAC;
     blake3_hasher s;
     uint8_t m[MAC_BYTES], d = 0;
+    uint32_t pcrc = 0;
+    const uint8_t *pay = h + HDR_BYTES;
     blake3_hasher_init_keyed(&s, mk);
-    blake3_hasher_update(&s, h + HDR_BYTES, (size_t)plen);
+    for (uint64_t off = 0; off < plen; off += MAC_PIECE) {
+        size_t k = plen - off < MAC_PIECE ? (size_t)(plen - off) : MAC_PIECE;
+        blake3_hasher_update(&s, pay + off, k);
+        if (crc) pcrc = crc32c(pcrc, pay + off, k);
+    }
     mac_finish(&s, h, m);
     for (int i = 0; i < MAC_BYTES; i++) d |= m[i] ^ h[HDR_OFF_MAC + i];
-    return d == 0;
+    if (d) return SLOT_MAC;
+    return crc && pcrc != get32(h + HDR_OFF_PCRC) ? SLOT_PAYLOAD_CRC : SLOT_OK;
 }
 
 /* An optional MAC key argument (None or 32 bytes) into mk; returns 0, or -1 with an exception set. */
@@ -1206,9 +1216,10 @@ static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
  * check_header, unpack_header) one slot at a time, or verify_slots a batch at
  * a time. h: the slot's first byte, avail bytes of it readable; k NULL: any key;
  * layout NULL: any layout; upto: CHECK_*; mk: a MAC key, or NULL. With mk the
- * MAC is checked past CHECK_SELF, in place of the payload CRC (it covers the
- * payload too), at CHECK_HEADER as well. Returns the first check failed
- * (SLOT_*), SLOT_OK if none. Inlined in both callers: in verify_slots' loop
+ * MAC is checked past CHECK_SELF, at CHECK_HEADER as well (the payload CRC is
+ * then the device copy's to check), at CHECK_SLOT with the payload CRC in the
+ * same pass (mac_verdict). Returns the first check failed (SLOT_*), SLOT_OK if
+ * none. Inlined in both callers: in verify_slots' loop
  * the key, layout and length are always there, and their tests fold away. */
 static inline __attribute__((always_inline)) int slot_verdict(const uint8_t *h, uint64_t avail, const uint8_t *ns,
                                                                uint32_t rank, uint64_t plen, const slot_key *k,
@@ -1227,7 +1238,7 @@ static inline __attribute__((always_inline)) int slot_verdict(const uint8_t *h, 
     if (get64(h + HDR_OFF_PLEN) != plen) return SLOT_PLEN;
     if (upto == CHECK_HEADER && !mk) return SLOT_OK;
     if (avail < HDR_BYTES || avail - HDR_BYTES < plen) return SLOT_PAYLOAD_SHORT;
-    if (mk) return mac_ok(mk, h, plen) ? SLOT_OK : SLOT_MAC; /* it covers the payload: no CRC pass besides */
+    if (mk) return mac_verdict(mk, h, plen, upto == CHECK_SLOT); /* CHECK_HEADER: the copy checks the CRC */
     if (crc32c(0, h + HDR_BYTES, (size_t)plen) != get32(h + HDR_OFF_PCRC)) return SLOT_PAYLOAD_CRC;
     return SLOT_OK;
 }
@@ -1475,11 +1486,11 @@ static PyMethodDef module_methods[] = {
     {"memcpy_crc_in", py_memcpy_crc_in, METH_VARARGS,
      "memcpy_crc_in(seg_addrs, slot_addrs, nbytes) -> bytes of verdicts (0 or payload checksum)"},
     {"stamp_slots", py_stamp_slots, METH_VARARGS,
-     "stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0)"},
+     "stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0, mac_key=None)"},
     {"verify_slots", py_verify_slots, METH_VARARGS,
-     "verify_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0) -> bytes of verdicts"},
+     "verify_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0, mac_key=None) -> bytes of verdicts"},
     {"check_slot", py_check_slot, METH_VARARGS,
-     "check_slot(buffer, nsid, rank, payload_len, key, layout, upto) -> verdict (key, layout None: any)"},
+     "check_slot(buffer, nsid, rank, payload_len, key, layout, upto, mac_key=None) -> verdict (key, layout None: any)"},
     {"fallocate", py_fallocate, METH_VARARGS, "fallocate(fd, mode, offset, length)"},
     {"mac_key", py_mac_key, METH_VARARGS, "mac_key(secret) -> the 32-byte MAC key of a secret (format.mac_key)"},
     {"blake3_keyed", py_blake3_keyed, METH_VARARGS, "blake3_keyed(key, data) -> keyed BLAKE3-256 (tests)"},

@@ -172,8 +172,9 @@ async def test_cancelled_call_returns_after_its_threads(tmp_path, op):
 
 
 def test_worker_checksums_on_its_threads(tmp_path):
-    """A worker that checks payloads in BlockIO (here: with a secret, so the CPU
-    device's CRC in the copy is off) stamps and verifies on its checksum threads."""
+    """A worker that checks payloads in BlockIO (here: with a secret, whose MAC the
+    stamp and check compute over every payload, the CRC being the copy's) stamps
+    and verifies on its checksum threads."""
     nb = 24
     kv = {f"l{i}": torch.randn(nb, 2, 256, 64) for i in range(2)}  # 256 KiB per block
     root = str(tmp_path)

@@ -298,9 +298,11 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
             from aiokv.store.store import ns_dir
 
             with open(data_path(ns_dir(root, NS), 0), "rb") as f:
-                raw = f.read(w.slot_bytes)
-            out["mac_scheme"] = fmt.check_slot(raw, NS, 0, w.device.payload_bytes, None, None,
-                                               fmt.mac_key(SECRET))["mac_scheme"]
+                raw = f.read(n * w.slot_bytes)
+            sb, mk = w.slot_bytes, fmt.mac_key(SECRET)
+            schemes = {fmt.check_slot(raw[i * sb:(i + 1) * sb], NS, 0, w.device.payload_bytes, keys[i],
+                                      w.device.layout_tag, mk)["mac_scheme"] for i in range(n)}
+            out["mac_scheme"] = schemes.pop() if len(schemes) == 1 else sorted(schemes)
         if mode == "memory" and out["memory_hit_blocks"] != n:
             raise AssertionError(f"memory tier: {out['memory_hit_blocks']} of {n} blocks served from host memory")
         if mode == "layerwise":

@@ -29,7 +29,7 @@ The CRC in the copy (`crc_in_copy`): a device that copies and checksums in one p
 the payload CRC while copying, so `read(..., crc_in_copy=True)` checks everything else (the
 header: format.check_header). Either way a slot on disk is what docs/format.md
 says. With a secret the native stamp and check compute the MAC over the payload
-in the same call (the check then skips the payload CRC, which the MAC covers).
+in the same call, beside the payload CRC.
 
 Pipelining: a call with more than PIPELINE_MIN items runs as several backend
 batches of `chunk` items, so the CPU work overlaps the disk: a write stamps
@@ -269,9 +269,9 @@ class BlockIO:
 
     async def _checked(self, items, res, crc_in_copy: bool = False) -> list[int]:
         """Per-item result of reads: the slots that arrived whole are verified in
-        one native call (the slot check format.check_slot makes, over the batch,
-        GIL released; without the payload CRC with crc_in_copy), then their
-        MACs."""
+        one native call (the slot check format.check_slot makes, the MAC with a
+        secret among its checks, over the batch, GIL released; without the
+        payload CRC with crc_in_copy)."""
         sb, n = self.slot_bytes, len(res)
         whole = range(n) if res.count(sb) == n else [i for i, r in enumerate(res) if r == sb]
         out = [r if r < 0 else -errno.EIO for r in res]
