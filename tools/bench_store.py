@@ -115,7 +115,7 @@ def _anon_huge_kb() -> int:
 
 
 async def _aiokv_round(root: str, payload: int, n: int, depth: int, workers: int, salt: int,
-                       null_io: bool = False, mode: str = "calls") -> dict:
+                       null_io: bool = False, mode: str = "calls", secret: str | None = None, cpu=None) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     batch = mode == "batch" and not null_io
     per = n if batch else max(1, depth // workers)
@@ -124,7 +124,7 @@ async def _aiokv_round(root: str, payload: int, n: int, depth: int, workers: int
     if null_io:  # one staging buffer per key, so a "load" finds the header its save stamped
         n = min(n, 128)
     pool = BufferPool(fmt.slot_bytes(payload), n if (null_io or batch) else per * workers)
-    st = StoreIO(root)
+    st = StoreIO(root, secret=secret, cpu=cpu)
     try:
         if null_io:
             st._backend = NullBackend(asyncio.get_running_loop())  # bench only: no I/O at all

@@ -26,9 +26,10 @@ from aiokv.store.store import ns_dir
 class StoreIO(Store):
     """A Store whose slots this process also reads and writes (one-rank namespaces)."""
 
-    def __init__(self, *args, **kw):
+    def __init__(self, *args, secret: str | None = None, cpu=None, **kw):
         self._io: dict[tuple[bytes, int], BlockIO] = {}
         self._backend = None  # opened on the first blockio (a benchmark may set its own before)
+        self._secret, self._cpu = secret, cpu  # BlockIO's: a MAC on every block, checksum threads
         super().__init__(*args, **kw)
 
     def blockio(self, ns: Namespace, rank: int = 0) -> BlockIO:
@@ -38,7 +39,7 @@ class StoreIO(Store):
         io = self._io.get((ns.nsid, rank))
         if io is None:
             io = self._io[(ns.nsid, rank)] = BlockIO(self._backend, ns_dir(self.root, ns.nsid), ns.nsid, rank,
-                                                     ns.payload_bytes)
+                                                     ns.payload_bytes, secret=self._secret, cpu=self._cpu)
         return io
 
     async def save(self, ns: Namespace, items, rank: int = 0) -> list[int]:

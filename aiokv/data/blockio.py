@@ -305,8 +305,11 @@ class BlockIO:
                     if k + 1 < len(parts):
                         await asyncio.sleep(0)
             elif op == OP_WRITE:
-                # every chunk stamped on the checksum threads at once; each batch starts when its chunk is stamped
-                futs = [asyncio.ensure_future(self._stamp_and_write(part, crc_in_copy)) for part in parts]
+                # chunks stamped on the checksum threads, each batch started when its chunk is stamped;
+                # at most a queue depth of them stamped or in the kernel at once, so that stamping
+                # runs at the disk's pace and leaves the cores to the loop that feeds the disk
+                room = asyncio.Semaphore(max(2, -(-getattr(self.backend, "depth", 16) // step)))
+                futs = [asyncio.ensure_future(self._stamp_and_write(part, crc_in_copy, room)) for part in parts]
             else:
                 # each chunk verified as soon as it has arrived (on the checksum threads when big enough)
                 futs = [asyncio.ensure_future(self._read_and_check(part, crc_in_copy)) for part in parts]
@@ -323,9 +326,10 @@ class BlockIO:
             raise
         return out
 
-    async def _stamp_and_write(self, part, crc_in_copy: bool) -> list[int]:
-        await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part], crc_in_copy)
-        return await self.backend.run(self._ops(OP_WRITE, part)[0])
+    async def _stamp_and_write(self, part, crc_in_copy: bool, room: asyncio.Semaphore) -> list[int]:
+        async with room:
+            await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part], crc_in_copy)
+            return await self.backend.run(self._ops(OP_WRITE, part)[0])
 
     async def _read_and_check(self, part, crc_in_copy: bool) -> list[int]:
         return await self._checked(part, await self._run_reads(part), crc_in_copy)
