@@ -1134,6 +1134,41 @@ static PyObject *py_blake3_keyed(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* The arguments stamp_slots and verify_slots share: (addrs, keys, nsid, rank,
+ * payload_len, layout, crc_in_copy=0, mac_key=None), parsed with the GIL held
+ * (slots_parse, mac_arg). 0, or -1 with an exception set and nothing held. */
+typedef struct {
+    Py_buffer nsid;
+    uint8_t ns[16], mkb[MAC_BYTES];
+    unsigned int rank;
+    unsigned long long plen, layout;
+    int crc_in_copy;
+    const uint8_t *mk; /* mkb, or NULL: no MAC */
+    uint64_t *pa;
+    slot_key *pk;
+    Py_ssize_t n;
+} slots_call;
+
+static int slots_call_parse(PyObject *args, slots_call *c) {
+    PyObject *addrs, *keys, *mko = NULL;
+    c->crc_in_copy = 0;
+    if (!PyArg_ParseTuple(args, "OOy*IKK|pO", &addrs, &keys, &c->nsid, &c->rank, &c->plen, &c->layout,
+                          &c->crc_in_copy, &mko))
+        return -1;
+    if (mac_arg(mko, c->mkb, &c->mk) < 0 || (c->n = slots_parse(addrs, keys, &c->nsid, &c->pa, &c->pk)) < 0) {
+        PyBuffer_Release(&c->nsid);
+        return -1;
+    }
+    memcpy(c->ns, c->nsid.buf, 16);
+    return 0;
+}
+
+static void slots_call_release(slots_call *c) {
+    PyMem_Free(c->pa);
+    PyMem_Free(c->pk);
+    PyBuffer_Release(&c->nsid);
+}
+
 /* stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0,
  * mac_key=None): for each slot, CRC32C its payload and write its header
  * (sequence: the wall clock in ns, as time.time_ns()), zeroing the rest of the
@@ -1143,72 +1178,51 @@ static PyObject *py_blake3_keyed(PyObject *self, PyObject *args) {
  * gets the MAC (scheme 1), computed in the same pass over the payload as its
  * CRC. One call per chunk, GIL released for all of it. */
 static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
-    PyObject *addrs, *keys, *mko = NULL;
-    Py_buffer nsid;
-    unsigned int rank;
-    unsigned long long plen, layout;
-    int crc_in_copy = 0;
-    uint8_t mkb[MAC_BYTES];
-    const uint8_t *mk;
-    if (!PyArg_ParseTuple(args, "OOy*IKK|pO", &addrs, &keys, &nsid, &rank, &plen, &layout, &crc_in_copy, &mko))
-        return NULL;
-    if (mac_arg(mko, mkb, &mk) < 0) {
-        PyBuffer_Release(&nsid);
-        return NULL;
-    }
-    uint64_t *pa;
-    slot_key *pk;
-    Py_ssize_t n = slots_parse(addrs, keys, &nsid, &pa, &pk);
-    if (n >= 0) {
-        uint8_t ns[16];
-        memcpy(ns, nsid.buf, 16);
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
-            uint8_t *h = (uint8_t *)(uintptr_t)pa[i];
-            const uint8_t *pay = h + HDR_BYTES;
-            blake3_hasher s;
-            uint32_t pcrc = 0;
-            if (mk) {
-                blake3_hasher_init_keyed(&s, mk);
-                if (crc_in_copy) {
-                    pcrc = get32(h + HDR_OFF_PCRC);
-                    blake3_hasher_update(&s, pay, (size_t)plen);
-                } else {
-                    for (uint64_t off = 0; off < plen; off += MAC_PIECE) {
-                        size_t k = plen - off < MAC_PIECE ? (size_t)(plen - off) : MAC_PIECE;
-                        pcrc = crc32c(pcrc, pay + off, k);
-                        blake3_hasher_update(&s, pay + off, k);
-                    }
-                }
+    slots_call c;
+    if (slots_call_parse(args, &c) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < c.n; i++) {
+        uint8_t *h = (uint8_t *)(uintptr_t)c.pa[i];
+        const uint8_t *pay = h + HDR_BYTES;
+        blake3_hasher s;
+        uint32_t pcrc = 0;
+        if (c.mk) {
+            blake3_hasher_init_keyed(&s, c.mk);
+            if (c.crc_in_copy) {
+                pcrc = get32(h + HDR_OFF_PCRC);
+                blake3_hasher_update(&s, pay, (size_t)c.plen);
             } else {
-                pcrc = crc_in_copy ? get32(h + HDR_OFF_PCRC) : crc32c(0, pay, (size_t)plen);
+                for (uint64_t off = 0; off < c.plen; off += MAC_PIECE) {
+                    size_t k = c.plen - off < MAC_PIECE ? (size_t)(c.plen - off) : MAC_PIECE;
+                    pcrc = crc32c(pcrc, pay + off, k);
+                    blake3_hasher_update(&s, pay + off, k);
+                }
             }
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            uint8_t hdr[HDR_USED + MAC_BYTES] = {0};
-            memcpy(hdr + HDR_OFF_MAGIC, BLOCK_MAGIC, 8);
-            put16(hdr + HDR_OFF_VERSION, FILE_VERSION);
-            put16(hdr + HDR_OFF_HBYTES, HDR_BYTES);
-            put32(hdr + HDR_OFF_RANK, rank);
-            memcpy(hdr + HDR_OFF_NSID, ns, 16);
-            hdr[HDR_OFF_KLEN] = pk[i].len;
-            hdr[HDR_OFF_MACS] = mk ? MAC_SCHEME : 0;
-            put32(hdr + HDR_OFF_PCRC, pcrc);
-            put64(hdr + HDR_OFF_PLEN, plen);
-            memcpy(hdr + HDR_OFF_KEY, pk[i].b, MAX_KEY);
-            put64(hdr + HDR_OFF_SEQ, (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec);
-            put64(hdr + HDR_OFF_LAYOUT, layout);
-            put32(hdr + HDR_BODY, crc32c(0, hdr, HDR_BODY));
-            if (mk) mac_finish(&s, hdr, hdr + HDR_OFF_MAC);
-            memcpy(h, hdr, sizeof hdr);
-            memset(h + sizeof hdr, 0, HDR_BYTES - sizeof hdr);
+        } else {
+            pcrc = c.crc_in_copy ? get32(h + HDR_OFF_PCRC) : crc32c(0, pay, (size_t)c.plen);
         }
-        Py_END_ALLOW_THREADS
-        PyMem_Free(pa);
-        PyMem_Free(pk);
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        uint8_t hdr[HDR_USED + MAC_BYTES] = {0};
+        memcpy(hdr + HDR_OFF_MAGIC, BLOCK_MAGIC, 8);
+        put16(hdr + HDR_OFF_VERSION, FILE_VERSION);
+        put16(hdr + HDR_OFF_HBYTES, HDR_BYTES);
+        put32(hdr + HDR_OFF_RANK, c.rank);
+        memcpy(hdr + HDR_OFF_NSID, c.ns, 16);
+        hdr[HDR_OFF_KLEN] = c.pk[i].len;
+        hdr[HDR_OFF_MACS] = c.mk ? MAC_SCHEME : 0;
+        put32(hdr + HDR_OFF_PCRC, pcrc);
+        put64(hdr + HDR_OFF_PLEN, c.plen);
+        memcpy(hdr + HDR_OFF_KEY, c.pk[i].b, MAX_KEY);
+        put64(hdr + HDR_OFF_SEQ, (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec);
+        put64(hdr + HDR_OFF_LAYOUT, c.layout);
+        put32(hdr + HDR_BODY, crc32c(0, hdr, HDR_BODY));
+        if (c.mk) mac_finish(&s, hdr, hdr + HDR_OFF_MAC);
+        memcpy(h, hdr, sizeof hdr);
+        memset(h + sizeof hdr, 0, HDR_BYTES - sizeof hdr);
     }
-    PyBuffer_Release(&nsid);
-    if (n < 0) return NULL;
+    Py_END_ALLOW_THREADS
+    slots_call_release(&c);
     Py_RETURN_NONE;
 }
 
@@ -1250,40 +1264,20 @@ static inline __attribute__((always_inline)) int slot_verdict(const uint8_t *h, 
  * caller (never reported); with a MAC key the MAC is checked (crc_in_copy or
  * not). One call per chunk, GIL released for all of it. */
 static PyObject *py_verify_slots(PyObject *self, PyObject *args) {
-    PyObject *addrs, *keys, *mko = NULL;
-    Py_buffer nsid;
-    unsigned int rank;
-    unsigned long long plen, layout;
-    int crc_in_copy = 0;
-    uint8_t mkb[MAC_BYTES];
-    const uint8_t *mk;
-    if (!PyArg_ParseTuple(args, "OOy*IKK|pO", &addrs, &keys, &nsid, &rank, &plen, &layout, &crc_in_copy, &mko))
-        return NULL;
-    if (mac_arg(mko, mkb, &mk) < 0) {
-        PyBuffer_Release(&nsid);
-        return NULL;
+    slots_call c;
+    if (slots_call_parse(args, &c) < 0) return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, c.n);
+    if (out) {
+        uint8_t *v = (uint8_t *)PyBytes_AS_STRING(out);
+        uint64_t lay = c.layout;
+        int upto = c.crc_in_copy ? CHECK_HEADER : CHECK_SLOT;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < c.n; i++)
+            v[i] = (uint8_t)slot_verdict((const uint8_t *)(uintptr_t)c.pa[i], HDR_BYTES + c.plen, c.ns, c.rank, c.plen,
+                                         &c.pk[i], &lay, upto, c.mk);
+        Py_END_ALLOW_THREADS
     }
-    uint64_t *pa;
-    slot_key *pk;
-    PyObject *out = NULL;
-    Py_ssize_t n = slots_parse(addrs, keys, &nsid, &pa, &pk);
-    if (n >= 0) {
-        out = PyBytes_FromStringAndSize(NULL, n);
-        if (out) {
-            uint8_t *v = (uint8_t *)PyBytes_AS_STRING(out), ns[16];
-            uint64_t lay = layout;
-            int upto = crc_in_copy ? CHECK_HEADER : CHECK_SLOT;
-            memcpy(ns, nsid.buf, 16);
-            Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t i = 0; i < n; i++)
-                v[i] = (uint8_t)slot_verdict((const uint8_t *)(uintptr_t)pa[i], HDR_BYTES + plen, ns, rank, plen,
-                                             &pk[i], &lay, upto, mk);
-            Py_END_ALLOW_THREADS
-        }
-        PyMem_Free(pa);
-        PyMem_Free(pk);
-    }
-    PyBuffer_Release(&nsid);
+    slots_call_release(&c);
     return out;
 }
 
