@@ -68,7 +68,7 @@ def test_short_fuzz_with_several_kv_cache_groups(tmp_path, family):
     assert sum(life["poisoned_blocks"] for life in summary["lives"]) > 0  # (preemptions: test_short_fuzz's)
     faulty = summary["lives"][1]
     assert faulty["faults"] and faulty["save_failed_blocks"] > 0, faulty  # the injector did fire
-    if family != "hybrid":  # (its hits are few: checkpoints only; the long run counts its load failures)
+    if family != "hybrid":  # (its hits are few: checkpoints only; docs/reliability.md: the long run counts them)
         assert faulty["load_failed_blocks"] > 0, faulty
 
 
