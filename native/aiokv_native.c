@@ -1065,18 +1065,28 @@ static void mac_finish(blake3_hasher *s, const uint8_t *fields, uint8_t *out) {
  * with crc, then SLOT_PAYLOAD_CRC unless the payload matches its CRC too, computed
  * piece by piece in the same pass (the MAC covers the CRC field, not whether
  * the writer got it right: every reader checks it, as without a secret). */
+/* One pass over a payload for its MAC (into s, keyed already) and, with crc, its
+ * CRC32C, a piece after the other; returns the CRC (0 without crc). */
+static uint32_t mac_pass(blake3_hasher *s, const uint8_t *pay, uint64_t plen, int crc) {
+    uint32_t pcrc = 0;
+    if (!crc) {
+        blake3_hasher_update(s, pay, (size_t)plen);
+        return 0;
+    }
+    for (uint64_t off = 0; off < plen; off += MAC_PIECE) {
+        size_t k = plen - off < MAC_PIECE ? (size_t)(plen - off) : MAC_PIECE;
+        blake3_hasher_update(s, pay + off, k);
+        pcrc = crc32c(pcrc, pay + off, k);
+    }
+    return pcrc;
+}
+
 static int mac_verdict(const uint8_t *mk, const uint8_t *h, uint64_t plen, int crc) {
     if (h[HDR_OFF_MACS] != MAC_SCHEME) return SLOT_MAC;
     blake3_hasher s;
     uint8_t m[MAC_BYTES], d = 0;
-    uint32_t pcrc = 0;
-    const uint8_t *pay = h + HDR_BYTES;
     blake3_hasher_init_keyed(&s, mk);
-    for (uint64_t off = 0; off < plen; off += MAC_PIECE) {
-        size_t k = plen - off < MAC_PIECE ? (size_t)(plen - off) : MAC_PIECE;
-        blake3_hasher_update(&s, pay + off, k);
-        if (crc) pcrc = crc32c(pcrc, pay + off, k);
-    }
+    uint32_t pcrc = mac_pass(&s, h + HDR_BYTES, plen, crc);
     mac_finish(&s, h, m);
     for (int i = 0; i < MAC_BYTES; i++) d |= m[i] ^ h[HDR_OFF_MAC + i];
     if (d) return SLOT_MAC;
@@ -1188,16 +1198,8 @@ static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
         uint32_t pcrc = 0;
         if (c.mk) {
             blake3_hasher_init_keyed(&s, c.mk);
-            if (c.crc_in_copy) {
-                pcrc = get32(h + HDR_OFF_PCRC);
-                blake3_hasher_update(&s, pay, (size_t)c.plen);
-            } else {
-                for (uint64_t off = 0; off < c.plen; off += MAC_PIECE) {
-                    size_t k = c.plen - off < MAC_PIECE ? (size_t)(c.plen - off) : MAC_PIECE;
-                    pcrc = crc32c(pcrc, pay + off, k);
-                    blake3_hasher_update(&s, pay + off, k);
-                }
-            }
+            pcrc = mac_pass(&s, pay, c.plen, !c.crc_in_copy);
+            if (c.crc_in_copy) pcrc = get32(h + HDR_OFF_PCRC);
         } else {
             pcrc = c.crc_in_copy ? get32(h + HDR_OFF_PCRC) : crc32c(0, pay, (size_t)c.plen);
         }

@@ -52,16 +52,11 @@ def data_path(ns_dir: str, rank: int, engine: int = 0) -> str:
     return os.path.join(ns_dir, fmt.engine_dir(engine), fmt.data_file(rank))
 
 
-def check_slot(slot, nsid: bytes, rank: int, payload_bytes: int, key: bytes | None = None,
-               layout: int | None = None, mac_key: bytes | None = None) -> dict:
-    """The one check of a slot's bytes, for every reader (BlockIO, the bucket tier
-    through BlockIO.verify, the store's scan and verify, inspect): the on-disk
-    format's rules (format.check_slot: header, then payload CRC32C, or with a
-    secret's key the MAC; key or layout None: any). `slot` is any buffer of a
-    whole slot. Returns the header; raises BadBlock naming the first failed
-    check. (A batch of staging buffers: _native.verify_slots, the same native
-    check.)"""
-    return fmt.check_slot(slot, nsid, rank, payload_bytes, key, layout, mac_key)
+# The one check of a slot's bytes, for every reader (BlockIO, the bucket tier through
+# BlockIO.verify, the store's scan and verify, inspect): format.check_slot (the native
+# check: header, then payload CRC32C, with a secret's key the MAC too; a batch of
+# staging buffers: _native.verify_slots, the same check).
+check_slot = fmt.check_slot
 
 
 def read_slot(fd: int, slot: int, nsid: bytes, rank: int, payload_bytes: int, key: bytes | None = None,
