@@ -11,6 +11,8 @@ bump FORMAT_VERSION when the bytes or the layout change.
         rank<R>.data                    slots: slot s at offset s * slot_bytes
         checkpoint                      index snapshot (header + records)
         journal.<gen>                   records appended since checkpoint generation <gen>
+        labels                          a label per key (header + label records), for the
+                                        layers above the store: vLLM's block hashes (KV events)
 
 Each engine writes only its own files; the others follow its journal. A block
 is named by its location: engine << 32 | slot (loc/split below).
@@ -258,3 +260,39 @@ def unpack_file_header(raw: bytes, magic: bytes) -> tuple[int, int, int]:
     if ver != FILE_VERSION:
         raise BadBlock(f"format version {ver} (this aiokv reads {FILE_VERSION})")
     return gen, count, crc
+
+
+# ---- labels: one opaque description per key, kept for the layers above the store ----
+# (the connector's KV events: the block's vLLM hashes and tokens, aiokv/connector/events.py).
+# A labels file is a file header (LABEL_MAGIC, generation 0) and records appended after it:
+# body length, CRC32C of the body, body = key length, key, label. A later record of a key
+# replaces an earlier one. Labels describe, they are never trusted for bytes: a block is
+# served only by its own key and header checks.
+LABELS_NAME = "labels"
+LABEL_MAGIC = b"AIOKVLBL"
+_LABEL = struct.Struct("<II")
+MAX_LABEL = 1 << 16  # bytes of one record's body; a longer length ends the file (damage)
+
+
+def pack_label(key: bytes, label: bytes) -> bytes:
+    body = bytes([len(key)]) + key + label
+    if len(body) > MAX_LABEL:
+        raise ValueError(f"aiokv: a label of {len(label)} bytes is longer than {MAX_LABEL}")
+    return _LABEL.pack(len(body), _native.crc32c_bytes(body)) + body
+
+
+def iter_labels(buf: bytes):
+    """Yield (key, label) up to the first record that does not verify (a torn or damaged
+    tail); returns (StopIteration value) the byte length of the valid prefix."""
+    off, end, crc = 0, len(buf), _native.crc32c_bytes
+    while off + _LABEL.size <= end:
+        n, c = _LABEL.unpack_from(buf, off)
+        body = buf[off + _LABEL.size:off + _LABEL.size + n]
+        if not 1 <= n <= MAX_LABEL or len(body) < n or crc(body) != c:
+            return off
+        klen = body[0]
+        if not MIN_KEY <= klen <= MAX_KEY or klen + 1 > n:
+            return off
+        yield bytes(body[1:1 + klen]), bytes(body[1 + klen:])
+        off += _LABEL.size + n
+    return off

@@ -87,6 +87,14 @@ class Namespace:
         self.alloc = SlotAllocator()
         # other engines: engine -> key -> (slot, last commit or TOUCH time), oldest first
         self.peers: dict[int, collections.OrderedDict[bytes, tuple[int, int]]] = {}
+        # a watcher's list (the connector's KV events sets it): (True, key) when key becomes
+        # a hit here (in `entries`), (False, key) when it stops being one; None: not watched
+        self.changes: list[tuple[bool, bytes]] | None = None
+
+    def _added(self, key: bytes, where: int) -> None:
+        if self.changes is not None and key not in self.entries:
+            self.changes.append((True, key))
+        self.entries[key] = where
 
     @property
     def slot_cost(self) -> int:
@@ -112,7 +120,8 @@ class Namespace:
     def _resolve(self, key: bytes) -> None:
         where = self.where(key)
         if where is None:
-            self.entries.pop(key, None)
+            if self.entries.pop(key, None) is not None and self.changes is not None:
+                self.changes.append((False, key))
         else:
             self.entries[key] = where
 
@@ -123,7 +132,7 @@ class Namespace:
         d = self.peers.get(engine)
         if d is None:
             d = self.peers[engine] = collections.OrderedDict()
-        own, entries, base = self.own, self.entries, loc(engine, 0)
+        own, base = self.own, loc(engine, 0)
         touched = []
         for kind, key, slot, atime in records:
             if kind == REC_COMMIT:
@@ -132,7 +141,7 @@ class Namespace:
                 d.pop(key, None)  # a new commit time: to the young end
                 d[key] = (slot, atime)
                 if key not in own:
-                    entries[key] = base | slot
+                    self._added(key, base | slot)
             elif kind == REC_DROP:
                 if d.pop(key, None) is not None:
                     self._resolve(key)
@@ -170,8 +179,8 @@ class Namespace:
         if entries:
             self.peers[engine] = collections.OrderedDict(sorted(entries.items(), key=lambda kv: kv[1][1]))
             for key, (slot, _) in entries.items():
-                if key not in self.own:
-                    self.entries.setdefault(key, loc(engine, slot))
+                if key not in self.own and key not in self.entries:
+                    self._added(key, loc(engine, slot))
 
     def oldest_peer_atime(self) -> int | None:
         """Access time of the oldest block another engine holds (each engine's map is
@@ -242,7 +251,7 @@ class Index:
 
     def commit(self, ns: Namespace, key: bytes, slot: int, now: int) -> None:
         ns.own[key] = slot
-        ns.entries[key] = ns.base | slot
+        ns._added(key, ns.base | slot)
         ns.atime[key] = now
         self.lru[(ns.nsid, key)] = None
 

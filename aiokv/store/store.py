@@ -56,7 +56,8 @@ opening, rebuilt from the slots if damaged), `Space` (space.py: capacity and
 limit, our data files, grow and punch, eviction choice, a full disk), `Scan`
 (scan.py: scan and verify of our slots), `Persist` (persist.py: our journals,
 syncs, checkpoints, close), `Following` (following.py: the other engines'
-journals and bytes), `Reclaim` (reclaim.py: a dead engine's blocks). The
+journals and bytes), `Reclaim` (reclaim.py: a dead engine's blocks), `Labels`
+(labels.py: a description per key for the layers above, the KV events'). The
 index, the stats and the I/O thread are the Store's, handed to the parts.
 
 Threading contract: one thread calls a Store (the owner's thread); its I/O
@@ -77,6 +78,7 @@ from aiokv.data.dirs import NotAStore  # noqa: F401  (re-exported: aiokv.store)
 from aiokv.store.following import Following
 from aiokv.store.fsthread import FsThread
 from aiokv.store.index import Index, Namespace
+from aiokv.store.labels import Labels
 from aiokv.store.meta import Dirs, Opener, ns_dir  # noqa: F401  (ns_dir: callers name a namespace's directory)
 from aiokv.store.persist import Persist
 from aiokv.store.reclaim import Reclaim
@@ -130,6 +132,7 @@ class Store:
                            self.stats, self.persist, self.following.peer_bytes)
         self.scan = Scan(self.dirs, self.space, fs, self.persist)
         replay = Replay(self.dirs, self.index, self.space, self.persist, self.scan)
+        self.labels = Labels(self.dirs, fs)  # a description per key, for the connector's KV events
         self.reclaim = Reclaim(self.dirs, self.index, fs, self.stats, self.following, self.space, sync_interval)
         self.opener = Opener(self.dirs, self.index, replay, self.following, self.space, fs)
         try:
@@ -335,6 +338,7 @@ class Store:
     def _close_files(self) -> None:
         """After the journals, on the same thread: every other file, then our lock."""
         self.reclaim.release()
+        self.labels.close()
         self.following.close()
         self.space.close()
         self.dirs.close()
