@@ -51,6 +51,7 @@ class AioKVConfig:
     flush_timeout: float = 10.0       # seconds a clean shutdown waits for pending uploads
     # a keyed MAC on every block (local and in the bucket); without the same secret a block is a miss
     secret: str | None = dataclasses.field(default=None, repr=False)
+    kv_events: bool = True            # KV events for routers, where vLLM publishes them (kv_events_config)
     bucket_unsigned: bool = False     # true: accept a bucket tier without a secret (anyone who can write
                                       # the bucket can then plant blocks that verify)
 
@@ -115,7 +116,7 @@ class AioKVConfig:
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 64:
                 raise ConfigError("aiokv: checksum_threads must be a whole number from 0 (on the loop thread) to 64")
             cfg.checksum_threads = v
-        for name in ("strict_load_failures", "layerwise", "bucket_unsigned"):
+        for name in ("strict_load_failures", "layerwise", "bucket_unsigned", "kv_events"):
             if name in extra:
                 v = extra.pop(name)
                 if not isinstance(v, bool):

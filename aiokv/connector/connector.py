@@ -73,6 +73,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
                 log.info("aiokv: kv_role %s: %s", self.kv_role, "saves blocks and offers no hits"
                          if self.kv_role == "kv_producer" else "offers hits and saves nothing")
             self.scheduler_role.open(self._kv_transfer_config)
+            self.scheduler_role.use_events(vllm_config, kv_cache_config)
 
     @property
     def sched(self):
@@ -117,6 +118,9 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return self.scheduler_role.build_connector_meta(scheduler_output)
+
+    def take_events(self):
+        return self.scheduler_role.take_events()
 
     def update_connector_output(self, connector_output) -> None:
         self.scheduler_role.update_connector_output(connector_output)

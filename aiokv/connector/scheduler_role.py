@@ -65,6 +65,7 @@ class SchedulerRole:
         self._queried: dict[str, int] = {}   # request -> tokens asked of us at its last lookup
         self._queried_tokens = 0
         self._bucket_tokens: dict[str, int] = {}  # request -> hit tokens from the bucket (hit sources)
+        self.events = None  # KV events for routers (events.py); None: vLLM publishes none, or kv_events is off
 
     def open(self, kv_transfer_config) -> None:
         from aiokv.util.breaker import Breaker
@@ -117,6 +118,34 @@ class SchedulerRole:
         log.info("aiokv %s: cache %s, namespace %s (%s), %d blocks stored", __version__, self.cfg.path,
                  self.nsid.hex(), ", ".join(g.kind for g in self.groups), sum(len(ns.entries) for _, ns in spaces))
 
+    def use_events(self, vllm_config, kv_cache_config) -> None:
+        """Emit KV events (events.py) if vLLM publishes them and the kv_events setting is on; an
+        engine that offers no hits (kv_producer, or one that cannot use a cached prefix) announces
+        nothing: a router must not send it prompts for blocks it will not load."""
+        kec = getattr(vllm_config, "kv_events_config", None)
+        if self.sched is None or not self.cfg.kv_events or kec is None or not kec.enable_kv_cache_events \
+                or not self.offer_hits:
+            return
+        from aiokv.connector.events import KVEvents
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+        hbs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1]
+        specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+        groups = [(g.spec.index, g.ns, str(get_kv_cache_spec_kind(specs[g.spec.index]).value),
+                   get_kv_cache_spec_sliding_window(specs[g.spec.index])) for g in self.sched.groups]
+        self.events = KVEvents(self.sched.store, groups, self.block_size, hbs,
+                               str(vllm_config.cache_config.prefix_caching_hash_algo))
+
+    def take_events(self):
+        if self.events is None:
+            return ()
+        try:
+            return self.events.take()
+        except Exception:
+            log.exception("aiokv: building KV events failed; this step's are lost")
+            return ()
+
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         """The hit split by where its blocks come from: the bucket tier (vLLM's
         label for a remote store is external_unspecified) and the local cache directory
@@ -156,6 +185,8 @@ class SchedulerRole:
             self.epoch = os.urandom(16).hex()
             self._roots.clear()
             self.sched.new_epoch()
+            if self.events is not None:
+                self.events.reset()
         except Exception:
             log.exception("aiokv: resetting the cache failed")
             return False
@@ -163,6 +194,8 @@ class SchedulerRole:
         return True
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.events is not None:
+            self.events.request(request)
         if self.sched is None or not self.offer_hits or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         try:
@@ -208,7 +241,13 @@ class SchedulerRole:
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         boundary = state.boundary_state_offloads if state is not None else None
         decode_like = all(n <= 1 + len(spec.get(r, ())) for r, n in n_sched.items())
-        return AioKVMetadata(self.sched.plan(items, boundary), decode_like, idle)  # plan() contains its own failures
+        plan = self.sched.plan(items, boundary)  # plan() contains its own failures
+        if self.events is not None and plan.saves:
+            try:
+                self.events.planned(plan.saves, self.sched.requests)
+            except Exception:
+                log.exception("aiokv: describing this step's saves for KV events failed; they are not announced")
+        return AioKVMetadata(plan, decode_like, idle)
 
     def update_connector_output(self, connector_output) -> None:
         if self.sched is None:
@@ -231,6 +270,8 @@ class SchedulerRole:
         self._roots.pop(request.request_id, None)
         self._queried.pop(request.request_id, None)
         self._bucket_tokens.pop(request.request_id, None)
+        if self.events is not None:
+            self.events.finished(request.request_id)
         if self.sched is None:
             return False, None
         try:

@@ -304,5 +304,10 @@ class SchedulerSide:
         return len(self.jobs.later)
 
     @property
+    def requests(self) -> dict[str, Req]:
+        """What is known of each request alive (read-only for callers: the KV events' labels)."""
+        return self._reqs
+
+    @property
     def active_requests(self) -> int:
         return len(self._reqs)

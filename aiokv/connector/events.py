@@ -1,0 +1,261 @@
+"""KV events for cache-aware routers (vLLM's kv_events_config: BlockStored / BlockRemoved,
+published by vLLM from the scheduler's connector.take_events()).
+
+- BlockStored, medium STORAGE, once a block becomes a hit here: committed by this engine
+  (every rank wrote it), or committed by another engine on the same directory and followed.
+- BlockRemoved when it stops being one: evicted (by this engine, or by the other engine
+  whose copy it was), dropped as damaged, or no longer served after a cache reset.
+- At start, the blocks already stored for this engine's namespace, in batches of at most
+  ANNOUNCE_BATCH per step (vLLM publishes what take_events returns once per engine step,
+  so the first batch goes out with the engine's first step).
+
+Each event carries what vLLM's own events carry for the same tokens (one event per
+block, as vLLM's CPU offloading does): the block's hash from the request's
+`block_hashes` (at the group's block size) converted as vLLM converts its own
+(maybe_convert_block_hash: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), the parent block's
+hash, the block's token ids, block_size, the LoRA, group_idx, the group's spec kind and
+sliding window, locality LOCAL. extra_keys is left out, as in vLLM's own offloading
+connector (the hash still covers them).
+
+What a restart needs is kept with the store (store/labels.py): per block, its hashes,
+its tokens and the fingerprint of vLLM's hashing (algorithm, NONE_HASH, which the seed
+and PYTHONHASHSEED decide, and the block sizes). A block stored under another
+fingerprint is not announced: its hash would not be the one this engine's router
+computes. Blocks saved after a cache reset are not labelled (no engine loads them
+after a restart). Labels describe, they are never trusted for bytes.
+
+Threading contract: the EngineCore scheduler thread only (the SchedulerRole's calls);
+the labels' file calls run on the store's I/O thread.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import struct
+import time
+from array import array
+
+log = logging.getLogger("aiokv")
+
+ANNOUNCE_BATCH = 1024   # stored blocks announced per step at start
+HELD = 1 << 16          # labels held for blocks not yet committed here (saves in flight, other engines')
+READ_EVERY = 1.0        # seconds between reads of the other engines' labels while some are missing
+_LABEL = struct.Struct("<8sBBHqI")  # fingerprint, hash len, parent len, LoRA name len, LoRA id, tokens
+
+
+def pack_label(fp: bytes, h: bytes, parent: bytes | None, lora_name: str | None, lora_id: int | None,
+               tokens) -> bytes:
+    parent, name = parent or b"", (lora_name or "").encode()
+    toks = array("I", tokens).tobytes()
+    return _LABEL.pack(fp, len(h), len(parent), len(name), -1 if lora_id is None else lora_id,
+                       len(toks) // 4) + h + parent + name + toks
+
+
+def unpack_label(raw: bytes):
+    """(fingerprint, hash, parent or None, LoRA name or None, LoRA id or None, tokens); None if damaged."""
+    if len(raw) < _LABEL.size:
+        return None
+    fp, hl, pl, nl, lid, nt = _LABEL.unpack_from(raw)
+    off = _LABEL.size
+    if len(raw) != off + hl + pl + nl + 4 * nt or not hl:
+        return None
+    h, parent = raw[off:off + hl], raw[off + hl:off + hl + pl] or None
+    off += hl + pl
+    try:
+        name = raw[off:off + nl].decode() or None
+    except UnicodeDecodeError:
+        return None
+    return fp, h, parent, name, None if lid < 0 else lid, array("I", raw[off + nl:]).tolist()
+
+
+def hash_fingerprint(algo: str, none_hash: bytes, hash_block_size: int, block_size: int) -> bytes:
+    """8 bytes naming how vLLM hashes blocks in this engine."""
+    return hashlib.blake2b(repr((algo, bytes(none_hash), hash_block_size, block_size)).encode(),
+                           digest_size=8, person=b"aiokv-vllmhash").digest()
+
+
+class KVEvents:
+    def __init__(self, store, groups, block_size: int, hash_block_size: int, algo: str):
+        """groups: [(group index, store namespace, spec kind, sliding window or None)]."""
+        self.store = store
+        self.groups = groups
+        self.bs, self.hbs, self.algo = block_size, hash_block_size or block_size, algo
+        self.fp: bytes | None = None          # vLLM's NONE_HASH exists only once the engine is up
+        self._reqs: dict[str, tuple] = {}     # request -> (its live block_hashes, LoRA name, LoRA id)
+        self._pos: dict[str, tuple[int, dict]] = {}  # request -> (id of its key list, key -> block index)
+        self._held: collections.OrderedDict = collections.OrderedDict()  # (group, key) -> our saves' labels
+        self._book: collections.OrderedDict = collections.OrderedDict()  # the same, other engines' (read)
+        self._announced: dict[tuple[int, bytes], bytes] = {}  # (group, key) -> the raw hash announced
+        self._unknown: dict[tuple[int, bytes], None] = {}  # hits here (other engines') whose label is unread
+        self._backlog: collections.deque = collections.deque()  # the start announcement: (group, key, label)
+        self._out: list = []
+        self._write: dict[int, list] = {}     # group -> [(key, label)] to append to the labels file
+        self._reset = False                   # after a cache reset: what was stored before is not announced
+        self._next_read = 0.0
+        self._started = False
+        for _, ns, _, _ in groups:
+            ns.changes = []  # watch from now on; what is stored already is announced at start
+
+    # ---- the scheduler role's calls ----
+    def request(self, request) -> None:
+        """A request vLLM asked about: its hash list (vLLM extends it as tokens come) and LoRA."""
+        lr = getattr(request, "lora_request", None)
+        self._reqs[request.request_id] = (request.block_hashes, getattr(lr, "lora_name", None),
+                                          getattr(lr, "lora_int_id", None))
+
+    def finished(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+        self._pos.pop(req_id, None)
+
+    def planned(self, saves, reqs) -> None:
+        """This step's save jobs (Transfers): each block's label, held until it is committed.
+        reqs: req_id -> the scheduler side's Req (its keys and live tokens)."""
+        fp = self._fingerprint()
+        if fp is None:
+            return
+        for t in saves:
+            got, st = self._reqs.get(t.req_id), reqs.get(t.req_id)
+            if got is None or st is None:
+                continue
+            hashes, lora_name, lora_id = got
+            pos = self._positions(t.req_id, st.keys)
+            r = self.bs // self.hbs
+            for key in t.keys:
+                j = pos.get(key)
+                if j is None or (j + 1) * r > len(hashes):
+                    continue
+                parent = hashes[j * r - 1] if j else None
+                self._hold(self._held, (t.group, key), pack_label(fp, hashes[(j + 1) * r - 1], parent, lora_name, lora_id,
+                                                      st.tokens[j * self.bs:(j + 1) * self.bs]))
+
+    def reset(self) -> None:
+        """The cache was reset (the weights may have changed): nothing announced is served now."""
+        self._reset = True
+        self._backlog.clear()
+        self._unknown.clear()
+        self._held.clear()
+        self._book.clear()
+        by_group: dict[int, list] = {}
+        for (gi, _), h in self._announced.items():
+            by_group.setdefault(gi, []).append(h)
+        self._announced.clear()
+        for gi, hs in by_group.items():
+            self._out.append(self._removed(gi, hs))
+
+    def take(self) -> list:
+        """The events since the last call (vLLM's take_events, once per step)."""
+        if not self._started and self._fingerprint() is not None:
+            self._started = True
+            for gi, ns, _, _ in self.groups:
+                self.store.labels.read(ns.nsid, lambda found, gi=gi: self._read(gi, found, True),
+                                       keep=frozenset(ns.own))
+        for gi, ns, _, _ in self.groups:
+            changes, ns.changes = ns.changes, []
+            for added, key in changes:
+                (self._hit if added else self._gone)(gi, key)
+        if self._unknown and time.monotonic() >= self._next_read:
+            self._next_read = time.monotonic() + READ_EVERY
+            for gi, ns, _, _ in self.groups:
+                self.store.labels.read(ns.nsid, lambda found, gi=gi: self._read(gi, found, False))
+        for gi, items in self._write.items():
+            self.store.labels.append(self.groups[gi][1].nsid, items)
+        self._write = {}
+        for _ in range(min(len(self._backlog), ANNOUNCE_BATCH)):
+            gi, key, label = self._backlog.popleft()
+            if key in self.groups[gi][1].entries:
+                self._stored(gi, key, label)
+        out, self._out = self._out, []
+        return out
+
+    @property
+    def announcing(self) -> int:
+        """Stored blocks of the start announcement not yet handed to vLLM."""
+        return len(self._backlog)
+
+    # ---- the rest ----
+    def _fingerprint(self) -> bytes | None:
+        if self.fp is None:
+            from vllm.v1.core import kv_cache_utils
+
+            none = getattr(kv_cache_utils, "NONE_HASH", None)
+            if none is not None:
+                self.fp = hash_fingerprint(self.algo, none, self.hbs, self.bs)
+        return self.fp
+
+    def _positions(self, req_id: str, keys: list) -> dict:
+        got = self._pos.get(req_id)
+        if got is None or got[0] != id(keys):
+            got = self._pos[req_id] = (id(keys), {})
+        pos = got[1]
+        for j in range(len(pos), len(keys)):
+            pos[keys[j]] = j
+        return pos
+
+    @staticmethod
+    def _hold(into: collections.OrderedDict, k: tuple[int, bytes], label: bytes) -> None:
+        into[k] = label
+        into.move_to_end(k)
+        while len(into) > HELD:  # saves that never committed, other engines' blocks never followed
+            into.popitem(last=False)
+
+    def _hit(self, gi: int, key: bytes) -> None:
+        k = (gi, key)
+        label = self._held.pop(k, None)
+        if label is not None:  # our save's
+            if not self._reset:
+                self._write.setdefault(gi, []).append((key, label))
+        else:
+            label = self._book.pop(k, None)
+        if label is None:
+            self._unknown[k] = None  # another engine's: its label is read from its file
+            return
+        self._stored(gi, key, label)
+
+    def _gone(self, gi: int, key: bytes) -> None:
+        k = (gi, key)
+        self._unknown.pop(k, None)
+        h = self._announced.pop(k, None)
+        if h is not None:
+            self._out.append(self._removed(gi, [h]))
+
+    def _read(self, gi: int, found: dict, start: bool) -> None:
+        """Labels read from the files: at start the announcement, later other engines' blocks."""
+        if self._reset:
+            return
+        entries = self.groups[gi][1].entries
+        for key, label in found.items():
+            k = (gi, key)
+            if k in self._announced:
+                continue
+            if start:
+                if key in entries:
+                    self._backlog.append((gi, key, label))
+            elif k in self._unknown:
+                del self._unknown[k]
+                self._stored(gi, key, label)
+            elif key not in entries:
+                self._hold(self._book, k, label)  # its commit is followed later
+
+    def _stored(self, gi: int, key: bytes, label: bytes) -> None:
+        from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as conv
+
+        got = unpack_label(label)
+        if got is None or got[0] != self.fp or (gi, key) in self._announced:
+            return  # damaged, or hashed under another fingerprint: a router would not know the hash
+        _, h, parent, lora_name, lora_id, tokens = got
+        self._announced[(gi, key)] = h
+        _, _, kind, window = self.groups[gi]
+        self._out.append(BlockStored(
+            block_hashes=[conv(h)], parent_block_hash=conv(parent) if parent else None, token_ids=tokens,
+            block_size=self.bs, lora_id=lora_id, medium=MEDIUM_STORAGE, lora_name=lora_name, group_idx=gi,
+            kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window, locality="LOCAL"))
+
+    @staticmethod
+    def _removed(gi: int, hashes: list[bytes]):
+        from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockRemoved
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as conv
+
+        return BlockRemoved(block_hashes=[conv(h) for h in hashes], medium=MEDIUM_STORAGE, group_idx=gi,
+                            locality="LOCAL")
