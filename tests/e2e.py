@@ -42,6 +42,36 @@ def _result(rc: int, stdout: str, stderr: str) -> dict:
     raise AssertionError(f"vLLM run failed (rc {rc}):\n{stderr[-6000:]}")
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now (for a life's KV-event publisher)."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    try:
+        return s.getsockname()[1]
+    finally:
+        s.close()
+
+
+def vllm_hashes(seqs: list[list[int]], bs: int) -> dict[int, tuple[list[int], int | None]]:
+    """What vLLM's KV events call each full block of these token sequences (its own hash function,
+    sha256 under this process's PYTHONHASHSEED, converted as its events convert it):
+    hash -> (the block's tokens, the parent block's hash or None)."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash, resolve_none_hash_seed
+
+    out = {}
+    for seq in seqs:
+        parent, prev = sha256(resolve_none_hash_seed(sha256)), None
+        for j in range(len(seq) // bs):
+            parent = hash_block_tokens(sha256, parent, seq[j * bs:(j + 1) * bs])
+            h = maybe_convert_block_hash(parent)
+            out[h] = (seq[j * bs:(j + 1) * bs], prev)
+            prev = h
+    return out
+
+
 def prompts(n: int, length: int, seed: int = 0, prefix: list[int] | None = None) -> list[list[int]]:
     rnd = random.Random(seed)
     pre = prefix or []

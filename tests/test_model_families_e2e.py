@@ -36,7 +36,7 @@ import pytest
 from aiokv.demo import tiny_model
 from aiokv.data.faults import ACK
 from tests.damage import StoredBlocks
-from tests.e2e import happened, prompts, run
+from tests.e2e import free_port, happened, prompts, run, vllm_hashes
 
 pytestmark = pytest.mark.vllm
 
@@ -79,12 +79,33 @@ def stored(models, tmp_path_factory):
             spec = dict(model=models[family], dtype=dtype, block_size=bs,
                         phases=[dict(prompts=_mixed(lengths, bs, seed=11), max_tokens=12)])
             base = run(spec)
-            cold = run(dict(spec, cache=cache))
+            cold = run(dict(spec, cache=cache, kv_events=free_port()))
             happened(cold, base, saves_committed=">0", hit_blocks=0)
+            _events_match_vllms_own(spec, cold, family)
             done[family] = (spec, base["tokens"], cache)
         return done[family]
 
     return get
+
+
+def _events_match_vllms_own(spec: dict, cold: dict, family: str) -> None:
+    """aiokv's KV events per group (tests/test_kv_events_reach_a_subscriber_e2e.py compares them
+    with vLLM's own events for one group): each STORAGE BlockStored is one block of a request
+    (prompt and reply) with the hash, tokens and parent vLLM's hash function gives them; every
+    block aiokv committed is announced once per group; each group aiokv saves in has some.
+    (vLLM's own GPU events are no reference here: a window group's skip the blocks that slid
+    out before vLLM cached them, which aiokv saved while they were in the window.)"""
+    ph = spec["phases"][0]["prompts"]
+    bs = spec["block_size"] or len(next(e[5] for e in cold["events"] if e[1] == "STORAGE"))
+    want = vllm_hashes([p + out for p, out in zip(ph, cold["tokens"][0])], bs)
+    mine = [e for e in cold["events"] if e[0] == "stored" and e[1] == "STORAGE"]
+    assert len(mine) == cold["counters"]["saves_committed"], (family, len(mine))
+    assert len({(e[2], e[3][0]) for e in mine}) == len(mine), (family, "a block announced twice")
+    for e in mine:
+        assert e[3][0] in want, (family, "not a hash vLLM gives any block of these requests", e[2])
+        assert want[e[3][0]] == (e[5], e[4]), (family, "tokens or parent differ from vLLM's")
+    groups = {e[2] for e in mine}
+    assert groups == {0, 1} if family == "gemma2" else groups, (family, groups)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -10,7 +10,9 @@ return aiokv's Prometheus series as `metrics`),
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config), kv_role (aiokv's,
 kv_both unless given), with_connector (another connector's kv_transfer_config: aiokv and it run
 under vLLM's MultiConnector, aiokv first unless aiokv_first is false),
-ready_file (created once the engine is up), audit_fs (RESULT lists the file-system
+ready_file (created once the engine is up), kv_events (a port: vLLM publishes its KV events
+there over ZMQ and a subscriber here collects them in "events": [type, medium, group, hashes,
+parent, token ids] each, in order), audit_fs (RESULT lists the file-system
 calls aiokv made on vLLM's thread while the phases ran),
 phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps}, abort_preempted?: n (abort
 the first n requests seen preempted, in the step they are; where each abort landed: "aborted_while"),
@@ -73,12 +75,24 @@ def main(spec: dict) -> dict:
             kw["kv_transfer_config"] = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
                                         "kv_connector_extra_config": {
                                             "connectors": both if spec.get("aiokv_first", True) else both[::-1]}}
+    sub = None
+    if spec.get("kv_events"):  # vLLM's ZMQ publisher, and a subscriber connected before the first request
+        import zmq
+
+        kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                  "endpoint": f"tcp://*:{spec['kv_events']}", "topic": "kv"}
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.connect(f"tcp://127.0.0.1:{spec['kv_events']}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     llm = LLM(**kw)
     if spec.get("ready_file"):  # tests waiting for the engine to be up
         open(spec["ready_file"], "w").close()
     engine = llm.llm_engine
     result: dict = {"tokens": [], "cached": [], "finish": [], "preemptions": 0, "aborted_while": {},
                     "pending_saves_at_finish": 0}
+    if sub is not None:
+        time.sleep(0.5)  # the subscription reaches the publisher before anything is published
+        result["events"] = []
     if not MP:  # the engine core lives in this process: look inside
         core = engine.engine_core.engine_core
         sched = core.scheduler
@@ -155,6 +169,8 @@ def main(spec: dict) -> dict:
 
                 os.killpg(killer, signal.SIGKILL)
                 result["killed_at_step"] = step
+            if sub is not None:
+                _take_events(sub, result["events"], 0)
             for o in engine.step():
                 if o.finished and outs.get(o.request_id) is None and o.request_id not in outs:
                     outs[o.request_id] = o
@@ -173,6 +189,8 @@ def main(spec: dict) -> dict:
         result["tokens"].append(toks)
         result["cached"].append(cached)
         result["finish"].append(fin)
+    if sub is not None:
+        _take_events(sub, result["events"], 1.0)
     if audit is not None:
         result["fs_calls_on_engine_thread"] = sorted(audit.pop())
     if MP:  # aiokv's counters live in the engine core process: read them as vLLM exports them
@@ -211,6 +229,25 @@ def main(spec: dict) -> dict:
     result["requests_left"] = len(sched.requests)
     core.shutdown()
     return result
+
+
+def _take_events(sub, into: list, quiet: float) -> None:
+    """Every event batch the subscriber has, then until none came for `quiet` seconds."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+    while sub.poll(int(quiet * 1000)):
+        _, _, payload = sub.recv_multipart(zmq.NOBLOCK)
+        for e in dec.decode(payload).events:
+            if isinstance(e, BlockStored):
+                into.append(["stored", e.medium, e.group_idx, list(e.block_hashes), e.parent_block_hash,
+                             list(e.token_ids)])
+            elif isinstance(e, BlockRemoved):
+                into.append(["removed", e.medium, e.group_idx, list(e.block_hashes), None, []])
+            else:
+                into.append(["cleared", None, None, [], None, []])
 
 
 def _worker_counters(worker) -> dict:

@@ -1,0 +1,148 @@
+"""KV events on a shared directory, across restarts, and over damaged label files (no engine).
+
+Bug: a router learns what a node holds only from its events, but blocks another engine
+on the same directory commits are hits here too, and that engine may evict them; a
+restarted engine must announce what its disk holds, but only under the hashing its
+router uses; and a labels file is a file anyone with access may damage.
+Invariant: a block another engine commits is announced here once its label is read, and
+removed here when that engine evicts it; a restart announces exactly the stored blocks
+whose labels verify and were hashed the same way; a damaged or foreign record is never
+announced and never raises; what was announced before a cache reset is removed.
+Fix: aiokv/connector/events.py over aiokv/store/labels.py and the index's change list.
+"""
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+from vllm.utils.hashing import sha256
+from vllm.v1.core import kv_cache_utils
+
+from aiokv.connector.events import KVEvents
+from aiokv.jobs import Transfer
+from aiokv.scheduler.state import Req
+from aiokv.store import Store
+
+BS = 4
+NSID = bytes(range(16))
+
+
+@pytest.fixture(autouse=True)
+def none_hash(monkeypatch):
+    monkeypatch.setattr(kv_cache_utils, "NONE_HASH", sha256("seed"), raising=False)
+
+
+def _open(root: str, engine: int) -> tuple[Store, object]:
+    st = Store(root, capacity="1GiB", engine=engine)
+    st.follow_interval = 0.0
+    return st, st.namespace(NSID, 4096, fields={"t": 1})
+
+
+def _events(st, ns) -> KVEvents:
+    return KVEvents(st, [(0, ns, "full_attention", None)], BS, BS, "sha256")
+
+
+def _save(st, ns, ev: KVEvents, rid: str, n: int, first: int = 0) -> list[bytes]:
+    """Blocks first..n-1 of request rid saved and committed, as the scheduler side does."""
+    tokens = [first * 1000 + i for i in range(n * BS)]
+    keys = [os.urandom(32) for _ in range(n)]
+    hashes = [sha256((keys[j - 1] if j else None, tuple(tokens[j * BS:(j + 1) * BS]))) for j in range(n)]
+    ev.request(types.SimpleNamespace(request_id=rid, block_hashes=hashes, lora_request=None))
+    items = [(k, st.reserve(ns, k)) for k in keys]
+    ev.planned([Transfer(rid, keys, [s for _, s in items], list(range(n)))],
+               {rid: Req(tokens, b"r", keys=keys)})
+    st.commit(ns, items)
+    return keys
+
+
+def _stored(events) -> list:
+    return [e for e in events if type(e).__name__ == "BlockStored"]
+
+
+def _removed(events) -> list:
+    return [h for e in events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes]
+
+
+def test_another_engines_blocks_are_announced_and_removed_here(tmp_path):
+    a, nsa = _open(str(tmp_path), 0)
+    b, nsb = _open(str(tmp_path), 1)
+    ea, eb = _events(a, nsa), _events(b, nsb)
+    keys = _save(b, nsb, eb, "q", 3)
+    mine = _stored(eb.take())  # b's own events; its labels reach its file
+    assert len(mine) == 3 and [e.token_ids for e in mine] == [list(range(i * BS, (i + 1) * BS)) for i in range(3)]
+    assert mine[0].parent_block_hash is None and mine[1].parent_block_hash == mine[0].block_hashes[0]
+    a.refresh()  # a follows b's journal: the blocks are hits here
+    assert all(k in nsa.entries for k in keys)
+    got = _stored(ea.take()) + _stored(ea.take())
+    assert sorted(e.block_hashes[0] for e in got) == sorted(e.block_hashes[0] for e in mine)
+    assert all(e.medium == "STORAGE" and e.group_idx == 0 for e in got)
+    # b evicts one (its own copy: drop), a follows and reports it removed
+    b.drop(nsb, [keys[1]], corrupt=False)
+    a.refresh()
+    assert _removed(ea.take()) == [mine[1].block_hashes[0]]
+    assert _removed(eb.take()) == [mine[1].block_hashes[0]]
+    a.close(), b.close()
+
+
+def test_a_restart_announces_what_is_stored_under_the_same_hashing(tmp_path, monkeypatch):
+    st, ns = _open(str(tmp_path), 0)
+    ev = _events(st, ns)
+    keys = _save(st, ns, ev, "r", 5)
+    first = _stored(ev.take())
+    st.drop(ns, [keys[4]], corrupt=False)
+    assert len(_removed(ev.take())) == 1
+    st.close()
+
+    st, ns = _open(str(tmp_path), 0)
+    ev = _events(st, ns)
+    got = _stored(ev.take())
+    assert [e.block_hashes for e in got] == [e.block_hashes for e in first[:4]], "the announcement"
+    assert [e.token_ids for e in got] == [e.token_ids for e in first[:4]]
+    st.close()
+
+    monkeypatch.setattr(kv_cache_utils, "NONE_HASH", sha256("another seed"))
+    st, ns = _open(str(tmp_path), 0)
+    ev = _events(st, ns)
+    assert not _stored(ev.take()) and not ev.announcing, "announced under other hashing"
+    st.close()
+
+
+def test_damaged_labels_are_never_announced_and_never_raise(tmp_path):
+    st, ns = _open(str(tmp_path), 0)
+    ev = _events(st, ns)
+    _save(st, ns, ev, "r", 6)
+    assert len(_stored(ev.take())) == 6
+    st.close()
+    path = os.path.join(str(tmp_path), "ns", NSID.hex(), "labels")
+    raw = bytearray(open(path, "rb").read())
+    rec = (len(raw) - 64) // 6
+    raw[64 + 3 * rec + 20] ^= 0xFF  # the fourth record's body: its CRC fails, the read stops there
+    open(path, "wb").write(bytes(raw) + os.urandom(100))  # and a garbage tail
+    st, ns = _open(str(tmp_path), 0)
+    ev = _events(st, ns)
+    assert len(_stored(ev.take())) == 3
+    st.close()
+    open(path, "wb").write(os.urandom(4096))  # not a labels file at all
+    st, ns = _open(str(tmp_path), 0)
+    ev = _events(st, ns)
+    assert _stored(ev.take()) == []
+    # new saves still get labelled (the file is started anew) and announced
+    _save(st, ns, ev, "s", 2, first=7)
+    assert len(_stored(ev.take())) == 2
+    st.close()
+
+
+def test_a_cache_reset_removes_what_was_announced(tmp_path):
+    st, ns = _open(str(tmp_path), 0)
+    ev = _events(st, ns)
+    _save(st, ns, ev, "r", 3)
+    announced = [e.block_hashes[0] for e in _stored(ev.take())]
+    ev.reset()
+    assert sorted(_removed(ev.take())) == sorted(announced)
+    _save(st, ns, ev, "s", 2, first=5)  # after the reset: announced, not labelled for a restart
+    assert len(_stored(ev.take())) == 2
+    st.close()
+    st, ns = _open(str(tmp_path), 0)
+    assert len(_stored(_events(st, ns).take())) == 3
+    st.close()
