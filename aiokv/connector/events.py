@@ -77,9 +77,13 @@ def hash_fingerprint(algo: str, none_hash: bytes, hash_block_size: int, block_si
 
 class KVEvents:
     def __init__(self, store, groups, block_size: int, hash_block_size: int, algo: str):
-        """groups: [(group index, store namespace, spec kind, sliding window or None)]."""
+        """groups: [(group index, store namespace, spec kind, sliding window or None)]; the store
+        may be several drives' (store/drives.py): each drive's part is watched and labelled."""
         self.store = store
         self.groups = groups
+        # group -> [(the Store, its Namespace)]: one per drive
+        self._parts = {gi: [(store.stores[d], part) for d, part in ns.parts] if hasattr(ns, "parts")
+                       else [(store, ns)] for gi, ns, _, _ in groups}
         self.bs, self.hbs, self.algo = block_size, hash_block_size or block_size, algo
         self.fp: bytes | None = None          # vLLM's NONE_HASH exists only once the engine is up
         self._reqs: dict[str, tuple] = {}     # request -> (its live block_hashes, LoRA name, LoRA id)
@@ -90,12 +94,13 @@ class KVEvents:
         self._unknown: dict[tuple[int, bytes], None] = {}  # hits here (other engines') whose label is unread
         self._backlog: collections.deque = collections.deque()  # the start announcement: (group, key, label)
         self._out: list = []
-        self._write: dict[int, list] = {}     # group -> [(key, label)] to append to the labels file
+        self._write: dict[tuple, list] = {}   # (group, drive part) -> [(key, label)] for its labels file
         self._reset = False                   # after a cache reset: what was stored before is not announced
         self._next_read = 0.0
         self._started = False
-        for _, ns, _, _ in groups:
-            ns.changes = []  # watch from now on; what is stored already is announced at start
+        for parts in self._parts.values():
+            for _, part in parts:
+                part.changes = []  # watch from now on; what is stored already is announced at start
 
     # ---- the scheduler role's calls ----
     def request(self, request) -> None:
@@ -147,19 +152,26 @@ class KVEvents:
         """The events since the last call (vLLM's take_events, once per step)."""
         if not self._started and self._fingerprint() is not None:
             self._started = True
-            for gi, ns, _, _ in self.groups:
-                self.store.labels.read(ns.nsid, lambda found, gi=gi: self._read(gi, found, True),
-                                       keep=frozenset(ns.own))
-        for gi, ns, _, _ in self.groups:
-            changes, ns.changes = ns.changes, []
-            for added, key in changes:
-                (self._hit if added else self._gone)(gi, key)
+            for gi, parts in self._parts.items():
+                for st, part in parts:
+                    st.labels.read(part.nsid, lambda found, gi=gi: self._read(gi, found, True),
+                                   keep=frozenset(part.own))
+        for gi, parts in self._parts.items():
+            for pi, (_, part) in enumerate(parts):
+                changes, part.changes = part.changes, []
+                for added, key in changes:
+                    if added:
+                        self._hit(gi, pi, key)
+                    else:
+                        self._gone(gi, key)
         if self._unknown and time.monotonic() >= self._next_read:
             self._next_read = time.monotonic() + READ_EVERY
-            for gi, ns, _, _ in self.groups:
-                self.store.labels.read(ns.nsid, lambda found, gi=gi: self._read(gi, found, False))
-        for gi, items in self._write.items():
-            self.store.labels.append(self.groups[gi][1].nsid, items)
+            for gi, parts in self._parts.items():
+                for st, part in parts:
+                    st.labels.read(part.nsid, lambda found, gi=gi: self._read(gi, found, False))
+        for (gi, pi), items in self._write.items():
+            st, part = self._parts[gi][pi]
+            st.labels.append(part.nsid, items)
         self._write = {}
         for _ in range(min(len(self._backlog), ANNOUNCE_BATCH)):
             gi, key, label = self._backlog.popleft()
@@ -199,12 +211,12 @@ class KVEvents:
         while len(into) > HELD:  # saves that never committed, other engines' blocks never followed
             into.popitem(last=False)
 
-    def _hit(self, gi: int, key: bytes) -> None:
+    def _hit(self, gi: int, pi: int, key: bytes) -> None:
         k = (gi, key)
         label = self._held.pop(k, None)
-        if label is not None:  # our save's
+        if label is not None:  # our save's (on drive part pi)
             if not self._reset:
-                self._write.setdefault(gi, []).append((key, label))
+                self._write.setdefault((gi, pi), []).append((key, label))
         else:
             label = self._book.pop(k, None)
         if label is None:
@@ -213,6 +225,8 @@ class KVEvents:
         self._stored(gi, key, label)
 
     def _gone(self, gi: int, key: bytes) -> None:
+        if key in self.groups[gi][1].entries:
+            return  # still a hit: another drive holds it too
         k = (gi, key)
         self._unknown.pop(k, None)
         h = self._announced.pop(k, None)
