@@ -42,6 +42,19 @@ def _result(rc: int, stdout: str, stderr: str) -> dict:
     raise AssertionError(f"vLLM run failed (rc {rc}):\n{stderr[-6000:]}")
 
 
+def stored_blocks(cache: str) -> int:
+    """Blocks the cache directory holds (0 if it does not exist), every namespace and engine."""
+    if not os.path.exists(cache):
+        return 0
+    from aiokv.store import Store
+
+    st = Store(cache, readonly=True)
+    try:
+        return sum(len(ns.entries) for ns in st.index.namespaces.values())
+    finally:
+        st.close()
+
+
 def free_port() -> int:
     """A TCP port free on this machine now (for a life's KV-event publisher)."""
     import socket

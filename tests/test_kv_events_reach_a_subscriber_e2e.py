@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from aiokv.store import Store
-from tests.e2e import free_port, happened, prompts, run
+from tests.e2e import free_port, happened, prompts, run, stored_blocks
 
 pytestmark = pytest.mark.vllm
 PS = prompts(3, 300, seed=61)   # 9 full blocks of 32 each
@@ -31,14 +31,6 @@ def _storage(res: dict, kind: str) -> list:
 
 def _blocks(ps: list[list[int]]) -> set[tuple]:
     return {tuple(p[j * 32:(j + 1) * 32]) for p in ps for j in range(9)}
-
-
-def _stored_count(cache: str) -> int:
-    st = Store(cache, readonly=True)
-    try:
-        return sum(len(ns.entries) for ns in st.index.namespaces.values())
-    finally:
-        st.close()
 
 
 def test_stored_evicted_and_restarted_blocks_reach_a_subscriber(tiny_model, tmp_path):
@@ -91,7 +83,7 @@ def test_stored_evicted_and_restarted_blocks_reach_a_subscriber(tiny_model, tmp_
     assert removed and len(removed) == len(set(removed)), removed
     assert set(removed) <= hashes & announced, "a removal of a block never announced"
     # what the subscriber holds at the end is what the disk holds
-    assert len(announced) - len(removed) == _stored_count(cache)
+    assert len(announced) - len(removed) == stored_blocks(cache)
 
 
 def test_no_events_when_turned_off(tiny_model, tmp_path):

@@ -18,24 +18,13 @@ import os
 
 import pytest
 
-from aiokv.store import Store
-from tests.e2e import happened, prompts, run
+from tests.e2e import happened, prompts, run, stored_blocks
 
 pytestmark = pytest.mark.vllm
 FAULTS_ACK = "inject I/O faults"
 PS = prompts(3, 300, seed=41)     # 300 tokens: 9 full blocks of 32 each, all 9 a possible hit
 NEW = prompts(3, 300, seed=42)
 BLOCKS = 3 * (299 // 32)
-
-
-def _stored(cache: str) -> int:
-    if not os.path.exists(cache):
-        return 0
-    st = Store(cache, readonly=True)
-    try:
-        return sum(len(ns.entries) for ns in st.index.namespaces.values())
-    finally:
-        st.close()
 
 
 def test_producer_only_saves_and_consumer_only_loads(tiny_model, tmp_path):
@@ -55,7 +44,7 @@ def test_producer_only_saves_and_consumer_only_loads(tiny_model, tmp_path):
     # ...and on a cache that holds nothing it computes everything and writes nothing
     happened(run(dict(spec, cache=other, kv_role="kv_consumer")), base, hit_blocks=0, saves_committed=0,
              saves_planned=0)
-    assert _stored(other) == 0 and _stored(cache) == 2 * BLOCKS
+    assert stored_blocks(other) == 0 and stored_blocks(cache) == 2 * BLOCKS
 
 
 def test_next_to_another_connector_one_loads_and_failures_stay_apart(tiny_model, tmp_path):
