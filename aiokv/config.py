@@ -51,6 +51,8 @@ class AioKVConfig:
     flush_timeout: float = 10.0       # seconds a clean shutdown waits for pending uploads
     # a keyed MAC on every block (local and in the bucket); without the same secret a block is a miss
     secret: str | None = dataclasses.field(default=None, repr=False)
+    admit: str = "all"                # which blocks go to disk: all, or reused (seen a second time: admission.py)
+    admit_window: int = 1 << 20       # admit reused: first sightings remembered (2.5 MiB of memory per 1M)
     kv_events: bool = True            # KV events for routers, where vLLM publishes them (kv_events_config)
     bucket_unsigned: bool = False     # true: accept a bucket tier without a secret (anyone who can write
                                       # the bucket can then plant blocks that verify)
@@ -93,6 +95,16 @@ class AioKVConfig:
                 raise ConfigError(f"aiokv: memory: {e}") from None
             if cfg.memory < 0:
                 raise ConfigError("aiokv: memory must be 0 (off) or a size such as 4GiB")
+        if "admit" in extra:
+            cfg.admit = extra.pop("admit")
+            if cfg.admit not in ("all", "reused"):
+                raise ConfigError(f"aiokv: admit must be all (every block to disk) or reused (blocks seen twice), "
+                                  f"not {cfg.admit!r}")
+        if "admit_window" in extra:
+            v = extra.pop("admit_window")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 30:
+                raise ConfigError("aiokv: admit_window must be a whole number of sightings from 1 to 2^30")
+            cfg.admit_window = v
         if "io" in extra:
             cfg.io = extra.pop("io")
             if cfg.io not in ("auto", "uring", "threads"):

@@ -109,6 +109,10 @@ class SchedulerRole:
                                    Breaker(self.cfg.breaker_failures, self.cfg.breaker_cooldown))
         self.sched.layerwise = self.layerwise
         self.sched.saves = self.kv_role != "kv_consumer"
+        if self.cfg.admit != "all":
+            from aiokv.scheduler.admission import Admission
+
+            self.sched.admission = Admission(self.cfg.admit, self.cfg.admit_window)
         if self.cfg.bucket:
             from aiokv.bucket.lookup import BucketLookup
             from aiokv.data.format import slot_bytes

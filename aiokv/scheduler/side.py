@@ -32,6 +32,7 @@ import logging
 
 from aiokv.jobs import StepPlan, Transfer, WorkerReport
 from aiokv.scheduler import match as matching
+from aiokv.scheduler.admission import Admission
 from aiokv.scheduler import plan as planning
 from aiokv.scheduler.commits import Job, Ledger
 from aiokv.scheduler.keys import extend_keys
@@ -72,6 +73,7 @@ class SchedulerSide:
         self.disabled = False  # a worker could not start: no hits, no saves from now on
         self._saves_allowed = True  # the breaker's word for this step's saves
         self.saves = True  # False: this engine saves nothing (kv_role kv_consumer; set by the connector)
+        self.admission = Admission()  # which planned saves go to disk (admission.py; set by the connector)
         # the bucket tier's lookups (aiokv/bucket/lookup.py), set by the connector; None: no bucket tier
         self.bucket = None
         self._from_bucket: dict[str, tuple[int, int]] = {}  # req -> blocks [start, end) from the bucket tier
@@ -106,6 +108,7 @@ class SchedulerSide:
         st = self._state(req_id, tokens, root)
         usable = (len(tokens) - 1) // self.bs
         extend_keys(st.keys, root, tokens, self.bs, usable)
+        self.admission.looked_up(st, usable)
         local = num_computed // self.bs
         hit = matching.hit(self.store, self._full, self._partial, st.keys, usable, local, self.bs)
         if self.bucket is not None and not self._partial:
@@ -204,8 +207,20 @@ class SchedulerSide:
             if not self._saves_allowed:  # the breaker is open: the disk is failing
                 self.counters.saves_skipped_breaker += sum(len(keys) for _, keys, _ in parts)
                 continue
+            if self.admission.sketch is not None:
+                parts = self._admit(req_id, parts)
             plan.saves += planning.reserve(self.store, self.jobs, self.groups, self.counters, req_id, parts)
         return plan
+
+    def _admit(self, req_id: str, parts: list) -> list:
+        """The planned saves admission lets through (admit: reused); the others are counted."""
+        st, out = self._reqs[req_id], []
+        for gi, keys, blocks in parts:
+            ok = self.admission.admitted(st, keys)
+            self.counters.saves_not_admitted += ok.count(False)
+            if any(ok):
+                out.append((gi, [k for k, y in zip(keys, ok) if y], [b for b, y in zip(blocks, ok) if y]))
+        return out
 
     def _track(self, s: Scheduled, wanted: dict) -> None:
         st = self._reqs.get(s.req_id)

@@ -37,6 +37,11 @@ class Req:
     keys: list[bytes] = dataclasses.field(default_factory=list)
     block_ids: list[list[int]] = dataclasses.field(default_factory=list)  # per group
     next_save: list[int] = dataclasses.field(default_factory=list)  # per group: first block not yet considered
+    # admission (admission.py, admit: reused): keys this request met, those of them another met before,
+    # and how far its lookups reached
+    met: set = dataclasses.field(default_factory=set)
+    admit: set = dataclasses.field(default_factory=set)
+    looked: int = 0
 
 
 # what the scheduler side counts: one int per SCHEDULER row of the table of counters

@@ -107,6 +107,8 @@ TABLE: tuple[Row, ...] = (
     Row("store_enospc", "disk_full_events", COUNTER,
         "Times the file system said it was full (aiokv then lowers its capacity to what it holds).", STORE),
     Row("saves_skipped_breaker", "save_dropped_blocks", COUNTER, "", SCHEDULER, labels=(("cause", "breaker"),)),
+    Row("saves_not_admitted", "save_not_admitted_blocks", COUNTER,
+        "KV blocks not written because `admit` is reused and no other request had met their key yet.", SCHEDULER),
     Row("read_errors", "io_errors", COUNTER,
         "Disk I/O errors (EIO, short transfers; not verification failures), by op, all TP ranks together.",
         WORKER, labels=(("op", "read"),)),
