@@ -72,6 +72,8 @@ def test_reused_blocks_are_written_and_hit_after_a_restart(tiny_model, tmp_path)
     # the first sightings of PS and ONCE are not written; the second sighting of PS is
     happened(res, base, saves_not_admitted=54, saves_committed=27, hit_blocks=0)
     per_block = res["counters"]["bytes_written"] // 27
+    assert res["counters"]["drive_writes_per_day"] > 0
+    assert _inspect_wear(cache) == res["counters"]["bytes_written"], "inspect's wear is what was written"
     again = dict(spec, phases=[dict(prompts=PS, max_tokens=8), dict(prompts=ONCE, max_tokens=8)])
     warm = run(dict(again, cache=cache))
     happened(warm, run(again), hit_blocks=27, saves_not_admitted=27, saves_committed=0)
@@ -79,3 +81,15 @@ def test_reused_blocks_are_written_and_hit_after_a_restart(tiny_model, tmp_path)
     full = run(dict(spec, cache=str(tmp_path / "all"), extra={"admit": "all"}))
     happened(full, base, saves_committed=54, saves_not_admitted=0)
     assert full["counters"]["bytes_written"] == 54 * per_block
+    assert _inspect_wear(str(tmp_path / "all")) == 2 * _inspect_wear(cache), "written: all against reused"
+
+
+def _inspect_wear(cache: str) -> int:
+    from aiokv.cli.summary import summary
+    from aiokv.store import Store
+
+    st = Store(cache, readonly=True)
+    try:
+        return summary(st)["wear"]["written_bytes"]
+    finally:
+        st.close()

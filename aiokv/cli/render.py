@@ -46,6 +46,12 @@ def render_summary(d: dict) -> str:
              f"capacity:  {cap}",
              f"total:     {t['namespaces']} namespace(s), {t['blocks']} block(s), {human(t['bytes'])} "
              f"({human(t['disk_bytes'])} allocated on disk)"]
+    w = d["wear"]
+    if w["since"] is not None:
+        dwpd = w["drive_writes_per_day"]
+        lines.append(f"written:   {human(w['written_bytes'])} since {_when(w['since'])}"
+                     + (f", {dwpd:.3g} drive writes per day of its {human(w['drive_bytes'])} file system"
+                        if dwpd is not None else ""))
     for e in d["engines"]:
         state = f"running, pid {e['pid'] if e['pid'] > 0 else 'unknown'}" if e["running"] else "not running"
         lines.append(f"engine {e['engine']}:  {state}; {e['blocks']} block(s), {human(e['bytes'])} "
@@ -104,3 +110,9 @@ def render_verify(d: dict) -> str:
     elif nbad:
         lines.append("run again with --repair to drop them from the index (needs the engine stopped)")
     return "\n".join(lines)
+
+
+def _when(since: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))

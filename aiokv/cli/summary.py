@@ -15,6 +15,7 @@ from aiokv.data import format as fmt
 from aiokv.data.slotfile import data_path
 from aiokv.store.lock import engines
 from aiokv.store.store import Store, ns_dir
+from aiokv.store.wear import read_all
 
 AGE_WINDOWS = (("hour", 3600), ("day", 86400), ("week", 7 * 86400))
 
@@ -96,6 +97,8 @@ def summary(st: Store) -> dict:
         "engines": [per_engine[e] for e in sorted(per_engine)],
         # The capacity is the engine's setting, not recorded in the directory.
         "capacity_bytes": st.capacity,
+        # bytes the engines committed since the directory's first use, and what that is in drive writes per day
+        "wear": read_all(st.dirs.root_fd, st.dirs.fs_bytes),
         "namespaces": out_ns,
         "total": {
             "namespaces": len(out_ns),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from aiokv import __version__
@@ -47,6 +48,8 @@ def engine_transfer_config(own, depth: int = 8):
 
 
 class SchedulerRole:
+    _started = 0.0  # time.monotonic() at construction (the wear gauge's rate)
+
     def __init__(self, cfg, ns, ranks: int, layerwise: bool, offer_hits: bool, kv_role: str):
         self.cfg = cfg
         self.fields, self.groups, self.group_nsids = ns.fields, ns.groups, ns.group_nsids
@@ -65,6 +68,7 @@ class SchedulerRole:
         self._queried: dict[str, int] = {}   # request -> tokens asked of us at its last lookup
         self._queried_tokens = 0
         self._bucket_tokens: dict[str, int] = {}  # request -> hit tokens from the bucket (hit sources)
+        self._started = time.monotonic()
         self.events = None  # KV events for routers (events.py); None: vLLM publishes none, or kv_events is off
 
     def open(self, kv_transfer_config) -> None:
@@ -300,11 +304,19 @@ class SchedulerRole:
         out.update(queried_tokens=self._queried_tokens, disk_bytes=st.space.used(),
                    capacity_bytes=st.limit or 0, pending_saves=self.sched.pending_saves,
                    breaker_open=int(self.sched.breaker.is_open),
-                   stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()))
+                   stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()),
+                   drive_writes_per_day=self._writes_per_day(st))
         if self.sched.bucket is not None:
             out.update(self.sched.bucket.counters)
         return out
 
+
+    def _writes_per_day(self, store) -> float:
+        """This life's bytes written per day over the drives' size (an estimate: the rate since start)."""
+        stores = getattr(store, "stores", None)  # several drives (store/drives.py)
+        size = sum(s.dirs.fs_bytes for s in stores.values()) if stores is not None else store.dirs.fs_bytes
+        up = max(time.monotonic() - self._started, 60.0)
+        return round(self._totals.get("bytes_written", 0) / up * 86400 / size, 6) if size else 0.0
 
     def counters(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -79,6 +79,7 @@ from aiokv.store.following import Following
 from aiokv.store.fsthread import FsThread
 from aiokv.store.index import Index, Namespace
 from aiokv.store.labels import Labels
+from aiokv.store.wear import Wear
 from aiokv.store.meta import Dirs, Opener, ns_dir  # noqa: F401  (ns_dir: callers name a namespace's directory)
 from aiokv.store.persist import Persist
 from aiokv.store.reclaim import Reclaim
@@ -124,6 +125,7 @@ class Store:
         self.index = Index()
         self.fs = fs = FsThread(None)  # opening runs on the caller's thread
         self.engine: int | None = None
+        self.wear: Wear | None = None
         self.skipped_fs_busy = 0  # reservations skipped: the space for them was still being reserved
         self.dirs = Dirs(self.root, readonly)
         self.persist = Persist(fs, self.index, sync_interval, checkpoint_every)
@@ -138,6 +140,7 @@ class Store:
         try:
             found = self.dirs.open(engine)
             self.engine = self.dirs.engine
+            self.wear = Wear(self.dirs.root_fd, self.engine) if not readonly else None  # bytes committed
             for nsid in found:
                 self.opener.load(nsid)
             if not readonly:
@@ -233,6 +236,7 @@ class Store:
             failed.append(e)
             # Not durable, so not committed: undo; only a full disk needs room.
             self.stats.commits -= len(recs)
+            self.wear.count(-len(recs) * ns.slot_cost)
             written = set(done)
             for key, where in items:
                 if key in written and ns.own.get(key) == where & fmt.SLOT_MASK:
@@ -244,6 +248,7 @@ class Store:
             else:
                 log.warning("aiokv: %s", f"journal write failed ({os.strerror(e.errno or 0)}); "
                             f"{len(recs)} block(s) not committed")
+        self.wear.count(len(recs) * ns.slot_cost)
         self.persist.append(ns, recs, undo)
         if not failed:
             self.persist.checkpoint_if_due(ns)
@@ -321,8 +326,11 @@ class Store:
         return self.scan.verify_slot(ns, key, where)
 
     def flush_if_due(self) -> None:
-        """fdatasync journals whose last sync is older than sync_interval (call often; cheap)."""
+        """fdatasync journals whose last sync is older than sync_interval (call often; cheap);
+        the wear file every wear.SAVE_EVERY seconds."""
         self.persist.flush_if_due()
+        if self.wear is not None and self.wear.due():
+            self.fs.submit(lambda snap=self.wear.snapshot(): self.wear.save(snap))
 
     def checkpoint(self) -> None:
         """Checkpoint every journal (queued with the I/O thread)."""
@@ -338,6 +346,11 @@ class Store:
     def _close_files(self) -> None:
         """After the journals, on the same thread: every other file, then our lock."""
         self.reclaim.release()
+        if self.wear is not None:
+            try:
+                self.wear.save(self.wear.snapshot())
+            except OSError:
+                pass  # its bytes since the last save are lost, never the cache
         self.labels.close()
         self.following.close()
         self.space.close()

@@ -122,6 +122,9 @@ TABLE: tuple[Row, ...] = (
         ("capacity_bytes", "capacity_bytes",
          "Capacity in force: the `capacity` setting, or less after the disk was found full."),
         ("stored_blocks", "blocks", "KV blocks committed in the index (all namespaces)."),
+        ("drive_writes_per_day", "drive_writes_per_day",
+         "Drive writes per day this engine's saves cost at their rate since start: bytes written per day over "
+         "the size of the cache directory's file system(s) (aiokv inspect: since the directory's first use)."),
         ("pending_saves", "pending_saves", "KV blocks being written, not yet reported by every rank."),
         ("breaker_open", "breaker_open",
          "1 while the circuit breaker is open or probing (the disk is bypassed), 0 when all is well."))),
