@@ -53,6 +53,7 @@ class AioKVConfig:
     secret: str | None = dataclasses.field(default=None, repr=False)
     admit: str = "all"                # which blocks go to disk: all, or reused (seen a second time: admission.py)
     admit_window: int = 1 << 20       # admit reused: first sightings remembered (2.5 MiB of memory per 1M)
+    save_generated: bool = True       # also save the blocks of generated tokens (multi-turn chats hit replies)
     kv_events: bool = True            # KV events for routers, where vLLM publishes them (kv_events_config)
     bucket_unsigned: bool = False     # true: accept a bucket tier without a secret (anyone who can write
                                       # the bucket can then plant blocks that verify)
@@ -128,7 +129,7 @@ class AioKVConfig:
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 64:
                 raise ConfigError("aiokv: checksum_threads must be a whole number from 0 (on the loop thread) to 64")
             cfg.checksum_threads = v
-        for name in ("strict_load_failures", "layerwise", "bucket_unsigned", "kv_events"):
+        for name in ("strict_load_failures", "layerwise", "bucket_unsigned", "kv_events", "save_generated"):
             if name in extra:
                 v = extra.pop(name)
                 if not isinstance(v, bool):

@@ -5,7 +5,7 @@ so that every run is a true restart.
 
     python -m tests.vllm_run '<spec json>'
 
-spec: model, cache (null: no connector), block_size, dtype, max_model_len, metrics (multiprocess:
+spec: model, cache (null: no connector), block_size, retention (vLLM's prefix_cache_retention_interval), dtype, max_model_len, metrics (multiprocess:
 return aiokv's Prometheus series as `metrics`),
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config), kv_role (aiokv's,
 kv_both unless given), with_connector (another connector's kv_transfer_config: aiokv and it run
@@ -46,6 +46,8 @@ def main(spec: dict) -> dict:
     kw = dict(model=spec["model"], tokenizer=spec["model"], enforce_eager=True, block_size=spec.get("block_size", 32),
               dtype=spec.get("dtype", "float32"), enable_prefix_caching=spec.get("prefix_caching", True),
               max_model_len=spec.get("max_model_len", 1024), seed=0)
+    if "retention" in spec:  # vLLM's prefix_cache_retention_interval ("none": every block)
+        kw["prefix_cache_retention_interval"] = None if spec["retention"] == "none" else spec["retention"]
     if spec.get("metrics"):  # vLLM's Prometheus metrics, aiokv's vllm:aiokv_* among them (llm.get_metrics())
         kw["disable_log_stats"] = False
     if kw["block_size"] is None:  # vLLM chooses (hybrid models need their own)

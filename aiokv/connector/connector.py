@@ -36,7 +36,7 @@ from aiokv.connector.namespace import ModelNamespace, cannot_use_cached_prefix
 from aiokv.connector.plugin import use_vllm_logging
 from aiokv.connector.scheduler_role import SchedulerRole
 from aiokv.connector.worker_role import WorkerRole
-from aiokv.scheduler.layout import FULL
+from aiokv.scheduler.layout import FULL, STATE
 
 log = logging.getLogger("aiokv")
 
@@ -72,6 +72,12 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
             elif self.kv_role != "kv_both":
                 log.info("aiokv: kv_role %s: %s", self.kv_role, "saves blocks and offers no hits"
                          if self.kv_role == "kv_producer" else "offers hits and saves nothing")
+            if any(g.kind == STATE for g in self.groups) and \
+                    getattr(vllm_config.cache_config, "prefix_cache_retention_interval", None) == 0:
+                log.warning("aiokv: vLLM keeps this model's recurrent states only at prompt ends, so a reply is "
+                            "never a hit for the next turn of a chat; set --prefix-cache-retention-interval "
+                            "to a multiple of the block size (or None: every block) to save them too "
+                            "(docs/operations.md, \"Conversations\")")
             self.scheduler_role.open(self._kv_transfer_config)
             self.scheduler_role.use_events(vllm_config, kv_cache_config)
 

@@ -113,6 +113,7 @@ class SchedulerRole:
                                    Breaker(self.cfg.breaker_failures, self.cfg.breaker_cooldown))
         self.sched.layerwise = self.layerwise
         self.sched.saves = self.kv_role != "kv_consumer"
+        self.sched.save_generated = self.cfg.save_generated
         if self.cfg.admit != "all":
             from aiokv.scheduler.admission import Admission
 

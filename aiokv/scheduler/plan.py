@@ -79,7 +79,7 @@ def reserve_from_bucket(store, g: Group, gi: int, idx: list[int], keys: list[byt
     return out
 
 
-def track(st: Req, s: Scheduled, groups: list[Group], bs: int, wanted: dict) -> None:
+def track(st: Req, s: Scheduled, groups: list[Group], bs: int, wanted: dict, generated: bool = True) -> None:
     """Bookkeeping of one scheduled request (no store call): its block tables, and
     the blocks of full/window groups whose tokens all became computed in this life
     (into wanted[req_id]: (group, keys, block ids)). Raises if the tables cannot be trusted."""
@@ -91,6 +91,8 @@ def track(st: Req, s: Scheduled, groups: list[Group], bs: int, wanted: dict) -> 
         for ids, new in zip(st.block_ids, s.block_ids):
             ids.extend(new)
     full = min((s.num_computed + s.num_scheduled) // bs, len(st.tokens) // bs)
+    if not generated:  # save_generated off: the prompt's blocks only
+        full = min(full, st.prompt // bs)
     for gi, g in enumerate(groups):
         if g.spec.kind == STATE:
             continue  # states are saved from vLLM's checkpoints (track_states)
@@ -106,11 +108,12 @@ def track(st: Req, s: Scheduled, groups: list[Group], bs: int, wanted: dict) -> 
             wanted.setdefault(s.req_id, []).append((gi, [st.keys[i] for i in idx], [ids[i] for i in idx]))
 
 
-def track_states(st: Req, req_id: str, items, groups: list[Group], bs: int, wanted: dict) -> None:
+def track_states(st: Req, req_id: str, items, groups: list[Group], bs: int, wanted: dict,
+                 generated: bool = True) -> None:
     """vLLM's recurrent-state checkpoints of this step, [(group, block id, tokens)], into wanted."""
     for gi, block, tokens in items:
         if not (0 <= gi < len(groups)) or groups[gi].spec.kind != STATE or block == 0 \
-                or tokens <= 0 or tokens % bs or tokens > len(st.tokens):
+                or tokens <= 0 or tokens % bs or tokens > len(st.tokens) or not generated and tokens > st.prompt:
             continue
         i = tokens // bs - 1
         extend_keys(st.keys, st.root, st.tokens, bs, i + 1)

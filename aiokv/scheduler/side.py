@@ -73,6 +73,7 @@ class SchedulerSide:
         self.disabled = False  # a worker could not start: no hits, no saves from now on
         self._saves_allowed = True  # the breaker's word for this step's saves
         self.saves = True  # False: this engine saves nothing (kv_role kv_consumer; set by the connector)
+        self.save_generated = True  # False: only blocks of the prompt are saved (set by the connector)
         self.admission = Admission()  # which planned saves go to disk (admission.py; set by the connector)
         # the bucket tier's lookups (aiokv/bucket/lookup.py), set by the connector; None: no bucket tier
         self.bucket = None
@@ -96,7 +97,8 @@ class SchedulerSide:
         st = self._reqs.get(req_id)
         if st is None or st.root != root:
             n = len(self.groups)
-            st = self._reqs[req_id] = Req(tokens, root, block_ids=[[] for _ in range(n)], next_save=[0] * n)
+            st = self._reqs[req_id] = Req(tokens, root, block_ids=[[] for _ in range(n)], next_save=[0] * n,
+                                          prompt=len(tokens))
         st.tokens = tokens
         return st
 
@@ -227,7 +229,7 @@ class SchedulerSide:
         if st is None or s.req_id in self._stale:  # alive at a cache reset: never saved again
             return
         try:
-            planning.track(st, s, self.groups, self.bs, wanted)
+            planning.track(st, s, self.groups, self.bs, wanted, self.save_generated)
         except Exception:
             # its tables can no longer be trusted: never saved from them (a resumed life starts anew)
             log.exception("aiokv: tracking request %s failed; its blocks are not saved", s.req_id)
@@ -239,7 +241,7 @@ class SchedulerSide:
         if st is None or req_id in self._stale:
             return
         try:
-            planning.track_states(st, req_id, items, self.groups, self.bs, wanted)
+            planning.track_states(st, req_id, items, self.groups, self.bs, wanted, self.save_generated)
         except Exception:
             log.exception("aiokv: reading the state checkpoints of request %s failed; they are not saved", req_id)
 

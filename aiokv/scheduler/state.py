@@ -32,7 +32,11 @@ class Group:
 
 @dataclasses.dataclass
 class Req:
-    tokens: object            # the live token list of the request (prompt + output)
+    # The request's own token list, vLLM's Request.all_token_ids: prompt then output, appended
+    # by vLLM as tokens are sampled, never changed before its end (aiokv reads, never writes it).
+    # Held, not copied: the output blocks (save_generated) are saved from it as they fill;
+    # a block is keyed and saved only once all its tokens are in it and computed (plan.track).
+    tokens: object
     root: bytes
     keys: list[bytes] = dataclasses.field(default_factory=list)
     block_ids: list[list[int]] = dataclasses.field(default_factory=list)  # per group
@@ -42,6 +46,7 @@ class Req:
     met: set = dataclasses.field(default_factory=set)
     admit: set = dataclasses.field(default_factory=set)
     looked: int = 0
+    prompt: int = 0           # prompt tokens (the list's length when vLLM first asked about the request)
 
 
 # what the scheduler side counts: one int per SCHEDULER row of the table of counters
