@@ -14,7 +14,8 @@ ready_file (created once the engine is up), kv_events (a port: vLLM publishes it
 there over ZMQ and a subscriber here collects them in "events": [type, medium, group, hashes,
 parent, token ids] each, in order), audit_fs (RESULT lists the file-system
 calls aiokv made on vLLM's thread while the phases ran),
-phases: [{prompts: [[ids]], max_tokens, salts?, abort_after?: {index: steps}, abort_preempted?: n (abort
+phases: [{prompts: [[ids]], max_tokens, follow? (prompts are then the next turns: each the previous
+phase's prompt, its reply and these ids), salts?, abort_after?: {index: steps}, abort_preempted?: n (abort
 the first n requests seen preempted, in the step they are; where each abort landed: "aborted_while"),
 wait_for?: path, peer_blocks?: n, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
 reset_prefix_cache?: {kwargs}, kill_when_loading?: process group (killed -9 at the first step
@@ -127,6 +128,9 @@ def main(spec: dict) -> dict:
         if phase.get("reset_prefix_cache") is not None:
             result.setdefault("reset", []).append(llm.reset_prefix_cache(**phase["reset_prefix_cache"]))
         prompts = phase["prompts"]
+        if phase.get("follow"):  # the next turn of each conversation: its last prompt, the reply, new text
+            prompts = [p + (r or []) + new for p, r, new in zip(last_prompts, result["tokens"][-1], prompts)]
+        last_prompts = prompts
         salts = phase.get("salts") or [None] * len(prompts)
         aborts = {int(k): v for k, v in (phase.get("abort_after") or {}).items()}
         ids = []
