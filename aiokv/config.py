@@ -27,7 +27,7 @@ DEFAULT_PATH = "~/.cache/aiokv"
 
 @dataclasses.dataclass
 class AioKVConfig:
-    path: str
+    path: str                         # the cache directory; with several drives, the first one's
     capacity: int = 64 << 30          # bytes on disk across all namespaces
     staging: int = 256 << 20          # host staging memory per worker
     memory: int = 1 << 30             # host-memory tier per worker (recent blocks; 0: off): docs/operations.md
@@ -57,6 +57,12 @@ class AioKVConfig:
     kv_events: bool = True            # KV events for routers, where vLLM publishes them (kv_events_config)
     bucket_unsigned: bool = False     # true: accept a bucket tier without a secret (anyone who can write
                                       # the bucket can then plant blocks that verify)
+    # every drive's cache directory, in the configured order (one: [path]); several: aiokv/store/drives.py
+    paths: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.paths:
+            self.paths = [self.path]
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "AioKVConfig":
@@ -77,10 +83,8 @@ class AioKVConfig:
         if unknown:
             raise ConfigError(f"aiokv: unknown setting(s) {', '.join(unknown)} in kv_connector_extra_config; "
                               f"known: {', '.join(sorted(known))}")
-        path = extra.pop("path", None) or os.environ.get("AIOKV_PATH") or DEFAULT_PATH
-        if not isinstance(path, str):
-            raise ConfigError(f"aiokv: path must be a directory path string, got {path!r}")
-        cfg = cls(path=os.path.abspath(os.path.expanduser(path)))
+        paths = parse_paths(extra.pop("path", None))
+        cfg = cls(path=paths[0], paths=paths)
         for name in ("capacity", "staging", "upload_queue"):
             if name in extra:
                 try:
@@ -163,6 +167,38 @@ class AioKVConfig:
 UNSIGNED = ("aiokv: a bucket tier without a secret lets whoever can write the bucket plant KV that every engine "
             "serves; set secret (or AIOKV_SECRET: the same string of 16+ characters on every engine), or "
             "bucket_unsigned: true to accept that")
+
+
+def parse_paths(v) -> list[str]:
+    """The cache directories from `path`: a string (one directory) or a list of
+    strings (one per drive); absent: AIOKV_PATH (several separated by ':'), else
+    DEFAULT_PATH. Absolute, `~` expanded; empty, duplicate or non-string entries
+    are a ConfigError naming them."""
+    if v is None or v == "":
+        env = os.environ.get("AIOKV_PATH")
+        v = [p for p in env.split(os.pathsep)] if env else DEFAULT_PATH
+        if isinstance(v, list) and len(v) == 1:
+            v = v[0]
+    if isinstance(v, str):
+        v = [v]
+    elif not isinstance(v, (list, tuple)):
+        raise ConfigError(f"aiokv: path must be a directory path string or a list of them, got {v!r}")
+    if not v:
+        raise ConfigError("aiokv: path is an empty list; give at least one directory")
+    out: list[str] = []
+    for p in v:
+        if not isinstance(p, str) or not p.strip():
+            raise ConfigError(f"aiokv: every path must be a non-empty directory path string, got {p!r}")
+        p = os.path.abspath(os.path.expanduser(p))
+        if p in out:
+            raise ConfigError(f"aiokv: path lists {p} twice; give each drive's directory once")
+        out.append(p)
+    if len(out) > MAX_DRIVES:
+        raise ConfigError(f"aiokv: path lists {len(out)} directories; at most {MAX_DRIVES}")
+    return out
+
+
+MAX_DRIVES = 64  # the drives a location can name (aiokv/data/format.py, DRIVE_SHIFT)
 
 
 def parse_size(v) -> int:

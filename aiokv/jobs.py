@@ -76,16 +76,18 @@ class WorkerReport:
     loads: list[LoadResult] = dataclasses.field(default_factory=list)
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
     disabled: bool = False  # this worker could not start; its jobs all fail
+    # several drives (aiokv/store/drives.py): drive -> [I/O failures, blocks loaded] since the last report
+    drives: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":
         counters = dict(self.counters)
         for k, v in other.counters.items():
             counters[k] = counters.get(k, 0) + v
         return WorkerReport(self.saves + other.saves, self.loads + other.loads, counters,
-                            self.disabled or other.disabled)
+                            self.disabled or other.disabled, add_drives(dict(self.drives), other.drives))
 
     def empty(self) -> bool:
-        return not (self.saves or self.loads or self.counters or self.disabled)
+        return not (self.saves or self.loads or self.counters or self.disabled or self.drives)
 
     def written(self) -> list[tuple[int, int, bytes]]:
         """(job, rank, key) of every block reported written."""
@@ -94,3 +96,11 @@ class WorkerReport:
     def not_written(self) -> list[tuple[int, int, bytes]]:
         """(job, rank, key) of every block reported not written."""
         return [(r.job, r.rank, k) for r in self.saves for k in r.failed]
+
+
+def add_drives(into: dict, new: dict) -> dict:
+    """Per-drive verdicts `new` added into `into` (WorkerReport.drives); returns `into`."""
+    for d, v in new.items():
+        got = into.get(d, [0, 0])
+        into[d] = [got[0] + v[0], got[1] + v[1]]
+    return into

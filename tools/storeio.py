@@ -8,6 +8,8 @@ reserves, writes through BlockIO, then commits what was written and aborts the
 rest; a load pins, reads and verifies through BlockIO, unpins only the pins it
 took, and drops keys whose blocks did not verify.
 
+DrivesIO does the same over several drives (a Drives store, a DriveIO).
+
 Threading contract: one thread, the Store's owner; `save`, `load` and `blockio`
 run on an asyncio loop there, whose backend (`_backend`) the BlockIOs share.
 """
@@ -18,8 +20,11 @@ import errno
 
 from aiokv.data import format as fmt
 from aiokv.data.backend import open_backend
+from aiokv.config import parse_size
 from aiokv.data.blockio import BlockIO
+from aiokv.data.drives import DriveIO
 from aiokv.store import Namespace, Store
+from aiokv.store.drives import Drives, open_drives
 from aiokv.store.store import ns_dir
 
 
@@ -80,6 +85,46 @@ class StoreIO(Store):
         res = [next(out) if s is not None else -errno.ENOENT for s in slots]
         self.drop(ns, [k for k, r in zip(keys, res) if r not in (0, -errno.ENOENT)])
         return res
+
+    def close(self, checkpoint: bool = True) -> None:
+        for io in self._io.values():
+            io.close()
+        self._io.clear()
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+        super().close(checkpoint)
+
+
+class DrivesIO(Drives):
+    """Several drives (aiokv/store/drives.py) whose slots this process also reads and
+    writes, as StoreIO does for one: a DriveIO over one BlockIO per drive, its
+    per-drive verdicts handed straight to the drives' breakers (`record`), as the
+    workers' reports are in vLLM."""
+
+    save = StoreIO.save
+    load = StoreIO.load
+
+    def __init__(self, paths: list[str], capacity=None, timeout: float = 60.0, failures: int = 3,
+                 cooldown: float = 30.0, secret: str | None = None, cpu=None, **kw):
+        self._io: dict[tuple[bytes, int], DriveIO] = {}
+        self._backend = None
+        self._secret, self._cpu = secret, cpu
+        cap = parse_size(capacity) if capacity is not None else None
+        drives, _ = open_drives(paths, lambda p, n: (Store(p, capacity=cap and cap // n, **kw), []), timeout,
+                                failures, cooldown)
+        self.__dict__.update(drives.__dict__)
+
+    def blockio(self, ns, rank: int = 0) -> DriveIO:
+        loop = asyncio.get_running_loop()
+        if self._backend is None:
+            self._backend = open_backend(loop)
+        io = self._io.get((ns.nsid, rank))
+        if io is None:
+            io = self._io[(ns.nsid, rank)] = DriveIO(
+                {d: BlockIO(self._backend, ns_dir(self.paths[d], ns.nsid), ns.nsid, rank, ns.payload_bytes,
+                            secret=self._secret, cpu=self._cpu) for d in self.live}, self.record)
+        return io
 
     def close(self, checkpoint: bool = True) -> None:
         for io in self._io.values():

@@ -5,10 +5,14 @@
     aiokv inspect DIR --keys             stored keys, least recently used first
     aiokv inspect DIR --verify           read and check every block; exit 1 if any is corrupt
     aiokv inspect DIR --verify --repair  ...and drop the corrupt ones (engine must be stopped)
+    aiokv inspect DIR DIR ...            several drives (a `path` list): each drive's directory in turn
     --format json                        one JSON document on stdout instead of text
 
 Exit status: 0 fine, 1 corruption found (also when --repair dropped it),
-2 a usage or environment error (one line on stderr, no traceback).
+2 a usage or environment error (one line on stderr, no traceback). With several
+directories each is shown in turn (JSON: {"schema", "drives": [{"path", and its
+document or "error"}]}); one that cannot be read is its one line on stderr and
+the others are still shown; the status is the worst of them.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
         "inspect", help="show, list or verify what a cache directory holds",
         description="Show what an aiokv cache directory holds. Read-only and safe beside a running engine, "
                     "except --repair, which needs the engine stopped.")
-    ins.add_argument("dir", metavar="DIR", help="the cache directory")
+    ins.add_argument("dir", metavar="DIR", nargs="+",
+                     help="the cache directory (several: each drive's, as in a `path` list)")
     ins.add_argument("--keys", action="store_true", help="list stored keys (hex) with size and last access")
     ins.add_argument("--verify", action="store_true",
                      help="read every committed block of every rank and check its header and CRC32C; "
@@ -55,23 +60,46 @@ def _inspect(args) -> int:
 
     if args.repair:
         args.verify = True
+    if args.verify and args.keys:
+        raise ins.InspectError("aiokv: --keys and --verify are separate runs; give one of them")
+    if len(args.dir) == 1:
+        doc, text, code = _inspect_dir(args, args.dir[0])
+        _emit(doc, text, args.format)
+        return code
+    docs, texts, worst = [], [], 0
+    for d in args.dir:  # several drives: each in turn; one that cannot be read does not hide the others
+        try:
+            doc, text, code = _inspect_dir(args, d)
+        except Exception as e:
+            if not isinstance(e, (ins.InspectError, OSError, ValueError, RuntimeError)):
+                raise
+            line = (f"aiokv: {e.filename}: {e.strerror or e}" if isinstance(e, OSError) and e.filename
+                    else _one_line(e))
+            print(line, file=sys.stderr)
+            doc, text, code = {"error": line}, line, getattr(e, "code", 2)
+        docs.append({"path": d, **doc})
+        texts.append(f"== drive {len(texts)}: {d}\n{text}")
+        worst = max(worst, code)
+    _emit({"schema": ins.SCHEMA, "drives": docs}, "\n\n".join(texts), args.format)
+    return worst
+
+
+def _inspect_dir(args, path: str) -> tuple[dict, str, int]:
+    """(document, text, exit status) of one directory."""
+    from aiokv.cli import inspect as ins
+
     if args.verify:
-        if args.keys:
-            raise ins.InspectError("aiokv: --keys and --verify are separate runs; give one of them")
-        doc = ins.verify(args.dir, repair=args.repair, progress=False if args.no_progress else None)
-        _emit(doc, ins.render_verify(doc), args.format)
-        return 0 if doc["ok"] else 1
-    st = ins.open_readonly(args.dir)
+        doc = ins.verify(path, repair=args.repair, progress=False if args.no_progress else None)
+        return doc, ins.render_verify(doc), 0 if doc["ok"] else 1
+    st = ins.open_readonly(path)
     try:
         if args.keys:
             doc = ins.keys(st)
-            _emit(doc, ins.render_keys(doc), args.format)
-        else:
-            doc = ins.summary(st)
-            _emit(doc, ins.render_summary(doc), args.format)
+            return doc, ins.render_keys(doc), 0
+        doc = ins.summary(st)
+        return doc, ins.render_summary(doc), 0
     finally:
         st.close()
-    return 0
 
 
 def _one_line(e: BaseException) -> str:

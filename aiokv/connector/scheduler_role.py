@@ -70,6 +70,7 @@ class SchedulerRole:
         self._bucket_tokens: dict[str, int] = {}  # request -> hit tokens from the bucket (hit sources)
         self._started = time.monotonic()
         self.events = None  # KV events for routers (events.py); None: vLLM publishes none, or kv_events is off
+        self._drives = None  # several drives: the Drives store, told the workers' per-drive verdicts
 
     def open(self, kv_transfer_config) -> None:
         from aiokv.util.breaker import Breaker
@@ -85,8 +86,8 @@ class SchedulerRole:
                      "set strict_load_failures=true in kv_connector_extra_config to keep 'fail'",
                      "" if ktc is kv_transfer_config else
                      "; under MultiConnector the policy is the engine's, for every connector")
-        def open_store():
-            store = Store(self.cfg.path, capacity=self.cfg.capacity, io_thread=True, fs_timeout=self.cfg.fs_timeout)
+        def open_store(path=self.cfg.path, drives=1):  # drives: capacity is shared by that many
+            store = Store(path, capacity=self.cfg.capacity // drives, io_thread=True, fs_timeout=self.cfg.fs_timeout)
             try:
                 spaces = []
                 for g, nsid in zip(self.groups, self.group_nsids):
@@ -98,19 +99,33 @@ class SchedulerRole:
                 raise
             return store, spaces
 
+        several = len(self.cfg.paths) > 1
         try:
             # a file system that does not answer must not hang vLLM's start: past start_timeout
             # aiokv is off (as for a directory it cannot use), and the store, if it opens later, closes
-            store, spaces = bounded(open_store, self.cfg.start_timeout, f"the cache directory {self.cfg.path}",
-                                    late=lambda got: got[0].close(checkpoint=False))
+            if several:  # one Store per drive (aiokv/store/drives.py); a drive missing is left out
+                from aiokv.store.drives import open_drives
+
+                def open_drive(path, drives):
+                    store, spaces = open_store(path, drives)
+                    return store, [ns for _, ns in spaces]
+
+                store, parts = open_drives(self.cfg.paths, open_drive, self.cfg.start_timeout,
+                                           self.cfg.breaker_failures, self.cfg.breaker_cooldown)
+                spaces = list(zip(self.groups, parts))
+                self._drives = store
+            else:
+                store, spaces = bounded(open_store, self.cfg.start_timeout, f"the cache directory {self.cfg.path}",
+                                        late=lambda got: got[0].close(checkpoint=False))
         except StoreLocked:
             raise
         except OSError as e:
-            log.error("aiokv: cannot use cache directory %s (%s); aiokv is disabled and vLLM runs without it",
-                      self.cfg.path, e.strerror or e)
+            log.error("aiokv: cannot use cache director%s %s (%s); aiokv is disabled and vLLM runs without it",
+                      "ies" if several else "y", ", ".join(self.cfg.paths), e.strerror or e)
             return
+        # several drives: each judges its own failures (store/drives.py); this one, only a stall of all
         self.sched = SchedulerSide(store, spaces, self.block_size,
-                                   Breaker(self.cfg.breaker_failures, self.cfg.breaker_cooldown))
+                                   Breaker(0 if several else self.cfg.breaker_failures, self.cfg.breaker_cooldown))
         self.sched.layerwise = self.layerwise
         self.sched.saves = self.kv_role != "kv_consumer"
         self.sched.save_generated = self.cfg.save_generated
@@ -124,7 +139,8 @@ class SchedulerRole:
 
             self.sched.bucket = BucketLookup(self.cfg.bucket, self.cfg.bucket_timeout, self.cfg.probe_timeout,
                                              [(ns.nsid, ns.ranks, slot_bytes(ns.payload_bytes)) for _, ns in spaces])
-        log.info("aiokv %s: cache %s, namespace %s (%s), %d blocks stored", __version__, self.cfg.path,
+        log.info("aiokv %s: cache %s, namespace %s (%s), %d blocks stored", __version__, ", ".join(
+                 self.cfg.paths[d] for d in getattr(store, "live", [0])),
                  self.nsid.hex(), ", ".join(g.kind for g in self.groups), sum(len(ns.entries) for _, ns in spaces))
 
     def use_events(self, vllm_config, kv_cache_config) -> None:
@@ -266,6 +282,8 @@ class SchedulerRole:
         if report is not None:
             self._delta.add_worker(report.counters)
             merge(self._totals, report.counters)
+            if self._drives is not None:
+                self._drives.record(report.drives)
         try:
             self.sched.on_report(report, connector_output.finished_recving)
         except Exception:

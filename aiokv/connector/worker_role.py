@@ -103,7 +103,9 @@ class WorkerRole:
                               self.cfg.memory, threads, rank)
             for g, nsid, device in zip(self.groups, self.group_nsids, devices):
                 # replicated KV (MLA) is stored once, as rank 0's, and read by every rank
-                workers[g.index] = TransferWorker(device, ns_dir(self.cfg.path, nsid), nsid,
+                # several drives: the namespace's directory on each, in the configured order (data/drives.py)
+                dirs = [ns_dir(p, nsid) for p in self.cfg.paths]
+                workers[g.index] = TransferWorker(device, dirs[0] if len(dirs) == 1 else dirs, nsid,
                                                   0 if g.replicated else rank, self.cfg.staging, self.cfg.io,
                                                   self.cfg.queue_depth, self.cfg.load_timeout, self.cfg.save_timeout,
                                                   bucket, self.cfg.upload_queue, self.cfg.flush_timeout,

@@ -49,6 +49,8 @@ _said: set[str] = set()
 
 # Set by a task (its child tasks inherit it) that would rather set its buffers
 # aside than wait for I/O the kernel will not give back; see the module docstring.
+# results of an operation that say nothing about the disk's health (breakers ignore them)
+NOT_IO_ERRORS = (0, -errno.EBADMSG, -errno.ECANCELED, -errno.ENOBUFS)
 ABANDON: contextvars.ContextVar = contextvars.ContextVar("aiokv_abandon", default=None)
 
 

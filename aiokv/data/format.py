@@ -65,6 +65,24 @@ def split(location: int) -> tuple[int, int]:
     return location >> ENGINE_SHIFT, location & SLOT_MASK
 
 
+# ---- drives: a location handed out by several drives (aiokv/store/drives.py) also names
+# the drive, by its index in the configured list, above the engine's bits; drive 0's
+# locations are its store's, so a single drive's are exactly what they always were
+DRIVE_SHIFT = 40
+DRIVE_MASK = (1 << DRIVE_SHIFT) - 1
+MAX_DRIVES = 64
+
+
+def on_drive(drive: int, location: int) -> int:
+    """A drive's location (engine << 32 | slot in that drive's store) as one int naming the drive too."""
+    return drive << DRIVE_SHIFT | location
+
+
+def drive_of(location: int) -> tuple[int, int]:
+    """(drive, the location in that drive's store) of a location from several drives."""
+    return location >> DRIVE_SHIFT, location & DRIVE_MASK
+
+
 def engine_dir(engine: int) -> str:
     """Engine's directory inside a namespace directory ("" for engine 0: the namespace directory)."""
     return "" if engine == 0 else f"e{engine}"

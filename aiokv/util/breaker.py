@@ -47,8 +47,10 @@ CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
 
 
 class Breaker:
-    def __init__(self, failures: int = 3, cooldown: float = 30.0, clock=time.monotonic, per_request: bool = False):
+    def __init__(self, failures: int = 3, cooldown: float = 30.0, clock=time.monotonic, per_request: bool = False,
+                 where: str = ""):
         self.threshold = failures
+        self.where = f" ({where})" if where else ""  # the drive it judges, in its lines (aiokv/store/drives.py)
         self.cooldown = cooldown
         self.clock = clock
         self.per_request = per_request
@@ -66,7 +68,7 @@ class Breaker:
         if self.state == OPEN and not self.fs_stalled and self.clock() - self.opened_at >= self.cooldown:
             self.state = HALF_OPEN
             if not self.per_request:
-                log.info("aiokv: probing the cache disk again after %.0f s", self.cooldown)
+                log.info("aiokv: probing the cache disk%s again after %.0f s", self.where, self.cooldown)
         return self.state
 
     @property
@@ -136,7 +138,7 @@ class Breaker:
     def _answered(self, state: str) -> None:
         if state == HALF_OPEN or (state == OPEN and self.per_request and not self.fs_stalled):
             if not self.per_request:
-                log.warning("aiokv: the cache disk answers again; hits and saves are back on")
+                log.warning("aiokv: the cache disk%s answers again; hits and saves are back on", self.where)
             self.state = CLOSED
         self.run = 0
 
@@ -158,21 +160,21 @@ class Breaker:
             self.fs_stalled = stalled
             if stalled:
                 if self.state != OPEN:
-                    log.warning("aiokv: the cache directory's file system does not answer; no hits or saves "
-                                "until it does")
+                    log.warning("aiokv: the cache directory's file system%s does not answer; no hits or saves "
+                                "until it does", self.where)
                     self.state = OPEN
                     self.opens += 1
                     self.opened_at = self.clock()
                     self._by_stall = True
             elif self.state == OPEN and self._by_stall:
-                log.warning("aiokv: the cache directory's file system answers again; probing it")
+                log.warning("aiokv: the cache directory's file system%s answers again; probing it", self.where)
                 self.state = HALF_OPEN
                 self.run = 0
 
     def _open(self, now: float) -> None:
         if self.state == CLOSED and not self.per_request:
-            log.warning("aiokv: the cache disk is failing (%d load timeouts or I/O errors in a row); no hits "
-                        "or saves for %.0f s, then one probe", self.run, self.cooldown)
+            log.warning("aiokv: the cache disk%s is failing (%d load timeouts or I/O errors in a row); no hits "
+                        "or saves for %.0f s, then one probe", self.where, self.run, self.cooldown)
         self.state = OPEN
         self.opened_at = now
         self.opens += 1

@@ -101,6 +101,7 @@ TABLE: tuple[Row, ...] = (
         "breaker = the circuit breaker was open.",
         WORKER, labels=(("cause", "staging_full"),), per_rank=True),
     Row("store_skipped_no_space", "save_dropped_blocks", COUNTER, "", STORE, labels=(("cause", "no_space"),)),
+    Row("store_skipped_drive_down", "save_dropped_blocks", COUNTER, "", STORE, labels=(("cause", "drive_down"),)),
     Row("save_timeouts", "save_dropped_blocks", COUNTER, "", WORKER, labels=(("cause", "timeout"),), per_rank=True),
     Row("store_evictions", "evicted_blocks", COUNTER, "KV blocks evicted (least recently used) to make room.",
         STORE),
@@ -116,6 +117,9 @@ TABLE: tuple[Row, ...] = (
     Row("breaker_opens", "breaker_trips", COUNTER,
         "Times the circuit breaker opened on a failing disk (no hits or saves for breaker_cooldown, then a probe).",
         SCHEDULER),
+    Row("store_drive_breaker_opens", "drive_breaker_trips", COUNTER,
+        "Times one drive's circuit breaker opened (several drives: no hits or saves on that drive for "
+        "breaker_cooldown, then a probe; the other drives go on).", STORE),
     # gauges: the last value reported
     *(Row(key, series, GAUGE, text, CONNECTOR) for key, series, text in (
         ("disk_bytes", "disk_bytes", "Bytes of disk held by aiokv's data files (slots allocated)."),

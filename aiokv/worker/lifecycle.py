@@ -18,8 +18,9 @@ import asyncio
 import concurrent.futures
 import logging
 
-from aiokv.data.backend import open_backend
+from aiokv.data.backend import BLOCKING_SUBMIT_FS, mount_of, open_backend
 from aiokv.data.blockio import BlockIO
+from aiokv.data.drives import DriveIO
 
 log = logging.getLogger("aiokv")
 
@@ -31,7 +32,10 @@ class Lifecycle:
     def __init__(self, host, device, count, ns_dir: str, nsid: bytes, rank: int, slot_bytes: int, io: str,
                  queue_depth: int, secret, bucket, upload_queue: int, flush_timeout: float):
         self.device, self.staging, self.rank, self.secret = device, host.staging, rank, secret
-        self.ns_dir, self.nsid, self.slot_bytes = ns_dir, nsid, slot_bytes
+        # several drives: one namespace directory per drive, in the configured order (data/drives.py)
+        self.ns_dirs = [ns_dir] if isinstance(ns_dir, str) else list(ns_dir)
+        self.ns_dir, self.nsid, self.slot_bytes = self.ns_dirs[0], nsid, slot_bytes
+        self.drive_report = None  # several drives: called with each call's per-drive verdicts (DriveIO)
         self.bucket, self.upload_queue, self.flush_timeout = bucket, upload_queue, flush_timeout
         self.uploader = self.bucket_loader = None
         self.backend = None
@@ -43,11 +47,13 @@ class Lifecycle:
         try:  # opening the backend looks at the cache directory's file system: bounded
             self.lt.submit(self._setup(io, queue_depth, count)).result(START_TIMEOUT)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the cache directory {ns_dir} did not answer within {START_TIMEOUT:.0f} s "
+            raise TimeoutError(f"the cache directory {', '.join(self.ns_dirs)} did not answer within {START_TIMEOUT:.0f} s "
                                "(a hung file system?)") from None
 
     async def _setup(self, io, depth, count):
-        self.backend = open_backend(self.loop, io, depth=depth, path=self.ns_dir)
+        # one backend for every drive: the thread pool if any drive's submissions can block
+        path = next((p for p in self.ns_dirs if mount_of(p)[1].split(".")[0] in BLOCKING_SUBMIT_FS), self.ns_dir)
+        self.backend = open_backend(self.loop, io, depth=depth, path=path)
         if self.bucket is not None:
             from aiokv.bucket.loader import BucketLoader
             from aiokv.bucket.uploader import Uploader
@@ -59,10 +65,11 @@ class Lifecycle:
             self.uploader = Uploader(self.bucket, self.upload_queue, count=count, verify=verify)
             self.bucket_loader = BucketLoader(self.bucket, self.nsid, self.rank, self.slot_bytes)
 
-    def blockio(self) -> BlockIO:
+    def blockio(self) -> BlockIO | DriveIO:
         if self.io is None:
-            self.io = BlockIO(self.backend, self.ns_dir, self.nsid, self.rank, self.device.payload_bytes,
-                              self.device.layout_tag, self.secret, cpu=self.cpu)
+            ios = {d: BlockIO(self.backend, nd, self.nsid, self.rank, self.device.payload_bytes,
+                              self.device.layout_tag, self.secret, cpu=self.cpu) for d, nd in enumerate(self.ns_dirs)}
+            self.io = ios[0] if len(ios) == 1 else DriveIO(ios, self.drive_report)
         return self.io
 
     @property

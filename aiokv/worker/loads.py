@@ -26,6 +26,7 @@ import logging
 import time
 
 from aiokv.data.backend import ABANDON
+from aiokv.data.drives import WAITING
 from aiokv.jobs import LoadResult, SaveResult, Transfer, WorkerReport
 from aiokv.worker.latency import latency_counts
 from aiokv.worker.staging import StagingStuck
@@ -77,10 +78,13 @@ class Loads:
         bad_keys: list[bytes] = []
         cancelled = False
         ABANDON.set(self.staging.abandon)  # a timed-out or cancelled load never waits for the disk
+        WAITING.set(waiting := set())  # several drives: those its reads still waited on (data/drives.py)
         try:
             await asyncio.wait_for(self._load_body(t, failed, bad_keys), self.load_timeout)
         except asyncio.TimeoutError:
             self.results.count(load_timeouts=1)
+            if waiting:  # the drives it waited on failed it, not the others
+                self.results.report(WorkerReport(drives={d: [1, 0] for d in waiting}))
             log.warning("aiokv: a load took over %.0f s; it is recomputed instead", self.load_timeout)
         except asyncio.CancelledError:
             cancelled = True  # the request is gone: not a failure of the cache

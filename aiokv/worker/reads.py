@@ -9,10 +9,7 @@ Threading contract: `read` and `copy_in` run on the worker's event-loop thread
 """
 from __future__ import annotations
 
-import errno
-
-# results that say nothing about the disk's health (the breaker ignores them)
-NOT_IO_ERRORS = (0, -errno.EBADMSG, -errno.ECANCELED, -errno.ENOBUFS)
+from aiokv.data.backend import NOT_IO_ERRORS  # noqa: F401  (saves.py reads it here)
 
 
 class Reads:

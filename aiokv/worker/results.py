@@ -21,7 +21,7 @@ import itertools
 import queue
 import threading
 
-from aiokv.jobs import Transfer, WorkerReport
+from aiokv.jobs import Transfer, WorkerReport, add_drives
 
 # message kinds
 _COUNT, _REPORT, _LOAD_DONE, _SAVE_DONE, _SAVE_STARTED = range(5)
@@ -94,6 +94,8 @@ class Results:
             v = getattr(part, f.name)
             if f.name == "counters":
                 self._counts.update(v)
+            elif f.name == "drives":
+                add_drives(self._report.drives, v)
             elif isinstance(v, list):
                 getattr(self._report, f.name).extend(v)
             elif v:

@@ -21,6 +21,7 @@ import logging
 import time
 
 from aiokv.data.backend import ABANDON
+from aiokv.data.drives import WAITING
 from aiokv.jobs import SaveResult, Transfer, WorkerReport
 from aiokv.worker.latency import latency_counts
 from aiokv.worker.reads import NOT_IO_ERRORS
@@ -90,6 +91,7 @@ class Saves:
         t0 = time.monotonic()
         res = [-errno.EIO] * len(t.keys)
         ABANDON.set(self.staging.abandon)
+        WAITING.set(waiting := set())  # several drives: those its writes still waited on (data/drives.py)
         uploader = self.life.uploader
         try:
             if self.device.asynchronous:  # the device copy may still be landing
@@ -106,6 +108,8 @@ class Saves:
             # store has given to another key fails that key's verification (a miss)
             res = [-errno.ETIMEDOUT] * len(t.keys)
             self.results.count(save_timeouts=1)
+            if waiting:  # the drives it waited on failed it, not the others
+                self.results.report(WorkerReport(drives={d: [1, 0] for d in waiting}))
             log.warning("aiokv: a save took over %.0f s; it is dropped", self.save_timeout)
         except asyncio.CancelledError:
             raise

@@ -75,7 +75,7 @@ class TransferWorker:
     (staging_bytes, memory_bytes and checksum_threads then size it; with a host
     they are the host's business and ignored here)."""
 
-    def __init__(self, device, ns_dir: str, nsid: bytes, rank: int, staging_bytes: int, io: str = "auto",
+    def __init__(self, device, ns_dir: str | list[str], nsid: bytes, rank: int, staging_bytes: int, io: str = "auto",
                  queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0, bucket=None,
                  upload_queue: int = 256 << 20, flush_timeout: float = 10.0, secret: str | None = None,
                  memory_bytes: int = 0, layerwise: bool = False, checksum_threads: int | None = None,
@@ -104,6 +104,7 @@ class TransferWorker:
             crc_in_copy = self.device.crc_in_copy
             self.life = Lifecycle(host, device, self._count, ns_dir, nsid, rank, slot_bytes, io, queue_depth,
                                   secret, bucket, upload_queue, flush_timeout)
+            self.life.drive_report = lambda verdicts: self.results.report(WorkerReport(drives=verdicts))
         except BaseException:
             # nothing may outlive a worker that did not start: loop thread, arena, pinning
             # (a shared host gives them back when its owner closes it)

@@ -1,0 +1,100 @@
+"""Reads and writes of whole slots over several drives: one BlockIO per drive's
+namespace directory, behind BlockIO's own interface (`read`, `write`, `verify`).
+
+Locations from several drives carry the drive's index above the engine's bits
+(format.on_drive, aiokv/store/drives.py); `DriveIO` splits a call's items by
+drive, hands each drive's BlockIO its items with the drive taken off their
+locations, runs the drives' parts at once and puts the results back in order.
+One drive's trouble stays its own: a file that cannot be opened or created
+fails only its items (-errno), and each call's verdict per drive is handed to
+`report` as {drive: [I/O failures, blocks read whole and verified]} (the
+scheduler side's per-drive breakers). An item naming a drive this DriveIO has
+not got is -ENOENT (a miss).
+
+Which drives a timed-out call was still waiting on: a caller that sets
+WAITING to a set before the call (worker/loads.py, worker/saves.py: the job's
+own context) finds there, once the call was cancelled, the drives whose part
+had not ended; it judges whether that was a timeout (a failure of those drives)
+or an abort (nothing).
+
+Threading contract: BlockIO's (one asyncio loop thread).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import errno
+
+from aiokv.data import format as fmt
+from aiokv.data.backend import NOT_IO_ERRORS, settle
+
+# the set a job's calls add the drives they were still waiting on when cancelled (see above)
+WAITING: contextvars.ContextVar = contextvars.ContextVar("aiokv_waiting_drives", default=None)
+
+
+class DriveIO:
+    def __init__(self, ios: dict, report=None):
+        """ios: drive index -> that drive's BlockIO (same namespace, rank and layout);
+        report(verdicts) after each call, or None."""
+        self.ios = ios
+        first = next(iter(ios.values()))
+        self.slot_bytes, self.payload_bytes = first.slot_bytes, first.payload_bytes
+        self.report = report
+
+    def fds(self) -> list[int]:
+        return [fd for io in self.ios.values() for fd in io.fds()]
+
+    def verify(self, key: bytes, addr: int) -> bool:
+        return next(iter(self.ios.values())).verify(key, addr)
+
+    def stamp(self, key: bytes, addr: int) -> None:
+        next(iter(self.ios.values())).stamp(key, addr)
+
+    async def read(self, items, crc_in_copy: bool = False) -> list[int]:
+        return await self._split(False, items, crc_in_copy)
+
+    async def write(self, items, crc_in_copy: bool = False) -> list[int]:
+        return await self._split(True, items, crc_in_copy)
+
+    async def _split(self, write: bool, items, crc_in_copy: bool) -> list[int]:
+        out = [-errno.ENOENT] * len(items)
+        parts: dict[int, tuple[list[int], list]] = {}
+        for i, (where, key, addr) in enumerate(items):
+            d, w = fmt.drive_of(where)
+            if d in self.ios:
+                idx, sub = parts.setdefault(d, ([], []))
+                idx.append(i)
+                sub.append((w, key, addr))
+        tasks = {d: asyncio.ensure_future(self._part(self.ios[d], write, sub, crc_in_copy))
+                 for d, (_, sub) in parts.items()}
+        try:
+            await asyncio.gather(*tasks.values())
+        except asyncio.CancelledError:
+            waiting = WAITING.get()
+            if waiting is not None:
+                # (gather has cancelled its parts by now: those that had not ended are the cancelled ones)
+                waiting.update(d for d, t in tasks.items() if not t.done() or t.cancelled())
+            for t in tasks.values():
+                t.cancel()
+            await settle(list(tasks.values()))  # no buffer is in use once this call has ended
+            raise
+        verdicts = {}
+        for d, t in tasks.items():
+            res = t.result()
+            for i, r in zip(parts[d][0], res):
+                out[i] = r
+            verdicts[d] = [sum(r not in NOT_IO_ERRORS for r in res), 0 if write else res.count(0)]
+        if self.report is not None and verdicts:
+            self.report(verdicts)
+        return out
+
+    @staticmethod
+    async def _part(io, write: bool, sub, crc_in_copy: bool) -> list[int]:
+        try:
+            return await (io.write if write else io.read)(sub, crc_in_copy=crc_in_copy)
+        except OSError as e:  # this drive's file cannot be opened or created: its items only
+            return [-(e.errno or errno.EIO)] * len(sub)
+
+    def close(self) -> None:
+        for io in self.ios.values():
+            io.close()

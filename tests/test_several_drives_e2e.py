@@ -1,0 +1,82 @@
+"""Several drives under real vLLM (CPU): `path` a list of three directories.
+
+Bug: one `path` meant one drive (or RAID0/LVM), and one failing drive stopped
+every hit and save: the one breaker judged the whole cache.
+
+Invariant: tokens equal a run without aiokv; blocks are spread over every drive
+(each with its own files) and hit again after a restart with the same list; a
+drive whose reads fail (EIO) opens only its own breaker: its loads are
+recomputed, its blocks are no hits and its saves are dropped (counted), while the
+other drives still hit and save; the cache's own breaker stays closed.
+
+Fix: aiokv/store/drives.py, aiokv/data/drives.py, per-drive verdicts in the
+workers' reports (WorkerReport.drives).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from aiokv.data.faults import ACK
+from tests.e2e import happened, part, prompts, run
+
+pytestmark = pytest.mark.vllm
+
+PS = prompts(4, 230, seed=71)   # stored cold, hit warm, hit while drive 1 fails
+PS2 = prompts(4, 230, seed=72)  # stored cold, hit while drive 1's breaker is open
+PS3 = prompts(4, 230, seed=73)  # new while drive 1 is down: its blocks are not saved there
+FULL = 229 // 32
+
+
+@pytest.fixture(scope="module")
+def drives(tiny_model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("drives")
+    paths = [str(d / f"d{i}" / "c") for i in range(3)]
+    for p in paths:
+        os.makedirs(os.path.dirname(p))
+    base = run(dict(model=tiny_model, phases=[dict(prompts=PS), dict(prompts=PS2), dict(prompts=PS3)]))
+    cold = run(dict(model=tiny_model, cache=paths[0], extra={"path": paths},
+                    phases=[dict(prompts=PS), dict(prompts=PS2)]))
+    happened(cold, part(base, [0, 1]), saves_committed=8 * FULL, hit_blocks=0)
+    return paths, base
+
+
+def _blocks(path: str) -> int:
+    from aiokv.cli.inspect import open_readonly, summary
+
+    st = open_readonly(path)
+    try:
+        return summary(st)["total"]["blocks"]
+    finally:
+        st.close()
+
+
+def test_a_list_of_drives_spreads_blocks_and_hits_them_after_a_restart(tiny_model, drives):
+    paths, base = drives
+    on = [_blocks(p) for p in paths]
+    assert sum(on) == 8 * FULL and all(n > 0 for n in on), f"spread over every drive: {on}"
+    warm = run(dict(model=tiny_model, cache=paths[0], extra={"path": paths[::-1]}, phases=[dict(prompts=PS)]))
+    happened(warm, part(base, [0]), hit_blocks=4 * FULL, loads_ok_blocks=4 * FULL, saves_committed=0)
+
+
+def test_a_failing_drive_costs_only_its_own_blocks(tiny_model, drives):
+    paths, base = drives
+    sick = {"AIOKV_FAULTS": json.dumps([{"op": "read", "kind": "eio", "file": "/d1/"}]), "AIOKV_FAULTS_ACK": ACK}
+    before = [_blocks(p) for p in paths]
+    res = run(dict(model=tiny_model, cache=paths[0], extra={"path": paths, "breaker_failures": 1, "breaker_cooldown": 600},
+                   phases=[dict(prompts=PS), dict(prompts=PS2), dict(prompts=PS3)]), env=sick)
+    assert res["faults_fired"].get("read:eio", 0) > 0, res["faults_fired"]
+    happened(res, base, allow_load_errors=True, load_failed_blocks=">0", loads_ok_blocks=">0",
+             store_drive_breaker_opens=1, breaker_opens=0, saves_skipped_breaker=0,
+             store_skipped_drive_down=">0", saves_committed=">0")
+    assert "is failing" in res["log"] and paths[1] in res["log"]
+    # drive 1's breaker was open for PS2: the hits ran up to each request's first block there
+    assert sum(res["cached"][1]) > 0, "the other drives still hit"
+    after = [_blocks(p) for p in paths]
+    assert after[1] <= before[1], "nothing was saved on the failing drive"
+    assert after[0] + after[2] > before[0] + before[2], "the others kept saving"
+    again = run(dict(model=tiny_model, cache=paths[0], extra={"path": paths}, phases=[dict(prompts=PS3)]))
+    # PS3 was saved on drives 0 and 2 only: its requests hit up to their first block of drive 1
+    happened(again, part(base, [2]), hit_blocks=f"<{4 * FULL}", loads_ok_blocks=">0")

@@ -1,0 +1,278 @@
+#!/usr/bin/env python3
+"""Several drives: aiokv's store over N file systems at once against fio running
+the same jobs on the same set of directories, in the same run.
+
+    PYTHONPATH=. .venv/bin/python tools/bench_drives.py --dirs D0,D1,D2 [--sizes 64K,256K,1M,4M]
+        [--depth 16] [--mib 384] [--rounds 3] [--json] [--out FILE]
+    PYTHONPATH=. .venv/bin/python tools/bench_drives.py --loop 3 --image-dir DIR ...   (root: makes them)
+
+--loop N makes N file systems for the run: N image files in --image-dir, each a
+loop device with direct I/O to its file (losetup --direct-io=on), ext4 on it,
+mounted under a temp directory; unmounted, detached and deleted at the end
+(tmpfs mounts instead with --tmpfs, where loop devices are refused).
+
+For each payload size B a round runs, one after another on the same directories,
+the order alternating between rounds (medians of the rounds; one round more at
+the first size is not counted: fresh file systems allocate their first blocks
+slowly):
+- aiokv: a Drives store (aiokv/store/drives.py, one Store per directory, a
+  namespace of B-byte payloads) with its data path (a DriveIO over one BlockIO
+  per drive on one io_uring backend of N x depth operations in flight, as a vLLM
+  worker's one backend serves every drive; tools/storeio.py DrivesIO): all n
+  blocks saved in one call (reserve on their drive by key, stamp, write, commit
+  to each drive's journal), then loaded in one call (pin, read, verify CRC32C);
+  one staging buffer per block. n = --mib MiB / slot, spread by key over the drives.
+- fio: one job per directory, run together (group_reporting), io_uring,
+  direct=1, bs = the slot (B + 4096 header), iodepth = depth each, a fresh file
+  of n/N slots per job written then read: the same I/Os on the same set.
+Aggregate GB/s = bytes moved on all drives / wall time of the phase (fio: its
+group's bytes / the longest job's runtime); GB = 1e9.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from aiokv.config import parse_size  # noqa: E402
+from aiokv.data import format as fmt  # noqa: E402
+from aiokv.data.backend import open_backend  # noqa: E402
+from aiokv.data.buffers import BufferPool  # noqa: E402
+from tools.bench_store import HUGE, HugePages, _keys, machine  # noqa: E402
+from tools.storeio import DrivesIO  # noqa: E402
+
+NSID = bytes.fromhex("d71e" * 8)
+
+
+async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, per: int = 0) -> dict:
+    """per 0: one call of all n blocks, a buffer each; else depth x drives / per concurrent
+    loops of `per` blocks per call, each reusing its own buffers."""
+    roots = [os.path.join(d, "aiokv") for d in dirs]
+    for r in roots:
+        shutil.rmtree(r, ignore_errors=True)
+    loops = max(1, depth * len(dirs) // per) if per else 1
+    pool = BufferPool(fmt.slot_bytes(payload), loops * per if per else n)
+    st = DrivesIO(roots, capacity=4 * n * fmt.slot_bytes(payload) * len(dirs))
+    try:
+        st._backend = open_backend(asyncio.get_running_loop(), depth=depth * len(dirs))
+        if hasattr(st._backend, "min_bytes"):
+            st._backend.min_bytes = 0  # exactly the depth in flight, as fio's iodepth
+        ns = st.namespace(NSID, payload, fields={"bench": "bench_drives"})
+        rand = os.urandom(payload)
+        for s in range(pool.count):
+            ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, payload)
+        keys = _keys(n, salt)
+        out = {}
+        for name, call in (("write", st.save), ("read", st.load)):
+            t0 = time.perf_counter()
+            if not per:
+                res = await call(ns, [(k, pool.addr(i)) for i, k in enumerate(keys)])
+            else:
+                starts = iter(range(0, n, per))
+
+                async def loop(w: int) -> list[int]:
+                    got = []
+                    for i in starts:
+                        ks = keys[i:i + per]
+                        got += await call(ns, [(k, pool.addr(w * per + j)) for j, k in enumerate(ks)])
+                    return got
+
+                res = [r for part in await asyncio.gather(*(loop(w) for w in range(loops))) for r in part]
+            dt = time.perf_counter() - t0
+            if any(res):
+                raise RuntimeError(f"aiokv: {name} failed: {sorted(set(res))}")
+            out[f"{name}_gbps"] = n * fmt.slot_bytes(payload) / dt / 1e9
+        out["per_drive"] = [len(s.index.namespaces[NSID].own) for s in st.stores.values()]
+        return out
+    finally:
+        st.close()
+        pool.close()
+        for r in roots:
+            shutil.rmtree(r, ignore_errors=True)
+
+
+def aiokv_round(*a) -> dict:
+    import uvloop
+
+    return uvloop.run(_aiokv(*a))
+
+
+def fio_round(dirs: list[str], slot: int, n: int, depth: int, mem: str) -> dict:
+    per = -(-n // len(dirs))
+    files = [os.path.join(d, "fio.dat") for d in dirs]
+    out = {}
+    try:
+        for rw in ("write", "read"):
+            cmd = ["fio", "--group_reporting", "--output-format=json", f"--bs={slot}", f"--size={per * slot}",
+                   f"--rw={rw}", "--ioengine=io_uring", "--direct=1", f"--iodepth={depth}"]
+            if mem == "mmaphuge":
+                cmd += ["--mem=mmaphuge", "--hugepage-size=2M"]
+            for i, f in enumerate(files):
+                cmd += [f"--name=d{i}", f"--filename={f}"]
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode != 0:
+                raise RuntimeError(f"fio failed: {p.stderr.strip() or p.stdout.strip()}")
+            j = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0]
+            io = j[rw]
+            if io["io_bytes"] != per * slot * len(files):
+                raise RuntimeError(f"fio moved {io['io_bytes']} bytes, not {per * slot * len(files)}")
+            out[f"{rw}_gbps"] = io["io_bytes"] / (io["runtime"] / 1000) / 1e9
+        return out
+    finally:
+        for f in files:
+            try:
+                os.unlink(f)
+            except FileNotFoundError:
+                pass
+
+
+class Mounts:
+    """N file systems for the run: loop devices (direct I/O to their image files) with
+    ext4, or tmpfs; undone in reverse at exit."""
+
+    def __init__(self, n: int, image_dir: str, size: int, tmpfs: bool):
+        self.n, self.image_dir, self.size, self.tmpfs = n, image_dir, size, tmpfs
+        self.undo: list[list[str]] = []
+        self.dirs: list[str] = []
+        self.kind = ""
+
+    def _sh(self, *cmd: str) -> str:
+        return subprocess.run(list(cmd), check=True, capture_output=True, text=True).stdout.strip()
+
+    def __enter__(self):
+        top = tempfile.mkdtemp(prefix="aiokv-drives-")
+        self.undo.append(["rmdir", top])
+        try:
+            for i in range(self.n):
+                mnt = os.path.join(top, f"d{i}")
+                os.makedirs(mnt)
+                self.undo.append(["rmdir", mnt])
+                if self.tmpfs:
+                    self._sh("mount", "-t", "tmpfs", "-o", f"size={self.size}", f"aiokv{i}", mnt)
+                    self.kind = "tmpfs"
+                else:
+                    img = os.path.join(self.image_dir, f"aiokv-drive{i}.img")
+                    with open(img, "wb") as f:
+                        f.truncate(self.size)
+                    self.undo.append(["rm", "-f", img])
+                    dev = self._sh("losetup", "--direct-io=on", "-f", "--show", img)
+                    self.undo.append(["losetup", "-d", dev])
+                    self._sh("mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", dev)
+                    self._sh("mount", dev, mnt)
+                    self.kind = f"ext4 on loop devices (direct I/O to image files in {self.image_dir})"
+                self.undo.append(["umount", mnt])
+                os.chmod(mnt, 0o700)
+                self.dirs.append(mnt)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for cmd in reversed(self.undo):
+            subprocess.run(cmd, capture_output=True)
+        self.undo.clear()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dirs", default=None, help="comma-separated directories, one per file system")
+    ap.add_argument("--loop", type=int, default=0, help="make this many loop-mounted ext4 file systems (root)")
+    ap.add_argument("--tmpfs", action="store_true", help="with --loop: tmpfs mounts instead of loop devices")
+    ap.add_argument("--image-dir", default="/var/tmp", help="where --loop puts its image files")
+    ap.add_argument("--image-size", default="3GiB")
+    ap.add_argument("--sizes", default="64K,256K,1M,4M")
+    ap.add_argument("--depth", type=int, default=16, help="operations in flight per drive")
+    ap.add_argument("--mib", type=int, default=384, help="MiB per phase, all drives together")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--per", type=int, default=0,
+                    help="aiokv: 0 = one save()/load() call of all blocks, a staging buffer each (a worker's "
+                         "one big job); P = drives x depth / P concurrent loops of P blocks per call, each "
+                         "reusing its buffers (a worker's bounded staging pool: fio's footprint)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if bool(args.dirs) == bool(args.loop):
+        ap.error("give --dirs or --loop N")
+    sizes = [parse_size(x) for x in args.sizes.split(",") if x]
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    mounts = Mounts(args.loop, args.image_dir, parse_size(args.image_size), args.tmpfs) if args.loop else None
+    t0 = time.monotonic()
+    doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "depth": args.depth, "per": args.per,
+           "mib": args.mib, "rounds": args.rounds, "loadavg_start": os.getloadavg(), "rows": []}
+    try:
+        if mounts is not None:
+            mounts.__enter__()
+            dirs = mounts.dirs
+            doc["file_systems"] = mounts.kind
+        else:
+            dirs = args.dirs.split(",")
+        doc["dirs"] = dirs
+        doc["machine"] = machine(dirs[0])
+        pages = max(args.depth * len(dirs) * -(-fmt.slot_bytes(s) // HUGE) for s in sizes) + 4
+        with HugePages(pages) as hp:
+            mem = "mmaphuge" if hp.ok else "malloc"
+            doc["fio_mem"] = mem
+            for size in sizes:
+                slot = fmt.slot_bytes(size)
+                n = max(4 * len(dirs), (args.mib << 20) // slot)
+                got = {"aiokv": [], "fio": []}
+                if size == sizes[0]:  # a round not counted: fresh file systems first allocate slowly
+                    aiokv_round(dirs, size, n, args.depth, 99, args.per)
+                    fio_round(dirs, slot, n, args.depth, mem)
+                for r in range(args.rounds):
+                    if r % 2:  # the order alternates between rounds
+                        f = fio_round(dirs, slot, n, args.depth, mem)
+                        a = aiokv_round(dirs, size, n, args.depth, r, args.per)
+                    else:
+                        a = aiokv_round(dirs, size, n, args.depth, r, args.per)
+                        f = fio_round(dirs, slot, n, args.depth, mem)
+                    got["aiokv"].append(a)
+                    got["fio"].append(f)
+                    log(f"{size >> 10:>5} KiB round {r + 1}: aiokv W {a['write_gbps']:.2f} R {a['read_gbps']:.2f} "
+                        f"(blocks per drive {a['per_drive']}) | fio W {f['write_gbps']:.2f} R {f['read_gbps']:.2f}")
+                row = {"payload": size, "slot": slot, "blocks": n}
+                for who, rounds in got.items():
+                    for k in ("write_gbps", "read_gbps"):
+                        row[f"{who}_{k}"] = statistics.median(x[k] for x in rounds)
+                row["write_ratio"] = row["aiokv_write_gbps"] / row["fio_write_gbps"]
+                row["read_ratio"] = row["aiokv_read_gbps"] / row["fio_read_gbps"]
+                row["per_drive"] = got["aiokv"][0]["per_drive"]
+                doc["rows"].append(row)
+    finally:
+        if mounts is not None:
+            mounts.__exit__()
+    doc["seconds"] = time.monotonic() - t0
+    doc["loadavg_end"] = os.getloadavg()
+    text = json.dumps(doc, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    if args.json:
+        print(text)
+    else:
+        how = f"loops of {args.per} blocks per call" if args.per else "one call of all blocks"
+        print(f"{len(dirs)} drives ({doc.get('file_systems', 'given directories')}), depth {args.depth} each, "
+              f"{args.mib} MiB per phase, median of {args.rounds}; aiokv {how}; fio buffers {doc['fio_mem']}")
+        print("| payload | aiokv W GB/s | fio W GB/s | W ratio | aiokv R GB/s | fio R GB/s | R ratio | blocks per drive |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in doc["rows"]:
+            print(f"| {r['payload'] >> 10} KiB | {r['aiokv_write_gbps']:.2f} | {r['fio_write_gbps']:.2f} | "
+                  f"**{r['write_ratio']:.2f}** | {r['aiokv_read_gbps']:.2f} | {r['fio_read_gbps']:.2f} | "
+                  f"**{r['read_ratio']:.2f}** | {'/'.join(map(str, r['per_drive']))} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
