@@ -146,3 +146,27 @@ def test_a_cache_reset_removes_what_was_announced(tmp_path):
     st, ns = _open(str(tmp_path), 0)
     assert len(_stored(_events(st, ns).take())) == 3
     st.close()
+
+
+def test_several_drives_announce_and_remove_each_drives_blocks(tmp_path):
+    from tools.storeio import DrivesIO
+
+    paths = [str(tmp_path / f"d{i}") for i in range(3)]
+    for p in paths:
+        os.makedirs(p)
+    st = DrivesIO(paths, capacity="3GiB")
+    ns = st.namespace(NSID, 4096, fields={"t": 1})
+    ev = _events(st, ns)
+    keys = _save(st, ns, ev, "r", 12)
+    got = _stored(ev.take())
+    assert len(got) == 12 and len({e.block_hashes[0] for e in got}) == 12
+    assert sum(1 for d in st.live if ns.on[d].own) >= 2, "the blocks sit on one drive only"
+    st.drop(ns, [keys[3]], corrupt=False)
+    gone = _removed(ev.take())
+    assert len(gone) == 1 and gone[0] in {e.block_hashes[0] for e in got}
+    st.close()
+    st = DrivesIO(paths[::-1], capacity="3GiB")  # restarted, the list in another order
+    ns = st.namespace(NSID, 4096, fields={"t": 1})
+    again = _stored(_events(st, ns).take())
+    assert {e.block_hashes[0] for e in again} == {e.block_hashes[0] for e in got} - set(gone)
+    st.close()
