@@ -28,6 +28,16 @@ from aiokv.store.drives import Drives, open_drives
 from aiokv.store.store import ns_dir
 
 
+
+def _close_io(st) -> None:
+    """A reader-writer's slot I/O closed (its BlockIOs, then its backend), before its store."""
+    for io in st._io.values():
+        io.close()
+    st._io.clear()
+    if st._backend is not None:
+        st._backend.close()
+        st._backend = None
+
 class StoreIO(Store):
     """A Store whose slots this process also reads and writes (one-rank namespaces)."""
 
@@ -87,12 +97,7 @@ class StoreIO(Store):
         return res
 
     def close(self, checkpoint: bool = True) -> None:
-        for io in self._io.values():
-            io.close()
-        self._io.clear()
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
+        _close_io(self)
         super().close(checkpoint)
 
 
@@ -127,10 +132,5 @@ class DrivesIO(Drives):
         return io
 
     def close(self, checkpoint: bool = True) -> None:
-        for io in self._io.values():
-            io.close()
-        self._io.clear()
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
+        _close_io(self)
         super().close(checkpoint)
