@@ -55,16 +55,12 @@ def stored_blocks(cache: str) -> int:
         st.close()
 
 
-def free_port() -> int:
-    """A TCP port free on this machine now (for a life's KV-event publisher)."""
-    import socket
+def events_socket() -> str:
+    """A fresh path for a life's KV-event publisher (an ipc:// socket: TCP ports picked free may be
+    taken by another engine's own start-up before the publisher binds them)."""
+    import uuid
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    try:
-        return s.getsockname()[1]
-    finally:
-        s.close()
+    return f"/tmp/aiokv-ev-{uuid.uuid4().hex[:16]}"
 
 
 def vllm_hashes(seqs: list[list[int]], bs: int) -> dict[int, tuple[list[int], int | None]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from aiokv.store import Store
-from tests.e2e import free_port, happened, prompts, run, stored_blocks
+from tests.e2e import events_socket, happened, prompts, run, stored_blocks
 
 pytestmark = pytest.mark.vllm
 PS = prompts(3, 300, seed=61)   # 9 full blocks of 32 each
@@ -38,7 +38,7 @@ def test_stored_evicted_and_restarted_blocks_reach_a_subscriber(tiny_model, tmp_
     spec = dict(model=tiny_model, phases=[dict(prompts=PS, max_tokens=8), dict(prompts=TAIL, max_tokens=4,
                                                                                  settle=True)])
     base = run(spec)
-    cold = run(dict(spec, cache=cache, kv_events=free_port()))
+    cold = run(dict(spec, cache=cache, kv_events=events_socket()))
     happened(cold, base, saves_committed=BLOCKS, hit_blocks=0)
     stored = _storage(cold, "stored")
     # one event per block, each for a block aiokv committed, each hash once
@@ -56,14 +56,14 @@ def test_stored_evicted_and_restarted_blocks_reach_a_subscriber(tiny_model, tmp_
     hashes = {e[3][0] for e in stored}
 
     # restarted: the start announcement lists what is stored, and the hits add nothing
-    warm = run(dict(spec, cache=cache, kv_events=free_port()))
+    warm = run(dict(spec, cache=cache, kv_events=events_socket()))
     happened(warm, base, hit_blocks=BLOCKS, saves_committed=0)
     assert {e[3][0] for e in _storage(warm, "stored")} == hashes and len(_storage(warm, "stored")) == BLOCKS
     assert {tuple(e[5]) for e in _storage(warm, "stored")} == _blocks(PS)
 
     # another hashing seed: the router would compute other hashes, so nothing is announced
     # (aiokv's own keys do not depend on it: the blocks still hit)
-    seeded = run(dict(spec, cache=cache, kv_events=free_port()), env={"PYTHONHASHSEED": "7"})
+    seeded = run(dict(spec, cache=cache, kv_events=events_socket()), env={"PYTHONHASHSEED": "7"})
     happened(seeded, base, hit_blocks=BLOCKS, saves_committed=0)
     assert not _storage(seeded, "stored"), _storage(seeded, "stored")[:2]
     assert [e for e in seeded["events"] if e[1] == "GPU"], "vLLM published no events of its own"
@@ -73,7 +73,7 @@ def test_stored_evicted_and_restarted_blocks_reach_a_subscriber(tiny_model, tmp_
     st = Store(cache, readonly=True)
     cost = next(iter(st.index.namespaces.values())).slot_cost
     st.close()
-    small = dict(spec, cache=cache, kv_events=free_port(), extra={"capacity": 40 * cost},
+    small = dict(spec, cache=cache, kv_events=events_socket(), extra={"capacity": 40 * cost},
                  phases=[dict(prompts=TAIL, max_tokens=4), dict(prompts=NEW, max_tokens=8),
                          dict(prompts=TAIL, max_tokens=4, settle=True)])
     tight = run(small)
@@ -88,7 +88,7 @@ def test_stored_evicted_and_restarted_blocks_reach_a_subscriber(tiny_model, tmp_
 
 def test_no_events_when_turned_off(tiny_model, tmp_path):
     cache = str(tmp_path / "c")
-    spec = dict(model=tiny_model, cache=cache, kv_events=free_port(), extra={"kv_events": False},
+    spec = dict(model=tiny_model, cache=cache, kv_events=events_socket(), extra={"kv_events": False},
                 phases=[dict(prompts=PS[:1], max_tokens=8), dict(prompts=TAIL, max_tokens=4, settle=True)])
     res = run(spec)
     happened(res, None, why_no_baseline="the test above compares tokens; this one asks only for events",

@@ -36,7 +36,7 @@ import pytest
 from aiokv.demo import tiny_model
 from aiokv.data.faults import ACK
 from tests.damage import StoredBlocks
-from tests.e2e import free_port, happened, prompts, run, vllm_hashes
+from tests.e2e import events_socket, happened, prompts, run, vllm_hashes
 
 pytestmark = pytest.mark.vllm
 
@@ -79,7 +79,7 @@ def stored(models, tmp_path_factory):
             spec = dict(model=models[family], dtype=dtype, block_size=bs,
                         phases=[dict(prompts=_mixed(lengths, bs, seed=11), max_tokens=12)])
             base = run(spec)
-            cold = run(dict(spec, cache=cache, kv_events=free_port()))
+            cold = run(dict(spec, cache=cache, kv_events=events_socket()))
             happened(cold, base, saves_committed=">0", hit_blocks=0)
             _events_match_vllms_own(spec, cold, family)
             done[family] = (spec, base["tokens"], cache)

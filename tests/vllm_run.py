@@ -10,8 +10,8 @@ return aiokv's Prometheus series as `metrics`),
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config), kv_role (aiokv's,
 kv_both unless given), with_connector (another connector's kv_transfer_config: aiokv and it run
 under vLLM's MultiConnector, aiokv first unless aiokv_first is false),
-ready_file (created once the engine is up), kv_events (a port: vLLM publishes its KV events
-there over ZMQ and a subscriber here collects them in "events": [type, medium, group, hashes,
+ready_file (created once the engine is up), kv_events (a socket path: vLLM publishes its KV events
+there over ZMQ (ipc://) and a subscriber here collects them in "events": [type, medium, group, hashes,
 parent, token ids] each, in order), audit_fs (RESULT lists the file-system
 calls aiokv made on vLLM's thread while the phases ran),
 phases: [{prompts: [[ids]], max_tokens, follow? (prompts are then the next turns: each the previous
@@ -82,10 +82,11 @@ def main(spec: dict) -> dict:
     if spec.get("kv_events"):  # vLLM's ZMQ publisher, and a subscriber connected before the first request
         import zmq
 
-        kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
-                                  "endpoint": f"tcp://*:{spec['kv_events']}", "topic": "kv"}
+        where = f"ipc://{spec['kv_events']}"
+        kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": where,
+                                  "topic": "kv"}
         sub = zmq.Context.instance().socket(zmq.SUB)
-        sub.connect(f"tcp://127.0.0.1:{spec['kv_events']}")
+        sub.connect(where)
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     llm = LLM(**kw)
     if spec.get("ready_file"):  # tests waiting for the engine to be up
