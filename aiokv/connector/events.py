@@ -44,6 +44,20 @@ READ_EVERY = 1.0        # seconds between reads of the other engines' labels whi
 _LABEL = struct.Struct("<8sBBHqI")  # fingerprint, hash len, parent len, LoRA name len, LoRA id, tokens
 
 
+_VLLM: tuple = ()
+
+
+def _vllm() -> tuple:
+    """vLLM's event classes, medium and hash conversion, imported once (at the first event)."""
+    global _VLLM
+    if not _VLLM:
+        from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        _VLLM = (BlockStored, BlockRemoved, MEDIUM_STORAGE, maybe_convert_block_hash)
+    return _VLLM
+
+
 def pack_label(fp: bytes, h: bytes, parent: bytes | None, lora_name: str | None, lora_id: int | None,
                tokens) -> bytes:
     parent, name = parent or b"", (lora_name or "").encode()
@@ -252,9 +266,7 @@ class KVEvents:
                 self._hold(self._book, k, label)  # its commit is followed later
 
     def _stored(self, gi: int, key: bytes, label: bytes) -> None:
-        from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockStored
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as conv
-
+        BlockStored, _, MEDIUM_STORAGE, conv = _vllm()
         got = unpack_label(label)
         if got is None or got[0] != self.fp or (gi, key) in self._announced:
             return  # damaged, or hashed under another fingerprint: a router would not know the hash
@@ -268,8 +280,6 @@ class KVEvents:
 
     @staticmethod
     def _removed(gi: int, hashes: list[bytes]):
-        from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockRemoved
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as conv
-
+        _, BlockRemoved, MEDIUM_STORAGE, conv = _vllm()
         return BlockRemoved(block_hashes=[conv(h) for h in hashes], medium=MEDIUM_STORAGE, group_idx=gi,
                             locality="LOCAL")
