@@ -64,10 +64,11 @@ def test_hybrid_conversations_under_constant_preemption(tmp_path_factory, tmp_pa
     assert cold["preemptions"] + warm["preemptions"] >= 150
     for res in (cold, warm):
         assert all(f == "length" for ph in res["finish"] for f in ph), res["finish"]
-    # the same without aiokv, batched otherwise: bf16's own differences, for scale
-    control = run(dict(spec, max_num_seqs=12))
+    # the same without aiokv under a budget of one block less: vLLM's own prefix cache resumes preempted
+    # requests from other states, and bf16's differences from that alone are of the same scale
+    control = run(dict(spec, num_gpu_blocks=15))
     print(f"hybrid: preemptions {cold['preemptions']} / {warm['preemptions']}, hit blocks "
           f"{cold['counters']['hit_blocks']} / {warm['counters']['hit_blocks']}; requests per turn whose tokens "
           f"differ from a run without aiokv (bf16, {CONVERSATIONS} a turn): cold {_differences(cold, base)}, "
-          f"warm {_differences(warm, base)}; without aiokv at 12 sequences instead of 16: "
+          f"warm {_differences(warm, base)}; without aiokv at 15 blocks instead of 16: "
           f"{_differences(control, base)}")
