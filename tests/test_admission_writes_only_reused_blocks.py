@@ -84,6 +84,27 @@ def test_reused_blocks_are_written_and_hit_after_a_restart(tiny_model, tmp_path)
     assert _inspect_wear(str(tmp_path / "all")) == 2 * _inspect_wear(cache), "written: all against reused"
 
 
+SYSTEM = prompts(1, 128, seed=80)[0]                             # 4 blocks every request shares
+SHARED = [SYSTEM + q[1:] for q in prompts(4, 65, seed=81)]      # + 2 blocks of its own each
+
+
+@pytest.mark.vllm
+def test_a_prefix_served_by_vllms_own_cache_is_written_once_met_again(tiny_model, tmp_path):
+    """Bug: with vLLM's prefix cache on, the request that computed a shared system prompt met its
+    keys first (not admitted), and every request that met them again got the blocks from vLLM's
+    cache and computed nothing, so nothing saved them: the system prompt was never written and
+    nothing after it could ever hit (tools/bench_chat.py: 384 blocks written, 0 hits in two
+    lives). Fix: plan.track saves, with admit: reused, the blocks vLLM's cache gave a new life."""
+    cache = str(tmp_path / "c")
+    spec = dict(model=tiny_model, extra={"admit": "reused"}, phases=[dict(prompts=SHARED, max_tokens=8)])
+    base = run(spec)
+    cold = run(dict(spec, cache=cache))
+    # the system prompt's 4 blocks met again by 3 requests: written once; each request's own 2: not
+    happened(cold, base, saves_committed=4, saves_not_admitted=4 * 2 + 4, hit_blocks=0)
+    warm = run(dict(spec, cache=cache))
+    happened(warm, base, hit_blocks=">=4", saves_committed=0)
+
+
 def _inspect_wear(cache: str) -> int:
     from aiokv.cli.summary import summary
     from aiokv.store import Store

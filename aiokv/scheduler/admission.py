@@ -10,7 +10,11 @@ A sighting is a request meeting a key: once per request (preemptions and resumes
 not meet a key again), when its prompt is looked up (match: every key up to its last
 usable block) or, for a block beyond what its lookups covered (its reply), when its
 save is planned. A save is admitted if the key was in the sketch before this request
-met it: a request never admits its own blocks.
+met it: a request never admits its own blocks. A block is saved by the request that
+meets it again even if vLLM's own prefix cache gave it that block (plan.track's
+own_cache): the one that computed it met it first, and a block every request shares
+(a system prompt) is otherwise never computed twice, never written, and nothing after
+it can ever hit.
 
 The sketch: two generations of a Bloom filter (the doorkeeper of TinyLFU), each taking
 `window` sightings before the older one is dropped, so a first sighting is remembered

@@ -8,7 +8,8 @@
   given back and the exception goes to the caller.
 - A block is saved only when all its tokens were computed in the current life of
   the request (a resumed request starts a new life at its new num_computed,
-  rounded up to a block); recurrent states only from vLLM's boundary checkpoints.
+  rounded up to a block), or, with admit: reused, when vLLM's own prefix cache gave
+  it to this life; recurrent states only from vLLM's boundary checkpoints.
   Tracking (block tables, next_save) makes no store call; reserving does, request
   by request: all of a request's slots of the step, or none.
 Every transfer gets its job id here, and its record in the ledger (commits.py).
@@ -79,14 +80,29 @@ def reserve_from_bucket(store, g: Group, gi: int, idx: list[int], keys: list[byt
     return out
 
 
-def track(st: Req, s: Scheduled, groups: list[Group], bs: int, wanted: dict, generated: bool = True) -> None:
+def track(st: Req, s: Scheduled, groups: list[Group], bs: int, wanted: dict, generated: bool = True,
+          own_cache: bool = False) -> None:
     """Bookkeeping of one scheduled request (no store call): its block tables, and
     the blocks of full/window groups whose tokens all became computed in this life
-    (into wanted[req_id]: (group, keys, block ids)). Raises if the tables cannot be trusted."""
+    (into wanted[req_id]: (group, keys, block ids)). Raises if the tables cannot be trusted.
+    own_cache (admit: reused): a new life also offers the blocks vLLM's own prefix cache gave it
+    (st.own_cache, never the blocks loaded from aiokv after them): the request that computed them
+    met their keys first and was not admitted, so without this a block every request shares (a
+    system prompt) would never be written."""
     if s.replace:
         # a new life: only blocks computed from here on may be saved
         st.block_ids = [list(ids) for ids in s.block_ids or ()] or [[] for _ in groups]
         st.next_save = [-(-s.num_computed // bs)] * len(groups)
+        cached, st.own_cache = min(st.own_cache, s.num_computed // bs), -1
+        if own_cache and cached > 0:
+            if not generated:
+                cached = min(cached, st.prompt // bs)
+            extend_keys(st.keys, st.root, st.tokens, bs, cached)
+            for gi, g in enumerate(groups):
+                ids = st.block_ids[gi]
+                idx = [i for i in range(min(cached, len(ids))) if ids[i] != 0] if g.spec.kind != STATE else []
+                if idx:
+                    wanted.setdefault(s.req_id, []).append((gi, [st.keys[i] for i in idx], [ids[i] for i in idx]))
     elif s.block_ids:
         for ids, new in zip(st.block_ids, s.block_ids):
             ids.extend(new)

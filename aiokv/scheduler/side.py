@@ -136,6 +136,10 @@ class SchedulerSide:
         together; if anything raises, nothing of it stays (pins and reservations are given
         back) and the exception goes to the caller (the connector then calls fail_load)."""
         st = self._state(req_id, tokens, root)
+        # before a hit, the computed tokens are vLLM's own cache's; without one, all of them are (once
+        # a load is done vLLM allocates again with no external tokens: the first call of the life counts)
+        if st.own_cache < 0:
+            st.own_cache = self._local_blocks.get(req_id, 0) if num_external > 0 else 1 << 62
         if num_external <= 0:
             return
         local = self._local_blocks.get(req_id, 0)
@@ -229,7 +233,8 @@ class SchedulerSide:
         if st is None or s.req_id in self._stale:  # alive at a cache reset: never saved again
             return
         try:
-            planning.track(st, s, self.groups, self.bs, wanted, self.save_generated)
+            planning.track(st, s, self.groups, self.bs, wanted, self.save_generated,
+                           own_cache=self.admission.sketch is not None)
         except Exception:
             # its tables can no longer be trusted: never saved from them (a resumed life starts anew)
             log.exception("aiokv: tracking request %s failed; its blocks are not saved", s.req_id)

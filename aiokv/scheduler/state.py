@@ -46,6 +46,10 @@ class Req:
     met: set = dataclasses.field(default_factory=set)
     admit: set = dataclasses.field(default_factory=set)
     looked: int = 0
+    # blocks at the front of this life that vLLM's own prefix cache gave it (set at allocation, -1: not
+    # known); with admit: reused they are saved too when admitted (plan.track), since the request that
+    # computed them met their keys first and could not
+    own_cache: int = -1
     prompt: int = 0           # prompt tokens (the list's length when vLLM first asked about the request)
 
 
