@@ -96,11 +96,14 @@ typedef struct {
 /* Default operations per io_uring_enter. Linux plugs the block layer while one
  * enter submits more than two requests, and requests for adjacent offsets (a
  * save's new slots, a load of blocks saved together) are merged in the plug into
- * fewer, larger ones. On a virtual disk that cost 10-25 % of the bandwidth
- * (docs/benchmarks.md, "Submission and request merging"): its host serves one
- * large request more slowly than the same bytes as several requests in flight.
- * Two per enter is what fio does by default (one), at half the system calls. */
-#define SUBMIT_GROUP 2
+ * fewer, larger ones. Whether that helps depends on the device: one virtual
+ * disk served merged requests 10-25 % slower (docs/benchmarks.md, "Submission and
+ * request merging"; two per enter then), while on the machine of docs/benchmarks.md
+ * section 11.2 four per enter moved 1.02-1.15 x fio's bytes where two moved
+ * 0.75-1.06 x, on its virtual disk and on file systems over loop devices, 64 KiB
+ * to 1 MiB, reads and writes: fewer system calls per operation, and the loop
+ * devices' worker serves a merged request in one backing-file call. Four. */
+#define SUBMIT_GROUP 4
 
 /* user_data of operation i of the batch in slot s, and the batch id Python sees */
 static inline uint64_t op_ud(RingObject *self, int32_t s, uint32_t i) {

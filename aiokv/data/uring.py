@@ -33,11 +33,11 @@ and submitted at the end of the loop iteration, together with every other
 batch started in that iteration (the disk is busy meanwhile, so nothing waits
 for it). Completions reaped in one wake-up refill the ring at once too
 (Ring.reap pumps). Each io_uring_enter carries at most `Ring.submit_group`
-operations (2): with more, Linux plugs the block layer and merges requests for
-adjacent offsets into larger ones, which cost this project's virtual disks
-10-25 % of their bandwidth (docs/benchmarks.md, "Submission and request
-merging"); two per call is below the plugging threshold at half the system
-calls of one.
+operations (4): with more than two, Linux plugs the block layer and merges
+requests for adjacent offsets into larger ones; four per call measured best
+of 1, 2, 4 and 8 on file systems over loop devices and on a virtual disk
+(docs/benchmarks.md section 11.2), where an earlier virtual disk had served
+merged requests 10-25 % slower ("Submission and request merging").
 
 Threading contract: loop thread only.
 """
