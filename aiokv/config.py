@@ -32,7 +32,7 @@ class AioKVConfig:
     staging: int = 256 << 20          # host staging memory per worker
     memory: int = 1 << 30             # host-memory tier per worker (recent blocks; 0: off): docs/operations.md
     io: str = "auto"                  # auto | uring | threads
-    queue_depth: int = 32             # I/O operations in flight per worker
+    queue_depth: int = 32             # I/O operations in flight per worker and drive
     load_timeout: float = 30.0        # seconds before a load is abandoned and recomputed
     save_timeout: float = 60.0        # seconds before a save is abandoned (dropped)
     fs_timeout: float = 2.0           # seconds a store operation (journal, grow, punch...) may take before the

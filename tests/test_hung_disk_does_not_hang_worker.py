@@ -30,6 +30,7 @@ from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import CLOSE_DRAIN_S, TransferWorker
 from tests.conftest import NS, key
 from tests.stallfs import mounted
+from tests.workers import Polled, until as _until
 
 NB = 16
 TIMEOUT = 1.0  # the load and save timeouts of the tests below
@@ -49,15 +50,6 @@ def stallfs(tmp_path):
                 f.write(what)
 
         yield str(tmp_path / "mnt"), stall, lambda: os.unlink(control)
-
-
-def _until(cond, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 async def test_abandoned_read_returns_at_once_and_hands_back_later(stallfs, backend_kind):
@@ -128,19 +120,10 @@ def test_timed_out_load_is_reported_and_its_buffers_set_aside(stallfs):
         stall()
         t0 = time.monotonic()
         w.load([Transfer("r", [key(0), key(1)], [0, 1], [9, 10])])
-        done: set = set()
-        errors: set = set()
-        counts: dict = {}
+        got = Polled(w)
+        finished, errors, counts = got.finished, got.errors, got.counts
 
-        def finished(req="r"):
-            d, e, rep = w.poll()
-            done.update(d)
-            errors.update(e)
-            for k, v in rep.counters.items():
-                counts[k] = counts.get(k, 0) + v
-            return req in done
-
-        assert _until(finished, TIMEOUT + 2 * SLACK), "the load never came back"
+        assert _until(lambda: finished("r"), TIMEOUT + 2 * SLACK), "the load never came back"
         took = time.monotonic() - t0
         # the timeout honoured: not before it, and not much after (the reads hang for ever)
         assert TIMEOUT * 0.9 < took < TIMEOUT + SLACK, took

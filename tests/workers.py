@@ -29,3 +29,29 @@ def run_jobs(w: TransferWorker, fn, arg, timeout: float = 10.0):
     while w.in_flight and time.monotonic() < end:
         time.sleep(0.002)
     return w.poll()
+
+
+def until(cond, timeout: float) -> bool:
+    """Whether cond() came true within timeout seconds (polled every 10 ms)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+class Polled:
+    """What a worker's polls have handed back so far: the requests finished, the
+    block ids failed and the counters, summed. `finished(req)` polls once more."""
+
+    def __init__(self, w: TransferWorker):
+        self.w, self.done, self.errors, self.counts = w, set(), set(), {}
+
+    def finished(self, req: str) -> bool:
+        d, e, rep = self.w.poll()
+        self.done.update(d)
+        self.errors.update(e)
+        for k, v in rep.counters.items():
+            self.counts[k] = self.counts.get(k, 0) + v
+        return req in self.done

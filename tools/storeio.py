@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import time
 
 from aiokv.data import format as fmt
 from aiokv.data.backend import open_backend
@@ -30,13 +31,16 @@ from aiokv.store.store import ns_dir
 
 
 def _close_io(st) -> None:
-    """A reader-writer's slot I/O closed (its BlockIOs, then its backend), before its store."""
+    """A reader-writer's slot I/O closed (its BlockIOs, then its backends), before its store."""
     for io in st._io.values():
         io.close()
     st._io.clear()
     if st._backend is not None:
         st._backend.close()
         st._backend = None
+    for backend in getattr(st, "_backends", {}).values():
+        backend.close()
+    getattr(st, "_backends", {}).clear()
 
 class StoreIO(Store):
     """A Store whose slots this process also reads and writes (one-rank namespaces)."""
@@ -57,8 +61,13 @@ class StoreIO(Store):
                                                      ns.payload_bytes, secret=self._secret, cpu=self._cpu)
         return io
 
-    async def save(self, ns: Namespace, items, rank: int = 0) -> list[int]:
-        """Store (key, addr) staging buffers; per item 0, -EEXIST, -ENOSPC or -errno."""
+    async def save(self, ns: Namespace, items, rank: int = 0, times: dict | None = None,
+                   crc_in_copy: bool = False) -> list[int]:
+        """Store (key, addr) staging buffers; per item 0, -EEXIST, -ENOSPC or -errno.
+        times: {"io": seconds} gains the time of the data path's call (what a vLLM
+        worker runs; the rest is what the scheduler side runs, in another process).
+        crc_in_copy: each buffer's header already holds its payload's CRC32C, as a
+        device copy leaves it (BlockIO.write's crc_in_copy)."""
         if ns.ranks != 1:
             raise ValueError("aiokv: StoreIO.save is for one-rank namespaces; ranks commit through the owner")
         res = [0] * len(items)
@@ -71,7 +80,10 @@ class StoreIO(Store):
             else:
                 todo.append((i, slot, key, addr))
         try:
-            out = await self.blockio(ns, rank).write([(s, k, a) for _, s, k, a in todo])
+            t0 = time.perf_counter()
+            out = await self.blockio(ns, rank).write([(s, k, a) for _, s, k, a in todo], crc_in_copy=crc_in_copy)
+            if times is not None:
+                times["io"] = times.get("io", 0.0) + time.perf_counter() - t0
         except BaseException:
             self.abort(ns, [(k, s) for _, s, k, _ in todo], failed=False)
             raise
@@ -81,13 +93,19 @@ class StoreIO(Store):
             res[i] = r if r or k in ns.entries else -errno.EIO  # written but not committed
         return res
 
-    async def load(self, ns: Namespace, items, rank: int = 0) -> list[int]:
-        """Read (key, addr) into staging buffers; per item 0, -ENOENT, -EBADMSG or -errno."""
+    async def load(self, ns: Namespace, items, rank: int = 0, times: dict | None = None,
+                   crc_in_copy: bool = False) -> list[int]:
+        """Read (key, addr) into staging buffers; per item 0, -ENOENT, -EBADMSG or -errno.
+        times: as for save; crc_in_copy: the payloads' CRC32C is left to the caller's
+        device copy (BlockIO.read's crc_in_copy)."""
         keys = [k for k, _ in items]
         slots = self.pin(ns, keys)
         try:
             todo = [(s, k, a) for s, (k, a) in zip(slots, items) if s is not None]
-            out = iter(await self.blockio(ns, rank).read(todo))
+            t0 = time.perf_counter()
+            out = iter(await self.blockio(ns, rank).read(todo, crc_in_copy=crc_in_copy))
+            if times is not None:
+                times["io"] = times.get("io", 0.0) + time.perf_counter() - t0
         finally:
             # only the pins taken above: a key committed and pinned by another
             # reader meanwhile keeps its pin
@@ -103,9 +121,10 @@ class StoreIO(Store):
 
 class DrivesIO(Drives):
     """Several drives (aiokv/store/drives.py) whose slots this process also reads and
-    writes, as StoreIO does for one: a DriveIO over one BlockIO per drive, its
-    per-drive verdicts handed straight to the drives' breakers (`record`), as the
-    workers' reports are in vLLM."""
+    writes, as StoreIO does for one: a DriveIO over one BlockIO per drive, each on
+    its drive's own backend (`_backends`, opened at the first blockio unless set
+    before, as a worker's: worker/lifecycle.py), its per-drive verdicts handed
+    straight to the drives' breakers (`record`), as the workers' reports are in vLLM."""
 
     save = StoreIO.save
     load = StoreIO.load
@@ -113,7 +132,8 @@ class DrivesIO(Drives):
     def __init__(self, paths: list[str], capacity=None, timeout: float = 60.0, failures: int = 3,
                  cooldown: float = 30.0, secret: str | None = None, cpu=None, **kw):
         self._io: dict[tuple[bytes, int], DriveIO] = {}
-        self._backend = None
+        self._backend = None  # (StoreIO's; unused here)
+        self._backends: dict = {}  # drive -> its backend
         self._secret, self._cpu = secret, cpu
         cap = parse_size(capacity) if capacity is not None else None
         drives, _ = open_drives(paths, lambda p, n: (Store(p, capacity=cap and cap // n, **kw), []), timeout,
@@ -122,12 +142,13 @@ class DrivesIO(Drives):
 
     def blockio(self, ns, rank: int = 0) -> DriveIO:
         loop = asyncio.get_running_loop()
-        if self._backend is None:
-            self._backend = open_backend(loop)
+        for d in self.live:
+            if d not in self._backends:
+                self._backends[d] = open_backend(loop, path=self.paths[d])
         io = self._io.get((ns.nsid, rank))
         if io is None:
             io = self._io[(ns.nsid, rank)] = DriveIO(
-                {d: BlockIO(self._backend, ns_dir(self.paths[d], ns.nsid), ns.nsid, rank, ns.payload_bytes,
+                {d: BlockIO(self._backends[d], ns_dir(self.paths[d], ns.nsid), ns.nsid, rank, ns.payload_bytes,
                             secret=self._secret, cpu=self._cpu) for d in self.live}, self.record)
         return io
 

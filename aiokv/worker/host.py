@@ -59,7 +59,7 @@ class WorkerHost:
         """Stop the loop (after every group closed its part); free the arena unless
         I/O stuck in the kernel may still touch it (then the process exit does)."""
         stuck = (not self.lt.stop() or self.staging.stuck
-                 or any(life.backend is not None and life.backend.in_flight for life in self.lives))
+                 or any(life.in_flight for life in self.lives))
         if self.cpu is not None:  # idle once the loop has stopped: nothing awaits them any more
             self.cpu.shutdown(wait=not stuck)
         if stuck:

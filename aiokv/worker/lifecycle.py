@@ -1,7 +1,8 @@
 """What one KV-cache group's worker has on the process's loop (worker/host.py),
-from start to close: its I/O backend, its data file (opened at the first job: the
-engine that owns the store creates the directory after the workers have started)
-and the bucket tier's uploader and loader.
+from start to close: its I/O backends (one per drive, each with its own queue
+depth), its data file (opened at the first job: the engine that owns the store
+creates the directory after the workers have started) and the bucket tier's
+uploader and loader.
 
 Start is bounded (opening the backend looks at the cache directory's file
 system: START_TIMEOUT); so is close, whatever the disk does: outstanding loads
@@ -18,7 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 
-from aiokv.data.backend import BLOCKING_SUBMIT_FS, mount_of, open_backend
+from aiokv.data.backend import open_backend
 from aiokv.data.blockio import BlockIO
 from aiokv.data.drives import DriveIO
 
@@ -38,7 +39,8 @@ class Lifecycle:
         self.drive_report = None  # several drives: called with each call's per-drive verdicts (DriveIO)
         self.bucket, self.upload_queue, self.flush_timeout = bucket, upload_queue, flush_timeout
         self.uploader = self.bucket_loader = None
-        self.backend = None
+        self.backends: list = []  # one per drive, in the configured order (_setup)
+        self.backend = None  # the first drive's (the only one with one path)
         self.io: BlockIO | None = None
         self.cpu = host.cpu
         self.lt = host.lt
@@ -51,9 +53,12 @@ class Lifecycle:
                                "(a hung file system?)") from None
 
     async def _setup(self, io, depth, count):
-        # one backend for every drive: the thread pool if any drive's submissions can block
-        path = next((p for p in self.ns_dirs if mount_of(p)[1].split(".")[0] in BLOCKING_SUBMIT_FS), self.ns_dir)
-        self.backend = open_backend(self.loop, io, depth=depth, path=path)
+        # a backend per drive, each with its own queue depth: a drive that hangs or lags holds only
+        # its own operations in the kernel, never the others' (one shared queue filled with a hung
+        # drive's reads starved every drive); the thread pool only for a drive whose submissions
+        # can block (FUSE, a network file system)
+        self.backends = [open_backend(self.loop, io, depth=depth, path=nd) for nd in self.ns_dirs]
+        self.backend = self.backends[0]
         if self.bucket is not None:
             from aiokv.bucket.loader import BucketLoader
             from aiokv.bucket.uploader import Uploader
@@ -67,10 +72,15 @@ class Lifecycle:
 
     def blockio(self) -> BlockIO | DriveIO:
         if self.io is None:
-            ios = {d: BlockIO(self.backend, nd, self.nsid, self.rank, self.device.payload_bytes,
+            ios = {d: BlockIO(self.backends[d], nd, self.nsid, self.rank, self.device.payload_bytes,
                               self.device.layout_tag, self.secret, cpu=self.cpu) for d, nd in enumerate(self.ns_dirs)}
             self.io = ios[0] if len(ios) == 1 else DriveIO(ios, self.drive_report)
         return self.io
+
+    @property
+    def in_flight(self) -> int:
+        """Operations the kernel (or a pool thread) holds, on every drive's backend."""
+        return sum(b.in_flight for b in self.backends)
 
     @property
     def alive(self) -> bool:
@@ -98,8 +108,9 @@ class Lifecycle:
         if self.uploader is not None:  # a clean shutdown: pending uploads go out, within flush_timeout
             await self.uploader.flush(self.flush_timeout)
         await asyncio.sleep(0)  # the cancelled loads' tasks end first (abandon: at once)
-        if self.backend.in_flight or self.staging.stuck:
+        if self.in_flight or self.staging.stuck:
             return  # closing it would wait for the kernel; the process exit reclaims it
-        self.backend.close()
+        for backend in self.backends:
+            backend.close()
         if self.io is not None:
             self.io.close()

@@ -131,9 +131,9 @@ class TransferWorker:
         self.saves.crc_in_copy = self.loads.crc_in_copy = on
 
     # ---- what lives on the loop (worker/lifecycle.py), read through ----
-    loop, thread, backend, io, cpu, uploader = (
+    loop, thread, backend, backends, io, cpu, uploader = (
         property(lambda self, n=n: getattr(self.life, n), doc=f"the lifecycle's {n}")
-        for n in ("loop", "thread", "backend", "io", "cpu", "uploader"))
+        for n in ("loop", "thread", "backend", "backends", "io", "cpu", "uploader"))
 
     @property
     def checksum_threads(self) -> int:
