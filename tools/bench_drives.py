@@ -3,35 +3,53 @@
 the same jobs on the same set of directories, in the same run.
 
     PYTHONPATH=. .venv/bin/python tools/bench_drives.py --dirs D0,D1,D2 [--sizes 64K,256K,1M,4M]
-        [--depth 16] [--mib 384] [--rounds 3] [--json] [--out FILE]
+        [--depth 16] [--mib 384] [--rounds 3] [--settle S] [--crc copy|threads|loop]
+        [--submit-group G] [--per P] [--json] [--out FILE]
     PYTHONPATH=. .venv/bin/python tools/bench_drives.py --loop 3 --image-dir DIR ...   (root: makes them)
 
---loop N makes N file systems for the run: N image files in --image-dir, each a
-loop device with direct I/O to its file (losetup --direct-io=on), ext4 on it,
-mounted under a temp directory; unmounted, detached and deleted at the end
-(tmpfs mounts instead with --tmpfs, where loop devices are refused).
+--loop N makes N file systems for the run: N image files in --image-dir, each
+written whole first (a loop device's first write to a hole of its image allocates
+in the file system below), a loop device with direct I/O to its file (losetup
+--direct-io=on), ext4 on it, mounted under a temp directory; unmounted, detached
+and deleted at the end (tmpfs mounts instead with --tmpfs, where loop devices
+are refused).
 
 For each payload size B a round runs, one after another on the same directories,
 the order alternating between rounds (medians of the rounds; one round more at
 the first size is not counted: fresh file systems allocate their first blocks
-slowly):
+slowly). Before each timed phase of either side, --settle S: a sync and S
+seconds of quiet, so that no phase pays for the write-back of the one before
+(a write phase's bytes still leaving the host's cache slowed the read phase
+after it; without the quiet fio's runs had a process start-up between phases
+and aiokv's none).
 - aiokv: a Drives store (aiokv/store/drives.py, one Store per directory, a
   namespace of B-byte payloads) with its data path (a DriveIO over one BlockIO
-  per drive on one io_uring backend of N x depth operations in flight, as a vLLM
-  worker's one backend serves every drive; tools/storeio.py DrivesIO): all n
+  per drive, each on its drive's own io_uring backend of `depth` operations in
+  flight, as a vLLM worker's; tools/storeio.py DrivesIO): all n
   blocks saved in one call (reserve on their drive by key, stamp, write, commit
-  to each drive's journal), then loaded in one call (pin, read, verify CRC32C);
+  to each drive's journal), then loaded in one call (pin, read, verify);
   one staging buffer per block. n = --mib MiB / slot, spread by key over the drives.
+  The payloads' CRC32C (--crc): "copy", as a CPU worker computes it, inside the
+  device copy that fills the staging buffer (copy_out) or empties it (copy_in),
+  which is not part of this benchmark: the headers are stamped and checked here,
+  each buffer's payload CRC put in its header before the timed phases; "threads",
+  as a CUDA worker, on two checksum threads; "loop", on the loop thread.
+  Timed: the whole call, and apart from it the data path's call (DriveIO.write or
+  read: what a vLLM worker runs); the rest of the call is the bookkeeping the
+  scheduler side does in vLLM, in its own process (reserve, commit; pin, unpin).
 - fio: one job per directory, run together (group_reporting), io_uring,
   direct=1, bs = the slot (B + 4096 header), iodepth = depth each, a fresh file
   of n/N slots per job written then read: the same I/Os on the same set.
-Aggregate GB/s = bytes moved on all drives / wall time of the phase (fio: its
-group's bytes / the longest job's runtime); GB = 1e9.
+Aggregate GB/s = bytes moved on all drives / wall time (aiokv: of the data path's
+call, and of the whole call; fio: its group's bytes / the longest job's runtime);
+GB = 1e9. The ratios: aiokv's data path / fio, and the whole call's / fio.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import concurrent.futures
 import ctypes
 import datetime
 import json
@@ -53,31 +71,58 @@ from tools.bench_store import HUGE, HugePages, _keys, machine  # noqa: E402
 from tools.storeio import DrivesIO  # noqa: E402
 
 NSID = bytes.fromhex("d71e" * 8)
+# where aiokv computes the payloads' CRC32C: in the device copy (a CPU worker's way: copy_out leaves
+# it in the header, copy_in checks it; the copy is not part of this benchmark, so the CRC is not
+# either), on two checksum threads (a CUDA worker's default), or on the loop thread
+CRC_MODES = ("copy", "threads", "loop")
+SETTLE = [0.0]  # --settle: seconds of quiet before each timed phase
+SUBMIT_GROUP = [None]  # --submit-group: operations per io_uring_enter (None: the ring's default)
 
 
-async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, per: int = 0) -> dict:
+def quiesce() -> None:
+    """Before each timed phase, aiokv's and fio's alike: the file systems synced and
+    SETTLE seconds of quiet, so no phase pays for the previous one's write-back."""
+    if SETTLE[0] > 0:
+        os.sync()
+        time.sleep(SETTLE[0])
+
+
+async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, per: int = 0,
+                 crc: str = "copy") -> dict:
     """per 0: one call of all n blocks, a buffer each; else depth x drives / per concurrent
-    loops of `per` blocks per call, each reusing its own buffers."""
+    loops of `per` blocks per call, each reusing its own buffers. crc: where the
+    payloads' CRC32C is computed (CRC_MODES)."""
+    threads = 2 if crc == "threads" else 0
     roots = [os.path.join(d, "aiokv") for d in dirs]
     for r in roots:
         shutil.rmtree(r, ignore_errors=True)
     loops = max(1, depth * len(dirs) // per) if per else 1
     pool = BufferPool(fmt.slot_bytes(payload), loops * per if per else n)
-    st = DrivesIO(roots, capacity=4 * n * fmt.slot_bytes(payload) * len(dirs))
+    cpu = concurrent.futures.ThreadPoolExecutor(threads, "bench-crc") if threads else None
+    st = DrivesIO(roots, capacity=4 * n * fmt.slot_bytes(payload) * len(dirs), cpu=cpu)
     try:
-        st._backend = open_backend(asyncio.get_running_loop(), depth=depth * len(dirs))
-        if hasattr(st._backend, "min_bytes"):
-            st._backend.min_bytes = 0  # exactly the depth in flight, as fio's iodepth
+        for d in st.live:  # a backend per drive, `depth` each, as a worker's (and fio's jobs)
+            be = st._backends[d] = open_backend(asyncio.get_running_loop(), depth=depth)
+            if hasattr(be, "min_bytes"):
+                be.min_bytes = 0  # exactly the depth in flight, as fio's iodepth
+            if SUBMIT_GROUP[0] is not None and hasattr(be, "ring"):
+                be.ring.submit_group = SUBMIT_GROUP[0]
         ns = st.namespace(NSID, payload, fields={"bench": "bench_drives"})
         rand = os.urandom(payload)
         for s in range(pool.count):
             ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, payload)
         keys = _keys(n, salt)
+        if crc == "copy":  # the device copy's part, before the timed phases: each header holds its payload's CRC
+            for i, k in enumerate(keys[:pool.count]):
+                st.blockio(ns).stamp(k, pool.addr(i))
         out = {}
-        for name, call in (("write", st.save), ("read", st.load)):
+        for name, call in (("write", functools.partial(st.save, crc_in_copy=crc == "copy")),
+                           ("read", functools.partial(st.load, crc_in_copy=crc == "copy"))):
+            quiesce()
+            times: dict = {}
             t0 = time.perf_counter()
             if not per:
-                res = await call(ns, [(k, pool.addr(i)) for i, k in enumerate(keys)])
+                res = await call(ns, [(k, pool.addr(i)) for i, k in enumerate(keys)], times=times)
             else:
                 starts = iter(range(0, n, per))
 
@@ -93,11 +138,16 @@ async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, p
             if any(res):
                 raise RuntimeError(f"aiokv: {name} failed: {sorted(set(res))}")
             out[f"{name}_gbps"] = n * fmt.slot_bytes(payload) / dt / 1e9
+            if not per:  # the data path alone (a worker's job) and the bookkeeping beside it
+                out[f"{name}_io_gbps"] = n * fmt.slot_bytes(payload) / times["io"] / 1e9
+                out[f"{name}_book_us"] = (dt - times["io"]) / n * 1e6
         out["per_drive"] = [len(s.index.namespaces[NSID].own) for s in st.stores.values()]
         return out
     finally:
         st.close()
         pool.close()
+        if cpu is not None:
+            cpu.shutdown()
         for r in roots:
             shutil.rmtree(r, ignore_errors=True)
 
@@ -114,6 +164,7 @@ def fio_round(dirs: list[str], slot: int, n: int, depth: int, mem: str) -> dict:
     out = {}
     try:
         for rw in ("write", "read"):
+            quiesce()
             cmd = ["fio", "--group_reporting", "--output-format=json", f"--bs={slot}", f"--size={per * slot}",
                    f"--rw={rw}", "--ioengine=io_uring", "--direct=1", f"--iodepth={depth}"]
             if mem == "mmaphuge":
@@ -163,9 +214,12 @@ class Mounts:
                     self.kind = "tmpfs"
                 else:
                     img = os.path.join(self.image_dir, f"aiokv-drive{i}.img")
-                    with open(img, "wb") as f:
-                        f.truncate(self.size)
                     self.undo.append(["rm", "-f", img])
+                    # written whole before use: a loop device's first write to a hole of its image
+                    # file allocates in the file system below, and whichever side of a round
+                    # landed on fresh image blocks paid for it (fio's writes moved 1.9-3.6 GB/s)
+                    self._sh("dd", "if=/dev/zero", f"of={img}", "bs=64M", f"count={-(-self.size // (64 << 20))}",
+                             "oflag=direct", "conv=fsync", "status=none")
                     dev = self._sh("losetup", "--direct-io=on", "-f", "--show", img)
                     self.undo.append(["losetup", "-d", dev])
                     self._sh("mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", dev)
@@ -200,12 +254,21 @@ def main() -> int:
                     help="aiokv: 0 = one save()/load() call of all blocks, a staging buffer each (a worker's "
                          "one big job); P = drives x depth / P concurrent loops of P blocks per call, each "
                          "reusing its buffers (a worker's bounded staging pool: fio's footprint)")
+    ap.add_argument("--crc", choices=CRC_MODES, default="copy",
+                    help="where aiokv computes the payloads' CRC32C: in the device copy, outside the timed I/O "
+                         "(a CPU worker), on 2 checksum threads (a CUDA worker), or on the loop thread")
+    ap.add_argument("--settle", type=float, default=0.0,
+                    help="seconds of quiet (after a sync) before each timed phase of either side")
+    ap.add_argument("--submit-group", type=int, default=None,
+                    help="aiokv: operations per io_uring_enter (default: the ring's)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if bool(args.dirs) == bool(args.loop):
         ap.error("give --dirs or --loop N")
     sizes = [parse_size(x) for x in args.sizes.split(",") if x]
+    SETTLE[0] = args.settle
+    SUBMIT_GROUP[0] = args.submit_group
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     mounts = Mounts(args.loop, args.image_dir, parse_size(args.image_size), args.tmpfs) if args.loop else None
     t0 = time.monotonic()
@@ -229,26 +292,37 @@ def main() -> int:
                 n = max(4 * len(dirs), (args.mib << 20) // slot)
                 got = {"aiokv": [], "fio": []}
                 if size == sizes[0]:  # a round not counted: fresh file systems first allocate slowly
-                    aiokv_round(dirs, size, n, args.depth, 99, args.per)
+                    aiokv_round(dirs, size, n, args.depth, 99, args.per, args.crc)
                     fio_round(dirs, slot, n, args.depth, mem)
                 for r in range(args.rounds):
                     if r % 2:  # the order alternates between rounds
                         f = fio_round(dirs, slot, n, args.depth, mem)
-                        a = aiokv_round(dirs, size, n, args.depth, r, args.per)
+                        a = aiokv_round(dirs, size, n, args.depth, r, args.per, args.crc)
                     else:
-                        a = aiokv_round(dirs, size, n, args.depth, r, args.per)
+                        a = aiokv_round(dirs, size, n, args.depth, r, args.per, args.crc)
                         f = fio_round(dirs, slot, n, args.depth, mem)
                     got["aiokv"].append(a)
                     got["fio"].append(f)
-                    log(f"{size >> 10:>5} KiB round {r + 1}: aiokv W {a['write_gbps']:.2f} R {a['read_gbps']:.2f} "
+                    io = (f" (data path W {a['write_io_gbps']:.2f} R {a['read_io_gbps']:.2f})"
+                          if "write_io_gbps" in a else "")
+                    log(f"{size >> 10:>5} KiB round {r + 1}: aiokv W {a['write_gbps']:.2f} R {a['read_gbps']:.2f}{io} "
                         f"(blocks per drive {a['per_drive']}) | fio W {f['write_gbps']:.2f} R {f['read_gbps']:.2f}")
                 row = {"payload": size, "slot": slot, "blocks": n}
+                extra = ("write_io_gbps", "read_io_gbps", "write_book_us", "read_book_us") if not args.per else ()
                 for who, rounds in got.items():
-                    for k in ("write_gbps", "read_gbps"):
+                    for k in ("write_gbps", "read_gbps") + (extra if who == "aiokv" else ()):
                         row[f"{who}_{k}"] = statistics.median(x[k] for x in rounds)
-                row["write_ratio"] = row["aiokv_write_gbps"] / row["fio_write_gbps"]
-                row["read_ratio"] = row["aiokv_read_gbps"] / row["fio_read_gbps"]
+                # the ratios: aiokv's data path (a worker's calls) against fio; with the store's
+                # bookkeeping in the same thread and phase ("whole"), where it is measured apart
+                for k in ("write", "read"):
+                    io = row.get(f"aiokv_{k}_io_gbps", row[f"aiokv_{k}_gbps"])
+                    row[f"{k}_ratio"] = io / row[f"fio_{k}_gbps"]
+                    row[f"{k}_ratio_whole"] = row[f"aiokv_{k}_gbps"] / row[f"fio_{k}_gbps"]
                 row["per_drive"] = got["aiokv"][0]["per_drive"]
+                # each round's own ratio (aiokv and fio run next to each other): their spread is the noise
+                for k in ("write", "read"):
+                    own = [a.get(f"{k}_io_gbps", a[f"{k}_gbps"]) / f[f"{k}_gbps"] for a, f in zip(got["aiokv"], got["fio"])]
+                    row[f"{k}_ratio_rounds"] = own
                 doc["rows"].append(row)
     finally:
         if mounts is not None:
@@ -265,12 +339,24 @@ def main() -> int:
         how = f"loops of {args.per} blocks per call" if args.per else "one call of all blocks"
         print(f"{len(dirs)} drives ({doc.get('file_systems', 'given directories')}), depth {args.depth} each, "
               f"{args.mib} MiB per phase, median of {args.rounds}; aiokv {how}; fio buffers {doc['fio_mem']}")
-        print("| payload | aiokv W GB/s | fio W GB/s | W ratio | aiokv R GB/s | fio R GB/s | R ratio | blocks per drive |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(f"CRC32C: {args.crc}; operations per io_uring_enter: {args.submit_group or 'the ring default'}; "
+              f"{args.settle:g} s of quiet before each phase")
+        print("| payload | aiokv W GB/s | fio W GB/s | W ratio | aiokv R GB/s | fio R GB/s | R ratio "
+              "| whole W / R ratio | bookkeeping W / R µs per block | blocks per drive |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in doc["rows"]:
-            print(f"| {r['payload'] >> 10} KiB | {r['aiokv_write_gbps']:.2f} | {r['fio_write_gbps']:.2f} | "
-                  f"**{r['write_ratio']:.2f}** | {r['aiokv_read_gbps']:.2f} | {r['fio_read_gbps']:.2f} | "
-                  f"**{r['read_ratio']:.2f}** | {'/'.join(map(str, r['per_drive']))} |")
+            io_w, io_r = r.get("aiokv_write_io_gbps", r["aiokv_write_gbps"]), r.get("aiokv_read_io_gbps", r["aiokv_read_gbps"])
+            book = (f"{r['aiokv_write_book_us']:.1f} / {r['aiokv_read_book_us']:.1f}"
+                    if "aiokv_write_book_us" in r else "-")
+            print(f"| {r['payload'] >> 10} KiB | {io_w:.2f} | {r['fio_write_gbps']:.2f} | "
+                  f"**{r['write_ratio']:.2f}** | {io_r:.2f} | {r['fio_read_gbps']:.2f} | "
+                  f"**{r['read_ratio']:.2f}** | {r['write_ratio_whole']:.2f} / {r['read_ratio_whole']:.2f} | {book} | "
+                  f"{'/'.join(map(str, r['per_drive']))} |")
+        for r in doc["rows"]:
+            print(f"{r['payload'] >> 10} KiB, each round's own ratio (data path / fio), "
+                  + "; ".join(f"{k}: median {statistics.median(r[f'{k}_ratio_rounds']):.2f}, "
+                              f"{min(r[f'{k}_ratio_rounds']):.2f}-{max(r[f'{k}_ratio_rounds']):.2f}"
+                              for k in ("write", "read")))
     return 0
 
 
