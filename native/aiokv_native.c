@@ -99,10 +99,10 @@ typedef struct {
  * fewer, larger ones. Whether that helps depends on the device: one virtual
  * disk served merged requests 10-25 % slower (docs/benchmarks.md, "Submission and
  * request merging"; two per enter then), while on the machine of docs/benchmarks.md
- * section 11.2 four per enter moved 1.02-1.15 x fio's bytes where two moved
- * 0.75-1.06 x, on its virtual disk and on file systems over loop devices, 64 KiB
- * to 1 MiB, reads and writes: fewer system calls per operation, and the loop
- * devices' worker serves a merged request in one backing-file call. Four. */
+ * section 11.2 four per enter moved 0.88-1.17 x fio's bytes where two moved
+ * 0.71-1.11 x, on its virtual disk and on file systems over loop devices, 64 KiB
+ * to 1 MiB, reads and writes (four as good or better in all cells but one):
+ * fewer system calls per operation, and larger requests. Four. */
 #define SUBMIT_GROUP 4
 
 /* user_data of operation i of the batch in slot s, and the batch id Python sees */
