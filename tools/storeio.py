@@ -11,7 +11,7 @@ took, and drops keys whose blocks did not verify.
 DrivesIO does the same over several drives (a Drives store, a DriveIO).
 
 Threading contract: one thread, the Store's owner; `save`, `load` and `blockio`
-run on an asyncio loop there, whose backend (`_backend`) the BlockIOs share.
+run on an asyncio loop there, whose backend (`_backend`; DrivesIO: one per drive) the BlockIOs use.
 """
 from __future__ import annotations
 
@@ -30,17 +30,13 @@ from aiokv.store.store import ns_dir
 
 
 
-def _close_io(st) -> None:
-    """A reader-writer's slot I/O closed (its BlockIOs, then its backends), before its store."""
+def _close_io(st, backends) -> None:
+    """A reader-writer's slot I/O closed (its BlockIOs, then `backends`), before its store."""
     for io in st._io.values():
         io.close()
     st._io.clear()
-    if st._backend is not None:
-        st._backend.close()
-        st._backend = None
-    for backend in getattr(st, "_backends", {}).values():
+    for backend in backends:
         backend.close()
-    getattr(st, "_backends", {}).clear()
 
 class StoreIO(Store):
     """A Store whose slots this process also reads and writes (one-rank namespaces)."""
@@ -115,7 +111,8 @@ class StoreIO(Store):
         return res
 
     def close(self, checkpoint: bool = True) -> None:
-        _close_io(self)
+        _close_io(self, [self._backend] if self._backend is not None else [])
+        self._backend = None
         super().close(checkpoint)
 
 
@@ -132,7 +129,6 @@ class DrivesIO(Drives):
     def __init__(self, paths: list[str], capacity=None, timeout: float = 60.0, failures: int = 3,
                  cooldown: float = 30.0, secret: str | None = None, cpu=None, **kw):
         self._io: dict[tuple[bytes, int], DriveIO] = {}
-        self._backend = None  # (StoreIO's; unused here)
         self._backends: dict = {}  # drive -> its backend
         self._secret, self._cpu = secret, cpu
         cap = parse_size(capacity) if capacity is not None else None
@@ -153,5 +149,6 @@ class DrivesIO(Drives):
         return io
 
     def close(self, checkpoint: bool = True) -> None:
-        _close_io(self)
+        _close_io(self, self._backends.values())
+        self._backends.clear()
         super().close(checkpoint)

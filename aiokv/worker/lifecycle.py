@@ -40,7 +40,6 @@ class Lifecycle:
         self.bucket, self.upload_queue, self.flush_timeout = bucket, upload_queue, flush_timeout
         self.uploader = self.bucket_loader = None
         self.backends: list = []  # one per drive, in the configured order (_setup)
-        self.backend = None  # the first drive's (the only one with one path)
         self.io: BlockIO | None = None
         self.cpu = host.cpu
         self.lt = host.lt
@@ -58,7 +57,6 @@ class Lifecycle:
         # drive's reads starved every drive); the thread pool only for a drive whose submissions
         # can block (FUSE, a network file system)
         self.backends = [open_backend(self.loop, io, depth=depth, path=nd) for nd in self.ns_dirs]
-        self.backend = self.backends[0]
         if self.bucket is not None:
             from aiokv.bucket.loader import BucketLoader
             from aiokv.bucket.uploader import Uploader
@@ -76,6 +74,11 @@ class Lifecycle:
                               self.device.layout_tag, self.secret, cpu=self.cpu) for d, nd in enumerate(self.ns_dirs)}
             self.io = ios[0] if len(ios) == 1 else DriveIO(ios, self.drive_report)
         return self.io
+
+    @property
+    def backend(self):
+        """The first drive's backend (the only one with one path); None before _setup."""
+        return self.backends[0] if self.backends else None
 
     @property
     def in_flight(self) -> int:
