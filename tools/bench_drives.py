@@ -4,13 +4,14 @@ the same jobs on the same set of directories, in the same run.
 
     PYTHONPATH=. .venv/bin/python tools/bench_drives.py --dirs D0,D1,D2 [--sizes 64K,256K,1M,4M]
         [--depth 16] [--mib 384] [--rounds 3] [--settle S] [--crc copy|threads|loop]
-        [--submit-group G] [--per P] [--json] [--out FILE]
+        [--submit-group G] [--staging BYTES] [--calls C] [--json] [--out FILE]
     PYTHONPATH=. .venv/bin/python tools/bench_drives.py --loop 3 --image-dir DIR ...   (root: makes them)
 
 --loop N makes N file systems for the run: N image files in --image-dir, each
 written whole first (a loop device's first write to a hole of its image allocates
 in the file system below), a loop device with direct I/O to its file (losetup
---direct-io=on), ext4 on it, mounted under a temp directory; unmounted, detached
+--direct-io=on), ext4 on it made without discarding (a discard punches the image
+full of holes again; checked), mounted under a temp directory; unmounted, detached
 and deleted at the end (tmpfs mounts instead with --tmpfs, where loop devices
 are refused).
 
@@ -25,30 +26,34 @@ and aiokv's none).
 - aiokv: a Drives store (aiokv/store/drives.py, one Store per directory, a
   namespace of B-byte payloads) with its data path (a DriveIO over one BlockIO
   per drive, each on its drive's own io_uring backend of `depth` operations in
-  flight, as a vLLM worker's; tools/storeio.py DrivesIO): all n
-  blocks saved in one call (reserve on their drive by key, stamp, write, commit
-  to each drive's journal), then loaded in one call (pin, read, verify);
-  one staging buffer per block. n = --mib MiB / slot, spread by key over the drives.
+  flight, as a vLLM worker's; tools/storeio.py DrivesIO), n = --mib MiB / slot
+  blocks spread by key over the drives: all n reserved on their drives (the
+  scheduler side's part in vLLM), written by the data path (DriveIO.write: the
+  worker's part), committed to each drive's journal (the scheduler's); then all
+  pinned, read and verified (DriveIO.read), unpinned. The data path's calls
+  (--staging, --calls): as a worker makes them, from a staging pool of the
+  worker's default size (256 MiB) shared by 4 concurrent loops of calls, each
+  call as many blocks as its loop's share of buffers, reused call after call;
+  --staging 0: one call of all n blocks, a buffer each, 1 GiB of buffers at the
+  default --mib, which no worker has (docs/benchmarks.md 11.3 compares the two).
   The payloads' CRC32C (--crc): "copy", as a CPU worker computes it, inside the
   device copy that fills the staging buffer (copy_out) or empties it (copy_in),
   which is not part of this benchmark: the headers are stamped and checked here,
   each buffer's payload CRC put in its header before the timed phases; "threads",
   as a CUDA worker, on two checksum threads; "loop", on the loop thread.
-  Timed: the whole call, and apart from it the data path's call (DriveIO.write or
-  read: what a vLLM worker runs); the rest of the call is the bookkeeping the
-  scheduler side does in vLLM, in its own process (reserve, commit; pin, unpin).
+  Timed: the data path's calls, and the whole phase with the bookkeeping
+  (reserve, commit; pin, unpin), which in vLLM runs in another process.
 - fio: one job per directory, run together (group_reporting), io_uring,
   direct=1, bs = the slot (B + 4096 header), iodepth = depth each, a fresh file
   of n/N slots per job written then read: the same I/Os on the same set.
 Aggregate GB/s = bytes moved on all drives / wall time (aiokv: of the data path's
-call, and of the whole call; fio: its group's bytes / the longest job's runtime);
-GB = 1e9. The ratios: aiokv's data path / fio, and the whole call's / fio.
+calls, and of the whole phase; fio: its group's bytes / the longest job's runtime);
+GB = 1e9. The ratios: aiokv's data path / fio, and the whole phase's / fio.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import concurrent.futures
 import ctypes
 import datetime
@@ -87,19 +92,21 @@ def quiesce() -> None:
         time.sleep(SETTLE[0])
 
 
-async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, per: int = 0,
-                 crc: str = "copy") -> dict:
-    """per 0: one call of all n blocks, a buffer each; else depth x drives / per concurrent
-    loops of `per` blocks per call, each reusing its own buffers. crc: where the
-    payloads' CRC32C is computed (CRC_MODES)."""
+async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, staging: int = 0,
+                 calls: int = 1, crc: str = "copy") -> dict:
+    """staging 0: one call of all n blocks, a buffer each; else a pool of `staging` bytes
+    of buffers (a worker's staging memory), shared evenly by `calls` concurrent loops of
+    calls, each call as many blocks as its share of buffers, reused call after call.
+    crc: where the payloads' CRC32C is computed (CRC_MODES)."""
     threads = 2 if crc == "threads" else 0
     roots = [os.path.join(d, "aiokv") for d in dirs]
     for r in roots:
         shutil.rmtree(r, ignore_errors=True)
-    loops = max(1, depth * len(dirs) // per) if per else 1
-    pool = BufferPool(fmt.slot_bytes(payload), loops * per if per else n)
+    slot = fmt.slot_bytes(payload)
+    share = n if not staging else max(1, min(n, staging // slot) // calls)
+    pool = BufferPool(slot, n if not staging else share * calls)
     cpu = concurrent.futures.ThreadPoolExecutor(threads, "bench-crc") if threads else None
-    st = DrivesIO(roots, capacity=4 * n * fmt.slot_bytes(payload) * len(dirs), cpu=cpu)
+    st = DrivesIO(roots, capacity=4 * n * slot * len(dirs), cpu=cpu)
     try:
         for d in st.live:  # a backend per drive, `depth` each, as a worker's (and fio's jobs)
             be = st._backends[d] = open_backend(asyncio.get_running_loop(), depth=depth)
@@ -112,37 +119,61 @@ async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, p
         for s in range(pool.count):
             ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, payload)
         keys = _keys(n, salt)
+        io = st.blockio(ns)
         if crc == "copy":  # the device copy's part, before the timed phases: each header holds its payload's CRC
-            io = st.blockio(ns)
-            for i, k in enumerate(keys[:pool.count]):
+            for i, k in enumerate(keys[:pool.count]):  # (the same payload in every buffer: the same CRC)
                 io.stamp(k, pool.addr(i))
+        in_copy = crc == "copy"
+
+        async def data_path(call, where: list) -> list[int]:
+            """The worker's calls: all blocks in one, or `calls` loops over their share of the pool."""
+            if not staging:
+                return await call([(w, k, pool.addr(i)) for i, (w, k) in enumerate(zip(where, keys))], in_copy)
+            starts = iter(range(0, n, share))
+
+            async def loop(c: int) -> list[int]:
+                got = []
+                for i in starts:
+                    got += await call([(w, k, pool.addr(c * share + j))
+                                       for j, (w, k) in enumerate(zip(where[i:i + share], keys[i:i + share]))],
+                                      in_copy)
+                return got
+
+            return [r for part in await asyncio.gather(*(loop(c) for c in range(calls))) for r in part]
+
         out = {}
-        for name, call in (("write", functools.partial(st.save, crc_in_copy=crc == "copy")),
-                           ("read", functools.partial(st.load, crc_in_copy=crc == "copy"))):
-            quiesce()
-            times: dict = {}
-            t0 = time.perf_counter()
-            if not per:
-                res = await call(ns, [(k, pool.addr(i)) for i, k in enumerate(keys)], times=times)
-            else:
-                starts = iter(range(0, n, per))
-
-                async def loop(w: int) -> list[int]:
-                    got = []
-                    for i in starts:
-                        ks = keys[i:i + per]
-                        got += await call(ns, [(k, pool.addr(w * per + j)) for j, k in enumerate(ks)])
-                    return got
-
-                res = [r for part in await asyncio.gather(*(loop(w) for w in range(loops))) for r in part]
-            dt = time.perf_counter() - t0
-            if any(res):
-                raise RuntimeError(f"aiokv: {name} failed: {sorted(set(res))}")
-            out[f"{name}_gbps"] = n * fmt.slot_bytes(payload) / dt / 1e9
-            if not per:  # the data path alone (a worker's job) and the bookkeeping beside it
-                out[f"{name}_io_gbps"] = n * fmt.slot_bytes(payload) / times["io"] / 1e9
-                out[f"{name}_book_us"] = (dt - times["io"]) / n * 1e6
+        # write: reserve (the scheduler side's), the data path (the worker's), commit (the scheduler's)
+        quiesce()
+        t0 = time.perf_counter()
+        where = [st.reserve(ns, k) for k in keys]
+        if None in where:
+            raise RuntimeError("aiokv: reserve found no room")
+        t1 = time.perf_counter()
+        res = await data_path(io.write, where)
+        t2 = time.perf_counter()
+        st.commit(ns, list(zip(keys, where)))
+        times = {"write": (t0, t1, t2, time.perf_counter())}
+        if any(res):
+            raise RuntimeError(f"aiokv: write failed: {sorted(set(res))}")
+        # read: pin, the data path, unpin
+        quiesce()
+        t0 = time.perf_counter()
+        where = st.pin(ns, keys)
+        if None in where:
+            raise RuntimeError("aiokv: a committed block was not found")
+        t1 = time.perf_counter()
+        res = await data_path(io.read, where)
+        t2 = time.perf_counter()
+        st.unpin(ns, keys)
+        times["read"] = (t0, t1, t2, time.perf_counter())
+        if any(res):
+            raise RuntimeError(f"aiokv: read failed: {sorted(set(res))}")
+        for name, (t0, t1, t2, t3) in times.items():
+            out[f"{name}_gbps"] = n * slot / (t3 - t0) / 1e9  # the whole: bookkeeping and data path
+            out[f"{name}_io_gbps"] = n * slot / (t2 - t1) / 1e9  # the data path alone (a worker's calls)
+            out[f"{name}_book_us"] = (t3 - t0 - (t2 - t1)) / n * 1e6
         out["per_drive"] = [len(s.index.namespaces[NSID].own) for s in st.stores.values()]
+        out["buffers"] = pool.count
         return out
     finally:
         st.close()
@@ -223,7 +254,16 @@ class Mounts:
                              "oflag=direct", "conv=fsync", "status=none")
                     dev = self._sh("losetup", "--direct-io=on", "-f", "--show", img)
                     self.undo.append(["losetup", "-d", dev])
-                    self._sh("mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", dev)
+                    # nodiscard: mkfs discards the whole device by default, and a loop device
+                    # discards by punching holes in its image file, which undid the writing above
+                    # (a 1 GiB image held 49 MiB after mkfs); the holes were then filled by whichever
+                    # side first wrote a region, and aiokv's new directories each round land in
+                    # regions fio's file had not yet filled (docs/benchmarks.md 11.3)
+                    self._sh("mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=0,lazy_journal_init=0", dev)
+                    held = os.stat(img).st_blocks * 512
+                    if held < self.size:
+                        raise RuntimeError(f"{img}: {held} of {self.size} bytes allocated after mkfs; the"
+                                           " image must be whole (holes cost whichever side fills them)")
                     self._sh("mount", dev, mnt)
                     self.kind = f"ext4 on loop devices (direct I/O to image files in {self.image_dir})"
                 self.undo.append(["umount", mnt])
@@ -236,7 +276,10 @@ class Mounts:
 
     def __exit__(self, *exc):
         for cmd in reversed(self.undo):
-            subprocess.run(cmd, capture_output=True)
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode and cmd[0] != "rmdir":  # (a directory left by a failed umount: said once, there)
+                print(f"bench_drives: `{' '.join(cmd)}` failed ({(p.stderr or p.stdout).strip()}); "
+                      "see `losetup -l` and `mount | grep aiokv-drives`", file=sys.stderr)
         self.undo.clear()
 
 
@@ -251,10 +294,11 @@ def main() -> int:
     ap.add_argument("--depth", type=int, default=16, help="operations in flight per drive")
     ap.add_argument("--mib", type=int, default=384, help="MiB per phase, all drives together")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--per", type=int, default=0,
-                    help="aiokv: 0 = one save()/load() call of all blocks, a staging buffer each (a worker's "
-                         "one big job); P = drives x depth / P concurrent loops of P blocks per call, each "
-                         "reusing its buffers (a worker's bounded staging pool: fio's footprint)")
+    ap.add_argument("--staging", default="256MiB",
+                    help="aiokv's staging memory: the buffers its calls reuse (default: a worker's default "
+                         "`staging`); 0 = one call of all blocks, a buffer each")
+    ap.add_argument("--calls", type=int, default=4,
+                    help="with --staging: concurrent loops of calls, each on an equal share of the buffers")
     ap.add_argument("--crc", choices=CRC_MODES, default="copy",
                     help="where aiokv computes the payloads' CRC32C: in the device copy, outside the timed I/O "
                          "(a CPU worker), on 2 checksum threads (a CUDA worker), or on the loop thread")
@@ -273,7 +317,9 @@ def main() -> int:
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     mounts = Mounts(args.loop, args.image_dir, parse_size(args.image_size), args.tmpfs) if args.loop else None
     t0 = time.monotonic()
-    doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "depth": args.depth, "per": args.per,
+    staging = parse_size(args.staging)
+    doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "depth": args.depth, "staging": staging,
+           "calls": args.calls if staging else 1,
            "mib": args.mib, "rounds": args.rounds, "loadavg_start": os.getloadavg(), "rows": []}
     try:
         if mounts is not None:
@@ -293,37 +339,34 @@ def main() -> int:
                 n = max(4 * len(dirs), (args.mib << 20) // slot)
                 got = {"aiokv": [], "fio": []}
                 if size == sizes[0]:  # a round not counted: fresh file systems first allocate slowly
-                    aiokv_round(dirs, size, n, args.depth, 99, args.per, args.crc)
+                    aiokv_round(dirs, size, n, args.depth, 99, staging, args.calls, args.crc)
                     fio_round(dirs, slot, n, args.depth, mem)
                 for r in range(args.rounds):
                     if r % 2:  # the order alternates between rounds
                         f = fio_round(dirs, slot, n, args.depth, mem)
-                        a = aiokv_round(dirs, size, n, args.depth, r, args.per, args.crc)
+                        a = aiokv_round(dirs, size, n, args.depth, r, staging, args.calls, args.crc)
                     else:
-                        a = aiokv_round(dirs, size, n, args.depth, r, args.per, args.crc)
+                        a = aiokv_round(dirs, size, n, args.depth, r, staging, args.calls, args.crc)
                         f = fio_round(dirs, slot, n, args.depth, mem)
                     got["aiokv"].append(a)
                     got["fio"].append(f)
-                    io = (f" (data path W {a['write_io_gbps']:.2f} R {a['read_io_gbps']:.2f})"
-                          if "write_io_gbps" in a else "")
-                    log(f"{size >> 10:>5} KiB round {r + 1}: aiokv W {a['write_gbps']:.2f} R {a['read_gbps']:.2f}{io} "
+                    log(f"{size >> 10:>5} KiB round {r + 1}: aiokv W {a['write_gbps']:.2f} R {a['read_gbps']:.2f} "
+                        f"(data path W {a['write_io_gbps']:.2f} R {a['read_io_gbps']:.2f}) "
                         f"(blocks per drive {a['per_drive']}) | fio W {f['write_gbps']:.2f} R {f['read_gbps']:.2f}")
-                row = {"payload": size, "slot": slot, "blocks": n}
-                extra = ("write_io_gbps", "read_io_gbps", "write_book_us", "read_book_us") if not args.per else ()
+                row = {"payload": size, "slot": slot, "blocks": n, "buffers": got["aiokv"][0]["buffers"]}
+                extra = ("write_io_gbps", "read_io_gbps", "write_book_us", "read_book_us")
                 for who, rounds in got.items():
                     for k in ("write_gbps", "read_gbps") + (extra if who == "aiokv" else ()):
                         row[f"{who}_{k}"] = statistics.median(x[k] for x in rounds)
                 # the ratios: aiokv's data path (a worker's calls) against fio; with the store's
                 # bookkeeping in the same thread and phase ("whole"), where it is measured apart
                 for k in ("write", "read"):
-                    # (--per: no data path timed apart; the whole call stands for it)
-                    io = row.setdefault(f"aiokv_{k}_io_gbps", row[f"aiokv_{k}_gbps"])
-                    row[f"{k}_ratio"] = io / row[f"fio_{k}_gbps"]
+                    row[f"{k}_ratio"] = row[f"aiokv_{k}_io_gbps"] / row[f"fio_{k}_gbps"]
                     row[f"{k}_ratio_whole"] = row[f"aiokv_{k}_gbps"] / row[f"fio_{k}_gbps"]
                 row["per_drive"] = got["aiokv"][0]["per_drive"]
                 # each round's own ratio (aiokv and fio run next to each other): their spread is the noise
                 for k in ("write", "read"):
-                    own = [a.get(f"{k}_io_gbps", a[f"{k}_gbps"]) / f[f"{k}_gbps"] for a, f in zip(got["aiokv"], got["fio"])]
+                    own = [a[f"{k}_io_gbps"] / f[f"{k}_gbps"] for a, f in zip(got["aiokv"], got["fio"])]
                     row[f"{k}_ratio_rounds"] = own
                 doc["rows"].append(row)
     finally:
@@ -338,22 +381,22 @@ def main() -> int:
     if args.json:
         print(text)
     else:
-        how = f"loops of {args.per} blocks per call" if args.per else "one call of all blocks"
+        how = (f"{args.calls} loops of calls sharing {staging >> 20} MiB of staging buffers" if staging
+               else "one call of all blocks, a buffer each")
         print(f"{len(dirs)} drives ({doc.get('file_systems', 'given directories')}), depth {args.depth} each, "
               f"{args.mib} MiB per phase, median of {args.rounds}; aiokv {how}; fio buffers {doc['fio_mem']}")
         print(f"CRC32C: {args.crc}; operations per io_uring_enter: {args.submit_group or 'the ring default'}; "
               f"{args.settle:g} s of quiet before each phase")
         print("| payload | aiokv W GB/s | fio W GB/s | W ratio | aiokv R GB/s | fio R GB/s | R ratio "
-              "| whole W / R ratio | bookkeeping W / R µs per block | blocks per drive |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "| whole W / R ratio | bookkeeping W / R µs per block | blocks per drive | aiokv buffers |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in doc["rows"]:
             io_w, io_r = r["aiokv_write_io_gbps"], r["aiokv_read_io_gbps"]
-            book = (f"{r['aiokv_write_book_us']:.1f} / {r['aiokv_read_book_us']:.1f}"
-                    if "aiokv_write_book_us" in r else "-")
+            book = f"{r['aiokv_write_book_us']:.1f} / {r['aiokv_read_book_us']:.1f}"
             print(f"| {r['payload'] >> 10} KiB | {io_w:.2f} | {r['fio_write_gbps']:.2f} | "
                   f"**{r['write_ratio']:.2f}** | {io_r:.2f} | {r['fio_read_gbps']:.2f} | "
                   f"**{r['read_ratio']:.2f}** | {r['write_ratio_whole']:.2f} / {r['read_ratio_whole']:.2f} | {book} | "
-                  f"{'/'.join(map(str, r['per_drive']))} |")
+                  f"{'/'.join(map(str, r['per_drive']))} | {r['buffers']} |")
         for r in doc["rows"]:
             print(f"{r['payload'] >> 10} KiB, each round's own ratio (data path / fio), "
                   + "; ".join(f"{k}: median {statistics.median(r[f'{k}_ratio_rounds']):.2f}, "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import time
 
 from aiokv.data import format as fmt
 from aiokv.data.backend import open_backend
@@ -57,13 +56,8 @@ class StoreIO(Store):
                                                      ns.payload_bytes, secret=self._secret, cpu=self._cpu)
         return io
 
-    async def save(self, ns: Namespace, items, rank: int = 0, times: dict | None = None,
-                   crc_in_copy: bool = False) -> list[int]:
-        """Store (key, addr) staging buffers; per item 0, -EEXIST, -ENOSPC or -errno.
-        times: {"io": seconds} gains the time of the data path's call (what a vLLM
-        worker runs; the rest is what the scheduler side runs, in another process).
-        crc_in_copy: each buffer's header already holds its payload's CRC32C, as a
-        device copy leaves it (BlockIO.write's crc_in_copy)."""
+    async def save(self, ns: Namespace, items, rank: int = 0) -> list[int]:
+        """Store (key, addr) staging buffers; per item 0, -EEXIST, -ENOSPC or -errno."""
         if ns.ranks != 1:
             raise ValueError("aiokv: StoreIO.save is for one-rank namespaces; ranks commit through the owner")
         res = [0] * len(items)
@@ -76,10 +70,7 @@ class StoreIO(Store):
             else:
                 todo.append((i, slot, key, addr))
         try:
-            t0 = time.perf_counter()
-            out = await self.blockio(ns, rank).write([(s, k, a) for _, s, k, a in todo], crc_in_copy=crc_in_copy)
-            if times is not None:
-                times["io"] = times.get("io", 0.0) + time.perf_counter() - t0
+            out = await self.blockio(ns, rank).write([(s, k, a) for _, s, k, a in todo])
         except BaseException:
             self.abort(ns, [(k, s) for _, s, k, _ in todo], failed=False)
             raise
@@ -89,19 +80,13 @@ class StoreIO(Store):
             res[i] = r if r or k in ns.entries else -errno.EIO  # written but not committed
         return res
 
-    async def load(self, ns: Namespace, items, rank: int = 0, times: dict | None = None,
-                   crc_in_copy: bool = False) -> list[int]:
-        """Read (key, addr) into staging buffers; per item 0, -ENOENT, -EBADMSG or -errno.
-        times: as for save; crc_in_copy: the payloads' CRC32C is left to the caller's
-        device copy (BlockIO.read's crc_in_copy)."""
+    async def load(self, ns: Namespace, items, rank: int = 0) -> list[int]:
+        """Read (key, addr) into staging buffers; per item 0, -ENOENT, -EBADMSG or -errno."""
         keys = [k for k, _ in items]
         slots = self.pin(ns, keys)
         try:
             todo = [(s, k, a) for s, (k, a) in zip(slots, items) if s is not None]
-            t0 = time.perf_counter()
-            out = iter(await self.blockio(ns, rank).read(todo, crc_in_copy=crc_in_copy))
-            if times is not None:
-                times["io"] = times.get("io", 0.0) + time.perf_counter() - t0
+            out = iter(await self.blockio(ns, rank).read(todo))
         finally:
             # only the pins taken above: a key committed and pinned by another
             # reader meanwhile keeps its pin
