@@ -30,12 +30,16 @@ and aiokv's none).
   blocks spread by key over the drives: all n reserved on their drives (the
   scheduler side's part in vLLM), written by the data path (DriveIO.write: the
   worker's part), committed to each drive's journal (the scheduler's); then all
-  pinned, read and verified (DriveIO.read), unpinned. The data path's calls
-  (--staging, --calls): as a worker makes them, from a staging pool of the
-  worker's default size (256 MiB) shared by 4 concurrent loops of calls, each
-  call as many blocks as its loop's share of buffers, reused call after call;
-  --staging 0: one call of all n blocks, a buffer each, 1 GiB of buffers at the
-  default --mib, which no worker has (docs/benchmarks.md 11.3 compares the two).
+  pinned, read and verified (DriveIO.read; in "copy" mode the headers, the
+  payload CRC being the device copy's), unpinned. The data path's calls
+  (--staging, --calls): from a pool of buffers shared by 4 concurrent loops of
+  calls, each call as many blocks as its loop's share of buffers, reused call
+  after call. The default pool is a default worker's arena, 1280 MiB: `staging`
+  (256 MiB) and the memory tier (`memory`, 1 GiB), which shares the arena and
+  keeps each saved block in its buffer, so that saves go round the whole arena;
+  --staging 256MiB is a worker with the memory tier off (memory=0), whose saves
+  reuse the same few buffers; --staging 0: one call of all n blocks, a buffer
+  each. On this VM the footprint costs (docs/benchmarks.md 11.3).
   The payloads' CRC32C (--crc): "copy", as a CPU worker computes it, inside the
   device copy that fills the staging buffer (copy_out) or empties it (copy_in),
   which is not part of this benchmark: the headers are stamped and checked here,
@@ -103,7 +107,8 @@ async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, s
     for r in roots:
         shutil.rmtree(r, ignore_errors=True)
     slot = fmt.slot_bytes(payload)
-    share = n if not staging else max(1, min(n, staging // slot) // calls)
+    # each loop's share of the pool; a pool that holds the whole phase gives every block its own buffer
+    share = n if not staging else (-(-n // calls) if staging // slot >= n else max(1, staging // slot // calls))
     pool = BufferPool(slot, n if not staging else share * calls)
     cpu = concurrent.futures.ThreadPoolExecutor(threads, "bench-crc") if threads else None
     st = DrivesIO(roots, capacity=4 * n * slot * len(dirs), cpu=cpu)
@@ -147,14 +152,14 @@ async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, s
         t0 = time.perf_counter()
         where = [st.reserve(ns, k) for k in keys]
         if None in where:
-            raise RuntimeError("aiokv: reserve found no room")
+            raise RuntimeError("aiokv: reserve refused a block (no room, a drive down, or the key there)")
         t1 = time.perf_counter()
         res = await data_path(io.write, where)
         t2 = time.perf_counter()
-        st.commit(ns, list(zip(keys, where)))
-        times = {"write": (t0, t1, t2, time.perf_counter())}
         if any(res):
             raise RuntimeError(f"aiokv: write failed: {sorted(set(res))}")
+        st.commit(ns, list(zip(keys, where)))
+        times = {"write": (t0, t1, t2, time.perf_counter())}
         # read: pin, the data path, unpin
         quiesce()
         t0 = time.perf_counter()
@@ -294,9 +299,10 @@ def main() -> int:
     ap.add_argument("--depth", type=int, default=16, help="operations in flight per drive")
     ap.add_argument("--mib", type=int, default=384, help="MiB per phase, all drives together")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--staging", default="256MiB",
-                    help="aiokv's staging memory: the buffers its calls reuse (default: a worker's default "
-                         "`staging`); 0 = one call of all blocks, a buffer each")
+    ap.add_argument("--staging", default="1280MiB",
+                    help="the buffers aiokv's calls go round (default: a default worker's arena, staging 256 MiB "
+                         "+ memory tier 1 GiB; 256MiB: a worker with memory=0); 0 = one call of all blocks, "
+                         "a buffer each")
     ap.add_argument("--calls", type=int, default=4,
                     help="with --staging: concurrent loops of calls, each on an equal share of the buffers")
     ap.add_argument("--crc", choices=CRC_MODES, default="copy",
@@ -311,6 +317,8 @@ def main() -> int:
     args = ap.parse_args()
     if bool(args.dirs) == bool(args.loop):
         ap.error("give --dirs or --loop N")
+    if args.calls < 1:
+        ap.error("--calls: at least 1")
     sizes = [parse_size(x) for x in args.sizes.split(",") if x]
     SETTLE[0] = args.settle
     SUBMIT_GROUP[0] = args.submit_group
