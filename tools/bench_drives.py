@@ -39,7 +39,10 @@ and aiokv's none).
   keeps each saved block in its buffer, so that saves go round the whole arena;
   --staging 256MiB is a worker with the memory tier off (memory=0), whose saves
   reuse the same few buffers; --staging 0: one call of all n blocks, a buffer
-  each. On this VM the footprint costs (docs/benchmarks.md 11.3).
+  each. The pool is made once per payload size and populated, as a worker makes
+  its arena once at start: made afresh each round, its first use (the timed
+  writes) ran 0.6-0.9 x fio where a held pool's run 0.9-1.1 x, most after a fio
+  round (docs/benchmarks.md 11.4; tools/bench_fresh_buffers.py).
   The payloads' CRC32C (--crc): "copy", as a CPU worker computes it, inside the
   device copy that fills the staging buffer (copy_out) or empties it (copy_in),
   which is not part of this benchmark: the headers are stamped and checked here,
@@ -96,20 +99,31 @@ def quiesce() -> None:
         time.sleep(SETTLE[0])
 
 
-async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, staging: int = 0,
+def share_of(n: int, slot: int, staging: int, calls: int) -> int:
+    """Blocks per call: all n (staging 0), else each loop's share of the pool; a pool
+    that holds the whole phase gives every block its own buffer."""
+    return n if not staging else (-(-n // calls) if staging // slot >= n else max(1, staging // slot // calls))
+
+
+def make_pool(n: int, slot: int, staging: int, calls: int) -> BufferPool:
+    """aiokv's buffers for one payload size, made once for all its rounds and populated,
+    as a worker makes its arena once at start (writes right after making 1.25 GiB run
+    slower on this VM: docs/benchmarks.md 11.4)."""
+    return BufferPool(slot, n if not staging else share_of(n, slot, staging, calls) * calls, populate=True)
+
+
+async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, pool: BufferPool, staging: int = 0,
                  calls: int = 1, crc: str = "copy") -> dict:
     """staging 0: one call of all n blocks, a buffer each; else a pool of `staging` bytes
     of buffers (a worker's staging memory), shared evenly by `calls` concurrent loops of
     calls, each call as many blocks as its share of buffers, reused call after call.
-    crc: where the payloads' CRC32C is computed (CRC_MODES)."""
+    pool: make_pool's, for this size. crc: where the payloads' CRC32C is computed (CRC_MODES)."""
     threads = 2 if crc == "threads" else 0
     roots = [os.path.join(d, "aiokv") for d in dirs]
     for r in roots:
         shutil.rmtree(r, ignore_errors=True)
     slot = fmt.slot_bytes(payload)
-    # each loop's share of the pool; a pool that holds the whole phase gives every block its own buffer
-    share = n if not staging else (-(-n // calls) if staging // slot >= n else max(1, staging // slot // calls))
-    pool = BufferPool(slot, n if not staging else share * calls)
+    share = share_of(n, slot, staging, calls)
     cpu = concurrent.futures.ThreadPoolExecutor(threads, "bench-crc") if threads else None
     st = DrivesIO(roots, capacity=4 * n * slot * len(dirs), cpu=cpu)
     try:
@@ -182,7 +196,6 @@ async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, s
         return out
     finally:
         st.close()
-        pool.close()
         if cpu is not None:
             cpu.shutdown()
         for r in roots:
@@ -346,21 +359,25 @@ def main() -> int:
                 slot = fmt.slot_bytes(size)
                 n = max(4 * len(dirs), (args.mib << 20) // slot)
                 got = {"aiokv": [], "fio": []}
-                if size == sizes[0]:  # a round not counted: fresh file systems first allocate slowly
-                    aiokv_round(dirs, size, n, args.depth, 99, staging, args.calls, args.crc)
-                    fio_round(dirs, slot, n, args.depth, mem)
-                for r in range(args.rounds):
-                    if r % 2:  # the order alternates between rounds
-                        f = fio_round(dirs, slot, n, args.depth, mem)
-                        a = aiokv_round(dirs, size, n, args.depth, r, staging, args.calls, args.crc)
-                    else:
-                        a = aiokv_round(dirs, size, n, args.depth, r, staging, args.calls, args.crc)
-                        f = fio_round(dirs, slot, n, args.depth, mem)
-                    got["aiokv"].append(a)
-                    got["fio"].append(f)
-                    log(f"{size >> 10:>5} KiB round {r + 1}: aiokv W {a['write_gbps']:.2f} R {a['read_gbps']:.2f} "
-                        f"(data path W {a['write_io_gbps']:.2f} R {a['read_io_gbps']:.2f}) "
-                        f"(blocks per drive {a['per_drive']}) | fio W {f['write_gbps']:.2f} R {f['read_gbps']:.2f}")
+                pool = make_pool(n, slot, staging, args.calls)
+                try:
+                    if size == sizes[0]:  # a round not counted: fresh file systems first allocate slowly
+                        aiokv_round(dirs, size, n, args.depth, 99, pool, staging, args.calls, args.crc)
+                        fio_round(dirs, slot, n, args.depth, mem)
+                    for r in range(args.rounds):
+                        if r % 2:  # the order alternates between rounds
+                            f = fio_round(dirs, slot, n, args.depth, mem)
+                            a = aiokv_round(dirs, size, n, args.depth, r, pool, staging, args.calls, args.crc)
+                        else:
+                            a = aiokv_round(dirs, size, n, args.depth, r, pool, staging, args.calls, args.crc)
+                            f = fio_round(dirs, slot, n, args.depth, mem)
+                        got["aiokv"].append(a)
+                        got["fio"].append(f)
+                        log(f"{size >> 10:>5} KiB round {r + 1}: aiokv W {a['write_gbps']:.2f} R {a['read_gbps']:.2f} "
+                            f"(data path W {a['write_io_gbps']:.2f} R {a['read_io_gbps']:.2f}) "
+                            f"(blocks per drive {a['per_drive']}) | fio W {f['write_gbps']:.2f} R {f['read_gbps']:.2f}")
+                finally:
+                    pool.close()
                 row = {"payload": size, "slot": slot, "blocks": n, "buffers": got["aiokv"][0]["buffers"]}
                 extra = ("write_io_gbps", "read_io_gbps", "write_book_us", "read_book_us")
                 for who, rounds in got.items():
