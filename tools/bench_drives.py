@@ -40,9 +40,9 @@ and aiokv's none).
   --staging 256MiB is a worker with the memory tier off (memory=0), whose saves
   reuse the same few buffers; --staging 0: one call of all n blocks, a buffer
   each. The pool is made once per payload size and populated, as a worker makes
-  its arena once at start: made afresh each round, its first use (the timed
-  writes) ran 0.6-0.9 x fio where a held pool's run 0.9-1.1 x, most after a fio
-  round (docs/benchmarks.md 11.4; tools/bench_fresh_buffers.py).
+  its arena once at start: made afresh each round, the timed writes were its
+  first use, and a fresh pool writes slower than a held one on this VM
+  (docs/benchmarks.md 11.4; tools/bench_fresh_buffers.py).
   The payloads' CRC32C (--crc): "copy", as a CPU worker computes it, inside the
   device copy that fills the staging buffer (copy_out) or empties it (copy_in),
   which is not part of this benchmark: the headers are stamped and checked here,
@@ -107,8 +107,8 @@ def share_of(n: int, slot: int, staging: int, calls: int) -> int:
 
 def make_pool(n: int, slot: int, staging: int, calls: int) -> BufferPool:
     """aiokv's buffers for one payload size, made once for all its rounds and populated,
-    as a worker makes its arena once at start (writes right after making 1.25 GiB run
-    slower on this VM: docs/benchmarks.md 11.4)."""
+    as a worker makes its arena once at start (a fresh pool's first writes run slower
+    on this VM: docs/benchmarks.md 11.4)."""
     return BufferPool(slot, n if not staging else share_of(n, slot, staging, calls) * calls, populate=True)
 
 
