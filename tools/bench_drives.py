@@ -39,7 +39,7 @@ and aiokv's none).
   keeps each saved block in its buffer, so that saves go round the whole arena;
   --staging 256MiB is a worker with the memory tier off (memory=0), whose saves
   reuse the same few buffers; --staging 0: one call of all n blocks, a buffer
-  each. The pool is made once per payload size and populated, as a worker makes
+  each. The pool is made, populated and filled once per payload size, as a worker makes
   its arena once at start: made afresh each round, the timed writes were its
   first use, and a fresh pool writes slower than a held one on this VM
   (docs/benchmarks.md 11.4; tools/bench_fresh_buffers.py).
@@ -105,11 +105,21 @@ def share_of(n: int, slot: int, staging: int, calls: int) -> int:
     return n if not staging else (-(-n // calls) if staging // slot >= n else max(1, staging // slot // calls))
 
 
-def make_pool(n: int, slot: int, staging: int, calls: int) -> BufferPool:
-    """aiokv's buffers for one payload size, made once for all its rounds and populated,
-    as a worker makes its arena once at start (a fresh pool's first writes run slower
-    on this VM: docs/benchmarks.md 11.4)."""
-    return BufferPool(slot, n if not staging else share_of(n, slot, staging, calls) * calls, populate=True)
+def fill(pool: BufferPool, payload: int) -> None:
+    """The same random payload in every buffer (so, in "copy" mode, the same CRC in every header)."""
+    rand = os.urandom(payload)
+    for s in range(pool.count):
+        ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, payload)
+
+
+def make_pool(n: int, payload: int, staging: int, calls: int) -> BufferPool:
+    """aiokv's buffers for one payload size, made and filled once for all its rounds
+    and populated, as a worker makes its arena once at start (a fresh pool's first
+    writes run slower on this VM: docs/benchmarks.md 11.4)."""
+    slot = fmt.slot_bytes(payload)
+    pool = BufferPool(slot, n if not staging else share_of(n, slot, staging, calls) * calls, populate=True)
+    fill(pool, payload)
+    return pool
 
 
 async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, pool: BufferPool, staging: int = 0,
@@ -117,7 +127,7 @@ async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, p
     """staging 0: one call of all n blocks, a buffer each; else a pool of `staging` bytes
     of buffers (a worker's staging memory), shared evenly by `calls` concurrent loops of
     calls, each call as many blocks as its share of buffers, reused call after call.
-    pool: make_pool's, for this size. crc: where the payloads' CRC32C is computed (CRC_MODES)."""
+    pool: make_pool's (or filled by `fill`), for this size. crc: where the payloads' CRC32C is computed (CRC_MODES)."""
     threads = 2 if crc == "threads" else 0
     roots = [os.path.join(d, "aiokv") for d in dirs]
     for r in roots:
@@ -134,9 +144,6 @@ async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, p
             if SUBMIT_GROUP[0] is not None and hasattr(be, "ring"):
                 be.ring.submit_group = SUBMIT_GROUP[0]
         ns = st.namespace(NSID, payload, fields={"bench": "bench_drives"})
-        rand = os.urandom(payload)
-        for s in range(pool.count):
-            ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, payload)
         keys = _keys(n, salt)
         io = st.blockio(ns)
         if crc == "copy":  # the device copy's part, before the timed phases: each header holds its payload's CRC
@@ -359,7 +366,7 @@ def main() -> int:
                 slot = fmt.slot_bytes(size)
                 n = max(4 * len(dirs), (args.mib << 20) // slot)
                 got = {"aiokv": [], "fio": []}
-                pool = make_pool(n, slot, staging, args.calls)
+                pool = make_pool(n, size, staging, args.calls)
                 try:
                     if size == sizes[0]:  # a round not counted: fresh file systems first allocate slowly
                         aiokv_round(dirs, size, n, args.depth, 99, pool, staging, args.calls, args.crc)

@@ -21,7 +21,6 @@ round until docs/benchmarks.md 11.4.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aiokv.data import format as fmt  # noqa: E402
 from aiokv.data.buffers import BufferPool  # noqa: E402
-from tools.bench_drives import SETTLE, Mounts, aiokv_round  # noqa: E402
+from tools.bench_drives import SETTLE, Mounts, aiokv_round, fill  # noqa: E402
 
 PAYLOAD = 1 << 20
 DEPTH = 32
@@ -41,9 +40,7 @@ def made(slot: int, n: int) -> tuple[BufferPool, float]:
     """A populated pool of n buffers with a payload in each, and the seconds that took."""
     t = time.perf_counter()
     pool = BufferPool(slot, n, populate=True)
-    rand = os.urandom(PAYLOAD)
-    for s in range(n):
-        ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, PAYLOAD)
+    fill(pool, PAYLOAD)
     return pool, time.perf_counter() - t
 
 
