@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Builds aiokv._native, the C extension over liburing (native/aiokv_native.c, with
 BLAKE3 for the slot MAC: native/recipe.py lists the units).
 
@@ -8,6 +9,7 @@ unless AIOKV_WITHOUT_URING=1 asks for a build without it: the extension then has
 CRC32C, the block copies and fallocate but no io_uring ring, and aiokv uses its
 thread-pool I/O backend (what tools/gpu_check.py does on machines without liburing).
 """
+
 import glob
 import os
 import sys
@@ -19,8 +21,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "nat
 import recipe  # noqa: E402
 
 HEADER_DIRS = ["/usr/include", "/usr/local/include"]
-MISSING = ("aiokv: liburing.h not found; install it with: apt-get install -y liburing-dev (Debian/Ubuntu), "
-           "or set AIOKV_WITHOUT_URING=1 to build without io_uring (thread-pool I/O)")
+MISSING = (
+    "aiokv: liburing.h not found; install it with: apt-get install -y liburing-dev (Debian/Ubuntu), "
+    "or set AIOKV_WITHOUT_URING=1 to build without io_uring (thread-pool I/O)"
+)
 WITHOUT = os.environ.get("AIOKV_WITHOUT_URING") == "1"
 
 
@@ -36,8 +40,13 @@ class BuildExt(build_ext):
 
 
 UNITS, MACROS = recipe.units()
-static = [] if WITHOUT else sorted(glob.glob("/usr/lib/*/liburing.a") + glob.glob("/usr/lib/liburing.a")
-                                   + glob.glob("/usr/local/lib/liburing.a"))
+static = (
+    []
+    if WITHOUT
+    else sorted(
+        glob.glob("/usr/lib/*/liburing.a") + glob.glob("/usr/lib/liburing.a") + glob.glob("/usr/local/lib/liburing.a")
+    )
+)
 ext = Extension(
     "aiokv._native",
     sources=UNITS,

@@ -1,4 +1,6 @@
+# SPDX-License-Identifier: Apache-2.0
 """`python -m aiokv ...` is the `aiokv` command."""
+
 from aiokv.cli.main import main
 
 if __name__ == "__main__":

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """aiokv's settings, read from vLLM's kv_connector_extra_config.
 
 Every wrong or missing setting fails at start with one line that names the fix.
@@ -8,12 +9,12 @@ with one deprecation line per process; so is `remote_timeout`, the old name of
 Threading contract: from_extra runs in the connector's __init__ (either role);
 the config is read only afterwards.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-
 
 log = logging.getLogger("aiokv")
 
@@ -27,36 +28,36 @@ DEFAULT_PATH = "~/.cache/aiokv"
 
 @dataclasses.dataclass
 class AioKVConfig:
-    path: str                         # the cache directory; with several drives, the first one's
-    capacity: int = 64 << 30          # bytes on disk across all namespaces
-    staging: int = 256 << 20          # host staging memory per worker
-    memory: int = 1 << 30             # host-memory tier per worker (recent blocks; 0: off): docs/operations.md
-    io: str = "auto"                  # auto | uring | threads
-    queue_depth: int = 32             # I/O operations in flight per worker and drive
-    load_timeout: float = 30.0        # seconds before a load is abandoned and recomputed
-    save_timeout: float = 60.0        # seconds before a save is abandoned (dropped)
-    fs_timeout: float = 2.0           # seconds a store operation (journal, grow, punch...) may take before the
-                                      # file system counts as hung: no hits or saves until it answers
-    start_timeout: float = 60.0       # seconds opening the cache directory may take at start; past it aiokv is off
-    breaker_failures: int = 3         # load timeouts / I/O errors in a row that stop hits and saves (0: never)
-    breaker_cooldown: float = 30.0    # seconds hits and saves stay off before one probe
+    path: str  # the cache directory; with several drives, the first one's
+    capacity: int = 64 << 30  # bytes on disk across all namespaces
+    staging: int = 256 << 20  # host staging memory per worker
+    memory: int = 1 << 30  # host-memory tier per worker (recent blocks; 0: off): docs/operations.md
+    io: str = "auto"  # auto | uring | threads
+    queue_depth: int = 32  # I/O operations in flight per worker and drive
+    load_timeout: float = 30.0  # seconds before a load is abandoned and recomputed
+    save_timeout: float = 60.0  # seconds before a save is abandoned (dropped)
+    fs_timeout: float = 2.0  # seconds a store operation (journal, grow, punch...) may take before the
+    # file system counts as hung: no hits or saves until it answers
+    start_timeout: float = 60.0  # seconds opening the cache directory may take at start; past it aiokv is off
+    breaker_failures: int = 3  # load timeouts / I/O errors in a row that stop hits and saves (0: never)
+    breaker_cooldown: float = 30.0  # seconds hits and saves stay off before one probe
     strict_load_failures: bool = False  # keep vLLM's kv_load_failure_policy="fail"
-    layerwise: bool = False           # copy verified loads in layer by layer during the next forward
+    layerwise: bool = False  # copy verified loads in layer by layer during the next forward
     checksum_threads: int | None = None  # threads per worker checksumming off its loop (None: 0 on CPU, 2 on CUDA)
     # bucket tier (docs/sharing.md): "s3://BUCKET/PREFIX"; endpoint and credentials from AWS_* variables
     bucket: str | None = None
-    bucket_timeout: float = 5.0       # seconds any one request to the bucket may take
-    probe_timeout: float = 1.0        # seconds a lookup waits for the bucket before giving up on it
-    upload_queue: int = 256 << 20     # bytes of blocks waiting for upload per worker; beyond: dropped
-    flush_timeout: float = 10.0       # seconds a clean shutdown waits for pending uploads
+    bucket_timeout: float = 5.0  # seconds any one request to the bucket may take
+    probe_timeout: float = 1.0  # seconds a lookup waits for the bucket before giving up on it
+    upload_queue: int = 256 << 20  # bytes of blocks waiting for upload per worker; beyond: dropped
+    flush_timeout: float = 10.0  # seconds a clean shutdown waits for pending uploads
     # a keyed MAC on every block (local and in the bucket); without the same secret a block is a miss
     secret: str | None = dataclasses.field(default=None, repr=False)
-    admit: str = "all"                # which blocks go to disk: all, or reused (seen a second time: admission.py)
-    admit_window: int = 1 << 20       # admit reused: first sightings remembered (2.5 MiB of memory per 1M)
-    save_generated: bool = True       # also save the blocks of generated tokens (multi-turn chats hit replies)
-    kv_events: bool = True            # KV events for routers, where vLLM publishes them (kv_events_config)
-    bucket_unsigned: bool = False     # true: accept a bucket tier without a secret (anyone who can write
-                                      # the bucket can then plant blocks that verify)
+    admit: str = "all"  # which blocks go to disk: all, or reused (seen a second time: admission.py)
+    admit_window: int = 1 << 20  # admit reused: first sightings remembered (2.5 MiB of memory per 1M)
+    save_generated: bool = True  # also save the blocks of generated tokens (multi-turn chats hit replies)
+    kv_events: bool = True  # KV events for routers, where vLLM publishes them (kv_events_config)
+    bucket_unsigned: bool = False  # true: accept a bucket tier without a secret (anyone who can write
+    # the bucket can then plant blocks that verify)
     # every drive's cache directory, in the configured order (one: [path]); several: aiokv/store/drives.py
     paths: list[str] = dataclasses.field(default_factory=list)
 
@@ -74,15 +75,19 @@ class AioKVConfig:
             _say_renamed("shared", "bucket")
         if "remote_timeout" in extra:
             if "bucket_timeout" in extra:
-                raise ConfigError("aiokv: bucket_timeout and remote_timeout are one setting (remote_timeout is its "
-                                  "old name); give bucket_timeout only")
+                raise ConfigError(
+                    "aiokv: bucket_timeout and remote_timeout are one setting (remote_timeout is its "
+                    "old name); give bucket_timeout only"
+                )
             extra["bucket_timeout"] = extra.pop("remote_timeout")
             _say_renamed("remote_timeout", "bucket_timeout")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - known)
         if unknown:
-            raise ConfigError(f"aiokv: unknown setting(s) {', '.join(unknown)} in kv_connector_extra_config; "
-                              f"known: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"aiokv: unknown setting(s) {', '.join(unknown)} in kv_connector_extra_config; "
+                f"known: {', '.join(sorted(known))}"
+            )
         paths = parse_paths(extra.pop("path", None))
         cfg = cls(path=paths[0], paths=paths)
         for name in ("capacity", "staging", "upload_queue"):
@@ -103,8 +108,9 @@ class AioKVConfig:
         if "admit" in extra:
             cfg.admit = extra.pop("admit")
             if cfg.admit not in ("all", "reused"):
-                raise ConfigError(f"aiokv: admit must be all (every block to disk) or reused (blocks seen twice), "
-                                  f"not {cfg.admit!r}")
+                raise ConfigError(
+                    f"aiokv: admit must be all (every block to disk) or reused (blocks seen twice), not {cfg.admit!r}"
+                )
         if "admit_window" in extra:
             v = extra.pop("admit_window")
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 30:
@@ -114,10 +120,18 @@ class AioKVConfig:
             cfg.io = extra.pop("io")
             if cfg.io not in ("auto", "uring", "threads"):
                 raise ConfigError(f"aiokv: io must be auto, uring or threads, not {cfg.io!r}")
-        for name, typ in (("queue_depth", int), ("load_timeout", float), ("save_timeout", float),
-                          ("breaker_failures", int), ("breaker_cooldown", float), ("bucket_timeout", float),
-                          ("probe_timeout", float), ("flush_timeout", float),
-                          ("fs_timeout", float), ("start_timeout", float)):
+        for name, typ in (
+            ("queue_depth", int),
+            ("load_timeout", float),
+            ("save_timeout", float),
+            ("breaker_failures", int),
+            ("breaker_cooldown", float),
+            ("bucket_timeout", float),
+            ("probe_timeout", float),
+            ("flush_timeout", float),
+            ("fs_timeout", float),
+            ("start_timeout", float),
+        ):
             if name in extra:
                 try:
                     setattr(cfg, name, typ(extra.pop(name)))
@@ -159,14 +173,19 @@ class AioKVConfig:
                 if cfg.secret is None and not cfg.bucket_unsigned:
                     raise ConfigError(UNSIGNED)
                 if cfg.secret is None:
-                    _say_once("unsigned", "aiokv: the bucket's blocks carry no MAC (bucket_unsigned): whoever can "
-                                          "write the bucket can plant KV this engine serves")
+                    _say_once(
+                        "unsigned",
+                        "aiokv: the bucket's blocks carry no MAC (bucket_unsigned): whoever can "
+                        "write the bucket can plant KV this engine serves",
+                    )
         return cfg
 
 
-UNSIGNED = ("aiokv: a bucket tier without a secret lets whoever can write the bucket plant KV that every engine "
-            "serves; set secret (or AIOKV_SECRET: the same string of 16+ characters on every engine), or "
-            "bucket_unsigned: true to accept that")
+UNSIGNED = (
+    "aiokv: a bucket tier without a secret lets whoever can write the bucket plant KV that every engine "
+    "serves; set secret (or AIOKV_SECRET: the same string of 16+ characters on every engine), or "
+    "bucket_unsigned: true to accept that"
+)
 
 
 def parse_paths(v) -> list[str]:
@@ -208,11 +227,24 @@ def parse_size(v) -> int:
     if isinstance(v, (int, float)):
         return int(v)
     s = str(v).strip().replace(" ", "")
-    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-             "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
-             "tib": 1 << 40}
+    units = {
+        "": 1,
+        "b": 1,
+        "k": 1 << 10,
+        "kb": 10**3,
+        "kib": 1 << 10,
+        "m": 1 << 20,
+        "mb": 10**6,
+        "mib": 1 << 20,
+        "g": 1 << 30,
+        "gb": 10**9,
+        "gib": 1 << 30,
+        "t": 1 << 40,
+        "tb": 10**12,
+        "tib": 1 << 40,
+    }
     num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-    unit = s[len(num):].lower()
+    unit = s[len(num) :].lower()
     if unit not in units or not num:
         raise ValueError(f"not a size: {v!r} (use bytes or a unit like 200GiB)")
     return int(float(num) * units[unit])

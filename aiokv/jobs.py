@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Job records that travel from the scheduler side to the workers and back.
 
 One explicit list of (key, location, block id) per request, group and direction, built
@@ -10,6 +11,7 @@ Plain dataclasses of lists and bytes: they pickle across vLLM's processes.
 Threading contract: none of their own (plain data); built on the scheduler thread,
 read and filled on the worker's threads under the worker's own rules.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,11 +28,11 @@ class Transfer:
     keys: list[bytes]
     locations: list[int]  # where each block is: engine << 32 | slot (format.loc), the same in every rank's file
     block_ids: list[int]  # vLLM KV block ids
-    group: int = 0        # vLLM KV-cache group (aiokv/scheduler/layout.py): its own store namespace
+    group: int = 0  # vLLM KV-cache group (aiokv/scheduler/layout.py): its own store namespace
     # loads: True where the block comes from the bucket tier (docs/sharing.md); its location
     # is then a fresh reservation the worker writes through to and reports as saved
     from_bucket: list[bool] = dataclasses.field(default_factory=list)
-    job: int = 0          # the scheduler side's id for it (from 1, never reused); results name it
+    job: int = 0  # the scheduler side's id for it (from 1, never reused); results name it
 
 
 @dataclasses.dataclass
@@ -65,7 +67,7 @@ class LoadResult:
     rank: int
     req_id: str
     failed: list[int] = dataclasses.field(default_factory=list)  # block ids not loaded
-    bad: list[bytes] = dataclasses.field(default_factory=list)   # keys whose stored copy did not verify
+    bad: list[bytes] = dataclasses.field(default_factory=list)  # keys whose stored copy did not verify
 
 
 @dataclasses.dataclass
@@ -83,8 +85,13 @@ class WorkerReport:
         counters = dict(self.counters)
         for k, v in other.counters.items():
             counters[k] = counters.get(k, 0) + v
-        return WorkerReport(self.saves + other.saves, self.loads + other.loads, counters,
-                            self.disabled or other.disabled, add_drives(dict(self.drives), other.drives))
+        return WorkerReport(
+            self.saves + other.saves,
+            self.loads + other.loads,
+            counters,
+            self.disabled or other.disabled,
+            add_drives(dict(self.drives), other.drives),
+        )
 
     def empty(self) -> bool:
         return not (self.saves or self.loads or self.counters or self.disabled or self.drives)

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * aiokv._native: a small CPython extension over liburing, plus the two helpers
  * the store needs in C (CRC32C and fallocate).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What aiokv._native is built from: the one list setup.py and tools/gpu_check.py
 build from (no setuptools needed to read it).
 
@@ -9,6 +10,7 @@ machines get the portable code alone. Only PyInit__native leaves the extension
 (EXPORTS, a linker version script): a library loaded before it that exports a
 BLAKE3 of its own can then not stand in for ours.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +26,9 @@ def units(machine: str | None = None) -> tuple[list[str], list[tuple[str, str]]]
     """(source paths from the project's root, macros for every unit) for this machine."""
     m = (machine or platform.machine()).lower()
     b3 = lambda f: os.path.join("native", "blake3", f)  # noqa: E731
-    plain = [os.path.join("native", "aiokv_native.c")] + [b3(f) for f in
-                                                          ("blake3.c", "blake3_dispatch.c", "blake3_portable.c")]
+    plain = [os.path.join("native", "aiokv_native.c")] + [
+        b3(f) for f in ("blake3.c", "blake3_dispatch.c", "blake3_portable.c")
+    ]
     if m in ("x86_64", "amd64"):
         return plain + [b3(f"blake3_{s}_x86-64_unix.S") for s in ("sse2", "sse41", "avx2", "avx512")], _HIDDEN
     if m in ("aarch64", "arm64"):

@@ -1,12 +1,13 @@
+# SPDX-License-Identifier: Apache-2.0
 """Child process for test_crash_recovery: saves bursts forever, printing each
 committed key (hex) once save() has returned; the parent kills it with SIGKILL."""
-import asyncio
+
 import sys
 
 import uvloop
 
-from tools.storeio import StoreIO
 from tests.conftest import NS, PAYLOAD, Blocks, key
+from tools.storeio import StoreIO
 
 
 async def main(root: str) -> None:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A block device with bad sectors, for faults that come from the kernel.
 
     python -m tests.badsectors IMAGE_DIR MOUNTPOINT CONTROL
@@ -17,6 +18,7 @@ sectors under aiokv's data file and leave ext4's own metadata and journal alone.
 Threading contract: libfuse calls the handlers from its own threads; they share
 only the image's file descriptors. `BadDisk` is used from the test's thread.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,8 +54,15 @@ def serve(image_dir: str, mountpoint: str, control: str) -> None:
             if p != "/" + IMAGE:
                 raise fuse.FuseOSError(errno.ENOENT)
             st = os.stat(path)
-            return {"st_mode": st.st_mode, "st_nlink": 1, "st_size": st.st_size, "st_blocks": st.st_blocks,
-                    "st_mtime": st.st_mtime, "st_atime": st.st_atime, "st_ctime": st.st_ctime}
+            return {
+                "st_mode": st.st_mode,
+                "st_nlink": 1,
+                "st_size": st.st_size,
+                "st_blocks": st.st_blocks,
+                "st_mtime": st.st_mtime,
+                "st_atime": st.st_atime,
+                "st_ctime": st.st_ctime,
+            }
 
         def readdir(self, p, fh):
             return [".", "..", IMAGE]
@@ -102,15 +111,20 @@ class BadDisk:
 
     def start(self) -> "BadDisk":
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        self.daemon = subprocess.Popen([sys.executable, "-m", "tests.badsectors", self.images, self.fuse_at,
-                                        self.control], cwd=root, stdout=self.log, stderr=self.log)
+        self.daemon = subprocess.Popen(
+            [sys.executable, "-m", "tests.badsectors", self.images, self.fuse_at, self.control],
+            cwd=root,
+            stdout=self.log,
+            stderr=self.log,
+        )
         end = time.monotonic() + 20
         while not os.path.exists(os.path.join(self.fuse_at, IMAGE)):
             if self.daemon.poll() is not None or time.monotonic() > end:
                 raise RuntimeError(f"the bad-sector daemon did not mount: see {self.log.name}")
             time.sleep(0.05)
-        self.loop = subprocess.run(["losetup", "-f", "--show", os.path.join(self.fuse_at, IMAGE)], check=True,
-                                   capture_output=True, text=True).stdout.strip()
+        self.loop = subprocess.run(
+            ["losetup", "-f", "--show", os.path.join(self.fuse_at, IMAGE)], check=True, capture_output=True, text=True
+        ).stdout.strip()
         subprocess.run(["mkfs.ext4", "-q", "-F", "-b", "4096", self.loop], check=True)
         subprocess.run(["mount", "-o", "errors=continue", self.loop, self.root], check=True)
         self.mounted = True

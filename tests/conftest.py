@@ -1,13 +1,14 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared fixtures: both I/O backends, staging buffers, small stores."""
+
 from __future__ import annotations
 
 import ctypes
-import os
 
 import pytest
 
-from aiokv.data.buffers import BufferPool
 from aiokv.data import format as fmt
+from aiokv.data.buffers import BufferPool
 
 PAYLOAD = 64 << 10
 
@@ -27,8 +28,10 @@ def every_life_is_checked(request):
 
     left, e2e.UNCHECKED[:] = len(e2e.UNCHECKED), []
     if left and getattr(request.node, "aiokv_call_passed", False):
-        pytest.fail(f"{left} engine li{'fe' if left == 1 else 'ves'} with aiokv never passed to tests.e2e.happened(): "
-                    "assert what it shows (tokens against a run without aiokv, aiokv's counters)")
+        pytest.fail(
+            f"{left} engine li{'fe' if left == 1 else 'ves'} with aiokv never passed to tests.e2e.happened(): "
+            "assert what it shows (tokens against a run without aiokv, aiokv's counters)"
+        )
 
 
 @pytest.fixture(params=["uring", "threads"])
@@ -87,8 +90,9 @@ def tiny_model(tmp_path_factory):
     """A tiny Llama built locally once per session (random weights, BPE trained on the spot)."""
     from aiokv.demo.tiny_model import build
 
-    return build(str(tmp_path_factory.mktemp("models") / "tiny"), layers=2, hidden=128, heads=2, kv_heads=2,
-                 intermediate=256)
+    return build(
+        str(tmp_path_factory.mktemp("models") / "tiny"), layers=2, hidden=128, heads=2, kv_heads=2, intermediate=256
+    )
 
 
 @pytest.fixture(scope="module")

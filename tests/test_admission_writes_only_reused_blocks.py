@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Admission to disk (`admit: reused`): only blocks whose key was met before are written.
 
 Bug: every block went to disk, so a workload of mostly one-off prompts spent drive
@@ -11,6 +12,7 @@ towards writing (no false negatives within the window); tokens are as without ai
 and after a restart the reused blocks hit.
 Fix: aiokv/scheduler/admission.py, called from SchedulerSide.match and plan.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,12 +32,12 @@ def test_a_block_is_admitted_once_another_request_met_it():
     adm = Admission("reused", window=1000)
     keys = [os.urandom(32) for _ in range(8)]
     a = _req(keys)
-    adm.looked_up(a, 5)                   # a's prompt: 5 blocks looked up
+    adm.looked_up(a, 5)  # a's prompt: 5 blocks looked up
     assert adm.admitted(a, keys) == [False] * 8, "a request admitted its own blocks"
-    adm.looked_up(a, 8)                   # a preempted and resumed: looks its blocks up again
+    adm.looked_up(a, 8)  # a preempted and resumed: looks its blocks up again
     assert adm.admitted(a, keys) == [False] * 8, "a resumed request admitted its own blocks"
     b = _req(keys[:6] + [os.urandom(32) for _ in range(2)])
-    adm.looked_up(b, 4)                   # b met 4 of them in its lookup, 2 more when it saves them
+    adm.looked_up(b, 4)  # b met 4 of them in its lookup, 2 more when it saves them
     assert adm.admitted(b, b.keys) == [True] * 6 + [False] * 2
     assert Admission("all").admitted(_req(keys), keys) == [True] * 8
 
@@ -56,17 +58,20 @@ def test_the_sketch_forgets_after_its_window_and_errs_only_towards_writing():
     assert sk.m // 8 * 2 <= 2000 * 10 // 8 * 2 + 2  # memory: 2 x 10 bits per sighting
 
 
-PS = prompts(3, 300, seed=71)     # 9 full blocks each
-ONCE = prompts(3, 300, seed=72)   # seen once: never written with reused
+PS = prompts(3, 300, seed=71)  # 9 full blocks each
+ONCE = prompts(3, 300, seed=72)  # seen once: never written with reused
 
 
 @pytest.mark.vllm
 def test_reused_blocks_are_written_and_hit_after_a_restart(tiny_model, tmp_path):
     cache = str(tmp_path / "c")
     # vLLM's own prefix cache off: the repeated prompts are computed (and so saved) again
-    spec = dict(model=tiny_model, prefix_caching=False, extra={"admit": "reused"},
-                phases=[dict(prompts=PS, max_tokens=8), dict(prompts=ONCE, max_tokens=8),
-                        dict(prompts=PS, max_tokens=8)])
+    spec = dict(
+        model=tiny_model,
+        prefix_caching=False,
+        extra={"admit": "reused"},
+        phases=[dict(prompts=PS, max_tokens=8), dict(prompts=ONCE, max_tokens=8), dict(prompts=PS, max_tokens=8)],
+    )
     base = run(spec)
     res = run(dict(spec, cache=cache))
     # the first sightings of PS and ONCE are not written; the second sighting of PS is
@@ -84,8 +89,8 @@ def test_reused_blocks_are_written_and_hit_after_a_restart(tiny_model, tmp_path)
     assert _inspect_wear(str(tmp_path / "all")) == 2 * _inspect_wear(cache), "written: all against reused"
 
 
-SYSTEM = prompts(1, 128, seed=80)[0]                             # 4 blocks every request shares
-SHARED = [SYSTEM + q[1:] for q in prompts(4, 65, seed=81)]      # + 2 blocks of its own each
+SYSTEM = prompts(1, 128, seed=80)[0]  # 4 blocks every request shares
+SHARED = [SYSTEM + q[1:] for q in prompts(4, 65, seed=81)]  # + 2 blocks of its own each
 
 
 @pytest.mark.vllm

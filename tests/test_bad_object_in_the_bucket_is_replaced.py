@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A foreign or corrupt object under a block's bucket name does not block its upload for good.
 
 Bug: uploads are write-once PUTs (If-None-Match: *), and "already there" was
@@ -11,6 +12,7 @@ there is left alone (counted upload_already_there), any other is replaced
 at once leave a valid one.
 Fix: Uploader._holds_valid (GET and verify on "already there", then a plain PUT).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,9 +23,9 @@ from aiokv.bucket.client import BucketClient
 from aiokv.bucket.loader import OK, BucketLoader
 from aiokv.bucket.naming import object_name
 from aiokv.bucket.uploader import Uploader
-from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
+from tools.storeio import StoreIO
 
 SB = fmt.slot_bytes(PAYLOAD)
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A cache on FUSE (or a network file system) uses the thread-pool backend, said once.
 
 Bug: on FUSE an io_uring submission itself can sleep in the submitting thread
@@ -12,6 +13,7 @@ workers open files there; an explicit backend setting is honoured.
 Fix: aiokv/data/backend.py open_backend (BLOCKING_SUBMIT_FS; the line names the
 mount point, through say_once).
 """
+
 from __future__ import annotations
 
 import logging

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The bucket tier's objects are write-once copies of self-verifying slots.
 
 Bug guarded against: a block loaded from a bucket is trusted because its name
@@ -10,6 +11,7 @@ the prober answers "not yet" (None) while it asks the server, then from its
 caches, and never counts a truncated object as present.
 Fix: aiokv/bucket/ (uploader, loader, prober) on a real S3 server (SeaweedFS).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -20,9 +22,9 @@ from aiokv.bucket.loader import BAD, MISSING, OK, BucketLoader
 from aiokv.bucket.naming import object_name, parse_url
 from aiokv.bucket.prober import Prober
 from aiokv.bucket.uploader import Uploader
-from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
+from tools.storeio import StoreIO
 
 NS2 = bytes(range(1, 17))
 SB = fmt.slot_bytes(PAYLOAD)
@@ -84,7 +86,7 @@ async def test_upload_once_then_load_verified(tmp_path, blocks, s3env):
         "truncated": (name(key(3)), good[:-4096]),
         "key swapped": (name(key(4)), good),
     }
-    for what, (obj, data) in cases.items():
+    for _what, (obj, data) in cases.items():
         s3env.put_raw(obj, data)
     for k in (2, 3, 4):
         assert await loader.fetch(key(k), blocks.addr(30), io.verify) == BAD, k
@@ -92,11 +94,11 @@ async def test_upload_once_then_load_verified(tmp_path, blocks, s3env):
     h = fmt.unpack_header(good)
     for k, (nsid, rank, layout) in zip((5, 6, 7), ((NS2, 0, 0), (NS, 1, 0), (NS, 0, 12345))):
         hdr = fmt.pack_header(nsid, rank, key(k), PAYLOAD, h["payload_crc"], h["seq"], layout)
-        s3env.put_raw(name(key(k)), hdr.ljust(fmt.HEADER_BYTES, b"\0") + good[fmt.HEADER_BYTES:])
+        s3env.put_raw(name(key(k)), hdr.ljust(fmt.HEADER_BYTES, b"\0") + good[fmt.HEADER_BYTES :])
         assert await loader.fetch(key(k), blocks.addr(30), io.verify) == BAD, k
     # the same bytes under this namespace's header do load: the checks above are what refused them
     hdr = fmt.pack_header(NS, 0, key(8), PAYLOAD, h["payload_crc"], h["seq"], 0)
-    s3env.put_raw(name(key(8)), hdr.ljust(fmt.HEADER_BYTES, b"\0") + good[fmt.HEADER_BYTES:])
+    s3env.put_raw(name(key(8)), hdr.ljust(fmt.HEADER_BYTES, b"\0") + good[fmt.HEADER_BYTES :])
     assert await loader.fetch(key(8), blocks.addr(30), io.verify) == OK
     st.close()
 

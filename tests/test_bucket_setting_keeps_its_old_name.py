@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The bucket tier's setting is `bucket`; `shared`, its old name, still works;
 so does `remote_timeout`, the old name of `bucket_timeout`.
 
@@ -9,6 +10,7 @@ the same as `bucket_timeout`), says so in one warning per process (not one per
 engine start or worker), and giving both is refused with one line.
 Fix: aiokv/config.py (AioKVConfig.from_extra).
 """
+
 from __future__ import annotations
 
 import logging

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: cancelling an asyncio task does not cancel an I/O the kernel already
 owns; handing the buffer back at once lets the kernel write into memory that
 has a new owner.
@@ -7,6 +8,7 @@ given back and nothing half-written is visible.
 Fix: backends wait for (io_uring: cancel then reap) every submitted operation
 of a cancelled batch before the CancelledError propagates.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,11 +17,11 @@ import time
 
 import pytest
 
+from aiokv.data import format as fmt
 from aiokv.data.backend import OP_READ, open_backend
 from aiokv.data.buffers import BufferPool
-from tools.storeio import StoreIO
-from aiokv.data import format as fmt
 from tests.conftest import NS, key
+from tools.storeio import StoreIO
 
 PAYLOAD = 1 << 20
 
@@ -57,7 +59,9 @@ async def test_cancelled_save_and_load_own_nothing(tmp_path, backend_kind, delay
     slots = pool.acquire(48)
     items = [(key(i), pool.addr(s)) for i, s in enumerate(slots)]
     io = st.blockio(ns)
-    await _cancel_once_in_flight(lambda: st.save(ns, items), lambda: st.drop(ns, [k for k, _ in items], corrupt=False), io, delay)
+    await _cancel_once_in_flight(
+        lambda: st.save(ns, items), lambda: st.drop(ns, [k for k, _ in items], corrupt=False), io, delay
+    )
     assert io.backend.in_flight == 0
     assert not ns.pending, "a cancelled save must give its reservations back"
     assert st.stats.save_failures == 0

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Checksums on worker threads give the same verdicts and never outlive their call.
 
 Bug guarded against: with every CRC32C computed on the event-loop thread, one
@@ -19,6 +20,7 @@ Fix: BlockIO(cpu=Executor) runs large stamp_slots/verify_slots calls there
 (`BlockIO._native`, shielded and awaited to the end on cancel);
 TransferWorker(checksum_threads=N), setting `checksum_threads`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,12 +35,12 @@ import pytest
 import torch
 
 from aiokv.config import AioKVConfig, ConfigError
-from aiokv.data.backend import open_backend
-from aiokv.data.buffers import BufferPool
-from aiokv.jobs import Transfer
 from aiokv.data import format as fmt
+from aiokv.data.backend import open_backend
 from aiokv.data.blockio import SPREAD_MIN_BYTES, BlockIO
+from aiokv.data.buffers import BufferPool
 from aiokv.data.slotfile import data_path
+from aiokv.jobs import Transfer
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker
@@ -105,8 +107,10 @@ async def test_threads_give_the_loops_verdicts(tmp_path):
             if i not in (5, 11):
                 assert ctypes.string_at(pool.addr(i) + fmt.HEADER_BYTES + 4096, 1) == bytes([(3 + i * 7) % 251])
         # the payload CRCs the threads stamped are the loop's
-        results[name + "-crc"] = [fmt.unpack_header(ctypes.string_at(pool.addr(i), fmt.HDR_USED))["payload_crc"]
-                                  if res[i] == 0 else None for i in range(N)]
+        results[name + "-crc"] = [
+            fmt.unpack_header(ctypes.string_at(pool.addr(i), fmt.HDR_USED))["payload_crc"] if res[i] == 0 else None
+            for i in range(N)
+        ]
         if cpu is not None:
             names = {c[0] for c in cpu.calls}
             assert names and all(n.startswith("test-crc") for n in names)
@@ -181,8 +185,16 @@ def test_worker_checksums_on_its_threads(tmp_path):
     os.makedirs(ns_dir(root, NS), exist_ok=True)
     dev = CpuDevice(kv, nb)
     slot = fmt.slot_bytes(dev.payload_bytes)
-    w = TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=16 * slot, queue_depth=16,
-                       secret="a-secret-of-16-chars", checksum_threads=2)
+    w = TransferWorker(
+        dev,
+        ns_dir(root, NS),
+        NS,
+        0,
+        staging_bytes=16 * slot,
+        queue_depth=16,
+        secret="a-secret-of-16-chars",
+        checksum_threads=2,
+    )
     try:
         assert w.cpu is not None and w.cpu._max_workers == 2
         busy = set()
@@ -192,6 +204,7 @@ def test_worker_checksums_on_its_threads(tmp_path):
             def run():
                 busy.add(threading.current_thread().name)
                 return fn(*a, **k)
+
             return orig(run)
 
         w.cpu.submit = submit

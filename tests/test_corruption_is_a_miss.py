@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: a bit flip, a truncated or deleted data file, or a torn journal tail
 gets served as a block (wrong KV) or crashes the opener.
 Invariant: damaged data is a miss: never bytes other than those stored under
@@ -5,14 +6,15 @@ the key; the damaged key is dropped and counted, everything else still loads.
 Fix: every slot carries a verified header (magic, version, namespace, rank, key,
 length, CRC32C) and the journal's records carry CRCs; replay stops at a torn one.
 """
+
 from __future__ import annotations
 
 import errno
 import os
 
-from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
+from tools.storeio import StoreIO
 
 N = 16
 
@@ -129,7 +131,6 @@ async def test_torn_journal_tail(tmp_path, blocks):
     assert st2.logs[NS].torn_bytes == fmt.REC_BYTES // 2
     assert os.path.getsize(jpath) == fmt.FILE_HDR_BYTES + (N - 1) * fmt.REC_BYTES  # tail cut
     st2.close()
-
 
 
 async def test_corrupt_checkpoint_rebuilds_from_blocks(tmp_path, blocks):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Crash and damaged files under real vLLM.
 
 Bug: a crash between writing blocks and committing them, a torn index journal,
@@ -8,6 +9,7 @@ same directory recovers the index, still hits every block committed before the
 kill, every hit verifies (zero load errors) and tokens equal a run without
 aiokv. Damaged files become misses (recomputes), counted, never wrong tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +46,13 @@ def crashed(tiny_model, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("crash") / "c")
     spec = dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS, stagger=True, max_tokens=30)])
     env = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
-    p = subprocess.Popen([sys.executable, "-m", "tests.vllm_run", json.dumps(spec)], cwd=ROOT, env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tests.vllm_run", json.dumps(spec)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     seen: set[bytes] = set()
     deadline = time.monotonic() + 300
     while len(seen) < 40 and time.monotonic() < deadline and p.poll() is None:

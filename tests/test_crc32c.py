@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CRC32C (Castagnoli): every path the CPU has (the carry-less-multiply folding
 over AVX-512 lanes, three interleaved crc32q chains merged with shift tables)
 must give exactly the table-driven software path's results, and all of them the
@@ -9,6 +10,7 @@ written would then read back as corrupt (a miss), or, worse, blocks written by
 one path would not verify under another machine's path. Fix: one result for
 every path, pinned here around each boundary (256-byte fold iterations, 64-byte
 tail folds, the 512-byte dispatch threshold, the crc32q stripes)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -17,7 +19,6 @@ import random
 import pytest
 
 from aiokv import _native
-
 
 PATHS = list(_native.CRC_PATHS)  # the CRC paths this CPU runs (the table path always)
 
@@ -45,8 +46,29 @@ def test_known_vectors(data, want):
 
 
 # lengths around the 3 x 256 and 3 x 8192 interleave boundaries, and payload sizes
-LENGTHS = [1, 7, 8, 9, 255, 256, 767, 768, 769, 775, 1536, 24575, 24576, 24577, 24576 + 768 + 5,
-           49152, 65536, 65537, 256 << 10, (1 << 20) + 3, 2 << 20]
+LENGTHS = [
+    1,
+    7,
+    8,
+    9,
+    255,
+    256,
+    767,
+    768,
+    769,
+    775,
+    1536,
+    24575,
+    24576,
+    24577,
+    24576 + 768 + 5,
+    49152,
+    65536,
+    65537,
+    256 << 10,
+    (1 << 20) + 3,
+    2 << 20,
+]
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -56,7 +78,7 @@ def test_hw_matches_sw_any_length_and_alignment(n):
     buf = ctypes.create_string_buffer(raw, len(raw))
     base = ctypes.addressof(buf)
     for off in (0, 1, 3, 7):
-        data = raw[off:off + n]
+        data = raw[off : off + n]
         want = _native.crc32c_sw(data)
         assert _native.crc32c_bytes(data) == want, (n, off)
         assert _native.crc32c(base + off, n) == want, (n, off)  # GIL-free path above 64 KiB
@@ -89,14 +111,17 @@ def test_every_path_every_short_length_and_alignment():
     for n in range(0, 1101):
         for off in (0, 1, 5, 63):
             seed = rnd.getrandbits(32) if n % 3 else 0
-            want = _native.crc32c_sw(raw[off:off + n], seed)
+            want = _native.crc32c_sw(raw[off : off + n], seed)
             for p in PATHS:
                 assert _native.crc32c_path(p, base + off, n, seed) == want, (p, n, off)
             assert _native.crc32c(base + off, n, seed) == want, (n, off)
 
 
-@pytest.mark.parametrize("n", [k * 256 + d for k in (2, 3, 4, 16, 64, 257) for d in (-65, -64, -1, 0, 1, 63, 64, 191)]
-                         + [(1 << 20) - 1, 1 << 20, (2 << 20) + 4096 + 1])
+@pytest.mark.parametrize(
+    "n",
+    [k * 256 + d for k in (2, 3, 4, 16, 64, 257) for d in (-65, -64, -1, 0, 1, 63, 64, 191)]
+    + [(1 << 20) - 1, 1 << 20, (2 << 20) + 4096 + 1],
+)
 def test_every_path_around_fold_boundaries(n):
     rnd = random.Random(n)
     raw = rnd.randbytes(n + 64)
@@ -104,7 +129,7 @@ def test_every_path_around_fold_boundaries(n):
     base = ctypes.addressof(buf)
     for off in (0, 7, 32):
         seed = rnd.getrandbits(32)
-        want = _native.crc32c_sw(raw[off:off + n], seed)
+        want = _native.crc32c_sw(raw[off : off + n], seed)
         for p in PATHS:
             assert _native.crc32c_path(p, base + off, n, seed) == want, (p, n, off)
 

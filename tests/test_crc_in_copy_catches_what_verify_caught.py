@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The payload CRC computed inside the CPU device copy catches what the separate pass caught.
 
 Risk: on the CPU build every byte saved or loaded was read once more by a
@@ -20,6 +21,7 @@ BlockIO.write(crc_in_copy=True) / read(crc_in_copy=True), used by
 TransferWorker's saves and whole-request disk loads (with a secret too: its
 MAC is computed in the native stamp and check, tests/test_slot_mac_is_native_blake3_and_versioned.py).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,10 +32,10 @@ import pytest
 import torch
 
 from aiokv import _native
-from aiokv.data.buffers import BufferPool
-from aiokv.jobs import Transfer
 from aiokv.data import format as fmt
+from aiokv.data.buffers import BufferPool
 from aiokv.data.slotfile import data_path
+from aiokv.jobs import Transfer
 from aiokv.store.store import ns_dir
 from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS, key
@@ -79,8 +81,9 @@ def test_crc_in_copy_save_copies_memcpys_bytes_and_stamps_their_crc(seg, layers)
     plen = seg * layers
     try:
         _native.memcpy_crc_out(_arr(in_copy), _arr(segs), seg)
-        _native.memcpy_many(_arr(a + fmt.HEADER_BYTES + l * seg for l in range(layers) for a in plain),
-                            _arr(segs), seg)
+        _native.memcpy_many(
+            _arr(a + fmt.HEADER_BYTES + layer * seg for layer in range(layers) for a in plain), _arr(segs), seg
+        )
         keys = [key(i) for i in range(n)]
         _native.stamp_slots(in_copy, keys, NS, RANK, plen, LAYOUT, True)
         for i, (f, p) in enumerate(zip(in_copy, plain)):
@@ -92,8 +95,8 @@ def test_crc_in_copy_save_copies_memcpys_bytes_and_stamps_their_crc(seg, layers)
         for f, p in zip(in_copy, plain):
             hf, hp = ctypes.string_at(f, fmt.HEADER_BYTES), ctypes.string_at(p, fmt.HEADER_BYTES)
             seq = slice(80, 88)  # the stamp time differs
-            assert hf[:seq.start] == hp[:seq.start] and hf[seq.stop:fmt._HDR.size] == hp[seq.stop:fmt._HDR.size]
-            assert hf[fmt.HDR_USED:] == bytes(fmt.HEADER_BYTES - fmt.HDR_USED)
+            assert hf[: seq.start] == hp[: seq.start] and hf[seq.stop : fmt._HDR.size] == hp[seq.stop : fmt._HDR.size]
+            assert hf[fmt.HDR_USED :] == bytes(fmt.HEADER_BYTES - fmt.HDR_USED)
     finally:
         pool.close()
 
@@ -116,8 +119,14 @@ def test_crc_in_copy_load_copies_memcpys_bytes_and_flags_exactly_the_corrupt_slo
         for t in kv:
             t.zero_()
         verdicts = _native.memcpy_crc_in(_arr(segs), _arr(src), seg)
-        assert [fmt.SLOT_REASONS[v] for v in verdicts] == \
-            ["", "payload checksum", "", "payload checksum", "payload checksum", "payload checksum"]
+        assert [fmt.SLOT_REASONS[v] for v in verdicts] == [
+            "",
+            "payload checksum",
+            "",
+            "payload checksum",
+            "payload checksum",
+            "payload checksum",
+        ]
         for i in range(n):
             assert b"".join(t[i].numpy().tobytes() for t in kv) == want[i]
         # the separate pass says the same of every slot
@@ -163,7 +172,7 @@ def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path, 
     with open(path, "rb") as f:
         disk = f.read()
     for i in ids:  # what the save with the CRC in the copy wrote is a valid slot of docs/format.md
-        h = fmt.check_slot(disk[i * sb:(i + 1) * sb], NS, 0, w.device.payload_bytes, key(i), w.device.layout_tag, mk)
+        h = fmt.check_slot(disk[i * sb : (i + 1) * sb], NS, 0, w.device.payload_bytes, key(i), w.device.layout_tag, mk)
         assert h["mac_scheme"] == (fmt.MAC_SCHEME if secret else 0)
     bad = {3: 0, 7: w.device.payload_bytes - 1}  # slot -> payload byte flipped
     with open(path, "r+b") as f:
@@ -178,7 +187,7 @@ def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path, 
             for s in bad:
                 f.seek(s * sb)
                 slot = bytearray(f.read(sb))
-                crc = _native.crc32c_bytes(bytes(slot[fmt.HEADER_BYTES:fmt.HEADER_BYTES + w.device.payload_bytes]))
+                crc = _native.crc32c_bytes(bytes(slot[fmt.HEADER_BYTES : fmt.HEADER_BYTES + w.device.payload_bytes]))
                 slot[36:40] = crc.to_bytes(4, "little")
                 slot[96:100] = _native.crc32c_bytes(bytes(slot[:96])).to_bytes(4, "little")
                 f.seek(s * sb)
@@ -195,8 +204,9 @@ def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path, 
         for i in ids:
             if i not in bad:
                 assert all(torch.equal(t[first + i], want) for t, want in zip(kv.values(), saved[i]))
-        assert all(slot is None for slot in w.staging.take_kept([key(s) for s in bad], w.memory_ns)), \
+        assert all(slot is None for slot in w.staging.take_kept([key(s) for s in bad], w.memory_ns)), (
             "a corrupt block is not kept in memory"
+        )
         assert w.staging.kept == 8
         assert w.staging_in_use == 0, "every slot went back"
     finally:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A dead or hung bucket server costs bounded time, and is used again
 once it is back.
 
@@ -13,6 +14,7 @@ the server back, uploads and loads work again.
 Fix: aiokv/util/breaker.py (the bucket's instance), the deadlines in aiokv/bucket/client.py, the
 bounded lossy queue in aiokv/bucket/uploader.py.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,9 +27,9 @@ from aiokv.bucket.loader import OK, UNAVAILABLE, BucketLoader
 from aiokv.bucket.naming import object_name
 from aiokv.bucket.prober import Prober
 from aiokv.bucket.uploader import Uploader
-from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
+from tools.storeio import StoreIO
 
 SB = fmt.slot_bytes(PAYLOAD)
 TIMEOUT = 1.0
@@ -80,8 +82,15 @@ async def test_killed_server_drops_counted_and_recovers(tmp_path, blocks, s3env)
     await up.flush(8 * TIMEOUT + 5)
     c = up.counters
     assert c["upload_failed"] >= 1 and breaker.opens >= 1, c
-    assert c["uploaded"] + c["upload_failed"] + c["upload_dropped_queue_full"] + c["upload_dropped_unavailable"] \
-        + c["upload_dropped_at_close"] + c.get("upload_already_there", 0) == 40, c
+    assert (
+        c["uploaded"]
+        + c["upload_failed"]
+        + c["upload_dropped_queue_full"]
+        + c["upload_dropped_unavailable"]
+        + c["upload_dropped_at_close"]
+        + c.get("upload_already_there", 0)
+        == 40
+    ), c
 
     loader = BucketLoader(client, NS, 0, SB)
     t = time.monotonic()

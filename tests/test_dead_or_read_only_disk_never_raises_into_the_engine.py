@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A disk that dies (EIO) or turns read-only (EROFS) under a running store never
 raises into the engine.
 
@@ -18,6 +19,7 @@ end the growth), IndexLog.append/Store.flush_if_due (fdatasync errors logged),
 Store.close (a failed checkpoint is logged; the journal keeps everything), and
 SchedulerSide's guards around every store call.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -28,14 +30,14 @@ import subprocess
 
 import pytest
 
+from aiokv.data import format as fmt
 from aiokv.jobs import SaveResult, WorkerReport
 from aiokv.scheduler.keys import request_root
 from aiokv.scheduler.side import Scheduled, SchedulerSide
 from aiokv.store import Store
-from aiokv.data import format as fmt
 from aiokv.store import space as space_mod
 from tests import mounts
-from tests.conftest import NS, PAYLOAD, key
+from tests.conftest import NS, PAYLOAD
 
 SB = fmt.slot_bytes(PAYLOAD)
 EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
@@ -55,8 +57,9 @@ def ext4(tmp_path):
             finally:
                 os.close(fd)
         else:
-            dev = subprocess.run(["findmnt", "-no", "SOURCE", str(mnt)], capture_output=True, text=True,
-                                 check=True).stdout.strip()
+            dev = subprocess.run(
+                ["findmnt", "-no", "SOURCE", str(mnt)], capture_output=True, text=True, check=True
+            ).stdout.strip()
             with open(f"/sys/fs/ext4/{os.path.basename(dev)}/trigger_fs_error", "w") as f:
                 f.write("aiokv test: turn read-only\n")
 
@@ -84,8 +87,10 @@ def _report(saves, written: bool) -> WorkerReport:
     a dead disk: write errors, which the breaker counts)."""
     if written:
         return WorkerReport(saves=[SaveResult(t.job, 0, list(t.keys)) for t in saves])
-    return WorkerReport(saves=[SaveResult(t.job, 0, [], list(t.keys)) for t in saves],
-                        counters={"write_errors": sum(len(t.keys) for t in saves)})
+    return WorkerReport(
+        saves=[SaveResult(t.job, 0, [], list(t.keys)) for t in saves],
+        counters={"write_errors": sum(len(t.keys) for t in saves)},
+    )
 
 
 @pytest.mark.parametrize("kind", ["eio", "erofs"])
@@ -125,8 +130,12 @@ def test_dead_or_read_only_disk_never_raises(ext4, kind, caplog, monkeypatch):
     lines = [r.getMessage() for r in records]
     assert not [r for r in records if r.exc_info], "an exception reached a guard: " + repr(lines)
     # each kind of failure said, in a line, not at every step or block
-    for what in ("journal write failed", "journal fdatasync failed", "reserving disk space failed",
-                 "checkpoint at close failed"):
+    for what in (
+        "journal write failed",
+        "journal fdatasync failed",
+        "reserving disk space failed",
+        "checkpoint at close failed",
+    ):
         said = [m for m in lines if what in m]
         assert 1 <= len(said) <= 3, (what, lines)
     assert len(lines) <= 10, lines

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Device copies move whole blocks, byte for byte, for any block dimension.
 
 Invariant: copy_out then copy_in to other block ids reproduces every layer's
@@ -6,13 +7,14 @@ blocks, the CPU backend's layout) and on the torch path (block dimension not
 first, e.g. GPU layouts [2, num_blocks, ...]); ids out of range are refused
 before any memory is touched.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from aiokv.data.buffers import BufferPool
 from aiokv.data import format as fmt
+from aiokv.data.buffers import BufferPool
 from aiokv.worker.device import CpuDevice, LayoutError
 
 NB = 12
@@ -64,8 +66,11 @@ def test_vllm_033_registrations_become_layers():
     anything else is refused with a line naming the layer."""
     from aiokv.worker.device import LayoutError, kv_tensors, make_device
 
-    kv = {"a": torch.arange(NB * 2 * 4 * 8, dtype=torch.float32).view(NB * 2, 4, 8),
-          "b": [torch.zeros(NB, 3), torch.zeros(NB, 2, 2)], "other": object()}
+    kv = {
+        "a": torch.arange(NB * 2 * 4 * 8, dtype=torch.float32).view(NB * 2, 4, 8),
+        "b": [torch.zeros(NB, 3), torch.zeros(NB, 2, 2)],
+        "other": object(),
+    }
     items = kv_tensors(kv, ["a", "b", "missing"])
     assert [n for n, _ in items] == ["a", "b", "b"]
     dev = make_device(items, NB)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: ENOSPC crashes the writer or leaves a half-accounted store.
 Invariant: a full disk skips saves and evicts; usage stays under the capacity
 bound; what is stored still loads; the store keeps serving.
@@ -5,16 +6,17 @@ Fix: disk space is reserved with fallocate when slots are created, so ENOSPC
 arrives at reservation (a skipped save + eviction), never in the middle of a write;
 a fallocate that fails part-way is punched back (it leaves nothing allocated).
 """
+
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests import mounts
 from tests.conftest import NS, PAYLOAD, key
+from tools.storeio import StoreIO
 
 
 @pytest.fixture
@@ -45,8 +47,8 @@ async def test_enospc_skips_and_evicts(small_fs, blocks, backend_kind):
     assert st.lookup(ns, [key(11 * 32)]) == 1
     present = [k for k in stored if k in ns.entries]
     for i in range(0, len(present), 64):
-        chunk = present[i:i + 64]
-        for j, k in enumerate(chunk):
+        chunk = present[i : i + 64]
+        for j in range(len(chunk)):
             blocks.clear(j)
         assert await st.load(ns, [(k, blocks.addr(j)) for j, k in enumerate(chunk)]) == [0] * len(chunk)
         assert all(blocks.holds(j, k) for j, k in enumerate(chunk))

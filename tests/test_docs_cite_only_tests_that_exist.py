@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: docs/reliability.md promised behaviour "pinned" by a test file that did not exist
 (tests/test_single_owner_lock.py), so the promise had no test behind it.
 Invariant: every test file the docs and the README name exists (a glob names at least one),
@@ -5,6 +6,7 @@ whether named with its folder (`tests/test_x.py`) or without (`test_x.py`); ever
 names inside its file (`test_x.py::test_y`, with or without a `[parameter]`) is defined there,
 and every test a doc names alone (`test_y`) is defined in some test file.
 """
+
 from __future__ import annotations
 
 import glob
@@ -29,8 +31,11 @@ def _named() -> dict[tuple[str, str | None], str]:
 def test_every_test_file_the_docs_name_exists():
     named = _named()
     assert len({n for n, _ in named}) > 30, "the docs name the tests that pin their promises"
-    missing = [f"tests/{name} (in {doc})" for (name, _), doc in named.items()
-               if not glob.glob(os.path.join(ROOT, "tests", name))]
+    missing = [
+        f"tests/{name} (in {doc})"
+        for (name, _), doc in named.items()
+        if not glob.glob(os.path.join(ROOT, "tests", name))
+    ]
     assert not missing, missing
 
 

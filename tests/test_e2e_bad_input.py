@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End to end: bad input gets one clear line, loses nothing, and where it can,
 vLLM runs on without aiokv.
 
@@ -7,6 +8,7 @@ vLLM runs on without aiokv.
 - a read-only cache directory disables aiokv with one line; vLLM serves on (tokens
   as without aiokv) and the stored blocks are untouched.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,11 +21,14 @@ from tests.e2e import happened, prompts, run
 pytestmark = pytest.mark.vllm
 
 
-@pytest.mark.parametrize("extra,needle", [
-    ({"capcity": "1GiB"}, "aiokv: unknown setting(s) capcity"),
-    ({"capacity": "lots"}, "aiokv: capacity: not a size: 'lots'"),
-    ({"io": "dma"}, "aiokv: io must be auto, uring or threads"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        ({"capcity": "1GiB"}, "aiokv: unknown setting(s) capcity"),
+        ({"capacity": "lots"}, "aiokv: capacity: not a size: 'lots'"),
+        ({"io": "dma"}, "aiokv: io must be auto, uring or threads"),
+    ],
+)
 def test_wrong_settings_fail_at_start(tiny_model, tmp_path, extra, needle):
     with pytest.raises(AssertionError) as e:
         run(dict(model=tiny_model, cache=str(tmp_path / "c"), extra=extra, phases=[dict(prompts=prompts(1, 40))]))
@@ -31,8 +36,11 @@ def test_wrong_settings_fail_at_start(tiny_model, tmp_path, extra, needle):
 
 
 def _tree(path: str) -> dict:
-    return {os.path.join(d, n): (os.lstat(os.path.join(d, n)).st_size, os.lstat(os.path.join(d, n)).st_mtime_ns)
-            for d, dirs, files in os.walk(path) for n in files + dirs}
+    return {
+        os.path.join(d, n): (os.lstat(os.path.join(d, n)).st_size, os.lstat(os.path.join(d, n)).st_mtime_ns)
+        for d, dirs, files in os.walk(path)
+        for n in files + dirs
+    }
 
 
 def test_a_directory_that_is_not_an_aiokv_store_is_refused_untouched(tiny_model, tmp_path):
@@ -82,10 +90,12 @@ def test_recurrent_model_without_align_mode_is_refused_with_a_clear_line(tmp_pat
     from aiokv.demo.tiny_model import build_hybrid
 
     model = build_hybrid(str(tmp_path / "hybrid"))
-    spec = dict(model=model, dtype="bfloat16", block_size=None, prefix_caching=False,
-                phases=[dict(prompts=prompts(1, 100))])
+    spec = dict(
+        model=model, dtype="bfloat16", block_size=None, prefix_caching=False, phases=[dict(prompts=prompts(1, 100))]
+    )
     assert run(spec)["tokens"][0][0]
     with pytest.raises(AssertionError) as e:
         run(dict(spec, cache=str(tmp_path / "c")))
-    assert "aiokv: recurrent-state (Mamba / gated delta net) layers need vLLM's mamba_cache_mode='align'" \
-        in str(e.value) and "enable_prefix_caching=True" in str(e.value)
+    assert "aiokv: recurrent-state (Mamba / gated delta net) layers need vLLM's mamba_cache_mode='align'" in str(
+        e.value
+    ) and "enable_prefix_caching=True" in str(e.value)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End to end: preemption, aborts at several points (one while preempted), many
 concurrent requests, repeated generate calls in one engine.
 
@@ -6,6 +7,7 @@ without aiokv; every block goes back to vLLM; no staging buffer, pin, pending
 save or in-flight job is left; no save is ever read from a block that changed
 owner (a later warm run with the same prompts hits and still matches).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +19,9 @@ pytestmark = pytest.mark.vllm
 
 def test_preemption_under_tiny_kv_cache(tiny_model, tmp_path):
     ps = prompts(6, 230, seed=21)
-    spec = dict(model=tiny_model, num_gpu_blocks=26, max_num_seqs=6, max_model_len=512,
-                phases=[dict(prompts=ps, max_tokens=40)])
+    spec = dict(
+        model=tiny_model, num_gpu_blocks=26, max_num_seqs=6, max_model_len=512, phases=[dict(prompts=ps, max_tokens=40)]
+    )
     base = run(spec)
     cold = run({**spec, "cache": str(tmp_path / "c")})
     happened(cold, base, preemptions=">0", saves_committed=">0")  # the KV cache is small enough to preempt
@@ -38,8 +41,7 @@ def test_aborts_queued_loading_mid_save(tiny_model, tmp_path):
     happened(cold, dict(base, tokens=[base["tokens"][0][:3]]), saves_committed=">=3", hit_blocks=0)
     # warm: 0,1,2 hit (loads); 3,4,5 are new (saves). Abort: 0 before its first step
     # (queued), 1 after one step (its load in flight), 3 after its prefill step (mid-save).
-    warm = run(dict(model=tiny_model, cache=cache,
-                    phases=[dict(prompts=ps, abort_after={0: 0, 1: 1, 3: 1})]))
+    warm = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=ps, abort_after={0: 0, 1: 1, 3: 1})]))
     assert warm["finish"][0][0] == "aborted" and warm["finish"][0][1] == "aborted"
     assert warm["finish"][0][3] == "aborted"
     happened(warm, base, hit_requests=">=1")
@@ -74,8 +76,9 @@ def test_aborts_at_every_point(tiny_model, tmp_path):
     slow = {"AIOKV_FAULTS": json.dumps([{"op": "read", "kind": "late", "delay": 0.3}]), "AIOKV_FAULTS_ACK": ACK}
     # 0-5 hit (slow loads), 6-11 are new. max_tokens=6: a request finishes about 6 steps after its prefill.
     aborts = {0: 0, 1: 1, 2: 3, 3: 6, 4: 7, 6: 1, 7: 5, 8: 6, 9: 7, 10: 12, 11: 20}
-    res = run(dict(spec, cache=cache, phases=[dict(prompts=ps, max_tokens=6, abort_after=aborts, stagger=True)]),
-              env=slow)
+    res = run(
+        dict(spec, cache=cache, phases=[dict(prompts=ps, max_tokens=6, abort_after=aborts, stagger=True)]), env=slow
+    )
     assert res["finish"][0].count("aborted") >= 3
     w = res["aborted_while"]
     assert w.get("WAITING_FOR_REMOTE_KVS", 0) >= 1 and w.get("RUNNING", 0) >= 1, w  # mid-load and mid-save

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End to end in vLLM's default multiprocess mode: the scheduler side lives in
 the EngineCore process, the worker side in a worker process; job lists and
 reports cross process boundaries, and saves of the last steps are committed
@@ -7,6 +8,7 @@ aiokv's counters live in the EngineCore process here: the test reads them as
 vLLM exports them (its Prometheus series), so a warm run that silently
 recomputed (0 blocks loaded, or failed loads) fails.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -33,4 +35,3 @@ def test_restart_in_multiprocess_mode(tiny_model, tmp_path):
     happened(cold, base, saved_blocks=f">={3 * (250 // 32)}")
     happened(warm, base, hit_tokens=hit * 32, loaded_blocks=hit, memory_hit_blocks=0, loaded_bytes=">0")
     assert warm["cached"][0] == [(249 // 32) * 32] * 3
-

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End to end: nothing that changes the KV bytes may share keys.
 
 Invariant: on the same cache directory, a change of block size, dtype or model
@@ -5,6 +6,7 @@ weights at the same path gives zero hits, no error and the baseline's tokens; a
 different cache_salt never hits another salt's blocks; a different
 PYTHONHASHSEED still hits (keys do not depend on Python's hash seed).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -44,11 +46,17 @@ def test_cache_salt_isolates(tiny_model, tmp_path):
     base = run(dict(model=tiny_model, phases=[dict(prompts=ps)] * 3))
     cold = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=ps, salts=["alice"] * 2)]))
     happened(cold, dict(base, tokens=base["tokens"][:1]), saves_committed=">=8")
-    warm = run(dict(model=tiny_model, cache=cache, phases=[
-        dict(prompts=ps, salts=["bob"] * 2),     # another tenant: no hits
-        dict(prompts=ps, salts=[None] * 2),      # no salt: no hits either
-        dict(prompts=ps, salts=["alice"] * 2),   # the same tenant: hits
-    ]))
+    warm = run(
+        dict(
+            model=tiny_model,
+            cache=cache,
+            phases=[
+                dict(prompts=ps, salts=["bob"] * 2),  # another tenant: no hits
+                dict(prompts=ps, salts=[None] * 2),  # no salt: no hits either
+                dict(prompts=ps, salts=["alice"] * 2),  # the same tenant: hits
+            ],
+        )
+    )
     assert warm["cached"][0] == [0, 0] and warm["cached"][1] == [0, 0]
     assert warm["cached"][2] == [4 * 32] * 2
     happened(warm, base, hit_blocks=2 * 4)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End to end: partial prefix hits and block-boundary prompts.
 
 Invariant: a request hits exactly the stored blocks whose whole prefix it
@@ -5,6 +6,7 @@ shares (a shared system prompt hits only its full blocks, never the block its
 own suffix starts in), at least one token is always left to compute, and
 tokens equal those of a run without aiokv.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End to end on real vLLM (CPU): engines with separate local directories share
 a bucket (a real S3 server, SeaweedFS, started here).
 
@@ -14,6 +15,7 @@ work again. A tampered object or one written under another secret is a miss
 Fix: aiokv/bucket/ wired in by SchedulerSide.match/on_alloc (probe, reserve),
 TransferWorker._save (upload) and _load_from_bucket (GET, verify, write through).
 """
+
 from __future__ import annotations
 
 import obstore
@@ -43,8 +45,9 @@ def test_second_engine_hits_what_the_first_uploaded(tiny_model, tmp_path, s3serv
     assert len(_objects(s3server, "e2e/")) >= 4 * FULL
 
     b = run({**spec, "cache": str(tmp_path / "b"), "extra": bucket}, env=env)
-    happened(b, base, bucket_hit_blocks=4 * FULL, bucket_loaded_blocks=4 * FULL, bucket_missed_blocks=0,
-             bucket_bad_blocks=0)
+    happened(
+        b, base, bucket_hit_blocks=4 * FULL, bucket_loaded_blocks=4 * FULL, bucket_missed_blocks=0, bucket_bad_blocks=0
+    )
     assert b["cached"][0] == [FULL * BS] * 4
 
     # written through: B's own directory serves them now, with no server at all
@@ -67,32 +70,47 @@ def test_tampered_or_foreign_objects_are_misses(tiny_model, tmp_path, s3server):
     s3server.put_raw(names[0], bytes(raw))  # one block spoiled (a prefix of some request breaks there)
 
     # another secret: every object is foreign, nothing loads, everything recomputes
-    other = run({**spec, "cache": str(tmp_path / "o"), "extra": {**secret, "secret": "another-secret-987654321"}},
-                env=env)
+    other = run(
+        {**spec, "cache": str(tmp_path / "o"), "extra": {**secret, "secret": "another-secret-987654321"}}, env=env
+    )
     # (the objects were found, fetched and refused: not merely absent)
-    happened(other, base, allow_load_errors=True, bucket_probes=">0", bucket_hit_blocks=">0", bucket_loaded_blocks=0,
-             bucket_bad_blocks=">0", bucket_missed_blocks=0)
+    happened(
+        other,
+        base,
+        allow_load_errors=True,
+        bucket_probes=">0",
+        bucket_hit_blocks=">0",
+        bucket_loaded_blocks=0,
+        bucket_bad_blocks=">0",
+        bucket_missed_blocks=0,
+    )
     # the right secret: all but the spoiled block's request's blocks load; that one recomputes
     b = run({**spec, "cache": str(tmp_path / "b"), "extra": secret}, env=env)
-    happened(b, base, allow_load_errors=True, bucket_bad_blocks=1, bucket_missed_blocks=0,
-             bucket_loaded_blocks=">=1")
+    happened(b, base, allow_load_errors=True, bucket_bad_blocks=1, bucket_missed_blocks=0, bucket_loaded_blocks=">=1")
 
 
 def test_killed_server_mid_run_then_back(tiny_model, tmp_path, s3server):
     env = s3server.env()
     bucket = {"bucket": s3server.url("kill"), "bucket_timeout": 1.0, "bucket_unsigned": True}
     ps1, ps2, ps3 = prompts(3, LEN, seed=21), prompts(3, LEN, seed=22), prompts(1, 100, seed=23)
-    spec = dict(model=tiny_model, block_size=BS, phases=[dict(prompts=ps1, max_tokens=8),
-                                                         dict(prompts=ps2, max_tokens=8),
-                                                         dict(prompts=ps3, max_tokens=16)])
+    spec = dict(
+        model=tiny_model,
+        block_size=BS,
+        phases=[dict(prompts=ps1, max_tokens=8), dict(prompts=ps2, max_tokens=8), dict(prompts=ps3, max_tokens=16)],
+    )
     base = run(spec)
     # mid-upload: the server dies as the second phase starts, once the first phase's uploads
     # are done (settle); the second phase's blocks cannot be uploaded (the third phase starts once
     # those uploads have failed and been reported: settle; a life ended before that, on a loaded
     # machine, counted no failure)
-    killed = {**spec, "phases": [spec["phases"][0],
-                                 {**spec["phases"][1], "settle": True, "kill_at_step": [0, s3server.proc.pid]},
-                                 {**spec["phases"][2], "settle": True}]}
+    killed = {
+        **spec,
+        "phases": [
+            spec["phases"][0],
+            {**spec["phases"][1], "settle": True, "kill_at_step": [0, s3server.proc.pid]},
+            {**spec["phases"][2], "settle": True},
+        ],
+    }
     a = run({**killed, "cache": str(tmp_path / "a"), "extra": bucket}, env=env)
     s3server.proc.wait()
     s3server.proc = None

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Several engines on one cache directory at the same time (store level).
 
 Bug: a second engine on a directory was refused ("in use by another engine"),
@@ -14,6 +15,7 @@ files; it follows the others' journals (Store.refresh, from lookups and once per
 step) and hands out locations (engine << 32 | slot) that BlockIO resolves to the
 right engine's file; every read verifies the slot header and CRCs.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,15 +30,15 @@ import types
 import pytest
 
 from aiokv.cli import inspect as insp
+from aiokv.data import format as fmt
 from aiokv.store import Store, StoreLocked
-from tools.storeio import StoreIO
 from aiokv.store import index as index_mod
 from aiokv.store import meta as meta_mod
 from aiokv.store import reclaim as reclaim_mod
 from aiokv.store import store as store_mod
-from aiokv.data import format as fmt
 from aiokv.store.lock import engines
 from tests.conftest import NS, PAYLOAD, key
+from tools.storeio import StoreIO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SB = fmt.slot_bytes(PAYLOAD)
@@ -68,7 +70,7 @@ async def test_two_engines_share_hits_both_ways(tmp_path, blocks, backend_kind):
     na, nb = a.namespace(NS, PAYLOAD), b.namespace(NS, PAYLOAD)
     assert await _save(a, na, blocks, range(16)) == [0] * 16
     assert b.lookup(nb, [key(i) for i in range(16)]) == 16  # A's blocks are B's hits
-    assert await _loads_intact(b, nb, blocks, range(16))    # read from A's file
+    assert await _loads_intact(b, nb, blocks, range(16))  # read from A's file
     assert all(fmt.split(nb.entries[key(i)])[0] == 0 for i in range(16))
     # B does not store again what A holds; what B adds is A's hit in turn
     assert await _save(b, nb, blocks, range(12, 24)) == [-17] * 4 + [0] * 8  # -EEXIST for 12..15
@@ -119,8 +121,9 @@ async def test_capacity_and_lru_are_the_directorys(tmp_path, blocks):
     # every block of B is kept; A gave back its oldest ones
     assert b.lookup(nb, [key(i) for i in range(100, 116)]) == 16
     assert 0 < len(na.own) <= 8 and set(na.own) == {key(i) for i in range(16 - len(na.own), 16)}
-    disk = sum(os.stat(os.path.join(dp, f)).st_blocks * 512 for dp, _, fs in os.walk(root)
-               for f in fs if f.endswith(".data"))
+    disk = sum(
+        os.stat(os.path.join(dp, f)).st_blocks * 512 for dp, _, fs in os.walk(root) for f in fs if f.endswith(".data")
+    )
     assert disk <= cap + cap // 16, (disk, cap)
     # the directory's total, seen by both, is within the capacity once A shed
     assert a.space.used() <= cap and b.space.used() <= cap + cap // 16
@@ -133,8 +136,9 @@ async def test_engine_killed_mid_save_leaves_the_other_unaffected(tmp_path, bloc
     b = StoreIO(root, capacity="256MiB")  # engine 0: this process, following at its default pace
     nb = b.namespace(NS, PAYLOAD)
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.Popen([sys.executable, "-m", "tests._crash_writer", root], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, text=True)  # engine 1: saves bursts forever
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tests._crash_writer", root], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+    )  # engine 1: saves bursts forever
     committed, delays = [], []
     mine = 0
     try:
@@ -172,7 +176,7 @@ async def test_engine_killed_mid_save_leaves_the_other_unaffected(tmp_path, bloc
     ids_of = {key(i): i for i in range(len(dead) + 64)}
     assert dead <= set(ids_of)  # only keys the writer saved, no garbage
     for chunk in range(0, len(committed), 32):
-        ids = [ids_of[k] for k in committed[chunk:chunk + 32]]
+        ids = [ids_of[k] for k in committed[chunk : chunk + 32]]
         assert await _loads_intact(b, nb, blocks, ids)
     # this engine goes on as before
     assert await _save(b, nb, blocks, range(200000, 200008)) == [0] * 8
@@ -241,8 +245,10 @@ async def test_inspect_shows_every_engine(tmp_path, blocks):
     await _save(a, na, blocks, range(5))
     await _save(b, nb, blocks, range(10, 13))
     d = _summary(root)
-    assert [(e["engine"], e["pid"], e["running"], e["blocks"]) for e in d["engines"]] == \
-        [(0, os.getpid(), True, 5), (1, os.getpid(), True, 3)]
+    assert [(e["engine"], e["pid"], e["running"], e["blocks"]) for e in d["engines"]] == [
+        (0, os.getpid(), True, 5),
+        (1, os.getpid(), True, 3),
+    ]
     (n,) = d["namespaces"]
     assert n["blocks"] == 8 and n["engines"] == {"0": 5, "1": 3}
     ro = insp.open_readonly(root)
@@ -384,6 +390,7 @@ async def test_a_dead_engines_oldest_blocks_are_reclaimed_by_a_live_one(tmp_path
 
 def test_an_engine_stuck_creating_files_does_not_hang_the_others(tmp_path, monkeypatch):
     import fcntl
+
     monkeypatch.setattr(meta_mod, "SETUP_WAIT", 0.3)
     root = str(tmp_path / "s")
     StoreIO(root).close()

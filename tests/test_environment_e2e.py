@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Environment faults under real vLLM.
 
 - io_uring refused by the kernel: the thread-pool backend takes over, said
@@ -8,6 +9,7 @@
   eviction makes room; the engine never stops; usage stays under the capacity
   bound; a later run still hits what stayed.
 """
+
 from __future__ import annotations
 
 import os
@@ -84,13 +86,25 @@ def test_disk_fills_up_during_a_run(tiny_model, tmp_path):
         cache = str(mnt / "c")
         many = prompts(40, 250, seed=92)  # 40 x 7 blocks = 280 blocks > the disk
         base = run(dict(model=tiny_model, phases=[dict(prompts=many, max_tokens=4)]))
-        cold = run(dict(model=tiny_model, cache=cache, extra={"capacity": "1GiB"},
-                        phases=[dict(prompts=many, max_tokens=4, stagger=True)]))
+        cold = run(
+            dict(
+                model=tiny_model,
+                cache=cache,
+                extra={"capacity": "1GiB"},
+                phases=[dict(prompts=many, max_tokens=4, stagger=True)],
+            )
+        )
         happened(cold, base, store_enospc=">0", store_evictions=">0")
         st = os.statvfs(str(mnt))
         assert st.f_bfree > 0
-        warm = run(dict(model=tiny_model, cache=cache, extra={"capacity": "1GiB"},
-                        phases=[dict(prompts=many[-8:], max_tokens=4)]))
+        warm = run(
+            dict(
+                model=tiny_model,
+                cache=cache,
+                extra={"capacity": "1GiB"},
+                phases=[dict(prompts=many[-8:], max_tokens=4)],
+            )
+        )
         happened(warm, part(base, requests=range(32, 40)), hit_blocks=">0")  # what stayed on the full disk
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
@@ -100,8 +114,14 @@ def test_capacity_bound_holds_during_a_run(tiny_model, tmp_path):
     cache = str(tmp_path / "c")
     many = prompts(30, 250, seed=93)
     base = run(dict(model=tiny_model, phases=[dict(prompts=many, max_tokens=4)]))
-    res = run(dict(model=tiny_model, cache=cache, extra={"capacity": "2MiB"},
-                   phases=[dict(prompts=many, max_tokens=4, stagger=True)]))
+    res = run(
+        dict(
+            model=tiny_model,
+            cache=cache,
+            extra={"capacity": "2MiB"},
+            phases=[dict(prompts=many, max_tokens=4, stagger=True)],
+        )
+    )
     happened(res, base, store_evictions=">0")
     ns = os.path.join(cache, "ns", os.listdir(os.path.join(cache, "ns"))[0])
     on_disk = sum(os.stat(os.path.join(ns, f)).st_blocks * 512 for f in os.listdir(ns) if f.endswith(".data"))
@@ -119,9 +139,16 @@ def test_worker_that_cannot_start_disables_aiokv(tiny_model, tmp_path, base, io_
     happened(cold, base, saves_committed=">0")
     with open(SYSCTL, "w") as f:
         f.write("2")
-    res = run(dict(model=tiny_model, cache=cache, extra={"io": "uring"},
-                   phases=[dict(prompts=PS[:1]), dict(prompts=PS[1:])]))
+    res = run(
+        dict(model=tiny_model, cache=cache, extra={"io": "uring"}, phases=[dict(prompts=PS[:1]), dict(prompts=PS[1:])])
+    )
     assert "worker 0 disabled" in res["log"]
     assert res["tokens"][0] + res["tokens"][1] == base["tokens"][0]
-    happened(res, None, why_no_baseline="compared above (two phases against one)", allow_load_errors=True,
-             saves_committed=0, hit_requests="<=1")  # after the first report, no more hits are offered
+    happened(
+        res,
+        None,
+        why_no_baseline="compared above (two phases against one)",
+        allow_load_errors=True,
+        saves_committed=0,
+        hit_requests="<=1",
+    )  # after the first report, no more hits are offered

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: the io_uring backend prepares SQEs before io_uring_submit; when the
 submission failed (an error from io_uring_enter) or the kernel took only part
 of them, the Python side forgot the operations while their SQEs stayed in the
@@ -15,6 +16,7 @@ backend fails exactly those operations; Ring.cancel checks its submission.
 The failures are shaped by a test hook in the extension (Ring._inject_submit);
 the reads, files and ring are real.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +31,7 @@ from aiokv.data.buffers import BufferPool
 
 try:
     from aiokv.data.uring import UringBackend
+
     UringBackend(asyncio.new_event_loop(), depth=4).close()
 except OSError as e:  # pragma: no cover - io_uring refused by the kernel
     pytest.fail(f"io_uring is needed for this test: {e}")
@@ -40,7 +43,7 @@ BS = 1 << 16
 def setup(tmp_path):
     path = tmp_path / "data"
     with open(path, "wb") as f:
-        f.write(b"\xAA" * BS + b"\xBB" * BS + b"\xCC" * BS)
+        f.write(b"\xaa" * BS + b"\xbb" * BS + b"\xcc" * BS)
     fd = os.open(path, os.O_RDWR)
     pool = BufferPool(BS, 4)
     yield fd, [pool.addr(s) for s in pool.acquire(4)]
@@ -63,7 +66,7 @@ async def test_failed_submit_fails_its_reads_and_never_runs_them_later(setup):
         await asyncio.sleep(0.05)
         be._on_ready()
         assert ctypes.string_at(bufs[0], BS) == b"\x11" * BS, "a failed read ran later into a reused buffer"
-        assert ctypes.string_at(bufs[1], BS) == b"\xBB" * BS
+        assert ctypes.string_at(bufs[1], BS) == b"\xbb" * BS
     finally:
         be.close()
 
@@ -75,7 +78,7 @@ async def test_partial_submit_completes_every_operation(setup):
         be.ring._inject_submit(consume=1)
         ops = [(OP_READ, fd, bufs[i], BS, i * BS) for i in range(3)]
         assert await asyncio.wait_for(be.run(ops), 5) == [BS] * 3
-        for i, b in enumerate((b"\xAA", b"\xBB", b"\xCC")):
+        for i, b in enumerate((b"\xaa", b"\xbb", b"\xcc")):
             assert ctypes.string_at(bufs[i], BS) == b * BS
         assert be.in_flight == 0
     finally:
@@ -92,7 +95,7 @@ async def test_failed_submit_of_writes_changes_nothing_on_disk(setup):
         assert await asyncio.wait_for(be.run([(OP_READ, fd, bufs[1], BS, 0)]), 5) == [BS]
         await asyncio.sleep(0.05)
         be._on_ready()
-        assert os.pread(fd, BS, 0) == b"\xAA" * BS, "a failed write reached the disk at a later submission"
+        assert os.pread(fd, BS, 0) == b"\xaa" * BS, "a failed write reached the disk at a later submission"
     finally:
         be.close()
 

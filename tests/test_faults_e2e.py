@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Fault injection under real vLLM (CPU): I/O that fails, comes back short,
 late, or with flipped bytes.
 
@@ -8,6 +9,7 @@ free block count all return to baseline.
 Fix under test: per-item I/O results, self-verifying blocks, load errors
 reported to vLLM (recompute), the loop surviving every job failure.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,12 +40,15 @@ def stored(tiny_model, tmp_path_factory):
     return str(d / "c"), base
 
 
-@pytest.mark.parametrize("rule,extra", [
-    ({"op": "read", "kind": "eio", "every": 2}, {}),
-    ({"op": "read", "kind": "short", "every": 3}, {}),
-    ({"op": "read", "kind": "flip", "every": 2}, {}),
-    ({"op": "read", "kind": "late", "delay": 3.0}, {"load_timeout": 1}),
-])
+@pytest.mark.parametrize(
+    "rule,extra",
+    [
+        ({"op": "read", "kind": "eio", "every": 2}, {}),
+        ({"op": "read", "kind": "short", "every": 3}, {}),
+        ({"op": "read", "kind": "flip", "every": 2}, {}),
+        ({"op": "read", "kind": "late", "delay": 3.0}, {"load_timeout": 1}),
+    ],
+)
 def test_read_faults_become_recomputes(tiny_model, stored, tmp_path, rule, extra):
     cache, base = stored
     mine = str(tmp_path / "c")
@@ -66,18 +71,23 @@ def test_late_reads_within_timeout_still_hit(tiny_model, stored, tmp_path):
     cache, base = stored
     mine = str(tmp_path / "c")
     shutil.copytree(cache, mine)
-    res = run(dict(model=tiny_model, cache=mine, phases=[dict(prompts=PS)]),
-              env=faults({"op": "read", "kind": "late", "delay": 0.3}))
+    res = run(
+        dict(model=tiny_model, cache=mine, phases=[dict(prompts=PS)]),
+        env=faults({"op": "read", "kind": "late", "delay": 0.3}),
+    )
     assert res["faults_fired"].get("read:late", 0) > 0, "the reads were made late"
     happened(res, base, loads_ok_blocks=4 * FULL)
 
 
-@pytest.mark.parametrize("rule", [
-    {"op": "write", "kind": "eio", "every": 2},
-    {"op": "write", "kind": "enospc", "every": 3},
-    {"op": "write", "kind": "short", "every": 2},
-    {"op": "write", "kind": "late", "delay": 2.0},  # far longer than the 8 steps a request lives
-])
+@pytest.mark.parametrize(
+    "rule",
+    [
+        {"op": "write", "kind": "eio", "every": 2},
+        {"op": "write", "kind": "enospc", "every": 3},
+        {"op": "write", "kind": "short", "every": 2},
+        {"op": "write", "kind": "late", "delay": 2.0},  # far longer than the 8 steps a request lives
+    ],
+)
 def test_write_faults_drop_only_those_saves(tiny_model, stored, tmp_path, rule):
     _, base = stored
     cache = str(tmp_path / "c")
@@ -98,8 +108,10 @@ def test_write_faults_drop_only_those_saves(tiny_model, stored, tmp_path, rule):
 def test_flipped_bytes_on_disk_are_never_served(tiny_model, stored, tmp_path):
     _, base = stored
     cache = str(tmp_path / "c")
-    cold = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]),
-               env=faults({"op": "write", "kind": "flip", "every": 2}))
+    cold = run(
+        dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]),
+        env=faults({"op": "write", "kind": "flip", "every": 2}),
+    )
     assert cold["faults_fired"].get("write:flip", 0) > 0
     happened(cold, base, saves_committed=">0")  # the flip is silent when written
     warm = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]))

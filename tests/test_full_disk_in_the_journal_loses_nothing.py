@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A file system that fills up while the journal is appended to loses nothing.
 
 Bug: a journal append that hit ENOSPC raised out of `Store.commit` (the engine
@@ -15,6 +16,7 @@ counted (`enospc`, vllm:aiokv_disk_full_events_total), not logged per record.
 Fix: Store.commit undoes the batch and makes room (Store._make_room) on
 ENOSPC/EDQUOT; IndexLog.append cuts a failed or short write back.
 """
+
 from __future__ import annotations
 
 import errno
@@ -23,10 +25,10 @@ import os
 
 import pytest
 
-from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests import mounts
 from tests.conftest import NS, PAYLOAD, key
+from tools.storeio import StoreIO
 
 SB = fmt.slot_bytes(PAYLOAD)
 PAGE = 4096
@@ -58,7 +60,7 @@ def _fill_up(path) -> int:
 
 async def _loads_intact(st, ns, blocks, keys) -> bool:
     for i in range(0, len(keys), 32):
-        chunk = keys[i:i + 32]
+        chunk = keys[i : i + 32]
         for j in range(len(chunk)):
             blocks.clear(j)
         if await st.load(ns, [(k, blocks.addr(j)) for j, k in enumerate(chunk)]) != [0] * len(chunk):
@@ -104,7 +106,7 @@ async def test_enospc_in_the_journal_undoes_the_batch_and_keeps_the_rest(tmpfs, 
     # room was made by evicting the oldest blocks: the newest survive, and load intact
     kept = [k for k in saved if k in ns.entries]
     assert 0 < len(kept) < len(saved) and st.stats.evictions == len(saved) - len(kept)
-    assert kept == saved[-len(kept):], "not the oldest blocks were evicted"
+    assert kept == saved[-len(kept) :], "not the oldest blocks were evicted"
     assert await _loads_intact(st, ns, blocks, kept)
 
     # the disk is still full: every later save succeeds, by evicting

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A short seeded fuzz of aiokv on the real vLLM engine (tools/fuzz.py):
 random arrivals, prompt lengths, shared prefixes, aborts, preemption under a
 tiny KV cache, eviction under a tiny capacity, and restarts (three engine lives
@@ -5,6 +6,7 @@ on one cache directory), with invariant checks every step and at the end (see
 tools/fuzz.py). The long run is `tools/fuzz.py --steps N`; docs/reliability.md
 records the longest clean run.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,9 +22,27 @@ pytestmark = pytest.mark.vllm
 
 
 def test_short_fuzz(tmp_path):
-    p = subprocess.run([sys.executable, "tools/fuzz.py", "--steps", "80", "--lives", "3", "--prompts", "24",
-                        "--seed", "7", "--dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=ROOT), timeout=1200)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "tools/fuzz.py",
+            "--steps",
+            "80",
+            "--lives",
+            "3",
+            "--prompts",
+            "24",
+            "--seed",
+            "7",
+            "--dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=1200,
+    )
     start = p.stdout.index("{")
     summary = json.loads(p.stdout[start:])
     problems = [x for life in summary["lives"] for x in life["problems"]]
@@ -43,8 +63,10 @@ def test_short_fuzz(tmp_path):
 # Gemma 2 (a window group beside a full one) runs in the suite; the hybrid (minutes per life on
 # 2 cores) and the every-layer-windowed model run on demand (pytest -m long), as the store-error
 # fuzz does, to keep the suite's time in bounds.
-@pytest.mark.parametrize("family", ["gemma2", pytest.param("hybrid", marks=pytest.mark.long),
-                                    pytest.param("mistral", marks=pytest.mark.long)])
+@pytest.mark.parametrize(
+    "family",
+    ["gemma2", pytest.param("hybrid", marks=pytest.mark.long), pytest.param("mistral", marks=pytest.mark.long)],
+)
 def test_short_fuzz_with_several_kv_cache_groups(tmp_path, family):
     """The same fuzz on a sliding-window + full model, on a recurrent hybrid and on
     an every-layer sliding-window model, its second life with load failures of
@@ -59,11 +81,32 @@ def test_short_fuzz_with_several_kv_cache_groups(tmp_path, family):
     # busy machine the order varies; seen once in a full run): then another seed is tried, and one
     # of the two must have failed loads; every other check holds for each run
     for seed in ("7", "9"):  # (seed 9: 3 failed loads of 15 hits in its fault life, idle machine)
-        p = subprocess.run([sys.executable, "tools/fuzz.py", "--family", family, "--steps", "80", "--lives", "2",
-                            "--prompts", "16", "--seed", seed, "--fault-every", "2", "--dir", str(tmp_path / seed)],
-                           cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
-                           timeout=1500)
-        summary = json.loads(p.stdout[p.stdout.index("{"):])
+        p = subprocess.run(
+            [
+                sys.executable,
+                "tools/fuzz.py",
+                "--family",
+                family,
+                "--steps",
+                "80",
+                "--lives",
+                "2",
+                "--prompts",
+                "16",
+                "--seed",
+                seed,
+                "--fault-every",
+                "2",
+                "--dir",
+                str(tmp_path / seed),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            timeout=1500,
+        )
+        summary = json.loads(p.stdout[p.stdout.index("{") :])
         problems = [x for life in summary["lives"] for x in life["problems"]]
         assert not problems, problems
         assert summary["stored_bytes"]["checked"] > 0 and not summary["stored_bytes"]["bad"]
@@ -87,10 +130,32 @@ def test_short_fuzz_with_store_errors(tmp_path):
     may fail (recomputed, dropped); tokens must equal the run without aiokv, every save and
     load must touch the block holding its key's tokens, and nothing may stay pinned, pending
     or reserved, or be reported finished twice."""
-    p = subprocess.run([sys.executable, "tools/fuzz.py", "--family", "gemma2", "--steps", "60", "--lives", "2",
-                        "--prompts", "16", "--seed", "7", "--store-faults", "0.05", "--dir", str(tmp_path)], cwd=ROOT,
-                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=1500)
-    summary = json.loads(p.stdout[p.stdout.index("{"):])
+    p = subprocess.run(
+        [
+            sys.executable,
+            "tools/fuzz.py",
+            "--family",
+            "gemma2",
+            "--steps",
+            "60",
+            "--lives",
+            "2",
+            "--prompts",
+            "16",
+            "--seed",
+            "7",
+            "--store-faults",
+            "0.05",
+            "--dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=1500,
+    )
+    summary = json.loads(p.stdout[p.stdout.index("{") :])
     problems = [x for life in summary["lives"] for x in life["problems"]]
     assert not problems, problems
     assert summary["ok"] and p.returncode == 0

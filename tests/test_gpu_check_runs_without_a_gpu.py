@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The device check (tools/gpu_check.py) must run on a bare GPU machine: no vLLM,
 no liburing, no uvloop, no numpy, its C extension built on the spot.
 
@@ -15,6 +16,7 @@ The fix: the check compiles native/aiokv_native.c itself (AIOKV_WITHOUT_URING
 without liburing: the thread-pool backend), the worker loop falls back to asyncio's
 loop, the CPU device's address arrays need no numpy.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,9 +51,27 @@ def test_gpu_check_runs_without_a_gpu(tmp_path):
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(AIOKV_WITHOUT_URING="1", CUDA_VISIBLE_DEVICES="")
-    p = subprocess.run([sys.executable, "-W", "ignore", "-c", BARE, str(tree / "tools" / "gpu_check.py"),
-                        "--dir", str(tmp_path / "cache"), "--out", str(report), "--budget", "120"],
-                       capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path))
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            "-c",
+            BARE,
+            str(tree / "tools" / "gpu_check.py"),
+            "--dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(report),
+            "--budget",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=str(tmp_path),
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "the CUDA parts (overlap, bandwidth) are skipped" in p.stdout
     r = json.loads(report.read_text())
@@ -63,8 +83,15 @@ def test_gpu_check_runs_without_a_gpu(tmp_path):
     assert parts["io"]["backend"] == "threads"
     cases = parts["layouts"]["cases"]
     names = {c.split("/")[0] for c in cases}
-    assert names == {"flash_attn", "flashinfer_hnd", "mla", "mamba_state", "v033_layer_compact",
-                     "v033_cross_layer", "v033_kernel_blocks"}
+    assert names == {
+        "flash_attn",
+        "flashinfer_hnd",
+        "mla",
+        "mamba_state",
+        "v033_layer_compact",
+        "v033_cross_layer",
+        "v033_kernel_blocks",
+    }
     assert all(c["ok"] for c in cases.values()), {k: c for k, c in cases.items() if not c["ok"]}
     assert all(cases[f"{n}/memory"]["memory_hit_blocks"] == 12 for n in names)
     assert cases["flash_attn/layerwise"]["layerwise_copied_blocks"] == 12

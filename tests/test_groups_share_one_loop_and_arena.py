@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One event loop and one staging arena per worker process, for every KV-cache group
 (worker/host.py). Before, a model with several groups ran one TransferWorker per
 group, each with its own loop thread and arena: a hybrid model with many groups
@@ -10,6 +11,7 @@ the shared memory tier too, where the same key of two groups names two blocks;
 the memory tier's level is reported once, not once per group; close ends the
 thread and frees the arena once.
 """
+
 from __future__ import annotations
 
 import os

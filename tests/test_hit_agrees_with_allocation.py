@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The scheduler side with several KV-cache groups, on a real store (no vLLM).
 
 The bugs this guards against: a hit promised for more blocks than the load then
@@ -11,6 +12,7 @@ checkpoint is missing; `on_alloc` turns exactly that hit into loads of the
 blocks vLLM allocated (nulls skipped, the state group loads one block), each
 key pinned until the load is reported; saves never carry block id 0.
 """
+
 from __future__ import annotations
 
 from aiokv.scheduler.keys import extend_keys, request_root
@@ -24,8 +26,10 @@ NS = [bytes([i]) * 16 for i in range(3)]
 
 def _side(tmp_path, kinds):
     store = Store(str(tmp_path / "c"), capacity="1GiB")
-    groups = [(GroupSpec(i, k, 4096, (f"l{i}",), window=64 if k == WINDOW else 0),
-               store.namespace(NS[i], 4096)) for i, k in enumerate(kinds)]
+    groups = [
+        (GroupSpec(i, k, 4096, (f"l{i}",), window=64 if k == WINDOW else 0), store.namespace(NS[i], 4096))
+        for i, k in enumerate(kinds)
+    ]
     return SchedulerSide(store, groups, BS)
 
 
@@ -44,7 +48,7 @@ def test_hit_falls_back_to_the_last_checkpoint_every_group_has(tmp_path):
     root = request_root(NS[0], [])
     tokens = list(range(10 * BS + 5))
     keys = _keys(root, tokens, 10)
-    _commit(side, 0, keys)             # attention: all 10 blocks
+    _commit(side, 0, keys)  # attention: all 10 blocks
     _commit(side, 1, [keys[3], keys[6]])  # states after 4 and 7 blocks only
     assert side.match("r", tokens, root, 0) == 7 * BS
     # a local hit past the last checkpoint: nothing external to offer
@@ -93,7 +97,7 @@ def test_saves_skip_null_blocks_and_take_states_only_from_vllm_checkpoints(tmp_p
     plan = side.plan([Scheduled("r", 0, len(tokens), tables, True)], boundary)
     saves = {t.group: t for t in plan.saves}
     keys = _keys(root, tokens, 4)
-    assert saves[0].block_ids == [5, 6] and saves[0].keys == keys[2:4]   # nulls before the window skipped
+    assert saves[0].block_ids == [5, 6] and saves[0].keys == keys[2:4]  # nulls before the window skipped
     assert saves[2].block_ids == [1, 2, 3, 4] and saves[2].keys == keys
     # only the checkpoint at a block end, into a real block, of a state group
     assert saves[1].block_ids == [9] and saves[1].keys == [keys[3]]

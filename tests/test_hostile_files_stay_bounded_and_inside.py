@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: numbers read from the cache directory were used unchecked, and
 directories were opened by path: a crafted namespace.json (slot_bytes smaller
 than the payload) made `aiokv inspect --verify` checksum past the end of its
@@ -16,6 +17,7 @@ drops records whose slot lies beyond the file system's size; every file is
 opened relative to a directory descriptor opened with O_NOFOLLOW; Store checks
 the owner and mode of each directory it will write in.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,10 +27,10 @@ import sys
 
 import pytest
 
-from aiokv.store import NotAStore
-from tools.storeio import StoreIO
 from aiokv.data import format as fmt
+from aiokv.store import NotAStore
 from tests.conftest import NS, PAYLOAD, key
+from tools.storeio import StoreIO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,12 +46,27 @@ async def _make(root, blocks, n=4):
 
 
 def _inspect(*args):
-    return subprocess.run([sys.executable, "-m", "aiokv", "inspect", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "aiokv", "inspect", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
 
 
-@pytest.mark.parametrize("change", [{"slot_bytes": 8192}, {"slot_bytes": -1}, {"payload_bytes": 1 << 40},
-                                    {"ranks": 10 ** 9}, {"ranks": "1"}, {"payload_bytes": None}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"slot_bytes": 8192},
+        {"slot_bytes": -1},
+        {"payload_bytes": 1 << 40},
+        {"ranks": 10**9},
+        {"ranks": "1"},
+        {"payload_bytes": None},
+    ],
+)
 async def test_crafted_namespace_json_is_one_line(tmp_path, blocks, change):
     root = str(tmp_path / "s")
     d = await _make(root, blocks)
@@ -74,14 +91,22 @@ async def test_journal_slot_beyond_the_file_system_is_dropped(tmp_path, blocks):
     with open(os.path.join(d, journal), "ab") as f:
         f.write(fmt.pack_record(fmt.REC_COMMIT, key(99), 0xFFFFFFFF, 1))
     # Run in a child with a memory cap and a timeout: the old code builds a list of 4e9 holes.
-    code = ("import resource, os, sys; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30));"
-            "from aiokv.store import Store; from tests.conftest import NS, PAYLOAD, key;"
-            f"st = Store({root!r}); ns = st.namespace(NS, PAYLOAD);"
-            "assert key(99) not in ns.entries and key(0) in ns.entries;"
-            f"assert os.path.getsize(os.path.join({d!r}, 'rank0.data')) < (1 << 30);"
-            "st.close(); print('ok')")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, PYTHONPATH=ROOT))
+    code = (
+        "import resource, os, sys; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30));"
+        "from aiokv.store import Store; from tests.conftest import NS, PAYLOAD, key;"
+        f"st = Store({root!r}); ns = st.namespace(NS, PAYLOAD);"
+        "assert key(99) not in ns.entries and key(0) in ns.entries;"
+        f"assert os.path.getsize(os.path.join({d!r}, 'rank0.data')) < (1 << 30);"
+        "st.close(); print('ok')"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-2000:]
 
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: with the cache directory on a FUSE mount whose data-file reads never
 answer and `load_timeout` 3 s, vLLM did not finish a batch of four warm
 requests in 150 s; it finished only once reads resumed. A timed-out load
@@ -12,6 +13,7 @@ the engine's shutdown returns; the process exits once the reads answer.
 Fix: abandoned loads with stuck staging buffers set aside (aiokv/data/backend.py,
 aiokv/worker/transfer.py), a bounded worker close, the breaker (aiokv/util/breaker.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,10 +37,17 @@ FULL = 229 // 32
 
 def _start(spec: dict, mp: bool = False) -> tuple[subprocess.Popen, list[str]]:
     """One engine life in a new process (in vLLM's multiprocess mode with `mp`); its output lines."""
-    env = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="1" if mp else "0",
-               VLLM_LOGGING_LEVEL="WARNING")
-    p = subprocess.Popen([sys.executable, "-m", "tests.vllm_run", json.dumps(spec)], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(
+        os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="1" if mp else "0", VLLM_LOGGING_LEVEL="WARNING"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tests.vllm_run", json.dumps(spec)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines: list[str] = []
     for stream in (p.stdout, p.stderr):
         threading.Thread(target=lambda s=stream: lines.extend(s), daemon=True).start()
@@ -80,8 +89,12 @@ def test_warm_requests_finish_while_reads_hang(tiny_model, tmp_path):
             f.write("r")  # from now on no read of a data file answers
         # the first four hits each cost one timeout; the breaker then opens, and
         # four more stored prompts are served without asking the disk
-        spec = dict(model=tiny_model, cache=cache, extra={"load_timeout": 3, "breaker_cooldown": 600},
-                    phases=[dict(prompts=PS), dict(prompts=PS2)])
+        spec = dict(
+            model=tiny_model,
+            cache=cache,
+            extra={"load_timeout": 3, "breaker_cooldown": 600},
+            phases=[dict(prompts=PS), dict(prompts=PS2)],
+        )
         t0 = time.monotonic()
         p, lines = _start(spec)
         try:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: with the cache on a disk whose reads never answer (here a FUSE file
 system whose daemon holds them, tests/stallfs.py), a load that timed out still
 waited for its reads: the backend's `run` waited for every operation of a
@@ -12,6 +13,7 @@ load fails at once instead of waiting; `close()` returns within its bound.
 Fix: the backend's abandon mode (aiokv/data/backend.py, ABANDON) and the
 worker's stuck-buffer bookkeeping and bounded close (aiokv/worker/transfer.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,7 +32,8 @@ from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import CLOSE_DRAIN_S, TransferWorker
 from tests.conftest import NS, key
 from tests.stallfs import mounted
-from tests.workers import Polled, until as _until
+from tests.workers import Polled
+from tests.workers import until as _until
 
 NB = 16
 TIMEOUT = 1.0  # the load and save timeouts of the tests below
@@ -45,6 +48,7 @@ def stallfs(tmp_path):
     """(mountpoint, stall, resume): a FUSE passthrough whose .data reads can hang."""
     control = str(tmp_path / "stall")
     with mounted(str(tmp_path / "src"), str(tmp_path / "mnt"), control):
+
         def stall(what: str = "r") -> None:
             with open(control, "w") as f:
                 f.write(what)
@@ -86,7 +90,7 @@ async def test_abandoned_read_returns_at_once_and_hands_back_later(stallfs, back
         await task
         pytest.fail("a cancelled read waited for a hung disk")
     assert task.cancelled()
-    (addrs, done), = handed
+    ((addrs, done),) = handed
     assert addrs == [pool.addr(s)] and not done.done(), "the buffer is still the kernel's"
     resume()
     await asyncio.wait_for(asyncio.shield(done), 10)  # the kernel gives it back once the read answers

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: with the cache directory on a mount whose data-file reads hang and whose
 FUSE daemon has a small thread pool (4), everything else on the mount hangs
 behind the reads, and vLLM stopped making progress: its scheduler thread sat in
@@ -21,20 +22,20 @@ on its own thread with a deadline (aiokv/store/fsthread.py); a missed deadline
 opens the breaker until the file system answers; shutdown waits for it a
 bounded time.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import os
 import shutil
-import subprocess
 import threading
 import time
 import urllib.request
 
 import pytest
 
-from tests.e2e import ROOT, happened, part, prompts, run
+from tests.e2e import happened, part, prompts, run
 from tests.stallfs import mounted
 from tests.test_hung_disk_does_not_hang_engine import _result, _start, exits_cleanly
 
@@ -67,9 +68,13 @@ def test_requests_finish_while_the_mount_hangs(tiny_model, tmp_path, stored, mod
     shutil.copytree(stored_cache, str(tmp_path / "src" / "c"), symlinks=True)
     with mounted(str(tmp_path / "src"), str(tmp_path / "mnt"), control, threads=4):
         cache = str(tmp_path / "mnt" / "c")
-        spec = dict(model=tiny_model, cache=cache, ready_file=ready,
-                    extra={"load_timeout": LOAD_TIMEOUT, "breaker_cooldown": 600},
-                    phases=[dict(prompts=PS, wait_for=go), dict(prompts=PS2)])
+        spec = dict(
+            model=tiny_model,
+            cache=cache,
+            ready_file=ready,
+            extra={"load_timeout": LOAD_TIMEOUT, "breaker_cooldown": 600},
+            phases=[dict(prompts=PS, wait_for=go), dict(prompts=PS2)],
+        )
         p, lines = _start(spec, mp)
         try:
             end = time.monotonic() + 600  # mp on a loaded 2-core machine starts slowly
@@ -127,8 +132,9 @@ class _Health(threading.Thread):
 
 
 def _complete(url: str, prompt: list[int]) -> list[int]:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                       "return_token_ids": True}).encode()
+    body = json.dumps(
+        {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    ).encode()
     req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.load(r)["choices"][0]["token_ids"]
@@ -145,8 +151,12 @@ def test_server_answers_health_and_completions_while_the_mount_hangs(tiny_model,
     control = str(tmp_path / "stall")
     shutil.copytree(stored_cache, str(tmp_path / "src" / "c"), symlinks=True)
     with mounted(str(tmp_path / "src"), str(tmp_path / "mnt"), control, threads=4):
-        srv = Server(tiny_model, str(tmp_path / "mnt" / "c"), str(tmp_path / "serve.log"),
-                     extra={"load_timeout": LOAD_TIMEOUT, "breaker_cooldown": 600})
+        srv = Server(
+            tiny_model,
+            str(tmp_path / "mnt" / "c"),
+            str(tmp_path / "serve.log"),
+            extra={"load_timeout": LOAD_TIMEOUT, "breaker_cooldown": 600},
+        )
         health = _Health(srv.url)
         try:
             srv.wait_ready()

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Property tests of the slot allocator and the store's index.
 
 Invariants, under any sequence of reserve/commit/abort/pin/drop/reopen:
@@ -6,6 +7,7 @@ Invariants, under any sequence of reserve/commit/abort/pin/drop/reopen:
 - a lookup sees exactly the committed keys; a pinned key is never evicted;
 - reopening restores exactly the committed keys and their slots.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -15,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from aiokv.store import Store
 from aiokv.data import format as fmt
+from aiokv.store import Store
 from aiokv.store.index import SlotAllocator
 
 PAYLOAD = 4096

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: an operator cannot see what a cache directory holds, cannot tell a
 damaged block from a good one without starting vLLM, or `aiokv inspect` itself
 damages a store (writes beside a running engine, crashes with a traceback).
@@ -9,6 +10,7 @@ terminal), --repair drops exactly those and only as the lock holder, every
 error is one line on stderr with exit status 2.
 The CLI runs as a subprocess, as a user would run it.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -19,14 +21,14 @@ import subprocess
 import sys
 import time
 
+from aiokv.data import format as fmt
 from aiokv.data.backend import open_backend
 from aiokv.data.blockio import BlockIO
 from aiokv.store import Store
-from tools.storeio import StoreIO
-from aiokv.data import format as fmt
 from aiokv.store.store import ns_dir
 from tests.conftest import NS, PAYLOAD, Blocks, key
 from tests.test_corruption_is_a_miss import _flip
+from tools.storeio import StoreIO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 12
@@ -36,9 +38,14 @@ FIELDS = {"model": "tiny-llama", "block_size": 16, "dtype": "bfloat16"}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aiokv", "inspect", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "aiokv", "inspect", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
 
 
 with open(os.path.join(ROOT, "docs", "inspect-schema.json")) as _f:
@@ -162,8 +169,9 @@ async def test_verify_finds_a_flipped_byte_and_repair_drops_it(tmp_path, blocks)
     assert sum(k.hex() in p.stdout for k in slots) == 1  # only the damaged one is named
     rc, d = cli_json(root, "--verify")
     assert rc == 1 and not d["ok"]
-    assert [(c["nsid"], c["key"], c["rank"], c["slot"]) for c in d["corrupt"]] == \
-        [(NS.hex(), key(5).hex(), 0, slots[key(5)])]
+    assert [(c["nsid"], c["key"], c["rank"], c["slot"]) for c in d["corrupt"]] == [
+        (NS.hex(), key(5).hex(), 0, slots[key(5)])
+    ]
     assert d["repaired"] is None
     st = StoreIO(root, readonly=True)  # --verify alone changed nothing
     assert key(5) in st.index.namespaces[NS].entries
@@ -264,8 +272,9 @@ async def test_inspect_beside_an_open_owner(tmp_path, blocks):
         assert {n["nsid"]: n["blocks"] for n in d["namespaces"]} == {NS.hex(): N, NS2.hex(): 3}
         rc, d = cli_json(root, "--keys")
         assert rc == 0
-        assert {k["key"] for n in d["namespaces"] if n["nsid"] == NS.hex() for k in n["keys"]} == \
-            {k.hex() for k in slots}
+        assert {k["key"] for n in d["namespaces"] if n["nsid"] == NS.hex() for k in n["keys"]} == {
+            k.hex() for k in slots
+        }
         rc, d = cli_json(root, "--verify")
         assert rc == 0 and d["checked_blocks"] == N + 3
         p = cli(root)
@@ -292,17 +301,24 @@ async def test_corrupt_checkpoint(tmp_path, blocks):
     assert rc == 1 and d["index_rebuilt"] and d["corrupt"] == []
     rc, d = cli_json(root, "--keys")
     assert rc == 0
-    assert {k["key"]: k["slot"] for n in d["namespaces"] if n["nsid"] == NS.hex() for k in n["keys"]} == \
-        {k.hex(): s for k, s in slots.items()}
+    assert {k["key"]: k["slot"] for n in d["namespaces"] if n["nsid"] == NS.hex() for k in n["keys"]} == {
+        k.hex(): s for k, s in slots.items()
+    }
     assert cli(root, "--verify").returncode == 0
 
 
 def test_python_m_aiokv_usage_errors(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "aiokv"], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=ROOT))
+    p = subprocess.run(
+        [sys.executable, "-m", "aiokv"], cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT)
+    )
     assert p.returncode == 2 and "usage: aiokv" in p.stderr
-    p = subprocess.run([sys.executable, "-m", "aiokv", "inspect", "--help"], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=ROOT))
+    p = subprocess.run(
+        [sys.executable, "-m", "aiokv", "inspect", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert p.returncode == 0 and "--verify" in p.stdout and "--repair" in p.stdout
 
 

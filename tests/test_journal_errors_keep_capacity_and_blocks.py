@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: any OSError from the journal (EBADF, EIO, EROFS, an fdatasync failure)
 was handled as a full disk: the capacity was lowered to what was in use, for
 good, and a commit whose records had already been written was undone. A
@@ -18,6 +19,7 @@ rebuilds the index from the slot headers when the journal header is bad (as
 for a bad checkpoint); Store._used adds journal and checkpoint bytes; a slot
 whose punch fails stays counted (and reusable).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,10 +27,10 @@ import subprocess
 
 import pytest
 
-from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 from tests.test_disk_full import small_fs  # noqa: F401 (fixture)
+from tools.storeio import StoreIO
 
 SB = fmt.slot_bytes(PAYLOAD)
 

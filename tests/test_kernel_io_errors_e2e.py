@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Faults from the kernel, under real vLLM: aiokv's cache on ext4 over a block device
 whose sectors under aiokv's data file go bad (tests/badsectors.py: this kernel has no
 device-mapper, so the device is a loop device on a FUSE-served image that answers EIO
@@ -13,6 +14,7 @@ writes, only those saves are dropped and the breaker opens; the engine serves on
 nothing leaks either way; once the device is healed, a restart hits every block stored
 before the faults that no faulty read touched, and never a block whose save failed.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,15 +51,30 @@ def test_real_eio_on_reads_and_writes_is_recomputed_and_dropped(tiny_model, disk
     disk.spoil(read=sectors)
     bad_reads = run(dict(model=tiny_model, cache=cache, extra=URING, phases=[dict(prompts=PS)]))
     assert "FAULT INJECTION" not in bad_reads["log"]
-    happened(bad_reads, part(base, [0]), allow_load_errors=True, hit_requests=">=3", read_errors=">0",
-             load_failed_blocks=">0", loads_ok_blocks=0, breaker_opens=">=1")
+    happened(
+        bad_reads,
+        part(base, [0]),
+        allow_load_errors=True,
+        hit_requests=">=3",
+        read_errors=">0",
+        load_failed_blocks=">0",
+        loads_ok_blocks=0,
+        breaker_opens=">=1",
+    )
     assert "cache disk is failing" in bad_reads["log"]
 
     # writes fail in the kernel: PS2's saves are dropped, the breaker opens, vLLM serves on
     disk.spoil(write=sectors)
     bad_writes = run(dict(model=tiny_model, cache=cache, extra=URING, phases=[dict(prompts=PS2)]))
-    happened(bad_writes, part(base, [2]), allow_save_errors=True, write_errors=">0", save_failed_blocks=">0",
-             breaker_opens=">=1", hit_blocks=0)
+    happened(
+        bad_writes,
+        part(base, [2]),
+        allow_save_errors=True,
+        write_errors=">0",
+        save_failed_blocks=">0",
+        breaker_opens=">=1",
+        hit_blocks=0,
+    )
 
     # healed: PS0 (stored before, never read while bad) hits whole; no failed save of PS2 is a hit
     disk.heal()

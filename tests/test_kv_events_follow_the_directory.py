@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """KV events on a shared directory, across restarts, and over damaged label files (no engine).
 
 Bug: a router learns what a node holds only from its events, but blocks another engine
@@ -10,6 +11,7 @@ whose labels verify and were hashed the same way; a damaged or foreign record is
 announced and never raises; what was announced before a cache reset is removed.
 Fix: aiokv/connector/events.py over aiokv/store/labels.py and the index's change list.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,11 +49,10 @@ def _save(st, ns, ev: KVEvents, rid: str, n: int, first: int = 0) -> list[bytes]
     """Blocks first..n-1 of request rid saved and committed, as the scheduler side does."""
     tokens = [first * 1000 + i for i in range(n * BS)]
     keys = [os.urandom(32) for _ in range(n)]
-    hashes = [sha256((keys[j - 1] if j else None, tuple(tokens[j * BS:(j + 1) * BS]))) for j in range(n)]
+    hashes = [sha256((keys[j - 1] if j else None, tuple(tokens[j * BS : (j + 1) * BS]))) for j in range(n)]
     ev.request(types.SimpleNamespace(request_id=rid, block_hashes=hashes, lora_request=None))
     items = [(k, st.reserve(ns, k)) for k in keys]
-    ev.planned([Transfer(rid, keys, [s for _, s in items], list(range(n)))],
-               {rid: Req(tokens, b"r", keys=keys)})
+    ev.planned([Transfer(rid, keys, [s for _, s in items], list(range(n)))], {rid: Req(tokens, b"r", keys=keys)})
     st.commit(ns, items)
     return keys
 

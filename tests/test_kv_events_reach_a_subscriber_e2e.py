@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """KV events for cache-aware routers, end to end on real vLLM (CPU) with its ZMQ publisher.
 
 Bug: aiokv emitted no KV events, so a router (llm-d's prefix-cache scorer, Dynamo's KV
@@ -11,6 +12,7 @@ hashing seed (PYTHONHASHSEED) nothing is announced, since the router would compu
 hashes; with kv_events off, nothing at all.
 Fix: aiokv/connector/events.py (labels kept beside the journal: aiokv/store/labels.py).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +21,7 @@ from aiokv.store import Store
 from tests.e2e import events_socket, happened, prompts, run, stored_blocks
 
 pytestmark = pytest.mark.vllm
-PS = prompts(3, 300, seed=61)   # 9 full blocks of 32 each
+PS = prompts(3, 300, seed=61)  # 9 full blocks of 32 each
 NEW = prompts(3, 300, seed=62)
 TAIL = prompts(1, 20, seed=63)  # less than a block: saves nothing; its steps publish what came before
 BLOCKS = 3 * 9
@@ -30,13 +32,14 @@ def _storage(res: dict, kind: str) -> list:
 
 
 def _blocks(ps: list[list[int]]) -> set[tuple]:
-    return {tuple(p[j * 32:(j + 1) * 32]) for p in ps for j in range(9)}
+    return {tuple(p[j * 32 : (j + 1) * 32]) for p in ps for j in range(9)}
 
 
 def test_stored_evicted_and_restarted_blocks_reach_a_subscriber(tiny_model, tmp_path):
     cache = str(tmp_path / "c")
-    spec = dict(model=tiny_model, phases=[dict(prompts=PS, max_tokens=8), dict(prompts=TAIL, max_tokens=4,
-                                                                                 settle=True)])
+    spec = dict(
+        model=tiny_model, phases=[dict(prompts=PS, max_tokens=8), dict(prompts=TAIL, max_tokens=4, settle=True)]
+    )
     base = run(spec)
     cold = run(dict(spec, cache=cache, kv_events=events_socket()))
     happened(cold, base, saves_committed=BLOCKS, hit_blocks=0)
@@ -50,7 +53,7 @@ def test_stored_evicted_and_restarted_blocks_reach_a_subscriber(tiny_model, tmp_
     for e in stored:
         g = gpu[e[3][0]]
         i = g[3].index(e[3][0])
-        assert g[5][i * 32:(i + 1) * 32] == e[5], "tokens differ from vLLM's event"
+        assert g[5][i * 32 : (i + 1) * 32] == e[5], "tokens differ from vLLM's event"
         assert e[4] == (g[4] if i == 0 else g[3][i - 1]), "parent differs from vLLM's event"
     assert not _storage(cold, "removed")
     hashes = {e[3][0] for e in stored}
@@ -73,9 +76,17 @@ def test_stored_evicted_and_restarted_blocks_reach_a_subscriber(tiny_model, tmp_
     st = Store(cache, readonly=True)
     cost = next(iter(st.index.namespaces.values())).slot_cost
     st.close()
-    small = dict(spec, cache=cache, kv_events=events_socket(), extra={"capacity": 40 * cost},
-                 phases=[dict(prompts=TAIL, max_tokens=4), dict(prompts=NEW, max_tokens=8),
-                         dict(prompts=TAIL, max_tokens=4, settle=True)])
+    small = dict(
+        spec,
+        cache=cache,
+        kv_events=events_socket(),
+        extra={"capacity": 40 * cost},
+        phases=[
+            dict(prompts=TAIL, max_tokens=4),
+            dict(prompts=NEW, max_tokens=8),
+            dict(prompts=TAIL, max_tokens=4, settle=True),
+        ],
+    )
     tight = run(small)
     happened(tight, run(dict(small, cache=None)), saves_committed=BLOCKS)
     announced = {e[3][0] for e in _storage(tight, "stored")}
@@ -88,10 +99,16 @@ def test_stored_evicted_and_restarted_blocks_reach_a_subscriber(tiny_model, tmp_
 
 def test_no_events_when_turned_off(tiny_model, tmp_path):
     cache = str(tmp_path / "c")
-    spec = dict(model=tiny_model, cache=cache, kv_events=events_socket(), extra={"kv_events": False},
-                phases=[dict(prompts=PS[:1], max_tokens=8), dict(prompts=TAIL, max_tokens=4, settle=True)])
+    spec = dict(
+        model=tiny_model,
+        cache=cache,
+        kv_events=events_socket(),
+        extra={"kv_events": False},
+        phases=[dict(prompts=PS[:1], max_tokens=8), dict(prompts=TAIL, max_tokens=4, settle=True)],
+    )
     res = run(spec)
-    happened(res, None, why_no_baseline="the test above compares tokens; this one asks only for events",
-             saves_committed=9)
+    happened(
+        res, None, why_no_baseline="the test above compares tokens; this one asks only for events", saves_committed=9
+    )
     assert [e for e in res["events"] if e[1] == "GPU"], "vLLM published no events of its own"
     assert not [e for e in res["events"] if e[1] == "STORAGE"]

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A report that arrives late never touches a newer reservation or a newer copy of its key.
 
 Bug: the scheduler side acted on a worker's report by key: a save failure
@@ -18,6 +19,7 @@ its slot until they unpin it (Index.release_dropped), so neither slot can be
 handed out again while a report about it is still on its way (the free list hands
 a slot given back straight out again).
 """
+
 from __future__ import annotations
 
 from aiokv.jobs import LoadResult, SaveResult, WorkerReport

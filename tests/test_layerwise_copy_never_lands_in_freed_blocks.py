@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: with layer-by-layer loads, verified blocks wait in staging after the
 load is reported finished and are copied into the KV cache during the next
 step's forward. If a request ends in between, vLLM frees its blocks and may hand
@@ -14,6 +15,7 @@ Fix: aiokv/worker/layerwise.py (stage, cancel-before-copy, per-layer events).
 Real io_uring/thread backends, real files, a real CPU KV tensor; only the CUDA
 branch's stream and event calls are stood in for (no GPU here), to pin its ordering.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,10 +24,10 @@ import time
 
 import torch
 
-from aiokv.data.faults import ACK
-from aiokv.jobs import Transfer
 from aiokv.data import format as fmt
+from aiokv.data.faults import ACK
 from aiokv.data.slotfile import data_path
+from aiokv.jobs import Transfer
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker
@@ -40,8 +42,16 @@ def _worker(root: str, backend_kind: str, memory_bufs: int = 0) -> tuple[Transfe
     os.makedirs(ns_dir(root, NS), exist_ok=True)
     dev = CpuDevice(kv, NB)
     sb = fmt.slot_bytes(dev.payload_bytes)
-    w = TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=SLOTS * sb, io=backend_kind,
-                       memory_bytes=memory_bufs * sb, layerwise=True)
+    w = TransferWorker(
+        dev,
+        ns_dir(root, NS),
+        NS,
+        0,
+        staging_bytes=SLOTS * sb,
+        io=backend_kind,
+        memory_bytes=memory_bufs * sb,
+        layerwise=True,
+    )
     return w, kv
 
 
@@ -288,8 +298,15 @@ def test_cuda_ordering_side_stream_events(tmp_path, backend_kind, monkeypatch):
             pass
 
     dev = FakeCuda(kv, NB)
-    w = TransferWorker(dev, ns_dir(str(tmp_path), NS), NS, 0, staging_bytes=SLOTS * fmt.slot_bytes(dev.payload_bytes),
-                       io=backend_kind, layerwise=True)
+    w = TransferWorker(
+        dev,
+        ns_dir(str(tmp_path), NS),
+        NS,
+        0,
+        staging_bytes=SLOTS * fmt.slot_bytes(dev.payload_bytes),
+        io=backend_kind,
+        layerwise=True,
+    )
     try:
         _save(w, 3)
         w.load([Transfer("r", [key(i) for i in range(3)], [0, 1, 2], [11, 12, 13])])

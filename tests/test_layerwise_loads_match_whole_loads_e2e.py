@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Layer-by-layer loads (`layerwise: true`) on real vLLM (CPU).
 
 Bug guarded against: loaded KV used by the forward before it is in place or
@@ -12,6 +13,7 @@ agree, nothing leaks (tests/e2e.py: happened). A model with several
 KV-cache groups falls back to whole-request loads and stays identical.
 Fix: aiokv/worker/layerwise.py; docs/design.md, "Layer-by-layer loads".
 """
+
 from __future__ import annotations
 
 import json
@@ -51,12 +53,20 @@ def _copy(stored, tmp_path) -> str:
 def test_full_and_half_hits_identical_and_copied_layer_by_layer(tiny_model, stored, tmp_path):
     # HALF first: 4 blocks each from disk, the rest computed beside the copies; then PS:
     # those 4 blocks from vLLM's own cache, the other FULL - 4 from disk
-    res = run(dict(model=tiny_model, cache=_copy(stored, tmp_path), extra=LW,
-                   phases=[dict(prompts=HALF), dict(prompts=PS)]))
+    res = run(
+        dict(model=tiny_model, cache=_copy(stored, tmp_path), extra=LW, phases=[dict(prompts=HALF), dict(prompts=PS)])
+    )
     hits = 4 * 4 + 4 * (FULL - 4)
     # the forward waited for each layer (2 layers)
-    happened(res, stored[2], hit_blocks=hits, loads_ok_blocks=hits, layerwise_staged_blocks=hits,
-             layerwise_copied_blocks=hits, layerwise_layer_waits=">=2")
+    happened(
+        res,
+        stored[2],
+        hit_blocks=hits,
+        loads_ok_blocks=hits,
+        layerwise_staged_blocks=hits,
+        layerwise_copied_blocks=hits,
+        layerwise_layer_waits=">=2",
+    )
     assert res["cached"][0] == [128] * 4 and res["cached"][1] == [FULL * 32] * 4
 
 
@@ -65,8 +75,14 @@ def test_corrupted_blocks_are_recomputed(tiny_model, stored, tmp_path):
     env = {"AIOKV_FAULTS": json.dumps([{"op": "read", "kind": "flip", "every": 3}]), "AIOKV_FAULTS_ACK": ACK}
     res = run(dict(model=tiny_model, cache=mine, extra=LW, phases=[dict(prompts=PS)]), env=env)
     assert "FAULT INJECTION ACTIVE" in res["log"] and res["faults_fired"].get("read:flip", 0) > 0
-    happened(res, part(stored[2], [1]), allow_load_errors=True, load_bad_blocks=">0", load_failed_blocks=">0",
-             hit_blocks=4 * FULL)
+    happened(
+        res,
+        part(stored[2], [1]),
+        allow_load_errors=True,
+        load_bad_blocks=">0",
+        load_failed_blocks=">0",
+        hit_blocks=4 * FULL,
+    )
     c = res["counters"]
     assert c.get("loads_ok_blocks", 0) + c["load_failed_blocks"] == c["hit_blocks"] == 4 * FULL, c
     # only blocks before a request's first bad one are staged, and all of them are copied
@@ -83,15 +99,22 @@ def test_aborted_requests_mid_load(tiny_model, stored, tmp_path, delay):
     mine = _copy(stored, tmp_path)
     env = {}
     if delay:
-        env = {"AIOKV_FAULTS": json.dumps([{"op": "read", "kind": "late", "delay": delay}]),
-               "AIOKV_FAULTS_ACK": ACK}
-    res = run(dict(model=tiny_model, cache=mine, extra=LW,
-                   phases=[dict(prompts=PS, abort_after={0: 1, 1: 2, 2: 3}), dict(prompts=PS)]), env=env)
+        env = {"AIOKV_FAULTS": json.dumps([{"op": "read", "kind": "late", "delay": delay}]), "AIOKV_FAULTS_ACK": ACK}
+    res = run(
+        dict(
+            model=tiny_model,
+            cache=mine,
+            extra=LW,
+            phases=[dict(prompts=PS, abort_after={0: 1, 1: 2, 2: 3}), dict(prompts=PS)],
+        ),
+        env=env,
+    )
     # phase 2: every prompt again; a block written by an aborted request's late copy would show here
     assert res["finish"][0][:3] == ["aborted"] * 3
     c = res["counters"]
-    assert c["loads_ok_blocks"] + c.get("load_failed_blocks", 0) + c.get("load_cancelled_blocks", 0) \
-        == c["hit_blocks"], c
+    assert (
+        c["loads_ok_blocks"] + c.get("load_failed_blocks", 0) + c.get("load_cancelled_blocks", 0) == c["hit_blocks"]
+    ), c
     if delay:  # request 0 is aborted one step in, while its late reads still run: cancelled
         assert c["loads_cancelled"] >= 1 and c["load_cancelled_blocks"] >= FULL, c
     assert c["layerwise_copied_blocks"] + c["layerwise_dropped_blocks"] == c["layerwise_staged_blocks"], c

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Where a failed load is reported to vLLM (worker_role.load_failures), for every kind
 of model (no engine: the decision alone; on real vLLM: tests/test_model_families_e2e.py,
 test_spoiled_blocks_are_recomputed_whole).
@@ -14,6 +15,7 @@ per block; every other model, and any failure that carried block 0, is reported
 as whole requests (failed_recving: vLLM recomputes them from the start); block 0
 is never reported.
 """
+
 from __future__ import annotations
 
 from aiokv.scheduler.layout import FULL, STATE, WINDOW, GroupSpec

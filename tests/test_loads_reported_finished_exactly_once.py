@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Every load is reported finished exactly once per rank (worker level, real
 TransferWorkers on a CPU device, and the scheduler side on a real store; no vLLM).
 
@@ -15,6 +16,7 @@ each (GroupedWorker.breaches, `load_report_breaches`), and never hands vLLM a
 second report. The assertion never raises: in production a breach costs a log
 line, not the engine; the tests require the count to be 0 (tests/e2e.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -99,8 +101,11 @@ def test_a_load_that_cannot_be_prepared_leaves_one_failed_load_and_no_pin(tmp_pa
     bs = 4
     store = Store(str(tmp_path / "c"), capacity="1GiB")
     spaces = [store.namespace(bytes([9, i]) * 8, 4096) for i in range(2)]
-    side = SchedulerSide(store, [(GroupSpec(0, FULL, 4096, ("a",)), spaces[0]),
-                                 (GroupSpec(1, WINDOW, 4096, ("b",), window=8), spaces[1])], bs)
+    side = SchedulerSide(
+        store,
+        [(GroupSpec(0, FULL, 4096, ("a",)), spaces[0]), (GroupSpec(1, WINDOW, 4096, ("b",), window=8), spaces[1])],
+        bs,
+    )
     root = request_root(spaces[0].nsid, [])
     tokens = list(range(3, 3 + 6 * bs + 1))
     keys = extend_keys([], root, tokens, bs, 6)

@@ -1,8 +1,10 @@
+# SPDX-License-Identifier: Apache-2.0
 """LoopThread (aiokv/util/loops.py), the one helper that starts an event loop on a thread.
 
 Invariant: it runs what is handed in, and `stop` returns within its bound even when the
 loop is stuck in a blocking call; a stopped loop refuses new work instead of losing it.
 """
+
 import asyncio
 import threading
 import time
@@ -15,8 +17,10 @@ from aiokv.util.loops import LoopThread
 def test_runs_coroutines_and_calls_on_its_own_thread():
     lt = LoopThread("aiokv-test")
     try:
+
         async def where():
             return threading.current_thread().name
+
         assert lt.submit(where()).result(5) == "aiokv-test"
         seen = threading.Event()
         assert lt.call_soon(seen.set)

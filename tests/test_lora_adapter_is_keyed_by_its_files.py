@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A LoRA adapter's blocks are keyed by its files, not by its name and path.
 
 Bug: the keys of a request with a LoRA adapter covered the adapter's name and
@@ -11,6 +12,7 @@ version of the files, not per request; an adapter whose files cannot be read is
 never given the keys of another process's life.
 Fix: namespace.lora_fingerprint and fingerprint.adapter_fingerprint.
 """
+
 from __future__ import annotations
 
 import os

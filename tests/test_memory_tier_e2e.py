@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End to end on real vLLM (CPU): the host-memory tier.
 
 Bug guarded against: every aiokv hit read the disk, even for blocks this engine
@@ -9,6 +10,7 @@ token-identical to vLLM without aiokv; with `memory: 0` the same run reads them
 from disk, with the same tokens; nothing leaks either way.
 Fix: aiokv/worker/memory.py, wired into TransferWorker's save and load.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -25,10 +27,16 @@ def test_a_repeat_in_the_same_engine_loads_from_memory(tiny_model, tmp_path):
     ps = prompts(4, LEN, seed=31)
     # vLLM's own prefix cache off: the repeat can only hit aiokv. The middle phase waits for the
     # first phase's saves (settle) and its steps carry their reports to the scheduler.
-    spec = dict(model=tiny_model, block_size=BS, prefix_caching=False,
-                phases=[dict(prompts=ps, max_tokens=8),
-                        dict(prompts=prompts(1, 40, seed=32), max_tokens=4, settle=True),
-                        dict(prompts=ps, max_tokens=8)])
+    spec = dict(
+        model=tiny_model,
+        block_size=BS,
+        prefix_caching=False,
+        phases=[
+            dict(prompts=ps, max_tokens=8),
+            dict(prompts=prompts(1, 40, seed=32), max_tokens=4, settle=True),
+            dict(prompts=ps, max_tokens=8),
+        ],
+    )
     base = run(spec)
     on = run({**spec, "cache": str(tmp_path / "on")})
     off = run({**spec, "cache": str(tmp_path / "off"), "extra": {"memory": 0}})

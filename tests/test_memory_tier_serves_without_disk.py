@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug guarded against: every hit read the disk, even for a block saved or read
 a second ago; a memory tier could also serve a block that never reached the
 disk, outgrow its budget, or hand a job a slot another job still reads.
@@ -13,14 +14,15 @@ Fix: aiokv/worker/memory.py (HostCache over the staging arena) wired into
 TransferWorker._save (keep after the write) and _load_body (take before the
 read, keep after the copy in).
 """
+
 from __future__ import annotations
 
 import os
 
 import torch
 
-from aiokv.jobs import Transfer
 from aiokv.data.slotfile import data_path
+from aiokv.jobs import Transfer
 from aiokv.store.store import ns_dir
 from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS, key
@@ -98,8 +100,9 @@ def test_jobs_evict_the_tier_when_staging_runs_short(tmp_path):
         _save(w, range(8))
         assert w.cache.kept == 8 and w.cache.available == w.pool.count
         # a save of 10 blocks needs more slots than are free: it evicts kept blocks, never drops
-        _, _, rep = _run(w, w.save, [Transfer("big", [key(100 + i) for i in range(10)], list(range(100, 110)),
-                                              list(range(1, 11)))])
+        _, _, rep = _run(
+            w, w.save, [Transfer("big", [key(100 + i) for i in range(10)], list(range(100, 110)), list(range(1, 11)))]
+        )
         assert len(rep.written()) == 10 and not rep.not_written()
         assert not rep.counters.get("save_skipped_staging_full")
         assert w.cache.kept == 8 and w.staging_in_use == 0

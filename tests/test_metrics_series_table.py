@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """aiokv's counters become `vllm:aiokv_*` Prometheus series correctly.
 
 The bug: aiokv handed vLLM one flat dict of counters that vLLM summed, so a gauge
@@ -16,6 +17,7 @@ keeps has a row in the table of counters (aiokv/util/counters.py): a series
 The fix: aiokv/connector/metrics.py (StatsDelta, AioKVStats, AioKVPromMetrics),
 the table aiokv/util/counters.py and aiokv/worker/latency.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,19 +61,24 @@ def _counted_in_code() -> set[str]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     found = set()
     # (file, the counting call's attribute chain, the prefix its names get in the connector's counters)
-    for rel, call, prefix in (("aiokv/worker/loads.py", "self.results.count", ""),
-                              ("aiokv/worker/saves.py", "self.results.count", ""),
-                              ("aiokv/worker/reads.py", "self.count", ""),
-                              ("aiokv/bucket/uploader.py", "self.count", ""),
-                              ("aiokv/worker/layerwise.py", "self.counts.update", "layerwise_"),
-                              ("aiokv/bucket/prober.py", "self.counters", "bucket_")):
+    for rel, call, prefix in (
+        ("aiokv/worker/loads.py", "self.results.count", ""),
+        ("aiokv/worker/saves.py", "self.results.count", ""),
+        ("aiokv/worker/reads.py", "self.count", ""),
+        ("aiokv/bucket/uploader.py", "self.count", ""),
+        ("aiokv/worker/layerwise.py", "self.counts.update", "layerwise_"),
+        ("aiokv/bucket/prober.py", "self.counters", "bucket_"),
+    ):
         with open(os.path.join(root, rel)) as f:
             tree = ast.parse(f.read())
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and ast.unparse(node.func) == call:
                 found |= {prefix + kw.arg for kw in node.keywords if kw.arg is not None}
-            elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == call \
-                    and isinstance(node.slice, ast.Constant):
+            elif (
+                isinstance(node, ast.Subscript)
+                and ast.unparse(node.value) == call
+                and isinstance(node.slice, ast.Constant)
+            ):
                 found.add(prefix + node.slice.value)
     assert len(found) > 20, found
     return found
@@ -133,8 +140,8 @@ def test_counters_gauges_and_ranks_reach_prometheus_exactly():
         pm.observe(stats.to_dict(), 0)
     if accumulated is not None:
         pm.observe(accumulated.to_dict(), 0)
-    assert sample(reg, "vllm:aiokv_loaded_blocks_total") == want_loaded       # once per block, not per rank
-    assert sample(reg, "vllm:aiokv_loaded_bytes_total") == want_bytes         # bytes: the true sum
+    assert sample(reg, "vllm:aiokv_loaded_blocks_total") == want_loaded  # once per block, not per rank
+    assert sample(reg, "vllm:aiokv_loaded_bytes_total") == want_bytes  # bytes: the true sum
     assert sample(reg, "vllm:aiokv_hit_tokens_total") == totals["hit_tokens"]
     assert sample(reg, "vllm:aiokv_queried_tokens_total") == totals["queried_tokens"]
     assert sample(reg, "vllm:aiokv_disk_bytes") == 0
@@ -156,7 +163,7 @@ def test_latency_histogram_matches_direct_observation(seed):
     direct = Histogram("direct", "", buckets=LATENCY_BUCKETS, registry=reg)
     for chunk in range(0, len(latencies), 37):
         data: dict = {}
-        for s in latencies[chunk:chunk + 37]:
+        for s in latencies[chunk : chunk + 37]:
             metrics.merge(data, latency_counts("load", s))
             direct.observe(s)
         pm.observe(data, 0)
@@ -173,8 +180,12 @@ def test_docs_and_dashboard_name_only_real_series():
     import re
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    suffix = {metrics.COUNTER: ("_total",), metrics.GAUGE: ("",), metrics.LEVEL: ("",),
-              metrics.HISTOGRAM: ("_bucket", "_sum", "_count", "")}
+    suffix = {
+        metrics.COUNTER: ("_total",),
+        metrics.GAUGE: ("",),
+        metrics.LEVEL: ("",),
+        metrics.HISTOGRAM: ("_bucket", "_sum", "_count", ""),
+    }
     real = {f"vllm:aiokv_{r.series}{s}" for r in SERIES for s in suffix[r.kind]}
     with open(os.path.join(root, "docs", "operations.md")) as f:
         ops = f.read()
@@ -184,8 +195,9 @@ def test_docs_and_dashboard_name_only_real_series():
         named = set(re.findall(r"vllm:aiokv_[a-z_]+", text))
         assert named <= real, named - real
     documented = set(re.findall(r"`(vllm:aiokv_[a-z_]+)", ops))
-    assert {f"vllm:aiokv_{r.series}{suffix[r.kind][0] if r.kind == metrics.COUNTER else ''}"
-            for r in SERIES} <= documented
+    assert {
+        f"vllm:aiokv_{r.series}{suffix[r.kind][0] if r.kind == metrics.COUNTER else ''}" for r in SERIES
+    } <= documented
 
 
 def test_a_level_adds_up_its_changes_across_ranks_and_steps():

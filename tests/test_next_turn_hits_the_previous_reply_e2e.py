@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Multi-turn chats: after a restart, turn 2 hits the whole previous conversation (prompt and
 reply) up to its last full block, on every family (real vLLM, CPU).
 
@@ -14,6 +15,7 @@ previous prompt's last block boundary only, and aiokv says so at start); with
 Fix: Req.tokens' contract and save_generated (aiokv/scheduler/state.py, plan.track); the
 start warning in aiokv/connector/connector.py; docs/operations.md, "Conversations".
 """
+
 from __future__ import annotations
 
 import pytest
@@ -36,8 +38,11 @@ FAMILIES = {
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("turns")
-    return {"gemma2": tm.build_gemma2(str(root / "g")), "mistral": tm.build_mistral(str(root / "m")),
-            "hybrid": tm.build_hybrid(str(root / "h"))}
+    return {
+        "gemma2": tm.build_gemma2(str(root / "g")),
+        "mistral": tm.build_mistral(str(root / "m")),
+        "hybrid": tm.build_hybrid(str(root / "h")),
+    }
 
 
 def _turns(model, family, cache, extra=None, engine=None):
@@ -68,15 +73,17 @@ def test_turn_two_hits_the_previous_reply_after_a_restart(tiny_model, family_mod
 
 
 def test_without_save_generated_only_the_prompt_is_a_hit(tiny_model, tmp_path):
-    second, base, _, whole, prompt_only = _turns(tiny_model, "dense", str(tmp_path / "c"),
-                                                 extra={"save_generated": False})
+    second, base, _, whole, prompt_only = _turns(
+        tiny_model, "dense", str(tmp_path / "c"), extra={"save_generated": False}
+    )
     happened(second, base, hit_requests=2)
     assert second["cached"][0] == [150 // 32 * 32] * 2, second["cached"]
 
 
 def test_hybrid_states_at_prompt_ends_only_by_default(family_models, tmp_path):
-    second, base, _, whole, prompt_only = _turns(family_models["hybrid"], "hybrid", str(tmp_path / "c"),
-                                                 engine={"retention": 0})
+    second, base, _, whole, prompt_only = _turns(
+        family_models["hybrid"], "hybrid", str(tmp_path / "c"), engine={"retention": 0}
+    )
     happened(second, base, hit_requests=2)
     assert second["cached"][0] == [prompt_only] * 2, second["cached"]
     assert "prefix-cache-retention-interval" in second["log"], "no start line says why replies miss"

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: aiokv's scheduler side called the file system on vLLM's own thread while
 serving (journal appends and fdatasync, `listdir`/`fstat` following other
 engines' journals, `fstatvfs`, `fallocate`, `ftruncate`): on a mount that stops
@@ -12,6 +13,7 @@ main thread from aiokv's modules (tests/vllm_run.py, audit_fs).
 
 Fix: the store's file-system calls run on its I/O thread (aiokv/store/fsthread.py).
 """
+
 from __future__ import annotations
 
 import pytest

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: the on-disk parsers (slot header, journal record, checkpoint and
 journal files, namespace.json) were only ever fed files aiokv wrote itself: a
 short header raised struct.error, and crafted numbers reached the allocator and
@@ -13,6 +14,7 @@ Seeded (hypothesis, derandomized): a few seconds in the suite. Longer on
 demand: AIOKV_FUZZ_EXAMPLES=20000 (examples per parser) and AIOKV_FUZZ_SEED=N
 (a different random seed), see docs/reliability.md.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +24,8 @@ import tempfile
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from aiokv.store import NotAStore, Store
 from aiokv.data import format as fmt
+from aiokv.store import NotAStore, Store
 from aiokv.store.journal import IndexLog
 from tests.conftest import NS, PAYLOAD, key
 
@@ -33,9 +35,15 @@ SEED = os.environ.get("AIOKV_FUZZ_SEED")
 
 def fuzz(examples: int = EXAMPLES):
     def wrap(f):
-        f = settings(max_examples=examples, derandomize=SEED is None, deadline=None, database=None,
-                     suppress_health_check=list(HealthCheck))(f)
+        f = settings(
+            max_examples=examples,
+            derandomize=SEED is None,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )(f)
         return seed(int(SEED))(f) if SEED is not None else f
+
     return wrap
 
 
@@ -45,9 +53,11 @@ GOOD_RECS = b"".join(fmt.pack_record(fmt.REC_COMMIT if i % 3 else fmt.REC_DROP, 
 
 def mutated(good: bytes):
     """A valid file with some bytes changed, cut short or extended."""
-    return st.tuples(st.lists(st.tuples(st.integers(0, len(good) - 1), st.integers(0, 255)), max_size=4),
-                     st.integers(0, len(good) + 64), st.binary(max_size=64)).map(
-        lambda t: _apply(good, *t))
+    return st.tuples(
+        st.lists(st.tuples(st.integers(0, len(good) - 1), st.integers(0, 255)), max_size=4),
+        st.integers(0, len(good) + 64),
+        st.binary(max_size=64),
+    ).map(lambda t: _apply(good, *t))
 
 
 def _apply(good: bytes, edits, cut: int, tail: bytes) -> bytes:
@@ -61,11 +71,11 @@ def _apply(good: bytes, edits, cut: int, tail: bytes) -> bytes:
 @given(st.one_of(st.binary(max_size=200), mutated(GOOD_HDR + bytes(4096 - len(GOOD_HDR)))))
 def test_slot_header(raw):
     try:
-        h = fmt.check_header(raw[:fmt.HEADER_BYTES], NS, 0, PAYLOAD)
+        h = fmt.check_header(raw[: fmt.HEADER_BYTES], NS, 0, PAYLOAD)
     except fmt.BadBlock:
         return
     # only a header whose every checked byte is intact gets through
-    assert raw[:fmt.HDR_USED] == GOOD_HDR
+    assert raw[: fmt.HDR_USED] == GOOD_HDR
     assert h["key"] == key(1) and h["payload_len"] == PAYLOAD
 
 
@@ -81,7 +91,7 @@ def test_journal_records(buf):
             valid = stop.value
             break
     assert valid == len(out) * fmt.REC_BYTES <= len(buf)
-    for kind, k, slot, atime in out:
+    for kind, k, slot, _atime in out:
         assert kind in fmt.REC_KINDS and fmt.MIN_KEY <= len(k) <= fmt.MAX_KEY
         assert 0 <= slot < 1 << 32
     # every record that parsed is byte for byte one that was written (CRC per record)
@@ -100,16 +110,21 @@ def _index_files(ckpt: bytes | None, journal: bytes | None, tmp: str) -> str:
     return d
 
 
-GOOD_CKPT = fmt.pack_file_header(fmt.CKPT_MAGIC, 1, 8, __import__("aiokv")._native.crc32c_bytes(
-    b"".join(fmt.pack_record(fmt.REC_COMMIT, key(i), i, i) for i in range(8)))) + b"".join(
-    fmt.pack_record(fmt.REC_COMMIT, key(i), i, i) for i in range(8))
+GOOD_CKPT = fmt.pack_file_header(
+    fmt.CKPT_MAGIC,
+    1,
+    8,
+    __import__("aiokv")._native.crc32c_bytes(b"".join(fmt.pack_record(fmt.REC_COMMIT, key(i), i, i) for i in range(8))),
+) + b"".join(fmt.pack_record(fmt.REC_COMMIT, key(i), i, i) for i in range(8))
 GOOD_JOURNAL = fmt.pack_file_header(fmt.JOURNAL_MAGIC, 1) + GOOD_RECS
 
 
 @fuzz()
-@given(st.one_of(st.none(), st.binary(max_size=300), mutated(GOOD_CKPT)),
-       st.one_of(st.none(), st.binary(max_size=300), mutated(GOOD_JOURNAL)),
-       st.booleans())
+@given(
+    st.one_of(st.none(), st.binary(max_size=300), mutated(GOOD_CKPT)),
+    st.one_of(st.none(), st.binary(max_size=300), mutated(GOOD_JOURNAL)),
+    st.booleans(),
+)
 def test_checkpoint_and_journal_files(ckpt, journal, readonly):
     with tempfile.TemporaryDirectory() as tmp:
         d = _index_files(ckpt, journal, tmp)
@@ -128,11 +143,12 @@ def test_checkpoint_and_journal_files(ckpt, journal, readonly):
             assert fmt.MIN_KEY <= len(k) <= fmt.MAX_KEY and 0 <= s < 1 << 32
 
 
-GOOD_NS = {"nsid": NS.hex(), "payload_bytes": PAYLOAD, "slot_bytes": fmt.slot_bytes(PAYLOAD), "ranks": 1,
-           "fields": {}}
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats() | st.text(max_size=8),
-                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
-                    max_leaves=8)
+GOOD_NS = {"nsid": NS.hex(), "payload_bytes": PAYLOAD, "slot_bytes": fmt.slot_bytes(PAYLOAD), "ranks": 1, "fields": {}}
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats() | st.text(max_size=8),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+    max_leaves=8,
+)
 
 
 @fuzz()
@@ -147,8 +163,11 @@ def test_namespace_json(info):
 
 
 @fuzz(max(10, EXAMPLES // 10))
-@given(st.one_of(st.binary(max_size=300), mutated(json.dumps(GOOD_NS).encode())),
-       st.one_of(st.none(), mutated(GOOD_CKPT)), st.one_of(st.none(), mutated(GOOD_JOURNAL)))
+@given(
+    st.one_of(st.binary(max_size=300), mutated(json.dumps(GOOD_NS).encode())),
+    st.one_of(st.none(), mutated(GOOD_CKPT)),
+    st.one_of(st.none(), mutated(GOOD_JOURNAL)),
+)
 def test_whole_store_opens_or_says_why(ns_json, ckpt, journal):
     """The owner opening a directory of fuzzed files: a store, or NotAStore."""
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """kv_role and vLLM's MultiConnector, end to end on real vLLM (CPU).
 
 Bug: aiokv ignored kv_role, so a prefill/decode deployment could not say which
@@ -12,6 +13,7 @@ tokens always equal a run without any connector.
 Fix: the connector reads kv_role (aiokv/connector/connector.py and scheduler_role.py: offer_hits, and
 SchedulerSide.saves for kv_consumer); docs/operations.md, "Prefill and decode".
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +24,7 @@ from tests.e2e import happened, prompts, run, stored_blocks
 
 pytestmark = pytest.mark.vllm
 FAULTS_ACK = "inject I/O faults"
-PS = prompts(3, 300, seed=41)     # 300 tokens: 9 full blocks of 32 each, all 9 a possible hit
+PS = prompts(3, 300, seed=41)  # 300 tokens: 9 full blocks of 32 each, all 9 a possible hit
 NEW = prompts(3, 300, seed=42)
 BLOCKS = 3 * (299 // 32)
 
@@ -42,16 +44,20 @@ def test_producer_only_saves_and_consumer_only_loads(tiny_model, tmp_path):
     happened(warm, base, hit_blocks=2 * BLOCKS, loads_ok_blocks=2 * BLOCKS, saves_committed=0)
     assert warm["cached"] == [[288] * 3, [288] * 3], warm["cached"]
     # ...and on a cache that holds nothing it computes everything and writes nothing
-    happened(run(dict(spec, cache=other, kv_role="kv_consumer")), base, hit_blocks=0, saves_committed=0,
-             saves_planned=0)
+    happened(
+        run(dict(spec, cache=other, kv_role="kv_consumer")), base, hit_blocks=0, saves_committed=0, saves_planned=0
+    )
     assert stored_blocks(other) == 0 and stored_blocks(cache) == 2 * BLOCKS
 
 
 def test_next_to_another_connector_one_loads_and_failures_stay_apart(tiny_model, tmp_path):
     cache, example = str(tmp_path / "c"), str(tmp_path / "example")
     os.makedirs(example)
-    other = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-             "kv_connector_extra_config": {"shared_storage_path": example}}
+    other = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": example},
+    }
     spec = dict(model=tiny_model, phases=[dict(prompts=PS, max_tokens=8)])
     base = run(spec)
     both = dict(spec, cache=cache, with_connector=other)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Reclaiming a dead engine's space punches only the slots its own journal frees.
 
 Bug: when a running engine took over a dead engine's files to evict its oldest
@@ -11,12 +12,13 @@ journal does not name; every block its journal still names after the
 reclaim loads back intact; the view of it is the journal's from then on.
 Fix: Store._evict_dead replays the journal as owner and punches around its entries.
 """
+
 from __future__ import annotations
 
-from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from aiokv.store import reclaim as reclaim_mod
 from tests.conftest import NS, PAYLOAD, key
+from tools.storeio import StoreIO
 
 SB = fmt.slot_bytes(PAYLOAD)
 
@@ -43,10 +45,10 @@ async def test_reclaim_keeps_blocks_the_view_had_not_seen(tmp_path, blocks, monk
     assert await _save(a, na, blocks, range(6)) == [0] * 6
     b = StoreIO(root, capacity=cap, engine=1)
     nb = b.namespace(NS, PAYLOAD)  # B has read A's journal once: blocks 0..5
-    b.follow_interval = 3600       # and does not look again for a while
+    b.follow_interval = 3600  # and does not look again for a while
     assert await _save(a, na, blocks, range(6, 12)) == [0] * 6
-    a.close(checkpoint=False)      # engine 0 dies (as after kill -9) with blocks 6..11 B has not seen
-    for i in range(100, 112):      # B fills the directory: over the capacity, it reclaims engine 0's space
+    a.close(checkpoint=False)  # engine 0 dies (as after kill -9) with blocks 6..11 B has not seen
+    for i in range(100, 112):  # B fills the directory: over the capacity, it reclaims engine 0's space
         assert await _save(b, nb, blocks, [i]) == [0]
         b.refresh()
     assert b.reclaim._reclaimed, "B took over engine 0 to evict its blocks"

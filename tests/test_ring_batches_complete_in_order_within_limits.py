@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: the io_uring backend spent about 9 us of Python per operation (a dict
 entry, a queue tuple, a submitted-set entry and a completion call per op, one
 tuple parsed per SQE and one built per CQE), a third of the CPU of a save or
@@ -14,6 +15,7 @@ Fix: Ring.start/pump/reap/cancel work on whole batches; uring.py does O(1)
 Python per batch. Real io_uring, real files; the refused submissions are
 shaped by the extension's test hook (Ring._inject_submit).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -64,12 +66,14 @@ def test_results_are_per_operation_in_order(data):
     ring = _native.Ring(8)
     bad = os.open(os.devnull, os.O_RDONLY)
     os.close(bad)  # a closed fd: that operation alone fails with -EBADF
-    ops = [(OP_READ, fd, addr(bufs[0]), BS, 3 * BS),
-           (OP_READ, bad, addr(bufs[1]), BS, 0),
-           (OP_READ, fd, addr(bufs[2]), 1000, 5 * BS),      # a shorter read: its own length
-           (OP_READ, fd, addr(bufs[3]), BS, BLOCKS * BS),   # past the end: 0 bytes
-           (_native.OP_NOP, fd, 0, 0, 0),
-           (OP_READ, fd, addr(bufs[4]), BS, (BLOCKS - 1) * BS)]
+    ops = [
+        (OP_READ, fd, addr(bufs[0]), BS, 3 * BS),
+        (OP_READ, bad, addr(bufs[1]), BS, 0),
+        (OP_READ, fd, addr(bufs[2]), 1000, 5 * BS),  # a shorter read: its own length
+        (OP_READ, fd, addr(bufs[3]), BS, BLOCKS * BS),  # past the end: 0 bytes
+        (_native.OP_NOP, fd, 0, 0, 0),
+        (OP_READ, fd, addr(bufs[4]), BS, (BLOCKS - 1) * BS),
+    ]
     bid = ring.start(ops)
     assert ring.pump() == []
     assert drain(ring) == [(bid, [BS, -errno.EBADF, 1000, 0, 0, BS])]
@@ -105,12 +109,11 @@ async def test_many_interleaved_batches_each_get_their_own_results(data):
     be.min_bytes = 0
     # batch k reads blocks k, k+32, ... each with a length that names the block
     # (BS - block), so results from another batch or position would show
-    runs = [be.run([(OP_READ, fd, addr(bufs[b]), BS - b, b * BS) for b in range(k, BLOCKS, 32)])
-            for k in range(32)]
+    runs = [be.run([(OP_READ, fd, addr(bufs[b]), BS - b, b * BS) for b in range(k, BLOCKS, 32)]) for k in range(32)]
     results = await asyncio.wait_for(asyncio.gather(*runs), 10)
     for k, res in enumerate(results):
         assert res == [BS - b for b in range(k, BLOCKS, 32)]
-    assert all(bufs[b].raw[:BS - b] == bytes([b]) * (BS - b) for b in range(BLOCKS))
+    assert all(bufs[b].raw[: BS - b] == bytes([b]) * (BS - b) for b in range(BLOCKS))
     assert be.in_flight == 0 and not be._batches
     be.close()
 
@@ -151,7 +154,7 @@ def test_cancel_reports_queued_as_cancelled_and_waits_for_submitted(data):
     bid = ring.start(reads(fd, bufs, range(10)))
     ring.pump()
     assert ring.cancel(bid) == [], "two operations are still the kernel's"
-    (got, res), = drain(ring)
+    ((got, res),) = drain(ring)
     assert got == bid and res[2:] == [-errno.ECANCELED] * 8
     assert all(r in (BS, -errno.ECANCELED) for r in res[:2])
     assert ring.cancel(bid) == [], "a reported batch is gone; its id matches nothing"
@@ -194,9 +197,17 @@ def test_writes_land_where_their_batch_says(data):
     ring.close()
 
 
-@pytest.mark.parametrize("ops, exc", [([(OP_READ, 0, 0, BS)], TypeError), ([[OP_READ, 0, 0, BS, 0]], TypeError),
-                                       ([(7, 0, 0, BS, 0)], ValueError), ([(OP_READ, 0, 0, 1 << 33, 0)], ValueError),
-                                       ([(OP_READ, 0, -1, BS, 0)], OverflowError), ([], ValueError)])
+@pytest.mark.parametrize(
+    "ops, exc",
+    [
+        ([(OP_READ, 0, 0, BS)], TypeError),
+        ([[OP_READ, 0, 0, BS, 0]], TypeError),
+        ([(7, 0, 0, BS, 0)], ValueError),
+        ([(OP_READ, 0, 0, 1 << 33, 0)], ValueError),
+        ([(OP_READ, 0, -1, BS, 0)], OverflowError),
+        ([], ValueError),
+    ],
+)
 def test_bad_operations_are_refused_whole(data, ops, exc):
     fd, bufs = data
     ring = _native.Ring(8)

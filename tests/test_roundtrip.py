@@ -1,15 +1,17 @@
+# SPDX-License-Identifier: Apache-2.0
 """Round trips through the store on both I/O backends.
 
 Invariant: what `load` returns for a key is exactly what `save` stored under it,
 with many saves and loads in flight at once; a key is visible only once saved.
 """
+
 from __future__ import annotations
 
 import asyncio
 import errno
 
-from tools.storeio import StoreIO
 from tests.conftest import NS, PAYLOAD, key
+from tools.storeio import StoreIO
 
 
 async def test_concurrent_round_trips(tmp_path, blocks, backend_kind):
@@ -20,14 +22,16 @@ async def test_concurrent_round_trips(tmp_path, blocks, backend_kind):
     for i in range(n):
         blocks.fill(i, key(i))
     # four concurrent saves of 16 blocks each
-    res = await asyncio.gather(*[
-        st.save(ns, [(key(i), blocks.addr(i)) for i in range(j, j + 16)]) for j in range(0, n, 16)])
+    res = await asyncio.gather(
+        *[st.save(ns, [(key(i), blocks.addr(i)) for i in range(j, j + 16)]) for j in range(0, n, 16)]
+    )
     assert all(r == 0 for rr in res for r in rr)
     assert st.lookup(ns, [key(i) for i in range(n)]) == n
     for i in range(n):
         blocks.clear(i)
-    res = await asyncio.gather(*[
-        st.load(ns, [(key(i), blocks.addr(i)) for i in range(j, j + 16)]) for j in range(0, n, 16)])
+    res = await asyncio.gather(
+        *[st.load(ns, [(key(i), blocks.addr(i)) for i in range(j, j + 16)]) for j in range(0, n, 16)]
+    )
     assert all(r == 0 for rr in res for r in rr)
     assert all(blocks.holds(i, key(i)) for i in range(n))
     # saving again is refused as present; unknown keys are misses

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: with the store's file-system calls on its I/O thread, the scheduler's
 thread still waited for that thread: a lookup after follow_interval queued a
 look at the other engines and waited for it (up to 50 ms a step), so while the
@@ -17,12 +18,12 @@ polling reader holds in memory is bounded.
 Fix: the look runs on the I/O thread's own clock (FsThread.every,
 aiokv/store/following.py); lookup and refresh only apply what it finished.
 """
+
 from __future__ import annotations
 
 import time
 
-from aiokv.store import Store
-from aiokv.store import following
+from aiokv.store import Store, following
 from aiokv.store.journal import Follower
 from tests.conftest import NS, PAYLOAD, key
 

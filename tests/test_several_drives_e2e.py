@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Several drives under real vLLM (CPU): `path` a list of three directories.
 
 Bug: one `path` meant one drive (or RAID0/LVM), and one failing drive stopped
@@ -12,6 +13,7 @@ other drives still hit and save; the cache's own breaker stays closed.
 Fix: aiokv/store/drives.py, aiokv/data/drives.py, per-drive verdicts in the
 workers' reports (WorkerReport.drives).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +26,7 @@ from tests.e2e import happened, part, prompts, run
 
 pytestmark = pytest.mark.vllm
 
-PS = prompts(4, 230, seed=71)   # stored cold, hit warm, hit while drive 1 fails
+PS = prompts(4, 230, seed=71)  # stored cold, hit warm, hit while drive 1 fails
 PS2 = prompts(4, 230, seed=72)  # stored cold, hit while drive 1's breaker is open
 PS3 = prompts(4, 230, seed=73)  # new while drive 1 is down: its blocks are not saved there
 FULL = 229 // 32
@@ -37,8 +39,9 @@ def drives(tiny_model, tmp_path_factory):
     for p in paths:
         os.makedirs(os.path.dirname(p))
     base = run(dict(model=tiny_model, phases=[dict(prompts=PS), dict(prompts=PS2), dict(prompts=PS3)]))
-    cold = run(dict(model=tiny_model, cache=paths[0], extra={"path": paths},
-                    phases=[dict(prompts=PS), dict(prompts=PS2)]))
+    cold = run(
+        dict(model=tiny_model, cache=paths[0], extra={"path": paths}, phases=[dict(prompts=PS), dict(prompts=PS2)])
+    )
     happened(cold, part(base, [0, 1]), saves_committed=8 * FULL, hit_blocks=0)
     return paths, base
 
@@ -65,12 +68,28 @@ def test_a_failing_drive_costs_only_its_own_blocks(tiny_model, drives):
     paths, base = drives
     sick = {"AIOKV_FAULTS": json.dumps([{"op": "read", "kind": "eio", "file": "/d1/"}]), "AIOKV_FAULTS_ACK": ACK}
     before = [_blocks(p) for p in paths]
-    res = run(dict(model=tiny_model, cache=paths[0], extra={"path": paths, "breaker_failures": 1, "breaker_cooldown": 600},
-                   phases=[dict(prompts=PS), dict(prompts=PS2), dict(prompts=PS3)]), env=sick)
+    res = run(
+        dict(
+            model=tiny_model,
+            cache=paths[0],
+            extra={"path": paths, "breaker_failures": 1, "breaker_cooldown": 600},
+            phases=[dict(prompts=PS), dict(prompts=PS2), dict(prompts=PS3)],
+        ),
+        env=sick,
+    )
     assert res["faults_fired"].get("read:eio", 0) > 0, res["faults_fired"]
-    happened(res, base, allow_load_errors=True, load_failed_blocks=">0", loads_ok_blocks=">0",
-             store_drive_breaker_opens=1, breaker_opens=0, saves_skipped_breaker=0,
-             store_skipped_drive_down=">0", saves_committed=">0")
+    happened(
+        res,
+        base,
+        allow_load_errors=True,
+        load_failed_blocks=">0",
+        loads_ok_blocks=">0",
+        store_drive_breaker_opens=1,
+        breaker_opens=0,
+        saves_skipped_breaker=0,
+        store_skipped_drive_down=">0",
+        saves_committed=">0",
+    )
     assert "is failing" in res["log"] and paths[1] in res["log"]
     # drive 1's breaker was open for PS2: the hits ran up to each request's first block there
     assert sum(res["cached"][1]) > 0, "the other drives still hit"

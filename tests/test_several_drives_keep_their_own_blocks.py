@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: `path` was one directory, so a server's several NVMe drives could serve as
 one cache only through RAID0/LVM, and one failing drive (EIO, a hung mount) then
 cost every block: the one breaker stopped all hits and saves.
@@ -16,6 +17,7 @@ drive above the engine's bits), aiokv/data/drives.py (DriveIO: one BlockIO per
 drive, per-drive verdicts and the drives a timed-out call waited on), per-drive
 breakers fed by WorkerReport.drives, config.parse_paths, `aiokv inspect DIR...`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -164,8 +166,9 @@ async def test_a_timed_out_read_names_only_the_drive_it_waited_on(tmp_path, bloc
     waiting: set = set()
     WAITING.set(waiting)
     with pytest.raises(asyncio.TimeoutError):
-        await asyncio.wait_for(st.blockio(ns).read([(w, k, blocks.addr(i)) for i, (k, w) in
-                                                     enumerate(zip(keys, where))]), 0.5)
+        await asyncio.wait_for(
+            st.blockio(ns).read([(w, k, blocks.addr(i)) for i, (k, w) in enumerate(zip(keys, where))]), 0.5
+        )
     assert waiting == {2}
     st.unpin(ns, keys)
     st.close()
@@ -223,8 +226,13 @@ def test_path_takes_a_list_and_says_what_is_wrong_in_one_line(tmp_path, monkeypa
     assert AioKVConfig.from_extra({}).paths == [f"{tmp_path}/x", f"{tmp_path}/y"]
     monkeypatch.setenv("AIOKV_PATH", f"{tmp_path}/x")
     assert AioKVConfig.from_extra({}).paths == [f"{tmp_path}/x"]
-    for bad, says in (([], "empty list"), ([str(tmp_path), str(tmp_path) + "/"], "twice"), ([3], "string"),
-                      ([""], "string"), (7, "list of them")):
+    for bad, says in (
+        ([], "empty list"),
+        ([str(tmp_path), str(tmp_path) + "/"], "twice"),
+        ([3], "string"),
+        ([""], "string"),
+        (7, "list of them"),
+    ):
         with pytest.raises(ConfigError, match=says) as e:
             AioKVConfig.from_extra({"path": bad})
         assert "\n" not in str(e.value)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: on a slow or failing disk every request that hit waited `load_timeout`
 (or failed its reads) and then recomputed: a sick drive cost every request.
 
@@ -9,15 +10,16 @@ verification are not disk failures. `breaker_failures=0` turns it off.
 
 Fix: aiokv/util/breaker.py, fed by the workers' reports in SchedulerSide.on_report.
 """
+
 from __future__ import annotations
 
 import logging
 
-from aiokv.util.breaker import Breaker
 from aiokv.jobs import WorkerReport
 from aiokv.scheduler.keys import extend_keys, request_root
 from aiokv.scheduler.side import Scheduled, SchedulerSide
 from aiokv.store import Store
+from aiokv.util.breaker import Breaker
 from tests.conftest import NS
 
 BS = 4

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The slot MAC: native keyed BLAKE3, in the stamp and check calls, named by a scheme byte.
 
 Bug: with a `secret` the MAC was a keyed BLAKE2b computed in Python on the loop
@@ -20,6 +21,7 @@ the check leaves it to the device copy (crc_in_copy both: the MAC alone then).
 Fix: native/aiokv_native.c (stamp_slots, verify_slots, check_slot with a MAC
 key; native/blake3), format.mac_key, BlockIO passing its key to them.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -103,9 +105,9 @@ def test_stamped_mac_is_keyed_blake3_of_payload_then_header_fields(slots, crc_in
         raw = _slot(a, plen)
         h = fmt.check_slot(raw, NS, RANK, plen, key(i), LAYOUT)  # the CRC path still holds
         assert h["mac_scheme"] == fmt.MAC_SCHEME == 1
-        want = _native.blake3_keyed(mk, raw[fmt.HEADER_BYTES:] + raw[:fmt._HDR.size])
-        assert raw[fmt.MAC_OFFSET:fmt.MAC_OFFSET + fmt.MAC_BYTES] == want
-        assert raw[fmt.MAC_OFFSET + fmt.MAC_BYTES:fmt.HEADER_BYTES] == bytes(fmt.HEADER_BYTES - 132)
+        want = _native.blake3_keyed(mk, raw[fmt.HEADER_BYTES :] + raw[: fmt._HDR.size])
+        assert raw[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] == want
+        assert raw[fmt.MAC_OFFSET + fmt.MAC_BYTES : fmt.HEADER_BYTES] == bytes(fmt.HEADER_BYTES - 132)
         assert fmt.check_slot(raw, NS, RANK, plen, key(i), LAYOUT, mk)["key"] == key(i)
     assert _verdicts(addrs, plen, mk) == [""] * 8
     assert _verdicts(addrs, plen, mk, skip=True) == [""] * 8
@@ -135,8 +137,14 @@ def test_every_change_to_a_maced_slot_is_a_mac_verdict(slots, skip):
         v = _native.check_slot(_slot(addr, plen), NS, RANK, plen, key(i), LAYOUT, _native.CHECK_SLOT, mk)
         assert fmt.SLOT_REASONS[v] == want[i], i
     # without the secret: the payload flips and the CRC field are CRC verdicts, the rest reads fine
-    assert _verdicts(addrs, plen, None, skip) == [""] + (["", ""] if skip else ["payload checksum"] * 2) + \
-        [""] + ["" if skip else "payload checksum"] + [""] * 3
+    assert (
+        _verdicts(addrs, plen, None, skip)
+        == [""]
+        + (["", ""] if skip else ["payload checksum"] * 2)
+        + [""]
+        + ["" if skip else "payload checksum"]
+        + [""] * 3
+    )
 
 
 def test_header_only_checks_do_not_need_the_payload():

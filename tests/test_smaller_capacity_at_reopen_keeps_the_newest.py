@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A store reopened with a smaller capacity keeps exactly the newest blocks.
 
 Bug guarded against: a capacity lowered between runs was either ignored (the
@@ -12,13 +13,14 @@ survivor loads intact.
 Fix: Store.__init__ shrinks to the capacity (Store._shrink_to_limit, oldest
 first); evictions are journaled (DROP) and punched.
 """
+
 from __future__ import annotations
 
 import os
 
-from tools.storeio import StoreIO
 from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
+from tools.storeio import StoreIO
 
 SB = fmt.slot_bytes(PAYLOAD)
 ROOM = 64 << 10  # journal and checkpoint

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A store call that raises, at any point of the scheduler side's work, leaves its
 bookkeeping whole (real Store, a scripted engine standing in for vLLM; no vLLM).
 
@@ -26,6 +27,7 @@ bookkeeping whole first; a give-back that raises is made again at the next step.
 The same injection on real vLLM (tokens identical): tests/test_fuzz.py,
 test_fuzz_with_store_errors.
 """
+
 from __future__ import annotations
 
 import random
@@ -39,8 +41,19 @@ from aiokv.store import Store
 
 BS = 4
 NS = [bytes([7, i]) * 8 for i in range(2)]
-METHODS = ("lookup", "reserve", "pin", "unpin", "commit", "abort", "drop", "refresh", "flush_if_due",
-           "verify_slot", "close")
+METHODS = (
+    "lookup",
+    "reserve",
+    "pin",
+    "unpin",
+    "commit",
+    "abort",
+    "drop",
+    "refresh",
+    "flush_if_due",
+    "verify_slot",
+    "close",
+)
 
 
 class Injected(Exception):
@@ -89,16 +102,16 @@ class Engine:
     def __init__(self, side: SchedulerSide, root: bytes, window: int):
         self.side, self.root, self.window = side, root, window
         self.free = list(range(400, 0, -1))
-        self.owner: dict[int, tuple[str, int, int]] = {}   # block -> (request, group, position)
-        self.content: dict[int, bytes] = {}                 # block -> key of the tokens it holds
-        self.disk: dict[tuple[int, int], bytes] = {}        # (group, slot) -> key whose KV was written there
+        self.owner: dict[int, tuple[str, int, int]] = {}  # block -> (request, group, position)
+        self.content: dict[int, bytes] = {}  # block -> key of the tokens it holds
+        self.disk: dict[tuple[int, int], bytes] = {}  # (group, slot) -> key whose KV was written there
         self.reqs: dict[str, _Req] = {}
-        self.loading: dict[str, set[int]] = {}              # request -> groups of its load in flight
+        self.loading: dict[str, set[int]] = {}  # request -> groups of its load in flight
         self.report, self.recv = WorkerReport(), set()
-        self.in_flight: list = []                            # loads started at the previous step
+        self.in_flight: list = []  # loads started at the previous step
         self.violations: list[str] = []
         self.loads = self.saves = 0
-        self.spoiled: set[bytes] = set()                     # keys whose stored bytes do not verify
+        self.spoiled: set[bytes] = set()  # keys whose stored bytes do not verify
 
     # ---- blocks
     def _alloc(self, r: _Req, gi: int, pos: int) -> int:
@@ -179,8 +192,9 @@ class Engine:
                 while len(r.tables[gi]) < need:
                     r.tables[gi].append(self._alloc(r, gi, len(r.tables[gi])))
             new = [t[n:] for t, n in zip(r.tables, before)]
-            items.append(Scheduled(r.id, r.computed, chunk, tuple(list(t) for t in (r.tables if r.fresh else new)),
-                                   r.fresh))
+            items.append(
+                Scheduled(r.id, r.computed, chunk, tuple(list(t) for t in (r.tables if r.fresh else new)), r.fresh)
+            )
             r.fresh = False
             chunks[r.id] = chunk
         plan = self.side.plan(items)
@@ -265,8 +279,10 @@ class Engine:
             for key, slot, block in zip(t.keys, t.locations, t.block_ids):
                 owner = self.owner.get(block)
                 if owner is None or owner[:2] != (t.req_id, t.group) or self.content.get(block) != key:
-                    self.violations.append(f"save of {t.req_id} group {t.group} reads block {block} "
-                                           f"({owner}), which does not hold its key's tokens")
+                    self.violations.append(
+                        f"save of {t.req_id} group {t.group} reads block {block} "
+                        f"({owner}), which does not hold its key's tokens"
+                    )
                 self.disk[(t.group, slot)] = self.content.get(block)
                 self.saves += 1
 
@@ -280,8 +296,10 @@ def scenario(root_dir: str, fail_at=()) -> tuple[Engine, FaultyStore, Store]:
     """A cold phase (chunked prefills, a preemption, an abort), then a warm one (hits in
     both groups, a load that does not verify, an abort while loading), then idle steps."""
     store = Store(root_dir, capacity="1GiB")
-    groups = [(GroupSpec(0, FULL, 4096, ("a",)), store.namespace(NS[0], 4096)),
-              (GroupSpec(1, WINDOW, 4096, ("b",), window=8), store.namespace(NS[1], 4096))]
+    groups = [
+        (GroupSpec(0, FULL, 4096, ("a",)), store.namespace(NS[0], 4096)),
+        (GroupSpec(1, WINDOW, 4096, ("b",), window=8), store.namespace(NS[1], 4096)),
+    ]
     faulty = FaultyStore(store, fail_at)
     side = SchedulerSide(store, groups, BS)
     side.store = faulty

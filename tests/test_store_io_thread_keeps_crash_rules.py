@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: the store's file-system calls ran on its owner's thread (vLLM's), so a
 hung mount hung the engine. Moving them onto an I/O thread must not loosen the
 crash-consistency rules (docs/format.md).
@@ -13,15 +14,16 @@ system answers.
 
 Fix: aiokv/store/fsthread.py, the Store's io_thread mode, Breaker.file_system.
 """
+
 from __future__ import annotations
 
 import os
 import threading
 import time
 
-from aiokv.util.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
 from aiokv.store import Store
 from aiokv.store import persist as persist_mod
+from aiokv.util.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
 from tests.conftest import NS, PAYLOAD, key
 
 
@@ -89,6 +91,7 @@ def test_a_journal_write_that_fails_on_the_thread_takes_the_commit_back(tmp_path
 
     def failing(recs):
         raise OSError(5, "EIO")
+
     log.append = failing
     keys = [key(i) for i in range(8)]
     _commit(st, ns, keys)
@@ -121,8 +124,12 @@ def test_opening_a_store_on_a_mount_that_does_not_answer_gives_up_in_time(tmp_pa
         closed = []
         t = time.monotonic()
         with pytest.raises(FsTimeout) as e:
-            bounded(lambda: Store(root, io_thread=True), 1.0, f"the cache directory {root}",
-                    late=lambda st: (st.close(), closed.append(1)))
+            bounded(
+                lambda: Store(root, io_thread=True),
+                1.0,
+                f"the cache directory {root}",
+                late=lambda st: (st.close(), closed.append(1)),
+            )
         assert time.monotonic() - t < 3
         assert "did not answer within 1 s" in str(e.value) and "\n" not in str(e.value)
         os.unlink(control)  # it answers: the late store is closed, its lock released

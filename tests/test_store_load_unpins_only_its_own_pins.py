@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bug: Store.load pinned the keys it found committed but unpinned every key it
 was given: a key that was not committed when the load started, and that was
 committed and pinned by someone else while the load's read was in flight, lost
@@ -7,12 +8,13 @@ Invariant: a load releases exactly the pins it took.
 Fix: Store.load unpins only the keys it pinned (the load now lives in tools/storeio.py,
 StoreIO.load, as tests' and benchmarks' data path beside the Store).
 """
+
 from __future__ import annotations
 
 import asyncio
 
-from tools.storeio import StoreIO
 from tests.conftest import NS, PAYLOAD, key
+from tools.storeio import StoreIO
 
 
 async def test_load_leaves_other_pins_alone(tmp_path, blocks, backend_kind):

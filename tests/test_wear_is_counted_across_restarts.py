@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Drive wear: the bytes committed to a cache directory, kept across restarts.
 
 Bug: nothing said how much of a drive's endurance the cache spends (bytes written, drive
@@ -8,6 +9,7 @@ Invariant: every engine's committed bytes add up across its lives in its own wea
 day that makes; a damaged or planted wear file counts from now and never stops the store.
 Fix: aiokv/store/wear.py, Store.commit and close; aiokv/cli/summary.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,9 +33,13 @@ def _commit(root: str, n: int, engine: int = 0) -> int:
 
 
 def _inspect(root: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "aiokv.cli.main", "inspect", root, "--format", "json"],
-                         capture_output=True, text=True, check=True,
-                         env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-m", "aiokv.cli.main", "inspect", root, "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))),
+    )
     return json.loads(out.stdout)
 
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Weights that change in place are a new cache: no block of the old weights is served.
 
 Bug: RL frameworks load new weights into a running engine
@@ -15,6 +16,7 @@ the file weights stay hits.
 Fix: AioKVConnector.reset_cache (connector/scheduler_role.py), SchedulerSide.new_epoch
 (scheduler.py), the workers' memory tier dropped at the next step (StepPlan.reset).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -29,13 +31,20 @@ def test_reload_weights_then_reset_serves_no_old_block(tmp_path, tiny_model):
 
     other = build(str(tmp_path / "other"), layers=2, hidden=128, heads=2, kv_heads=2, intermediate=256, seed=1)
     cache = str(tmp_path / "cache")
-    p = prompts(3, 200, seed=5)   # stored under the file weights, then asked again under the others
-    q = prompts(2, 150, seed=6)   # only ever computed under the in-memory (other) weights
+    p = prompts(3, 200, seed=5)  # stored under the file weights, then asked again under the others
+    q = prompts(2, 150, seed=6)  # only ever computed under the in-memory (other) weights
     reset = {"reset_connector": True}
-    life = run({"model": tiny_model, "cache": cache, "phases": [
-        {"prompts": p},
-        {"prompts": p, "settle": True, "reload_weights": other, "reset_prefix_cache": reset},
-        {"prompts": q, "settle": True}]})
+    life = run(
+        {
+            "model": tiny_model,
+            "cache": cache,
+            "phases": [
+                {"prompts": p},
+                {"prompts": p, "settle": True, "reload_weights": other, "reset_prefix_cache": reset},
+                {"prompts": q, "settle": True},
+            ],
+        }
+    )
     fresh_other = run({"model": other, "cache": None, "phases": [{"prompts": p}, {"prompts": q}]})
     files = run({"model": tiny_model, "cache": None, "phases": [{"prompts": p}, {"prompts": q}]})
 
@@ -44,8 +53,12 @@ def test_reload_weights_then_reset_serves_no_old_block(tmp_path, tiny_model):
     # before the reset: the files' tokens; after it: those of an engine started on the new weights,
     # nothing from the old blocks
     assert life["cached"][1] == [0, 0, 0], life["cached"]
-    happened(life, {"tokens": [files["tokens"][0], fresh_other["tokens"][0], fresh_other["tokens"][1]]},
-             hit_blocks=0, saves_committed=">0")
+    happened(
+        life,
+        {"tokens": [files["tokens"][0], fresh_other["tokens"][0], fresh_other["tokens"][1]]},
+        hit_blocks=0,
+        saves_committed=">0",
+    )
 
     # a restart loads the files again: their blocks are hits, the in-memory weights' never
     again = run({"model": tiny_model, "cache": cache, "phases": [{"prompts": p}, {"prompts": q}]})

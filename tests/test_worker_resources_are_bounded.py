@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bugs: a TransferWorker that failed to start (e.g. its I/O backend could not be
 opened) left its event-loop thread running, its staging arena mapped and (CUDA)
 the arena pinned. The CUDA save path allocated a device buffer as large as each
@@ -15,6 +16,7 @@ The CUDA path runs here on CPU tensors, with torch.cuda's streams and events
 replaced by stand-ins (there is no GPU on the test machine; tools/gpu_check.py
 runs the real thing).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +25,8 @@ import threading
 import pytest
 import torch
 
-from aiokv.data.buffers import BufferPool
 from aiokv.data import format as fmt
+from aiokv.data.buffers import BufferPool
 from aiokv.worker import device as devmod
 from aiokv.worker.device import CpuDevice, CudaDevice, gather_rows
 from aiokv.worker.transfer import TransferWorker
@@ -139,8 +141,8 @@ def test_cuda_save_gathers_through_one_bounded_buffer(fake_cuda, monkeypatch):
     ref_slots = ref_pool.acquire(30)
     ref.copy_out(blocks, ref_slots)
     h = fmt.HEADER_BYTES
-    got = pool.arena.tensor().view(32, -1)[slots, h:h + payload]
-    want = ref_pool.arena.tensor().view(32, -1)[ref_slots, h:h + payload]
+    got = pool.arena.tensor().view(32, -1)[slots, h : h + payload]
+    want = ref_pool.arena.tensor().view(32, -1)[ref_slots, h : h + payload]
     assert torch.equal(got, want), "chunked gathers must copy exactly what the CPU path copies"
     dev.close()
     dev.close()  # twice (close after a failed start, then again): unpinned once

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A block written without the engine's secret is a miss, locally and from the bucket.
 
 Bug guarded against: whoever can write a shared cache directory or bucket can
@@ -12,6 +13,7 @@ verifies: the threat model docs/sharing.md states).
 Fix: the native MAC in the slot stamp and check (format.mac_key) through BlockIO.stamp/verify with `secret`; the bucket
 loader verifies through the same BlockIO.verify.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -19,14 +21,14 @@ import ctypes
 import pytest
 
 from aiokv import _native
-from aiokv.config import AioKVConfig, ConfigError
-from aiokv.data.backend import open_backend
 from aiokv.bucket.client import BucketClient
 from aiokv.bucket.loader import BAD, OK, BucketLoader
 from aiokv.bucket.naming import object_name
-from aiokv.store import Store
+from aiokv.config import AioKVConfig, ConfigError
 from aiokv.data import format as fmt
+from aiokv.data.backend import open_backend
 from aiokv.data.blockio import BlockIO
+from aiokv.store import Store
 from aiokv.store.store import ns_dir
 from tests.conftest import NS, PAYLOAD, key
 
@@ -41,8 +43,7 @@ def _ios(tmp_path):
     st.namespace(NS, PAYLOAD, fields={"model": "t"})
     backend = open_backend(asyncio.get_running_loop(), "threads")
     d = ns_dir(str(tmp_path / "s"), NS)
-    return st, {name: BlockIO(backend, d, NS, 0, PAYLOAD, secret=s) for name, s in
-                (("a", A), ("b", B), ("none", None))}
+    return st, {name: BlockIO(backend, d, NS, 0, PAYLOAD, secret=s) for name, s in (("a", A), ("b", B), ("none", None))}
 
 
 def _forge(blocks, i: int) -> None:
@@ -60,16 +61,16 @@ async def test_secret_macs_every_block(tmp_path, blocks):
     blocks.fill(0, key(0))
     io["a"].stamp(key(0), blocks.addr(0))
     assert io["a"].verify(key(0), blocks.addr(0))
-    assert not io["b"].verify(key(0), blocks.addr(0))       # another secret
-    assert io["none"].verify(key(0), blocks.addr(0))        # no secret: the MAC is not read
+    assert not io["b"].verify(key(0), blocks.addr(0))  # another secret
+    assert io["none"].verify(key(0), blocks.addr(0))  # no secret: the MAC is not read
     blocks.fill(1, key(1))
     io["none"].stamp(key(1), blocks.addr(1))
-    assert not io["a"].verify(key(1), blocks.addr(1))       # no MAC at all
+    assert not io["a"].verify(key(1), blocks.addr(1))  # no MAC at all
     blocks.fill(2, key(2))
     io["a"].stamp(key(2), blocks.addr(2))
     _forge(blocks, 2)
-    assert not io["a"].verify(key(2), blocks.addr(2))       # forged: CRCs right, MAC wrong
-    assert io["none"].verify(key(2), blocks.addr(2))        # the threat without a secret
+    assert not io["a"].verify(key(2), blocks.addr(2))  # forged: CRCs right, MAC wrong
+    assert io["none"].verify(key(2), blocks.addr(2))  # the threat without a secret
 
     # through the data file too: a slot written with A reads back only with A
     for i in range(3):
@@ -106,8 +107,9 @@ def test_secret_setting(monkeypatch):
         AioKVConfig.from_extra({"path": "/tmp/x", "secret": "short"})
     with pytest.raises(ConfigError, match="s3://BUCKET/PREFIX"):
         AioKVConfig.from_extra({"path": "/tmp/x", "bucket": "bucket/prefix"})
-    cfg = AioKVConfig.from_extra({"path": "/tmp/x", "bucket": "s3://my-bucket/kv", "bucket_timeout": 2,
-                                  "upload_queue": "64MiB"})  # B from AIOKV_SECRET
+    cfg = AioKVConfig.from_extra(
+        {"path": "/tmp/x", "bucket": "s3://my-bucket/kv", "bucket_timeout": 2, "upload_queue": "64MiB"}
+    )  # B from AIOKV_SECRET
     assert (cfg.bucket, cfg.bucket_timeout, cfg.upload_queue) == ("s3://my-bucket/kv", 2.0, 64 << 20)
 
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Runs a real vLLM engine (CPU) in this process, with or without aiokv, and
 prints one line `RESULT <json>`: generated token ids, per-request cached tokens,
 aiokv's counters and vLLM's free-block count. Tests start it as a subprocess
@@ -30,6 +31,7 @@ process group at that step of the phase; reload_weights loads other weights into
 the running engine (collective_rpc) and reset_prefix_cache then calls
 LLM.reset_prefix_cache(**kwargs), both before the phase (its result in "reset").
 """
+
 from __future__ import annotations
 
 import json
@@ -44,9 +46,16 @@ MP = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 def main(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=spec["model"], tokenizer=spec["model"], enforce_eager=True, block_size=spec.get("block_size", 32),
-              dtype=spec.get("dtype", "float32"), enable_prefix_caching=spec.get("prefix_caching", True),
-              max_model_len=spec.get("max_model_len", 1024), seed=0)
+    kw = dict(
+        model=spec["model"],
+        tokenizer=spec["model"],
+        enforce_eager=True,
+        block_size=spec.get("block_size", 32),
+        dtype=spec.get("dtype", "float32"),
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        max_model_len=spec.get("max_model_len", 1024),
+        seed=0,
+    )
     if "retention" in spec:  # vLLM's prefix_cache_retention_interval ("none": every block)
         kw["prefix_cache_retention_interval"] = None if spec["retention"] == "none" else spec["retention"]
     if spec.get("metrics"):  # vLLM's Prometheus metrics, aiokv's vllm:aiokv_* among them (llm.get_metrics())
@@ -68,23 +77,27 @@ def main(spec: dict) -> dict:
     if spec.get("cache"):
         extra = {"path": spec["cache"], "capacity": "2GiB", "staging": "32MiB"}
         extra.update(spec.get("extra", {}))
-        kw["kv_transfer_config"] = {"kv_connector": "AioKVConnector", "kv_role": "kv_both",
-                                    "kv_connector_extra_config": extra}
+        kw["kv_transfer_config"] = {
+            "kv_connector": "AioKVConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
         if not spec.get("no_module_path"):
             kw["kv_transfer_config"]["kv_connector_module_path"] = "aiokv.connector"
         kw["kv_transfer_config"]["kv_role"] = spec.get("kv_role", "kv_both")
         if spec.get("with_connector"):  # aiokv and another connector under vLLM's MultiConnector
             both = [kw["kv_transfer_config"], spec["with_connector"]]
-            kw["kv_transfer_config"] = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
-                                        "kv_connector_extra_config": {
-                                            "connectors": both if spec.get("aiokv_first", True) else both[::-1]}}
+            kw["kv_transfer_config"] = {
+                "kv_connector": "MultiConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"connectors": both if spec.get("aiokv_first", True) else both[::-1]},
+            }
     sub = None
     if spec.get("kv_events"):  # vLLM's ZMQ publisher, and a subscriber connected before the first request
         import zmq
 
         where = f"ipc://{spec['kv_events']}"
-        kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": where,
-                                  "topic": "kv"}
+        kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": where, "topic": "kv"}
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.connect(where)
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
@@ -92,8 +105,14 @@ def main(spec: dict) -> dict:
     if spec.get("ready_file"):  # tests waiting for the engine to be up
         open(spec["ready_file"], "w").close()
     engine = llm.llm_engine
-    result: dict = {"tokens": [], "cached": [], "finish": [], "preemptions": 0, "aborted_while": {},
-                    "pending_saves_at_finish": 0}
+    result: dict = {
+        "tokens": [],
+        "cached": [],
+        "finish": [],
+        "preemptions": 0,
+        "aborted_while": {},
+        "pending_saves_at_finish": 0,
+    }
     if sub is not None:
         time.sleep(0.5)  # the subscription reaches the publisher before anything is published
         result["events"] = []
@@ -110,6 +129,7 @@ def main(spec: dict) -> dict:
         sched._preempt_request = counting_preempt
     audit = _audit_fs() if spec.get("audit_fs") else None
     n_req = 0
+    last_prompts: list = []
     for phase in spec["phases"]:
         if phase.get("settle"):
             _settle(engine, time.monotonic() + spec.get("phase_timeout", 300))
@@ -122,8 +142,9 @@ def main(spec: dict) -> dict:
                     raise RuntimeError(f"{phase['wait_for']} did not appear")
                 time.sleep(0.05)
         if phase.get("peer_blocks"):
-            _wait_for_peer_blocks(aio.sched.store, phase["peer_blocks"],
-                                  time.monotonic() + spec.get("phase_timeout", 300))
+            _wait_for_peer_blocks(
+                aio.sched.store, phase["peer_blocks"], time.monotonic() + spec.get("phase_timeout", 300)
+            )
         if phase.get("reload_weights"):  # weights changed in place, as an RL trainer does
             llm.collective_rpc("reload_weights", kwargs={"weights_path": phase["reload_weights"]})
         if phase.get("reset_prefix_cache") is not None:
@@ -148,15 +169,20 @@ def main(spec: dict) -> dict:
                 p = {"prompt_token_ids": prompts[i]}
                 if salts[i] is not None:
                     p["cache_salt"] = salts[i]
-                internal[rid] = engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=phase.get("max_tokens", 8),
-                                                          ignore_eos=True))
+                internal[rid] = engine.add_request(
+                    rid, p, SamplingParams(temperature=0, max_tokens=phase.get("max_tokens", 8), ignore_eos=True)
+                )
                 ids.append((i, rid, step))
                 pending.remove(i)
             if phase.get("abort_preempted") and not MP:
                 for i, rid, _ in ids:
                     r = sched.requests.get(internal[rid])
-                    if r is not None and r.status.name == "PREEMPTED" and rid not in outs \
-                            and result["aborted_while"].get("PREEMPTED", 0) < phase["abort_preempted"]:
+                    if (
+                        r is not None
+                        and r.status.name == "PREEMPTED"
+                        and rid not in outs
+                        and result["aborted_while"].get("PREEMPTED", 0) < phase["abort_preempted"]
+                    ):
                         aborts[i] = step - next(a for j, _, a in ids if j == i)
             for i, rid, added in ids:
                 if i in aborts and step - added == aborts[i] and rid not in outs:
@@ -182,13 +208,14 @@ def main(spec: dict) -> dict:
                 if o.finished and outs.get(o.request_id) is None and o.request_id not in outs:
                     outs[o.request_id] = o
                     if not MP and getattr(aio, "sched", None) is not None:  # saves still running
-                        result["pending_saves_at_finish"] = max(result["pending_saves_at_finish"],
-                                                                aio.sched.pending_saves)
+                        result["pending_saves_at_finish"] = max(
+                            result["pending_saves_at_finish"], aio.sched.pending_saves
+                        )
             step += 1
             if time.monotonic() > deadline:
                 raise RuntimeError("engine did not finish")
         toks, cached, fin = [], [], []
-        for i, rid, _ in sorted(ids):
+        for _i, rid, _ in sorted(ids):
             o = outs.get(rid)
             toks.append(list(o.outputs[0].token_ids) if o is not None else None)
             cached.append(o.num_cached_tokens if o is not None else None)
@@ -202,8 +229,11 @@ def main(spec: dict) -> dict:
         result["fs_calls_on_engine_thread"] = sorted(audit.pop())
     if MP:  # aiokv's counters live in the engine core process: read them as vLLM exports them
         if spec.get("metrics"):
-            result["metrics"] = {m.name: m.value for m in llm.get_metrics()
-                                 if m.name.startswith("vllm:aiokv_") and isinstance(getattr(m, "value", None), (int, float))}
+            result["metrics"] = {
+                m.name: m.value
+                for m in llm.get_metrics()
+                if m.name.startswith("vllm:aiokv_") and isinstance(getattr(m, "value", None), (int, float))
+            }
         llm.llm_engine.engine_core.shutdown()
         return result
     # let in-flight saves and loads report: keep stepping while aiokv has work
@@ -249,8 +279,9 @@ def _take_events(sub, into: list, quiet: float) -> None:
         _, _, payload = sub.recv_multipart(zmq.NOBLOCK)
         for e in dec.decode(payload).events:
             if isinstance(e, BlockStored):
-                into.append(["stored", e.medium, e.group_idx, list(e.block_hashes), e.parent_block_hash,
-                             list(e.token_ids)])
+                into.append(
+                    ["stored", e.medium, e.group_idx, list(e.block_hashes), e.parent_block_hash, list(e.token_ids)]
+                )
             elif isinstance(e, BlockRemoved):
                 into.append(["removed", e.medium, e.group_idx, list(e.block_hashes), None, []])
             else:
@@ -282,9 +313,35 @@ def _audit_fs():
     from aiokv import _native
 
     main, calls, on = threading.current_thread(), set(), [True]
-    names = ["open", "close", "read", "write", "pread", "pwrite", "preadv", "pwritev", "fstat", "stat", "lstat",
-             "listdir", "scandir", "fsync", "fdatasync", "ftruncate", "truncate", "fstatvfs", "statvfs", "lseek",
-             "replace", "rename", "unlink", "mkdir", "rmdir", "access", "posix_fallocate"]
+    names = [
+        "open",
+        "close",
+        "read",
+        "write",
+        "pread",
+        "pwrite",
+        "preadv",
+        "pwritev",
+        "fstat",
+        "stat",
+        "lstat",
+        "listdir",
+        "scandir",
+        "fsync",
+        "fdatasync",
+        "ftruncate",
+        "truncate",
+        "fstatvfs",
+        "statvfs",
+        "lseek",
+        "replace",
+        "rename",
+        "unlink",
+        "mkdir",
+        "rmdir",
+        "access",
+        "posix_fallocate",
+    ]
 
     def wrap(mod, name):
         fn = getattr(mod, name, None)
@@ -299,6 +356,7 @@ def _audit_fs():
                 if f is not None:
                     calls.add(f"{name} {f.f_globals['__name__']}:{f.f_lineno}")
             return fn(*a, **k)
+
         setattr(mod, name, audited)
 
     for n in names:
@@ -310,6 +368,7 @@ def _audit_fs():
         def pop(self):
             on[0] = False
             return list(calls)
+
     return Audit()
 
 

@@ -1,5 +1,7 @@
+# SPDX-License-Identifier: Apache-2.0
 """Worker-level test helpers: a TransferWorker over a CpuDevice on small KV
 tensors (no vLLM), and a way to run one of its calls until its jobs are done."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +20,9 @@ def cpu_worker(root: str, kv: dict, staging_bufs: int, kept: int = 0, **kw) -> T
     os.makedirs(ns_dir(root, NS), exist_ok=True)
     dev = CpuDevice(kv, next(iter(kv.values())).shape[0])
     slot = fmt.slot_bytes(dev.payload_bytes)
-    return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=staging_bufs * slot,
-                          memory_bytes=kept * slot, **kw)
+    return TransferWorker(
+        dev, ns_dir(root, NS), NS, 0, staging_bytes=staging_bufs * slot, memory_bytes=kept * slot, **kw
+    )
 
 
 def run_jobs(w: TransferWorker, fn, arg, timeout: float = 10.0):

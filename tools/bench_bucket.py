@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The bucket tier (S3-compatible): what it moves, next to the raw
 client moving the same objects in the same run.
 
@@ -22,6 +23,7 @@ $AIOKV_BENCH_BUCKET (default aiokv-bench), which must exist.
   (tools/bench_e2e.py's model and prompts).
 Numbers are GB/s of slot bytes (1 GB = 1e9 bytes), the median of --rounds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,12 +43,12 @@ sys.path.insert(0, ROOT)
 async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, botocore: bool) -> dict:
     import obstore
 
-    from aiokv.data.buffers import BufferPool
     from aiokv.bucket.client import BucketClient
     from aiokv.bucket.loader import OK, BucketLoader
     from aiokv.bucket.naming import object_name
     from aiokv.bucket.uploader import Uploader
     from aiokv.data import format as fmt
+    from aiokv.data.buffers import BufferPool
     from tools.storeio import StoreIO
 
     sb = fmt.slot_bytes(slot_payload)
@@ -78,6 +80,7 @@ async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, 
     async def put(name, s):
         async with sem:
             await obstore.put_async(client.store, name, ctypes.string_at(pool.addr(s), sb), mode="create")
+
     t = time.perf_counter()
     await asyncio.gather(*(put(nm, s) for nm, s in zip(raw_names, slots)))
     out["raw_upload_gbps"] = total / (time.perf_counter() - t) / 1e9
@@ -87,6 +90,7 @@ async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, 
     async def fetch(k, s):
         async with sem:
             return await loader.fetch(k, pool.addr(s), io.verify)
+
     t = time.perf_counter()
     res = await asyncio.gather(*(fetch(k, s) for k, s in zip(keys, slots)))
     out["aiokv_download_gbps"] = total / (time.perf_counter() - t) / 1e9
@@ -96,6 +100,7 @@ async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, 
         async with sem:
             r = await obstore.get_async(client.store, name)
             return len(await r.bytes_async())
+
     t = time.perf_counter()
     sizes = await asyncio.gather(*(get(nm) for nm in raw_names))
     out["raw_download_gbps"] = total / (time.perf_counter() - t) / 1e9
@@ -106,10 +111,13 @@ async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, 
 
         bnames = [f"boto{rnd}/{nsid.hex()}/{k.hex()}" for k in keys]
         async with get_session().create_client("s3") as c:
+
             async def bput(name, s):
                 async with sem:
-                    await c.put_object(Bucket=client.bucket, Key=name, Body=ctypes.string_at(pool.addr(s), sb),
-                                       IfNoneMatch="*")
+                    await c.put_object(
+                        Bucket=client.bucket, Key=name, Body=ctypes.string_at(pool.addr(s), sb), IfNoneMatch="*"
+                    )
+
             t = time.perf_counter()
             await asyncio.gather(*(bput(nm, s) for nm, s in zip(bnames, slots)))
             out["botocore_upload_gbps"] = total / (time.perf_counter() - t) / 1e9
@@ -119,6 +127,7 @@ async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, 
                     r = await c.get_object(Bucket=client.bucket, Key=name)
                     async with r["Body"] as b:
                         return len(await b.read())
+
             t = time.perf_counter()
             await asyncio.gather(*(bget(nm) for nm in bnames))
             out["botocore_download_gbps"] = total / (time.perf_counter() - t) / 1e9
@@ -136,8 +145,15 @@ def e2e(url: str, env: dict, args) -> dict:
 
     base = tempfile.mkdtemp(prefix="aiokv-bucket-e2e-")
     a = argparse.Namespace(lengths=[int(x) for x in args.lengths.split(",")], kv_mib=768, switch_interval=0.0)
-    model = build(os.path.join(base, "model"), layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1408,
-                  max_positions=max(8192, max(a.lengths) + 64))
+    model = build(
+        os.path.join(base, "model"),
+        layers=8,
+        hidden=512,
+        heads=8,
+        kv_heads=4,
+        intermediate=1408,
+        max_positions=max(8192, max(a.lengths) + 64),
+    )
     os.environ.update(env)
     # "shared", the bucket setting's old name: every checkout reads it (before/after runs)
     os.environ["AIOKV_BENCH_EXTRA"] = json.dumps({"shared": url, **json.loads(args.extra)})
@@ -145,10 +161,15 @@ def e2e(url: str, env: dict, args) -> dict:
     for label, cache in (("cold", "a"), ("warm", "a"), ("warm", "b")):
         r = be.life(label, model, os.path.join(base, cache), a)
         name = {"a": "local", "b": "from bucket"}[cache] if label == "warm" else "cold"
-        rows[name] = {"ttft_s": [x["ttft_s"] for x in r["rows"] if x["pass"] == "first"],
-                      "cached": [x["cached_tokens"] for x in r["rows"] if x["pass"] == "first"],
-                      "counters": {k: v for k, v in r["counters"].items() if "bucket" in k or "shared" in k
-                                   or "remote" in k or "upload" in k}}
+        rows[name] = {
+            "ttft_s": [x["ttft_s"] for x in r["rows"] if x["pass"] == "first"],
+            "cached": [x["cached_tokens"] for x in r["rows"] if x["pass"] == "first"],
+            "counters": {
+                k: v
+                for k, v in r["counters"].items()
+                if "bucket" in k or "shared" in k or "remote" in k or "upload" in k
+            },
+        }
     return {"lengths": a.lengths, "runs": rows}
 
 
@@ -161,9 +182,12 @@ def main() -> int:
     ap.add_argument("--botocore", action="store_true")
     ap.add_argument("--e2e", action="store_true")
     ap.add_argument("--lengths", default="2048,4096")
-    ap.add_argument("--extra", default='{"secret": "bench-secret-0123456789"}',
-                    help="more kv_connector_extra_config settings for --e2e (JSON); a bucket needs a secret, or "
-                         "bucket_unsigned: true")
+    ap.add_argument(
+        "--extra",
+        default='{"secret": "bench-secret-0123456789"}',
+        help="more kv_connector_extra_config settings for --e2e (JSON); a bucket needs a secret, or "
+        "bucket_unsigned: true",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     srv = None
@@ -177,10 +201,17 @@ def main() -> int:
     url = f"s3://{os.environ.get('AIOKV_BENCH_BUCKET', 'aiokv-bench')}/bench"
     payload = int(args.slot_mib * (1 << 20)) // 4096 * 4096
     try:
-        rounds = [asyncio.run(layer_round(url, payload, args.blocks, args.concurrency, i, args.botocore))
-                  for i in range(args.rounds)]
-        result = {"blocks": args.blocks, "payload_bytes": payload, "concurrency": args.concurrency,
-                  "rounds": rounds, "median": {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}}
+        rounds = [
+            asyncio.run(layer_round(url, payload, args.blocks, args.concurrency, i, args.botocore))
+            for i in range(args.rounds)
+        ]
+        result = {
+            "blocks": args.blocks,
+            "payload_bytes": payload,
+            "concurrency": args.concurrency,
+            "rounds": rounds,
+            "median": {k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
+        }
         if args.e2e:
             result["e2e"] = e2e(url, env, args)
     finally:

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """How many GB/s one worker's event loop can move when the disk is not the limit,
 with the checksums on the loop thread (checksum_threads 0) and on 1 or 2 threads.
 
@@ -19,6 +20,7 @@ CPU core-s per GB (time.thread_time on the loop). The wall GB/s is the ceiling
 of one worker: with 0 threads the loop's CPU is the bound; with threads, the
 loop only submits and reaps while the threads checksum.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,14 +37,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import bench_store as bs  # noqa: E402
 import uvloop  # noqa: E402
 
-import bench_store as bs  # noqa: E402
-
-from aiokv.data.buffers import BufferPool  # noqa: E402
-from aiokv.data import format as fmt  # noqa: E402
 from aiokv.config import parse_size  # noqa: E402
+from aiokv.data import format as fmt  # noqa: E402
 from aiokv.data.blockio import BlockIO  # noqa: E402
+from aiokv.data.buffers import BufferPool  # noqa: E402
 from aiokv.store.store import ns_dir  # noqa: E402
 
 
@@ -110,8 +111,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for r in results:
         w, rd = r["write"], r["read"]
-        print(f"| {r['payload'] >> 10} KiB | {r['threads']} | {w['gbps']:.1f} | {rd['gbps']:.1f} | "
-              f"{w['cpu_s_per_gb']:.3f} / {rd['cpu_s_per_gb']:.3f} | {w['loop_s_per_gb']:.3f} / {rd['loop_s_per_gb']:.3f} |")
+        print(
+            f"| {r['payload'] >> 10} KiB | {r['threads']} | {w['gbps']:.1f} | {rd['gbps']:.1f} | "
+            f"{w['cpu_s_per_gb']:.3f} / {rd['cpu_s_per_gb']:.3f} | {w['loop_s_per_gb']:.3f} / {rd['loop_s_per_gb']:.3f} |"
+        )
 
 
 if __name__ == "__main__":

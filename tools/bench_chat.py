@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Chats and agent loops on vLLM (CPU) under constant preemption: per turn, the hit tokens, TTFT and
 the turn's time without a connector, with vLLM's own prefix cache only, and with aiokv (disk only,
 with its memory tier, and disk with `admit: reused`), each aiokv setup cold and after a restart.
@@ -28,6 +29,7 @@ turn's time, preemptions, and whether every reply equals the "none" life's (fp32
 hybrid: its own path dependence, docs/reliability.md). Per aiokv life: bytes written, bytes read
 for hits, stored blocks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +47,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-SETUPS = {"none": None, "vllm": None, "disk": {"memory": "0"}, "memory": {},
-          "reused": {"memory": "0", "admit": "reused"}}
+SETUPS = {
+    "none": None,
+    "vllm": None,
+    "disk": {"memory": "0"},
+    "memory": {},
+    "reused": {"memory": "0", "admit": "reused"},
+}
 AIOKV = ("disk", "memory", "reused")
 
 
@@ -62,28 +69,41 @@ def workloads(a) -> dict[str, list[dict]]:
     chat += [dict(new=[_tokens(48, rnd) for _ in range(a.conversations)], reply=a.reply) for _ in range(a.turns - 1)]
     tool = [1] + _tokens(127, rnd)
     agent = [dict(prompts=[tool + _tokens(96, rnd) for _ in range(a.conversations)], reply=a.reply // 2)]
-    agent += [dict(new=[_tokens(a.tool, rnd) for _ in range(a.conversations)], reply=a.reply // 2)
-              for _ in range(a.turns - 1)]
+    agent += [
+        dict(new=[_tokens(a.tool, rnd) for _ in range(a.conversations)], reply=a.reply // 2) for _ in range(a.turns - 1)
+    ]
     return {"chat": chat, "agent": agent}
 
 
 # ------------------------------------------------------------------ child (one vLLM life)
 
+
 def child(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=spec["model"], tokenizer=spec["model"], enforce_eager=True, dtype=spec["dtype"], seed=0,
-              enable_prefix_caching=spec["setup"] != "none", max_model_len=spec["max_model_len"],
-              num_gpu_blocks_override=spec["blocks"], kv_cache_memory_bytes=512 << 20, max_num_seqs=spec["seqs"])
+    kw = dict(
+        model=spec["model"],
+        tokenizer=spec["model"],
+        enforce_eager=True,
+        dtype=spec["dtype"],
+        seed=0,
+        enable_prefix_caching=spec["setup"] != "none",
+        max_model_len=spec["max_model_len"],
+        num_gpu_blocks_override=spec["blocks"],
+        kv_cache_memory_bytes=512 << 20,
+        max_num_seqs=spec["seqs"],
+    )
     if spec["block_size"]:
         kw["block_size"] = spec["block_size"]
     if spec["hybrid"]:
         kw["prefix_cache_retention_interval"] = None
     if SETUPS[spec["setup"]] is not None:
-        kw["kv_transfer_config"] = {"kv_connector": "AioKVConnector", "kv_role": "kv_both",
-                                    "kv_connector_module_path": "aiokv.connector",
-                                    "kv_connector_extra_config": {"path": spec["cache"], "capacity": "8GiB",
-                                                                  **SETUPS[spec["setup"]]}}
+        kw["kv_transfer_config"] = {
+            "kv_connector": "AioKVConnector",
+            "kv_role": "kv_both",
+            "kv_connector_module_path": "aiokv.connector",
+            "kv_connector_extra_config": {"path": spec["cache"], "capacity": "8GiB", **SETUPS[spec["setup"]]},
+        }
     llm = LLM(**kw)
     engine = llm.llm_engine
     sched = engine.engine_core.engine_core.scheduler
@@ -110,8 +130,11 @@ def child(spec: dict) -> dict:
             for i, p in enumerate(ps):
                 rid = f"{name}-{t}-{i}-{n}"
                 n += 1
-                engine.add_request(rid, {"prompt_token_ids": p},
-                                   SamplingParams(temperature=0, max_tokens=turn["reply"], ignore_eos=True))
+                engine.add_request(
+                    rid,
+                    {"prompt_token_ids": p},
+                    SamplingParams(temperature=0, max_tokens=turn["reply"], ignore_eos=True),
+                )
                 added[rid] = (i, time.perf_counter())
             while engine.has_unfinished_requests():
                 for o in engine.step():
@@ -126,14 +149,23 @@ def child(spec: dict) -> dict:
             after = counters()
             out = [None] * len(ps)
             cached = 0
-            for rid, (i, at) in added.items():
+            for rid, (i, _at) in added.items():
                 out[i] = list(done[rid].outputs[0].token_ids)
                 cached += done[rid].num_cached_tokens or 0
             ttft = sorted(first[r] - added[r][1] for r in added)
-            rows.append({"workload": name, "turn": t + 1, "prompt_tokens": sum(map(len, ps)), "cached_tokens": cached,
-                         "aiokv_hit_tokens": after.get("hit_tokens", 0) - before.get("hit_tokens", 0),
-                         "ttft_median_s": statistics.median(ttft), "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
-                         "turn_s": elapsed, "preemptions": preemptions[0] - pre0})
+            rows.append(
+                {
+                    "workload": name,
+                    "turn": t + 1,
+                    "prompt_tokens": sum(map(len, ps)),
+                    "cached_tokens": cached,
+                    "aiokv_hit_tokens": after.get("hit_tokens", 0) - before.get("hit_tokens", 0),
+                    "ttft_median_s": statistics.median(ttft),
+                    "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
+                    "turn_s": elapsed,
+                    "preemptions": preemptions[0] - pre0,
+                }
+            )
             replies[f"{name}/{t + 1}"] = out
             last = ps
     if conn is not None:  # let the last saves report before reading the totals
@@ -149,17 +181,37 @@ def child(spec: dict) -> dict:
     c = counters()
     if conn is not None:
         engine.engine_core.shutdown()  # commits what is still pending, for the restart
-    keep = ("hit_tokens", "queried_tokens", "bytes_written", "bytes_read", "saves_committed", "saves_not_admitted",
-            "loads_ok_blocks", "memory_hit_blocks", "load_failed_blocks", "save_failures", "stored_blocks")
+    keep = (
+        "hit_tokens",
+        "queried_tokens",
+        "bytes_written",
+        "bytes_read",
+        "saves_committed",
+        "saves_not_admitted",
+        "loads_ok_blocks",
+        "memory_hit_blocks",
+        "load_failed_blocks",
+        "save_failures",
+        "stored_blocks",
+    )
     return {"rows": rows, "replies": replies, "counters": {k: c[k] for k in keep if k in c}}
 
 
 def life(spec: dict) -> dict:
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", TQDM_DISABLE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        VLLM_LOGGING_LEVEL="WARNING",
+        TQDM_DISABLE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    )
     t = time.monotonic()
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)], env=env,
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             r = json.loads(line[7:])
@@ -171,6 +223,7 @@ def life(spec: dict) -> dict:
 
 # ------------------------------------------------------------------ parent
 
+
 def family(name: str, a, work: str) -> dict:
     from aiokv.demo import tiny_model as tm
 
@@ -181,14 +234,15 @@ def family(name: str, a, work: str) -> dict:
         model = tm.build_hybrid(os.path.join(work, "hybrid"))
         base = dict(dtype="bfloat16", block_size=None, hybrid=True, blocks=max(8, a.kv_tokens // 128))
     wl = workloads(a)
-    longest = max(len(t[0]["prompts"][0]) + sum(len(x["new"][0]) + x["reply"] for x in t[1:]) + t[0]["reply"]
-                  for t in wl.values())
+    longest = max(
+        len(t[0]["prompts"][0]) + sum(len(x["new"][0]) + x["reply"] for x in t[1:]) + t[0]["reply"] for t in wl.values()
+    )
     base.update(model=model, workloads=wl, max_model_len=longest + 64, seqs=a.conversations)
     lives = {}
     for setup in SETUPS:
         cache = os.path.join(work, f"{name}-{setup}")
         shutil.rmtree(cache, ignore_errors=True)
-        for when in (("cold", "restart") if setup in AIOKV else ("cold",)):
+        for when in ("cold", "restart") if setup in AIOKV else ("cold",):
             print(f"bench_chat: {name} {setup} {when}", file=sys.stderr, flush=True)
             lives[f"{setup}/{when}"] = life(dict(base, setup=setup, cache=cache))
     ref = lives["none/cold"]["replies"]
@@ -209,9 +263,17 @@ def admission(doc: dict) -> list[dict]:
             rows = [r for x in ("cold", "restart") for r in d["lives"][f"{setup}/{x}"]["rows"]]
             hit, prompt = sum(r["aiokv_hit_tokens"] for r in rows), sum(r["prompt_tokens"] for r in rows)
             cached = sum(r["cached_tokens"] for r in rows)
-            out.append({"family": fam, "admit": "all" if setup == "disk" else "reused", "written_gb": w / 1e9,
-                        "hit_read_gb": rd / 1e9, "written_per_hit_gb": w / rd if rd else None,
-                        "aiokv_hit_ratio": hit / prompt, "cached_ratio": cached / prompt})
+            out.append(
+                {
+                    "family": fam,
+                    "admit": "all" if setup == "disk" else "reused",
+                    "written_gb": w / 1e9,
+                    "hit_read_gb": rd / 1e9,
+                    "written_per_hit_gb": w / rd if rd else None,
+                    "aiokv_hit_ratio": hit / prompt,
+                    "cached_ratio": cached / prompt,
+                }
+            )
     return out
 
 
@@ -219,22 +281,29 @@ def render(doc: dict) -> str:
     lines = []
     for fam, d in doc["families"].items():
         lines.append(f"\n{fam} ({d['model']})")
-        lines.append("| life | workload | turn | prompt tok | cached tok | aiokv hit tok | TTFT med s | TTFT p90 s "
-                     "| turn s | preempt | replies ≠ none |")
+        lines.append(
+            "| life | workload | turn | prompt tok | cached tok | aiokv hit tok | TTFT med s | TTFT p90 s "
+            "| turn s | preempt | replies ≠ none |"
+        )
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for lname, r in d["lives"].items():
             for row in r["rows"]:
                 diff = r.get("replies_differing", {}).get(f"{row['workload']}/{row['turn']}", "-")
-                lines.append(f"| {lname} | {row['workload']} | {row['turn']} | {row['prompt_tokens']} | "
-                             f"{row['cached_tokens']} | {row['aiokv_hit_tokens']} | {row['ttft_median_s']:.2f} | "
-                             f"{row['ttft_p90_s']:.2f} | {row['turn_s']:.1f} | {row['preemptions']} | {diff} |")
-    lines.append("\n| family | admit | written GB | read for hits GB | written per GB of hits | aiokv hit ratio "
-                 "| cached ratio |")
+                lines.append(
+                    f"| {lname} | {row['workload']} | {row['turn']} | {row['prompt_tokens']} | "
+                    f"{row['cached_tokens']} | {row['aiokv_hit_tokens']} | {row['ttft_median_s']:.2f} | "
+                    f"{row['ttft_p90_s']:.2f} | {row['turn_s']:.1f} | {row['preemptions']} | {diff} |"
+                )
+    lines.append(
+        "\n| family | admit | written GB | read for hits GB | written per GB of hits | aiokv hit ratio | cached ratio |"
+    )
     lines.append("|---|---|---|---|---|---|---|")
     for a in doc["admission"]:
         per = f"{a['written_per_hit_gb']:.2f}" if a["written_per_hit_gb"] is not None else "-"
-        lines.append(f"| {a['family']} | {a['admit']} | {a['written_gb']:.3f} | {a['hit_read_gb']:.3f} | {per} | "
-                     f"{a['aiokv_hit_ratio']:.3f} | {a['cached_ratio']:.3f} |")
+        lines.append(
+            f"| {a['family']} | {a['admit']} | {a['written_gb']:.3f} | {a['hit_read_gb']:.3f} | {per} | "
+            f"{a['aiokv_hit_ratio']:.3f} | {a['cached_ratio']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -252,8 +321,13 @@ def plot(doc: dict, outdir: str) -> None:
             ax = axes[i][j]
             for lname, r in doc["families"][fam]["lives"].items():
                 rows = [x for x in r["rows"] if x["workload"] == wl]
-                ax.plot([x["turn"] for x in rows], [x["ttft_median_s"] for x in rows], marker="o", label=lname,
-                        linestyle="--" if lname.endswith("restart") else "-")
+                ax.plot(
+                    [x["turn"] for x in rows],
+                    [x["ttft_median_s"] for x in rows],
+                    marker="o",
+                    label=lname,
+                    linestyle="--" if lname.endswith("restart") else "-",
+                )
             ax.set_title(f"{fam}, {wl}: median TTFT per turn")
             ax.set_xlabel("turn")
             ax.set_ylabel("s")
@@ -271,8 +345,12 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--reply", type=int, default=192, help="chat reply tokens (agent replies: half)")
     ap.add_argument("--tool", type=int, default=512, help="agent tool output tokens per turn")
-    ap.add_argument("--kv-tokens", type=int, default=3872,
-                    help="vLLM's KV budget in tokens (small: preemption; its block count must not equal another KV tensor dimension: aiokv then refuses the layout)")
+    ap.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=3872,
+        help="vLLM's KV budget in tokens (small: preemption; its block count must not equal another KV tensor dimension: aiokv then refuses the layout)",
+    )
     ap.add_argument("--dir", default=None, help="where models and caches go (default: a temp dir)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
@@ -283,9 +361,12 @@ def main() -> int:
         os._exit(0)
     work = a.dir or tempfile.mkdtemp(prefix="aiokv-chat-")
     t0 = time.monotonic()
-    doc = {"when": datetime.datetime.now().isoformat(timespec="minutes"), "load": os.getloadavg()[0],
-           "args": {k: v for k, v in vars(a).items() if k not in ("child", "json", "out", "plot")},
-           "families": {f: family(f, a, work) for f in a.family.split(",")}}
+    doc = {
+        "when": datetime.datetime.now().isoformat(timespec="minutes"),
+        "load": os.getloadavg()[0],
+        "args": {k: v for k, v in vars(a).items() if k not in ("child", "json", "out", "plot")},
+        "families": {f: family(f, a, work) for f in a.family.split(",")},
+    }
     doc["admission"] = admission(doc)
     doc["seconds"] = round(time.monotonic() - t0)
     if not a.dir:

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """CRC32C speed of each path this CPU has, hot and cold, against one core's
 memory-read floor.
 
@@ -11,6 +12,7 @@ memory-read floor.
   reads without computing anything (cold: the DRAM bandwidth one core gets).
 GB/s are 1e9 bytes per second; us/MiB is the cost per MiB of payload.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +28,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from aiokv import _native  # noqa: E402
 
 MIB = 1 << 20
-
-
 
 
 def _gbps(nbytes: int, secs: float) -> float:
@@ -62,17 +62,22 @@ def main() -> int:
     rng = np.random.default_rng(1)
     small = rng.integers(0, 2**63, args.hot_mib * MIB // 8, dtype=np.uint64)
     big = np.empty(args.cold_mib * MIB // 8, dtype=np.uint64)
-    big[:] = 0x0123456789abcdef  # touched: every page is mapped before timing
+    big[:] = 0x0123456789ABCDEF  # touched: every page is mapped before timing
 
     def evict() -> None:  # one pass over another buffer of the same size pushes `big` out of the cache
         spare = np.ones(args.cold_mib * MIB // 8, dtype=np.uint64)
         spare.sum()
 
     def sum_fn(view):
-        return lambda addr, n: view[(addr - view.ctypes.data) // 8:(addr - view.ctypes.data + n) // 8].sum()
+        return lambda addr, n: view[(addr - view.ctypes.data) // 8 : (addr - view.ctypes.data + n) // 8].sum()
 
-    out = {"path_default": _native.CRC_PATH, "hot_mib": args.hot_mib, "cold_mib": args.cold_mib,
-           "rounds": args.rounds, "gbps": {}}
+    out = {
+        "path_default": _native.CRC_PATH,
+        "hot_mib": args.hot_mib,
+        "cold_mib": args.cold_mib,
+        "rounds": args.rounds,
+        "gbps": {},
+    }
     fns = {p: (lambda a, n, p=p: _native.crc32c_path(p, a, n)) for p in _native.CRC_PATHS}
     fns["floor (sum u64)"] = None
     best: dict[str, dict[str, float]] = {name: {"hot": 0.0, "cold": 0.0} for name in fns}
@@ -86,8 +91,10 @@ def main() -> int:
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"default path: {out['path_default']}; hot {args.hot_mib} MiB repeated, cold {args.cold_mib} MiB once; "
-          f"best of {args.rounds} rounds")
+    print(
+        f"default path: {out['path_default']}; hot {args.hot_mib} MiB repeated, cold {args.cold_mib} MiB once; "
+        f"best of {args.rounds} rounds"
+    )
     print("| path | hot GB/s | hot us/MiB | cold GB/s | cold us/MiB |")
     print("|---|---|---|---|---|")
     for p, r in out["gbps"].items():

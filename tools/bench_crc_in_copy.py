@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """CPU seconds per GB of a worker-level save and load, with the payload CRC32C as
 a separate pass ("separate") and inside the CPU device copy ("in copy", the worker's
 crc_in_copy).
@@ -20,6 +21,7 @@ alone, plain against the CRC in the copy (what a memory-tier hit would pay for c
 already verified slots again). core-s/GB per GB of
 payload, median of --rounds; wall GB/s alongside.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +37,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aiokv import _native  # noqa: E402
-from aiokv.jobs import Transfer  # noqa: E402
 from aiokv.data import format as fmt  # noqa: E402
+from aiokv.jobs import Transfer  # noqa: E402
 from aiokv.store.store import ns_dir  # noqa: E402
 from aiokv.worker.device import CpuDevice  # noqa: E402
 from aiokv.worker.transfer import TransferWorker  # noqa: E402
@@ -106,15 +108,21 @@ def run(args) -> dict:
                 w._crc_in_copy = in_copy
                 phase(f"disk save {tag}", save)
                 phase(f"disk load {tag}", load)
-                phase(f"memory save {tag}", lambda: mem_save(in_copy))
-                phase(f"memory load {tag}", lambda: mem_load(in_copy))
-                phase(f"copy in {tag}", lambda: dev.copy_in(ids, stg, crc_in_copy=in_copy))
+                phase(f"memory save {tag}", lambda in_copy=in_copy: mem_save(in_copy))
+                phase(f"memory load {tag}", lambda in_copy=in_copy: mem_load(in_copy))
+                phase(f"copy in {tag}", lambda in_copy=in_copy: dev.copy_in(ids, stg, crc_in_copy=in_copy))
     finally:
         w.close()
         shutil.rmtree(root)
-    return {"payload": payload, "blocks": n, "gb": gb, "crc_path": _native.CRC_PATH,
-            "results": {k: (statistics.median(c for c, _ in v), statistics.median(g for _, g in v))
-                        for k, v in out.items()}}
+    return {
+        "payload": payload,
+        "blocks": n,
+        "gb": gb,
+        "crc_path": _native.CRC_PATH,
+        "results": {
+            k: (statistics.median(c for c, _ in v), statistics.median(g for _, g in v)) for k, v in out.items()
+        },
+    }
 
 
 def main() -> int:
@@ -129,10 +137,14 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where the data file goes (a real disk; default: the temp dir)")
     args = ap.parse_args()
     r = run(args)
-    print(f"{r['blocks']} blocks of {r['payload'] / 1024:.0f} KiB ({r['gb']:.2f} GB) each way, "
-          f"CRC32C path {r['crc_path']}, median of {args.rounds} rounds")
-    print(f"{'':14}{'separate core-s/GB':>20}{'in copy core-s/GB':>19}{'saved':>8}{'separate GB/s':>15}"
-          f"{'in copy GB/s':>14}")
+    print(
+        f"{r['blocks']} blocks of {r['payload'] / 1024:.0f} KiB ({r['gb']:.2f} GB) each way, "
+        f"CRC32C path {r['crc_path']}, median of {args.rounds} rounds"
+    )
+    print(
+        f"{'':14}{'separate core-s/GB':>20}{'in copy core-s/GB':>19}{'saved':>8}{'separate GB/s':>15}"
+        f"{'in copy GB/s':>14}"
+    )
     res = r["results"]
     for kind in ("disk save", "disk load", "memory save", "memory load", "copy in"):
         (oc, og), (fc, fg) = res[f"{kind} separate"], res[f"{kind} in copy"]

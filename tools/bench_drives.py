@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Several drives: aiokv's store over N file systems at once against fio running
 the same jobs on the same set of directories, in the same run.
 
@@ -57,6 +58,7 @@ Aggregate GB/s = bytes moved on all drives / wall time (aiokv: of the data path'
 calls, and of the whole phase; fio: its group's bytes / the longest job's runtime);
 GB = 1e9. The ratios: aiokv's data path / fio, and the whole phase's / fio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -122,8 +124,17 @@ def make_pool(n: int, payload: int, staging: int, calls: int) -> BufferPool:
     return pool
 
 
-async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, pool: BufferPool, staging: int = 0,
-                 calls: int = 1, crc: str = "copy") -> dict:
+async def _aiokv(
+    dirs: list[str],
+    payload: int,
+    n: int,
+    depth: int,
+    salt: int,
+    pool: BufferPool,
+    staging: int = 0,
+    calls: int = 1,
+    crc: str = "copy",
+) -> dict:
     """staging 0: one call of all n blocks, a buffer each; else a pool of `staging` bytes
     of buffers (a worker's staging memory), shared evenly by `calls` concurrent loops of
     calls, each call as many blocks as its share of buffers, reused call after call.
@@ -147,7 +158,7 @@ async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, p
         keys = _keys(n, salt)
         io = st.blockio(ns)
         if crc == "copy":  # the device copy's part, before the timed phases: each header holds its payload's CRC
-            for i, k in enumerate(keys[:pool.count]):  # (the same payload in every buffer: the same CRC)
+            for i, k in enumerate(keys[: pool.count]):  # (the same payload in every buffer: the same CRC)
                 io.stamp(k, pool.addr(i))
         in_copy = crc == "copy"
 
@@ -160,9 +171,13 @@ async def _aiokv(dirs: list[str], payload: int, n: int, depth: int, salt: int, p
             async def loop(c: int) -> list[int]:
                 got = []
                 for i in starts:
-                    got += await call([(w, k, pool.addr(c * share + j))
-                                       for j, (w, k) in enumerate(zip(where[i:i + share], keys[i:i + share]))],
-                                      in_copy)
+                    got += await call(
+                        [
+                            (w, k, pool.addr(c * share + j))
+                            for j, (w, k) in enumerate(zip(where[i : i + share], keys[i : i + share]))
+                        ],
+                        in_copy,
+                    )
                 return got
 
             return [r for part in await asyncio.gather(*(loop(c) for c in range(calls))) for r in part]
@@ -222,8 +237,17 @@ def fio_round(dirs: list[str], slot: int, n: int, depth: int, mem: str) -> dict:
     try:
         for rw in ("write", "read"):
             quiesce()
-            cmd = ["fio", "--group_reporting", "--output-format=json", f"--bs={slot}", f"--size={per * slot}",
-                   f"--rw={rw}", "--ioengine=io_uring", "--direct=1", f"--iodepth={depth}"]
+            cmd = [
+                "fio",
+                "--group_reporting",
+                "--output-format=json",
+                f"--bs={slot}",
+                f"--size={per * slot}",
+                f"--rw={rw}",
+                "--ioengine=io_uring",
+                "--direct=1",
+                f"--iodepth={depth}",
+            ]
             if mem == "mmaphuge":
                 cmd += ["--mem=mmaphuge", "--hugepage-size=2M"]
             for i, f in enumerate(files):
@@ -231,7 +255,7 @@ def fio_round(dirs: list[str], slot: int, n: int, depth: int, mem: str) -> dict:
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 raise RuntimeError(f"fio failed: {p.stderr.strip() or p.stdout.strip()}")
-            j = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0]
+            j = json.loads(p.stdout[p.stdout.index("{") :])["jobs"][0]
             io = j[rw]
             if io["io_bytes"] != per * slot * len(files):
                 raise RuntimeError(f"fio moved {io['io_bytes']} bytes, not {per * slot * len(files)}")
@@ -275,8 +299,16 @@ class Mounts:
                     # written whole before use: a loop device's first write to a hole of its image
                     # file allocates in the file system below, and whichever side of a round
                     # landed on fresh image blocks paid for it (fio's writes moved 1.9-3.6 GB/s)
-                    self._sh("dd", "if=/dev/zero", f"of={img}", "bs=64M", f"count={-(-self.size // (64 << 20))}",
-                             "oflag=direct", "conv=fsync", "status=none")
+                    self._sh(
+                        "dd",
+                        "if=/dev/zero",
+                        f"of={img}",
+                        "bs=64M",
+                        f"count={-(-self.size // (64 << 20))}",
+                        "oflag=direct",
+                        "conv=fsync",
+                        "status=none",
+                    )
                     dev = self._sh("losetup", "--direct-io=on", "-f", "--show", img)
                     self.undo.append(["losetup", "-d", dev])
                     # nodiscard: mkfs discards the whole device by default, and a loop device
@@ -287,8 +319,10 @@ class Mounts:
                     self._sh("mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=0,lazy_journal_init=0", dev)
                     held = os.stat(img).st_blocks * 512
                     if held < self.size:
-                        raise RuntimeError(f"{img}: {held} of {self.size} bytes allocated after mkfs; the"
-                                           " image must be whole (holes cost whichever side fills them)")
+                        raise RuntimeError(
+                            f"{img}: {held} of {self.size} bytes allocated after mkfs; the"
+                            " image must be whole (holes cost whichever side fills them)"
+                        )
                     self._sh("mount", dev, mnt)
                     self.kind = f"ext4 on loop devices (direct I/O to image files in {self.image_dir})"
                 self.undo.append(["umount", mnt])
@@ -303,8 +337,11 @@ class Mounts:
         for cmd in reversed(self.undo):
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode and cmd[0] != "rmdir":  # (a directory left by a failed umount: said once, there)
-                print(f"bench_drives: `{' '.join(cmd)}` failed ({(p.stderr or p.stdout).strip()}); "
-                      "see `losetup -l` and `mount | grep aiokv-drives`", file=sys.stderr)
+                print(
+                    f"bench_drives: `{' '.join(cmd)}` failed ({(p.stderr or p.stdout).strip()}); "
+                    "see `losetup -l` and `mount | grep aiokv-drives`",
+                    file=sys.stderr,
+                )
         self.undo.clear()
 
 
@@ -319,19 +356,35 @@ def main() -> int:
     ap.add_argument("--depth", type=int, default=16, help="operations in flight per drive")
     ap.add_argument("--mib", type=int, default=384, help="MiB per phase, all drives together")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--staging", default="1280MiB",
-                    help="the buffers aiokv's calls go round (default: a default worker's arena, staging 256 MiB "
-                         "+ memory tier 1 GiB; 256MiB: a worker with memory=0); 0 = one call of all blocks, "
-                         "a buffer each")
-    ap.add_argument("--calls", type=int, default=4,
-                    help="with --staging: concurrent loops of calls, each on an equal share of the buffers")
-    ap.add_argument("--crc", choices=CRC_MODES, default="copy",
-                    help="where aiokv computes the payloads' CRC32C: in the device copy, outside the timed I/O "
-                         "(a CPU worker), on 2 checksum threads (a CUDA worker), or on the loop thread")
-    ap.add_argument("--settle", type=float, default=0.0,
-                    help="seconds of quiet (after a sync) before each timed phase of either side")
-    ap.add_argument("--submit-group", type=int, default=None,
-                    help="aiokv: operations per io_uring_enter (default: the ring's)")
+    ap.add_argument(
+        "--staging",
+        default="1280MiB",
+        help="the buffers aiokv's calls go round (default: a default worker's arena, staging 256 MiB "
+        "+ memory tier 1 GiB; 256MiB: a worker with memory=0); 0 = one call of all blocks, "
+        "a buffer each",
+    )
+    ap.add_argument(
+        "--calls",
+        type=int,
+        default=4,
+        help="with --staging: concurrent loops of calls, each on an equal share of the buffers",
+    )
+    ap.add_argument(
+        "--crc",
+        choices=CRC_MODES,
+        default="copy",
+        help="where aiokv computes the payloads' CRC32C: in the device copy, outside the timed I/O "
+        "(a CPU worker), on 2 checksum threads (a CUDA worker), or on the loop thread",
+    )
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="seconds of quiet (after a sync) before each timed phase of either side",
+    )
+    ap.add_argument(
+        "--submit-group", type=int, default=None, help="aiokv: operations per io_uring_enter (default: the ring's)"
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -346,9 +399,16 @@ def main() -> int:
     mounts = Mounts(args.loop, args.image_dir, parse_size(args.image_size), args.tmpfs) if args.loop else None
     t0 = time.monotonic()
     staging = parse_size(args.staging)
-    doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "depth": args.depth, "staging": staging,
-           "calls": args.calls if staging else 1,
-           "mib": args.mib, "rounds": args.rounds, "loadavg_start": os.getloadavg(), "rows": []}
+    doc = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "depth": args.depth,
+        "staging": staging,
+        "calls": args.calls if staging else 1,
+        "mib": args.mib,
+        "rounds": args.rounds,
+        "loadavg_start": os.getloadavg(),
+        "rows": [],
+    }
     try:
         if mounts is not None:
             mounts.__enter__()
@@ -380,9 +440,11 @@ def main() -> int:
                             f = fio_round(dirs, slot, n, args.depth, mem)
                         got["aiokv"].append(a)
                         got["fio"].append(f)
-                        log(f"{size >> 10:>5} KiB round {r + 1}: aiokv W {a['write_gbps']:.2f} R {a['read_gbps']:.2f} "
+                        log(
+                            f"{size >> 10:>5} KiB round {r + 1}: aiokv W {a['write_gbps']:.2f} R {a['read_gbps']:.2f} "
                             f"(data path W {a['write_io_gbps']:.2f} R {a['read_io_gbps']:.2f}) "
-                            f"(blocks per drive {a['per_drive']}) | fio W {f['write_gbps']:.2f} R {f['read_gbps']:.2f}")
+                            f"(blocks per drive {a['per_drive']}) | fio W {f['write_gbps']:.2f} R {f['read_gbps']:.2f}"
+                        )
                 finally:
                     pool.close()
                 row = {"payload": size, "slot": slot, "blocks": n, "buffers": got["aiokv"][0]["buffers"]}
@@ -413,27 +475,42 @@ def main() -> int:
     if args.json:
         print(text)
     else:
-        how = (f"{args.calls} loops of calls sharing {staging >> 20} MiB of staging buffers" if staging
-               else "one call of all blocks, a buffer each")
-        print(f"{len(dirs)} drives ({doc.get('file_systems', 'given directories')}), depth {args.depth} each, "
-              f"{args.mib} MiB per phase, median of {args.rounds}; aiokv {how}; fio buffers {doc['fio_mem']}")
-        print(f"CRC32C: {args.crc}; operations per io_uring_enter: {args.submit_group or 'the ring default'}; "
-              f"{args.settle:g} s of quiet before each phase")
-        print("| payload | aiokv W GB/s | fio W GB/s | W ratio | aiokv R GB/s | fio R GB/s | R ratio "
-              "| whole W / R ratio | bookkeeping W / R µs per block | blocks per drive | aiokv buffers |")
+        how = (
+            f"{args.calls} loops of calls sharing {staging >> 20} MiB of staging buffers"
+            if staging
+            else "one call of all blocks, a buffer each"
+        )
+        print(
+            f"{len(dirs)} drives ({doc.get('file_systems', 'given directories')}), depth {args.depth} each, "
+            f"{args.mib} MiB per phase, median of {args.rounds}; aiokv {how}; fio buffers {doc['fio_mem']}"
+        )
+        print(
+            f"CRC32C: {args.crc}; operations per io_uring_enter: {args.submit_group or 'the ring default'}; "
+            f"{args.settle:g} s of quiet before each phase"
+        )
+        print(
+            "| payload | aiokv W GB/s | fio W GB/s | W ratio | aiokv R GB/s | fio R GB/s | R ratio "
+            "| whole W / R ratio | bookkeeping W / R µs per block | blocks per drive | aiokv buffers |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in doc["rows"]:
             io_w, io_r = r["aiokv_write_io_gbps"], r["aiokv_read_io_gbps"]
             book = f"{r['aiokv_write_book_us']:.1f} / {r['aiokv_read_book_us']:.1f}"
-            print(f"| {r['payload'] >> 10} KiB | {io_w:.2f} | {r['fio_write_gbps']:.2f} | "
-                  f"**{r['write_ratio']:.2f}** | {io_r:.2f} | {r['fio_read_gbps']:.2f} | "
-                  f"**{r['read_ratio']:.2f}** | {r['write_ratio_whole']:.2f} / {r['read_ratio_whole']:.2f} | {book} | "
-                  f"{'/'.join(map(str, r['per_drive']))} | {r['buffers']} |")
+            print(
+                f"| {r['payload'] >> 10} KiB | {io_w:.2f} | {r['fio_write_gbps']:.2f} | "
+                f"**{r['write_ratio']:.2f}** | {io_r:.2f} | {r['fio_read_gbps']:.2f} | "
+                f"**{r['read_ratio']:.2f}** | {r['write_ratio_whole']:.2f} / {r['read_ratio_whole']:.2f} | {book} | "
+                f"{'/'.join(map(str, r['per_drive']))} | {r['buffers']} |"
+            )
         for r in doc["rows"]:
-            print(f"{r['payload'] >> 10} KiB, each round's own ratio (data path / fio), "
-                  + "; ".join(f"{k}: median {statistics.median(r[f'{k}_ratio_rounds']):.2f}, "
-                              f"{min(r[f'{k}_ratio_rounds']):.2f}-{max(r[f'{k}_ratio_rounds']):.2f}"
-                              for k in ("write", "read")))
+            print(
+                f"{r['payload'] >> 10} KiB, each round's own ratio (data path / fio), "
+                + "; ".join(
+                    f"{k}: median {statistics.median(r[f'{k}_ratio_rounds']):.2f}, "
+                    f"{min(r[f'{k}_ratio_rounds']):.2f}-{max(r[f'{k}_ratio_rounds']):.2f}"
+                    for k in ("write", "read")
+                )
+            )
     return 0
 
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """End to end on vLLM (CPU): time to first token cold vs warm after a restart,
 per prompt length, next to what the loaded bytes cost at fio's read bandwidth.
 
@@ -34,6 +35,7 @@ aiokv read (hit blocks x slot bytes) and B = fio's read bandwidth measured in
 the same run on the same file system (io_uring, O_DIRECT, bs = slot size,
 iodepth 32 = the worker's default queue_depth, huge-page buffers).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,21 +66,35 @@ def second_prompts(lengths: list[int]) -> list[list[int]]:
 
 # ------------------------------------------------------------------ child (one vLLM life)
 
+
 def child(args) -> None:
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)  # experiment: GIL hand-over latency between threads
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=args.model, tokenizer=args.model, enforce_eager=True, block_size=BLOCK, dtype="float32",
-              enable_prefix_caching=True, max_model_len=max(args.lengths) + 64,
-              max_num_batched_tokens=max(args.lengths) + 64, kv_cache_memory_bytes=args.kv_mib << 20)
+    kw = dict(
+        model=args.model,
+        tokenizer=args.model,
+        enforce_eager=True,
+        block_size=BLOCK,
+        dtype="float32",
+        enable_prefix_caching=True,
+        max_model_len=max(args.lengths) + 64,
+        max_num_batched_tokens=max(args.lengths) + 64,
+        kv_cache_memory_bytes=args.kv_mib << 20,
+    )
     if args.label != "base":
-        kw["kv_transfer_config"] = {"kv_connector": "AioKVConnector", "kv_role": "kv_both",
-                                    "kv_connector_module_path": "aiokv.connector",
-                                    "kv_connector_extra_config": {"path": args.cache, "capacity": "8GiB",
-                                                                  # more settings (tools/bench_bucket.py)
-                                                                  **json.loads(os.environ.get("AIOKV_BENCH_EXTRA",
-                                                                                              "{}"))}}
+        kw["kv_transfer_config"] = {
+            "kv_connector": "AioKVConnector",
+            "kv_role": "kv_both",
+            "kv_connector_module_path": "aiokv.connector",
+            "kv_connector_extra_config": {
+                "path": args.cache,
+                "capacity": "8GiB",
+                # more settings (tools/bench_bucket.py)
+                **json.loads(os.environ.get("AIOKV_BENCH_EXTRA", "{}")),
+            },
+        }
     llm = LLM(**kw)
     one = SamplingParams(temperature=0, max_tokens=1)
     ps = prompts(args.lengths)
@@ -91,16 +107,25 @@ def child(args) -> None:
         second = second_prompts(args.lengths)
         passes, sets = ["first", "half"], {"first": ps, "half": second}
         if args.label != "cold":
-            sets["half"] = [q[:len(q) // 2 // BLOCK * BLOCK] + h[len(q) // 2 // BLOCK * BLOCK:]
-                            for q, h in zip(second, prompts(args.lengths, seed=99))]
+            sets["half"] = [
+                q[: len(q) // 2 // BLOCK * BLOCK] + h[len(q) // 2 // BLOCK * BLOCK :]
+                for q, h in zip(second, prompts(args.lengths, seed=99))
+            ]
     for kind in passes:
         if kind == "memory":
             llm.reset_prefix_cache()  # vLLM forgets them; aiokv's memory tier still holds them
         for p in sets[kind]:
             t = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)[0]
-            rows.append({"pass": kind, "prompt_tokens": len(p), "ttft_s": time.perf_counter() - t,
-                         "cached_tokens": out.num_cached_tokens, "token": out.outputs[0].token_ids[0]})
+            rows.append(
+                {
+                    "pass": kind,
+                    "prompt_tokens": len(p),
+                    "ttft_s": time.perf_counter() - t,
+                    "cached_tokens": out.num_cached_tokens,
+                    "token": out.outputs[0].token_ids[0],
+                }
+            )
     counters = {}
     try:
         conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
@@ -115,13 +140,29 @@ def child(args) -> None:
 
 
 def life(label: str, model: str, cache: str, args, extra: dict | None = None) -> dict:
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", TQDM_DISABLE="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="1" if getattr(args, "mp", False) else "0",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        VLLM_LOGGING_LEVEL="WARNING",
+        TQDM_DISABLE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if getattr(args, "mp", False) else "0",
+        PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    )
     if extra:
         env["AIOKV_BENCH_EXTRA"] = json.dumps({**json.loads(os.environ.get("AIOKV_BENCH_EXTRA", "{}")), **extra})
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", label, "--model", model, "--cache", cache,
-           "--lengths", ",".join(map(str, args.lengths)), "--kv-mib", str(args.kv_mib)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        label,
+        "--model",
+        model,
+        "--cache",
+        cache,
+        "--lengths",
+        ",".join(map(str, args.lengths)),
+        "--kv-mib",
+        str(args.kv_mib),
+    ]
     if args.layerwise:
         cmd.append("--layerwise")
     if args.switch_interval:
@@ -142,6 +183,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ------------------------------------------------------------------ parent
 
+
 def model_kv(model: str) -> dict:
     with open(os.path.join(model, "config.json")) as f:
         c = json.load(f)
@@ -152,13 +194,24 @@ def model_kv(model: str) -> dict:
         from safetensors import safe_open
 
         with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
-            params = sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
-                         else _prod(f.get_slice(k).get_shape()) for k in f.keys())
+            params = sum(
+                f.get_slice(k).get_shape().numel()
+                if hasattr(f.get_slice(k).get_shape(), "numel")
+                else _prod(f.get_slice(k).get_shape())
+                for k in f.keys()
+            )
     except Exception:  # noqa: BLE001
         pass
-    return {"layers": c["num_hidden_layers"], "hidden": c["hidden_size"], "heads": c["num_attention_heads"],
-            "kv_heads": c["num_key_value_heads"], "intermediate": c["intermediate_size"], "head_dim": head,
-            "kv_bytes_per_token": per_token, "params": params}
+    return {
+        "layers": c["num_hidden_layers"],
+        "hidden": c["hidden_size"],
+        "heads": c["num_attention_heads"],
+        "kv_heads": c["num_key_value_heads"],
+        "intermediate": c["intermediate_size"],
+        "head_dim": head,
+        "kv_bytes_per_token": per_token,
+        "params": params,
+    }
 
 
 def _prod(xs) -> int:
@@ -173,8 +226,10 @@ def fio_read_gbps(d: str, slot: int, nbytes: int, depth: int = 32) -> float:
 
     n = max(64, nbytes // slot)
     with bs.HugePages(-(-depth * slot // bs.HUGE) + 4) as hp:
-        vals = [bs.fio_round(os.path.join(d, "fio.dat"), slot, n, depth, "mmaphuge" if hp.ok else "malloc")
-                ["read_gbps"] for _ in range(3)]
+        vals = [
+            bs.fio_round(os.path.join(d, "fio.dat"), slot, n, depth, "mmaphuge" if hp.ok else "malloc")["read_gbps"]
+            for _ in range(3)
+        ]
     vals.sort()
     return vals[1]
 
@@ -194,10 +249,17 @@ def main() -> int:
     ap.add_argument("--kv-mib", type=int, default=768, help="vLLM KV cache memory (MiB)")
     ap.add_argument("--dir", default=None, help="where the model and the cache go (default: a temp dir)")
     ap.add_argument("--baseline", action="store_true", help="also run vLLM without a connector (one more life)")
-    ap.add_argument("--switch-interval", type=float, default=0.0,
-                    help="experiment: sys.setswitchinterval in the vLLM processes (default: Python's 0.005 s)")
-    ap.add_argument("--layerwise", action="store_true",
-                    help="compare warm TTFT with the layerwise setting off and on (full and half hits)")
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=0.0,
+        help="experiment: sys.setswitchinterval in the vLLM processes (default: Python's 0.005 s)",
+    )
+    ap.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="compare warm TTFT with the layerwise setting off and on (full and half hits)",
+    )
     ap.add_argument("--repeat", type=int, default=3, help="--layerwise: pairs of warm lives (off, on)")
     ap.add_argument("--mp", action="store_true", help="engine core in its own process (default: in-process)")
     ap.add_argument("--json", action="store_true")
@@ -210,16 +272,22 @@ def main() -> int:
         child(args)
         return 0
 
-    from aiokv.demo.tiny_model import build
     from aiokv.data import format as fmt
+    from aiokv.demo.tiny_model import build
 
     base = args.dir or tempfile.mkdtemp(prefix="aiokv-e2e-")
     os.makedirs(base, exist_ok=True)
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     t0 = time.monotonic()
-    model = build(os.path.join(base, "model"), layers=args.layers, hidden=args.hidden, heads=args.heads,
-                  kv_heads=args.kv_heads, intermediate=args.intermediate,
-                  max_positions=max(8192, max(args.lengths) + 64))
+    model = build(
+        os.path.join(base, "model"),
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        max_positions=max(8192, max(args.lengths) + 64),
+    )
     kv = model_kv(model)
     payload = kv["kv_bytes_per_token"] * BLOCK
     slot = fmt.slot_bytes(payload)
@@ -255,18 +323,37 @@ def main() -> int:
         nbytes = hit_tokens // BLOCK * slot
         io_s = nbytes / (fio_bw * 1e9)
         bound = hot["ttft_s"] + io_s
-        rows.append({"prompt_tokens": n, "base_s": base_r["ttft_s"] if base_r else None, "cold_s": cold["ttft_s"],
-                     "warm_s": warm["ttft_s"], "hot_s": hot["ttft_s"], "hit_tokens": hit_tokens,
-                     "memory_s": mem["ttft_s"], "memory_hit_tokens": mem["cached_tokens"],
-                     "bytes_loaded": nbytes, "fio_io_s": io_s, "bound_s": bound,
-                     "warm_over_cold": warm["ttft_s"] / cold["ttft_s"], "warm_over_bound": warm["ttft_s"] / bound,
-                     "same_token": cold["token"] == warm["token"] == hot["token"] == mem["token"]})
-    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-           "model": kv, "block_size": BLOCK, "payload_bytes": payload, "slot_bytes": slot,
-           "fio_read_gbps": fio_bw, "rows": rows, "counters": {k: r.get("counters") for k, r in runs.items()},
-           "process_s": {k: round(r["process_s"], 1) for k, r in runs.items()},
-           "seconds": round(time.monotonic() - t0, 1)}
+        rows.append(
+            {
+                "prompt_tokens": n,
+                "base_s": base_r["ttft_s"] if base_r else None,
+                "cold_s": cold["ttft_s"],
+                "warm_s": warm["ttft_s"],
+                "hot_s": hot["ttft_s"],
+                "hit_tokens": hit_tokens,
+                "memory_s": mem["ttft_s"],
+                "memory_hit_tokens": mem["cached_tokens"],
+                "bytes_loaded": nbytes,
+                "fio_io_s": io_s,
+                "bound_s": bound,
+                "warm_over_cold": warm["ttft_s"] / cold["ttft_s"],
+                "warm_over_bound": warm["ttft_s"] / bound,
+                "same_token": cold["token"] == warm["token"] == hot["token"] == mem["token"],
+            }
+        )
+    doc = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "model": kv,
+        "block_size": BLOCK,
+        "payload_bytes": payload,
+        "slot_bytes": slot,
+        "fio_read_gbps": fio_bw,
+        "rows": rows,
+        "counters": {k: r.get("counters") for k, r in runs.items()},
+        "process_s": {k: round(r["process_s"], 1) for k, r in runs.items()},
+        "seconds": round(time.monotonic() - t0, 1),
+    }
     try:
         import bench_store as bs
 
@@ -302,16 +389,31 @@ def layerwise_compare(args, model: str, kv: dict, cache: str, base: str, log, t0
             cell = {m: [lv["rows"][offset + i] for lv in lives[m]] for m in lives}
             off = statistics.median(c["ttft_s"] for c in cell["off"])
             on = statistics.median(c["ttft_s"] for c in cell["on"])
-            rows.append({"kind": kind, "prompt_tokens": length, "hit_tokens": cell["on"][0]["cached_tokens"],
-                         "off_s": off, "on_s": on, "gain_s": off - on, "on_over_off": on / off,
-                         "off_all": [round(c["ttft_s"], 4) for c in cell["off"]],
-                         "on_all": [round(c["ttft_s"], 4) for c in cell["on"]],
-                         "same_token": len({c["token"] for m in cell for c in cell[m]}) == 1})
-    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "model": kv,
-           "block_size": BLOCK, "engine_core": "own process" if args.mp else "in-process", "repeat": args.repeat,
-           "rows": rows, "counters": {"cold": cold.get("counters"), "on": lives["on"][-1].get("counters")},
-           "seconds": round(time.monotonic() - t0, 1)}
+            rows.append(
+                {
+                    "kind": kind,
+                    "prompt_tokens": length,
+                    "hit_tokens": cell["on"][0]["cached_tokens"],
+                    "off_s": off,
+                    "on_s": on,
+                    "gain_s": off - on,
+                    "on_over_off": on / off,
+                    "off_all": [round(c["ttft_s"], 4) for c in cell["off"]],
+                    "on_all": [round(c["ttft_s"], 4) for c in cell["on"]],
+                    "same_token": len({c["token"] for m in cell for c in cell[m]}) == 1,
+                }
+            )
+    doc = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "model": kv,
+        "block_size": BLOCK,
+        "engine_core": "own process" if args.mp else "in-process",
+        "repeat": args.repeat,
+        "rows": rows,
+        "counters": {"cold": cold.get("counters"), "on": lives["on"][-1].get("counters")},
+        "seconds": round(time.monotonic() - t0, 1),
+    }
     try:
         doc["machine"] = bs.machine(base)
     except Exception:  # noqa: BLE001
@@ -321,34 +423,42 @@ def layerwise_compare(args, model: str, kv: dict, cache: str, base: str, log, t0
 
 def render_layerwise(doc: dict) -> str:
     m = doc["model"]
-    lines = [f"model: {m['layers']} layers, hidden {m['hidden']}, fp32; block {doc['block_size']}; engine core "
-             f"{doc['engine_core']}; median of {doc['repeat']} lives each",
-             "",
-             "| hit | prompt tokens | hit tokens | layerwise off s | layerwise on s | gain s | on/off | same token |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"model: {m['layers']} layers, hidden {m['hidden']}, fp32; block {doc['block_size']}; engine core "
+        f"{doc['engine_core']}; median of {doc['repeat']} lives each",
+        "",
+        "| hit | prompt tokens | hit tokens | layerwise off s | layerwise on s | gain s | on/off | same token |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["rows"]:
-        lines.append(f"| {r['kind']} | {r['prompt_tokens']} | {r['hit_tokens']} | {r['off_s']:.4f} | {r['on_s']:.4f} "
-                     f"| {r['gain_s']:+.4f} | {r['on_over_off']:.3f} | {r['same_token']} |")
+        lines.append(
+            f"| {r['kind']} | {r['prompt_tokens']} | {r['hit_tokens']} | {r['off_s']:.4f} | {r['on_s']:.4f} "
+            f"| {r['gain_s']:+.4f} | {r['on_over_off']:.3f} | {r['same_token']} |"
+        )
     return "\n".join(lines)
 
 
 def render(doc: dict) -> str:
     m = doc["model"]
-    lines = [f"model: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads / {m['kv_heads']} KV heads, "
-             f"{(m['params'] or 0) / 1e6:.0f} M params, fp32; block {doc['block_size']} tokens = "
-             f"{doc['payload_bytes'] >> 10} KiB payload ({doc['slot_bytes'] >> 10} KiB slot); "
-             f"fio read {doc['fio_read_gbps']:.2f} GB/s (bs = slot, depth 32)",
-             "",
-             "| prompt tokens | no connector s | cold s | warm (disk) s | warm (memory tier) s | hot (vLLM prefix cache) s "
-             "| hit tokens | MiB loaded | bytes at fio s | bound = hot + bytes s | warm/cold | warm/bound | same token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"model: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads / {m['kv_heads']} KV heads, "
+        f"{(m['params'] or 0) / 1e6:.0f} M params, fp32; block {doc['block_size']} tokens = "
+        f"{doc['payload_bytes'] >> 10} KiB payload ({doc['slot_bytes'] >> 10} KiB slot); "
+        f"fio read {doc['fio_read_gbps']:.2f} GB/s (bs = slot, depth 32)",
+        "",
+        "| prompt tokens | no connector s | cold s | warm (disk) s | warm (memory tier) s | hot (vLLM prefix cache) s "
+        "| hit tokens | MiB loaded | bytes at fio s | bound = hot + bytes s | warm/cold | warm/bound | same token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["rows"]:
         base = f"{r['base_s']:.3f}" if r["base_s"] is not None else "-"
-        lines.append(f"| {r['prompt_tokens']} | {base} | {r['cold_s']:.3f} | {r['warm_s']:.3f} "
-                     f"| {r.get('memory_s', float('nan')):.3f} | {r['hot_s']:.3f} "
-                     f"| {r['hit_tokens']} | {r['bytes_loaded'] / 2**20:.0f} | {r['fio_io_s']:.3f} "
-                     f"| {r['bound_s']:.3f} | {r['warm_over_cold']:.3f} | {r['warm_over_bound']:.2f} "
-                     f"| {r['same_token']} |")
+        lines.append(
+            f"| {r['prompt_tokens']} | {base} | {r['cold_s']:.3f} | {r['warm_s']:.3f} "
+            f"| {r.get('memory_s', float('nan')):.3f} | {r['hot_s']:.3f} "
+            f"| {r['hit_tokens']} | {r['bytes_loaded'] / 2**20:.0f} | {r['fio_io_s']:.3f} "
+            f"| {r['bound_s']:.3f} | {r['warm_over_cold']:.3f} | {r['warm_over_bound']:.2f} "
+            f"| {r['same_token']} |"
+        )
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Lookups on the scheduler thread while other engines write to the same directory.
 
     PYTHONPATH=. .venv/bin/python tools/bench_engines.py [--writers 0,1,3] [--blocks 26400]
@@ -20,6 +21,7 @@ mode): a writer's commit of a batch of 32 rows, and a follower's poll for new
 rows, against this store's journal append and Follower.poll. Results in
 docs/benchmarks.md and docs/design.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +36,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from aiokv.store import Store  # noqa: E402
 from aiokv.data import format as fmt  # noqa: E402
+from aiokv.store import Store  # noqa: E402
 
 NSID = b"b" * 16
 _loc = getattr(fmt, "loc", lambda engine, slot: slot)  # so --writers 0 also runs on a single-engine aiokv
@@ -79,7 +81,7 @@ def bench_lookups(root: str, writers: int, blocks: int, seconds: float, rate: in
     ns = st.namespace(NSID, PAYLOAD)
     keys = [i.to_bytes(8, "little") * 4 for i in range(blocks)]
     for i in range(0, blocks, 1000):
-        _commit(st, ns, keys[i:i + 1000])
+        _commit(st, ns, keys[i : i + 1000])
     req = keys[:32] + [b"\xff" * 32] * 32  # 32 hits then misses: 1024 hit tokens of 2048 at block size 32
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
@@ -122,13 +124,20 @@ def bench_lookups(root: str, writers: int, blocks: int, seconds: float, rate: in
     refresh.sort()
     steps.sort()
     q = lambda xs, f: xs[min(len(xs) - 1, int(f * len(xs)))] / 1000  # noqa: E731
-    return {"writers": writers, "lookups": len(samples), "mean_us": statistics.fmean(samples) / 1000,
-            "p50_us": q(samples, 0.5), "p99_us": q(samples, 0.99), "max_us": samples[-1] / 1000,
-            "refresh_mean_us": statistics.fmean(refresh) / 1000 if refresh else None,
-            "refresh_p50_us": q(refresh, 0.5) if refresh else None,
-            "refresh_p99_us": q(refresh, 0.99) if refresh else None,
-            "step_mean_us": statistics.fmean(steps) / 1000, "steps": len(steps),
-            "peer_blocks_seen": seen}
+    return {
+        "writers": writers,
+        "lookups": len(samples),
+        "mean_us": statistics.fmean(samples) / 1000,
+        "p50_us": q(samples, 0.5),
+        "p99_us": q(samples, 0.99),
+        "max_us": samples[-1] / 1000,
+        "refresh_mean_us": statistics.fmean(refresh) / 1000 if refresh else None,
+        "refresh_p50_us": q(refresh, 0.5) if refresh else None,
+        "refresh_p99_us": q(refresh, 0.99) if refresh else None,
+        "step_mean_us": statistics.fmean(steps) / 1000,
+        "steps": len(steps),
+        "peer_blocks_seen": seen,
+    }
 
 
 def bench_sqlite(root: str, batches: int = 2000) -> None:
@@ -157,8 +166,10 @@ def bench_sqlite(root: str, batches: int = 2000) -> None:
     for _ in range(batches):
         reader.execute("SELECT rowid FROM blocks WHERE rowid > ?", (last,)).fetchall()
     t_idle = time.perf_counter_ns() - t
-    print(f"sqlite WAL: commit of {BATCH} rows {t_commit / batches / 1000:.1f} us, follower poll with new rows "
-          f"{t_poll / batches / 1000:.1f} us, without {t_idle / batches / 1000:.1f} us")
+    print(
+        f"sqlite WAL: commit of {BATCH} rows {t_commit / batches / 1000:.1f} us, follower poll with new rows "
+        f"{t_poll / batches / 1000:.1f} us, without {t_idle / batches / 1000:.1f} us"
+    )
     db.close()
     reader.close()
     shutil.rmtree(root, ignore_errors=True)
@@ -182,8 +193,10 @@ def bench_sqlite(root: str, batches: int = 2000) -> None:
     for _ in range(batches):
         fl.poll()
     t_idle = time.perf_counter_ns() - t
-    print(f"aiokv journal: commit of {BATCH} records {t_commit / batches / 1000:.1f} us, follow with new records "
-          f"{t_poll / batches / 1000:.1f} us, journal poll without {t_idle / batches / 1000:.1f} us")
+    print(
+        f"aiokv journal: commit of {BATCH} records {t_commit / batches / 1000:.1f} us, follow with new records "
+        f"{t_poll / batches / 1000:.1f} us, journal poll without {t_idle / batches / 1000:.1f} us"
+    )
     st.close()
     ro.close()
     shutil.rmtree(root, ignore_errors=True)
@@ -208,8 +221,10 @@ def bench_roll(root: str, n: int) -> None:
     me.following.follow_all()
     t_roll = time.perf_counter() - t
     assert len(rns.entries) == n + BATCH
-    print(f"another engine with {n} blocks: first look (full replay) {t_replay:.2f} s; after its checkpoint, "
-          f"the look that rolls over {t_roll * 1000:.2f} ms")
+    print(
+        f"another engine with {n} blocks: first look (full replay) {t_replay:.2f} s; after its checkpoint, "
+        f"the look that rolls over {t_roll * 1000:.2f} ms"
+    )
     st.close()
     me.close()
     shutil.rmtree(root, ignore_errors=True)
@@ -232,12 +247,17 @@ def main() -> None:
         bench_roll(os.path.join(base, "roll"), args.roll)
     for w in [int(x) for x in args.writers.split(",") if x]:
         r = bench_lookups(os.path.join(base, "store"), w, args.blocks, args.seconds, args.rate)
-        rf = (f"mean {r['refresh_mean_us']:.1f} us, p50 {r['refresh_p50_us']:.1f}, p99 {r['refresh_p99_us']:.1f}"
-              if r["refresh_mean_us"] is not None else "n/a")
-        print(f"{w} writer engine(s) at {args.rate} blocks/s each: lookup of 64 keys (32 hits) "
-              f"mean {r['mean_us']:.2f} us, p50 {r['p50_us']:.2f}, p99 {r['p99_us']:.2f}, max {r['max_us']:.0f} "
-              f"({r['lookups']} lookups); refresh per step {rf}; step (1000 lookups + refresh) mean "
-              f"{r['step_mean_us']:.0f} us ({r['steps']} steps); writers' blocks seen {r['peer_blocks_seen']}")
+        rf = (
+            f"mean {r['refresh_mean_us']:.1f} us, p50 {r['refresh_p50_us']:.1f}, p99 {r['refresh_p99_us']:.1f}"
+            if r["refresh_mean_us"] is not None
+            else "n/a"
+        )
+        print(
+            f"{w} writer engine(s) at {args.rate} blocks/s each: lookup of 64 keys (32 hits) "
+            f"mean {r['mean_us']:.2f} us, p50 {r['p50_us']:.2f}, p99 {r['p99_us']:.2f}, max {r['max_us']:.0f} "
+            f"({r['lookups']} lookups); refresh per step {rf}; step (1000 lookups + refresh) mean "
+            f"{r['step_mean_us']:.0f} us ({r['steps']} steps); writers' blocks seen {r['peer_blocks_seen']}"
+        )
     if not args.dir:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Read bandwidth against the buffer footprint: aiokv's io_uring backend alone
 (no aiokv code above it: no verification, no index, no per-block Python)
 reading one file into K distinct huge-page staging buffers, next to fio on the
@@ -27,6 +28,7 @@ per submission group (--groups: operations per io_uring_enter, the ring's
 separates the groups is the block layer merging adjacent requests submitted
 together. Medians of the rounds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +75,9 @@ class NoMerges:
             f.write(self.old)
 
 
-async def backend_read(path: str, block: int, n: int, depth: int, footprint: int, group: int | None = None,
-                       op: int = OP_READ) -> float:
+async def backend_read(
+    path: str, block: int, n: int, depth: int, footprint: int, group: int | None = None, op: int = OP_READ
+) -> float:
     """GB/s of one read of the n-block file into `footprint` buffers used in turn
     (op OP_WRITE: one write of a new n-block file from them), `group` operations
     per io_uring_enter (None: the ring's default)."""
@@ -114,8 +117,9 @@ def main() -> int:
     ap.add_argument("--footprints", default="16,64,256,all", help="buffers read into, in turn ('all': one per block)")
     ap.add_argument("--op", choices=("read", "write"), default="read")
     ap.add_argument("--groups", default="2,0", help="operations per io_uring_enter, comma separated (0: all at once)")
-    ap.add_argument("--merge-control", action="store_true",
-                    help="also read with group 0 and the disk's request merging off (root)")
+    ap.add_argument(
+        "--merge-control", action="store_true", help="also read with group 0 and the disk's request merging off (root)"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", action="store_true")
@@ -156,20 +160,34 @@ def main() -> int:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in rounds.items()}
-    doc = {"op": args.op, "block_bytes": block, "blocks": n, "depth": args.depth, "fio_mem": mem, "rounds": rounds, "median": med,
-           "runs": [[name, k, g, nm] for name, k, g, nm in runs],
-           "machine": bs.machine(tempfile.gettempdir())}
+    doc = {
+        "op": args.op,
+        "block_bytes": block,
+        "blocks": n,
+        "depth": args.depth,
+        "fio_mem": mem,
+        "rounds": rounds,
+        "median": med,
+        "runs": [[name, k, g, nm] for name, k, g, nm in runs],
+        "machine": bs.machine(tempfile.gettempdir()),
+    }
 
     def render(d: dict) -> str:
-        lines = [f"{d['op']} GB/s, block {d['block_bytes'] >> 10} KiB, depth {d['depth']}, {d['blocks']} blocks, "
-                 f"median of {args.rounds} rounds (fio buffers: {d['fio_mem']})", "",
-                 "| reader | buffers | operations per enter | GB/s | vs fio |", "|---|---|---|---|---|",
-                 f"| fio | {d['depth']} (its iodepth) | 1 | {d['median']['fio']:.2f} | 1.00 |"]
+        lines = [
+            f"{d['op']} GB/s, block {d['block_bytes'] >> 10} KiB, depth {d['depth']}, {d['blocks']} blocks, "
+            f"median of {args.rounds} rounds (fio buffers: {d['fio_mem']})",
+            "",
+            "| reader | buffers | operations per enter | GB/s | vs fio |",
+            "|---|---|---|---|---|",
+            f"| fio | {d['depth']} (its iodepth) | 1 | {d['median']['fio']:.2f} | 1.00 |",
+        ]
         for name, k, g, nm in d["runs"]:
             v = d["median"][name]
-            lines.append(f"| aiokv backend alone{' (merging off)' if nm else ''} | "
-                         f"{k}{' (one per block)' if k == n else ''} | {g or 'all'} | {v:.2f} | "
-                         f"{v / d['median']['fio']:.2f} |")
+            lines.append(
+                f"| aiokv backend alone{' (merging off)' if nm else ''} | "
+                f"{k}{' (one per block)' if k == n else ''} | {g or 'all'} | {v:.2f} | "
+                f"{v / d['median']['fio']:.2f} |"
+            )
         return "\n".join(lines)
 
     return bs.emit(doc, args, render)

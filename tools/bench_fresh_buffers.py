@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Whether writes right after a large allocation run slower: aiokv's writes over
 three loop file systems from a pool held for the whole run, from a pool made right
 after another was made and freed, and from one made --quiet seconds after that free
@@ -18,6 +19,7 @@ times more, next to the first pool: whether the cost stays with the memory or go
 with its first use. Why it matters: tools/bench_drives.py made a fresh pool each
 round until docs/benchmarks.md 11.4.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """How long the index takes to commit, replay and checkpoint N entries.
 
     PYTHONPATH=. .venv/bin/python tools/bench_index.py [--n 1000000] [--dir PATH]
@@ -7,6 +8,7 @@ Commits N keys through the owner's API (no data I/O), drops the lock as a crash
 would (everything still in the journal), reopens (journal replay), closes
 (checkpoint), reopens (checkpoint load). Results in docs/format.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +38,7 @@ def main() -> None:
     t = time.perf_counter()
     for i in range(0, n, 1000):
         batch = []
-        for k in keys[i:i + 1000]:
+        for k in keys[i : i + 1000]:
             s = ns.alloc.take()
             ns.pending[k] = s
             batch.append((k, s))

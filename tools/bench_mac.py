@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """What a `secret` costs: aiokv's data path with and without the slot MAC, side by side.
 
     PYTHONPATH=. .venv/bin/python tools/bench_mac.py [--sizes 256K,1M,2M] [--depth 32] [--mib 256]
@@ -22,6 +23,7 @@ GB/s are slot bytes moved per second (GB = 1e9); CPU is process CPU seconds per 
 Also one core's rate over one payload, in cache and not: CRC32C, the native keyed
 BLAKE3 MAC, and Python's keyed BLAKE2b (the MAC before it was native).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +54,17 @@ NSID = bytes.fromhex("3ac0" * 8)
 SECRET = "bench-secret-0123456789"
 
 
-async def _round(root: str, pool: BufferPool, payload: int, n: int, depth: int, secret, threads: int,
-                 crc_in_copy: bool, null_io: bool) -> dict:
+async def _round(
+    root: str,
+    pool: BufferPool,
+    payload: int,
+    n: int,
+    depth: int,
+    secret,
+    threads: int,
+    crc_in_copy: bool,
+    null_io: bool,
+) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     d = os.path.join(root, "ns", NSID.hex())
     os.makedirs(d)
@@ -93,10 +104,13 @@ def core_rates(payload: int) -> dict:
     for where, nbuf in (("in_cache", 1), ("from_memory", max(1, (512 << 20) // payload))):
         bufs = [os.urandom(payload) for _ in range(min(nbuf, 8))] if nbuf == 1 else None
         big = bytearray(payload * nbuf) if bufs is None else None
-        views = bufs or [memoryview(big)[i * payload:(i + 1) * payload] for i in range(nbuf)]
+        views = bufs or [memoryview(big)[i * payload : (i + 1) * payload] for i in range(nbuf)]
         k = fmt.mac_key(SECRET)
-        for name, fn in (("crc32c", _native.crc32c_bytes), ("mac_blake3", lambda b: _native.blake3_keyed(k, b)),
-                         ("python_blake2b", lambda b: hashlib.blake2b(b, key=k, digest_size=32).digest())):
+        for name, fn in (
+            ("crc32c", _native.crc32c_bytes),
+            ("mac_blake3", lambda b, k=k: _native.blake3_keyed(k, b)),
+            ("python_blake2b", lambda b, k=k: hashlib.blake2b(b, key=k, digest_size=32).digest()),
+        ):
             reps = max(len(views), (256 << 20) // payload)
             t0 = time.perf_counter()
             for i in range(reps):
@@ -118,8 +132,16 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="aiokv-bench-mac-", dir=args.dir)
-    doc = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                       "loadavg_start": os.getloadavg()}, "depth": args.depth, "rounds": args.rounds, "rows": []}
+    doc = {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "loadavg_start": os.getloadavg(),
+        },
+        "depth": args.depth,
+        "rounds": args.rounds,
+        "rows": [],
+    }
     import uvloop
 
     try:
@@ -138,10 +160,27 @@ def main() -> int:
                             for r in range(args.rounds):
                                 order = ("plain", "secret") if r % 2 == 0 else ("secret", "plain")
                                 for who in order:
-                                    got[who].append(uvloop.run(_round(
-                                        os.path.join(base, "d"), pool, size, n, args.depth,
-                                        SECRET if who == "secret" else None, threads, mode == "copy", null_io)))
-                            row = {"payload": size, "threads": threads, "crc": mode, "io": "null" if null_io else "disk"}
+                                    got[who].append(
+                                        uvloop.run(
+                                            _round(
+                                                os.path.join(base, "d"),
+                                                pool,
+                                                size,
+                                                n,
+                                                args.depth,
+                                                SECRET if who == "secret" else None,
+                                                threads,
+                                                mode == "copy",
+                                                null_io,
+                                            )
+                                        )
+                                    )
+                            row = {
+                                "payload": size,
+                                "threads": threads,
+                                "crc": mode,
+                                "io": "null" if null_io else "disk",
+                            }
                             for who, rs in got.items():
                                 for k in rs[0]:
                                     row[f"{who}_{k}"] = statistics.median(x[k] for x in rs)
@@ -149,10 +188,13 @@ def main() -> int:
                                 row[f"{d}_ratio"] = row[f"secret_{d}_gbps"] / row[f"plain_{d}_gbps"]
                             doc["rows"].append(row)
                             if not args.json:
-                                print(f"{size >> 10:>5} KiB t={threads} crc={mode:<4} {row['io']:<4} "
-                                      f"write {row['plain_write_gbps']:6.2f} -> {row['secret_write_gbps']:6.2f} GB/s "
-                                      f"({row['write_ratio']:.2f})  read {row['plain_read_gbps']:6.2f} -> "
-                                      f"{row['secret_read_gbps']:6.2f} GB/s ({row['read_ratio']:.2f})", flush=True)
+                                print(
+                                    f"{size >> 10:>5} KiB t={threads} crc={mode:<4} {row['io']:<4} "
+                                    f"write {row['plain_write_gbps']:6.2f} -> {row['secret_write_gbps']:6.2f} GB/s "
+                                    f"({row['write_ratio']:.2f})  read {row['plain_read_gbps']:6.2f} -> "
+                                    f"{row['secret_read_gbps']:6.2f} GB/s ({row['read_ratio']:.2f})",
+                                    flush=True,
+                                )
                 doc.setdefault("core", {})[size] = core_rates(size)
             finally:
                 pool.close()

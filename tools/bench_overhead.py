@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """What aiokv costs when it has nothing to give: generation throughput with
 aiokv saving and never hitting vs no connector, the scheduler-side cost per
 new-request lookup and per step with many running requests, and the per-layer
@@ -26,12 +27,12 @@ hooks when there is nothing to do.
 3. Per-layer hooks: AioKVConnector.save_kv_layer and wait_for_layer_load with
    nothing to do, ns per call, and per step (x layers).
 """
+
 from __future__ import annotations
 
 import argparse
 import datetime
 import gc
-import json
 import os
 import random
 import shutil
@@ -49,6 +50,7 @@ BLOCK = 32
 
 # ------------------------------------------------------------------ 1. throughput
 
+
 def throughput(args, base: str) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -56,27 +58,45 @@ def throughput(args, base: str) -> dict:
 
     from aiokv.demo.tiny_model import build
 
-    model = build(os.path.join(base, "model"), layers=args.layers, hidden=args.hidden, heads=4, kv_heads=2,
-                  intermediate=args.hidden * 2)
+    model = build(
+        os.path.join(base, "model"),
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=4,
+        kv_heads=2,
+        intermediate=args.hidden * 2,
+    )
     sp = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     rnd = random.Random(7)
     rounds = {"none": [], "aiokv": []}
     counters = []
     for r in range(args.rounds):
         for who in ("none", "aiokv"):
-            kw = dict(model=model, tokenizer=model, enforce_eager=True, block_size=BLOCK, dtype="float32",
-                      enable_prefix_caching=True, max_model_len=args.prompt + args.tokens + 32,
-                      kv_cache_memory_bytes=256 << 20)
+            kw = dict(
+                model=model,
+                tokenizer=model,
+                enforce_eager=True,
+                block_size=BLOCK,
+                dtype="float32",
+                enable_prefix_caching=True,
+                max_model_len=args.prompt + args.tokens + 32,
+                kv_cache_memory_bytes=256 << 20,
+            )
             cache = os.path.join(base, f"cache{r}")
             if who == "aiokv":
-                kw["kv_transfer_config"] = {"kv_connector": "AioKVConnector", "kv_role": "kv_both",
-                                            "kv_connector_module_path": "aiokv.connector",
-                                            "kv_connector_extra_config": {"path": cache, "capacity": "4GiB"}}
+                kw["kv_transfer_config"] = {
+                    "kv_connector": "AioKVConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_module_path": "aiokv.connector",
+                    "kv_connector_extra_config": {"path": cache, "capacity": "4GiB"},
+                }
             llm = LLM(**kw)
             warm = [{"prompt_token_ids": [1] + [rnd.randrange(3, 500) for _ in range(63)]}]
             llm.generate(warm, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-            ps = [{"prompt_token_ids": [1] + [rnd.randrange(3, 500) for _ in range(args.prompt - 1)]}
-                  for _ in range(args.requests)]
+            ps = [
+                {"prompt_token_ids": [1] + [rnd.randrange(3, 500) for _ in range(args.prompt - 1)]}
+                for _ in range(args.requests)
+            ]
             t = time.perf_counter()
             outs = llm.generate(ps, sp, use_tqdm=False)
             dt = time.perf_counter() - t
@@ -98,21 +118,30 @@ def throughput(args, base: str) -> dict:
     ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rounds["aiokv"], rounds["none"])]
     # decode step time: one step decodes `requests` tokens
     step_s = args.requests / med["none"]
-    return {"model": {"layers": args.layers, "hidden": args.hidden}, "requests": args.requests,
-            "prompt": args.prompt, "new_tokens": args.tokens, "rounds": rounds, "median_tok_s": med,
-            "ratio": med["aiokv"] / med["none"], "ratio_per_round": ratios,
-            "step_s_at_batch": step_s, "aiokv_counters": counters[-1] if counters else {}}
+    return {
+        "model": {"layers": args.layers, "hidden": args.hidden},
+        "requests": args.requests,
+        "prompt": args.prompt,
+        "new_tokens": args.tokens,
+        "rounds": rounds,
+        "median_tok_s": med,
+        "ratio": med["aiokv"] / med["none"],
+        "ratio_per_round": ratios,
+        "step_s_at_batch": step_s,
+        "aiokv_counters": counters[-1] if counters else {},
+    }
 
 
 # ------------------------------------------------------------------ 2. scheduler side
 
+
 def _connector(store_dir: str):
+    import inspect
+
     from aiokv.connector.connector import AioKVConnector
     from aiokv.scheduler.keys import namespace_id
     from aiokv.scheduler.side import SchedulerSide
     from aiokv.store import Store
-
-    import inspect
 
     # as the connector opens it: with the store's I/O thread where this aiokv has one
     kw = {"io_thread": True} if "io_thread" in inspect.signature(Store).parameters else {}
@@ -140,14 +169,21 @@ def _connector(store_dir: str):
 
 
 def _request(rid: str, tokens: list[int]):
-    return types.SimpleNamespace(request_id=rid, all_token_ids=tokens, num_tokens=len(tokens), cache_salt=None,
-                                 lora_request=None,
-                                 mm_features=None, prompt_embeds=None, skip_reading_prefix_cache=False)
+    return types.SimpleNamespace(
+        request_id=rid,
+        all_token_ids=tokens,
+        num_tokens=len(tokens),
+        cache_salt=None,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
+        skip_reading_prefix_cache=False,
+    )
 
 
 def _fill(store, ns, keys) -> None:
     for i in range(0, len(keys), 512):
-        part = keys[i:i + 512]
+        part = keys[i : i + 512]
         slots = [store.reserve(ns, k) for k in part]
         for _ in range(200):  # with the store's I/O thread a reservation may wait for a grow: again next "step"
             if None not in slots:
@@ -190,12 +226,15 @@ def scheduler_side(running: list[int], base: str) -> dict:
             hits += n
             conn.sched.finished(req.request_id)
             role._roots.pop(req.request_id, None)
-        out["lookup_us"] = {"first_call": statistics.median(first) / 1e3, "repeat_call": statistics.median(repeat) / 1e3,
-                            "prompt_tokens": 2048, "hit_tokens_per_lookup": hits // len(prompts)}
+        out["lookup_us"] = {
+            "first_call": statistics.median(first) / 1e3,
+            "repeat_call": statistics.median(repeat) / 1e3,
+            "prompt_tokens": 2048,
+            "hit_tokens_per_lookup": hits // len(prompts),
+        }
         # steps with R running decode requests
         steps = []
         for R in running:
-            sched = conn.sched
             reqs = []
             for i in range(R):
                 toks = [1] + [rnd.randrange(3, 500) for _ in range(255 + rnd.randrange(32))]
@@ -205,33 +244,52 @@ def scheduler_side(running: list[int], base: str) -> dict:
                 nblocks = -(-len(toks) // BLOCK) + 8
                 reqs.append((rid, toks, list(range(i * 64, i * 64 + nblocks))))
             # the first step: all new (prefill), then decode steps
-            new = [types.SimpleNamespace(req_id=rid, num_computed_tokens=0, block_ids=[blocks])
-                   for rid, toks, blocks in reqs]
-            so = types.SimpleNamespace(scheduled_spec_decode_tokens={}, scheduled_new_reqs=new,
-                                       num_scheduled_tokens={rid: len(toks) for rid, toks, _ in reqs},
-                                       total_num_scheduled_tokens=sum(len(toks) for _, toks, _ in reqs),
-                                       scheduled_cached_reqs=types.SimpleNamespace(
-                                           req_ids=[], resumed_req_ids=set(), new_block_ids=[],
-                                           num_computed_tokens=[]))
+            new = [
+                types.SimpleNamespace(req_id=rid, num_computed_tokens=0, block_ids=[blocks])
+                for rid, toks, blocks in reqs
+            ]
+            so = types.SimpleNamespace(
+                scheduled_spec_decode_tokens={},
+                scheduled_new_reqs=new,
+                num_scheduled_tokens={rid: len(toks) for rid, toks, _ in reqs},
+                total_num_scheduled_tokens=sum(len(toks) for _, toks, _ in reqs),
+                scheduled_cached_reqs=types.SimpleNamespace(
+                    req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+                ),
+            )
             conn.build_connector_meta(so)
             _drain(conn)
             times = []
-            for step in range(96):
+            for _step in range(96):
                 computed = []
-                for rid, toks, _ in reqs:
+                for _rid, toks, _ in reqs:
                     computed.append(len(toks))
                     toks.append(rnd.randrange(3, 500))  # the token this step decodes
-                cached = types.SimpleNamespace(req_ids=[r[0] for r in reqs], resumed_req_ids=set(),
-                                               new_block_ids=[None] * R, num_computed_tokens=computed)
-                so = types.SimpleNamespace(scheduled_spec_decode_tokens={}, scheduled_new_reqs=[],
-                                           num_scheduled_tokens={r[0]: 1 for r in reqs},
-                                           total_num_scheduled_tokens=R, scheduled_cached_reqs=cached)
+                cached = types.SimpleNamespace(
+                    req_ids=[r[0] for r in reqs],
+                    resumed_req_ids=set(),
+                    new_block_ids=[None] * R,
+                    num_computed_tokens=computed,
+                )
+                so = types.SimpleNamespace(
+                    scheduled_spec_decode_tokens={},
+                    scheduled_new_reqs=[],
+                    num_scheduled_tokens={r[0]: 1 for r in reqs},
+                    total_num_scheduled_tokens=R,
+                    scheduled_cached_reqs=cached,
+                )
                 t = time.perf_counter_ns()
                 meta = conn.build_connector_meta(so)
                 times.append(time.perf_counter_ns() - t)
                 _drain(conn, meta)
-            steps.append({"running": R, "median_us": statistics.median(times) / 1e3,
-                          "mean_us": statistics.mean(times) / 1e3, "max_us": max(times) / 1e3})
+            steps.append(
+                {
+                    "running": R,
+                    "median_us": statistics.median(times) / 1e3,
+                    "mean_us": statistics.mean(times) / 1e3,
+                    "max_us": max(times) / 1e3,
+                }
+            )
             for rid, _, _ in reqs:
                 conn.sched.finished(rid)
                 role._roots.pop(rid, None)
@@ -253,6 +311,7 @@ def _drain(conn, meta=None) -> None:
 
 
 # ------------------------------------------------------------------ 3. per-layer hooks
+
 
 def hooks(layers: int) -> dict:
     from aiokv.connector.connector import AioKVConnector
@@ -283,6 +342,7 @@ def hooks(layers: int) -> dict:
 
 # ------------------------------------------------------------------ main
 
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
@@ -299,8 +359,10 @@ def main() -> int:
     base = tempfile.mkdtemp(prefix="aiokv-overhead-")
     t0 = time.monotonic()
     try:
-        doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+        doc = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        }
         doc["scheduler"] = scheduler_side([int(x) for x in args.running.split(",")], base)
         doc["hooks"] = hooks(args.layers)
         if not args.skip_throughput:
@@ -322,25 +384,34 @@ def render(doc: dict) -> str:
     lines = []
     th = doc.get("throughput")
     if th:
-        lines += [f"throughput: {th['requests']} requests x {th['new_tokens']} new tokens, prompt {th['prompt']}, "
-                  f"{th['model']['layers']} layers hidden {th['model']['hidden']}; median tok/s none "
-                  f"{th['median_tok_s']['none']:.1f}, aiokv {th['median_tok_s']['aiokv']:.1f}; ratio "
-                  f"{th['ratio']:.3f} (rounds: {', '.join(f'{r:.3f}' for r in th['ratio_per_round'])}); "
-                  f"decode step at batch {th['requests']}: {th['step_s_at_batch'] * 1e3:.1f} ms", ""]
+        lines += [
+            f"throughput: {th['requests']} requests x {th['new_tokens']} new tokens, prompt {th['prompt']}, "
+            f"{th['model']['layers']} layers hidden {th['model']['hidden']}; median tok/s none "
+            f"{th['median_tok_s']['none']:.1f}, aiokv {th['median_tok_s']['aiokv']:.1f}; ratio "
+            f"{th['ratio']:.3f} (rounds: {', '.join(f'{r:.3f}' for r in th['ratio_per_round'])}); "
+            f"decode step at batch {th['requests']}: {th['step_s_at_batch'] * 1e3:.1f} ms",
+            "",
+        ]
     sc = doc["scheduler"]
     lk = sc["lookup_us"]
-    lines += [f"lookup (get_num_new_matched_tokens, {lk['prompt_tokens']}-token prompt, {lk['hit_tokens_per_lookup']} "
-              f"hit tokens, {sc['stored_blocks']} blocks stored): first call {lk['first_call']:.1f} us, repeat "
-              f"{lk['repeat_call']:.1f} us", "",
-              "| running requests | build_connector_meta per step, median us | mean | max | share of a step |",
-              "|---|---|---|---|---|"]
+    lines += [
+        f"lookup (get_num_new_matched_tokens, {lk['prompt_tokens']}-token prompt, {lk['hit_tokens_per_lookup']} "
+        f"hit tokens, {sc['stored_blocks']} blocks stored): first call {lk['first_call']:.1f} us, repeat "
+        f"{lk['repeat_call']:.1f} us",
+        "",
+        "| running requests | build_connector_meta per step, median us | mean | max | share of a step |",
+        "|---|---|---|---|---|",
+    ]
     for s in sc["step"]:
         share = f"{s['share_of_step_at_batch'] * 100:.2f} %" if "share_of_step_at_batch" in s else "-"
         lines.append(f"| {s['running']} | {s['median_us']:.0f} | {s['mean_us']:.0f} | {s['max_us']:.0f} | {share} |")
     h = doc["hooks"]
-    lines += ["", f"hooks with nothing to do: save_kv_layer {h['save_kv_layer_ns']:.0f} ns, wait_for_layer_load "
-              f"{h['wait_for_layer_load_ns']:.0f} ns per call; {h['per_step_us']:.2f} us per step "
-              f"({h['layers']} layers)"]
+    lines += [
+        "",
+        f"hooks with nothing to do: save_kv_layer {h['save_kv_layer_ns']:.0f} ns, wait_for_layer_load "
+        f"{h['wait_for_layer_load_ns']:.0f} ns per call; {h['per_step_us']:.2f} us per step "
+        f"({h['layers']} layers)",
+    ]
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Store save/load bandwidth against fio and against vLLM's own file-system
 tier I/O, on the same directory, same block size, same queue depth, same bytes.
 
@@ -38,6 +39,7 @@ process), (usr_cpu + sys_cpu) x job_runtime for fio (from its JSON).
 operation at once: the CPU aiokv spends per block outside the kernel's I/O;
 "crc" is CRC32C of one payload.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,11 +60,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aiokv import _native  # noqa: E402
+from aiokv.config import parse_size  # noqa: E402
+from aiokv.data import format as fmt  # noqa: E402
 from aiokv.data.backend import IOBackend, open_backend  # noqa: E402
 from aiokv.data.buffers import BufferPool  # noqa: E402
-from aiokv.config import parse_size  # noqa: E402
 from tools.storeio import StoreIO  # noqa: E402
-from aiokv.data import format as fmt  # noqa: E402
 
 NSID = bytes.fromhex("be0c" * 8)
 HUGE = 2 << 20
@@ -71,6 +73,7 @@ SUBMIT_GROUP = None  # --submit-group (None: the ring's default)
 
 
 # ------------------------------------------------------------------ aiokv side
+
 
 class NullBackend(IOBackend):
     """Completes every operation with its full length on the loop's next
@@ -114,8 +117,18 @@ def _anon_huge_kb() -> int:
     return -1
 
 
-async def _aiokv_round(root: str, payload: int, n: int, depth: int, workers: int, salt: int,
-                       null_io: bool = False, mode: str = "calls", secret: str | None = None, cpu=None) -> dict:
+async def _aiokv_round(
+    root: str,
+    payload: int,
+    n: int,
+    depth: int,
+    workers: int,
+    salt: int,
+    null_io: bool = False,
+    mode: str = "calls",
+    secret: str | None = None,
+    cpu=None,
+) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     batch = mode == "batch" and not null_io
     per = n if batch else max(1, depth // workers)
@@ -148,7 +161,7 @@ async def _aiokv_round(root: str, payload: int, n: int, depth: int, workers: int
             async def loop(w: int) -> None:
                 addrs = [pool.addr(w * per + j) for j in range(per)]
                 for start in it:
-                    ks = keys[start:start + per]
+                    ks = keys[start : start + per]
                     if null_io:
                         addrs = [pool.addr(start + j) for j in range(len(ks))]
                     res = await call(ns, list(zip(ks, addrs)))
@@ -162,10 +175,17 @@ async def _aiokv_round(root: str, payload: int, n: int, depth: int, workers: int
         wt, wc, ws = await phase(st.save)
         rt, rc, rs = await phase(st.load)
         nbytes = n * fmt.slot_bytes(payload)  # bytes the disk moved, as fio counts them
-        return {"write_gbps": nbytes / wt / 1e9, "read_gbps": nbytes / rt / 1e9,
-                "write_cpu_us": wc / n * 1e6, "read_cpu_us": rc / n * 1e6,
-                "write_sys_cpu_us": ws / n * 1e6, "read_sys_cpu_us": rs / n * 1e6,
-                "write_s": wt, "read_s": rt, "staging_anon_huge_kb": thp}
+        return {
+            "write_gbps": nbytes / wt / 1e9,
+            "read_gbps": nbytes / rt / 1e9,
+            "write_cpu_us": wc / n * 1e6,
+            "read_cpu_us": rc / n * 1e6,
+            "write_sys_cpu_us": ws / n * 1e6,
+            "read_sys_cpu_us": rs / n * 1e6,
+            "write_s": wt,
+            "read_s": rt,
+            "staging_anon_huge_kb": thp,
+        }
     finally:
         st.close()
         pool.close()
@@ -192,6 +212,7 @@ def crc_us(payload: int, reps: int = 50) -> float:
 
 # ------------------------------------------------------------------ fio side
 
+
 def fio_round(path: str, slot: int, n: int, depth: int, mem: str, fixedbufs: bool = False) -> dict:
     out = {}
     try:
@@ -200,9 +221,18 @@ def fio_round(path: str, slot: int, n: int, depth: int, mem: str, fixedbufs: boo
         pass
     try:
         for rw, key in (("write", "write"), ("read", "read")):
-            cmd = ["fio", "--name=bench", f"--filename={path}", f"--size={n * slot}", f"--bs={slot}",
-                   f"--rw={rw}", "--ioengine=io_uring", "--direct=1", f"--iodepth={depth}",
-                   "--output-format=json"]
+            cmd = [
+                "fio",
+                "--name=bench",
+                f"--filename={path}",
+                f"--size={n * slot}",
+                f"--bs={slot}",
+                f"--rw={rw}",
+                "--ioengine=io_uring",
+                "--direct=1",
+                f"--iodepth={depth}",
+                "--output-format=json",
+            ]
             if mem == "mmaphuge":
                 cmd += ["--mem=mmaphuge", "--hugepage-size=2M"]
             if fixedbufs:
@@ -210,7 +240,7 @@ def fio_round(path: str, slot: int, n: int, depth: int, mem: str, fixedbufs: boo
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 raise RuntimeError(f"fio failed: {p.stderr.strip() or p.stdout.strip()}")
-            j = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0]
+            j = json.loads(p.stdout[p.stdout.index("{") :])["jobs"][0]
             io = j[key]
             secs = io["runtime"] / 1000
             if io["io_bytes"] != n * slot:
@@ -255,6 +285,7 @@ class HugePages:
 
 # ------------------------------------------------------------------ vLLM fs tier side
 
+
 def vllm_fs_available() -> str:
     """'' if vLLM's fs tier I/O imports here, else why not."""
     try:
@@ -279,7 +310,7 @@ def vllm_fs_round(root: str, payload: int, n: int, depth: int, arena) -> dict:
     direct = probe_o_direct(root)
     view = arena.view
     # vLLM's file mapper spreads blocks over subdirectories; one level of 256 here
-    paths = [os.path.join(root, f"{i & 0xff:02x}", f"{i:08x}.bin") for i in range(n)]
+    paths = [os.path.join(root, f"{i & 0xFF:02x}", f"{i:08x}.bin") for i in range(n)]
     for d in {os.path.dirname(p) for p in paths}:
         os.makedirs(d, exist_ok=True)
     pool = DualQueueThreadPool(depth - depth // 2, depth // 2, thread_name_prefix="bench_fs")
@@ -307,6 +338,7 @@ def vllm_fs_round(root: str, payload: int, n: int, depth: int, arena) -> dict:
 
 # ------------------------------------------------------------------ machine
 
+
 def _sh(cmd: list[str]) -> str:
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
@@ -327,13 +359,20 @@ def machine(path: str) -> dict:
             thp = f.read().strip()
     except OSError:
         thp = "?"
-    return {"nproc": os.cpu_count(), "memory": mem, "kernel": platform.release(),
-            "python": platform.python_version(), "fio": _sh(["fio", "--version"]),
-            "df": df[-1] if df else "", "lsblk": _sh(["lsblk", "-dno", "NAME,SIZE,ROTA,MODEL", dev]) if dev else "",
-            "thp": thp}
+    return {
+        "nproc": os.cpu_count(),
+        "memory": mem,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "fio": _sh(["fio", "--version"]),
+        "df": df[-1] if df else "",
+        "lsblk": _sh(["lsblk", "-dno", "NAME,SIZE,ROTA,MODEL", dev]) if dev else "",
+        "thp": thp,
+    }
 
 
 # ------------------------------------------------------------------ main
+
 
 def _sizes(text: str) -> list[int]:
     return [parse_size(x) for x in text.split(",") if x]
@@ -348,21 +387,36 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=None, help="blocks per phase (overrides --mib)")
     ap.add_argument("--sizes", default="64K,256K,1M,2M", help="payload sizes, comma separated")
     ap.add_argument("--depth", default="1,4,16,64", help="queue depths, comma separated")
-    ap.add_argument("--mode", choices=("batch", "calls"), default="batch",
-                    help="aiokv: batch = one save()/load() call of all N blocks with `depth` operations in the "
-                         "kernel (how the vLLM worker drives BlockIO); calls = `workers` concurrent loops of "
-                         "depth/workers blocks per call")
-    ap.add_argument("--workers", type=int, default=None,
-                    help="aiokv: concurrent save()/load() loops sharing the depth (default: depth, one block "
-                         "per call; see docs/benchmarks.md)")
+    ap.add_argument(
+        "--mode",
+        choices=("batch", "calls"),
+        default="batch",
+        help="aiokv: batch = one save()/load() call of all N blocks with `depth` operations in the "
+        "kernel (how the vLLM worker drives BlockIO); calls = `workers` concurrent loops of "
+        "depth/workers blocks per call",
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="aiokv: concurrent save()/load() loops sharing the depth (default: depth, one block "
+        "per call; see docs/benchmarks.md)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--no-null", action="store_true", help="skip the null-I/O overhead runs")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's fs tier")
-    ap.add_argument("--submit-group", type=int, default=None,
-                    help="aiokv's operations per io_uring_enter (0: all at once; default: the ring's, 2)")
-    ap.add_argument("--fixedbufs", action="store_true",
-                    help="also run fio with registered buffers (--fixedbufs): what registering would gain")
+    ap.add_argument(
+        "--submit-group",
+        type=int,
+        default=None,
+        help="aiokv's operations per io_uring_enter (0: all at once; default: the ring's, 2)",
+    )
+    ap.add_argument(
+        "--fixedbufs",
+        action="store_true",
+        help="also run fio with registered buffers (--fixedbufs): what registering would gain",
+    )
     args = ap.parse_args()
     global SUBMIT_GROUP
     SUBMIT_GROUP = args.submit_group
@@ -413,9 +467,11 @@ def main() -> int:
                             rounds["aiokv"].append(a)
                             f = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem)
                             rounds["fio"].append(f)
-                            msg = (f"{size >> 10:>5} KiB depth {depth:>2} round {r + 1}: aiokv W "
-                                   f"{a['write_gbps']:.2f} R {a['read_gbps']:.2f} | fio W {f['write_gbps']:.2f} "
-                                   f"R {f['read_gbps']:.2f}")
+                            msg = (
+                                f"{size >> 10:>5} KiB depth {depth:>2} round {r + 1}: aiokv W "
+                                f"{a['write_gbps']:.2f} R {a['read_gbps']:.2f} | fio W {f['write_gbps']:.2f} "
+                                f"R {f['read_gbps']:.2f}"
+                            )
                             if use_vllm:
                                 v = vllm_fs_round(os.path.join(work, "vllmfs"), size, n, depth, arena)
                                 rounds["vllm_fs"].append(v)
@@ -425,9 +481,14 @@ def main() -> int:
                                 rounds["fio_fixedbufs"].append(fx)
                                 msg += f" | fio fixedbufs W {fx['write_gbps']:.2f} R {fx['read_gbps']:.2f}"
                             log(msg + " GB/s")
-                        med = {who: {k: statistics.median(x[k] for x in rs) for k in rs[0]
-                                     if isinstance(rs[0][k], (int, float)) and not isinstance(rs[0][k], bool)}
-                               for who, rs in rounds.items()}
+                        med = {
+                            who: {
+                                k: statistics.median(x[k] for x in rs)
+                                for k in rs[0]
+                                if isinstance(rs[0][k], (int, float)) and not isinstance(rs[0][k], bool)
+                            }
+                            for who, rs in rounds.items()
+                        }
                         for who in ("aiokv", "fio", "fio_fixedbufs"):
                             if who in med:  # disk bytes are slots; CPU per GB of payload
                                 for rw in ("write", "read"):
@@ -437,13 +498,23 @@ def main() -> int:
                         if use_vllm:
                             for rw in ("write", "read"):
                                 med["vllm_fs"][f"{rw}_payload_gbps"] = med["vllm_fs"][f"{rw}_gbps"]
-                        row = {"size": size, "slot_bytes": slot, "depth": depth, "blocks": n, "workers": workers,
-                               **med, "rounds": rounds,
-                               "ratio_fio": {rw: med["aiokv"][f"{rw}_gbps"] / med["fio"][f"{rw}_gbps"]
-                                             for rw in ("write", "read")}}
+                        row = {
+                            "size": size,
+                            "slot_bytes": slot,
+                            "depth": depth,
+                            "blocks": n,
+                            "workers": workers,
+                            **med,
+                            "rounds": rounds,
+                            "ratio_fio": {
+                                rw: med["aiokv"][f"{rw}_gbps"] / med["fio"][f"{rw}_gbps"] for rw in ("write", "read")
+                            },
+                        }
                         if use_vllm:
-                            row["ratio_vllm_fs"] = {rw: med["aiokv"][f"{rw}_payload_gbps"] /
-                                                    med["vllm_fs"][f"{rw}_payload_gbps"] for rw in ("write", "read")}
+                            row["ratio_vllm_fs"] = {
+                                rw: med["aiokv"][f"{rw}_payload_gbps"] / med["vllm_fs"][f"{rw}_payload_gbps"]
+                                for rw in ("write", "read")
+                            }
                         results.append(row)
                 finally:
                     if arena is not None:
@@ -452,8 +523,15 @@ def main() -> int:
                 for size in sizes:
                     d = 16
                     nul = aiokv_round(os.path.join(work, "store"), size, 128, d, d, 99, null_io=True)
-                    overhead.append({"size": size, "depth": d, "write_cpu_us": nul["write_cpu_us"],
-                                     "read_cpu_us": nul["read_cpu_us"], "crc_us": crc_us(size)})
+                    overhead.append(
+                        {
+                            "size": size,
+                            "depth": d,
+                            "write_cpu_us": nul["write_cpu_us"],
+                            "read_cpu_us": nul["read_cpu_us"],
+                            "crc_us": crc_us(size),
+                        }
+                    )
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if args.dir is None:
@@ -461,8 +539,16 @@ def main() -> int:
     doc = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "params": {"mib": args.mib, "blocks": args.blocks, "sizes": sizes, "depths": depths,
-                   "workers": args.workers, "mode": args.mode, "rounds": args.rounds, "dir": base},
+        "params": {
+            "mib": args.mib,
+            "blocks": args.blocks,
+            "sizes": sizes,
+            "depths": depths,
+            "workers": args.workers,
+            "mode": args.mode,
+            "rounds": args.rounds,
+            "dir": base,
+        },
         "aiokv_backend": backend_name,
         "fio_mem": mem,
         "fio_mem_note": hp.note or (f"nr_hugepages raised by {pages} for the run and set back" if hp.ok else ""),
@@ -486,46 +572,63 @@ async def _backend_name() -> str:
 def render(doc: dict) -> str:
     p = doc["params"]
     vl = any("vllm_fs" in r for r in doc["results"])
-    lines = [f"aiokv {doc['aiokv_backend']} vs fio io_uring direct vs vLLM fs tier ({doc['vllm_fs']}); "
-             f"aiokv mode {p.get('mode', 'calls')}, {p['mib']} MiB per phase, median of {p['rounds']} rounds; fio buffers: {doc['fio_mem']}"
-             f"{' (' + doc['fio_mem_note'] + ')' if doc['fio_mem_note'] else ''}",
-             "",
-             "| payload | depth | aiokv W/R GB/s | fio W/R GB/s | aiokv/fio W/R |"
-             + (" vLLM fs W/R GB/s | aiokv/vLLM W/R (payload) |" if vl else "")
-             + " CPU s/GB W/R aiokv | fio |" + (" vLLM fs |" if vl else ""),
-             "|---|---|---|---|---|" + ("---|---|" if vl else "") + "---|---|" + ("---|" if vl else "")]
+    lines = [
+        f"aiokv {doc['aiokv_backend']} vs fio io_uring direct vs vLLM fs tier ({doc['vllm_fs']}); "
+        f"aiokv mode {p.get('mode', 'calls')}, {p['mib']} MiB per phase, median of {p['rounds']} rounds; fio buffers: {doc['fio_mem']}"
+        f"{' (' + doc['fio_mem_note'] + ')' if doc['fio_mem_note'] else ''}",
+        "",
+        "| payload | depth | aiokv W/R GB/s | fio W/R GB/s | aiokv/fio W/R |"
+        + (" vLLM fs W/R GB/s | aiokv/vLLM W/R (payload) |" if vl else "")
+        + " CPU s/GB W/R aiokv | fio |"
+        + (" vLLM fs |" if vl else ""),
+        "|---|---|---|---|---|" + ("---|---|" if vl else "") + "---|---|" + ("---|" if vl else ""),
+    ]
     for r in doc["results"]:
         a, f = r["aiokv"], r["fio"]
-        line = (f"| {r['size'] >> 10} KiB | {r['depth']} | {a['write_gbps']:.2f} / {a['read_gbps']:.2f} "
-                f"| {f['write_gbps']:.2f} / {f['read_gbps']:.2f} "
-                f"| {r['ratio_fio']['write']:.2f} / {r['ratio_fio']['read']:.2f} |")
+        line = (
+            f"| {r['size'] >> 10} KiB | {r['depth']} | {a['write_gbps']:.2f} / {a['read_gbps']:.2f} "
+            f"| {f['write_gbps']:.2f} / {f['read_gbps']:.2f} "
+            f"| {r['ratio_fio']['write']:.2f} / {r['ratio_fio']['read']:.2f} |"
+        )
         if vl:
             v = r["vllm_fs"]
-            line += (f" {v['write_gbps']:.2f} / {v['read_gbps']:.2f} "
-                     f"| {r['ratio_vllm_fs']['write']:.2f} / {r['ratio_vllm_fs']['read']:.2f} |")
-        line += (f" {a['write_cpu_s_per_gb']:.3f} / {a['read_cpu_s_per_gb']:.3f} "
-                 f"| {f['write_cpu_s_per_gb']:.3f} / {f['read_cpu_s_per_gb']:.3f} |")
+            line += (
+                f" {v['write_gbps']:.2f} / {v['read_gbps']:.2f} "
+                f"| {r['ratio_vllm_fs']['write']:.2f} / {r['ratio_vllm_fs']['read']:.2f} |"
+            )
+        line += (
+            f" {a['write_cpu_s_per_gb']:.3f} / {a['read_cpu_s_per_gb']:.3f} "
+            f"| {f['write_cpu_s_per_gb']:.3f} / {f['read_cpu_s_per_gb']:.3f} |"
+        )
         if vl:
             line += f" {r['vllm_fs']['write_cpu_s_per_gb']:.3f} / {r['vllm_fs']['read_cpu_s_per_gb']:.3f} |"
         lines.append(line)
     if any("fio_fixedbufs" in r for r in doc["results"]):
-        lines += ["", "| payload | depth | fio W/R GB/s | fio --fixedbufs W/R GB/s | fio CPU s/GB W/R | fixedbufs |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| payload | depth | fio W/R GB/s | fio --fixedbufs W/R GB/s | fio CPU s/GB W/R | fixedbufs |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in doc["results"]:
             f, x = r["fio"], r["fio_fixedbufs"]
-            lines.append(f"| {r['size'] >> 10} KiB | {r['depth']} | {f['write_gbps']:.2f} / {f['read_gbps']:.2f} "
-                         f"| {x['write_gbps']:.2f} / {x['read_gbps']:.2f} "
-                         f"| {f['write_cpu_s_per_gb']:.3f} / {f['read_cpu_s_per_gb']:.3f} "
-                         f"| {x['write_cpu_s_per_gb']:.3f} / {x['read_cpu_s_per_gb']:.3f} |")
+            lines.append(
+                f"| {r['size'] >> 10} KiB | {r['depth']} | {f['write_gbps']:.2f} / {f['read_gbps']:.2f} "
+                f"| {x['write_gbps']:.2f} / {x['read_gbps']:.2f} "
+                f"| {f['write_cpu_s_per_gb']:.3f} / {f['read_cpu_s_per_gb']:.3f} "
+                f"| {x['write_cpu_s_per_gb']:.3f} / {x['read_cpu_s_per_gb']:.3f} |"
+            )
     if doc.get("overhead"):
         lines += ["", "| payload | null-I/O CPU µs/block W/R (depth 16) | CRC32C µs |", "|---|---|---|"]
         for o in doc["overhead"]:
-            lines.append(f"| {o['size'] >> 10} KiB | {o['write_cpu_us']:.0f} / {o['read_cpu_us']:.0f} "
-                         f"| {o['crc_us']:.0f} |")
+            lines.append(
+                f"| {o['size'] >> 10} KiB | {o['write_cpu_us']:.0f} / {o['read_cpu_us']:.0f} | {o['crc_us']:.0f} |"
+            )
     lines.append("")
-    lines.append("GB/s: bytes each contender moved to/from the disk (aiokv and fio: slots of payload + 4 KiB "
-                 "header, the same I/Os; vLLM fs: the payload). aiokv/vLLM compares payload GB/s. "
-                 "CPU s/GB: process CPU seconds per GB of payload.")
+    lines.append(
+        "GB/s: bytes each contender moved to/from the disk (aiokv and fio: slots of payload + 4 KiB "
+        "header, the same I/Os; vLLM fs: the payload). aiokv/vLLM compares payload GB/s. "
+        "CPU s/GB: process CPU seconds per GB of payload."
+    )
     return "\n".join(lines)
 
 
@@ -558,14 +661,14 @@ def plot(doc: dict, outdir: str) -> list[str]:
             if row == 1:
                 ax.set_xlabel("block (payload) size")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"KV block I/O on one disk, median of {doc['params']['rounds']} rounds ({doc['date'][:10]})",
-                 fontsize=10)
+    fig.suptitle(
+        f"KV block I/O on one disk, median of {doc['params']['rounds']} rounds ({doc['date'][:10]})", fontsize=10
+    )
     fig.tight_layout()
     path = os.path.join(outdir, "store_throughput.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]
-
 
 
 def emit(doc: dict, args, render, plot=None) -> int:
@@ -581,6 +684,7 @@ def emit(doc: dict, args, render, plot=None) -> int:
     else:
         print(render(doc))
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

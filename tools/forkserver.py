@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A fork server for engine lives: one process that has imported torch and vLLM
 once, and forks a fresh child for each engine life asked of it (tests/e2e.py's
 run, tools/fuzz.py's lives).
@@ -21,6 +22,7 @@ group never reaches the server or its caller), with stdout and stderr in the
 files named. Threading: the server is single-threaded; `Server` is used from one
 thread of its caller.
 """
+
 from __future__ import annotations
 
 import json
@@ -120,8 +122,15 @@ class Server:
         return all(k.startswith(RUNTIME_PREFIXES) for k in set(env) | set(self.env) if env.get(k) != self.env.get(k))
 
     def _start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], cwd=self.root, env=self.env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__)],
+            cwd=self.root,
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
         if json.loads(self.proc.stdout.readline() or "{}").get("ready") is not True:
             raise RuntimeError("the engine fork server did not start")
 

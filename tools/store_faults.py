@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Test-only: exceptions injected into the scheduler side's store calls during a
 fuzz life (tools/fuzz.py --store-faults P), and checks that every block a save
 reads or a load writes is the one holding its key's tokens.
@@ -11,12 +12,24 @@ the end, no load reported twice (load_report_breaches).
 
 Threading contract: vLLM's EngineCore thread (the fuzz runs vLLM in-process).
 """
+
 from __future__ import annotations
 
 import random
 
-METHODS = ("lookup", "reserve", "pin", "unpin", "commit", "abort", "drop", "refresh", "flush_if_due",
-           "verify_slot", "close")
+METHODS = (
+    "lookup",
+    "reserve",
+    "pin",
+    "unpin",
+    "commit",
+    "abort",
+    "drop",
+    "refresh",
+    "flush_if_due",
+    "verify_slot",
+    "close",
+)
 
 
 class Injected(Exception):
@@ -64,8 +77,10 @@ def install(conn, wc, managers, rate: float, seed: int, violations: list[str]) -
         for key, block in pairs:
             i = where(t, key)
             if i is None or i >= len(table) or table[i].block_id != block:
-                violations.append(f"{what} of {t.req_id} group {t.group}: block {block} does not hold the "
-                                  f"tokens of its key (position {i})")
+                violations.append(
+                    f"{what} of {t.req_id} group {t.group}: block {block} does not hold the "
+                    f"tokens of its key (position {i})"
+                )
 
     def save(transfers):
         for t in transfers:
@@ -83,5 +98,8 @@ def install(conn, wc, managers, rate: float, seed: int, violations: list[str]) -
 
 def summary(faulty: FaultyStore) -> dict:
     store = faulty._store
-    return {"calls": dict(faulty.calls), "injected": dict(faulty.injected),
-            "pending_reservations": sum(len(ns.pending) for ns in store.index.namespaces.values())}
+    return {
+        "calls": dict(faulty.calls),
+        "injected": dict(faulty.injected),
+        "pending_reservations": sum(len(ns.pending) for ns in store.index.namespaces.values()),
+    }

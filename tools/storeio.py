@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Saves and loads in one process, for tests and benchmarks: a Store (the index)
 with the worker's data path (BlockIO, aiokv/data/blockio.py) beside it.
 
@@ -13,20 +14,20 @@ DrivesIO does the same over several drives (a Drives store, a DriveIO).
 Threading contract: one thread, the Store's owner; `save`, `load` and `blockio`
 run on an asyncio loop there, whose backend (`_backend`; DrivesIO: one per drive) the BlockIOs use.
 """
+
 from __future__ import annotations
 
 import asyncio
 import errno
 
+from aiokv.config import parse_size
 from aiokv.data import format as fmt
 from aiokv.data.backend import open_backend
-from aiokv.config import parse_size
 from aiokv.data.blockio import BlockIO
 from aiokv.data.drives import DriveIO
 from aiokv.store import Namespace, Store
 from aiokv.store.drives import Drives, open_drives
 from aiokv.store.store import ns_dir
-
 
 
 def _close_io(st, backends) -> None:
@@ -36,6 +37,7 @@ def _close_io(st, backends) -> None:
     st._io.clear()
     for backend in backends:
         backend.close()
+
 
 class StoreIO(Store):
     """A Store whose slots this process also reads and writes (one-rank namespaces)."""
@@ -52,8 +54,15 @@ class StoreIO(Store):
             self._backend = open_backend(loop)
         io = self._io.get((ns.nsid, rank))
         if io is None:
-            io = self._io[(ns.nsid, rank)] = BlockIO(self._backend, ns_dir(self.root, ns.nsid), ns.nsid, rank,
-                                                     ns.payload_bytes, secret=self._secret, cpu=self._cpu)
+            io = self._io[(ns.nsid, rank)] = BlockIO(
+                self._backend,
+                ns_dir(self.root, ns.nsid),
+                ns.nsid,
+                rank,
+                ns.payload_bytes,
+                secret=self._secret,
+                cpu=self._cpu,
+            )
         return io
 
     async def save(self, ns: Namespace, items, rank: int = 0) -> list[int]:
@@ -111,14 +120,24 @@ class DrivesIO(Drives):
     save = StoreIO.save
     load = StoreIO.load
 
-    def __init__(self, paths: list[str], capacity=None, timeout: float = 60.0, failures: int = 3,
-                 cooldown: float = 30.0, secret: str | None = None, cpu=None, **kw):
+    def __init__(
+        self,
+        paths: list[str],
+        capacity=None,
+        timeout: float = 60.0,
+        failures: int = 3,
+        cooldown: float = 30.0,
+        secret: str | None = None,
+        cpu=None,
+        **kw,
+    ):
         self._io: dict[tuple[bytes, int], DriveIO] = {}
         self._backends: dict = {}  # drive -> its backend
         self._secret, self._cpu = secret, cpu
         cap = parse_size(capacity) if capacity is not None else None
-        drives, _ = open_drives(paths, lambda p, n: (Store(p, capacity=cap and cap // n, **kw), []), timeout,
-                                failures, cooldown)
+        drives, _ = open_drives(
+            paths, lambda p, n: (Store(p, capacity=cap and cap // n, **kw), []), timeout, failures, cooldown
+        )
         self.__dict__.update(drives.__dict__)
 
     def blockio(self, ns, rank: int = 0) -> DriveIO:
@@ -129,8 +148,20 @@ class DrivesIO(Drives):
         io = self._io.get((ns.nsid, rank))
         if io is None:
             io = self._io[(ns.nsid, rank)] = DriveIO(
-                {d: BlockIO(self._backends[d], ns_dir(self.paths[d], ns.nsid), ns.nsid, rank, ns.payload_bytes,
-                            secret=self._secret, cpu=self._cpu) for d in self.live}, self.record)
+                {
+                    d: BlockIO(
+                        self._backends[d],
+                        ns_dir(self.paths[d], ns.nsid),
+                        ns.nsid,
+                        rank,
+                        ns.payload_bytes,
+                        secret=self._secret,
+                        cpu=self._cpu,
+                    )
+                    for d in self.live
+                },
+                self.record,
+            )
         return io
 
     def close(self, checkpoint: bool = True) -> None:

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The default test suite (the README's test command runs this after tools/setup.sh).
 # First the tests that start no vLLM engine, one at a time: some of them time what
 # they pin down (a step that must not wait, a timeout that must be honoured) and
@@ -9,6 +10,9 @@
 # AIOKV_TEST_WORKERS sets the number of workers (1: one after the other, as before).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# lint and format check first (ruff, configured in pyproject.toml): seconds
+.venv/bin/ruff check -q . && .venv/bin/ruff format --check -q .
+lint=$?
 .venv/bin/python -m pytest -q -m "not vllm and not long"
 units=$?
 workers=${AIOKV_TEST_WORKERS:-2}
@@ -18,4 +22,4 @@ else
   .venv/bin/python -m pytest -q -n "$workers" --dist loadfile -m "vllm and not long"
 fi
 e2e=$?
-[ $units = 0 ] && [ $e2e = 0 ]
+[ $lint = 0 ] && [ $units = 0 ] && [ $e2e = 0 ]

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The bucket tier: blocks uploaded to an S3-compatible bucket so that other
 engines (other nodes) load them instead of recomputing (docs/sharing.md).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The S3 client of the bucket tier, on obstore (object_store, in Rust).
 
 Chosen by measurement (tools/bench_bucket.py, docs/benchmarks.md): against the
@@ -19,6 +20,7 @@ exception to turn into a miss or a dropped upload.
 Threading contract: the coroutines may be awaited on any asyncio loop, from any
 thread (obstore runs the I/O on its own runtime); one client serves them all.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,12 +53,21 @@ class BucketClient:
         self.breaker = breaker or bucket_breaker()
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
         t = timedelta(seconds=timeout)
-        opts = {"timeout": t, "connect_timeout": timedelta(seconds=min(timeout, 2.0)),
-                "allow_http": endpoint.startswith("http://")}
+        opts = {
+            "timeout": t,
+            "connect_timeout": timedelta(seconds=min(timeout, 2.0)),
+            "allow_http": endpoint.startswith("http://"),
+        }
         # one quick retry inside the deadline (a reset connection); never longer than `timeout`
-        retry = {"max_retries": 1, "retry_timeout": t,
-                 "backoff": {"init_backoff": timedelta(milliseconds=20), "max_backoff": timedelta(milliseconds=200),
-                             "base": 2.0}}
+        retry = {
+            "max_retries": 1,
+            "retry_timeout": t,
+            "backoff": {
+                "init_backoff": timedelta(milliseconds=20),
+                "max_backoff": timedelta(milliseconds=200),
+                "base": 2.0,
+            },
+        }
         kw = {"endpoint": endpoint} if endpoint else {}
         self.store = S3Store(self.bucket, client_options=opts, retry_config=retry, **kw)
 
@@ -92,9 +103,11 @@ class BucketClient:
 
     async def get(self, name: str):
         """The object's bytes (a buffer), or None when there is no such object."""
+
         async def body():
             r = await obstore.get_async(self.store, name)
             return await r.bytes_async()
+
         try:
             return await self._call(body)
         except (FileNotFoundError, NotFoundError):

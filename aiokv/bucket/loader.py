@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Loads from the bucket: GET a block's object into a staging buffer and verify it exactly
 as a local read is verified (BlockIO.verify: magic, version, namespace, rank,
 key, layout, length, CRC32C, and the MAC when a secret is set).
@@ -8,6 +9,7 @@ deliver in time is a miss: the caller recomputes the block. Nothing raises.
 
 Threading contract: coroutines on the worker's event loop (TransferWorker).
 """
+
 from __future__ import annotations
 
 import ctypes

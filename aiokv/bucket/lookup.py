@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The scheduler side's view of the bucket tier: how many blocks past the
 local hit the bucket holds, for every group and rank.
 
@@ -10,6 +11,7 @@ other blocks per hit; they still upload).
 Threading contract: vLLM's scheduler thread (the Prober runs its probes on
 its own loop thread).
 """
+
 from __future__ import annotations
 
 from aiokv.bucket.client import BucketClient, bucket_breaker
@@ -18,8 +20,7 @@ from aiokv.bucket.prober import Prober
 
 
 class BucketLookup:
-    def __init__(self, url: str, timeout: float, probe_timeout: float,
-                 groups: list[tuple[bytes, int, int]]):
+    def __init__(self, url: str, timeout: float, probe_timeout: float, groups: list[tuple[bytes, int, int]]):
         """groups: (namespace id, ranks that store it, slot bytes) per KV-cache group."""
         self.client = BucketClient(url, timeout, bucket_breaker())
         self.prober = Prober(self.client, probe_timeout)
@@ -45,8 +46,9 @@ class BucketLookup:
 
     @property
     def counters(self) -> dict[str, int]:
-        return {f"bucket_{k}": v for k, v in self.prober.counters.items()} | {"bucket_breaker_opened":
-                                                                                self.client.breaker.opens}
+        return {f"bucket_{k}": v for k, v in self.prober.counters.items()} | {
+            "bucket_breaker_opened": self.client.breaker.opens
+        }
 
     def close(self) -> None:
         self.prober.close()

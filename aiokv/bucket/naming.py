@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Where a block lives in the bucket.
 
 An object holds one slot exactly as on local disk (header, then the payload
@@ -9,6 +10,7 @@ so two engines derive the same name for the same block without asking anyone:
 
 Threading contract: pure functions, any thread.
 """
+
 from __future__ import annotations
 
 import re
@@ -22,8 +24,9 @@ def parse_url(url) -> tuple[str, str]:
         raise ValueError(f"aiokv: bucket must look like s3://BUCKET/PREFIX, got {url!r}")
     bucket, _, prefix = url[5:].partition("/")
     if not _BUCKET.match(bucket):
-        raise ValueError(f"aiokv: bucket: {bucket!r} is not a valid S3 bucket name "
-                         "(3-63 lowercase letters, digits, dots or hyphens)")
+        raise ValueError(
+            f"aiokv: bucket: {bucket!r} is not a valid S3 bucket name (3-63 lowercase letters, digits, dots or hyphens)"
+        )
     return bucket, prefix.strip("/")
 
 

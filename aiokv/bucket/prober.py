@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Which blocks past the local hit the bucket has, without a round trip on
 the scheduler thread.
 
@@ -16,6 +17,7 @@ Threading contract: lookup/forget/close from one thread (vLLM's scheduler
 thread); the probes run on the prober's loop thread; the caches are shared
 under a lock.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,16 +25,15 @@ import collections
 import threading
 import time
 
-
 from aiokv.bucket.client import BucketClient, BucketError
 from aiokv.util.loops import LoopThread
 
-BATCH_BLOCKS = 256       # blocks probed by one probe, at most (8k tokens at block size 32)
-CONCURRENCY = 64         # HEADs in flight per probe
-WAIT_S = 0.002           # a lookup waits this long for its probe before answering "not yet"
-PRESENT_TTL = 300.0      # s: a present object may expire (bucket lifecycle)
-ABSENT_TTL = 5.0         # s: another engine may upload it meanwhile
-MAX_CACHED = 200_000     # names remembered (both caches together)
+BATCH_BLOCKS = 256  # blocks probed by one probe, at most (8k tokens at block size 32)
+CONCURRENCY = 64  # HEADs in flight per probe
+WAIT_S = 0.002  # a lookup waits this long for its probe before answering "not yet"
+PRESENT_TTL = 300.0  # s: a present object may expire (bucket lifecycle)
+ABSENT_TTL = 5.0  # s: another engine may upload it meanwhile
+MAX_CACHED = 200_000  # names remembered (both caches together)
 
 
 class _Probe:
@@ -73,8 +74,7 @@ class Prober:
                 if False in states:
                     break
                 if None in states:
-                    unknown = [o for b in blocks[i:i + BATCH_BLOCKS] for o in b
-                               if self._state(o[0], now) is None]
+                    unknown = [o for b in blocks[i : i + BATCH_BLOCKS] for o in b if self._state(o[0], now) is None]
                     break
                 n += 1
         if not unknown:

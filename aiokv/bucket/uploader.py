@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Write-behind uploads of committed-to-disk blocks to the bucket tier.
 
 A block is offered once its local write succeeded; `offer` only queues a copy
@@ -18,6 +19,7 @@ timeout; what is left then is dropped and counted.
 Threading contract: every method runs on one asyncio loop, the worker's loop
 thread (TransferWorker), its counts go through `count` (the owner's, thread-safe).
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`aiokv inspect`: what a cache directory holds, and whether its blocks verify.
 
 Read-only by default and safe beside running engines: every engine's index is
@@ -30,11 +31,25 @@ output). This module is the interface main.py and other callers use.
 
 Threading: one thread (the CLI's); --verify runs its own event loop.
 """
+
 from aiokv.cli.opening import SCHEMA, InspectError, open_readonly
 from aiokv.cli.render import human, human_age, render_keys, render_summary, render_verify
 from aiokv.cli.slots import Bad, check_slot
 from aiokv.cli.summary import keys, summary
 from aiokv.cli.verify import verify
 
-__all__ = ["SCHEMA", "Bad", "InspectError", "check_slot", "human", "human_age", "keys", "open_readonly", "render_keys",
-           "render_summary", "render_verify", "summary", "verify"]
+__all__ = [
+    "SCHEMA",
+    "Bad",
+    "InspectError",
+    "check_slot",
+    "human",
+    "human_age",
+    "keys",
+    "open_readonly",
+    "render_keys",
+    "render_summary",
+    "render_verify",
+    "summary",
+    "verify",
+]

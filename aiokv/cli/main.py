@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The `aiokv` command (also `python -m aiokv`).
 
     aiokv --version                      the installed version
@@ -14,6 +15,7 @@ directories each is shown in turn (JSON: {"schema", "drives": [{"path", and its
 document or "error"}]}); one that cannot be read is its one line on stderr and
 the others are still shown; the status is the worst of them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,18 +31,26 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     ins = sub.add_parser(
-        "inspect", help="show, list or verify what a cache directory holds",
+        "inspect",
+        help="show, list or verify what a cache directory holds",
         description="Show what an aiokv cache directory holds. Read-only and safe beside a running engine, "
-                    "except --repair, which needs the engine stopped.")
-    ins.add_argument("dir", metavar="DIR", nargs="+",
-                     help="the cache directory (several: each drive's, as in a `path` list)")
+        "except --repair, which needs the engine stopped.",
+    )
+    ins.add_argument(
+        "dir", metavar="DIR", nargs="+", help="the cache directory (several: each drive's, as in a `path` list)"
+    )
     ins.add_argument("--keys", action="store_true", help="list stored keys (hex) with size and last access")
-    ins.add_argument("--verify", action="store_true",
-                     help="read every committed block of every rank and check its header and CRC32C; "
-                          "exit 1 if any is corrupt")
-    ins.add_argument("--repair", action="store_true",
-                     help="with --verify (implied): drop corrupt blocks from the index, or rebuild a corrupt "
-                          "index from the slot headers; takes the directory's lock")
+    ins.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every committed block of every rank and check its header and CRC32C; exit 1 if any is corrupt",
+    )
+    ins.add_argument(
+        "--repair",
+        action="store_true",
+        help="with --verify (implied): drop corrupt blocks from the index, or rebuild a corrupt "
+        "index from the slot headers; takes the directory's lock",
+    )
     ins.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     ins.add_argument("--no-progress", action="store_true", help="no progress bar on stderr during --verify")
     return p
@@ -73,8 +83,7 @@ def _inspect(args) -> int:
         except Exception as e:
             if not isinstance(e, (ins.InspectError, OSError, ValueError, RuntimeError)):
                 raise
-            line = (f"aiokv: {e.filename}: {e.strerror or e}" if isinstance(e, OSError) and e.filename
-                    else _one_line(e))
+            line = f"aiokv: {e.filename}: {e.strerror or e}" if isinstance(e, OSError) and e.filename else _one_line(e)
             print(line, file=sys.stderr)
             doc, text, code = {"error": line}, line, getattr(e, "code", 2)
         docs.append({"path": d, **doc})

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`aiokv inspect`: opening a cache directory read-only, beside running engines.
 
 Every engine's index is replayed with Store(readonly=True) (no lock, no writes;
@@ -8,6 +9,7 @@ store, locked, unreadable) are InspectError: one line, exit status 2.
 
 Threading: one thread (the CLI's).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +20,8 @@ from aiokv.store.lock import engines
 from aiokv.store.store import NotAStore, Store
 
 RETRY_PAUSE = 0.05
-ATTEMPTS = 3               # replays tried when the engine moved files meanwhile
-SCHEMA = 1                 # version of the --format json documents
+ATTEMPTS = 3  # replays tried when the engine moved files meanwhile
+SCHEMA = 1  # version of the --format json documents
 
 
 class InspectError(Exception):
@@ -76,8 +78,9 @@ def open_readonly(root: str) -> Store:
             if attempt < ATTEMPTS - 1:  # a namespace being created, a file vanishing under a checkpoint
                 time.sleep(RETRY_PAUSE)
                 continue
-            raise InspectError(f"aiokv: {root}: {e.strerror}: {e.filename} (a damaged store? an owner "
-                               "opening it rebuilds what it can)") from None
+            raise InspectError(
+                f"aiokv: {root}: {e.strerror}: {e.filename} (a damaged store? an owner opening it rebuilds what it can)"
+            ) from None
         except KeyError as e:
             raise InspectError(f"aiokv: {root}: a namespace.json lacks {e}") from None
         if _journal_missing(st) and attempt < ATTEMPTS - 1:

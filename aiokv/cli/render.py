@@ -1,8 +1,10 @@
+# SPDX-License-Identifier: Apache-2.0
 """`aiokv inspect`'s text output: the summary, the keys and the verify documents
 rendered for people (the JSON documents are printed as they are, main.py).
 
 Threading: plain functions, any thread.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,44 +37,65 @@ def _fields_text(fields: dict) -> str:
 
 def render_summary(d: dict) -> str:
     running = [e for e in d["engines"] if e["running"]]
-    owner = ("none running" if not running else
-             ", ".join(f"engine {e['engine']} pid {e['pid'] if e['pid'] > 0 else 'unknown'}" for e in running)
-             + " (running; this view may already be stale)")
-    cap = (human(d["capacity_bytes"]) if d["capacity_bytes"] is not None else
-           "unknown (the engine's setting, not recorded in the directory)")
+    owner = (
+        "none running"
+        if not running
+        else ", ".join(f"engine {e['engine']} pid {e['pid'] if e['pid'] > 0 else 'unknown'}" for e in running)
+        + " (running; this view may already be stale)"
+    )
+    cap = (
+        human(d["capacity_bytes"])
+        if d["capacity_bytes"] is not None
+        else "unknown (the engine's setting, not recorded in the directory)"
+    )
     t = d["total"]
-    lines = [f"aiokv store {d['root']} (format {d['format']})",
-             f"engines:   {owner}",
-             f"capacity:  {cap}",
-             f"total:     {t['namespaces']} namespace(s), {t['blocks']} block(s), {human(t['bytes'])} "
-             f"({human(t['disk_bytes'])} allocated on disk)"]
+    lines = [
+        f"aiokv store {d['root']} (format {d['format']})",
+        f"engines:   {owner}",
+        f"capacity:  {cap}",
+        f"total:     {t['namespaces']} namespace(s), {t['blocks']} block(s), {human(t['bytes'])} "
+        f"({human(t['disk_bytes'])} allocated on disk)",
+    ]
     w = d["wear"]
     if w["since"] is not None:
         dwpd = w["drive_writes_per_day"]
-        lines.append(f"written:   {human(w['written_bytes'])} since {_when(w['since'])}"
-                     + (f", {dwpd:.3g} drive writes per day of its {human(w['drive_bytes'])} file system"
-                        if dwpd is not None else ""))
+        lines.append(
+            f"written:   {human(w['written_bytes'])} since {_when(w['since'])}"
+            + (
+                f", {dwpd:.3g} drive writes per day of its {human(w['drive_bytes'])} file system"
+                if dwpd is not None
+                else ""
+            )
+        )
     for e in d["engines"]:
         state = f"running, pid {e['pid'] if e['pid'] > 0 else 'unknown'}" if e["running"] else "not running"
-        lines.append(f"engine {e['engine']}:  {state}; {e['blocks']} block(s), {human(e['bytes'])} "
-                     f"({human(e['disk_bytes'])} on disk)")
+        lines.append(
+            f"engine {e['engine']}:  {state}; {e['blocks']} block(s), {human(e['bytes'])} "
+            f"({human(e['disk_bytes'])} on disk)"
+        )
     for n in d["namespaces"]:
-        lines += ["",
-                  f"namespace {n['nsid']}",
-                  f"  fields:        {_fields_text(n['fields'])}",
-                  f"  blocks:        {n['blocks']}",
-                  f"  per engine:    {', '.join(f'engine {e}: {c}' for e, c in n['engines'].items()) or '-'} "
-                  f"({n['keys']} distinct key(s))",
-                  f"  bytes:         {human(n['bytes'])} ({n['bytes']} = {n['blocks']} x {n['slot_bytes']}-byte "
-                  f"slots x {n['ranks']} rank(s))",
-                  f"  payload:       {n['payload_bytes']} bytes per block per rank",
-                  f"  ranks:         {n['ranks']}",
-                  f"  on disk:       {human(n['disk_bytes'])} allocated in data files",
-                  f"  oldest access: {n['oldest_access'] or '-'}",
-                  f"  newest access: {n['newest_access'] or '-'}",
-                  "  used in last:  " + ", ".join(f"{w} {n['access'][f'used_last_{w}']}" for w, _ in AGE_WINDOWS)
-                  + (f" (median age {human_age(n['access']['median_age_seconds'])})"
-                     if n["access"]["median_age_seconds"] is not None else "")]
+        lines += [
+            "",
+            f"namespace {n['nsid']}",
+            f"  fields:        {_fields_text(n['fields'])}",
+            f"  blocks:        {n['blocks']}",
+            f"  per engine:    {', '.join(f'engine {e}: {c}' for e, c in n['engines'].items()) or '-'} "
+            f"({n['keys']} distinct key(s))",
+            f"  bytes:         {human(n['bytes'])} ({n['bytes']} = {n['blocks']} x {n['slot_bytes']}-byte "
+            f"slots x {n['ranks']} rank(s))",
+            f"  payload:       {n['payload_bytes']} bytes per block per rank",
+            f"  ranks:         {n['ranks']}",
+            f"  on disk:       {human(n['disk_bytes'])} allocated in data files",
+            f"  oldest access: {n['oldest_access'] or '-'}",
+            f"  newest access: {n['newest_access'] or '-'}",
+            "  used in last:  "
+            + ", ".join(f"{w} {n['access'][f'used_last_{w}']}" for w, _ in AGE_WINDOWS)
+            + (
+                f" (median age {human_age(n['access']['median_age_seconds'])})"
+                if n["access"]["median_age_seconds"] is not None
+                else ""
+            ),
+        ]
     return "\n".join(lines)
 
 
@@ -86,8 +109,10 @@ def render_keys(d: dict) -> str:
             w = max(len(k["key"]) for k in n["keys"])
             lines.append(f"  {'KEY':<{w}}  {'ENGINE':>6}  {'SLOT':>8}  {'SIZE':>10}  LAST ACCESS")
             for k in n["keys"]:
-                lines.append(f"  {k['key']:<{w}}  {k['engine']:>6}  {k['slot']:>8}  {human(k['bytes']):>10}  "
-                             f"{k['last_access'] or '-'}")
+                lines.append(
+                    f"  {k['key']:<{w}}  {k['engine']:>6}  {k['slot']:>8}  {human(k['bytes']):>10}  "
+                    f"{k['last_access'] or '-'}"
+                )
     return "\n".join(lines) if lines else "(no namespaces)"
 
 
@@ -98,12 +123,16 @@ def render_verify(d: dict) -> str:
     if d.get("index_rebuilt"):
         lines.append("index: rebuilt from the slot headers (--repair)")
     nbad = len(d["corrupt"])
-    lines.append(f"verified {d['checked_blocks']} block(s), {human(d['checked_bytes'])} in {d['seconds']:.2f} s: "
-                 + (f"{nbad} corrupt" if nbad else "all intact" if not d["index_errors"] else "index damaged"))
+    lines.append(
+        f"verified {d['checked_blocks']} block(s), {human(d['checked_bytes'])} in {d['seconds']:.2f} s: "
+        + (f"{nbad} corrupt" if nbad else "all intact" if not d["index_errors"] else "index damaged")
+    )
     for b in d["corrupt"]:
-        lines.append(f"corrupt: namespace {b['nsid']} key {b['key']} engine {b['engine']} rank {b['rank']} "
-                     f"slot {b['slot']}: "
-                     f"{b['reason']}")
+        lines.append(
+            f"corrupt: namespace {b['nsid']} key {b['key']} engine {b['engine']} rank {b['rank']} "
+            f"slot {b['slot']}: "
+            f"{b['reason']}"
+        )
     if d["repaired"] is not None and nbad:
         keys_dropped = {(b["nsid"], b["key"]) for b in d["repaired"]}
         lines.append(f"repaired: dropped {len(keys_dropped)} key(s) from the index")

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`aiokv inspect --verify`: reading and checking committed slots, read-only.
 
 Each slot is read through the I/O backend (IN_FLIGHT reads in flight, at most
@@ -11,6 +12,7 @@ the engine evicted and rewrote meanwhile is not reported as corrupt.
 Threading: one thread (the CLI's); the reads run on an event loop of their own
 (`run`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,13 +24,13 @@ import sys
 
 from aiokv.cli.opening import engines_running, open_readonly
 from aiokv.data import format as fmt
-from aiokv.data.backend import OP_READ, open_backend
 from aiokv.data import slotfile
-from aiokv.data.slotfile import open_data_file, open_engine_dir
+from aiokv.data.backend import OP_READ, open_backend
 from aiokv.data.buffers import BufferPool
+from aiokv.data.slotfile import open_data_file, open_engine_dir
 from aiokv.store.store import NotAStore, Store, ns_dir
 
-IN_FLIGHT = 32            # verify reads in flight
+IN_FLIGHT = 32  # verify reads in flight
 STAGING_LIMIT = 256 << 20  # staging memory for verify reads, at most
 
 
@@ -42,8 +44,14 @@ class Bad:
     engine: int = 0
 
     def as_dict(self) -> dict:
-        return {"nsid": self.nsid.hex(), "key": self.key.hex(), "engine": self.engine, "rank": self.rank,
-                "slot": self.slot, "reason": self.reason}
+        return {
+            "nsid": self.nsid.hex(),
+            "key": self.key.hex(),
+            "engine": self.engine,
+            "rank": self.rank,
+            "slot": self.slot,
+            "reason": self.reason,
+        }
 
 
 class Progress:
@@ -52,9 +60,18 @@ class Progress:
     def __init__(self, total_blocks: int, total_bytes: int, enabled: bool | None = None):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="verifying",
-                        file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=0.2,
-                        disable=not (sys.stderr.isatty() if enabled is None else enabled))
+        self.bar = tqdm(
+            total=total_bytes,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc="verifying",
+            file=sys.stderr,
+            leave=False,
+            dynamic_ncols=True,
+            mininterval=0.2,
+            disable=not (sys.stderr.isatty() if enabled is None else enabled),
+        )
 
     def add(self, blocks: int, nbytes: int) -> None:
         self.bar.update(nbytes)
@@ -78,8 +95,9 @@ def _open_data(root: str, nsid: bytes, rank: int, engine: int) -> int:
 def check_slot(addr: int, nsid: bytes, rank: int, key: bytes, payload_len: int) -> str | None:
     """None if the slot at addr holds `key` intact (slotfile.check_slot); else what is wrong."""
     try:
-        slotfile.check_slot((ctypes.c_char * (fmt.HEADER_BYTES + payload_len)).from_address(addr), nsid, rank,
-                            payload_len, key)
+        slotfile.check_slot(
+            (ctypes.c_char * (fmt.HEADER_BYTES + payload_len)).from_address(addr), nsid, rank, payload_len, key
+        )
     except fmt.BadBlock as e:
         return str(e) if str(e).startswith(("header", "payload")) else f"header {e}"
     return None
@@ -117,7 +135,7 @@ async def _verify_ns(backend, root: str, ns, items, progress: Progress | None) -
         async def worker(w: int) -> None:
             bufs = [pool.addr(w * per + i) for i in range(per)]
             for start in it:
-                chunk = todo[start:start + per]
+                chunk = todo[start : start + per]
                 ops = [(OP_READ, fd, bufs[i], sb, s * sb) for i, (_, _, s, fd, _) in enumerate(chunk)]
                 res = await backend.run(ops)
                 for i, (r, (rank, key, slot, _, engine)) in enumerate(zip(res, chunk)):
@@ -166,9 +184,10 @@ def run_loop(coro):
 
 def work_of(st: Store) -> dict:
     """nsid -> [(rank, key, location)]: every copy in every engine's files."""
-    return {nsid: [(r, k, fmt.loc(e, s)) for e, d in ns.peers.items() for k, (s, _) in d.items()
-                   for r in range(ns.ranks)]
-            for nsid, ns in st.index.namespaces.items()}
+    return {
+        nsid: [(r, k, fmt.loc(e, s)) for e, d in ns.peers.items() for k, (s, _) in d.items() for r in range(ns.ranks)]
+        for nsid, ns in st.index.namespaces.items()
+    }
 
 
 def still_committed(st, bad: list) -> dict:

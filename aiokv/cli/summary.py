@@ -1,9 +1,11 @@
+# SPDX-License-Identifier: Apache-2.0
 """`aiokv inspect` and `--keys`: what a cache directory holds, as a JSON-ready
 document (docs/inspect-json.md): engines, namespaces, blocks, bytes, ages;
 or every key, least recently used first.
 
 Threading: one thread (the CLI's), over a Store opened read-only (opening.py).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -51,8 +53,10 @@ def summary(st: Store) -> dict:
     lives = engines(root)
     now = time.time_ns()
     out_ns = []
-    per_engine: dict[int, dict] = {e: {"engine": e, "pid": pid, "running": pid is not None, "blocks": 0,
-                                       "bytes": 0, "disk_bytes": 0} for e, pid in lives.items()}
+    per_engine: dict[int, dict] = {
+        e: {"engine": e, "pid": pid, "running": pid is not None, "blocks": 0, "bytes": 0, "disk_bytes": 0}
+        for e, pid in lives.items()
+    }
     for nsid, ns in sorted(st.index.namespaces.items()):
         atimes = [a for d in ns.peers.values() for _, a in d.values() if a]
         held = {e: len(d) for e, d in sorted(ns.peers.items())}
@@ -64,29 +68,35 @@ def summary(st: Store) -> dict:
                 continue
             ed = _disk_bytes(root, ns, e)
             disk += ed
-            pe = per_engine.setdefault(e, {"engine": e, "pid": None, "running": False, "blocks": 0, "bytes": 0,
-                                           "disk_bytes": 0})
+            pe = per_engine.setdefault(
+                e, {"engine": e, "pid": None, "running": False, "blocks": 0, "bytes": 0, "disk_bytes": 0}
+            )
             pe["blocks"] += held.get(e, 0)
             pe["bytes"] += held.get(e, 0) * ns.slot_bytes * ns.ranks
             pe["disk_bytes"] += ed
-            journals[str(e)] = {"generation": fl.gen, "records": fl.records,
-                                "torn_bytes": fl.log.torn_bytes if fl.log else 0}
-        out_ns.append({
-            "nsid": ns.hex,
-            "fields": ns.fields,
-            "blocks": blocks,
-            "keys": len(ns.entries),  # distinct keys: two engines may hold the same block
-            "engines": {str(e): n for e, n in held.items()},
-            "bytes": blocks * ns.slot_bytes * ns.ranks,
-            "payload_bytes": ns.payload_bytes,
-            "slot_bytes": ns.slot_bytes,
-            "ranks": ns.ranks,
-            "disk_bytes": disk,
-            "oldest_access": iso(min(atimes)) if atimes else None,
-            "newest_access": iso(max(atimes)) if atimes else None,
-            "access": _ages(atimes, now),
-            "journals": journals,
-        })
+            journals[str(e)] = {
+                "generation": fl.gen,
+                "records": fl.records,
+                "torn_bytes": fl.log.torn_bytes if fl.log else 0,
+            }
+        out_ns.append(
+            {
+                "nsid": ns.hex,
+                "fields": ns.fields,
+                "blocks": blocks,
+                "keys": len(ns.entries),  # distinct keys: two engines may hold the same block
+                "engines": {str(e): n for e, n in held.items()},
+                "bytes": blocks * ns.slot_bytes * ns.ranks,
+                "payload_bytes": ns.payload_bytes,
+                "slot_bytes": ns.slot_bytes,
+                "ranks": ns.ranks,
+                "disk_bytes": disk,
+                "oldest_access": iso(min(atimes)) if atimes else None,
+                "newest_access": iso(max(atimes)) if atimes else None,
+                "access": _ages(atimes, now),
+                "journals": journals,
+            }
+        )
     running = [e["pid"] for e in per_engine.values() if e["running"]]
     return {
         "schema": SCHEMA,
@@ -111,12 +121,22 @@ def summary(st: Store) -> dict:
 
 def keys(st: Store) -> dict:
     out = []
-    for nsid, ns in sorted(st.index.namespaces.items()):
+    for _nsid, ns in sorted(st.index.namespaces.items()):
         items = sorted(((a, k, e, s) for e, d in ns.peers.items() for k, (s, a) in d.items()))
-        out.append({
-            "nsid": ns.hex,
-            "keys": [{"key": k.hex(), "engine": e, "slot": s, "bytes": ns.slot_bytes * ns.ranks,
-                      "payload_bytes": ns.payload_bytes * ns.ranks, "last_access": iso(a)}
-                     for a, k, e, s in items],
-        })
+        out.append(
+            {
+                "nsid": ns.hex,
+                "keys": [
+                    {
+                        "key": k.hex(),
+                        "engine": e,
+                        "slot": s,
+                        "bytes": ns.slot_bytes * ns.ranks,
+                        "payload_bytes": ns.payload_bytes * ns.ranks,
+                        "last_access": iso(a),
+                    }
+                    for a, k, e, s in items
+                ],
+            }
+        )
     return {"schema": SCHEMA, "root": st.root, "order": "least recently used first", "namespaces": out}

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`aiokv inspect --verify [--repair]`: the verify document, and the repair.
 
 Only --repair writes, and only as the owner of each engine's files in turn: it
@@ -7,6 +8,7 @@ blocks still bad once nobody writes are dropped from their engine's index.
 
 Threading: one thread (the CLI's).
 """
+
 from __future__ import annotations
 
 import os
@@ -30,9 +32,18 @@ def verify(root: str, repair: bool = False, progress: bool | None = None) -> dic
         # A corrupt checkpoint: read-only openers cannot replay it; an owner rebuilds
         # the index from the slot headers (with --repair, that is us).
         if not repair:
-            return {"schema": SCHEMA, "root": root, "ok": False, "index_errors": [str(e)], "checked_blocks": 0,
-                    "checked_bytes": 0, "corrupt": [], "repaired": None, "index_rebuilt": None,
-                    "seconds": round(time.monotonic() - t0, 3)}
+            return {
+                "schema": SCHEMA,
+                "root": root,
+                "ok": False,
+                "index_errors": [str(e)],
+                "checked_blocks": 0,
+                "checked_bytes": 0,
+                "corrupt": [],
+                "repaired": None,
+                "index_rebuilt": None,
+                "seconds": round(time.monotonic() - t0, 3),
+            }
         index_problems.append(str(e))
         for engine in _engines_with_files(root):  # each engine's owner rebuilds its own index
             _open_owner(root, engine).close()
@@ -92,8 +103,9 @@ def _open_owner(root: str, engine: int) -> Store:
     running = engines_running(root)
     if running:
         pids = ", ".join(f"engine {e} pid {p if p > 0 else 'unknown'}" for e, p in running.items())
-        raise InspectError(f"aiokv: cannot repair {root}: engines run on it ({pids}); stop them, then run "
-                           "--repair again")
+        raise InspectError(
+            f"aiokv: cannot repair {root}: engines run on it ({pids}); stop them, then run --repair again"
+        )
     try:
         return Store(root, engine=engine)
     except StoreLocked as e:

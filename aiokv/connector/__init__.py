@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The vLLM-facing layer: the only code that imports vLLM.
 
     connector.py    AioKVConnector, the class vLLM instantiates: forwards to its role

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """AioKVConnector: the class vLLM instantiates; thin, it forwards each call to
 the role it plays.
 
@@ -16,6 +17,7 @@ instance from the model runner's thread only (its pipelines run on the event
 loop thread owned by TransferWorker). No method lets an exception reach vLLM
 on the hot path: failures become misses, recomputes or dropped saves, counted.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,8 +56,11 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         # other models load whole requests, as without the setting
         self.layerwise = self.cfg.layerwise and len(self.groups) == 1 and self.groups[0].kind == FULL
         if self.cfg.layerwise and not self.layerwise and role == KVConnectorRole.SCHEDULER:
-            log.warning("aiokv: layerwise loads need a model with one full-attention KV-cache group; "
-                     "this one (%s) loads whole requests", ", ".join(g.kind for g in self.groups))
+            log.warning(
+                "aiokv: layerwise loads need a model with one full-attention KV-cache group; "
+                "this one (%s) loads whole requests",
+                ", ".join(g.kind for g in self.groups),
+            )
         # an engine that cannot compute after a cached prefix is offered none (saves go on: the
         # blocks are this prefix's KV, for engines of the namespace that can use them)
         why = cannot_use_cached_prefix(vllm_config)
@@ -67,17 +72,28 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_role = WorkerRole(self.cfg, ns, self.ranks, self.layerwise, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             if why is not None:
-                log.warning("aiokv: %s, so this engine cannot use a cached prefix: aiokv offers no hits and "
-                            "only saves blocks", why)
+                log.warning(
+                    "aiokv: %s, so this engine cannot use a cached prefix: aiokv offers no hits and only saves blocks",
+                    why,
+                )
             elif self.kv_role != "kv_both":
-                log.info("aiokv: kv_role %s: %s", self.kv_role, "saves blocks and offers no hits"
-                         if self.kv_role == "kv_producer" else "offers hits and saves nothing")
-            if any(g.kind == STATE for g in self.groups) and \
-                    getattr(vllm_config.cache_config, "prefix_cache_retention_interval", None) == 0:
-                log.warning("aiokv: vLLM keeps this model's recurrent states only at prompt ends, so a reply is "
-                            "never a hit for the next turn of a chat; set --prefix-cache-retention-interval "
-                            "to a multiple of the block size (or None: every block) to save them too "
-                            "(docs/operations.md, \"Conversations\")")
+                log.info(
+                    "aiokv: kv_role %s: %s",
+                    self.kv_role,
+                    "saves blocks and offers no hits"
+                    if self.kv_role == "kv_producer"
+                    else "offers hits and saves nothing",
+                )
+            if (
+                any(g.kind == STATE for g in self.groups)
+                and getattr(vllm_config.cache_config, "prefix_cache_retention_interval", None) == 0
+            ):
+                log.warning(
+                    "aiokv: vLLM keeps this model's recurrent states only at prompt ends, so a reply is "
+                    "never a hit for the next turn of a chat; set --prefix-cache-retention-interval "
+                    "to a multiple of the block size (or None: every block) to save them too "
+                    '(docs/operations.md, "Conversations")'
+                )
             self.scheduler_role.open(self._kv_transfer_config)
             self.scheduler_role.use_events(vllm_config, kv_cache_config)
 
@@ -177,8 +193,9 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving = self.get_finished(finished_req_ids)
         failed = self.worker_role.take_failed_requests()
-        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
-                                          failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()), failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_role.get_block_ids_with_load_errors()

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """KV events for cache-aware routers (vLLM's kv_events_config: BlockStored / BlockRemoved,
 published by vLLM from the scheduler's connector.take_events()).
 
@@ -27,6 +28,7 @@ after a restart). Labels describe, they are never trusted for bytes.
 Threading contract: the EngineCore scheduler thread only (the SchedulerRole's calls);
 the labels' file calls run on the store's I/O thread.
 """
+
 from __future__ import annotations
 
 import collections
@@ -38,9 +40,9 @@ from array import array
 
 log = logging.getLogger("aiokv")
 
-ANNOUNCE_BATCH = 1024   # stored blocks announced per step at start
-HELD = 1 << 16          # labels held for blocks not yet committed here (saves in flight, other engines')
-READ_EVERY = 1.0        # seconds between reads of the other engines' labels while some are missing
+ANNOUNCE_BATCH = 1024  # stored blocks announced per step at start
+HELD = 1 << 16  # labels held for blocks not yet committed here (saves in flight, other engines')
+READ_EVERY = 1.0  # seconds between reads of the other engines' labels while some are missing
 _LABEL = struct.Struct("<8sBBHqI")  # fingerprint, hash len, parent len, LoRA name len, LoRA id, tokens
 
 
@@ -58,12 +60,16 @@ def _vllm() -> tuple:
     return _VLLM
 
 
-def pack_label(fp: bytes, h: bytes, parent: bytes | None, lora_name: str | None, lora_id: int | None,
-               tokens) -> bytes:
+def pack_label(fp: bytes, h: bytes, parent: bytes | None, lora_name: str | None, lora_id: int | None, tokens) -> bytes:
     parent, name = parent or b"", (lora_name or "").encode()
     toks = array("I", tokens).tobytes()
-    return _LABEL.pack(fp, len(h), len(parent), len(name), -1 if lora_id is None else lora_id,
-                       len(toks) // 4) + h + parent + name + toks
+    return (
+        _LABEL.pack(fp, len(h), len(parent), len(name), -1 if lora_id is None else lora_id, len(toks) // 4)
+        + h
+        + parent
+        + name
+        + toks
+    )
 
 
 def unpack_label(raw: bytes):
@@ -74,19 +80,20 @@ def unpack_label(raw: bytes):
     off = _LABEL.size
     if len(raw) != off + hl + pl + nl + 4 * nt or not hl:
         return None
-    h, parent = raw[off:off + hl], raw[off + hl:off + hl + pl] or None
+    h, parent = raw[off : off + hl], raw[off + hl : off + hl + pl] or None
     off += hl + pl
     try:
-        name = raw[off:off + nl].decode() or None
+        name = raw[off : off + nl].decode() or None
     except UnicodeDecodeError:
         return None
-    return fp, h, parent, name, None if lid < 0 else lid, array("I", raw[off + nl:]).tolist()
+    return fp, h, parent, name, None if lid < 0 else lid, array("I", raw[off + nl :]).tolist()
 
 
 def hash_fingerprint(algo: str, none_hash: bytes, hash_block_size: int, block_size: int) -> bytes:
     """8 bytes naming how vLLM hashes blocks in this engine."""
-    return hashlib.blake2b(repr((algo, bytes(none_hash), hash_block_size, block_size)).encode(),
-                           digest_size=8, person=b"aiokv-vllmhash").digest()
+    return hashlib.blake2b(
+        repr((algo, bytes(none_hash), hash_block_size, block_size)).encode(), digest_size=8, person=b"aiokv-vllmhash"
+    ).digest()
 
 
 class KVEvents:
@@ -96,11 +103,13 @@ class KVEvents:
         self.store = store
         self.groups = groups
         # group -> [(the Store, its Namespace)]: one per drive
-        self._parts = {gi: [(store.stores[d], part) for d, part in ns.parts] if hasattr(ns, "parts")
-                       else [(store, ns)] for gi, ns, _, _ in groups}
+        self._parts = {
+            gi: [(store.stores[d], part) for d, part in ns.parts] if hasattr(ns, "parts") else [(store, ns)]
+            for gi, ns, _, _ in groups
+        }
         self.bs, self.hbs, self.algo = block_size, hash_block_size or block_size, algo
-        self.fp: bytes | None = None          # vLLM's NONE_HASH exists only once the engine is up
-        self._reqs: dict[str, tuple] = {}     # request -> (its live block_hashes, LoRA name, LoRA id)
+        self.fp: bytes | None = None  # vLLM's NONE_HASH exists only once the engine is up
+        self._reqs: dict[str, tuple] = {}  # request -> (its live block_hashes, LoRA name, LoRA id)
         self._pos: dict[str, tuple[int, dict]] = {}  # request -> (id of its key list, key -> block index)
         self._held: collections.OrderedDict = collections.OrderedDict()  # (group, key) -> our saves' labels
         self._book: collections.OrderedDict = collections.OrderedDict()  # the same, other engines' (read)
@@ -108,8 +117,8 @@ class KVEvents:
         self._unknown: dict[tuple[int, bytes], None] = {}  # hits here (other engines') whose label is unread
         self._backlog: collections.deque = collections.deque()  # the start announcement: (group, key, label)
         self._out: list = []
-        self._write: dict[tuple, list] = {}   # (group, drive part) -> [(key, label)] for its labels file
-        self._reset = False                   # after a cache reset: what was stored before is not announced
+        self._write: dict[tuple, list] = {}  # (group, drive part) -> [(key, label)] for its labels file
+        self._reset = False  # after a cache reset: what was stored before is not announced
         self._next_read = 0.0
         self._started = False
         for parts in self._parts.values():
@@ -120,8 +129,11 @@ class KVEvents:
     def request(self, request) -> None:
         """A request vLLM asked about: its hash list (vLLM extends it as tokens come) and LoRA."""
         lr = getattr(request, "lora_request", None)
-        self._reqs[request.request_id] = (request.block_hashes, getattr(lr, "lora_name", None),
-                                          getattr(lr, "lora_int_id", None))
+        self._reqs[request.request_id] = (
+            request.block_hashes,
+            getattr(lr, "lora_name", None),
+            getattr(lr, "lora_int_id", None),
+        )
 
     def finished(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
@@ -145,8 +157,18 @@ class KVEvents:
                 if j is None or (j + 1) * r > len(hashes):
                     continue
                 parent = hashes[j * r - 1] if j else None
-                self._hold(self._held, (t.group, key), pack_label(fp, hashes[(j + 1) * r - 1], parent, lora_name, lora_id,
-                                                      st.tokens[j * self.bs:(j + 1) * self.bs]))
+                self._hold(
+                    self._held,
+                    (t.group, key),
+                    pack_label(
+                        fp,
+                        hashes[(j + 1) * r - 1],
+                        parent,
+                        lora_name,
+                        lora_id,
+                        st.tokens[j * self.bs : (j + 1) * self.bs],
+                    ),
+                )
 
     def reset(self) -> None:
         """The cache was reset (the weights may have changed): nothing announced is served now."""
@@ -168,8 +190,9 @@ class KVEvents:
             self._started = True
             for gi, parts in self._parts.items():
                 for st, part in parts:
-                    st.labels.read(part.nsid, lambda found, gi=gi: self._read(gi, found, True),
-                                   keep=frozenset(part.own))
+                    st.labels.read(
+                        part.nsid, lambda found, gi=gi: self._read(gi, found, True), keep=frozenset(part.own)
+                    )
         for gi, parts in self._parts.items():
             for pi, (_, part) in enumerate(parts):
                 changes, part.changes = part.changes, []
@@ -273,13 +296,25 @@ class KVEvents:
         _, h, parent, lora_name, lora_id, tokens = got
         self._announced[(gi, key)] = h
         _, _, kind, window = self.groups[gi]
-        self._out.append(BlockStored(
-            block_hashes=[conv(h)], parent_block_hash=conv(parent) if parent else None, token_ids=tokens,
-            block_size=self.bs, lora_id=lora_id, medium=MEDIUM_STORAGE, lora_name=lora_name, group_idx=gi,
-            kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window, locality="LOCAL"))
+        self._out.append(
+            BlockStored(
+                block_hashes=[conv(h)],
+                parent_block_hash=conv(parent) if parent else None,
+                token_ids=tokens,
+                block_size=self.bs,
+                lora_id=lora_id,
+                medium=MEDIUM_STORAGE,
+                lora_name=lora_name,
+                group_idx=gi,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
+                locality="LOCAL",
+            )
+        )
 
     @staticmethod
     def _removed(gi: int, hashes: list[bytes]):
         _, BlockRemoved, MEDIUM_STORAGE, conv = _vllm()
-        return BlockRemoved(block_hashes=[conv(h) for h in hashes], medium=MEDIUM_STORAGE, group_idx=gi,
-                            locality="LOCAL")
+        return BlockRemoved(
+            block_hashes=[conv(h) for h in hashes], medium=MEDIUM_STORAGE, group_idx=gi, locality="LOCAL"
+        )

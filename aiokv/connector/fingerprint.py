@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A fingerprint of a model's weights, so that new weights at the same path are a
 new namespace (the weights decide the KV, not the path).
 
@@ -15,6 +16,7 @@ once per version of their files (adapter_fingerprint).
 Threading contract: weights_fingerprint runs once, in the connector's __init__;
 adapter_fingerprint (and its memo) on the EngineCore scheduler thread only.
 """
+
 from __future__ import annotations
 
 import hashlib

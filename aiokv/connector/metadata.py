@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The two messages vLLM carries for aiokv between its processes.
 
 AioKVMetadata: the scheduler side's plan of a step (loads, saves, cancels),
@@ -8,6 +9,7 @@ across TP ranks by vLLM's aggregation.
 Threading contract: built on one thread (the scheduler thread, or a worker's
 model runner thread), then only read; vLLM serializes them between processes.
 """
+
 from __future__ import annotations
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -33,4 +35,3 @@ class AioKVWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: "AioKVWorkerMetadata") -> "AioKVWorkerMetadata":
         return AioKVWorkerMetadata(self.report.merge(other.report))
-

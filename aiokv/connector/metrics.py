@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """aiokv's figures as vLLM connector stats and Prometheus series (`vllm:aiokv_*`).
 
 Part of the connector layer (imports vLLM). The path of a figure:
@@ -18,6 +19,7 @@ Worker gauges (e.g. breaker_open, 0 or 1 per rank) arrive summed over ranks:
 the number of ranks in that state. Latency histograms get one observation per
 rank per load or save.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +38,8 @@ from aiokv.util.counters import (  # noqa: F401 (SERIES, NOT_EXPORTED and the ki
     LEVEL,
     NOT_EXPORTED,
     PER_RANK,
-    Row,
     SERIES,
+    Row,
     merge,
 )
 from aiokv.worker.latency import LATENCY_BUCKETS, bucket_key
@@ -50,17 +52,20 @@ class StatsDelta:
 
     def __init__(self, ranks: int):
         self.ranks = ranks
-        self.worker: dict[str, Any] = {}     # worker counters since the last take()
-        self._last: dict[str, Any] = {}      # scheduler totals at the last take()
-        self._gauges: dict[str, Any] = {}    # gauge values last handed to vLLM
+        self.worker: dict[str, Any] = {}  # worker counters since the last take()
+        self._last: dict[str, Any] = {}  # scheduler totals at the last take()
+        self._gauges: dict[str, Any] = {}  # gauge values last handed to vLLM
 
     def add_worker(self, counters: dict[str, Any]) -> None:
         merge(self.worker, counters)
 
     def take(self, totals: dict[str, Any]) -> dict[str, Any]:
         """totals: scheduler/store counters since start and current gauges."""
-        data = {k: v / self.ranks if k in PER_RANK and self.ranks > 1 else v
-                for k, v in self.worker.items() if v or k in GAUGES}
+        data = {
+            k: v / self.ranks if k in PER_RANK and self.ranks > 1 else v
+            for k, v in self.worker.items()
+            if v or k in GAUGES
+        }
         self.worker = {}
         for k, v in totals.items():
             if k in GAUGES:
@@ -124,15 +129,19 @@ class AioKVPromMetrics(KVConnectorPromMetrics):
                 if row.kind == COUNTER:
                     metric = self._counter_cls(name=name, documentation=doc, labelnames=names)
                 elif row.kind in (GAUGE, LEVEL):
-                    metric = self._gauge_cls(name=name, documentation=doc, labelnames=names,
-                                             multiprocess_mode="mostrecent")
+                    metric = self._gauge_cls(
+                        name=name, documentation=doc, labelnames=names, multiprocess_mode="mostrecent"
+                    )
                 else:
-                    metric = self._histogram_cls(name=name, documentation=doc, labelnames=names,
-                                                 buckets=list(LATENCY_BUCKETS))
+                    metric = self._histogram_cls(
+                        name=name, documentation=doc, labelnames=names, buckets=list(LATENCY_BUCKETS)
+                    )
                 by_series[row.series] = metric
             values = [v for _, v in row.labels]
-            self._children[row.key] = (row, {idx: metric.labels(*lv, *values)
-                                             for idx, lv in per_engine_labelvalues.items()})
+            self._children[row.key] = (
+                row,
+                {idx: metric.labels(*lv, *values) for idx, lv in per_engine_labelvalues.items()},
+            )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         data = transfer_stats_data or {}

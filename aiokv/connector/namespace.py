@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The namespace description: what the bytes of a KV block depend on.
 
 vLLM's model, cache and parallel configs become plain namespace fields (model,
@@ -11,6 +12,7 @@ Threading contract: ModelNamespace is built once in the connector's __init__
 (either role) and read only afterwards; request_extras and lora_fingerprint
 run on the EngineCore scheduler thread (their memos are that thread's).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +35,11 @@ class ModelNamespace:
         self.fields, self.groups = describe(vllm_config, kv_cache_config)
         self.nsid = namespace_id(self.fields)  # the model's; keys are rooted here
         # one store namespace per group (a single full-attention group keeps the model's)
-        self.group_nsids = [self.nsid] if "groups" not in self.fields else \
-            [namespace_id({"model": self.nsid.hex(), "group": g.index}) for g in self.groups]
+        self.group_nsids = (
+            [self.nsid]
+            if "groups" not in self.fields
+            else [namespace_id({"model": self.nsid.hex(), "group": g.index}) for g in self.groups]
+        )
         self.block_size = self.fields["block_size"]
 
 
@@ -48,8 +53,10 @@ def describe(vllm_config, kv_cache_config) -> tuple[dict, list[GroupSpec]]:
     groups = [_group_spec(i, g, cc) for i, g in enumerate(kv_cache_config.kv_cache_groups)]
     sizes = {g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups}
     if len(sizes) != 1:
-        raise ValueError(f"aiokv: KV-cache groups with different block sizes {sorted(sizes)} are not supported; "
-                         "run this model without aiokv")
+        raise ValueError(
+            f"aiokv: KV-cache groups with different block sizes {sorted(sizes)} are not supported; "
+            "run this model without aiokv"
+        )
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     weights = weights_fingerprint(_local_model_dir(mc.model, mc.revision))
     import vllm
@@ -73,8 +80,16 @@ def describe(vllm_config, kv_cache_config) -> tuple[dict, list[GroupSpec]]:
     }
     if len(groups) == 1 and groups[0].kind == FULL and not groups[0].replicated:
         # one full-attention group: the fields (so the namespace) of aiokv's first format
-        fields.update({"spec": type(spec).__name__, "kv_dtype": str(spec.dtype), "num_kv_heads": spec.num_kv_heads,
-                       "head_size": spec.head_size, "sliding_window": None, "layers": len(groups[0].layer_names)})
+        fields.update(
+            {
+                "spec": type(spec).__name__,
+                "kv_dtype": str(spec.dtype),
+                "num_kv_heads": spec.num_kv_heads,
+                "head_size": spec.head_size,
+                "sliding_window": None,
+                "layers": len(groups[0].layer_names),
+            }
+        )
     else:
         fields["groups"] = [_group_fields(g, k.kv_cache_spec) for g, k in zip(groups, kv_cache_config.kv_cache_groups)]
     return fields, groups
@@ -98,28 +113,53 @@ def _group_spec(index: int, group, cache_config) -> GroupSpec:
     if kind is FullAttentionSpec or kind is MLAAttentionSpec:
         return GroupSpec(index, FULL, spec.page_size_bytes * len(names), names, replicated=kind is MLAAttentionSpec)
     if kind is SlidingWindowSpec:
-        return GroupSpec(index, WINDOW, spec.page_size_bytes * len(names), names,
-                         window=spec.sliding_window + getattr(spec, "extra_retained_tokens", 0))
+        return GroupSpec(
+            index,
+            WINDOW,
+            spec.page_size_bytes * len(names),
+            names,
+            window=spec.sliding_window + getattr(spec, "extra_retained_tokens", 0),
+        )
     if kind is MambaSpec:
         mode = getattr(spec, "mamba_cache_mode", None)
         if mode != "align":
-            raise ValueError(f"aiokv: recurrent-state (Mamba / gated delta net) layers need vLLM's "
-                             f"mamba_cache_mode='align', not {mode!r}: turn prefix caching on "
-                             "(--enable-prefix-caching, or enable_prefix_caching=True)")
+            raise ValueError(
+                f"aiokv: recurrent-state (Mamba / gated delta net) layers need vLLM's "
+                f"mamba_cache_mode='align', not {mode!r}: turn prefix caching on "
+                "(--enable-prefix-caching, or enable_prefix_caching=True)"
+            )
         if getattr(spec, "num_speculative_blocks", 0):
-            raise ValueError("aiokv: speculative decoding with recurrent-state layers is not supported yet; "
-                             "run without speculative decoding or without aiokv")
+            raise ValueError(
+                "aiokv: speculative decoding with recurrent-state layers is not supported yet; "
+                "run without speculative decoding or without aiokv"
+            )
         state = sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(spec.shapes, spec.dtypes))
         return GroupSpec(index, STATE, state * len(names), names)
-    raise ValueError(f"aiokv: KV cache spec {kind.__name__} (group {index}) is not supported yet; "
-                     "run this model without aiokv")
+    raise ValueError(
+        f"aiokv: KV cache spec {kind.__name__} (group {index}) is not supported yet; run this model without aiokv"
+    )
 
 
 def _group_fields(g: GroupSpec, spec) -> dict:
-    out = {"kind": g.kind, "spec": type(spec).__name__, "layers": list(g.layer_names),
-           "payload": g.payload_bytes, "window": g.window, "replicated": g.replicated}
-    for name in ("dtype", "num_kv_heads", "head_size", "head_size_v", "shapes", "dtypes", "mamba_type",
-                 "kv_quant_mode", "cache_dtype_str"):
+    out = {
+        "kind": g.kind,
+        "spec": type(spec).__name__,
+        "layers": list(g.layer_names),
+        "payload": g.payload_bytes,
+        "window": g.window,
+        "replicated": g.replicated,
+    }
+    for name in (
+        "dtype",
+        "num_kv_heads",
+        "head_size",
+        "head_size_v",
+        "shapes",
+        "dtypes",
+        "mamba_type",
+        "kv_quant_mode",
+        "cache_dtype_str",
+    ):
         if hasattr(spec, name):
             out[name] = str(getattr(spec, name))
     return out
@@ -134,8 +174,10 @@ def _local_model_dir(model: str, revision) -> str:
 
         return snapshot_download(model, revision=revision, local_files_only=True)
     except Exception as e:
-        raise ValueError(f"aiokv: cannot find the weight files of {model} to fingerprint them ({e}); "
-                         "give vLLM a local model directory") from None
+        raise ValueError(
+            f"aiokv: cannot find the weight files of {model} to fingerprint them ({e}); "
+            "give vLLM a local model directory"
+        ) from None
 
 
 def cannot_use_cached_prefix(vllm_config) -> str | None:
@@ -151,12 +193,14 @@ def cannot_use_cached_prefix(vllm_config) -> str | None:
     if getattr(cc, "enable_prefix_caching", True) or getattr(sc, "enable_chunked_prefill", True):
         return None
     if getattr(mc, "use_mla", False) and str(vllm_config.device_config.device_type) == "cpu":
-        return ("vLLM turned prefix caching and chunked prefill off (its CPU build does so for MLA models "
-                "on CPUs without AMX tiles)")
+        return (
+            "vLLM turned prefix caching and chunked prefill off (its CPU build does so for MLA models "
+            "on CPUs without AMX tiles)"
+        )
     return None
 
 
-_adapter_dirs: dict[str, str] = {}         # LoRA path -> its local directory
+_adapter_dirs: dict[str, str] = {}  # LoRA path -> its local directory
 _unreadable_adapters: dict[tuple, str] = {}  # (name, path) -> a random fingerprint for this process
 
 
@@ -177,8 +221,13 @@ def lora_fingerprint(name: str, path) -> str:
             d = _adapter_dirs[path] = _local_model_dir(path, None)
         return adapter_fingerprint(d)
     except (ValueError, OSError) as e:
-        log.warning("aiokv: cannot read the files of LoRA adapter %s (%s) to fingerprint them (%s); "
-                    "its blocks are kept for this run only", name, path, e)
+        log.warning(
+            "aiokv: cannot read the files of LoRA adapter %s (%s) to fingerprint them (%s); "
+            "its blocks are kept for this run only",
+            name,
+            path,
+            e,
+        )
         fp = _unreadable_adapters[(name, path)] = "unread-" + os.urandom(16).hex()
         return fp
 
@@ -197,6 +246,12 @@ def request_extras(request) -> list:
         extras.append(["mm", f.identifier, pos.offset, pos.length])
     if request.prompt_embeds is not None:
         t = request.prompt_embeds.detach().to("cpu").contiguous()
-        extras.append(["embeds", str(t.dtype), list(t.shape),
-                       hashlib.blake2b(t.view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()])
+        extras.append(
+            [
+                "embeds",
+                str(t.dtype),
+                list(t.shape),
+                hashlib.blake2b(t.view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest(),
+            ]
+        )
     return extras

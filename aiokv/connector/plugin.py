@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vLLM plugin entry point (vllm.general_plugins), run in every vLLM process:
 registers "AioKVConnector" so kv_connector_module_path can be left out of
 --kv-transfer-config, and gives aiokv's log lines vLLM's format and level
@@ -6,6 +7,7 @@ registers "AioKVConnector" so kv_connector_module_path can be left out of
 Threading contract: register() runs once per process, where vLLM loads its
 plugins; use_vllm_logging() on whichever thread builds a connector (idempotent).
 """
+
 import logging
 import sys
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The scheduler-role glue: vLLM's scheduler-side connector calls on SchedulerSide.
 
 Opens the store (bounded by start_timeout) and the SchedulerSide over it;
@@ -8,6 +9,7 @@ reports back; hands vLLM its stats (counter deltas, gauges).
 Threading contract: the EngineCore scheduler thread only (the store's I/O
 thread is the store's; the bucket's prober runs on its own loop thread).
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,10 +18,10 @@ import time
 from typing import Any
 
 from aiokv import __version__
-from aiokv.jobs import StepPlan
 from aiokv.connector.metadata import AioKVMetadata, AioKVWorkerMetadata
 from aiokv.connector.metrics import AioKVStats, StatsDelta
 from aiokv.connector.namespace import request_extras
+from aiokv.jobs import StepPlan
 from aiokv.scheduler.keys import request_root
 from aiokv.util.counters import merge, store_counters
 
@@ -45,8 +47,6 @@ def engine_transfer_config(own, depth: int = 8):
     return own
 
 
-
-
 class SchedulerRole:
     _started = 0.0  # time.monotonic() at construction (the wear gauge's rate)
 
@@ -64,8 +64,8 @@ class SchedulerRole:
         # random, so never the epoch of another life or reset (None: the weight files' own blocks)
         self.epoch: str | None = None
         self._delta = StatsDelta(self.ranks)  # what vLLM's stats have not been handed yet
-        self._totals: dict[str, int] = {}    # worker counters since start
-        self._queried: dict[str, int] = {}   # request -> tokens asked of us at its last lookup
+        self._totals: dict[str, int] = {}  # worker counters since start
+        self._queried: dict[str, int] = {}  # request -> tokens asked of us at its last lookup
         self._queried_tokens = 0
         self._bucket_tokens: dict[str, int] = {}  # request -> hit tokens from the bucket (hit sources)
         self._started = time.monotonic()
@@ -73,27 +73,37 @@ class SchedulerRole:
         self._drives = None  # several drives: the Drives store, told the workers' per-drive verdicts
 
     def open(self, kv_transfer_config) -> None:
-        from aiokv.util.breaker import Breaker
         from aiokv.scheduler.side import SchedulerSide
         from aiokv.store import Store, StoreLocked
         from aiokv.store.fsthread import bounded
+        from aiokv.util.breaker import Breaker
 
         ktc = engine_transfer_config(kv_transfer_config)
         if ktc.kv_load_failure_policy == "fail" and not self.cfg.strict_load_failures:
             # A cache miss must never fail a request: a failed load is recomputed.
             ktc.kv_load_failure_policy = "recompute"
-            log.info("aiokv: kv_load_failure_policy set to 'recompute' (a failed cache load is recomputed%s); "
-                     "set strict_load_failures=true in kv_connector_extra_config to keep 'fail'",
-                     "" if ktc is kv_transfer_config else
-                     "; under MultiConnector the policy is the engine's, for every connector")
+            log.info(
+                "aiokv: kv_load_failure_policy set to 'recompute' (a failed cache load is recomputed%s); "
+                "set strict_load_failures=true in kv_connector_extra_config to keep 'fail'",
+                ""
+                if ktc is kv_transfer_config
+                else "; under MultiConnector the policy is the engine's, for every connector",
+            )
+
         def open_store(path=self.cfg.path, drives=1):  # drives: capacity is shared by that many
             store = Store(path, capacity=self.cfg.capacity // drives, io_thread=True, fs_timeout=self.cfg.fs_timeout)
             try:
                 spaces = []
                 for g, nsid in zip(self.groups, self.group_nsids):
                     fields = self.fields if len(self.groups) == 1 else {**self.fields, "group": g.index}
-                    spaces.append((g, store.namespace(nsid, g.payload_bytes,
-                                                      ranks=1 if g.replicated else self.ranks, fields=fields)))
+                    spaces.append(
+                        (
+                            g,
+                            store.namespace(
+                                nsid, g.payload_bytes, ranks=1 if g.replicated else self.ranks, fields=fields
+                            ),
+                        )
+                    )
             except BaseException:
                 store.close(checkpoint=False)
                 raise
@@ -110,22 +120,39 @@ class SchedulerRole:
                     store, spaces = open_store(path, drives)
                     return store, [ns for _, ns in spaces]
 
-                store, parts = open_drives(self.cfg.paths, open_drive, self.cfg.start_timeout,
-                                           self.cfg.breaker_failures, self.cfg.breaker_cooldown)
+                store, parts = open_drives(
+                    self.cfg.paths,
+                    open_drive,
+                    self.cfg.start_timeout,
+                    self.cfg.breaker_failures,
+                    self.cfg.breaker_cooldown,
+                )
                 spaces = list(zip(self.groups, parts))
                 self._drives = store
             else:
-                store, spaces = bounded(open_store, self.cfg.start_timeout, f"the cache directory {self.cfg.path}",
-                                        late=lambda got: got[0].close(checkpoint=False))
+                store, spaces = bounded(
+                    open_store,
+                    self.cfg.start_timeout,
+                    f"the cache directory {self.cfg.path}",
+                    late=lambda got: got[0].close(checkpoint=False),
+                )
         except StoreLocked:
             raise
         except OSError as e:
-            log.error("aiokv: cannot use cache director%s %s (%s); aiokv is disabled and vLLM runs without it",
-                      "ies" if several else "y", ", ".join(self.cfg.paths), e.strerror or e)
+            log.error(
+                "aiokv: cannot use cache director%s %s (%s); aiokv is disabled and vLLM runs without it",
+                "ies" if several else "y",
+                ", ".join(self.cfg.paths),
+                e.strerror or e,
+            )
             return
         # several drives: each judges its own failures (store/drives.py); this one, only a stall of all
-        self.sched = SchedulerSide(store, spaces, self.block_size,
-                                   Breaker(0 if several else self.cfg.breaker_failures, self.cfg.breaker_cooldown))
+        self.sched = SchedulerSide(
+            store,
+            spaces,
+            self.block_size,
+            Breaker(0 if several else self.cfg.breaker_failures, self.cfg.breaker_cooldown),
+        )
         self.sched.layerwise = self.layerwise
         self.sched.saves = self.kv_role != "kv_consumer"
         self.sched.save_generated = self.cfg.save_generated
@@ -137,30 +164,53 @@ class SchedulerRole:
             from aiokv.bucket.lookup import BucketLookup
             from aiokv.data.format import slot_bytes
 
-            self.sched.bucket = BucketLookup(self.cfg.bucket, self.cfg.bucket_timeout, self.cfg.probe_timeout,
-                                             [(ns.nsid, ns.ranks, slot_bytes(ns.payload_bytes)) for _, ns in spaces])
-        log.info("aiokv %s: cache %s, namespace %s (%s), %d blocks stored", __version__, ", ".join(
-                 self.cfg.paths[d] for d in getattr(store, "live", [0])),
-                 self.nsid.hex(), ", ".join(g.kind for g in self.groups), sum(len(ns.entries) for _, ns in spaces))
+            self.sched.bucket = BucketLookup(
+                self.cfg.bucket,
+                self.cfg.bucket_timeout,
+                self.cfg.probe_timeout,
+                [(ns.nsid, ns.ranks, slot_bytes(ns.payload_bytes)) for _, ns in spaces],
+            )
+        log.info(
+            "aiokv %s: cache %s, namespace %s (%s), %d blocks stored",
+            __version__,
+            ", ".join(self.cfg.paths[d] for d in getattr(store, "live", [0])),
+            self.nsid.hex(),
+            ", ".join(g.kind for g in self.groups),
+            sum(len(ns.entries) for _, ns in spaces),
+        )
 
     def use_events(self, vllm_config, kv_cache_config) -> None:
         """Emit KV events (events.py) if vLLM publishes them and the kv_events setting is on; an
         engine that offers no hits (kv_producer, or one that cannot use a cached prefix) announces
         nothing: a router must not send it prompts for blocks it will not load."""
         kec = getattr(vllm_config, "kv_events_config", None)
-        if self.sched is None or not self.cfg.kv_events or kec is None or not kec.enable_kv_cache_events \
-                or not self.offer_hits:
+        if (
+            self.sched is None
+            or not self.cfg.kv_events
+            or kec is None
+            or not kec.enable_kv_cache_events
+            or not self.offer_hits
+        ):
             return
-        from aiokv.connector.events import KVEvents
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
         from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
+        from aiokv.connector.events import KVEvents
+
         hbs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1]
         specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-        groups = [(g.spec.index, g.ns, str(get_kv_cache_spec_kind(specs[g.spec.index]).value),
-                   get_kv_cache_spec_sliding_window(specs[g.spec.index])) for g in self.sched.groups]
-        self.events = KVEvents(self.sched.store, groups, self.block_size, hbs,
-                               str(vllm_config.cache_config.prefix_caching_hash_algo))
+        groups = [
+            (
+                g.spec.index,
+                g.ns,
+                str(get_kv_cache_spec_kind(specs[g.spec.index]).value),
+                get_kv_cache_spec_sliding_window(specs[g.spec.index]),
+            )
+            for g in self.sched.groups
+        ]
+        self.events = KVEvents(
+            self.sched.store, groups, self.block_size, hbs, str(vllm_config.cache_config.prefix_caching_hash_algo)
+        )
 
     def take_events(self):
         if self.events is None:
@@ -237,8 +287,13 @@ class SchedulerRole:
         self._queried_tokens += self._queried.pop(request.request_id, 0)
         self._bucket_tokens[request.request_id] = self.sched.bucket_hit_tokens(request.request_id, num_external_tokens)
         try:
-            self.sched.on_alloc(request.request_id, request.all_token_ids, self._root(request),
-                                blocks.get_block_ids(), num_external_tokens)
+            self.sched.on_alloc(
+                request.request_id,
+                request.all_token_ids,
+                self._root(request),
+                blocks.get_block_ids(),
+                num_external_tokens,
+            )
         except Exception:
             log.exception("aiokv: preparing a load failed; it is recomputed")
             if num_external_tokens > 0:  # vLLM now waits for this load: it must be reported, failed
@@ -256,8 +311,10 @@ class SchedulerRole:
         def count(req_id: str) -> int:
             return n_sched.get(req_id, 0) - len(spec.get(req_id, ()))
 
-        items = [Scheduled(r.req_id, r.num_computed_tokens, count(r.req_id), r.block_ids, True)
-                 for r in scheduler_output.scheduled_new_reqs]
+        items = [
+            Scheduled(r.req_id, r.num_computed_tokens, count(r.req_id), r.block_ids, True)
+            for r in scheduler_output.scheduled_new_reqs
+        ]
         c = scheduler_output.scheduled_cached_reqs
         resumed = c.resumed_req_ids or set()
         for i, req_id in enumerate(c.req_ids):
@@ -307,7 +364,6 @@ class SchedulerRole:
             log.exception("aiokv: request_finished failed; the request's blocks are freed as usual")
             return False, None
 
-
     def get_kv_connector_stats(self):
         # vLLM sums what it is handed: deltas of counters, gauges when they change (aiokv/connector/metrics.py)
         if self.sched is None:
@@ -320,15 +376,18 @@ class SchedulerRole:
         st = self.sched.store
         out = dict(vars(self.sched.counters))
         out.update(store_counters(st.stats))
-        out.update(queried_tokens=self._queried_tokens, disk_bytes=st.space.used(),
-                   capacity_bytes=st.limit or 0, pending_saves=self.sched.pending_saves,
-                   breaker_open=int(self.sched.breaker.is_open),
-                   stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()),
-                   drive_writes_per_day=self._writes_per_day(st))
+        out.update(
+            queried_tokens=self._queried_tokens,
+            disk_bytes=st.space.used(),
+            capacity_bytes=st.limit or 0,
+            pending_saves=self.sched.pending_saves,
+            breaker_open=int(self.sched.breaker.is_open),
+            stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()),
+            drive_writes_per_day=self._writes_per_day(st),
+        )
         if self.sched.bucket is not None:
             out.update(self.sched.bucket.counters)
         return out
-
 
     def _writes_per_day(self, store) -> float:
         """This life's bytes written per day over the drives' size (an estimate: the rate since start)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The worker-role glue: vLLM's worker-side connector calls on aiokv's workers.
 
 register_kv_caches builds one TransferWorker per KV-cache group (GroupedWorker);
@@ -9,13 +10,14 @@ start is disabled: its promised loads are reported failed, its saves dropped.
 Threading contract: the model runner's thread only (the pipelines run on the
 event loop thread each TransferWorker owns).
 """
+
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from aiokv.jobs import LoadResult, SaveResult, StepPlan, WorkerReport
 from aiokv.connector.metadata import AioKVMetadata, AioKVWorkerMetadata
+from aiokv.jobs import LoadResult, SaveResult, StepPlan, WorkerReport
 from aiokv.scheduler.layout import FULL, GroupSpec
 
 log = logging.getLogger("aiokv")
@@ -45,8 +47,6 @@ def load_failures(per_block: bool, errors: set[int], failed: set[str]) -> tuple[
     return set(), set(failed)
 
 
-
-
 class WorkerRole:
     def __init__(self, cfg, ns, ranks: int, layerwise: bool, kv_cache_config):
         self.cfg = cfg
@@ -60,7 +60,7 @@ class WorkerRole:
         self._report: WorkerReport | None = None
         self._failed_recv: set[str] = set()
         self._failed_blocks: set[int] = set()  # their blocks (a disabled worker)
-        self._failed_now: set[str] = set()   # loads failed, reported as failed_recving (load_failures)
+        self._failed_now: set[str] = set()  # loads failed, reported as failed_recving (load_failures)
         # one full-attention group: failed loads are reported block by block (load_failures)
         self.per_block_errors = per_block_errors(self.groups)
         self._rank = 0
@@ -93,24 +93,43 @@ class WorkerRole:
             for g in self.groups:
                 device = make_device(kv_tensors(kv_caches, g.layer_names), self.kv_cache_config.num_blocks)
                 if device.payload_bytes != g.payload_bytes:
-                    raise ValueError(f"aiokv: the KV tensors of group {g.index} hold {device.payload_bytes} bytes "
-                                     f"per block, the KV cache spec says {g.payload_bytes}; this layout is not "
-                                     "supported")
+                    raise ValueError(
+                        f"aiokv: the KV tensors of group {g.index} hold {device.payload_bytes} bytes "
+                        f"per block, the KV cache spec says {g.payload_bytes}; this layout is not "
+                        "supported"
+                    )
                 devices.append(device)
             # one event loop and one staging arena for every group (slots of the largest group's size)
             threads = devices[0].checksum_threads if self.cfg.checksum_threads is None else self.cfg.checksum_threads
-            host = WorkerHost(max(fmt.slot_bytes(d.payload_bytes) for d in devices), max(1, self.cfg.staging),
-                              self.cfg.memory, threads, rank)
+            host = WorkerHost(
+                max(fmt.slot_bytes(d.payload_bytes) for d in devices),
+                max(1, self.cfg.staging),
+                self.cfg.memory,
+                threads,
+                rank,
+            )
             for g, nsid, device in zip(self.groups, self.group_nsids, devices):
                 # replicated KV (MLA) is stored once, as rank 0's, and read by every rank
                 # several drives: the namespace's directory on each, in the configured order (data/drives.py)
                 dirs = [ns_dir(p, nsid) for p in self.cfg.paths]
-                workers[g.index] = TransferWorker(device, dirs[0] if len(dirs) == 1 else dirs, nsid,
-                                                  0 if g.replicated else rank, self.cfg.staging, self.cfg.io,
-                                                  self.cfg.queue_depth, self.cfg.load_timeout, self.cfg.save_timeout,
-                                                  bucket, self.cfg.upload_queue, self.cfg.flush_timeout,
-                                                  self.cfg.secret, self.cfg.memory, layerwise=self.layerwise,
-                                                  host=host)
+                workers[g.index] = TransferWorker(
+                    device,
+                    dirs[0] if len(dirs) == 1 else dirs,
+                    nsid,
+                    0 if g.replicated else rank,
+                    self.cfg.staging,
+                    self.cfg.io,
+                    self.cfg.queue_depth,
+                    self.cfg.load_timeout,
+                    self.cfg.save_timeout,
+                    bucket,
+                    self.cfg.upload_queue,
+                    self.cfg.flush_timeout,
+                    self.cfg.secret,
+                    self.cfg.memory,
+                    layerwise=self.layerwise,
+                    host=host,
+                )
             self._layers = workers[self.groups[0].index].layers
             self.worker = GroupedWorker(workers, {g.index for g in self.groups if rank == 0 or not g.replicated}, host)
         except Exception as e:

@@ -1,9 +1,11 @@
+# SPDX-License-Identifier: Apache-2.0
 """The data path: BlockIO (blockio.py) reads and writes slots of the data files in the
 on-disk format (format.py), through the I/O backends: batched, cancellable reads and writes
 of caller-owned buffers.
 
 See backend.py for the interface and the choice between io_uring and threads.
 """
-from aiokv.data.backend import IOBackend, OP_READ, OP_WRITE, open_backend
+
+from aiokv.data.backend import OP_READ, OP_WRITE, IOBackend, open_backend
 
 __all__ = ["IOBackend", "OP_READ", "OP_WRITE", "open_backend"]

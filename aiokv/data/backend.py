@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The I/O backend interface and its selection.
 
 An operation is a tuple (op, fd, addr, length, offset): read or write `length`
@@ -32,6 +33,7 @@ a thread that submits past its queue of background requests to sleep until the
 daemon answers; a hung daemon never does), while a pool thread may block alone.
 AIOKV_IO=uring|threads (or the `io` setting) forces one.
 """
+
 from __future__ import annotations
 
 import abc
@@ -150,7 +152,7 @@ class IOBackend(abc.ABC):
     def in_flight(self) -> int:
         """Operations handed to the kernel or a thread and not yet completed."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: a backend with nothing to close keeps this)
         pass
 
 
@@ -179,8 +181,9 @@ def mount_of(path: str) -> tuple[str, str]:
     return best, kind
 
 
-def open_backend(loop: asyncio.AbstractEventLoop, kind: str | None = None, depth: int = 64,
-                 path: str | None = None) -> IOBackend:
+def open_backend(
+    loop: asyncio.AbstractEventLoop, kind: str | None = None, depth: int = 64, path: str | None = None
+) -> IOBackend:
     """The io_uring backend if the kernel allows it and `path` (where the files
     are) is not on FUSE or a network file system, else the thread-pool one
     (wrapped by the test-only fault injector when tests deliberately ask for it)."""
@@ -189,8 +192,10 @@ def open_backend(loop: asyncio.AbstractEventLoop, kind: str | None = None, depth
         mnt, fs = mount_of(path)
         if fs.split(".")[0] in BLOCKING_SUBMIT_FS:
             # one line per mount point (not per namespace directory: one per KV-cache group)
-            say_once(f"aiokv: the cache at {mnt} is on {fs}, where an io_uring submission can block; "
-                     "using the thread-pool I/O backend")
+            say_once(
+                f"aiokv: the cache at {mnt} is on {fs}, where an io_uring submission can block; "
+                "using the thread-pool I/O backend"
+            )
             kind = "threads"
     backend = _open_backend(loop, kind, depth)
     if os.environ.get("AIOKV_FAULTS"):
@@ -211,8 +216,11 @@ def _open_backend(loop: asyncio.AbstractEventLoop, kind: str | None, depth: int)
 
         if not getattr(_native, "HAVE_URING", 1):  # built without liburing (setup.py)
             if kind == "uring":
-                raise OSError(errno.ENOSYS, "aiokv was built without io_uring (AIOKV_WITHOUT_URING=1); "
-                              "rebuild it with liburing-dev installed, or use io=threads")
+                raise OSError(
+                    errno.ENOSYS,
+                    "aiokv was built without io_uring (AIOKV_WITHOUT_URING=1); "
+                    "rebuild it with liburing-dev installed, or use io=threads",
+                )
             say_once("aiokv: built without io_uring; using the thread-pool I/O backend")
             kind = "threads"
     if kind in ("auto", "uring"):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Reads and writes of whole slots in one (namespace, rank) data file.
 
 This is the data plane: it needs no index and no lock, so a vLLM worker process
@@ -48,6 +49,7 @@ and checked in the same native calls) reads the payloads. A call cancelled while
 is still stamping or verifying its slots returns only once that thread is done
 with them, like the I/O above.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,8 +61,8 @@ import threading
 import time
 
 from aiokv import _native
-from aiokv.data.backend import OP_READ, OP_WRITE, settle
 from aiokv.data import format as fmt
+from aiokv.data.backend import OP_READ, OP_WRITE, settle
 from aiokv.data.slotfile import check_slot, open_data_file, open_engine_dir
 
 EBADMSG = -errno.EBADMSG
@@ -73,8 +75,17 @@ MISSING_RETRY = 0.5  # seconds before another engine's missing data file is look
 
 
 class BlockIO:
-    def __init__(self, backend, ns_dir: str, nsid: bytes, rank: int, payload_bytes: int, layout: int = 0,
-                 secret: str | bytes | None = None, cpu=None):
+    def __init__(
+        self,
+        backend,
+        ns_dir: str,
+        nsid: bytes,
+        rank: int,
+        payload_bytes: int,
+        layout: int = 0,
+        secret: str | bytes | None = None,
+        cpu=None,
+    ):
         self.backend = backend
         self.cpu = cpu  # checksum threads (see the module docstring) or None
         self.layout = layout
@@ -134,6 +145,7 @@ class BlockIO:
                         loop.call_soon_threadsafe(functools.partial(opened, got=got))
                     except RuntimeError:
                         os.close(got)
+
                 threading.Thread(target=target, name="aiokv-open", daemon=True).start()
             waits.append(fut)
         for fut in waits:
@@ -189,8 +201,18 @@ class BlockIO:
         """Stamp many slots: one native call (CRC32C and header of each, and the MAC
         where a secret is set, GIL released; crc_in_copy: the payload CRC is
         already in each header)."""
-        await self._native(self._reads_payload(crc_in_copy, len(addrs)), _native.stamp_slots, addrs, keys, self.nsid,
-                           self.rank, self.payload_bytes, self.layout, crc_in_copy, self.mac_key)
+        await self._native(
+            self._reads_payload(crc_in_copy, len(addrs)),
+            _native.stamp_slots,
+            addrs,
+            keys,
+            self.nsid,
+            self.rank,
+            self.payload_bytes,
+            self.layout,
+            crc_in_copy,
+            self.mac_key,
+        )
 
     def _spreads(self, payloads: int) -> bool:
         """Whether a native call over that many payloads goes to the checksum threads."""
@@ -217,8 +239,15 @@ class BlockIO:
     def verify(self, key: bytes, addr: int) -> bool:
         """Whether the staging buffer at addr holds `key` intact (check_slot: the format's checks, then the MAC)."""
         try:
-            check_slot((ctypes.c_char * self.slot_bytes).from_address(addr), self.nsid, self.rank,
-                       self.payload_bytes, key, self.layout, self.mac_key)
+            check_slot(
+                (ctypes.c_char * self.slot_bytes).from_address(addr),
+                self.nsid,
+                self.rank,
+                self.payload_bytes,
+                key,
+                self.layout,
+                self.mac_key,
+            )
         except fmt.BadBlock:
             return False
         return True
@@ -278,9 +307,18 @@ class BlockIO:
         if not whole:
             return out
         pick = items if len(whole) == n else [items[i] for i in whole]
-        verdicts = await self._native(self._reads_payload(crc_in_copy, len(whole)), _native.verify_slots,
-                                      [it[2] for it in pick], [it[1] for it in pick], self.nsid, self.rank,
-                                      self.payload_bytes, self.layout, crc_in_copy, self.mac_key)
+        verdicts = await self._native(
+            self._reads_payload(crc_in_copy, len(whole)),
+            _native.verify_slots,
+            [it[2] for it in pick],
+            [it[1] for it in pick],
+            self.nsid,
+            self.rank,
+            self.payload_bytes,
+            self.layout,
+            crc_in_copy,
+            self.mac_key,
+        )
         if len(whole) == n and not any(verdicts):
             return [0] * n  # the common case, without a Python step per item
         for i, v in zip(whole, verdicts):
@@ -293,7 +331,7 @@ class BlockIO:
         raw byte counts (writes) or per-item results (reads)."""
         run = self.backend.run
         step = self._chunk()
-        parts = [items[i:i + step] for i in range(0, len(items), step)]
+        parts = [items[i : i + step] for i in range(0, len(items), step)]
         futs: list[asyncio.Future] = []
         out: list[int] = []
         try:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Aligned, huge-page-backed host memory for O_DIRECT I/O.
 
 O_DIRECT needs buffers, offsets and lengths aligned to the device's logical block
@@ -9,6 +10,7 @@ staging memory is one 2 MiB-aligned anonymous mapping with MADV_HUGEPAGE
 Threading contract: an Arena is immutable after construction and may be read from
 any thread. A BufferPool is called from one thread only (the worker's event loop).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -44,7 +46,7 @@ class Arena:
                 self._map.madvise(mmap.MADV_HUGEPAGE, self.offset, round_up(self.size, HUGE))
             except (OSError, ValueError):
                 pass  # transparent huge pages disabled: still correct, slower
-        self.view = memoryview(self._map)[self.offset:self.offset + self.size]
+        self.view = memoryview(self._map)[self.offset : self.offset + self.size]
         if populate:
             try:
                 self._map.madvise(MADV_POPULATE_WRITE, self.offset, round_up(self.size, HUGE))

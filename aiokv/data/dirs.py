@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Directories of a cache, opened as descriptors and never through a symlink.
 
 Everything under the cache directory is opened, created, renamed and removed
@@ -10,6 +11,7 @@ Also here: the small JSON files (aiokv.json, namespace.json), written atomically
 
 Threading contract: plain functions, any thread.
 """
+
 from __future__ import annotations
 
 import errno
@@ -36,8 +38,10 @@ def open_dir(path: str, dir_fd: int | None = None, create: bool = False) -> int:
         return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise NotAStore(f"aiokv: {path} is a symlink or not a directory; aiokv follows no symlinks in its "
-                            f"cache directory: remove it or give aiokv a new directory") from None
+            raise NotAStore(
+                f"aiokv: {path} is a symlink or not a directory; aiokv follows no symlinks in its "
+                f"cache directory: remove it or give aiokv a new directory"
+            ) from None
         raise
 
 
@@ -59,11 +63,15 @@ def check_private(fd: int, path: str) -> None:
     """Refuse a directory another user owns or group/others can write."""
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
-        raise NotAStore(f"aiokv: cache directory {path} is owned by uid {st.st_uid}, not by this user "
-                        f"(uid {os.geteuid()}); give aiokv a directory of its own")
+        raise NotAStore(
+            f"aiokv: cache directory {path} is owned by uid {st.st_uid}, not by this user "
+            f"(uid {os.geteuid()}); give aiokv a directory of its own"
+        )
     if st.st_mode & 0o022:
-        raise NotAStore(f"aiokv: cache directory {path} can be written by other users (mode "
-                        f"{st.st_mode & 0o777:o}); run: chmod go-w {path}")
+        raise NotAStore(
+            f"aiokv: cache directory {path} can be written by other users (mode "
+            f"{st.st_mode & 0o777:o}); run: chmod go-w {path}"
+        )
 
 
 def fsync_dir(fd: int) -> None:
@@ -98,5 +106,7 @@ def _read_json(name: str, dir_fd: int, path: str) -> dict:
         try:
             return json.load(f)
         except ValueError as e:
-            raise NotAStore(f"aiokv: {os.path.join(path, name)} is damaged (bad JSON: {e}); "
-                            f"remove {path} or give aiokv a new directory") from None
+            raise NotAStore(
+                f"aiokv: {os.path.join(path, name)} is damaged (bad JSON: {e}); "
+                f"remove {path} or give aiokv a new directory"
+            ) from None

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Reads and writes of whole slots over several drives: one BlockIO per drive's
 namespace directory, behind BlockIO's own interface (`read`, `write`, `verify`).
 
@@ -19,6 +20,7 @@ or an abort (nothing).
 
 Threading contract: BlockIO's (one asyncio loop thread).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -65,8 +67,9 @@ class DriveIO:
                 idx, sub = parts.setdefault(d, ([], []))
                 idx.append(i)
                 sub.append((w, key, addr))
-        tasks = {d: asyncio.ensure_future(self._part(self.ios[d], write, sub, crc_in_copy))
-                 for d, (_, sub) in parts.items()}
+        tasks = {
+            d: asyncio.ensure_future(self._part(self.ios[d], write, sub, crc_in_copy)) for d, (_, sub) in parts.items()
+        }
         try:
             await asyncio.gather(*tasks.values())
         except asyncio.CancelledError:

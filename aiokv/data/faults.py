@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Test-only fault injection in the I/O layer.
 
 Inert in production: open_backend() wraps the real backend only when both
@@ -18,6 +19,7 @@ AIOKV_FAULTS is a JSON list of rules; each applies to operations of one kind:
 
 Threading contract: as the wrapped backend (its loop's thread only).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,8 +51,11 @@ class Rule:
         self.fired = 0
 
     def hits(self, op) -> bool:
-        if op[0] != self.op or (self.offset is not None and op[4] != self.offset) \
-                or (self.file and self.file not in _path(op[1])):
+        if (
+            op[0] != self.op
+            or (self.offset is not None and op[4] != self.offset)
+            or (self.file and self.file not in _path(op[1]))
+        ):
             return False
         self.seen += 1
         n = self.seen - self.skip

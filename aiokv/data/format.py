@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The on-disk format, version 2: constants, packing and checking. Nothing else.
 
 docs/format.md describes the same layout for people; change both together and
@@ -26,6 +27,7 @@ every slot, offset and length is aligned for O_DIRECT. The header is verified
 on every read: magic, version, namespace, rank, key, length, payload CRC32C and
 a CRC32C of the header itself. Any mismatch is a miss.
 """
+
 from __future__ import annotations
 
 import struct
@@ -95,9 +97,15 @@ def data_file(rank: int) -> str:
 
 def engine_of_dir(name: str) -> int | None:
     """The engine number of a subdirectory name e<E>, or None."""
-    if name.startswith("e") and name[1:].isdigit() and name[1:] == str(int(name[1:])) and 0 < int(name[1:]) < MAX_ENGINES:
+    if (
+        name.startswith("e")
+        and name[1:].isdigit()
+        and name[1:] == str(int(name[1:]))
+        and 0 < int(name[1:]) < MAX_ENGINES
+    ):
         return int(name[1:])
     return None
+
 
 # ---- slot header ----
 BLOCK_MAGIC = b"AIOKVBLK"
@@ -131,12 +139,32 @@ def check_key(key: bytes) -> None:
         raise ValueError(f"aiokv: keys are {MIN_KEY}-{MAX_KEY} bytes, got {len(key)!r}")
 
 
-def pack_header(nsid: bytes, rank: int, key: bytes, payload_len: int, payload_crc: int, seq: int,
-                layout: int = 0, mac_scheme: int = 0) -> bytes:
+def pack_header(
+    nsid: bytes,
+    rank: int,
+    key: bytes,
+    payload_len: int,
+    payload_crc: int,
+    seq: int,
+    layout: int = 0,
+    mac_scheme: int = 0,
+) -> bytes:
     """A slot header's first HDR_USED bytes (what _native.stamp_slots writes; the MAC,
     where mac_scheme says there is one, follows them)."""
-    body = _HDR.pack(BLOCK_MAGIC, FILE_VERSION, HEADER_BYTES, rank, nsid, len(key), mac_scheme, payload_crc,
-                     payload_len, key, seq, layout)
+    body = _HDR.pack(
+        BLOCK_MAGIC,
+        FILE_VERSION,
+        HEADER_BYTES,
+        rank,
+        nsid,
+        len(key),
+        mac_scheme,
+        payload_crc,
+        payload_len,
+        key,
+        seq,
+        layout,
+    )
     return body + _HDR_CRC.pack(_native.crc32c_bytes(body))
 
 
@@ -150,9 +178,21 @@ class BadBlock(Exception):
 # verdict: 0 (valid) or the first check failed, in the order checked; this is
 # the one place a verdict is named (the start of BadBlock's reason). The C side
 # (HDR_OFF_*) writes and reads the _HDR layout above byte for byte.
-SLOT_REASONS = ("", "header short", "header checksum", "magic", "format version", "header names another layout",
-                "header names another nsid", "header names another rank", "header names another key",
-                "header names another payload len", "payload short", "payload checksum", "MAC")
+SLOT_REASONS = (
+    "",
+    "header short",
+    "header checksum",
+    "magic",
+    "format version",
+    "header names another layout",
+    "header names another nsid",
+    "header names another rank",
+    "header names another key",
+    "header names another payload len",
+    "payload short",
+    "payload checksum",
+    "MAC",
+)
 if len(SLOT_REASONS) != _native.SLOT_VERDICTS:
     raise ImportError("aiokv: aiokv._native was built from another format.py; rebuild it (pip install -e .)")
 _NO_NSID = bytes(NSID_BYTES)
@@ -171,8 +211,16 @@ def _checked(slot, upto: int, nsid: bytes, rank: int, payload_len: int, key, lay
     if verdict:
         raise BadBlock(slot_reason(verdict, slot))
     magic, ver, hbytes, rank, nsid, klen, macs, pcrc, plen, key, seq, layout = _HDR.unpack_from(slot)
-    return {"rank": rank, "nsid": nsid, "key": key[:klen], "payload_crc": pcrc, "payload_len": plen, "seq": seq,
-            "layout": layout, "mac_scheme": macs}
+    return {
+        "rank": rank,
+        "nsid": nsid,
+        "key": key[:klen],
+        "payload_crc": pcrc,
+        "payload_len": plen,
+        "seq": seq,
+        "layout": layout,
+        "mac_scheme": macs,
+    }
 
 
 def unpack_header(raw) -> dict:
@@ -181,8 +229,9 @@ def unpack_header(raw) -> dict:
     return _checked(raw, _native.CHECK_SELF, _NO_NSID, 0, 0, None, None)
 
 
-def check_header(raw, nsid: bytes, rank: int, payload_len: int, key: bytes | None = None,
-                 layout: int | None = None) -> dict:
+def check_header(
+    raw, nsid: bytes, rank: int, payload_len: int, key: bytes | None = None, layout: int | None = None
+) -> dict:
     """The slot check without its payload: unpack_header's checks, then the
     header against what the reader expects (layout, nsid, rank, key, payload
     length; key or layout None: any). Returns the header; raises BadBlock
@@ -190,8 +239,15 @@ def check_header(raw, nsid: bytes, rank: int, payload_len: int, key: bytes | Non
     return _checked(raw, _native.CHECK_HEADER, nsid, rank, payload_len, key, layout)
 
 
-def check_slot(slot, nsid: bytes, rank: int, payload_len: int, key: bytes | None = None,
-               layout: int | None = None, mac_key: bytes | None = None) -> dict:
+def check_slot(
+    slot,
+    nsid: bytes,
+    rank: int,
+    payload_len: int,
+    key: bytes | None = None,
+    layout: int | None = None,
+    mac_key: bytes | None = None,
+) -> dict:
     """The one check that a whole slot is valid for (nsid, rank, payload_len,
     key, layout): its header (check_header), then its payload's CRC32C or, with
     a secret's mac_key, its MAC (which covers the payload and the header). `slot`
@@ -254,8 +310,8 @@ def iter_records(buf: bytes, verify_each: bool = True):
     crc = _native.crc32c_bytes
     for i in range(n):
         off = i * REC_BYTES
-        body = buf[off:off + _REC.size]
-        if verify_each and crc(body) != int.from_bytes(buf[off + _REC.size:off + REC_BYTES], "little"):
+        body = buf[off : off + _REC.size]
+        if verify_each and crc(body) != int.from_bytes(buf[off + _REC.size : off + REC_BYTES], "little"):
             return off
         kind, klen, slot, atime, key = _REC.unpack(body)
         if kind not in REC_KINDS or not MIN_KEY <= klen <= MAX_KEY:
@@ -305,12 +361,12 @@ def iter_labels(buf: bytes):
     off, end, crc = 0, len(buf), _native.crc32c_bytes
     while off + _LABEL.size <= end:
         n, c = _LABEL.unpack_from(buf, off)
-        body = buf[off + _LABEL.size:off + _LABEL.size + n]
+        body = buf[off + _LABEL.size : off + _LABEL.size + n]
         if not 1 <= n <= MAX_LABEL or len(body) < n or crc(body) != c:
             return off
         klen = body[0]
         if not MIN_KEY <= klen <= MAX_KEY or klen + 1 > n:
             return off
-        yield bytes(body[1:1 + klen]), bytes(body[1 + klen:])
+        yield bytes(body[1 : 1 + klen]), bytes(body[1 + klen :])
         off += _LABEL.size + n
     return off

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Data files and slots, for every reader and writer of them: the one opener of a
 data file (`open_data_file`, in an engine's directory opened by
 `open_engine_dir`), the one check of a slot's bytes (`check_slot`: the on-disk
@@ -10,6 +11,7 @@ data path), the store's scan and verify (aiokv/store/scan.py) and `aiokv inspect
 Threading contract: plain functions, any thread (they block: the store calls
 them on its I/O thread, BlockIO on a thread of its own for opens).
 """
+
 from __future__ import annotations
 
 import errno
@@ -20,8 +22,9 @@ from aiokv.data.backend import say_once
 from aiokv.data.dirs import FILE_FLAGS, open_under
 
 
-def open_data_file(dir_fd: int, rank: int, write: bool = False, create: bool = False, direct: bool = False,
-                   where: str | None = None) -> tuple[int, bool]:
+def open_data_file(
+    dir_fd: int, rank: int, write: bool = False, create: bool = False, direct: bool = False, where: str | None = None
+) -> tuple[int, bool]:
     """The one opener of a data file (BlockIO, the store, inspect): rank's file in
     the engine directory dir_fd, never through a symlink, read-only or (write)
     read-write, created 0600 if `create`. direct: with O_DIRECT, buffered where the
@@ -59,8 +62,9 @@ def data_path(ns_dir: str, rank: int, engine: int = 0) -> str:
 check_slot = fmt.check_slot
 
 
-def read_slot(fd: int, slot: int, nsid: bytes, rank: int, payload_bytes: int, key: bytes | None = None,
-              header_only: bool = False) -> dict:
+def read_slot(
+    fd: int, slot: int, nsid: bytes, rank: int, payload_bytes: int, key: bytes | None = None, header_only: bool = False
+) -> dict:
     """The one slot reader of an open data file (pread, any thread): slot `slot`,
     checked by check_slot, or with header_only its header alone
     (format.check_header). Returns the header; raises BadBlock (a short read too)

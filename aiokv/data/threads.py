@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The thread-pool fallback backend: os.preadv/os.pwritev in a small pool.
 
 Used where io_uring is refused (containers) or forced with AIOKV_IO=threads.
@@ -11,6 +12,7 @@ pool, and later operations queue behind it (their callers' timeouts end them).
 Threading contract: `run` is called from the loop thread; the pool threads only
 touch the operation they run and hand the result back with call_soon_threadsafe.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,7 +32,7 @@ class ThreadBackend(IOBackend):
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="aiokv-io")
         self._lock = threading.Lock()
         self._running = 0  # operations inside their system call
-        self._out = 0      # operations handed to the pool and not yet completed (queued or running)
+        self._out = 0  # operations handed to the pool and not yet completed (queued or running)
 
     @property
     def in_flight(self) -> int:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The io_uring backend: one ring per event loop, completions through an eventfd.
 
 The split: the native Ring (native/aiokv_native.c) owns every operation, Python
@@ -41,6 +42,7 @@ merged requests 10-25 % slower ("Submission and request merging").
 
 Threading contract: loop thread only.
 """
+
 from __future__ import annotations
 
 from aiokv import _native
@@ -57,8 +59,7 @@ class UringBackend(IOBackend):
     def __init__(self, loop, depth: int = 64):
         super().__init__(loop)
         self.depth = depth
-        self.ring = _native.Ring(max(2 * depth, 8), depth=depth, max_ops=2 * depth,
-                                 min_bytes=MIN_BYTES_IN_FLIGHT)
+        self.ring = _native.Ring(max(2 * depth, 8), depth=depth, max_ops=2 * depth, min_bytes=MIN_BYTES_IN_FLIGHT)
         self._batches: dict[int, _Batch] = {}  # Ring batch id -> batch
         self._pump_soon = False
         loop.add_reader(self.ring.fileno(), self._on_ready)

@@ -1,9 +1,11 @@
+# SPDX-License-Identifier: Apache-2.0
 """The demo: a tiny model built locally, vLLM with aiokv in two separate
 processes (cold, then after a restart), time to first token and external hit
 tokens of each, then `aiokv inspect` on the cache.
 
     python -m aiokv.demo [--dir DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,11 +20,12 @@ from aiokv.demo.tiny_model import build
 
 def life(model: str, cache: str, label: str) -> dict:
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", TQDM_DISABLE="1")
-    p = subprocess.run([sys.executable, "-m", "aiokv.demo.run_once", model, cache, label], env=env,
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "aiokv.demo.run_once", model, cache, label], env=env, capture_output=True, text=True
+    )
     for line in p.stdout.splitlines():
         if line.startswith(label + ": "):
-            return json.loads(line[len(label) + 2:])
+            return json.loads(line[len(label) + 2 :])
     sys.stderr.write(p.stderr[-5000:])
     raise SystemExit(f"aiokv demo: the {label} run failed (exit {p.returncode})")
 

@@ -1,9 +1,11 @@
+# SPDX-License-Identifier: Apache-2.0
 """Builds a small Llama-style model with random weights and a byte-level BPE
 tokenizer trained on the spot, saved as a local model directory vLLM can load.
 
 Nothing is downloaded. A large initializer_range keeps greedy decoding from
 collapsing to one repeated token, so token comparisons mean something.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,11 +22,29 @@ CORPUS = [
 ]
 
 
-def build(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
-          intermediate: int = 256, vocab: int = 512, seed: int = 0, max_positions: int = 8192) -> str:
+def build(
+    path: str,
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 256,
+    vocab: int = 512,
+    seed: int = 0,
+    max_positions: int = 8192,
+) -> str:
     """Write the model to `path` (if not already there with the same settings); return path."""
-    settings = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
-                    vocab=vocab, seed=seed, max_positions=max_positions)
+    settings = dict(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=intermediate,
+        vocab=vocab,
+        seed=seed,
+        max_positions=max_positions,
+    )
     stamp = os.path.join(path, "aiokv-tiny.json")
     if os.path.exists(stamp):
         with open(stamp) as f:
@@ -38,8 +58,9 @@ def build(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 4, kv_h
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<s>", "</s>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS * 4, trainer)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
@@ -47,10 +68,20 @@ def build(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 4, kv_h
     fast.save_pretrained(path)
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      initializer_range=0.2, tie_word_embeddings=False, max_position_embeddings=max_positions,
-                      bos_token_id=bos, eos_token_id=tok.token_to_id("</s>"), pad_token_id=tok.token_to_id("<pad>"))
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        max_position_embeddings=max_positions,
+        bos_token_id=bos,
+        eos_token_id=tok.token_to_id("</s>"),
+        pad_token_id=tok.token_to_id("<pad>"),
+    )
     cfg.dtype = "float32"
     model = LlamaForCausalLM(cfg).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
@@ -93,13 +124,30 @@ def build_hybrid(path: str) -> str:
         import torch
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-        cfg = Qwen3NextConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=2,
-                              num_key_value_heads=2, head_dim=64, linear_num_value_heads=2, linear_num_key_heads=2,
-                              linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
-                              moe_intermediate_size=64, shared_expert_intermediate_size=64, intermediate_size=256,
-                              layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=4096,
-                              tie_word_embeddings=False, initializer_range=0.2, bos_token_id=bos, eos_token_id=eos,
-                              pad_token_id=pad)
+        cfg = Qwen3NextConfig(
+            vocab_size=512,
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=64,
+            linear_num_value_heads=2,
+            linear_num_key_heads=2,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            intermediate_size=256,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            initializer_range=0.2,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
         return Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
 
     return _with_tokenizer(path, {"hybrid": "qwen3_next", "v": 2}, make)
@@ -112,11 +160,23 @@ def build_gemma2(path: str, window: int = 64) -> str:
         import torch
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
-        cfg = Gemma2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                           num_attention_heads=2, num_key_value_heads=2, head_dim=64, sliding_window=window,
-                           layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=64,
-                           max_position_embeddings=4096, initializer_range=0.2, bos_token_id=bos, eos_token_id=eos,
-                           pad_token_id=pad)
+        cfg = Gemma2Config(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=64,
+            sliding_window=window,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            query_pre_attn_scalar=64,
+            max_position_embeddings=4096,
+            initializer_range=0.2,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
         cfg.dtype = "float32"
         model = Gemma2ForCausalLM(cfg).to(torch.float32)
         with torch.no_grad():  # tied embeddings: let the layers outweigh them, or greedy output repeats a token
@@ -135,10 +195,22 @@ def build_mistral(path: str, window: int = 64) -> str:
         import torch
         from transformers import MistralConfig, MistralForCausalLM
 
-        cfg = MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=2, head_dim=64, sliding_window=window,
-                            max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False,
-                            bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+        cfg = MistralConfig(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=64,
+            sliding_window=window,
+            max_position_embeddings=4096,
+            initializer_range=0.2,
+            tie_word_embeddings=False,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
         cfg.dtype = "float32"
         return MistralForCausalLM(cfg).to(torch.float32)
 
@@ -152,11 +224,27 @@ def build_mla(path: str) -> str:
         import torch
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-        cfg = DeepseekV2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=512, q_lora_rank=None,
-                               qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=4,
-                               first_k_dense_replace=2, max_position_embeddings=4096, initializer_range=0.2,
-                               tie_word_embeddings=False, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+        cfg = DeepseekV2Config(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            n_routed_experts=4,
+            first_k_dense_replace=2,
+            max_position_embeddings=4096,
+            initializer_range=0.2,
+            tie_word_embeddings=False,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
         return DeepseekV2ForCausalLM(cfg).to(torch.bfloat16)
 
     return _with_tokenizer(path, {"mla": "deepseek_v2", "v": 1}, make)

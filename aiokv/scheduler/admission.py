@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Admission to disk: every block (`admit: all`), or only blocks seen before (`admit: reused`).
 
 Writing every block costs drive endurance: at 2 GB/s of saves a 7.68 TB drive rated for
@@ -30,13 +31,14 @@ it holds is a hit already; there is no memory-only copy to count.
 Pure, no vLLM, no I/O. Threading contract: the EngineCore scheduler thread only (the
 SchedulerSide's).
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 ALL, REUSED = "all", "reused"
-K = 7             # bit positions per key
-BITS_PER = 10     # bits per sighting of the window
+K = 7  # bit positions per key
+BITS_PER = 10  # bits per sighting of the window
 
 
 class Sketch:
@@ -51,7 +53,7 @@ class Sketch:
         self._added = 0
 
     def _bits(self, keys: list[bytes]) -> np.ndarray:
-        raw = np.frombuffer(b"".join(k[:4 * K] for k in keys), dtype="<u4").reshape(len(keys), K)
+        raw = np.frombuffer(b"".join(k[: 4 * K] for k in keys), dtype="<u4").reshape(len(keys), K)
         return raw % np.uint32(self.m)
 
     def contains(self, keys: list[bytes]) -> np.ndarray:
@@ -87,7 +89,7 @@ class Admission:
         if self.sketch is None:
             return
         if upto > st.looked:
-            self._sight(st, [k for k in st.keys[st.looked:upto] if k not in st.met])
+            self._sight(st, [k for k in st.keys[st.looked : upto] if k not in st.met])
             st.looked = upto
 
     def admitted(self, st, keys: list[bytes]) -> list[bool]:

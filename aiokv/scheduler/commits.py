@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Jobs in flight, and what the workers' reports do to them: commits and give-backs.
 
 Every transfer the scheduler side plans is a job with an id of its own (Transfer.job:
@@ -20,6 +21,7 @@ nothing stays pinned or pending.
 
 Threading contract: the EngineCore scheduler thread only (through SchedulerSide).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,7 +43,7 @@ class Job:
     read: dict[bytes, int] = dataclasses.field(default_factory=dict)  # a load's key -> the slot it reads
     # key -> (slot reserved, ranks that reported it, ranks that failed it), until every rank has
     saving: dict[bytes, tuple[int, set[int], set[int]]] = dataclasses.field(default_factory=dict)
-    from_bucket: bool = False   # `saving` holds a load's reservations for blocks of the bucket tier
+    from_bucket: bool = False  # `saving` holds a load's reservations for blocks of the bucket tier
     loading: bool = False  # a load whose request vLLM has not reported finished yet
 
 
@@ -184,8 +186,12 @@ class Ledger:
                     self.store.drop(ns, keys)
                     self.counters.load_bad_blocks += len(keys)
         except Exception:
-            log.warning("aiokv: giving the store back %s of %d block(s) failed; trying again at the next step",
-                        op[0], len(op[2]), exc_info=True)
+            log.warning(
+                "aiokv: giving the store back %s of %d block(s) failed; trying again at the next step",
+                op[0],
+                len(op[2]),
+                exc_info=True,
+            )
             self.later.append(op)
 
     def abort_reserved(self, reserved: list[tuple[int, bytes, int]]) -> None:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Namespace ids and block keys.
 
 A block's key covers exactly the tokens from the start of the sequence to the
@@ -13,6 +14,7 @@ Pure functions, no vLLM imports.
 Threading contract: none needed (no state); called on the EngineCore scheduler
 thread (and by tools reading a store).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,7 +43,7 @@ def extend_keys(keys: list[bytes], root: bytes, tokens, block_size: int, upto_bl
     start = len(keys)
     if upto_blocks <= start:
         return keys
-    raw = memoryview(array("I", tokens[start * block_size:upto_blocks * block_size]).tobytes())
+    raw = memoryview(array("I", tokens[start * block_size : upto_blocks * block_size]).tobytes())
     step = block_size * 4
     prev = keys[-1] if keys else root
     keyed = hashlib.blake2b(digest_size=KEY_BYTES, key=root[:32])  # keyed once, copied per block
@@ -49,7 +51,7 @@ def extend_keys(keys: list[bytes], root: bytes, tokens, block_size: int, upto_bl
     for off in range(0, (upto_blocks - start) * step, step):
         h = keyed.copy()
         h.update(prev)
-        h.update(raw[off:off + step])
+        h.update(raw[off : off + step])
         prev = h.digest()
         append(prev)
     return keys

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """KV-cache groups as plain data: what aiokv stores for each of vLLM's groups.
 
 vLLM's hybrid KV-cache manager splits a model's layers into groups, each with
@@ -18,6 +19,7 @@ vLLM's kv_cache_config.
 Threading contract: none needed (immutable once built); read on the scheduler
 thread and, in the worker processes, by the connector.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,12 +29,12 @@ FULL, WINDOW, STATE = "full", "window", "state"
 
 @dataclasses.dataclass(frozen=True)
 class GroupSpec:
-    index: int                 # vLLM's KV-cache group index
-    kind: str                  # FULL, WINDOW or STATE
-    payload_bytes: int         # bytes of one block across the group's layers (one rank)
+    index: int  # vLLM's KV-cache group index
+    kind: str  # FULL, WINDOW or STATE
+    payload_bytes: int  # bytes of one block across the group's layers (one rank)
     layer_names: tuple[str, ...]
-    window: int = 0            # WINDOW: tokens attended back, sliding_window + extra retained tokens
-    replicated: bool = False   # the same bytes on every TP rank (MLA): stored once
+    window: int = 0  # WINDOW: tokens attended back, sliding_window + extra retained tokens
+    replicated: bool = False  # the same bytes on every TP rank (MLA): stored once
 
     def first_needed_block(self, hit_blocks: int, block_size: int) -> int:
         """The first block (index) a hit ending after `hit_blocks` blocks must load."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Hits: how many blocks of a request every KV-cache group can serve.
 
 A hit is the longest run of full blocks, capped so at least one token is left to
@@ -9,13 +10,13 @@ groups, the state checkpoint at the hit's end for recurrent-state groups
 
 Threading contract: the EngineCore scheduler thread only (through SchedulerSide).
 """
+
 from __future__ import annotations
 
 from aiokv.scheduler.state import Group
 
 
-def hit(store, full: list[Group], partial: list[Group], keys: list[bytes], usable: int, local: int,
-        bs: int) -> int:
+def hit(store, full: list[Group], partial: list[Group], keys: list[bytes], usable: int, local: int, bs: int) -> int:
     """The longest hit (in blocks, at most `usable`) every group can serve, or 0."""
     hi = usable
     for g in full:  # keys may run past usable (decode)
@@ -34,8 +35,9 @@ def serves(g: Group, keys: list[bytes], h: int, local: int, bs: int) -> bool:
     return all(keys[i] in entries for i in range(first, h))
 
 
-def bucket_extend(bucket, groups: list[Group], req_id: str, keys: list[bytes], start: int,
-                  usable: int) -> tuple[int, tuple[int, int] | None] | None:
+def bucket_extend(
+    bucket, groups: list[Group], req_id: str, keys: list[bytes], start: int, usable: int
+) -> tuple[int, tuple[int, int] | None] | None:
     """The hit extended past `start` by what the bucket tier holds, with the span of
     blocks it serves (None: none); None: the bucket tier has not answered yet."""
     more = bucket.extend(req_id, keys, start, usable)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Plans: the load jobs of a hit vLLM allocated, and each step's save jobs.
 
 - A load is one Transfer per group, built at allocation from the block ids vLLM
@@ -16,6 +17,7 @@ Every transfer gets its job id here, and its record in the ledger (commits.py).
 
 Threading contract: the EngineCore scheduler thread only (through SchedulerSide).
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +31,17 @@ from aiokv.scheduler.state import Group, Req, Scheduled, SchedulerCounters
 log = logging.getLogger("aiokv")
 
 
-def alloc(store, ledger: Ledger, groups: list[Group], st: Req, req_id: str, block_ids: tuple[list[int], ...],
-          local: int, n: int, from_bucket) -> tuple[list[Transfer], dict[int, Job], int]:
+def alloc(
+    store,
+    ledger: Ledger,
+    groups: list[Group],
+    st: Req,
+    req_id: str,
+    block_ids: tuple[list[int], ...],
+    local: int,
+    n: int,
+    from_bucket,
+) -> tuple[list[Transfer], dict[int, Job], int]:
     """The load of blocks [local, local + n): (one transfer per group, their job records,
     blocks reserved for the bucket tier). Raises with nothing of it left behind."""
     transfers, jobs, pinned, reserved = [], {}, [], []
@@ -46,16 +57,30 @@ def alloc(store, ledger: Ledger, groups: list[Group], st: Req, req_id: str, bloc
             slots = store.pin(g.ns, keys)
             pinned.append((gi, [k for k, s in zip(keys, slots) if s is not None]))
             first = len(reserved)
-            bucket_flags = (reserve_from_bucket(store, g, gi, idx, keys, slots, from_bucket, reserved)
-                            if from_bucket else [])
+            bucket_flags = (
+                reserve_from_bucket(store, g, gi, idx, keys, slots, from_bucket, reserved) if from_bucket else []
+            )
             mine = reserved[first:]
             # a key gone since match, or no block to load into, cannot be loaded:
             # slot -1 makes the worker report it failed (vLLM recomputes)
-            t = Transfer(req_id, keys, [-1 if s is None or b == 0 else s for s, b in zip(slots, blocks)], blocks, gi,
-                         bucket_flags, job=ledger.new_id())
+            t = Transfer(
+                req_id,
+                keys,
+                [-1 if s is None or b == 0 else s for s, b in zip(slots, blocks)],
+                blocks,
+                gi,
+                bucket_flags,
+                job=ledger.new_id(),
+            )
             transfers.append(t)
-            jobs[t.job] = Job(req_id, gi, pinned=pinned[-1][1], read=dict(zip(t.keys, t.locations)),
-                              saving={k: (s, set(), set()) for _, k, s in mine}, from_bucket=True)
+            jobs[t.job] = Job(
+                req_id,
+                gi,
+                pinned=pinned[-1][1],
+                read=dict(zip(t.keys, t.locations)),
+                saving={k: (s, set(), set()) for _, k, s in mine},
+                from_bucket=True,
+            )
     except BaseException:
         for gi, keys in pinned:
             ledger.give_back(("unpin", gi, keys))
@@ -64,8 +89,9 @@ def alloc(store, ledger: Ledger, groups: list[Group], st: Req, req_id: str, bloc
     return transfers, jobs, len(reserved)
 
 
-def reserve_from_bucket(store, g: Group, gi: int, idx: list[int], keys: list[bytes], slots: list, span,
-                        reserved: list) -> list[bool]:
+def reserve_from_bucket(
+    store, g: Group, gi: int, idx: list[int], keys: list[bytes], slots: list, span, reserved: list
+) -> list[bool]:
     """Blocks of `span` (a range) not stored locally get a reserved slot (in `slots`,
     and (group, key, slot) in `reserved`): the worker loads them from the bucket tier
     and writes them through to it."""
@@ -80,8 +106,9 @@ def reserve_from_bucket(store, g: Group, gi: int, idx: list[int], keys: list[byt
     return out
 
 
-def track(st: Req, s: Scheduled, groups: list[Group], bs: int, wanted: dict, generated: bool = True,
-          own_cache: bool = False) -> None:
+def track(
+    st: Req, s: Scheduled, groups: list[Group], bs: int, wanted: dict, generated: bool = True, own_cache: bool = False
+) -> None:
     """Bookkeeping of one scheduled request (no store call): its block tables, and
     the blocks of full/window groups whose tokens all became computed in this life
     (into wanted[req_id]: (group, keys, block ids)). Raises if the tables cannot be trusted.
@@ -124,20 +151,35 @@ def track(st: Req, s: Scheduled, groups: list[Group], bs: int, wanted: dict, gen
             wanted.setdefault(s.req_id, []).append((gi, [st.keys[i] for i in idx], [ids[i] for i in idx]))
 
 
-def track_states(st: Req, req_id: str, items, groups: list[Group], bs: int, wanted: dict,
-                 generated: bool = True) -> None:
+def track_states(
+    st: Req, req_id: str, items, groups: list[Group], bs: int, wanted: dict, generated: bool = True
+) -> None:
     """vLLM's recurrent-state checkpoints of this step, [(group, block id, tokens)], into wanted."""
     for gi, block, tokens in items:
-        if not (0 <= gi < len(groups)) or groups[gi].spec.kind != STATE or block == 0 \
-                or tokens <= 0 or tokens % bs or tokens > len(st.tokens) or not generated and tokens > st.prompt:
+        if (
+            not (0 <= gi < len(groups))
+            or groups[gi].spec.kind != STATE
+            or block == 0
+            or tokens <= 0
+            or tokens % bs
+            or tokens > len(st.tokens)
+            or not generated
+            and tokens > st.prompt
+        ):
             continue
         i = tokens // bs - 1
         extend_keys(st.keys, st.root, st.tokens, bs, i + 1)
         wanted.setdefault(req_id, []).append((gi, [st.keys[i]], [block]))
 
 
-def reserve(store, ledger: Ledger, groups: list[Group], counters: SchedulerCounters, req_id: str,
-            parts: list[tuple[int, list[bytes], list[int]]]) -> list[Transfer]:
+def reserve(
+    store,
+    ledger: Ledger,
+    groups: list[Group],
+    counters: SchedulerCounters,
+    req_id: str,
+    parts: list[tuple[int, list[bytes], list[int]]],
+) -> list[Transfer]:
     """Slots for one request's blocks of this step: all of its save jobs, or none."""
     got: list[tuple[int, bytes, int, int]] = []  # (group, key, slot, block)
     try:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The scheduler side: keys, the index of committed blocks, and per-request
 load/save jobs. Runs in vLLM's EngineCore process; imports no vLLM.
 
@@ -26,14 +27,15 @@ Rules it keeps (docs/design.md):
 
 Threading contract: one thread, the EngineCore scheduler thread.
 """
+
 from __future__ import annotations
 
 import logging
 
 from aiokv.jobs import StepPlan, Transfer, WorkerReport
 from aiokv.scheduler import match as matching
-from aiokv.scheduler.admission import Admission
 from aiokv.scheduler import plan as planning
+from aiokv.scheduler.admission import Admission
 from aiokv.scheduler.commits import Job, Ledger
 from aiokv.scheduler.keys import extend_keys
 from aiokv.scheduler.layout import FULL, GroupSpec
@@ -48,8 +50,13 @@ log = logging.getLogger("aiokv")
 
 
 class SchedulerSide:
-    def __init__(self, store: Store, groups: "list[tuple[GroupSpec, Namespace]] | Namespace", block_size: int,
-                 breaker: Breaker | None = None):
+    def __init__(
+        self,
+        store: Store,
+        groups: "list[tuple[GroupSpec, Namespace]] | Namespace",
+        block_size: int,
+        breaker: Breaker | None = None,
+    ):
         if isinstance(groups, Namespace):  # one full-attention group
             groups = [(GroupSpec(0, FULL, groups.payload_bytes, ()), groups)]
         self.breaker = breaker or Breaker()  # a sick disk: no hits or saves for a while (breaker.py)
@@ -61,7 +68,7 @@ class SchedulerSide:
         self.counters = SchedulerCounters()
         self.jobs = Ledger(store, self.groups, self.counters)  # jobs in flight: pins, reservations; the store
         self._reqs: dict[str, Req] = {}
-        self._local_blocks: dict[str, int] = {}        # from the last match, used by on_alloc
+        self._local_blocks: dict[str, int] = {}  # from the last match, used by on_alloc
         self._new_loads: list[Transfer] = []
         self._cancel: list[str] = []
         # requests whose load failed: vLLM recomputes them, and must not be offered
@@ -97,8 +104,9 @@ class SchedulerSide:
         st = self._reqs.get(req_id)
         if st is None or st.root != root:
             n = len(self.groups)
-            st = self._reqs[req_id] = Req(tokens, root, block_ids=[[] for _ in range(n)], next_save=[0] * n,
-                                          prompt=len(tokens))
+            st = self._reqs[req_id] = Req(
+                tokens, root, block_ids=[[] for _ in range(n)], next_save=[0] * n, prompt=len(tokens)
+            )
         st.tokens = tokens
         return st
 
@@ -128,8 +136,9 @@ class SchedulerSide:
     def bucket_hit_tokens(self, req_id: str, num_external: int) -> int:
         """Tokens of the hit just matched (num_external beyond the local ones) that the bucket
         tier serves; call before on_alloc (which consumes the match)."""
-        return matching.span_tokens(self._from_bucket.get(req_id), self._local_blocks.get(req_id, 0), num_external,
-                                    self.bs)
+        return matching.span_tokens(
+            self._from_bucket.get(req_id), self._local_blocks.get(req_id, 0), num_external, self.bs
+        )
 
     def on_alloc(self, req_id: str, tokens, root: bytes, block_ids: tuple[list[int], ...], num_external: int) -> None:
         """One load job per group for the hit vLLM allocated, queued with its pins all
@@ -145,8 +154,9 @@ class SchedulerSide:
         local = self._local_blocks.get(req_id, 0)
         n = num_external // self.bs
         from_bucket = self._from_bucket.pop(req_id, None)
-        transfers, jobs, reserved = planning.alloc(self.store, self.jobs, self.groups, st, req_id, block_ids,
-                                                   local, n, from_bucket)
+        transfers, jobs, reserved = planning.alloc(
+            self.store, self.jobs, self.groups, st, req_id, block_ids, local, n, from_bucket
+        )
         # committed together: every group's load, its pins, its bucket-tier reservations
         self._new_loads += transfers
         self.jobs.add_loads(req_id, jobs)
@@ -170,7 +180,7 @@ class SchedulerSide:
         try:
             local = self._local_blocks.get(req_id, 0)
             n = num_external // self.bs
-            blocks = [b for b in block_ids[0][local:local + n] if b != 0]
+            blocks = [b for b in block_ids[0][local : local + n] if b != 0]
         except Exception:
             blocks = []
         blocks = blocks or [0]  # no block: the connector reports it whole (failed_recving)
@@ -233,8 +243,9 @@ class SchedulerSide:
         if st is None or s.req_id in self._stale:  # alive at a cache reset: never saved again
             return
         try:
-            planning.track(st, s, self.groups, self.bs, wanted, self.save_generated,
-                           own_cache=self.admission.sketch is not None)
+            planning.track(
+                st, s, self.groups, self.bs, wanted, self.save_generated, own_cache=self.admission.sketch is not None
+            )
         except Exception:
             # its tables can no longer be trusted: never saved from them (a resumed life starts anew)
             log.exception("aiokv: tracking request %s failed; its blocks are not saved", s.req_id)

@@ -1,9 +1,11 @@
+# SPDX-License-Identifier: Apache-2.0
 """The scheduler side's plain data: a step's scheduled requests, a KV-cache group
 with its store namespace, what is known of a request, and the counters.
 
 No behaviour beyond construction. Threading contract: the EngineCore scheduler
 thread only (SchedulerSide's caller), like everything in aiokv/scheduler/.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,10 +20,10 @@ class Scheduled:
     """One request in this step's SchedulerOutput, as plain data."""
 
     req_id: str
-    num_computed: int         # tokens computed before this step
-    num_scheduled: int        # tokens computed in this step (spec tokens excluded)
+    num_computed: int  # tokens computed before this step
+    num_scheduled: int  # tokens computed in this step (spec tokens excluded)
     block_ids: tuple[list[int], ...] | None  # per group; new/resumed: whole tables; running: appended ids
-    replace: bool             # True: block_ids are the whole tables (new or resumed request)
+    replace: bool  # True: block_ids are the whole tables (new or resumed request)
 
 
 @dataclasses.dataclass
@@ -50,7 +52,7 @@ class Req:
     # known); with admit: reused they are saved too when admitted (plan.track), since the request that
     # computed them met their keys first and could not
     own_cache: int = -1
-    prompt: int = 0           # prompt tokens (the list's length when vLLM first asked about the request)
+    prompt: int = 0  # prompt tokens (the list's length when vLLM first asked about the request)
 
 
 # what the scheduler side counts: one int per SCHEDULER row of the table of counters

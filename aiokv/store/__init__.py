@@ -1,8 +1,10 @@
+# SPDX-License-Identifier: Apache-2.0
 """The persistent block store (no vLLM imports below this line).
 
 Store (store.py) owns the index; the data path below it (aiokv/data/: BlockIO) moves
 slot bytes; the on-disk format is in aiokv/data/format.py and docs/format.md.
 """
+
 from aiokv.store.index import Namespace
 from aiokv.store.lock import StoreLocked
 from aiokv.store.store import NotAStore, Store, StoreStats

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Several drives: one Store per drive's cache directory, seen by the scheduler side
 as one store (`Drives`, with one `DriveNamespace` per namespace).
 
@@ -40,6 +41,7 @@ Threading contract: a Store's. One owner thread calls Drives (the EngineCore
 scheduler thread); each drive's Store has its own I/O thread; `open_drives` runs
 its opens on threads of their own and returns once each has ended or timed out.
 """
+
 from __future__ import annotations
 
 import errno
@@ -331,8 +333,12 @@ def open_drives(paths: list[str], open_one, timeout: float, failures: int = 3, c
         try:
             if not os.path.isdir(os.path.dirname(path.rstrip("/")) or "/"):
                 raise FileNotFoundError(errno.ENOENT, "its parent directory does not exist (a drive not mounted?)")
-            r = bounded(lambda: open_one(path, len(paths)), timeout, f"the cache directory {path}",
-                        late=lambda r: r[0].close(checkpoint=False))
+            r = bounded(
+                lambda: open_one(path, len(paths)),
+                timeout,
+                f"the cache directory {path}",
+                late=lambda r: r[0].close(checkpoint=False),
+            )
         except BaseException as e:
             with lock:
                 errors[d] = e
@@ -351,9 +357,15 @@ def open_drives(paths: list[str], open_one, timeout: float, failures: int = 3, c
             store.close(checkpoint=False)
         raise refused[0]
     for d, e in sorted(errors.items()):
-        log.error("aiokv: drive %s is left out (%s); the cache runs on the other %d of %d drives, %d/%d of "
-                  "its capacity", paths[d], getattr(e, "strerror", None) or e, len(paths) - len(errors), len(paths),
-                  len(paths) - len(errors), len(paths))
+        log.error(
+            "aiokv: drive %s is left out (%s); the cache runs on the other %d of %d drives, %d/%d of its capacity",
+            paths[d],
+            getattr(e, "strerror", None) or e,
+            len(paths) - len(errors),
+            len(paths),
+            len(paths) - len(errors),
+            len(paths),
+        )
     if not got:
         raise OSError(errno.ENOENT, f"none of the {len(paths)} drives could be opened")
     drives = Drives(paths, {d: r[0] for d, r in got.items()}, failures, cooldown)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Following the other engines on the directory.
 
 Each other engine's checkpoint and journal of a namespace is read by a
@@ -30,6 +31,7 @@ The backlog (records found and not yet applied, while the scheduler idles) is
 `_handed - _applied`, each counter written by one thread only; past BACKLOG the
 I/O thread stops looking until the owner catches up.
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,11 +66,11 @@ class Following:
         self.interval = FOLLOW_INTERVAL
         self.followed = 0.0  # time.monotonic() of the last look (with the I/O thread: the last applied)
         self.followers: dict[tuple[bytes, int], Follower] = {}  # (nsid, engine) -> its files
-        self._peer_fds: dict[tuple[bytes, int], int] = {}       # (nsid, engine) -> its directory
-        self.peer_bytes: dict[tuple[bytes, int], int] = {}      # (nsid, engine) -> bytes its files take
+        self._peer_fds: dict[tuple[bytes, int], int] = {}  # (nsid, engine) -> its directory
+        self.peer_bytes: dict[tuple[bytes, int], int] = {}  # (nsid, engine) -> bytes its files take
         self._spaces: tuple[Namespace, ...] = ()  # the namespaces, for the I/O thread
         self._io_seen: dict[tuple[bytes, int], int] = {}  # the I/O thread's: bytes last handed over per engine
-        self._handed = 0   # records the I/O thread handed over (it alone writes this)
+        self._handed = 0  # records the I/O thread handed over (it alone writes this)
         self._applied = 0  # records the owner applied (it alone writes this)
 
     def add(self, ns: Namespace) -> None:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The store's file-system thread: while an engine serves, every file-system
 call of its scheduler side (journal appends, syncs and checkpoints, following
 the other engines' journals, free-space checks, growing and punching data
@@ -39,6 +40,7 @@ lock-protected queue and done list. `once`'s busy set is the owner's alone
 (its entries are added at submit and removed by done callbacks, both on the
 owner's thread).
 """
+
 from __future__ import annotations
 
 import collections
@@ -62,7 +64,7 @@ class Op:
         self.fn, self.done, self.deadline = fn, done, deadline
         self.started = 0.0
         self.finished = False  # ran (set by the thread that ran it)
-        self.applied = False   # its done callback ran (the owner's thread)
+        self.applied = False  # its done callback ran (the owner's thread)
         self.result = None
         self.error: BaseException | None = None
 
@@ -167,6 +169,7 @@ class FsThread:
                 done(r, e)
             elif e is not None and not isinstance(e, OSError):
                 raise e
+
         try:
             return self.submit(fn, finish, deadline)
         except BaseException:

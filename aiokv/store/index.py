@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The in-memory index: which key sits in which slot, LRU order, slot allocation.
 
 Pure bookkeeping, no files: the Store persists what this decides (journal.py)
@@ -5,6 +6,7 @@ and does the I/O. Kept apart so property tests can drive it fast.
 
 Threading contract: one thread (the Store's owner) calls everything here.
 """
+
 from __future__ import annotations
 
 import collections
@@ -71,8 +73,9 @@ class Namespace:
     locations (format.loc: engine << 32 | slot), which for engine 0 are the slots.
     """
 
-    def __init__(self, nsid: bytes, payload_bytes: int, slot_bytes: int, ranks: int, fields: dict,
-                 engine: int | None = 0):
+    def __init__(
+        self, nsid: bytes, payload_bytes: int, slot_bytes: int, ranks: int, fields: dict, engine: int | None = 0
+    ):
         self.nsid = nsid
         self.payload_bytes = payload_bytes
         self.slot_bytes = slot_bytes
@@ -80,10 +83,10 @@ class Namespace:
         self.fields = fields
         self.engine = engine
         self.base = loc(engine, 0) if engine is not None else 0  # our slot s is at location base | s
-        self.entries: dict[bytes, int] = {}   # key -> location, every engine's blocks
-        self.own: dict[bytes, int] = {}       # key -> slot, this engine's blocks
-        self.atime: dict[bytes, int] = {}     # own keys -> last access
-        self.pending: dict[bytes, int] = {}   # key -> location reserved, not yet committed
+        self.entries: dict[bytes, int] = {}  # key -> location, every engine's blocks
+        self.own: dict[bytes, int] = {}  # key -> slot, this engine's blocks
+        self.atime: dict[bytes, int] = {}  # own keys -> last access
+        self.pending: dict[bytes, int] = {}  # key -> location reserved, not yet committed
         self.alloc = SlotAllocator()
         # other engines: engine -> key -> (slot, last commit or TOUCH time), oldest first
         self.peers: dict[int, collections.OrderedDict[bytes, tuple[int, int]]] = {}

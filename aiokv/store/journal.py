@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Crash-consistent persistence of one namespace's index: checkpoint + journal.
 
 Why a journal of fixed 64-byte records and not SQLite: commits come in batches
@@ -21,6 +22,7 @@ at the next look.
 Threading contract: an IndexLog or Follower is used by one thread, the Store's
 owner. A read-only IndexLog (inspect) never writes and tolerates a writer beside it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -85,16 +87,18 @@ class IndexLog:
         if raw is not None:
             try:
                 gen, count, crc = fmt.unpack_file_header(raw, fmt.CKPT_MAGIC)
-                body = raw[fmt.FILE_HDR_BYTES:fmt.FILE_HDR_BYTES + count * fmt.REC_BYTES]
+                body = raw[fmt.FILE_HDR_BYTES : fmt.FILE_HDR_BYTES + count * fmt.REC_BYTES]
                 if len(body) != count * fmt.REC_BYTES or _native.crc32c_bytes(body) != crc:
                     raise fmt.BadBlock("checkpoint checksum")
-                for kind, key, slot, atime in fmt.iter_records(body, verify_each=False):
+                for _kind, key, slot, atime in fmt.iter_records(body, verify_each=False):
                     entries[key] = (slot, atime)
                 self.gen = gen
                 self.ckpt_bytes = fmt.FILE_HDR_BYTES + len(body)
             except fmt.BadBlock as e:
-                raise fmt.BadBlock(f"{self.dir}/checkpoint is corrupt ({e}); the engine rebuilds it from the blocks "
-                                  f"when it opens the store, or run: aiokv inspect --repair {os.path.dirname(os.path.dirname(self.dir))}") from e
+                raise fmt.BadBlock(
+                    f"{self.dir}/checkpoint is corrupt ({e}); the engine rebuilds it from the blocks "
+                    f"when it opens the store, or run: aiokv inspect --repair {os.path.dirname(os.path.dirname(self.dir))}"
+                ) from e
         jpath = self._journal_path(self.gen)
         raw = _read_file(self._journal_name(self.gen), self.dir_fd)
         valid = 0
@@ -112,10 +116,13 @@ class IndexLog:
                 self.lost_journal = len(raw)
                 logging.getLogger("aiokv").warning(
                     "aiokv: %s has a bad header; the %d index records in it since the last checkpoint are "
-                    "dropped (their blocks become misses)", jpath, (len(raw) - fmt.FILE_HDR_BYTES) // fmt.REC_BYTES)
+                    "dropped (their blocks become misses)",
+                    jpath,
+                    (len(raw) - fmt.FILE_HDR_BYTES) // fmt.REC_BYTES,
+                )
             if gen == self.gen:
                 journal_ok = True
-                body = raw[fmt.FILE_HDR_BYTES:]
+                body = raw[fmt.FILE_HDR_BYTES :]
                 it = fmt.iter_records(body)
                 while True:
                     try:
@@ -229,7 +236,7 @@ class IndexLog:
             os.write(fd, fmt.pack_file_header(fmt.CKPT_MAGIC, gen, count, _native.crc32c_bytes(body)))
             view = memoryview(body)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -252,8 +259,9 @@ class IndexLog:
                     os.fdatasync(fd)
             except OSError as e:
                 if not self.sync_failures:  # (a run of failures is said once)
-                    logging.getLogger("aiokv").warning("aiokv: journal fdatasync at close failed (%s)",
-                                                       os.strerror(e.errno or 0))
+                    logging.getLogger("aiokv").warning(
+                        "aiokv: journal fdatasync at close failed (%s)", os.strerror(e.errno or 0)
+                    )
             finally:
                 os.close(fd)
 
@@ -273,14 +281,14 @@ class Follower:
         self.dir = ns_dir
         self.dir_fd = dir_fd  # owned by the caller
         self.fd: int | None = None  # journal.<gen>, read-only
-        self.off = 0               # bytes of it applied (whole, verified records)
-        self.gen = 0               # generation followed
-        self.ckpt = None           # identity of the checkpoint (inode, size, mtime) or None
+        self.off = 0  # bytes of it applied (whole, verified records)
+        self.gen = 0  # generation followed
+        self.ckpt = None  # identity of the checkpoint (inode, size, mtime) or None
         self.ckpt_bytes = 0
         self.replayed = False
         self.log: IndexLog | None = None  # the last full replay (torn bytes, touches)
         self.broken: tuple | None = None  # checkpoint identity that did not verify: not retried until it changes
-        self.records = 0           # records of the current generation seen (replayed or tailed)
+        self.records = 0  # records of the current generation seen (replayed or tailed)
 
     def _ckpt_ident(self):
         try:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Our engine's journal of one namespace, written on the store's I/O thread.
 
 The Store appends COMMIT, DROP and TOUCH records, syncs and checkpoints its
@@ -19,6 +20,7 @@ Threading contract: every method and count is the owner's (the Store's
 thread); the IndexLog belongs to the I/O thread once it has started (before:
 to the opener). The two meet only through FsThread's queue and done list.
 """
+
 from __future__ import annotations
 
 import time
@@ -35,10 +37,10 @@ CHECKPOINT_DEADLINE = 30.0
 class JournalQueue:
     def __init__(self, log: IndexLog, fs: FsThread):
         self.log, self.fs = log, fs
-        self.records = log.records      # records in the current journal, queued ones included
+        self.records = log.records  # records in the current journal, queued ones included
         self._written = log.disk_bytes  # bytes the files took at the last finished operation
-        self._queued = 0                # bytes of records queued and not yet written
-        self._dirty = False             # records queued since the last sync was queued
+        self._queued = 0  # bytes of records queued and not yet written
+        self._dirty = False  # records queued since the last sync was queued
         self._last_sync = time.monotonic()
 
     @property
@@ -69,6 +71,7 @@ class JournalQueue:
         def write():
             log.append(recs)
             return log.disk_bytes
+
         self.fs.submit(write, done)
 
     def sync_if_due(self, now: float, failed) -> None:
@@ -97,4 +100,5 @@ class JournalQueue:
         def write():
             log.checkpoint(snapshot)
             return log.disk_bytes
+
         self.fs.once(key, write, done, deadline=max(CHECKPOINT_DEADLINE, self.fs.deadline))

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Labels: one opaque description per key, kept beside an engine's journal for the
 layers above the store (the connector's KV events keep each block's vLLM hashes and
 tokens there, so a restarted engine can tell routers what its disk holds).
@@ -20,6 +21,7 @@ every file call they make runs on the store's I/O thread (fsthread.py), and the
 file state (`_fds`, `_seen`) is that thread's alone; `read`'s `done` runs on the
 owner's thread (at the store's poll).
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,11 +55,13 @@ class Labels:
     def read(self, nsid: bytes, done, keep: frozenset | None = None) -> None:
         """done({key: label}) with what every engine's labels file of the namespace says
         that was not read before; `keep` (our keys, at the first read): compact our file."""
+
         def finish(found, e):
             if e is not None:
                 log.warning("aiokv: reading the block labels failed (%s); trying again later", e)
                 found = {}
             done(found)
+
         try:
             self.fs.submit(lambda: self._read(nsid, keep), finish)
         except OSError:
@@ -73,8 +77,10 @@ class Labels:
     @staticmethod
     def _written(_, e) -> None:
         if e is not None:
-            log.warning("aiokv: writing block labels failed (%s); those blocks are not announced after a restart",
-                        os.strerror(e.errno or 0) if isinstance(e, OSError) else e)
+            log.warning(
+                "aiokv: writing block labels failed (%s); those blocks are not announced after a restart",
+                os.strerror(e.errno or 0) if isinstance(e, OSError) else e,
+            )
 
     def _write(self, nsid: bytes, blob: bytes) -> None:
         fd = self._fds.get(nsid)
@@ -155,8 +161,9 @@ class Labels:
         tmp = fmt.LABELS_NAME + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FLAGS, 0o600, dir_fd=dfd)
         try:
-            os.write(fd, fmt.pack_file_header(fmt.LABEL_MAGIC, 0) + b"".join(fmt.pack_label(k, v)
-                                                                           for k, v in live.items()))
+            os.write(
+                fd, fmt.pack_file_header(fmt.LABEL_MAGIC, 0) + b"".join(fmt.pack_label(k, v) for k, v in live.items())
+            )
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Engine numbers on a cache directory: an flock per engine that holds its pid.
 
 Several engines share a directory; each owns the files of one engine number E
@@ -11,6 +12,7 @@ holder dies, kill -9 included, so a stale lock never needs cleaning by hand.
 
 Threading contract: created and released by the Store's owner thread.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -46,10 +48,14 @@ class DirLock:
         wait=False: one try only (a running engine's lock is not waited for)."""
         self.engine = None
         self.fd = None
-        for e in ([engine] if engine is not None else range(MAX_ENGINES)):
+        for e in [engine] if engine is not None else range(MAX_ENGINES):
             name = lock_name(e)
-            fd = os.open(name if dir_fd is not None else os.path.join(root, name),
-                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+            fd = os.open(
+                name if dir_fd is not None else os.path.join(root, name),
+                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+                dir_fd=dir_fd,
+            )
             try:
                 # an explicit number waits out holder_pid's instant shared lock;
                 # otherwise a busy-looking number just means trying the next one
@@ -65,10 +71,13 @@ class DirLock:
             break
         if self.fd is None:
             if engine is not None:
-                raise StoreLocked(f"aiokv: engine {engine} of cache directory {root} is running (pid {holder}); "
-                                  "stop it first")
-            raise StoreLocked(f"aiokv: cache directory {root} is in use by {MAX_ENGINES} engines already; "
-                              "stop one or give this engine its own path")
+                raise StoreLocked(
+                    f"aiokv: engine {engine} of cache directory {root} is running (pid {holder}); stop it first"
+                )
+            raise StoreLocked(
+                f"aiokv: cache directory {root} is in use by {MAX_ENGINES} engines already; "
+                "stop one or give this engine its own path"
+            )
         self.path = os.path.join(root, lock_name(self.engine))
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Opening: the store marker (aiokv.json), the setup lock, the directories of
 the store and of each namespace, namespace.json, and the namespaces opened.
 
@@ -20,6 +21,7 @@ has started (waited for at most NAMESPACE_WAIT). The directory descriptors are
 opened by whichever thread runs that part and read by the I/O thread
 afterwards; `Dirs.close` runs where close runs (persist.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +52,10 @@ def setup_lock(root_fd: int, root: str = "the cache directory"):
             break
         except BlockingIOError:
             if time.monotonic() > end:
-                raise NotAStore(f"aiokv: {root}: another engine has been creating files there for {SETUP_WAIT:.0f} s "
-                                "(a hung disk?); check it, or give this engine its own path") from None
+                raise NotAStore(
+                    f"aiokv: {root}: another engine has been creating files there for {SETUP_WAIT:.0f} s "
+                    "(a hung disk?); check it, or give this engine its own path"
+                ) from None
             time.sleep(0.01)
     try:
         yield
@@ -95,8 +99,9 @@ class Dirs:
             # under an flock of the root directory: engines starting together.
             with setup_lock(self.root_fd, self.root):
                 if not _exists("aiokv.json", self.root_fd) and os.listdir(self.root_fd):
-                    raise NotAStore(f"aiokv: {self.root} is not empty and not an aiokv store; "
-                                    "give aiokv an empty or new directory")
+                    raise NotAStore(
+                        f"aiokv: {self.root} is not empty and not an aiokv store; give aiokv an empty or new directory"
+                    )
                 self.lock = DirLock(self.root, self.root_fd, engine)
                 self.engine = self.lock.engine
                 if not _exists("aiokv.json", self.root_fd):
@@ -129,8 +134,10 @@ class Dirs:
         if not isinstance(meta, dict) or meta.get("magic") != fmt.STORE_MAGIC:
             raise NotAStore(f"aiokv: {self.root} is not an aiokv store (bad aiokv.json)")
         if meta.get("format") not in fmt.READS_FORMATS:
-            raise NotAStore(f"aiokv: {self.root} has format {meta.get('format')}, this aiokv reads "
-                            f"{fmt.FORMAT_VERSION}; use a new directory")
+            raise NotAStore(
+                f"aiokv: {self.root} has format {meta.get('format')}, this aiokv reads "
+                f"{fmt.FORMAT_VERSION}; use a new directory"
+            )
         return meta["format"]
 
     def max_slots(self, ns: Namespace) -> int:
@@ -166,8 +173,10 @@ class Dirs:
         try:
             return fmt.check_namespace(_read_json("namespace.json", nfd, d), nsid)
         except fmt.BadBlock as e:
-            raise NotAStore(f"aiokv: {d}/namespace.json is damaged ({e}); remove {d} (its blocks are lost) "
-                            "or give aiokv a new directory") from None
+            raise NotAStore(
+                f"aiokv: {d}/namespace.json is damaged ({e}); remove {d} (its blocks are lost) "
+                "or give aiokv a new directory"
+            ) from None
 
     def create_namespace(self, nsid: bytes, info: dict) -> None:
         """Write a namespace's namespace.json, unless another engine just did."""
@@ -195,7 +204,13 @@ class Opener:
 
     def __init__(self, dirs: Dirs, index, replay, following, space, fs):
         self.dirs, self.index, self.replay, self.following, self.space, self.fs = (
-            dirs, index, replay, following, space, fs)
+            dirs,
+            index,
+            replay,
+            following,
+            space,
+            fs,
+        )
 
     def load(self, nsid: bytes) -> Namespace:
         """Open a namespace that has a namespace.json: replay our files, follow the others'."""
@@ -212,8 +227,9 @@ class Opener:
         With the I/O thread it opens there (waited for at most NAMESPACE_WAIT: at start)."""
         if self.fs.inline:
             return self._namespace(nsid, payload_bytes, ranks, fields)
-        return self.fs.call(lambda: self._namespace(nsid, payload_bytes, ranks, fields), NAMESPACE_WAIT,
-                            deadline=NAMESPACE_WAIT)
+        return self.fs.call(
+            lambda: self._namespace(nsid, payload_bytes, ranks, fields), NAMESPACE_WAIT, deadline=NAMESPACE_WAIT
+        )
 
     def _namespace(self, nsid: bytes, payload_bytes: int, ranks: int, fields: dict | None) -> Namespace:
         if len(nsid) != fmt.NSID_BYTES:
@@ -222,8 +238,13 @@ class Opener:
         if ns is None:
             if self.dirs.readonly:
                 raise KeyError(nsid.hex())
-            info = {"nsid": nsid.hex(), "payload_bytes": payload_bytes, "ranks": ranks, "fields": fields or {},
-                    "slot_bytes": fmt.slot_bytes(payload_bytes) if type(payload_bytes) is int else None}
+            info = {
+                "nsid": nsid.hex(),
+                "payload_bytes": payload_bytes,
+                "ranks": ranks,
+                "fields": fields or {},
+                "slot_bytes": fmt.slot_bytes(payload_bytes) if type(payload_bytes) is int else None,
+            }
             try:
                 fmt.check_namespace(info, nsid)
             except fmt.BadBlock as e:
@@ -233,6 +254,8 @@ class Opener:
             if not self.fs.inline and len(ns.alloc.free) < GROW_AHEAD:
                 self.space.grow(ns, ahead=True)  # space for the first saves, reserved at start (on the I/O thread)
         if ns.payload_bytes != payload_bytes or ns.ranks != ranks:
-            raise ValueError(f"aiokv: namespace {nsid.hex()} holds {ns.payload_bytes}-byte blocks on "
-                             f"{ns.ranks} ranks, not {payload_bytes} on {ranks}: its id must cover the layout")
+            raise ValueError(
+                f"aiokv: namespace {nsid.hex()} holds {ns.payload_bytes}-byte blocks on "
+                f"{ns.ranks} ranks, not {payload_bytes} on {ranks}: its id must cover the layout"
+            )
         return ns

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Persistence and close: our journals (one per namespace: records appended,
 syncs due, checkpoints), and closing every file, with the I/O thread bounded by
 CLOSE_WAIT without an answer from the file system and CLOSE_MAX in all.
@@ -12,6 +13,7 @@ Threading contract: called on the owner's thread; the writes are queued to the
 store's I/O thread (journalq.py, fsthread.py) where it has one, else run at once.
 `_close_files` runs on the I/O thread (or inline) as the last operation.
 """
+
 from __future__ import annotations
 
 import logging
@@ -117,10 +119,14 @@ class Persist:
         queued = fs.pending
         op = fs.submit(lambda: self._close_files(snaps, close_rest), lambda r, e: None)
         if not fs.drain(op, CLOSE_WAIT, self.close_deadline()):
-            _log.warning("aiokv: the cache directory's file system did not answer at shutdown (%.0f s without an "
-                        "answer, or %.0f s in all); %d queued operation(s) may not be written (blocks committed "
-                        "since are misses after a restart) and its files are left to the process exit",
-                        CLOSE_WAIT, CLOSE_MAX, queued)
+            _log.warning(
+                "aiokv: the cache directory's file system did not answer at shutdown (%.0f s without an "
+                "answer, or %.0f s in all); %d queued operation(s) may not be written (blocks committed "
+                "since are misses after a restart) and its files are left to the process exit",
+                CLOSE_WAIT,
+                CLOSE_MAX,
+                queued,
+            )
             fs.close(0)
             return
         fs.close(1.0)
@@ -132,8 +138,10 @@ class Persist:
             try:
                 log.checkpoint(snap)
             except OSError as e:  # EIO, EROFS, ENOSPC: the journal still holds every record
-                _log.warning("aiokv: %s", f"checkpoint at close failed ({os.strerror(e.errno or 0)}); "
-                             "the journal keeps its records")
+                _log.warning(
+                    "aiokv: %s",
+                    f"checkpoint at close failed ({os.strerror(e.errno or 0)}); the journal keeps its records",
+                )
         for log in self.logs.values():
             log.close()
         close_rest()

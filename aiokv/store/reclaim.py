@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Evicting a dead engine's blocks.
 
 Over the capacity, with the directory's oldest blocks in the files of an engine
@@ -21,6 +22,7 @@ locks and files taken) and the Followers are the I/O thread's; `_reclaiming`
 owner's. The I/O half is handed its inputs (slot, used slots) by value and
 returns its findings by value.
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,8 +67,11 @@ class Reclaim:
                     return
                 self._checked = now
             slot = ns.peers[e][key][0]
-            op = self.fs.once("reclaim", lambda ns=ns, e=e, key=key, slot=slot: self._evict_dead_io(ns, e, key, slot),
-                              lambda r, err, ns=ns, e=e, key=key: self._evict_dead_done(ns, e, key, r, err))
+            op = self.fs.once(
+                "reclaim",
+                lambda ns=ns, e=e, key=key, slot=slot: self._evict_dead_io(ns, e, key, slot),
+                lambda r, err, ns=ns, e=e, key=key: self._evict_dead_done(ns, e, key, r, err),
+            )
             if not op.finished or op.result is None:
                 return
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Replay of our own engine's files of a namespace at opening, and the rebuild of
 its index from the slot headers when its checkpoint or journal is damaged.
 
@@ -14,6 +15,7 @@ given back to the file system (space.py).
 Threading contract: runs while a namespace is opened (meta.py), on the opener's
 thread or the store's I/O thread, before the owner uses the namespace.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,8 +53,9 @@ class Replay:
         # record is damage, and would make the allocator count billions of holes.
         beyond = [k for k, (s, _) in entries.items() if s >= dirs.max_slots(ns)]
         if beyond:
-            _log.warning("aiokv: %s", f"{d}: {len(beyond)} index record(s) name slots beyond the file system's "
-                         "size; dropped")
+            _log.warning(
+                "aiokv: %s", f"{d}: {len(beyond)} index record(s) name slots beyond the file system's size; dropped"
+            )
             for k in beyond:
                 del entries[k]
         self.index.load(ns, entries)
@@ -60,8 +63,9 @@ class Replay:
         # Space the index does not account for (free slots of the last life,
         # a tail past the last used slot) is given back to the file system.
         try:
-            self.space.fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, ns.alloc.holes,
-                                 punch=True)
+            self.space.fallocate(
+                ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, ns.alloc.holes, punch=True
+            )
         except OSError:
             ns.alloc.grow(list(ns.alloc.holes))  # they may still hold space: counted, and reused first
         for rank in range(ns.ranks):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Scan and verify of our own data files: `scan` finds every slot whose header
 verifies on every rank (the rebuild of a lost index, replay.py); `verify_slot`
 says whether a location holds a complete, verifying block of a key on every
@@ -11,6 +12,7 @@ Threading contract: `scan` runs where replay runs (the opener's thread or the
 I/O thread); `verify_slot` is called on the owner's thread and, with the I/O
 thread, reads there (bounded by persist.CLOSE_WAIT and the close deadline).
 """
+
 from __future__ import annotations
 
 import os
@@ -64,4 +66,3 @@ class Scan:
             except fmt.BadBlock:
                 return False
         return True
-

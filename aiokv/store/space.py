@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Space: the capacity and what the directory takes on disk, growing data files
 (fallocate) for new slots, punching the slots given back, eviction choice, and
 the limit lowered while the disk is full.
@@ -20,6 +21,7 @@ in-memory state there; their file-system halves (`_grow_io`, `_punch`,
 (fsthread.py), or run at once without one, and their outcomes are applied on
 the owner's thread at its next poll.
 """
+
 from __future__ import annotations
 
 import errno
@@ -91,6 +93,7 @@ class Space:
                 ns.alloc.punch(slot)
             else:
                 ns.alloc.release(slot)
+
         op = self.fs.submit(lambda: self._punch(ns, slot), done)
         return not op.finished or bool(op.result)
 
@@ -144,6 +147,7 @@ class Space:
                 self.limit = None
             elif new > self.limit:
                 self.limit = min(new, self.capacity)
+
         self.fs.once("space", lambda: os.fstatvfs(root_fd), done)
 
     def rank_fd(self, ns: Namespace, rank: int) -> int:
@@ -215,8 +219,11 @@ class Space:
 
     def grow_ahead(self, ns: Namespace) -> None:
         """With the I/O thread: more space, before it is needed, once few free slots are left."""
-        if (not self.fs.inline and ns.nsid not in self._growing
-                and len(ns.alloc.free) < max(GROW_AHEAD, GROW_BYTES // ns.slot_cost // 2)):
+        if (
+            not self.fs.inline
+            and ns.nsid not in self._growing
+            and len(ns.alloc.free) < max(GROW_AHEAD, GROW_BYTES // ns.slot_cost // 2)
+        ):
             self.grow(ns, ahead=True)
 
     def _grow_io(self, ns: Namespace, plans: list[list[int]], hwm: int):
@@ -260,4 +267,3 @@ class Space:
         for fd in self._rank_fds.values():
             os.close(fd)
         self._rank_fds.clear()
-

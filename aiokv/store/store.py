@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The block store: namespaces of fixed-size slots on local disk, an index that
 survives crashes, a capacity bound with LRU eviction.
 
@@ -65,6 +66,7 @@ thread runs only the file-system parts of what the owner queued. The Store
 reads and writes no slot: that is BlockIO's (tests and benchmarks that do both
 in one process use tools/storeio.py).
 """
+
 from __future__ import annotations
 
 import errno
@@ -72,20 +74,20 @@ import logging
 import os
 import time
 
-from aiokv.data import format as fmt
 from aiokv.config import parse_size
+from aiokv.data import format as fmt
 from aiokv.data.dirs import NotAStore  # noqa: F401  (re-exported: aiokv.store)
 from aiokv.store.following import Following
 from aiokv.store.fsthread import FsThread
 from aiokv.store.index import Index, Namespace
 from aiokv.store.labels import Labels
-from aiokv.store.wear import Wear
 from aiokv.store.meta import Dirs, Opener, ns_dir  # noqa: F401  (ns_dir: callers name a namespace's directory)
 from aiokv.store.persist import Persist
 from aiokv.store.reclaim import Reclaim
 from aiokv.store.replay import Replay
 from aiokv.store.scan import Scan
 from aiokv.store.space import Space
+from aiokv.store.wear import Wear
 from aiokv.util import counters
 
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
@@ -101,8 +103,9 @@ StoreStats = counters.record("StoreStats", counters.STORE, __name__, prefix=coun
 
 def _part(part: str, name: str) -> property:
     """A Store attribute that is one of its parts' (read and set through the facade)."""
-    return property(lambda self: getattr(getattr(self, part), name),
-                    lambda self, v: setattr(getattr(self, part), name, v))
+    return property(
+        lambda self: getattr(getattr(self, part), name), lambda self, v: setattr(getattr(self, part), name, v)
+    )
 
 
 class Store:
@@ -114,9 +117,17 @@ class Store:
     followers = _part("following", "followers")  # (nsid, engine) -> its files
     logs = _part("persist", "logs")  # nsid -> our journal
 
-    def __init__(self, root: str, capacity=None, readonly: bool = False, sync_interval: float = 1.0,
-                 checkpoint_every: int = 200_000, engine: int | None = None, io_thread: bool = False,
-                 fs_timeout: float = 2.0):
+    def __init__(
+        self,
+        root: str,
+        capacity=None,
+        readonly: bool = False,
+        sync_interval: float = 1.0,
+        checkpoint_every: int = 200_000,
+        engine: int | None = None,
+        io_thread: bool = False,
+        fs_timeout: float = 2.0,
+    ):
         """engine: the engine number to own (default: the lowest free one); io_thread: after
         opening, file-system calls run on the store's I/O thread (fs_timeout: its deadline)."""
         self.root = os.path.abspath(root)
@@ -130,8 +141,15 @@ class Store:
         self.dirs = Dirs(self.root, readonly)
         self.persist = Persist(fs, self.index, sync_interval, checkpoint_every)
         self.following = Following(self.dirs, self.index, fs)
-        self.space = Space(parse_size(capacity) if capacity is not None else None, self.dirs, self.index, fs,
-                           self.stats, self.persist, self.following.peer_bytes)
+        self.space = Space(
+            parse_size(capacity) if capacity is not None else None,
+            self.dirs,
+            self.index,
+            fs,
+            self.stats,
+            self.persist,
+            self.following.peer_bytes,
+        )
         self.scan = Scan(self.dirs, self.space, fs, self.persist)
         replay = Replay(self.dirs, self.index, self.space, self.persist, self.scan)
         self.labels = Labels(self.dirs, fs)  # a description per key, for the connector's KV events
@@ -246,8 +264,11 @@ class Store:
                 self.stats.enospc += 1
                 self.space.make_room()
             else:
-                log.warning("aiokv: %s", f"journal write failed ({os.strerror(e.errno or 0)}); "
-                            f"{len(recs)} block(s) not committed")
+                log.warning(
+                    "aiokv: %s",
+                    f"journal write failed ({os.strerror(e.errno or 0)}); {len(recs)} block(s) not committed",
+                )
+
         self.wear.count(len(recs) * ns.slot_cost)
         self.persist.append(ns, recs, undo)
         if not failed:
@@ -272,8 +293,9 @@ class Store:
             out.append(slot)
         now = time.time_ns()
         self.index.touch(ns, keys, now)
-        self._touch_peers(ns, [k for k, w in zip(keys, out) if w is not None and w >> fmt.ENGINE_SHIFT != self.engine],
-                          now)
+        self._touch_peers(
+            ns, [k for k, w in zip(keys, out) if w is not None and w >> fmt.ENGINE_SHIFT != self.engine], now
+        )
         return out
 
     def _touch_peers(self, ns: Namespace, keys, now: int) -> None:
@@ -330,7 +352,8 @@ class Store:
         the wear file every wear.SAVE_EVERY seconds."""
         self.persist.flush_if_due()
         if self.wear is not None and self.wear.due():
-            self.fs.submit(lambda snap=self.wear.snapshot(): self.wear.save(snap))
+            snap = self.wear.snapshot()
+            self.fs.submit(lambda: self.wear.save(snap))
 
     def checkpoint(self) -> None:
         """Checkpoint every journal (queued with the I/O thread)."""
@@ -340,8 +363,9 @@ class Store:
         """Checkpoint and close everything (persist.py; with the I/O thread bounded by
         CLOSE_WAIT without an answer and CLOSE_MAX in all)."""
         lock = self.dirs.lock
-        self.persist.close(checkpoint and not self.readonly and lock is not None and lock.fd is not None,
-                           self._close_files)
+        self.persist.close(
+            checkpoint and not self.readonly and lock is not None and lock.fd is not None, self._close_files
+        )
 
     def _close_files(self) -> None:
         """After the journals, on the same thread: every other file, then our lock."""

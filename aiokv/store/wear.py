@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Drive wear: the bytes each engine has committed to a cache directory since it was
 first used, kept across restarts in `DIR/wear.<E>` (JSON: {"since": first use, seconds
 since the epoch, "bytes": committed}), so that `aiokv inspect` can estimate the drive
@@ -11,6 +12,7 @@ from now (its bytes are lost, never the cache).
 Threading contract: `count` and `due` on the store's owner thread; `save` on the
 store's I/O thread (queued by the owner), `read_all` anywhere (readers).
 """
+
 from __future__ import annotations
 
 import json
@@ -73,5 +75,9 @@ def read_all(dir_fd: int, fs_bytes: int, now: float | None = None) -> dict:
                 total += got["bytes"]
                 since = got["since"] if since is None else min(since, got["since"])
     days = max((now or time.time()) - since, 3600.0) / DAY if since is not None else None
-    return {"written_bytes": total, "since": since, "drive_bytes": fs_bytes,
-            "drive_writes_per_day": round(total / days / fs_bytes, 6) if days and fs_bytes else None}
+    return {
+        "written_bytes": total,
+        "since": since,
+        "drive_bytes": fs_bytes,
+        "drive_writes_per_day": round(total / days / fs_bytes, 6) if days and fs_bytes else None,
+    }

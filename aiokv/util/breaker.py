@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The circuit breaker: the disk and the bucket each hold one (imports nothing of aiokv).
 
 Without it, every request that hits on a hung disk waits `load_timeout` and then
@@ -35,6 +36,7 @@ Threading contract: any thread; a lock guards the state. The disk's is used by
 the EngineCore scheduler thread (SchedulerSide); the bucket's is shared by the
 scheduler thread, the workers' loops and the prober's loop of one process.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,8 +49,14 @@ CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
 
 
 class Breaker:
-    def __init__(self, failures: int = 3, cooldown: float = 30.0, clock=time.monotonic, per_request: bool = False,
-                 where: str = ""):
+    def __init__(
+        self,
+        failures: int = 3,
+        cooldown: float = 30.0,
+        clock=time.monotonic,
+        per_request: bool = False,
+        where: str = "",
+    ):
         self.threshold = failures
         self.where = f" ({where})" if where else ""  # the drive it judges, in its lines (aiokv/store/drives.py)
         self.cooldown = cooldown
@@ -56,13 +64,13 @@ class Breaker:
         self.per_request = per_request
         self._lock = threading.RLock()
         self.state = CLOSED
-        self.run = 0            # failures in a row while closed
+        self.run = 0  # failures in a row while closed
         self.last_failure = 0.0
         self.opened_at = 0.0
-        self.opens = 0          # times it opened (a counter for the stats)
+        self.opens = 0  # times it opened (a counter for the stats)
         self.fs_stalled = False  # the store's file system does not answer
-        self._by_stall = False   # the current opening is the file system's, not failures'
-        self._trial = False      # half-open: a request is out; others wait for its outcome
+        self._by_stall = False  # the current opening is the file system's, not failures'
+        self._trial = False  # half-open: a request is out; others wait for its outcome
 
     def _now_state(self) -> str:
         if self.state == OPEN and not self.fs_stalled and self.clock() - self.opened_at >= self.cooldown:
@@ -108,8 +116,9 @@ class Breaker:
         with self._lock:
             if not self.threshold:
                 return
-            failures = (counters.get("load_timeouts", 0) + counters.get("read_errors", 0)
-                        + counters.get("write_errors", 0))
+            failures = (
+                counters.get("load_timeouts", 0) + counters.get("read_errors", 0) + counters.get("write_errors", 0)
+            )
             now, state = self.clock(), self._now_state()
             if failures:
                 self._failed(failures, now, state)
@@ -160,8 +169,10 @@ class Breaker:
             self.fs_stalled = stalled
             if stalled:
                 if self.state != OPEN:
-                    log.warning("aiokv: the cache directory's file system%s does not answer; no hits or saves "
-                                "until it does", self.where)
+                    log.warning(
+                        "aiokv: the cache directory's file system%s does not answer; no hits or saves until it does",
+                        self.where,
+                    )
                     self.state = OPEN
                     self.opens += 1
                     self.opened_at = self.clock()
@@ -173,8 +184,13 @@ class Breaker:
 
     def _open(self, now: float) -> None:
         if self.state == CLOSED and not self.per_request:
-            log.warning("aiokv: the cache disk%s is failing (%d load timeouts or I/O errors in a row); no hits "
-                        "or saves for %.0f s, then one probe", self.where, self.run, self.cooldown)
+            log.warning(
+                "aiokv: the cache disk%s is failing (%d load timeouts or I/O errors in a row); no hits "
+                "or saves for %.0f s, then one probe",
+                self.where,
+                self.run,
+                self.cooldown,
+            )
         self.state = OPEN
         self.opened_at = now
         self.opens += 1

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One event loop on a daemon thread of its own: the worker's, the bucket prober's.
 
 uvloop where it is installed, asyncio's own loop elsewhere (a bare GPU node).
@@ -6,6 +7,7 @@ Threading contract: `submit`, `call_soon` and `stop` are called from any thread;
 loop runs on its own thread only what was handed to it. `stop` returns within its bound
 whatever the loop runs: a loop that does not stop is left to the process exit.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,5 +60,9 @@ class LoopThread:
         return True
 
     def _on_error(self, loop, context) -> None:
-        log.error("aiokv: unexpected error in the %s loop: %s", self.name, context.get("message"),
-                  exc_info=context.get("exception"))
+        log.error(
+            "aiokv: unexpected error in the %s loop: %s",
+            self.name,
+            context.get("message"),
+            exc_info=context.get("exception"),
+        )

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Device copies: whole KV blocks between vLLM's KV tensors and staging buffers.
 
 The layout is detected from the registered tensors: for each layer, the block
@@ -38,6 +39,7 @@ Threading contract: copy_out/after_step/begin_layers/copy_in_layer_async run on
 the vLLM worker's main thread; copy_in and wait_out on the worker's event-loop thread;
 copy_in_layer on the layerwise copy thread.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -46,8 +48,8 @@ import hashlib
 import torch
 
 from aiokv import _native
-from aiokv.data.buffers import BufferPool
 from aiokv.data import format as fmt
+from aiokv.data.buffers import BufferPool
 
 GATHER_BYTES = 32 << 20  # device memory a CUDA save gathers through, at most (outside vLLM's budget)
 
@@ -68,8 +70,10 @@ class Layer:
             t = t.unflatten(0, (num_blocks, t.shape[0] // num_blocks))
             dims = [0]
         if len(dims) != 1:
-            raise LayoutError(f"aiokv: cannot tell the block dimension of KV tensor {name} {tuple(t.shape)} "
-                              f"for {num_blocks} blocks; this attention backend's layout is not supported")
+            raise LayoutError(
+                f"aiokv: cannot tell the block dimension of KV tensor {name} {tuple(t.shape)} "
+                f"for {num_blocks} blocks; this attention backend's layout is not supported"
+            )
         self.name = name
         self.dim = dims[0]
         self.view = t.movedim(self.dim, 0)
@@ -151,8 +155,7 @@ class CpuDevice(Device):
         flat = []
         for layer, a, _ in self._cols():
             if layer.view[0].is_contiguous():
-                flat.append((layer.view.data_ptr(), layer.view.stride(0) * layer.view.element_size(), a,
-                             layer.nbytes))
+                flat.append((layer.view.data_ptr(), layer.view.stride(0) * layer.view.element_size(), a, layer.nbytes))
         self._flat = flat if len(flat) == len(self.layers) and len({f[3] for f in flat}) == 1 else None
         self.crc_in_copy = self._flat is not None
 
@@ -161,8 +164,13 @@ class CpuDevice(Device):
         layer-major (of the layers in `flat`, default all); with `bases`
         (device addresses, buffer addresses): the arguments of the copies with the CRC."""
         # raw addresses: an id out of range would be memory corruption, not an IndexError
-        if len(block_ids) != len(bufs) or min(block_ids) < 0 or max(block_ids) >= self.num_blocks \
-                or min(bufs) < 0 or max(bufs) >= self.pool.count:
+        if (
+            len(block_ids) != len(bufs)
+            or min(block_ids) < 0
+            or max(block_ids) >= self.num_blocks
+            or min(bufs) < 0
+            or max(bufs) >= self.pool.count
+        ):
             raise IndexError(f"aiokv: block ids or staging buffers out of range ({len(block_ids)} blocks)")
         blocks = torch.tensor(block_ids, dtype=torch.int64)
         rows = torch.tensor(bufs, dtype=torch.int64) * self.pool.slot_bytes + self.pool.arena.addr
@@ -188,8 +196,10 @@ class CpuDevice(Device):
 
     def _crc_addrs(self, block_ids, bufs):
         if not self.crc_in_copy:
-            raise ValueError("aiokv: this KV layout is copied by torch, without checksums; "
-                             "call copy_out/copy_in with crc_in_copy=False")
+            raise ValueError(
+                "aiokv: this KV layout is copied by torch, without checksums; "
+                "call copy_out/copy_in with crc_in_copy=False"
+            )
         return self._addrs(block_ids, bufs, bases=True)
 
     def copy_in_layer(self, index, block_ids, bufs):
@@ -199,7 +209,7 @@ class CpuDevice(Device):
         """KV blocks -> staging buffers (out) or back, whole blocks of every layer
         (or of layer `only`)."""
         if self._flat is not None:
-            flat = None if only is None else self._flat[only:only + 1]
+            flat = None if only is None else self._flat[only : only + 1]
             dev, stg, nbytes = self._addrs(block_ids, bufs, flat)
             _native.memcpy_many(stg, dev, nbytes) if out else _native.memcpy_many(dev, stg, nbytes)
             return
@@ -210,8 +220,9 @@ class CpuDevice(Device):
             if only is not None and i != only:
                 continue
             if out:
-                self._rows[:, a:b].index_copy_(0, rows, layer.view.index_select(0, blocks).reshape(n, -1)
-                                               .view(torch.uint8))
+                self._rows[:, a:b].index_copy_(
+                    0, rows, layer.view.index_select(0, blocks).reshape(n, -1).view(torch.uint8)
+                )
             else:
                 src = self._rows[:, a:b].index_select(0, rows).view(layer.dtype).view(n, *layer.block_shape)
                 layer.view.index_copy_(0, blocks, src)
@@ -264,15 +275,15 @@ class CudaDevice(Device):
         with torch.cuda.stream(self.out_stream):
             self.out_stream.wait_stream(compute)  # the forward that wrote the blocks comes first
             for c in range(0, len(block_ids), len(buf)):
-                ids, part = block_ids[c:c + len(buf)], bufs[c:c + len(buf)]
+                ids, part = block_ids[c : c + len(buf)], bufs[c : c + len(buf)]
                 n = len(ids)
                 # allocated on this stream, so the allocator cannot hand its memory to the
                 # compute stream while our gathers still read it
                 idx = torch.tensor(ids, dtype=torch.long, device=self.device)
                 for layer, a, b in self._cols():
-                    buf[:n, a - h:b - h] = layer.view.index_select(0, idx).reshape(n, -1).view(torch.uint8)
+                    buf[:n, a - h : b - h] = layer.view.index_select(0, idx).reshape(n, -1).view(torch.uint8)
                 for i, s in enumerate(part):
-                    self._rows[s, h:h + self.payload_bytes].copy_(buf[i], non_blocking=True)
+                    self._rows[s, h : h + self.payload_bytes].copy_(buf[i], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.out_stream)
         self._out_event = ev  # the copy stream is in order: the last event covers every copy
@@ -353,8 +364,10 @@ def kv_tensors(kv_caches: dict, names) -> list[tuple[str, torch.Tensor]]:
         v = kv_caches[n]
         parts = v if isinstance(v, (list, tuple)) else [v]
         if not parts or not all(isinstance(p, torch.Tensor) for p in parts):
-            raise LayoutError(f"aiokv: the KV cache of layer {n} is a {type(v).__name__}, not a tensor; "
-                              "this attention backend's layout is not supported (run without aiokv)")
+            raise LayoutError(
+                f"aiokv: the KV cache of layer {n} is a {type(v).__name__}, not a tensor; "
+                "this attention backend's layout is not supported (run without aiokv)"
+            )
         out += [(n, p) for p in parts]
     return out
 
@@ -366,7 +379,9 @@ def make_device(kv_caches, num_blocks: int) -> Device:
         raise LayoutError("aiokv: no KV tensor was registered for this KV-cache group's layers")
     devices = {t.device for _, t in items}
     if len(devices) != 1:
-        raise LayoutError(f"aiokv: a KV-cache group's tensors are on several devices ({sorted(map(str, devices))}); "
-                          "this layout is not supported")
+        raise LayoutError(
+            f"aiokv: a KV-cache group's tensors are on several devices ({sorted(map(str, devices))}); "
+            "this layout is not supported"
+        )
     cls = CudaDevice if items[0][1].is_cuda else CpuDevice
     return cls(items, num_blocks)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The worker side of a model with several KV-cache groups: one TransferWorker
 per group (its own device copies, data file of its namespace, pipelines), all
 driven by the process's one event loop and sharing its staging buffers
@@ -20,6 +21,7 @@ connector's counters as load_report_breaches, which the tests require to be 0).
 Threading contract: vLLM's worker thread only, like the TransferWorkers' own
 save/load/cancel/poll/close.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,12 +33,12 @@ log = logging.getLogger("aiokv")
 
 class GroupedWorker:
     def __init__(self, workers: dict, save_groups: set[int], host=None):
-        self.workers = workers            # group index -> TransferWorker
+        self.workers = workers  # group index -> TransferWorker
         self.save_groups = save_groups
-        self.host = host                  # the WorkerHost they share (closed after them), or None
-        self._parts: dict[str, set[int]] = {}   # req -> groups whose part of its load is outstanding
-        self._failed: set[str] = set()           # reqs with a failed part, until reported
-        self.breaches = 0                         # loads not reported exactly once (refused)
+        self.host = host  # the WorkerHost they share (closed after them), or None
+        self._parts: dict[str, set[int]] = {}  # req -> groups whose part of its load is outstanding
+        self._failed: set[str] = set()  # reqs with a failed part, until reported
+        self.breaches = 0  # loads not reported exactly once (refused)
 
     @property
     def device(self):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What one worker process has once, for all its KV-cache groups: the event loop
 (one thread, util/loops.py), the staging buffers (worker/staging.py: one arena,
 its buffers the size of the largest group's slot, pinned once) and the checksum
@@ -12,6 +13,7 @@ Threading contract: the constructor, `attach`, `held_delta` and `close` on vLLM'
 worker thread; the loop runs on its own thread what the groups hand it; the
 staging owner is called from any thread (its own lock).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -24,18 +26,20 @@ log = logging.getLogger("aiokv")
 
 
 class WorkerHost:
-    def __init__(self, slot_bytes: int, staging_bytes: int, memory_bytes: int, checksum_threads: int,
-                 rank: int):
+    def __init__(self, slot_bytes: int, staging_bytes: int, memory_bytes: int, checksum_threads: int, rank: int):
         kept = memory_bytes // slot_bytes  # the memory tier shares the staging arena
         self.staging = Staging(slot_bytes, max(4, staging_bytes // slot_bytes) + kept, kept)
         self.rank = rank
-        self.devices: list = []   # attached to the arena: closed (unpinned) last
-        self.lives: list = []     # each group's Lifecycle (its backend)
-        self.reporter = None      # the group whose report carries memory_held_bytes
+        self.devices: list = []  # attached to the arena: closed (unpinned) last
+        self.lives: list = []  # each group's Lifecycle (its backend)
+        self.reporter = None  # the group whose report carries memory_held_bytes
         self._held_reported = 0
         self.checksum_threads = checksum_threads
-        self.cpu = (concurrent.futures.ThreadPoolExecutor(checksum_threads, f"aiokv-crc{rank}")
-                    if checksum_threads > 0 else None)
+        self.cpu = (
+            concurrent.futures.ThreadPoolExecutor(checksum_threads, f"aiokv-crc{rank}")
+            if checksum_threads > 0
+            else None
+        )
         self.lt = None
         try:
             self.lt = LoopThread(f"aiokv-worker{rank}")
@@ -58,8 +62,7 @@ class WorkerHost:
     def close(self) -> None:
         """Stop the loop (after every group closed its part); free the arena unless
         I/O stuck in the kernel may still touch it (then the process exit does)."""
-        stuck = (not self.lt.stop() or self.staging.stuck
-                 or any(life.in_flight for life in self.lives))
+        stuck = not self.lt.stop() or self.staging.stuck or any(life.in_flight for life in self.lives)
         if self.cpu is not None:  # idle once the loop has stopped: nothing awaits them any more
             self.cpu.shutdown(wait=not stuck)
         if stuck:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Latency histograms carried as plain counters (no vLLM, no Prometheus here).
 
 A worker counts each load or save into one bucket of LATENCY_BUCKETS with two
@@ -8,6 +9,7 @@ a Prometheus histogram with exact bucket counts and sum.
 
 Threading contract: pure functions of their arguments, called from any thread.
 """
+
 from __future__ import annotations
 
 import bisect

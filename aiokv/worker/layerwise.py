@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Layer-by-layer copy-in of loaded blocks (docs/design.md, "Layer-by-layer loads").
 
 With `layerwise` on, a load is read and verified whole, exactly as without it
@@ -44,6 +45,7 @@ Threading contract: `read` runs on the worker's event-loop thread; `begin`,
 `wait_layer`, `end_step` and `cancel` on vLLM's worker thread; the CPU copies on
 this object's copy thread. They meet in `_lock`-protected state.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,7 +58,7 @@ import torch
 from aiokv.jobs import Transfer
 
 log = logging.getLogger("aiokv")
-LOOKAHEAD = 2         # CUDA: layers queued ahead of the one the forward waits for
+LOOKAHEAD = 2  # CUDA: layers queued ahead of the one the forward waits for
 CANCELLED_MEMORY = 4096  # request ids remembered as cancelled (a cancel may come before the load is staged)
 
 
@@ -66,7 +68,7 @@ class _Batch:
     def __init__(self, blocks: list[int], bufs: list[int], keys: list[bytes], layers: int):
         self.blocks, self.bufs, self.keys = blocks, bufs, keys
         self.done = [threading.Event() for _ in range(layers)]  # CPU
-        self.events: list = []                                  # CUDA, one per queued layer
+        self.events: list = []  # CUDA, one per queued layer
         self.idx = None
         self.error: BaseException | None = None
 
@@ -183,8 +185,7 @@ class LayerwiseLoads:
             with self._wake:
                 self._queue.append(batch)
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._copier, name=f"aiokv-layers{self.rank}",
-                                                    daemon=True)
+                    self._thread = threading.Thread(target=self._copier, name=f"aiokv-layers{self.rank}", daemon=True)
                     self._thread.start()
                 self._wake.notify()
         if whole and self.device.asynchronous:  # (on the CPU attention always calls wait_layer)
@@ -279,4 +280,3 @@ class LayerwiseLoads:
         with self._lock:
             n = sum(len(s) for _, _, s, _ in self._staged)
         return n + sum(len(s) for _, s, _ in self._pending)
-

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What one KV-cache group's worker has on the process's loop (worker/host.py),
 from start to close: its I/O backends (one per drive, each with its own queue
 depth), its data file (opened at the first job: the engine that owns the store
@@ -13,6 +14,7 @@ open (the host then leaves the staging memory under it to the process exit).
 Threading contract: the constructor, `call_soon`, `alive` and `close` on vLLM's
 worker thread; `blockio` and `_setup`/`_shutdown` on the loop thread.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,8 +32,22 @@ CLOSE_DRAIN_S = 10.0  # close() waits this long for outstanding jobs, then leave
 
 
 class Lifecycle:
-    def __init__(self, host, device, count, ns_dir: str, nsid: bytes, rank: int, slot_bytes: int, io: str,
-                 queue_depth: int, secret, bucket, upload_queue: int, flush_timeout: float):
+    def __init__(
+        self,
+        host,
+        device,
+        count,
+        ns_dir: str,
+        nsid: bytes,
+        rank: int,
+        slot_bytes: int,
+        io: str,
+        queue_depth: int,
+        secret,
+        bucket,
+        upload_queue: int,
+        flush_timeout: float,
+    ):
         self.device, self.staging, self.rank, self.secret = device, host.staging, rank, secret
         # several drives: one namespace directory per drive, in the configured order (data/drives.py)
         self.ns_dirs = [ns_dir] if isinstance(ns_dir, str) else list(ns_dir)
@@ -48,8 +64,10 @@ class Lifecycle:
         try:  # opening the backend looks at the cache directory's file system: bounded
             self.lt.submit(self._setup(io, queue_depth, count)).result(START_TIMEOUT)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the cache directory {', '.join(self.ns_dirs)} did not answer within {START_TIMEOUT:.0f} s "
-                               "(a hung file system?)") from None
+            raise TimeoutError(
+                f"the cache directory {', '.join(self.ns_dirs)} did not answer within {START_TIMEOUT:.0f} s "
+                "(a hung file system?)"
+            ) from None
 
     async def _setup(self, io, depth, count):
         # a backend per drive, each with its own queue depth: a drive that hangs or lags holds only
@@ -70,8 +88,19 @@ class Lifecycle:
 
     def blockio(self) -> BlockIO | DriveIO:
         if self.io is None:
-            ios = {d: BlockIO(self.backends[d], nd, self.nsid, self.rank, self.device.payload_bytes,
-                              self.device.layout_tag, self.secret, cpu=self.cpu) for d, nd in enumerate(self.ns_dirs)}
+            ios = {
+                d: BlockIO(
+                    self.backends[d],
+                    nd,
+                    self.nsid,
+                    self.rank,
+                    self.device.payload_bytes,
+                    self.device.layout_tag,
+                    self.secret,
+                    cpu=self.cpu,
+                )
+                for d, nd in enumerate(self.ns_dirs)
+            }
             self.io = ios[0] if len(ios) == 1 else DriveIO(ios, self.drive_report)
         return self.io
 

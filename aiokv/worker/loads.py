@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The load pipeline of one worker (loop thread): per request, blocks kept in
 host memory are copied in from there, the others read from the data file (or
 fetched from the bucket tier), verified and copied into the KV cache; then the
@@ -19,6 +20,7 @@ Threading contract: every method runs on the worker's event-loop thread, except
 `_load_done`, which vLLM's thread also calls for loads that never reached a
 living loop (its report goes through worker/results.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,14 +37,25 @@ log = logging.getLogger("aiokv")
 
 
 class Loads:
-    def __init__(self, staging, reads, results, saves, life, layers, rank: int, slot_bytes: int,
-                 load_timeout: float, crc_in_copy: bool):
+    def __init__(
+        self,
+        staging,
+        reads,
+        results,
+        saves,
+        life,
+        layers,
+        rank: int,
+        slot_bytes: int,
+        load_timeout: float,
+        crc_in_copy: bool,
+    ):
         self.staging = staging
-        self.reads = reads        # reads into staging, copies into the KV cache (worker/reads.py)
+        self.reads = reads  # reads into staging, copies into the KV cache (worker/reads.py)
         self.results = results
-        self.saves = saves        # write-through of blocks from the bucket tier
-        self.life = life          # the data file, the bucket tier (worker/lifecycle.py)
-        self.layers = layers      # LayerwiseLoads or None
+        self.saves = saves  # write-through of blocks from the bucket tier
+        self.life = life  # the data file, the bucket tier (worker/lifecycle.py)
+        self.layers = layers  # LayerwiseLoads or None
         self.rank = rank
         self.slot_bytes = slot_bytes  # this group's slot image (a staging buffer may be larger)
         self.load_timeout = load_timeout
@@ -126,11 +139,12 @@ class Loads:
         i = 0
         while i < len(todo):
             bufs = await self.staging.wait(len(todo) - i)
-            chunk = todo[i:i + len(bufs)]
+            chunk = todo[i : i + len(bufs)]
             keep: list[tuple[bytes, int]] = []
             try:
-                res = await self.reads.read([(s, k, b) for (k, s, _), b in zip(chunk, bufs)],
-                                            crc_in_copy=self.crc_in_copy)
+                res = await self.reads.read(
+                    [(s, k, b) for (k, s, _), b in zip(chunk, bufs)], crc_in_copy=self.crc_in_copy
+                )
                 good = [(k, s, blk, st) for (k, s, blk), st, r in zip(chunk, bufs, res) if r == 0]
                 bad_keys += [(k, s, t.group) for (k, s, _), r in zip(chunk, res) if r != 0]
                 if good:
@@ -164,25 +178,37 @@ class Loads:
             i = 0
             while i < len(todo):
                 bufs = await self.staging.wait(len(todo) - i)
-                chunk = todo[i:i + len(bufs)]
+                chunk = todo[i : i + len(bufs)]
                 handed: list[int] = []
                 try:
                     addr, verify = self.staging.addr, self.life.blockio().verify
-                    got = await asyncio.gather(*(self.life.bucket_loader.fetch(k, addr(st), verify)
-                                                 for (k, _, _), st in zip(chunk, bufs)))
+                    got = await asyncio.gather(
+                        *(self.life.bucket_loader.fetch(k, addr(st), verify) for (k, _, _), st in zip(chunk, bufs))
+                    )
                     good = [(item, st) for item, st, g in zip(chunk, bufs, got) if g == "ok"]
                     bad_keys += [(k, s, t.group) for (k, s, _), g in zip(chunk, got) if g == "bad"]
                     bad = sum(g == "bad" for g in got)  # arrived but did not verify: tampered, foreign
-                    self.results.count(bucket_loaded_blocks=len(good), bucket_bad_blocks=bad,
-                                bucket_missed_blocks=len(chunk) - len(good) - bad)
+                    self.results.count(
+                        bucket_loaded_blocks=len(good),
+                        bucket_bad_blocks=bad,
+                        bucket_missed_blocks=len(chunk) - len(good) - bad,
+                    )
                     if good:
                         await self.reads.copy_in([b for (_, _, b), _ in good], [st for _, st in good])
                         failed.difference_update(b for (_, _, b), _ in good)
                         self.results.count(bytes_read=len(good) * self.slot_bytes)
                         handed = [st for _, st in good]
-                        self.saves.write_through(Transfer(t.req_id, [k for (k, _, _), _ in good],
-                                                     [s for (_, s, _), _ in good], [b for (_, _, b), _ in good],
-                                                     t.group, job=t.job), handed)
+                        self.saves.write_through(
+                            Transfer(
+                                t.req_id,
+                                [k for (k, _, _), _ in good],
+                                [s for (_, s, _), _ in good],
+                                [b for (_, _, b), _ in good],
+                                t.group,
+                                job=t.job,
+                            ),
+                            handed,
+                        )
                     reported.update(k for k, _, _ in chunk)
                     self._give_back(t, [(k, s) for (k, s, _), g in zip(chunk, got) if g != "ok"])
                 finally:
@@ -202,7 +228,12 @@ class Loads:
         n = len(t.block_ids)
         # a cancelled load still reports its blocks failed: vLLM holds them until the load is
         # reported, and a load cut short for a request that lives on (a cache reset) is recomputed
-        counts = {"loads_ok_blocks": n - len(failed),
-                  "load_cancelled_blocks" if cancelled else "load_failed_blocks": len(failed)}
-        self.results.load_done(t.req_id, failed, WorkerReport(loads=[LoadResult(t.job, self.rank, t.req_id, failed,
-                                                                                list(bad))], counters=counts))
+        counts = {
+            "loads_ok_blocks": n - len(failed),
+            "load_cancelled_blocks" if cancelled else "load_failed_blocks": len(failed),
+        }
+        self.results.load_done(
+            t.req_id,
+            failed,
+            WorkerReport(loads=[LoadResult(t.job, self.rank, t.req_id, failed, list(bad))], counters=counts),
+        )

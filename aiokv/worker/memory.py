@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The host-memory tier: blocks recently saved or loaded stay in host memory,
 so that another hit on them is a copy into the KV cache, not a disk read.
 
@@ -27,6 +28,7 @@ Threading contract: its one owner is the worker's Staging (worker/staging.py),
 which calls every method with its lock held (vLLM's worker thread takes buffers
 for saves, the loop thread for loads and for keeping); nothing else calls it.
 """
+
 from __future__ import annotations
 
 import collections

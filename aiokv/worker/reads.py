@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What a load pipeline needs from its worker, and nothing more: reads of store
 slots into staging buffers, and copies from staging into the KV cache.
 
@@ -7,6 +8,7 @@ both read through this object; the second copies in by itself, on vLLM's thread.
 Threading contract: `read` and `copy_in` run on the worker's event-loop thread
 (the data file is opened there at the first job); `count` on any thread.
 """
+
 from __future__ import annotations
 
 from aiokv.data.backend import NOT_IO_ERRORS  # noqa: F401  (saves.py reads it here)
@@ -19,7 +21,7 @@ class Reads:
         self.slot_bytes = slot_bytes  # this group's slot image (a staging buffer may be larger)
         self.ns = None  # the memory tier's name for this group's keys (set by TransferWorker)
         self._blockio = blockio  # () -> BlockIO (opened at the first job)
-        self.count = count       # count(**increments) into the worker's counters
+        self.count = count  # count(**increments) into the worker's counters
 
     async def read(self, items: list[tuple[int, bytes, int]], crc_in_copy: bool = False) -> list[int]:
         """Read [(store location, key, staging buffer)]; per item 0 or -errno (read errors counted)."""

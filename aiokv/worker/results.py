@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The way back from a worker's pipelines to vLLM's worker thread, and that
 thread's own view of the jobs it handed in.
 
@@ -13,6 +14,7 @@ Threading contract: `put`, `count`, `report`, `started` and `next_job` from any
 thread; everything else (`drain`, `take`, `outstanding`, the tables) on vLLM's
 worker thread only.
 """
+
 from __future__ import annotations
 
 import collections
@@ -33,8 +35,8 @@ class Results:
         self._ids = itertools.count(1)  # save job ids (next() is atomic: any thread takes one)
         self.job_done = threading.Event()  # set when a load or save finishes; see TransferWorker.wait_for_jobs
         # vLLM's thread only
-        self.loads: dict[str, Transfer] = {}   # req -> load handed in, not seen finished
-        self.saves: dict[int, Transfer] = {}   # save job id -> save handed in or started, not seen finished
+        self.loads: dict[str, Transfer] = {}  # req -> load handed in, not seen finished
+        self.saves: dict[int, Transfer] = {}  # save job id -> save handed in or started, not seen finished
         self._done_loads: list[tuple[str, list[int]]] = []  # (req, failed block ids)
         self._report = WorkerReport()
         self._counts = collections.Counter()

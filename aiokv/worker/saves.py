@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The save pipeline of one worker: device -> staging copy at the end of the step
 (vLLM's thread), then the write to the data file and the report (loop thread).
 
@@ -12,6 +13,7 @@ Threading contract: `submit` on vLLM's worker thread; `start`, `write_through`
 and the pipeline on the loop thread; `_save_done` on either (its report goes
 through worker/results.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,8 +32,9 @@ log = logging.getLogger("aiokv")
 
 
 class Saves:
-    def __init__(self, device, staging, results, life, rank: int, slot_bytes: int, save_timeout: float,
-                 crc_in_copy: bool):
+    def __init__(
+        self, device, staging, results, life, rank: int, slot_bytes: int, save_timeout: float, crc_in_copy: bool
+    ):
         self.device = device
         self.staging = staging
         self.results = results
@@ -85,8 +88,9 @@ class Saves:
         self.results.started(job, t)
         asyncio.ensure_future(self._save(job, t, bufs, upload=False))
 
-    async def _save(self, job: int, t: Transfer, bufs: list[int], upload: bool = True,
-                    crc_in_copy: bool = False) -> None:
+    async def _save(
+        self, job: int, t: Transfer, bufs: list[int], upload: bool = True, crc_in_copy: bool = False
+    ) -> None:
         """Write a save job's staging buffers (crc_in_copy: their payload CRCs came with the device copy)."""
         t0 = time.monotonic()
         res = [-errno.EIO] * len(t.keys)
@@ -125,6 +129,10 @@ class Saves:
     def _save_done(self, t: Transfer, bufs, res: list[int], job: int | None = None) -> None:
         ok = [k for k, r in zip(t.keys, res) if r == 0]
         bad = [k for k, r in zip(t.keys, res) if r != 0]
-        counts = dict(saves_ok_blocks=len(ok), save_failed_blocks=len(bad), bytes_written=len(ok) * self.slot_bytes,
-                      write_errors=sum(r not in NOT_IO_ERRORS for r in res))
+        counts = dict(
+            saves_ok_blocks=len(ok),
+            save_failed_blocks=len(bad),
+            bytes_written=len(ok) * self.slot_bytes,
+            write_errors=sum(r not in NOT_IO_ERRORS for r in res),
+        )
         self.results.save_done(job, WorkerReport(saves=[SaveResult(t.job, self.rank, ok, bad)], counters=counts))

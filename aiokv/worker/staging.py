@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The staging buffers of one worker, and their one owner.
 
 A staging buffer (data/buffers.py BufferPool, one pinned arena) is at any time one of:
@@ -21,6 +22,7 @@ stuck buffers, and is held only for in-memory bookkeeping. `bind` (once) and `wa
 run on the worker's event-loop thread; a release on any thread wakes the waiters
 there. `close` is called once no I/O or copy can still touch the arena.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,7 +44,7 @@ class Staging:
         self.cache = HostCache(self.pool, kept)
         self._lock = threading.Lock()
         self._stuck: set[int] = set()  # buffers whose abandoned I/O the kernel or a thread still holds
-        self._held: set[int] = set()   # stuck buffers their job has let go of: freed when the I/O ends
+        self._held: set[int] = set()  # stuck buffers their job has let go of: freed when the I/O ends
         self._loop = None
         self._freed: asyncio.Event | None = None
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The worker side of one KV-cache group: the process's uvloop event loop (asyncio's where uvloop is missing) on a
 dedicated thread runs a save and a load pipeline per request as asyncio tasks. This module is the facade vLLM's
 thread calls; the parts are
@@ -48,6 +49,7 @@ through worker/results.py's queue, which poll drains without waiting for the
 loop. vLLM's thread alone keeps which jobs it handed in and has not seen
 finished. The staging owner has its own lock (worker/staging.py).
 """
+
 from __future__ import annotations
 
 import errno
@@ -55,6 +57,8 @@ import logging
 
 from aiokv.data import format as fmt
 from aiokv.jobs import Transfer, WorkerReport
+from aiokv.util.counters import WORKER
+from aiokv.util.counters import names as counter_names
 from aiokv.worker.host import WorkerHost
 from aiokv.worker.layerwise import LayerwiseLoads
 from aiokv.worker.lifecycle import CLOSE_DRAIN_S, START_TIMEOUT, Lifecycle  # noqa: F401 (START_TIMEOUT: here too)
@@ -62,7 +66,6 @@ from aiokv.worker.loads import Loads
 from aiokv.worker.reads import NOT_IO_ERRORS, Reads  # noqa: F401 (NOT_IO_ERRORS: here too)
 from aiokv.worker.results import Results
 from aiokv.worker.saves import Saves
-from aiokv.util.counters import WORKER, names as counter_names
 
 log = logging.getLogger("aiokv")
 
@@ -75,11 +78,26 @@ class TransferWorker:
     (staging_bytes, memory_bytes and checksum_threads then size it; with a host
     they are the host's business and ignored here)."""
 
-    def __init__(self, device, ns_dir: str | list[str], nsid: bytes, rank: int, staging_bytes: int, io: str = "auto",
-                 queue_depth: int = 32, load_timeout: float = 30.0, save_timeout: float = 60.0, bucket=None,
-                 upload_queue: int = 256 << 20, flush_timeout: float = 10.0, secret: str | None = None,
-                 memory_bytes: int = 0, layerwise: bool = False, checksum_threads: int | None = None,
-                 host: WorkerHost | None = None):
+    def __init__(
+        self,
+        device,
+        ns_dir: str | list[str],
+        nsid: bytes,
+        rank: int,
+        staging_bytes: int,
+        io: str = "auto",
+        queue_depth: int = 32,
+        load_timeout: float = 30.0,
+        save_timeout: float = 60.0,
+        bucket=None,
+        upload_queue: int = 256 << 20,
+        flush_timeout: float = 10.0,
+        secret: str | None = None,
+        memory_bytes: int = 0,
+        layerwise: bool = False,
+        checksum_threads: int | None = None,
+        host: WorkerHost | None = None,
+    ):
         self.device = device
         self.secret = secret
         self.rank = rank
@@ -102,8 +120,21 @@ class TransferWorker:
             host.attach(device)
             # payload CRCs inside the device copies (with a secret, the MAC's pass is the stamp's and check's)
             crc_in_copy = self.device.crc_in_copy
-            self.life = Lifecycle(host, device, self._count, ns_dir, nsid, rank, slot_bytes, io, queue_depth,
-                                  secret, bucket, upload_queue, flush_timeout)
+            self.life = Lifecycle(
+                host,
+                device,
+                self._count,
+                ns_dir,
+                nsid,
+                rank,
+                slot_bytes,
+                io,
+                queue_depth,
+                secret,
+                bucket,
+                upload_queue,
+                flush_timeout,
+            )
             self.life.drive_report = lambda verdicts: self.results.report(WorkerReport(drives=verdicts))
         except BaseException:
             # nothing may outlive a worker that did not start: loop thread, arena, pinning
@@ -115,8 +146,18 @@ class TransferWorker:
         # verified loads copied in layer by layer during the next forward (worker/layerwise.py)
         self.layers = LayerwiseLoads(device, self.staging, self.reads, rank) if layerwise else None
         self.saves = Saves(device, self.staging, self.results, self.life, rank, slot_bytes, save_timeout, crc_in_copy)
-        self.loads = Loads(self.staging, self.reads, self.results, self.saves, self.life, self.layers, rank,
-                           slot_bytes, load_timeout, crc_in_copy)
+        self.loads = Loads(
+            self.staging,
+            self.reads,
+            self.results,
+            self.saves,
+            self.life,
+            self.layers,
+            rank,
+            slot_bytes,
+            load_timeout,
+            crc_in_copy,
+        )
         # the groups of a process share one memory tier; a key names a block only within its
         # group's namespace and rank, so the tier knows this group's keys under this name
         self.memory_ns = self.reads.ns = self.saves.ns = (nsid, rank)
@@ -133,7 +174,8 @@ class TransferWorker:
     # ---- what lives on the loop (worker/lifecycle.py), read through ----
     loop, thread, backend, backends, io, cpu, uploader = (
         property(lambda self, n=n: getattr(self.life, n), doc=f"the lifecycle's {n}")
-        for n in ("loop", "thread", "backend", "backends", "io", "cpu", "uploader"))
+        for n in ("loop", "thread", "backend", "backends", "io", "cpu", "uploader")
+    )
 
     @property
     def checksum_threads(self) -> int:
