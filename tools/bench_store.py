@@ -400,7 +400,7 @@ def main() -> int:
         type=int,
         default=None,
         help="aiokv: concurrent save()/load() loops sharing the depth (default: depth, one block "
-        "per call; see docs/benchmarks.md)",
+        "per call; see docs/benchmarks-history.md, section 1)",
     )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")

@@ -257,7 +257,7 @@ class BlockIO:
         but at least CHUNK_MIN_BYTES of payload (up to the depth): each batch costs a
         task and a wake-up, which at small blocks cost more than the finer overlap
         saved (measured: 12-16 % of the CPU per GB at 64 KiB, depths 4 and 16, the
-        same GB/s; docs/benchmarks.md, round three)."""
+        same GB/s; docs/benchmarks-history.md, round three)."""
         depth = getattr(self.backend, "depth", 16)
         return max(2, depth // 4, min(depth, -(-CHUNK_MIN_BYTES // self.payload_bytes)))
 
