@@ -223,11 +223,11 @@ def main(spec: dict) -> dict:
         result["tokens"].append(toks)
         result["cached"].append(cached)
         result["finish"].append(fin)
-    if sub is not None:
-        _take_events(sub, result["events"], 1.0)
     if audit is not None:
         result["fs_calls_on_engine_thread"] = sorted(audit.pop())
     if MP:  # aiokv's counters live in the engine core process: read them as vLLM exports them
+        if sub is not None:
+            _take_events(sub, result["events"], 1.0)
         if spec.get("metrics"):
             result["metrics"] = {
                 m.name: m.value
@@ -258,6 +258,10 @@ def main(spec: dict) -> dict:
             engine.step()
         result["counters"] = {**conn.counters(), **wc.counters()}
         result["pool_size"] = wc.worker.pool.count if wc.worker is not None else 0
+    if sub is not None:
+        # only now: a save that ended after the last output was committed, and its event
+        # published, in one of the steps above (taking them before lost those: issue 37 item 12)
+        _take_events(sub, result["events"], 1.0)
     if "aiokv.data.faults" in sys.modules:  # the test-only injector ran in this process: what it did
         result["faults_fired"] = dict(sys.modules["aiokv.data.faults"].FIRED)
     pool = sched.kv_cache_manager.block_pool
