@@ -210,6 +210,16 @@ class Store:
             following.follow_all()
         return self.index.lookup(ns, keys, limit)
 
+    def serving(self, ns: Namespace):
+        """The blocks of ns that are hits now, as a read-only key -> location mapping (the
+        other engines' last look applied, as by lookup)."""
+        self.lookup(ns, (), 0)
+        return ns.entries
+
+    def holds(self, ns: Namespace, key: bytes, where: int) -> bool:
+        """Whether key's committed copy is the one at location `where`."""
+        return ns.entries.get(key) == where
+
     def reserve(self, ns: Namespace, key: bytes) -> int | None:
         """A location (in our engine's files) for `key`, evicting if needed; None if
         present (in any engine's files), pending, or no space."""
@@ -342,6 +352,14 @@ class Store:
                 recs.append(fmt.pack_record(fmt.REC_DROP, k, slot, 0))
                 self.stats.corrupt_dropped += corrupt
         self.persist.append(ns, recs)
+
+    def drop_at(self, ns: Namespace, items, corrupt: bool = True) -> int:
+        """drop() of each (key, location) whose key still sits at that location (not a newer
+        copy); returns how many were dropped."""
+        keys = [k for k, where in items if ns.entries.get(k) == where]
+        if keys:
+            self.drop(ns, keys, corrupt)
+        return len(keys)
 
     def verify_slot(self, ns: Namespace, key: bytes, where: int) -> bool:
         """Whether our location `where` holds a complete, verifying block of `key` on every rank (scan.py)."""
