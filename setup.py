@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Builds aiokv._native, the C extension over liburing (native/aiokv_native.c, with
+"""Builds aiokv._native, the C extension over liburing (native/*.c, with
 BLAKE3 for the slot MAC: native/recipe.py lists the units).
 
 liburing is linked statically when Debian's liburing.a is present, so the built
@@ -52,7 +52,7 @@ ext = Extension(
     sources=UNITS,
     extra_compile_args=recipe.CFLAGS,
     define_macros=MACROS + ([] if WITHOUT else [("AIOKV_HAVE_URING", "1")]),
-    depends=glob.glob("native/blake3/*.h") + ["native/recipe.py", recipe.EXPORTS],
+    depends=glob.glob("native/*.h") + glob.glob("native/blake3/*.h") + ["native/recipe.py", recipe.EXPORTS],
     extra_link_args=[f"-Wl,--version-script={recipe.EXPORTS}"],
     extra_objects=static[:1],
     libraries=[] if WITHOUT or static else ["uring"],

@@ -12,7 +12,7 @@ the end on the CPU: every layout round-trips bit-exact (disk, memory tier, with 
 layerwise), the CUDA parts are skipped with a line saying so, the worker side
 imported no vLLM, exit status 0, one JSON report.
 
-The fix: the check compiles native/aiokv_native.c itself (AIOKV_WITHOUT_URING
+The fix: the check compiles the extension's units (native/recipe.py) itself (AIOKV_WITHOUT_URING
 without liburing: the thread-pool backend), the worker loop falls back to asyncio's
 loop, the CPU device's address arrays need no numpy.
 """

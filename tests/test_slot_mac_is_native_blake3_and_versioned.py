@@ -18,7 +18,7 @@ still reads a MACed slot, and one with a secret still refuses a slot whose
 payload's CRC is wrong under a right MAC (a writer's bug) by the CRC.
 The same verdicts when the stamp takes the payload CRC from the header and when
 the check leaves it to the device copy (crc_in_copy both: the MAC alone then).
-Fix: native/aiokv_native.c (stamp_slots, verify_slots, check_slot with a MAC
+Fix: native/slots.c (stamp_slots, verify_slots, check_slot with a MAC
 key; native/blake3), format.mac_key, BlockIO passing its key to them.
 """
 

@@ -117,7 +117,7 @@ HDR_USED = _HDR.size + _HDR_CRC.size
 # MAC_SCHEME_OFFSET names the scheme, MAC_BYTES at MAC_OFFSET hold it. Scheme 1
 # (MAC_SCHEME): keyed BLAKE3-256 of the payload, then of the header's first
 # _HDR.size bytes (the scheme byte among them), keyed by mac_key(secret);
-# computed natively in the slot stamp and check (native/aiokv_native.c), GIL
+# computed natively in the slot stamp and check (native/slots.c), GIL
 # released. Without a secret the scheme is 0 and the MAC bytes zero, not read:
 # blocks with and without a MAC are the same format version. A reader with a
 # secret takes only scheme 1 (the BLAKE2b MAC of earlier versions, scheme 0, is a miss).
@@ -172,7 +172,7 @@ class BadBlock(Exception):
     """A slot whose header or payload does not verify; reason says which check."""
 
 
-# The one slot check is native (native/aiokv_native.c, slot_verdict): one slot
+# The one slot check is native (native/slots.c, slot_verdict): one slot
 # here (check_slot, check_header, unpack_header: _native.check_slot), a batch of
 # staging buffers in BlockIO (_native.verify_slots, GIL released). Both answer a
 # verdict: 0 (valid) or the first check failed, in the order checked; this is
