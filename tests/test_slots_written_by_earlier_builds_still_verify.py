@@ -35,9 +35,9 @@ import os
 import pytest
 
 from aiokv.data import format as fmt
-from aiokv.data.backend import open_backend
 from aiokv.data.blockio import BlockIO
 from aiokv.data.buffers import BufferPool
+from aiokv.data.choice import open_backend
 from aiokv.data.slotfile import data_path
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "slots-v1.bin.gz")

@@ -198,7 +198,7 @@ def build_extension(timeout: float) -> dict:
 def part_io(root: str) -> dict:
     import asyncio
 
-    from aiokv.data.backend import open_backend
+    from aiokv.data.choice import open_backend
 
     loop = asyncio.new_event_loop()
     try:
