@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Builds aiokv._native, the C extension over liburing (native/*.c, with
-BLAKE3 for the slot MAC: native/recipe.py lists the units).
+"""Builds aiokv._native, the C extension over liburing (native/*.c:
+native/recipe.py lists the units).
 
 liburing is linked statically when Debian's liburing.a is present, so the built
 wheel needs only libc at run time. Without liburing's header, building the
@@ -34,10 +34,6 @@ class BuildExt(build_ext):
             raise SystemExit(MISSING)
         super().run()
 
-    def build_extension(self, ext):
-        self.compiler.src_extensions.append(".S")  # BLAKE3's assembly (native/recipe.py)
-        super().build_extension(ext)
-
 
 UNITS, MACROS = recipe.units()
 static = (
@@ -52,7 +48,7 @@ ext = Extension(
     sources=UNITS,
     extra_compile_args=recipe.CFLAGS,
     define_macros=MACROS + ([] if WITHOUT else [("AIOKV_HAVE_URING", "1")]),
-    depends=glob.glob("native/*.h") + glob.glob("native/blake3/*.h") + ["native/recipe.py", recipe.EXPORTS],
+    depends=glob.glob("native/*.h") + ["native/recipe.py", recipe.EXPORTS],
     extra_link_args=[f"-Wl,--version-script={recipe.EXPORTS}"],
     extra_objects=static[:1],
     libraries=[] if WITHOUT or static else ["uring"],

@@ -3,13 +3,11 @@
  * Slot headers, many slots per call (docs/format.md): stamp_slots writes them,
  * verify_slots checks a batch of staging buffers, check_slot one slot in any
  * buffer (what aiokv/data/format.py's check_slot, check_header and
- * unpack_header call); with a secret's key, the slot MAC too.
+ * unpack_header call). The slot MAC, with a secret, is aiokv/data/mac.py's.
  */
 #include "aiokv.h"
 
 #include <time.h>
-
-#include "blake3/blake3.h" /* native/blake3: BLAKE3's C implementation (CC0), for the slot MAC */
 
 static const char BLOCK_MAGIC[8] = {'A', 'I', 'O', 'K', 'V', 'B', 'L', 'K'};
 
@@ -79,129 +77,42 @@ fail:
     return -1;
 }
 
-/* ---- the slot MAC, with a secret (docs/format.md, "The MAC") ----
- * Scheme 1: keyed BLAKE3-256 (key: mac_key, BLAKE3's derive_key of the secret
- * under MAC_CONTEXT) of the payload, then the 96 header bytes the header CRC
- * covers (the scheme byte at HDR_OFF_MACS among them), at HDR_OFF_MAC. The
- * payload goes first so that BLAKE3's chunks line up with it. Slots without a
- * MAC have scheme 0 there; a reader with a secret takes only scheme 1. */
-#define MAC_SCHEME 1
-#define HDR_OFF_MAC 100
-#define MAC_BYTES 32
-#define MAC_PIECE (64 << 10) /* CRC32C and MAC of one piece after the other: the second reads it from cache */
-static const char MAC_CONTEXT[] = "aiokv slot MAC, scheme 1";
-
-static void mac_finish(blake3_hasher *s, const uint8_t *fields, uint8_t *out) {
-    blake3_hasher_update(s, fields, HDR_BODY);
-    blake3_hasher_finalize(s, out, MAC_BYTES);
-}
-
-/* The MAC verdict of slot h (header and plen payload bytes readable): SLOT_MAC
- * unless it carries scheme 1 and the MAC of key mk (compared in constant time);
- * with crc, then SLOT_PAYLOAD_CRC unless the payload matches its CRC too, computed
- * piece by piece in the same pass (the MAC covers the CRC field, not whether
- * the writer got it right: every reader checks it, as without a secret). */
-/* One pass over a payload for its MAC (into s, keyed already) and, with crc, its
- * CRC32C, a piece after the other; returns the CRC (0 without crc). */
-static uint32_t mac_pass(blake3_hasher *s, const uint8_t *pay, uint64_t plen, int crc) {
-    uint32_t pcrc = 0;
-    if (!crc) {
-        blake3_hasher_update(s, pay, (size_t)plen);
-        return 0;
-    }
-    for (uint64_t off = 0; off < plen; off += MAC_PIECE) {
-        size_t k = plen - off < MAC_PIECE ? (size_t)(plen - off) : MAC_PIECE;
-        blake3_hasher_update(s, pay + off, k);
-        pcrc = crc32c(pcrc, pay + off, k);
-    }
-    return pcrc;
-}
-
-static int mac_verdict(const uint8_t *mk, const uint8_t *h, uint64_t plen, int crc) {
-    if (h[HDR_OFF_MACS] != MAC_SCHEME) return SLOT_MAC;
-    blake3_hasher s;
-    uint8_t m[MAC_BYTES], d = 0;
-    blake3_hasher_init_keyed(&s, mk);
-    uint32_t pcrc = mac_pass(&s, h + HDR_BYTES, plen, crc);
-    mac_finish(&s, h, m);
-    for (int i = 0; i < MAC_BYTES; i++) d |= m[i] ^ h[HDR_OFF_MAC + i];
-    if (d) return SLOT_MAC;
-    return crc && pcrc != get32(h + HDR_OFF_PCRC) ? SLOT_PAYLOAD_CRC : SLOT_OK;
-}
-
-/* An optional MAC key argument (None or 32 bytes) into mk; returns 0, or -1 with an exception set. */
-static int mac_arg(PyObject *o, uint8_t mk[MAC_BYTES], const uint8_t **pmk) {
-    *pmk = NULL;
-    if (o == NULL || o == Py_None) return 0;
-    char *b;
-    Py_ssize_t n;
-    if (PyBytes_AsStringAndSize(o, &b, &n) < 0) return -1;
-    if (n != MAC_BYTES) {
-        PyErr_SetString(PyExc_ValueError, "aiokv: a MAC key is 32 bytes (format.mac_key)");
-        return -1;
-    }
-    memcpy(mk, b, MAC_BYTES);
-    *pmk = mk;
-    return 0;
-}
-
-/* mac_key(secret) -> 32 bytes: the MAC key of a secret (any bytes). */
-static PyObject *py_mac_key(PyObject *self, PyObject *args) {
-    Py_buffer sec;
-    if (!PyArg_ParseTuple(args, "y*", &sec)) return NULL;
-    blake3_hasher s;
-    uint8_t k[MAC_BYTES];
-    blake3_hasher_init_derive_key(&s, MAC_CONTEXT);
-    blake3_hasher_update(&s, sec.buf, (size_t)sec.len);
-    blake3_hasher_finalize(&s, k, MAC_BYTES);
-    PyBuffer_Release(&sec);
-    return PyBytes_FromStringAndSize((const char *)k, MAC_BYTES);
-}
-
-/* blake3_keyed(key, data) -> 32 bytes: keyed BLAKE3-256 of a buffer (tests: the published vectors). */
-static PyObject *py_blake3_keyed(PyObject *self, PyObject *args) {
-    Py_buffer key, data;
-    if (!PyArg_ParseTuple(args, "y*y*", &key, &data)) return NULL;
-    PyObject *out = NULL;
-    if (key.len != BLAKE3_KEY_LEN) {
-        PyErr_SetString(PyExc_ValueError, "aiokv: a BLAKE3 key is 32 bytes");
-    } else {
-        blake3_hasher s;
-        uint8_t m[MAC_BYTES];
-        blake3_hasher_init_keyed(&s, key.buf);
-        Py_BEGIN_ALLOW_THREADS
-        blake3_hasher_update(&s, data.buf, (size_t)data.len);
-        Py_END_ALLOW_THREADS
-        blake3_hasher_finalize(&s, m, MAC_BYTES);
-        out = PyBytes_FromStringAndSize((const char *)m, MAC_BYTES);
-    }
-    PyBuffer_Release(&key);
-    PyBuffer_Release(&data);
-    return out;
-}
+/* The slot MAC, with a secret (docs/format.md, "The MAC"), is aiokv/data/mac.py's:
+ * stamp_slots writes the scheme byte it is given (HDR_OFF_MACS, covered by the
+ * header CRC) and zeroes the MAC's bytes; Python hashes the stamped slot and
+ * writes them, and checks them after verify_slots and check_slot. */
 
 /* The arguments stamp_slots and verify_slots share: (addrs, keys, nsid, rank,
- * payload_len, layout, crc_in_copy=0, mac_key=None), parsed with the GIL held
- * (slots_parse, mac_arg). 0, or -1 with an exception set and nothing held. */
+ * payload_len, layout, crc_in_copy=0), and stamp_slots' mac_scheme=0 after them,
+ * parsed with the GIL held (slots_parse). 0, or -1 with an exception set and
+ * nothing held. */
 typedef struct {
     Py_buffer nsid;
-    uint8_t ns[16], mkb[MAC_BYTES];
-    unsigned int rank;
+    uint8_t ns[16];
+    unsigned int rank, mac_scheme;
     unsigned long long plen, layout;
     int crc_in_copy;
-    const uint8_t *mk; /* mkb, or NULL: no MAC */
     uint64_t *pa;
     slot_key *pk;
     Py_ssize_t n;
 } slots_call;
 
-static int slots_call_parse(PyObject *args, slots_call *c) {
-    PyObject *addrs, *keys, *mko = NULL;
+/* stamp: whether the call takes mac_scheme after crc_in_copy (stamp_slots) */
+static int slots_call_parse(PyObject *args, slots_call *c, int stamp) {
+    PyObject *addrs, *keys;
     c->crc_in_copy = 0;
-    if (!PyArg_ParseTuple(args, "OOy*IKK|pO", &addrs, &keys, &c->nsid, &c->rank, &c->plen, &c->layout,
-                          &c->crc_in_copy, &mko))
+    c->mac_scheme = 0;
+    int ok = stamp ? PyArg_ParseTuple(args, "OOy*IKK|pI", &addrs, &keys, &c->nsid, &c->rank, &c->plen, &c->layout,
+                                      &c->crc_in_copy, &c->mac_scheme)
+                   : PyArg_ParseTuple(args, "OOy*IKK|p", &addrs, &keys, &c->nsid, &c->rank, &c->plen, &c->layout,
+                                      &c->crc_in_copy);
+    if (!ok) return -1;
+    if (c->mac_scheme > 0xff) {
+        PyErr_SetString(PyExc_ValueError, "aiokv: mac_scheme is one byte");
+        PyBuffer_Release(&c->nsid);
         return -1;
-    if (mac_arg(mko, c->mkb, &c->mk) < 0 || (c->n = slots_parse(addrs, keys, &c->nsid, &c->pa, &c->pk)) < 0) {
+    }
+    if ((c->n = slots_parse(addrs, keys, &c->nsid, &c->pa, &c->pk)) < 0) {
         PyBuffer_Release(&c->nsid);
         return -1;
     }
@@ -216,46 +127,35 @@ static void slots_call_release(slots_call *c) {
 }
 
 /* stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0,
- * mac_key=None): for each slot, CRC32C its payload and write its header
+ * mac_scheme=0): for each slot, CRC32C its payload and write its header
  * (sequence: the wall clock in ns, as time.time_ns()), zeroing the rest of the
  * header. With crc_in_copy the payload's CRC is not computed: it is the one
  * already at HDR_OFF_PCRC (put there by memcpy_crc_out while it copied the
- * payload in). With a MAC key (a secret's, format.mac_key) the header also
- * gets the MAC (scheme 1), computed in the same pass over the payload as its
- * CRC. One call per chunk, GIL released for all of it. */
+ * payload in). mac_scheme goes into the header as it is (aiokv/data/mac.py
+ * then writes the MAC after it). One call per chunk, GIL released for all of it. */
 static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
     slots_call c;
-    if (slots_call_parse(args, &c) < 0) return NULL;
+    if (slots_call_parse(args, &c, 1) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < c.n; i++) {
         uint8_t *h = (uint8_t *)(uintptr_t)c.pa[i];
-        const uint8_t *pay = h + HDR_BYTES;
-        blake3_hasher s;
-        uint32_t pcrc = 0;
-        if (c.mk) {
-            blake3_hasher_init_keyed(&s, c.mk);
-            pcrc = mac_pass(&s, pay, c.plen, !c.crc_in_copy);
-            if (c.crc_in_copy) pcrc = get32(h + HDR_OFF_PCRC);
-        } else {
-            pcrc = c.crc_in_copy ? get32(h + HDR_OFF_PCRC) : crc32c(0, pay, (size_t)c.plen);
-        }
+        uint32_t pcrc = c.crc_in_copy ? get32(h + HDR_OFF_PCRC) : crc32c(0, h + HDR_BYTES, (size_t)c.plen);
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        uint8_t hdr[HDR_USED + MAC_BYTES] = {0};
+        uint8_t hdr[HDR_USED] = {0};
         memcpy(hdr + HDR_OFF_MAGIC, BLOCK_MAGIC, 8);
         put16(hdr + HDR_OFF_VERSION, FILE_VERSION);
         put16(hdr + HDR_OFF_HBYTES, HDR_BYTES);
         put32(hdr + HDR_OFF_RANK, c.rank);
         memcpy(hdr + HDR_OFF_NSID, c.ns, 16);
         hdr[HDR_OFF_KLEN] = c.pk[i].len;
-        hdr[HDR_OFF_MACS] = c.mk ? MAC_SCHEME : 0;
+        hdr[HDR_OFF_MACS] = (uint8_t)c.mac_scheme;
         put32(hdr + HDR_OFF_PCRC, pcrc);
         put64(hdr + HDR_OFF_PLEN, c.plen);
         memcpy(hdr + HDR_OFF_KEY, c.pk[i].b, MAX_KEY);
         put64(hdr + HDR_OFF_SEQ, (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec);
         put64(hdr + HDR_OFF_LAYOUT, c.layout);
         put32(hdr + HDR_BODY, crc32c(0, hdr, HDR_BODY));
-        if (c.mk) mac_finish(&s, hdr, hdr + HDR_OFF_MAC);
         memcpy(h, hdr, sizeof hdr);
         memset(h + sizeof hdr, 0, HDR_BYTES - sizeof hdr);
     }
@@ -267,16 +167,14 @@ static PyObject *py_stamp_slots(PyObject *self, PyObject *args) {
 /* The one slot check: every reader's, through format.check_slot (and
  * check_header, unpack_header) one slot at a time, or verify_slots a batch at
  * a time. h: the slot's first byte, avail bytes of it readable; k NULL: any key;
- * layout NULL: any layout; upto: CHECK_*; mk: a MAC key, or NULL. With mk the
- * MAC is checked past CHECK_SELF, at CHECK_HEADER as well (the payload CRC is
- * then the device copy's to check), at CHECK_SLOT with the payload CRC in the
- * same pass (mac_verdict). Returns the first check failed (SLOT_*), SLOT_OK if
- * none. Inlined in both callers: in verify_slots' loop
- * the key, layout and length are always there, and their tests fold away. */
+ * layout NULL: any layout; upto: CHECK_*. Returns the first check failed
+ * (SLOT_*), SLOT_OK if none; the MAC, where a reader has a secret, is checked
+ * after it (aiokv/data/mac.py: SLOT_MAC before a payload CRC verdict). Inlined
+ * in both callers: in verify_slots' loop the key, layout and length are always
+ * there, and their tests fold away. */
 static inline __attribute__((always_inline)) int slot_verdict(const uint8_t *h, uint64_t avail, const uint8_t *ns,
                                                                uint32_t rank, uint64_t plen, const slot_key *k,
-                                                               const uint64_t *layout, int upto,
-                                                               const uint8_t *mk) {
+                                                               const uint64_t *layout, int upto) {
     if (avail < HDR_USED) return SLOT_HDR_SHORT;
     if (crc32c(0, h, HDR_BODY) != get32(h + HDR_BODY)) return SLOT_HDR_CRC;
     if (memcmp(h + HDR_OFF_MAGIC, BLOCK_MAGIC, 8)) return SLOT_MAGIC;
@@ -288,22 +186,20 @@ static inline __attribute__((always_inline)) int slot_verdict(const uint8_t *h, 
     unsigned klen = h[HDR_OFF_KLEN] < MAX_KEY ? h[HDR_OFF_KLEN] : MAX_KEY; /* Python's key[:klen] */
     if (k && (klen != k->len || memcmp(h + HDR_OFF_KEY, k->b, klen))) return SLOT_KEY;
     if (get64(h + HDR_OFF_PLEN) != plen) return SLOT_PLEN;
-    if (upto == CHECK_HEADER && !mk) return SLOT_OK;
+    if (upto == CHECK_HEADER) return SLOT_OK;
     if (avail < HDR_BYTES || avail - HDR_BYTES < plen) return SLOT_PAYLOAD_SHORT;
-    if (mk) return mac_verdict(mk, h, plen, upto == CHECK_SLOT); /* CHECK_HEADER: the copy checks the CRC */
     if (crc32c(0, h + HDR_BYTES, (size_t)plen) != get32(h + HDR_OFF_PCRC)) return SLOT_PAYLOAD_CRC;
     return SLOT_OK;
 }
 
-/* verify_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0,
- * mac_key=None) -> bytes: per slot 0 (valid for that key) or the index in
+/* verify_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0)
+ * -> bytes: per slot 0 (valid for that key) or the index in
  * format.SLOT_REASONS of the first check it fails (slot_verdict; each
  * address a whole slot); with crc_in_copy the payload CRC is left to the
- * caller (never reported); with a MAC key the MAC is checked (crc_in_copy or
- * not). One call per chunk, GIL released for all of it. */
+ * caller (never reported). One call per chunk, GIL released for all of it. */
 static PyObject *py_verify_slots(PyObject *self, PyObject *args) {
     slots_call c;
-    if (slots_call_parse(args, &c) < 0) return NULL;
+    if (slots_call_parse(args, &c, 0) < 0) return NULL;
     PyObject *out = PyBytes_FromStringAndSize(NULL, c.n);
     if (out) {
         uint8_t *v = (uint8_t *)PyBytes_AS_STRING(out);
@@ -312,32 +208,28 @@ static PyObject *py_verify_slots(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < c.n; i++)
             v[i] = (uint8_t)slot_verdict((const uint8_t *)(uintptr_t)c.pa[i], HDR_BYTES + c.plen, c.ns, c.rank, c.plen,
-                                         &c.pk[i], &lay, upto, c.mk);
+                                         &c.pk[i], &lay, upto);
         Py_END_ALLOW_THREADS
     }
     slots_call_release(&c);
     return out;
 }
 
-/* check_slot(buffer, nsid, rank, payload_len, key, layout, upto, mac_key=None)
- * -> int: the verdict of slot_verdict for one slot in any buffer (bytes,
- * ctypes memory over a staging slot), as verify_slots gives it; key or layout
- * None: any; upto: CHECK_*; mac_key: check the MAC too. What format.check_slot,
- * check_header and unpack_header call. GIL released over a payload of more
- * than 64 KiB. */
+/* check_slot(buffer, nsid, rank, payload_len, key, layout, upto) -> int: the
+ * verdict of slot_verdict for one slot in any buffer (bytes, ctypes memory
+ * over a staging slot), as verify_slots gives it; key or layout None: any;
+ * upto: CHECK_*. What format.check_slot, check_header and unpack_header call.
+ * GIL released over a payload of more than 64 KiB. */
 static PyObject *py_check_slot(PyObject *self, PyObject *args) {
     Py_buffer buf, nsid;
     unsigned int rank;
     unsigned long long plen;
-    PyObject *key, *layout, *mko = NULL;
+    PyObject *key, *layout;
     int upto;
-    if (!PyArg_ParseTuple(args, "y*y*IKOOi|O", &buf, &nsid, &rank, &plen, &key, &layout, &upto, &mko)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*IKOOi", &buf, &nsid, &rank, &plen, &key, &layout, &upto)) return NULL;
     slot_key k, *kp = NULL;
     uint64_t lay, *lp = NULL;
-    uint8_t mkb[MAC_BYTES];
-    const uint8_t *mk = NULL;
     int verdict = -1;
-    if (mac_arg(mko, mkb, &mk) < 0) goto done;
     if (nsid.len != 16) {
         PyErr_SetString(PyExc_ValueError, "aiokv: nsid must be 16 bytes");
         goto done;
@@ -360,13 +252,12 @@ static PyObject *py_check_slot(PyObject *self, PyObject *args) {
         if (PyErr_Occurred()) goto done;
         lp = &lay;
     }
-    if (upto == CHECK_SELF) mk = NULL; /* the header's own integrity only */
-    if ((upto == CHECK_SLOT || mk) && plen > 65536) {
+    if (upto == CHECK_SLOT && plen > 65536) {
         Py_BEGIN_ALLOW_THREADS
-        verdict = slot_verdict(buf.buf, (uint64_t)buf.len, nsid.buf, rank, plen, kp, lp, upto, mk);
+        verdict = slot_verdict(buf.buf, (uint64_t)buf.len, nsid.buf, rank, plen, kp, lp, upto);
         Py_END_ALLOW_THREADS
     } else {
-        verdict = slot_verdict(buf.buf, (uint64_t)buf.len, nsid.buf, rank, plen, kp, lp, upto, mk);
+        verdict = slot_verdict(buf.buf, (uint64_t)buf.len, nsid.buf, rank, plen, kp, lp, upto);
     }
 done:
     PyBuffer_Release(&buf);
@@ -376,21 +267,18 @@ done:
 
 static PyMethodDef slot_methods[] = {
     {"stamp_slots", py_stamp_slots, METH_VARARGS,
-     "stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0, mac_key=None)"},
+     "stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0, mac_scheme=0)"},
     {"verify_slots", py_verify_slots, METH_VARARGS,
-     "verify_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0, mac_key=None) -> bytes of verdicts"},
+     "verify_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy=0) -> bytes of verdicts"},
     {"check_slot", py_check_slot, METH_VARARGS,
-     "check_slot(buffer, nsid, rank, payload_len, key, layout, upto, mac_key=None) -> verdict (key, layout None: any)"},
-    {"mac_key", py_mac_key, METH_VARARGS, "mac_key(secret) -> the 32-byte MAC key of a secret (format.mac_key)"},
-    {"blake3_keyed", py_blake3_keyed, METH_VARARGS, "blake3_keyed(key, data) -> keyed BLAKE3-256 (tests)"},
+     "check_slot(buffer, nsid, rank, payload_len, key, layout, upto) -> verdict (key, layout None: any)"},
     {NULL}};
 
 int slots_add(PyObject *m) {
     if (PyModule_AddFunctions(m, slot_methods) < 0 || PyModule_AddIntConstant(m, "CHECK_SELF", CHECK_SELF) < 0 ||
         PyModule_AddIntConstant(m, "CHECK_HEADER", CHECK_HEADER) < 0 ||
         PyModule_AddIntConstant(m, "CHECK_SLOT", CHECK_SLOT) < 0 ||
-        PyModule_AddIntConstant(m, "SLOT_VERDICTS", SLOT_VERDICTS) < 0 ||
-        PyModule_AddIntConstant(m, "MAC_SCHEME", MAC_SCHEME) < 0)
+        PyModule_AddIntConstant(m, "SLOT_VERDICTS", SLOT_VERDICTS) < 0)
         return -1;
     return 0;
 }

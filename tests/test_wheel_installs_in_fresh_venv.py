@@ -81,7 +81,7 @@ def test_build_is_warning_free_with_clean_metadata(dist):
     required = sorted(
         r.split(">")[0].split(";")[0].strip() for r in meta.get_all("Requires-Dist") if "extra ==" not in r
     )
-    assert required == ["tqdm", "uvloop"], required
+    assert required == ["blake3", "tqdm", "uvloop"], required
 
 
 def test_wheel_runs_from_a_fresh_venv(dist, tmp_path):
