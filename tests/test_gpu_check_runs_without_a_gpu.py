@@ -10,7 +10,7 @@ The invariant: in a copy of the tree without a built extension, with vllm, uvloo
 and numpy unimportable and the extension built without io_uring, the check runs to
 the end on the CPU: every layout round-trips bit-exact (disk, memory tier, with a secret's MAC,
 layerwise; without the blake3 package, the MAC's hash, the same but the secret's
-round trips, left out with a line saying so), the CUDA parts are skipped with a line saying so, the worker side
+round trips, left out with a line saying so; without ISA-L, the CRC32C is aiokv's own), the CUDA parts are skipped with a line saying so, the worker side
 imported no vLLM, exit status 0, one JSON report.
 
 The fix: the check compiles the extension's units (native/recipe.py) itself (AIOKV_WITHOUT_URING
@@ -44,7 +44,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("blake3", [True, False], ids=["with_blake3", "without_blake3"])
+@pytest.mark.parametrize("blake3", [True, False], ids=["with_blake3_and_isal", "without_blake3_or_isal"])
 def test_gpu_check_runs_without_a_gpu(tmp_path, blake3):
     hidden = ("vllm", "uvloop", "numpy") + (() if blake3 else ("blake3",))
     tree = tmp_path / "tree"
@@ -56,6 +56,8 @@ def test_gpu_check_runs_without_a_gpu(tmp_path, blake3):
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(AIOKV_WITHOUT_URING="1", CUDA_VISIBLE_DEVICES="")
+    if not blake3:  # nor ISA-L: the barest machine
+        env.update(AIOKV_WITHOUT_ISAL="1")
     p = subprocess.run(
         [
             sys.executable,
@@ -84,6 +86,7 @@ def test_gpu_check_runs_without_a_gpu(tmp_path, blake3):
     parts = r["parts"]
     assert parts["env"]["has_vllm"] is False and parts["env"]["has_uvloop"] is False
     assert parts["env"]["has_blake3"] is blake3
+    assert parts["build"]["crc_path"] == ("isal" if blake3 else "crc32q")
     assert parts["build"]["built"] is True and parts["build"]["io_uring"] is False
     assert parts["build"]["module"].startswith(str(tree))
     assert parts["io"]["backend"] == "threads"

@@ -134,11 +134,17 @@ def part_env() -> dict:
 
 def build_extension(timeout: float) -> dict:
     """Import aiokv._native, or compile its units (native/recipe.py) into aiokv/ with the C compiler
-    (no setuptools needed); without liburing's header, without io_uring."""
+    (no setuptools needed); without liburing's header, without io_uring; without ISA-L's, with
+    aiokv's own CRC32C."""
     try:
         import aiokv._native as n
 
-        return {"built": False, "module": n.__file__, "io_uring": bool(getattr(n, "HAVE_URING", 1))}
+        return {
+            "built": False,
+            "module": n.__file__,
+            "io_uring": bool(getattr(n, "HAVE_URING", 1)),
+            "crc_path": getattr(n, "CRC_PATH", None),
+        }
     except ImportError as e:
         first = str(e)
     cc = shutil.which(os.environ.get("CC", "")) or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -156,8 +162,12 @@ def build_extension(timeout: float) -> dict:
     sys.path.insert(0, os.path.join(ROOT, "native"))
     import recipe  # native/recipe.py: the units setup.py builds
 
+    isal = os.environ.get("AIOKV_WITHOUT_ISAL") != "1" and any(
+        os.path.exists(os.path.join(d, recipe.ISAL_HEADER)) for d in ("/usr/include", "/usr/local/include")
+    )
     units, macros = recipe.units()
-    defs = [f"-D{k}={v}" for k, v in macros] + (["-DAIOKV_HAVE_URING=1"] if uring else [])
+    macros = macros + ([("AIOKV_HAVE_URING", "1")] if uring else []) + ([recipe.ISAL_MACRO] if isal else [])
+    defs = [f"-D{k}={v}" for k, v in macros]
     objs = []
     with tempfile.TemporaryDirectory(prefix="aiokv-build-") as tmp:
         for i, src in enumerate(units):
@@ -180,6 +190,8 @@ def build_extension(timeout: float) -> dict:
                 if os.path.exists(p)
             ]
             cmd += static[:1] or ["-luring"]
+        if isal:
+            cmd += [f"-l{recipe.ISAL_LIB}"]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
             raise RuntimeError(f"linking the extension failed ({' '.join(cmd)}): {p.stderr[-2000:]}")
@@ -194,6 +206,7 @@ def build_extension(timeout: float) -> dict:
         "module": n.__file__,
         "compiler": cc,
         "io_uring": bool(getattr(n, "HAVE_URING", 0)),
+        "crc_path": n.CRC_PATH,
     }
 
 

@@ -210,11 +210,6 @@ def _mac_key_arg(mac_key) -> bytes | None:
     return mac_key
 
 
-def _at(addr: int, n: int) -> memoryview:
-    """n bytes of memory at addr (a staging buffer), as a flat byte view."""
-    return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
-
-
 def slot_mac(slot: memoryview, payload_len: int, mac_key: bytes) -> bytes:
     """The scheme-1 MAC of a slot (a flat byte view of its header and payload)."""
     return mac.keyed(mac_key, slot[HEADER_BYTES : HEADER_BYTES + payload_len], slot[: _HDR.size])
@@ -232,6 +227,10 @@ def _mac_verdict(verdict: int, slot: memoryview, payload_len: int, mac_key: byte
     return verdict if hmac.compare_digest(want, slot[MAC_OFFSET : MAC_OFFSET + MAC_BYTES]) else _MAC
 
 
+# stamp_slots and verify_slots hash slot after slot in one loop, the hasher made per slot from
+# the blake3 class itself: each layer of calls around it cost about a microsecond a slot
+# (stamping 512 slots of 4 KiB payloads: 4.8 us a slot so, 7.0 through slot_mac and
+# mac.keyed), against about 40 us to hash a 256 KiB payload.
 def stamp_slots(addrs, keys, nsid: bytes, rank: int, payload_len: int, layout: int, crc_in_copy=False, mac_key=None):
     """Stamp the headers of the slots at addrs (payloads already there): the
     native stamp (the payload CRC32C, unless crc_in_copy: then the one the
@@ -239,23 +238,49 @@ def stamp_slots(addrs, keys, nsid: bytes, rank: int, payload_len: int, layout: i
     MAC (scheme 1). GIL released while the native call and the hashing run."""
     mk = _mac_key_arg(mac_key)
     _native.stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy, 0 if mk is None else MAC_SCHEME)
-    if mk is not None:
-        n = HEADER_BYTES + payload_len
-        for a in addrs:
-            ctypes.memmove(a + MAC_OFFSET, slot_mac(_at(a, n), payload_len, mk), MAC_BYTES)
+    if mk is None:
+        return
+    hasher, mem, fields, end = (
+        mac.hasher(),
+        ctypes.c_char * (HEADER_BYTES + payload_len),
+        _HDR.size,
+        MAC_OFFSET + MAC_BYTES,
+    )
+    for a in addrs:
+        slot = memoryview(mem.from_address(a)).cast("B")
+        h = hasher(slot[HEADER_BYTES:], key=mk)
+        h.update(slot[:fields])
+        slot[MAC_OFFSET:end] = h.digest()
 
 
 def verify_slots(addrs, keys, nsid: bytes, rank: int, payload_len: int, layout: int, crc_in_copy=False, mac_key=None):
     """The slot check over the staging buffers at addrs, each for its key: bytes,
     a verdict per slot (0: valid). With crc_in_copy the payload CRC is left to
     the caller's device copy (never reported); with a secret's mac_key the MAC
-    is checked (crc_in_copy or not)."""
+    is checked (crc_in_copy or not), as _mac_verdict says."""
     mk = _mac_key_arg(mac_key)
     got = _native.verify_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy)
     if mk is None:
         return got
-    n = HEADER_BYTES + payload_len
-    return bytes(_mac_verdict(v, _at(a, n), payload_len, mk) for v, a in zip(got, addrs))
+    out = bytearray(got)
+    hasher, mem, fields, end = (
+        mac.hasher(),
+        ctypes.c_char * (HEADER_BYTES + payload_len),
+        _HDR.size,
+        MAC_OFFSET + MAC_BYTES,
+    )
+    for i, a in enumerate(addrs):
+        if out[i] not in (0, _PAYLOAD_CRC):
+            continue
+        slot = memoryview(mem.from_address(a)).cast("B")
+        if slot[MAC_SCHEME_OFFSET] != MAC_SCHEME:
+            out[i] = _MAC
+            continue
+        h = hasher(slot[HEADER_BYTES:], key=mk)
+        h.update(slot[:fields])
+        if not hmac.compare_digest(h.digest(), slot[MAC_OFFSET:end]):
+            out[i] = _MAC
+    return bytes(out)
 
 
 def slot_reason(verdict: int, slot) -> str:

@@ -30,7 +30,8 @@ MISSING = "aiokv: secret needs the blake3 package, which is not installed; insta
 _hasher = None  # blake3.blake3, once imported
 
 
-def _blake3():
+def hasher():
+    """The blake3 class (blake3.blake3): hasher(data, key=KEY) hashes data keyed."""
     global _hasher
     if _hasher is None:
         try:
@@ -44,7 +45,7 @@ def _blake3():
 def available() -> bool:
     """Whether the blake3 package is there."""
     try:
-        _blake3()
+        hasher()
     except ImportError:
         return False
     return True
@@ -52,14 +53,14 @@ def available() -> bool:
 
 def derive_key(secret: bytes) -> bytes:
     """The 32-byte MAC key of a secret of any length: BLAKE3's derive_key under CONTEXT."""
-    return _blake3()(secret, derive_key_context=CONTEXT).digest()
+    return hasher()(secret, derive_key_context=CONTEXT).digest()
 
 
 def keyed(key: bytes, *parts) -> bytes:
     """Keyed BLAKE3-256 of the parts (buffers: bytes, flat byte memoryviews), one after the other."""
     if len(key) != KEY_BYTES:
         raise ValueError("aiokv: a MAC key is 32 bytes (format.mac_key)")
-    h = _blake3()(key=bytes(key))
+    h = hasher()(key=bytes(key))
     for p in parts:
         h.update(p)
     return h.digest()
