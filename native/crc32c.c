@@ -64,8 +64,10 @@ static uint32_t xpow(uint64_t e) {
 }
 
 /* ---- "table": one byte a step ----
- * byte_table[b]: the register after the 8 bits of b pass through it alone,
- * x^8 * b(x) mod P, one bit at a time. */
+ * byte_table[b]: a register holding b alone (its low byte: the highest powers)
+ * times x^8 mod P: eight steps of xpow's multiply by x (crc_init). A step takes the low
+ * byte, XORed with the next message byte, through the table and the rest of
+ * the register down by 8 bits. */
 static uint32_t byte_table[256];
 
 static uint32_t crc_table(uint32_t r, const uint8_t *p, size_t n) {
