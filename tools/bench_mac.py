@@ -29,7 +29,9 @@ GB/s are slot bytes moved per second (GB = 1e9); CPU is process CPU seconds per 
 The secret's cost: its CPU seconds per GB beyond the plain path's, and its GB/s
 over the plain path's; with a baseline, this tree's cost over the baseline's.
 Also one core's rate over one payload, in cache and not: CRC32C, the keyed BLAKE3
-MAC, and Python's keyed BLAKE2b (the MAC before BLAKE3), per tree.
+MAC, and Python's keyed BLAKE2b (the MAC before BLAKE3), per tree; and GB of payload
+per CPU-second of each tree's stamp and check calls with the MAC over 256 MiB of
+slots, without and with the payload CRC in them (the calls alone, no BlockIO).
 """
 
 from __future__ import annotations
@@ -116,8 +118,54 @@ def _keyed_blake3():
         return _native.blake3_keyed
 
 
+def _slot_calls():
+    """This tree's stamp and check calls over many slots, with a MAC key: format's (the
+    blake3 package's MAC after the native call), or the native ones of earlier trees."""
+    from aiokv import _native
+    from aiokv.data import format as fmt
+
+    if hasattr(fmt, "stamp_slots"):
+        return fmt.stamp_slots, fmt.verify_slots
+    return _native.stamp_slots, _native.verify_slots
+
+
+def call_rates(payload: int) -> dict:
+    """One core: GB of payload per CPU-second of the stamp and check calls with the secret's
+    MAC over 256 MiB of slots (cold), with the payload CRC (crc_in_copy False) and without."""
+    import ctypes
+    import time
+
+    from aiokv.data import format as fmt
+    from aiokv.data.buffers import BufferPool
+
+    n = max(8, (256 << 20) // payload)
+    pool = BufferPool(fmt.slot_bytes(payload), n)
+    out = {}
+    try:
+        addrs = [pool.addr(s) for s in pool.acquire(n)]
+        rand = os.urandom(payload)
+        for a in addrs:
+            ctypes.memmove(a + fmt.HEADER_BYTES, rand, payload)
+        keys = [i.to_bytes(16, "little") * 2 for i in range(n)]
+        mk = fmt.mac_key(SECRET)
+        stamp, verify = _slot_calls()
+        for in_copy in (True, False):
+            for name, fn in (("stamp", stamp), ("verify", verify)):
+                t0 = time.process_time()
+                got = fn(addrs, keys, NSID, 0, payload, 0, in_copy, mk)
+                out[f"{name}_{'mac' if in_copy else 'crc_mac'}_gb_per_cpu_s"] = (
+                    n * payload / (time.process_time() - t0) / 1e9
+                )
+                if name == "verify" and any(got):
+                    raise RuntimeError("bench_mac: slots stamped here did not verify")
+    finally:
+        pool.close()
+    return out
+
+
 def core_rates(payload: int) -> dict:
-    """One core, one payload: GB/s of CRC32C, the MAC's keyed BLAKE3 and Python's keyed BLAKE2b."""
+    """One core, one payload: GB/s of CRC32C, the MAC's keyed BLAKE3 and Python's keyed BLAKE2b;
+    then call_rates."""
     import hashlib
     import time
 
@@ -141,7 +189,7 @@ def core_rates(payload: int) -> dict:
             for i in range(reps):
                 fn(views[i % len(views)])
             out[f"{name}_{where}_gbps"] = reps * payload / (time.perf_counter() - t0) / 1e9
-    return out
+    return {**out, **call_rates(payload)}
 
 
 def serve() -> int:
