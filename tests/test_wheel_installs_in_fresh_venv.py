@@ -50,6 +50,9 @@ def _env() -> dict:
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # setuptools warns that it cannot byte-compile
     env.pop("PYTHONPATH", None)
+    # vLLM's CPU build, once an earlier test in the process imported it, preloads torch's libgomp
+    # into every child: a fresh machine has no such thing (and ldd below would list it)
+    env.pop("LD_PRELOAD", None)
     return env
 
 
