@@ -247,7 +247,7 @@ class CudaDevice(Device):
 
     asynchronous = True
     # the copies are DMA and the host's cores are free: the checksums of a node's several
-    # drives would be more than one loop thread can do (docs/benchmarks.md, round two)
+    # drives would be more than one loop thread can do (docs/benchmarks.md, "One worker's ceiling")
     checksum_threads = 2
 
     def attach(self, pool: BufferPool) -> None:
