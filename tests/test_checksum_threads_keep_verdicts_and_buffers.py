@@ -36,9 +36,9 @@ import torch
 
 from aiokv.config import AioKVConfig, ConfigError
 from aiokv.data import format as fmt
-from aiokv.data.backend import open_backend
 from aiokv.data.blockio import SPREAD_MIN_BYTES, BlockIO
 from aiokv.data.buffers import BufferPool
+from aiokv.data.choice import open_backend
 from aiokv.data.slotfile import data_path
 from aiokv.jobs import Transfer
 from aiokv.store.store import ns_dir

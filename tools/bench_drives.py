@@ -79,8 +79,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aiokv.config import parse_size  # noqa: E402
 from aiokv.data import format as fmt  # noqa: E402
-from aiokv.data.backend import open_backend  # noqa: E402
 from aiokv.data.buffers import BufferPool  # noqa: E402
+from aiokv.data.choice import open_backend  # noqa: E402
 from tools.bench_store import HUGE, HugePages, _keys, machine  # noqa: E402
 from tools.storeio import DrivesIO  # noqa: E402
 

@@ -64,8 +64,9 @@ from aiokv import _native  # noqa: E402
 from aiokv.config import parse_size  # noqa: E402
 from aiokv.data import blockio  # noqa: E402
 from aiokv.data import format as fmt  # noqa: E402
-from aiokv.data.backend import IOBackend, open_backend  # noqa: E402
+from aiokv.data.backend import IOBackend  # noqa: E402
 from aiokv.data.buffers import BufferPool  # noqa: E402
+from aiokv.data.choice import open_backend  # noqa: E402
 from tools.storeio import StoreIO  # noqa: E402
 
 NSID = bytes.fromhex("be0c" * 8)

@@ -133,7 +133,7 @@ class TornWrites:
 
 
 async def aiokv_child(phase: str, root: str, arg: str) -> None:
-    from aiokv.data.backend import open_backend
+    from aiokv.data.choice import open_backend
     from aiokv.data.slotfile import data_path
     from aiokv.store.store import ns_dir
     from tools.storeio import StoreIO

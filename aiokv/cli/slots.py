@@ -25,8 +25,9 @@ import sys
 from aiokv.cli.opening import engines_running, open_readonly
 from aiokv.data import format as fmt
 from aiokv.data import slotfile
-from aiokv.data.backend import OP_READ, open_backend
+from aiokv.data.backend import OP_READ
 from aiokv.data.buffers import BufferPool
+from aiokv.data.choice import open_backend
 from aiokv.data.slotfile import open_data_file, open_engine_dir
 from aiokv.store.store import NotAStore, Store, ns_dir
 

@@ -29,8 +29,8 @@ The CRC in the copy (`crc_in_copy`): a device that copies and checksums in one p
 `write(..., crc_in_copy=True)` does not read the payload again; on loads it checks
 the payload CRC while copying, so `read(..., crc_in_copy=True)` checks everything else (the
 header: format.check_header). Either way a slot on disk is what docs/format.md
-says. With a secret the native stamp and check compute the MAC over the payload
-in the same call, beside the payload CRC.
+says. With a secret the stamp and check calls (format.stamp_slots,
+verify_slots) also hash each payload for its MAC, in the same call.
 
 Pipelining: a call with more than PIPELINE_MIN items runs as several backend
 batches of `chunk` items, so the CPU work overlaps the disk: a write stamps
@@ -42,11 +42,11 @@ has arrived while later chunks are still being read. Cancelling a call returns o
 
 Checksum threads (`cpu`, an Executor; None: everything on the loop thread): a
 stamp or verify call over at least SPREAD_MIN_BYTES of payload runs on those
-threads (the native calls release the GIL), so the loop thread only submits and
+threads (the calls release the GIL), so the loop thread only submits and
 reaps, and the chunks of one call are checked on several cores at once. Where
 the device copy checks the payloads (crc_in_copy=True) the
 calls read only headers and stay on the loop, unless a secret's MAC (computed
-and checked in the same native calls) reads the payloads. A call cancelled while a thread
+and checked in the same calls) reads the payloads. A call cancelled while a thread
 is still stamping or verifying its slots returns only once that thread is done
 with them, like the I/O above.
 """
@@ -61,7 +61,6 @@ import os
 import threading
 import time
 
-from aiokv import _native
 from aiokv.data import format as fmt
 from aiokv.data.backend import OP_READ, OP_WRITE, settle
 from aiokv.data.slotfile import check_slot, open_data_file, open_engine_dir
@@ -196,20 +195,20 @@ class BlockIO:
 
     def stamp(self, key: bytes, addr: int) -> None:
         """Fill the header of the staging buffer at addr for `key` (payload already there)."""
-        _native.stamp_slots([addr], [key], self.nsid, self.rank, self.payload_bytes, self.layout, False, self.mac_key)
+        fmt.stamp_slots([addr], [key], self.nsid, self.rank, self.payload_bytes, self.layout, False, self.mac_key)
 
     def _reads_payload(self, crc_in_copy: bool, n: int) -> int:
-        """Payloads a native slot call over n slots reads: none when their CRC is the
+        """Payloads a slot call over n slots reads: none when their CRC is the
         copy's and there is no MAC to compute."""
         return 0 if crc_in_copy and self.mac_key is None else n
 
     async def _stamp_many(self, keys: list, addrs: list, crc_in_copy: bool = False) -> None:
-        """Stamp many slots: one native call (CRC32C and header of each, and the MAC
-        where a secret is set, GIL released; crc_in_copy: the payload CRC is
-        already in each header)."""
-        await self._native(
+        """Stamp many slots: one call (format.stamp_slots: CRC32C and header of each,
+        and the MAC where a secret is set, GIL released; crc_in_copy: the payload
+        CRC is already in each header)."""
+        await self._slot_call(
             self._reads_payload(crc_in_copy, len(addrs)),
-            _native.stamp_slots,
+            fmt.stamp_slots,
             addrs,
             keys,
             self.nsid,
@@ -221,14 +220,15 @@ class BlockIO:
         )
 
     def _spreads(self, payloads: int) -> bool:
-        """Whether a native call over that many payloads goes to the checksum threads."""
+        """Whether a slot call over that many payloads goes to the checksum threads."""
         return self.cpu is not None and payloads * self.payload_bytes >= SPREAD_MIN_BYTES
 
-    async def _native(self, payloads: int, fn, *args):
-        """fn(*args), a native slot call that releases the GIL, over `payloads`
-        payloads: inline, or on the checksum threads when it is big enough to be
-        worth the hand-off. Cancelled, it returns only once the thread has let
-        go of the slots (the caller may free them then)."""
+    async def _slot_call(self, payloads: int, fn, *args):
+        """fn(*args), a slot call (format.stamp_slots, verify_slots: the GIL released
+        while they read payloads) over `payloads` payloads: inline, or on the
+        checksum threads when it is big enough to be worth the hand-off. Cancelled,
+        it returns only once the thread has let go of the slots (the caller may
+        free them then)."""
         if not self._spreads(payloads):
             return fn(*args)
         fut = asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
@@ -310,18 +310,18 @@ class BlockIO:
 
     async def _checked(self, items, res, crc_in_copy: bool = False) -> list[int]:
         """Per-item result of reads: the slots that arrived whole are verified in
-        one native call (the slot check format.check_slot makes, the MAC with a
-        secret among its checks, over the batch, GIL released; without the
-        payload CRC with crc_in_copy)."""
+        one call (format.verify_slots: the slot check format.check_slot makes,
+        the MAC with a secret among its checks, over the batch, GIL released;
+        without the payload CRC with crc_in_copy)."""
         sb, n = self.slot_bytes, len(res)
         whole = range(n) if res.count(sb) == n else [i for i, r in enumerate(res) if r == sb]
         out = [r if r < 0 else -errno.EIO for r in res]
         if not whole:
             return out
         pick = items if len(whole) == n else [items[i] for i in whole]
-        verdicts = await self._native(
+        verdicts = await self._slot_call(
             self._reads_payload(crc_in_copy, len(whole)),
-            _native.verify_slots,
+            fmt.verify_slots,
             [it[2] for it in pick],
             [it[1] for it in pick],
             self.nsid,

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The io_uring backend: one ring per event loop, completions through an eventfd.
 
-The split: the native Ring (native/aiokv_native.c) owns every operation, Python
+The split: the native Ring (native/ring.c) owns every operation, Python
 owns batches. `Ring.start` takes a whole batch in one call and queues its
 operations in C; the ring hands queued operations to the kernel, reaps their
 completions into per-batch result arrays and counts what is left, and tells
