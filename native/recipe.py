@@ -18,6 +18,8 @@ import platform
 
 CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-fvisibility=hidden"]
 EXPORTS = os.path.join("native", "exports.map")
+# aiokv._index, the compact index's hot loops (aiokv/store/table.py): one unit, a module of its own
+INDEX_UNITS = [os.path.join("native", "aiokv_index.c")]
 _NO_X86 = [("BLAKE3_NO_SSE2", "1"), ("BLAKE3_NO_SSE41", "1"), ("BLAKE3_NO_AVX2", "1"), ("BLAKE3_NO_AVX512", "1")]
 _HIDDEN = [("BLAKE3_API", ""), ("BLAKE3_PRIVATE", "")]
 

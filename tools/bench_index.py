@@ -1,63 +1,188 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""How long the index takes to commit, replay and checkpoint N entries.
+"""The index at the sizes users run: open, memory, lookups, commits and replay at N blocks.
 
-    PYTHONPATH=. .venv/bin/python tools/bench_index.py [--n 1000000] [--dir PATH]
+    PYTHONPATH=. .venv/bin/python tools/bench_index.py --n 10000000 [--json] [--dir PATH]
 
-Commits N keys through the owner's API (no data I/O), drops the lock as a crash
-would (everything still in the journal), reopens (journal replay), closes
-(checkpoint), reopens (checkpoint load). Results in docs/format.md.
+Each phase runs in a fresh process (this script again, --phase), on one directory
+whose data files are sparse (slots without disk space: this measures the index,
+not the disk):
+
+1. build: commits N keys through the owner's API in batches of 1000 (no data I/O),
+   then exits as a crash would (os._exit: every record in the journal, no checkpoint).
+2. replay: opens the directory (the whole journal replayed: N records; after a crash the
+   store replays at most its checkpoint interval, an eighth of the blocks past 1.6M)
+   -> replay_s; closes (a checkpoint) -> checkpoint_s.
+3. open: a fresh process opens the directory from its checkpoint -> open_s (the time a
+   background load takes; the engine serves meanwhile), its RSS growth / N ->
+   bytes_per_block; lookups of 64 stored keys at a time (what a request's lookup does)
+   -> lookup_us a key; a lookup that misses at once -> miss_us; absent keys whose tag
+   matched a stored one -> tag_hits (collisions: a miss after the header check); 100 000
+   commits at size N in batches of 1000 -> commit_us.
+
+Prints one JSON line with --json (n, open_s, bytes_per_block, lookup_us, commit_us,
+replay_s, and the rest). Runs against any tree with the same Store API: PYTHONPATH
+names the one measured (docs/benchmarks-index.md: this tree against the one before).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
+import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from aiokv.store import Store  # noqa: E402
+NSID = b"r" * 16
+PAYLOAD = 4096
+BATCH = 1000
+
+
+def keys(lo: int, hi: int, salt: int = 0) -> list[bytes]:
+    """32-byte keys lo..hi-1 (structured on purpose: the index's tags must mix them)."""
+    return [(i ^ salt).to_bytes(8, "little") * 4 for i in range(lo, hi)]
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def commit_range(st, ns, lo: int, hi: int) -> float:
+    """Commit keys lo..hi-1 into slots lo..hi-1 (given disk space by fiat); seconds taken."""
+    ns.alloc.grow(range(lo, hi))
+    t = time.perf_counter()
+    for i in range(lo, hi, BATCH):
+        batch = []
+        for k in keys(i, min(i + BATCH, hi)):
+            s = ns.alloc.take()
+            ns.pending[k] = s
+            batch.append((k, s))
+        st.commit(ns, batch)
+    return time.perf_counter() - t
+
+
+def phase_build(root: str, n: int) -> dict:
+    from aiokv.store import Store
+
+    st = Store(root, checkpoint_every=10**12)
+    ns = st.namespace(NSID, PAYLOAD)
+    took = commit_range(st, ns, 0, n)
+    out = {"build_commit_us": took / n * 1e6}
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # a crash: the journal holds every record, no checkpoint
+
+
+def _ready(st, ns) -> None:
+    while not getattr(ns, "ready", True):
+        st.refresh()
+        time.sleep(0.001)
+
+
+def phase_replay(root: str, n: int) -> dict:
+    from aiokv.store import Store
+
+    t = time.perf_counter()
+    st = Store(root, checkpoint_every=10**12)
+    ns = st.namespace(NSID, PAYLOAD)
+    _ready(st, ns)
+    replay = time.perf_counter() - t
+    got = len(ns.entries)
+    t = time.perf_counter()
+    st.close()
+    return {"replay_s": replay, "replayed": got, "checkpoint_s": time.perf_counter() - t}
+
+
+def phase_open(root: str, n: int) -> dict:
+    from aiokv.store import Store
+
+    gc.collect()
+    before = rss()
+    t = time.perf_counter()
+    st = Store(root, checkpoint_every=10**12)
+    ns = st.namespace(NSID, PAYLOAD)
+    _ready(st, ns)
+    open_s = time.perf_counter() - t
+    gc.collect()
+    grown = rss() - before
+    got = len(ns.entries)
+    rnd = random.Random(1)
+    # lookups: runs of 64 stored keys (a request's prefix), each run from a random start
+    runs = [keys(s, s + 64) for s in (rnd.randrange(0, max(1, n - 64)) for _ in range(2000))]
+    t = time.perf_counter()
+    hits = sum(st.lookup(ns, r) for r in runs)
+    lookup_us = (time.perf_counter() - t) / hits * 1e6
+    # misses: absent keys (one each: a lookup stops at its first miss)
+    absent = [[k] for k in keys(0, 100_000, salt=0x5A5A5A5A5A5A5A5A)]
+    t = time.perf_counter()
+    tag_hits = sum(st.lookup(ns, a) for a in absent)
+    miss_us = (time.perf_counter() - t) / len(absent) * 1e6
+    more = min(100_000, max(1000, n // 10))
+    took = commit_range(st, ns, n, n + more)
+    out = {
+        "open_s": open_s,
+        "opened": got,
+        "bytes_per_block": grown / max(got, 1),
+        "rss_growth_mb": grown / 2**20,
+        "lookup_us": lookup_us,
+        "miss_us": miss_us,
+        "tag_hits": tag_hits,
+        "absent_lookups": len(absent),
+        "commit_us": took / more * 1e6,
+    }
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # (no checkpoint of the extra commits: the directory stays as measured)
+
+
+def run_phase(name: str, root: str, n: int) -> dict:
+    p = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--phase", name, "--n", str(n), "--dir", root],
+        capture_output=True,
+        text=True,
+    )
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        raise SystemExit(f"bench_index: phase {name} failed (rc {p.returncode}):\n{p.stderr[-4000:]}")
+    return json.loads(lines[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=1_000_000)
-    ap.add_argument("--dir", default=None)
+    ap.add_argument("--dir", default=None, help="where the store goes (a file system with room for N slots)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--phase", choices=["build", "replay", "open"], help=argparse.SUPPRESS)
     args = ap.parse_args()
-    root = os.path.join(args.dir or tempfile.mkdtemp(prefix="aiokv-index-"), "store")
+    if args.phase:
+        out = {"build": phase_build, "replay": phase_replay, "open": phase_open}[args.phase](args.dir, args.n)
+        print(json.dumps(out), flush=True)
+        return
+    base = args.dir or tempfile.mkdtemp(prefix="aiokv-index-")
+    root = os.path.join(base, "store")
     shutil.rmtree(root, ignore_errors=True)
-    nsid, n = b"r" * 16, args.n
-    st = Store(root, checkpoint_every=10**12)
-    ns = st.namespace(nsid, 4096)
-    keys = [i.to_bytes(8, "little") * 4 for i in range(n)]
-    ns.alloc.grow(list(range(n)))  # slots without disk space: this measures the index only
-    t = time.perf_counter()
-    for i in range(0, n, 1000):
-        batch = []
-        for k in keys[i : i + 1000]:
-            s = ns.alloc.take()
-            ns.pending[k] = s
-            batch.append((k, s))
-        st.commit(ns, batch)
-    print(f"commit {n} entries in batches of 1000: {time.perf_counter() - t:.2f} s")
-    st.lock.release()
-    t = time.perf_counter()
-    st2 = Store(root)
-    got = len(st2.namespace(nsid, 4096).entries)
-    print(f"open by journal replay ({got} entries): {time.perf_counter() - t:.2f} s")
-    t = time.perf_counter()
-    st2.close()
-    print(f"checkpoint at close: {time.perf_counter() - t:.2f} s")
-    t = time.perf_counter()
-    st3 = Store(root)
-    got = len(st3.namespace(nsid, 4096).entries)
-    print(f"open from the checkpoint ({got} entries): {time.perf_counter() - t:.2f} s")
-    st3.close()
-    shutil.rmtree(root, ignore_errors=True)
+    try:
+        import aiokv
+
+        out = {"n": args.n, "tree": os.path.dirname(os.path.abspath(aiokv.__file__))}
+        out.update(run_phase("build", root, args.n))
+        out.update(run_phase("replay", root, args.n))
+        out.update(run_phase("open", root, args.n))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    if args.json:
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
+    else:
+        for k, v in out.items():
+            print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
 
 
 if __name__ == "__main__":

@@ -221,6 +221,14 @@ class FsThread:
         elif op.error is not None and not isinstance(op.error, OSError):
             log.error("aiokv: a store operation failed", exc_info=op.error)
 
+    def post(self, done, result=None, error: BaseException | None = None) -> None:
+        """done(result, error) at the owner's next poll: what another thread of the store
+        (the index loader, store.py) hands the owner."""
+        op = Op(None, done, 0.0)
+        op.result, op.error, op.finished = result, error, True
+        with self._cond:
+            self._done.append(op)
+
     def poll(self) -> None:
         """Run the done callbacks of finished operations (cheap when there are none)."""
         if not self._done:

@@ -52,9 +52,12 @@ class Labels:
         except OSError:
             pass  # the store is closed: the labels are lost, as the issue of a closed store
 
-    def read(self, nsid: bytes, done, keep: frozenset | None = None) -> None:
+    def read(self, nsid: bytes, done, keep=None, held: int = 0) -> None:
         """done({key: label}) with what every engine's labels file of the namespace says
-        that was not read before; `keep` (our keys, at the first read): compact our file."""
+        that was not read before; `keep(key)` (whether we hold key) and `held` (how many we
+        hold), at the first read: compact our file. keep runs on the I/O thread while the
+        owner changes what it reads: a wrong answer only keeps a stale label or drops one
+        (its block is not announced after a restart)."""
 
         def finish(found, e):
             if e is not None:
@@ -63,7 +66,7 @@ class Labels:
             done(found)
 
         try:
-            self.fs.submit(lambda: self._read(nsid, keep), finish)
+            self.fs.submit(lambda: self._read(nsid, keep, held), finish)
         except OSError:
             done({})
 
@@ -110,14 +113,14 @@ class Labels:
                 continue  # a symlink planted there, a directory vanishing: not an engine's
         return out
 
-    def _read(self, nsid: bytes, keep: frozenset | None) -> dict[bytes, bytes]:
+    def _read(self, nsid: bytes, keep, held: int = 0) -> dict[bytes, bytes]:
         found: dict[bytes, bytes] = {}
         own = fmt.engine_dir(self.dirs.engine) if self.dirs.engine is not None else None
         for name, dfd, close in self._engine_dirs(nsid):
             try:
                 got = self._read_file(nsid, name, dfd)
-                if got is not None and keep is not None and name == own and len(got[1]) > 2 * len(keep) + 64:
-                    self._compact(nsid, dfd, {k: v for k, v in got[1].items() if k in keep})
+                if got is not None and keep is not None and name == own and len(got[1]) > 2 * held + 64:
+                    self._compact(nsid, dfd, {k: v for k, v in got[1].items() if keep(k)})
                 if got is not None:
                     found.update(got[1])
             finally:
