@@ -20,6 +20,12 @@ not the disk):
    matched a stored one -> tag_hits (collisions: a miss after the header check); 100 000
    commits at size N in batches of 1000 -> commit_us.
 
+4. with --engines K: K more engines open the directory at once, each a process of its
+   own following engine 0's N blocks (engine 0 is not running); while all K are up,
+   their RSS growth and PSS (/proc/PID/smaps_rollup: shared pages split among the
+   processes mapping them) are summed -> engines_rss_mb, engines_pss_mb, and each
+   one's open (its first look at engine 0) -> engines_open_s (the slowest).
+
 Prints one JSON line with --json (n, open_s, bytes_per_block, lookup_us, commit_us,
 replay_s, and the rest). Runs against any tree with the same Store API: PYTHONPATH
 names the one measured (docs/benchmarks-index.md: this tree against the one before).
@@ -141,6 +147,67 @@ def phase_open(root: str, n: int) -> dict:
     os._exit(0)  # (no checkpoint of the extra commits: the directory stays as measured)
 
 
+def pss() -> int:
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def phase_follow(root: str, n: int) -> None:
+    """One more engine on the directory: opens it (following engine 0), reports, and
+    stays up until the parent says (a file `go` beside the store)."""
+    from aiokv.store import Store
+
+    gc.collect()
+    before, before_pss = rss(), pss()
+    t = time.perf_counter()
+    st = Store(root, checkpoint_every=10**12)
+    ns = st.namespace(NSID, PAYLOAD)
+    open_s = time.perf_counter() - t
+    gc.collect()
+    assert len(ns.entries) >= n, (len(ns.entries), n)
+    print(json.dumps({"rss": rss() - before, "pss": pss() - before_pss, "open_s": open_s}), flush=True)
+    done = os.path.join(os.path.dirname(root), "go")
+    while not os.path.exists(done):
+        time.sleep(0.05)
+    os._exit(0)
+
+
+def engines(root: str, n: int, k: int) -> dict:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--phase", "follow", "--n", str(n), "--dir", root],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(k)
+    ]
+    got = []
+    try:
+        for p in procs:
+            line = p.stdout.readline()
+            if not line.startswith("{"):
+                raise SystemExit(f"bench_index: an engine failed:\n{p.stderr.read()[-4000:]}")
+            got.append(json.loads(line))
+    finally:
+        open(os.path.join(os.path.dirname(root), "go"), "w").close()
+        for p in procs:
+            p.wait()
+        os.unlink(os.path.join(os.path.dirname(root), "go"))
+    return {
+        "engines": k,
+        "engines_rss_mb": sum(g["rss"] for g in got) / 2**20,
+        "engines_pss_mb": sum(g["pss"] for g in got) / 2**20,
+        "engines_open_s": max(g["open_s"] for g in got),
+    }
+
+
 def run_phase(name: str, root: str, n: int) -> dict:
     p = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--phase", name, "--n", str(n), "--dir", root],
@@ -158,10 +225,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1_000_000)
     ap.add_argument("--dir", default=None, help="where the store goes (a file system with room for N slots)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--phase", choices=["build", "replay", "open"], help=argparse.SUPPRESS)
+    ap.add_argument("--engines", type=int, default=0, help="K more engines opening the directory at once")
+    ap.add_argument("--phase", choices=["build", "replay", "open", "follow"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
-        out = {"build": phase_build, "replay": phase_replay, "open": phase_open}[args.phase](args.dir, args.n)
+        phases = {"build": phase_build, "replay": phase_replay, "open": phase_open, "follow": phase_follow}
+        out = phases[args.phase](args.dir, args.n)
         print(json.dumps(out), flush=True)
         return
     base = args.dir or tempfile.mkdtemp(prefix="aiokv-index-")
@@ -174,6 +243,8 @@ def main() -> None:
         out.update(run_phase("build", root, args.n))
         out.update(run_phase("replay", root, args.n))
         out.update(run_phase("open", root, args.n))
+        if args.engines:
+            out.update(engines(root, args.n, args.engines))
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if not args.dir:

@@ -6,8 +6,9 @@ published by vLLM from the scheduler's connector.take_events()).
   (every rank wrote it), or committed by another engine on the same directory and followed.
 - BlockRemoved when it stops being one: evicted (by this engine, or by the other engine
   whose copy it was), dropped as damaged, or no longer served after a cache reset.
-- At start, the blocks already stored for this engine's namespace, in batches of at most
-  ANNOUNCE_BATCH per step (vLLM publishes what take_events returns once per engine step,
+- At start, the blocks already stored for this engine's namespace (once its index has
+  loaded), read from the labels a part of START_READ bytes at a time and announced in
+  batches of at most ANNOUNCE_BATCH per step (vLLM publishes what take_events returns once per engine step,
   so the first batch goes out with the engine's first step).
 
 Each event carries what vLLM's own events carry for the same tokens (one event per
@@ -38,6 +39,7 @@ import struct
 import time
 from array import array
 
+from aiokv.store.labels import START_READ
 from aiokv.store.table import tag_of
 
 log = logging.getLogger("aiokv")
@@ -122,6 +124,8 @@ class KVEvents:
         self._out: list = []
         self._write: dict[tuple, list] = {}  # (group, drive part) -> [(key, label)] for its labels file
         self._reset = False  # after a cache reset: what was stored before is not announced
+        self._reading = 0  # reads of the start announcement in flight
+        self._next_start: list = []  # (group, store, part) whose labels have more to read for it
         self._next_read = 0.0
         self._started = False
         for parts in self._parts.values():
@@ -197,11 +201,13 @@ class KVEvents:
             self._started = True
             for gi, parts in self._parts.items():
                 for st, part in parts:
+                    self._reading += 1
                     st.labels.read(
                         part.nsid,
-                        lambda found, gi=gi: self._read(gi, found, True),
+                        lambda found, more, gi=gi, st=st, part=part: self._start_read(gi, st, part, found, more),
                         keep=lambda key, t=part.table: t.find(key) >= 0,
                         held=part.table.count,
+                        limit=START_READ,
                     )
         for gi, parts in self._parts.items():
             for pi, (_, part) in enumerate(parts):
@@ -215,17 +221,33 @@ class KVEvents:
             self._next_read = time.monotonic() + READ_EVERY
             for gi, parts in self._parts.items():
                 for st, part in parts:
-                    st.labels.read(part.nsid, lambda found, gi=gi: self._read(gi, found, False))
+                    st.labels.read(part.nsid, lambda found, more, gi=gi: self._read(gi, found, False))
         for (gi, pi), items in self._write.items():
             st, part = self._parts[gi][pi]
             st.labels.append(part.nsid, items)
         self._write = {}
+        while self._next_start and not self._reading and len(self._backlog) < 4 * ANNOUNCE_BATCH:
+            gi, st, part = self._next_start.pop(0)
+            self._reading += 1
+            st.labels.read(
+                part.nsid,
+                lambda found, more, gi=gi, st=st, part=part: self._start_read(gi, st, part, found, more),
+                limit=START_READ,
+            )
         for _ in range(min(len(self._backlog), ANNOUNCE_BATCH)):
             gi, key, label = self._backlog.popleft()
             if key in self.groups[gi][1].entries:
                 self._stored(gi, tag_of(key), label)
         out, self._out = self._out, []
         return out
+
+    def _start_read(self, gi: int, st, part, found: dict, more: bool) -> None:
+        """A part of the start announcement read; the next part is read once this one is
+        mostly announced (the backlog stays bounded however many blocks are stored)."""
+        self._reading -= 1
+        self._read(gi, found, True)
+        if more and not self._reset:
+            self._next_start.append((gi, st, part))
 
     @property
     def announcing(self) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 
 from aiokv import _index
 from aiokv.data.format import loc
-from aiokv.store.journal import apply_records, record_key, record_tags
+from aiokv.store.journal import KeyMap, apply_records, record_key, record_tags
 from aiokv.store.table import Table, tag_of
 
 
@@ -126,8 +126,8 @@ class Namespace:
         # a watcher's list (the connector's KV events sets it): (True, tag, key or None) when a
         # block becomes a hit here, (False, tag, None) when it stops being one; None: not watched
         self.changes: list[tuple[bool, int, bytes | None]] | None = None
-        # keys_of(engine) -> {slot: key}: the keys an engine's files name (set by the store)
-        self.keys_of = lambda engine: {}
+        # keys_of(engine) -> journal.KeyMap: the keys an engine's files name (set by the store)
+        self.keys_of = lambda engine: KeyMap()
         self._order: tuple = ()
         self._probes: tuple = ()
         self._reorder()
@@ -384,11 +384,10 @@ class Index:
         for ns in self.namespaces.values():
             if ns.engine is None:
                 continue
-            keys = ns.keys_of(ns.engine)
             t = ns.table
-            for s in t.in_order().tolist():
-                k = keys.get(s)
-                if k is not None and tag_of(k) == t.tag_at(s):
+            order = t.in_order()
+            for s, k in zip(order.tolist(), ns.keys_of(ns.engine).keys_of(order, t.tag[order])):
+                if k is not None:
                     items.append((t.atime_at(s), s, ns.nsid, k))
         items.sort(key=lambda x: (x[0], x[1]))
         return [(n, k) for _, _, n, k in items]
@@ -398,13 +397,8 @@ class Index:
 # the tables'; iterating reads the keys from the files (Namespace.keys_of) ----
 def _keys(ns: Namespace, engine: int) -> list[bytes]:
     t = ns.table_of(engine)
-    keys = ns.keys_of(engine)
-    out = []
-    for s in t.live().tolist():
-        k = keys.get(s)
-        if k is not None and tag_of(k) == t.tag_at(s):
-            out.append(k)
-    return out
+    live = t.live()
+    return [k for k in ns.keys_of(engine).keys_of(live, t.tag[live]) if k is not None]
 
 
 class Entries(Mapping):

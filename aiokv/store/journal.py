@@ -454,7 +454,7 @@ class IndexLog:
         if old is not None:
             os.close(old)
 
-    def _merged(self, table: Table):
+    def _merged(self, table: Table, raw: bytes | None = None):
         """The checkpoint of the owner's table, a chunk of records at a time, sorted by slot.
 
         Runs on the I/O thread while the owner goes on changing the table. It reads the
@@ -468,9 +468,10 @@ class IndexLog:
         is in it, and each applies the same over a later state (COMMIT puts, DROP and FREE
         clear, TOUCH raises)."""
         tag, atime, tenant, flags = table.tag, table.atime, table.tenant, table.flags  # kept: the owner replaces them
-        raw = b""
-        if self.fd is not None and self.size > fmt.FILE_HDR_BYTES:
-            raw = os.pread(self.fd, self.size - fmt.FILE_HDR_BYTES, fmt.FILE_HDR_BYTES)
+        if raw is None:
+            raw = b""
+            if self.fd is not None and self.size > fmt.FILE_HDR_BYTES:
+                raw = os.pread(self.fd, self.size - fmt.FILE_HDR_BYTES, fmt.FILE_HDR_BYTES)
         jrecs, _ = parse_records(raw)
         jrecs = jrecs[jrecs["kind"] == fmt.REC_COMMIT]
         # the newest COMMIT of each slot
@@ -561,15 +562,57 @@ class IndexLog:
                 os.close(fd)
 
 
-def read_keys(ns_dir: str, dir_fd: int) -> dict[int, bytes]:
-    """slot -> key of the blocks an engine's files (checkpoint, journal) name, read-only
-    (the views that hand out keys: tools and tests)."""
+class KeyMap:
+    """slot -> key of the blocks an engine's files name, in arrays (sorted slots, keys)."""
+
+    def __init__(self, recs=None):
+        recs = np.zeros(0, REC) if recs is None else recs
+        self.slots = recs["slot"].astype(np.int64)
+        self.keys = np.ascontiguousarray(recs["key"])
+        self.klens = np.ascontiguousarray(recs["klen"])
+        self.tags = np.ascontiguousarray(recs["tag"])
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def get(self, slot: int, default=None):
+        i = int(np.searchsorted(self.slots, slot))
+        if i < len(self.slots) and self.slots[i] == slot:
+            return bytes(self.keys[i])[: self.klens[i]]
+        return default
+
+    def __getitem__(self, slot: int) -> bytes:
+        k = self.get(slot)
+        if k is None:
+            raise KeyError(slot)
+        return k
+
+    def keys_of(self, slots, tags) -> list[bytes | None]:
+        """The key of each slot whose key here has the tag given for it (else None)."""
+        slots = np.asarray(slots, np.int64)
+        out: list[bytes | None] = [None] * len(slots)
+        if not len(self.slots) or not len(slots):
+            return out
+        pos = np.minimum(np.searchsorted(self.slots, slots), len(self.slots) - 1)
+        ok = (self.slots[pos] == slots) & (self.tags[pos] == np.asarray(tags, np.uint64))
+        for j in np.flatnonzero(ok).tolist():
+            i = int(pos[j])
+            out[j] = bytes(self.keys[i])[: self.klens[i]]
+        return out
+
+
+def read_keys(ns_dir: str, dir_fd: int) -> KeyMap:
+    """slot -> key (a KeyMap) of the blocks an engine's files (checkpoint, journal) name,
+    read-only: for the views that hand out keys (tools and tests), in bulk."""
     log = IndexLog(ns_dir, dir_fd, readonly=True)
     try:
-        entries = log.load()
+        table = log.load_table(1 << 32)
     except fmt.BadBlock:
-        return {}
-    return {s: k for k, (s, _) in entries.items()}
+        return KeyMap()
+    raw = _read_file(log._journal_name(log.gen), dir_fd) or b""
+    raw = raw[fmt.FILE_HDR_BYTES : log.size] if log.size else b""
+    parts = [r for r in log._merged(table, raw) if len(r)]
+    return KeyMap(cat(parts) if parts else None)
 
 
 class Follower:

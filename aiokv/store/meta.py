@@ -236,13 +236,12 @@ class Opener:
         self.following.add(ns)
         return ns
 
-    def keys_of(self, ns: Namespace, engine: int) -> dict[int, bytes]:
+    def keys_of(self, ns: Namespace, engine: int):
         """slot -> key of an engine's blocks, read from its files (journal.read_keys; for the
         views that hand out keys: tools and tests). Ours are read once what is queued for
         the I/O thread is written (waited for at most NAMESPACE_WAIT)."""
-        from aiokv.store.journal import read_keys
+        from aiokv.store.journal import KeyMap, read_keys
 
-        cache = self._keys.setdefault((ns.nsid, engine), {})
         try:
             if engine == self.dirs.engine:
                 if not self.fs.inline:
@@ -251,11 +250,11 @@ class Opener:
                 got = read_keys(path, self.dirs.own_dir_fd(ns.nsid))
             else:
                 fl = self.following.followers.get((ns.nsid, engine))
-                got = {} if fl is None else read_keys(fl.dir, fl.dir_fd)
+                got = KeyMap() if fl is None else read_keys(fl.dir, fl.dir_fd)
         except OSError:
-            return cache  # a disk that stopped answering: the keys read last (a key not among them is left out)
-        cache.clear()
-        cache.update(got)
+            # a disk that stopped answering: the keys read last (a block not among them is left out)
+            return self._keys.get((ns.nsid, engine)) or KeyMap()
+        self._keys[(ns.nsid, engine)] = got
         return got
 
     def namespace(self, nsid: bytes, payload_bytes: int, ranks: int = 1, fields: dict | None = None) -> Namespace:
