@@ -217,3 +217,46 @@ def test_tags_of_distinct_structured_keys_are_distinct():
     keys = [key(i) for i in range(200_000)] + [i.to_bytes(16, "little") for i in range(200_000)]
     tags = np.array([tag_of(k) for k in keys], np.uint64)
     assert len(np.unique(tags)) == len(keys) and (tags != 0).all()
+
+
+def test_a_start_announcement_reads_the_labels_in_turns_and_stays_bounded(tmp_path, monkeypatch):
+    """At tens of millions of blocks a labels file is gigabytes: the start announcement reads
+    it a part at a time, the next part once the backlog has gone out, and announces every
+    stored block in the end."""
+    import types
+
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+
+    from aiokv.connector import events as events_mod
+    from aiokv.jobs import Transfer
+    from aiokv.scheduler.state import Req
+
+    monkeypatch.setattr(kv_cache_utils, "NONE_HASH", sha256("seed"), raising=False)
+    bs, n = 4, 60
+    st = Store(str(tmp_path), capacity="1GiB")
+    ns = st.namespace(NS, PAYLOAD)
+    ev = events_mod.KVEvents(st, [(0, ns, "full_attention", None)], bs, bs, "sha256")
+    tokens = list(range(n * bs))
+    keys = [os.urandom(32) for _ in range(n)]
+    hashes = [sha256((keys[j - 1] if j else None, tuple(tokens[j * bs : (j + 1) * bs]))) for j in range(n)]
+    ev.request(types.SimpleNamespace(request_id="r", block_hashes=hashes, lora_request=None))
+    items = [(k, st.reserve(ns, k)) for k in keys]
+    ev.planned([Transfer("r", keys, [s for _, s in items], list(range(n)))], {"r": Req(tokens, b"r", keys=keys)})
+    st.commit(ns, items)
+    assert len([e for e in ev.take() if type(e).__name__ == "BlockStored"]) == n
+    st.close()
+    monkeypatch.setattr(events_mod, "START_READ", 1000)  # a few labels a read
+    monkeypatch.setattr(events_mod, "ANNOUNCE_BATCH", 3)
+    st = Store(str(tmp_path), capacity="1GiB")
+    ns = st.namespace(NS, PAYLOAD)
+    ev = events_mod.KVEvents(st, [(0, ns, "full_attention", None)], bs, bs, "sha256")
+    got, most = [], 0
+    for _ in range(200):
+        out = [e for e in ev.take() if type(e).__name__ == "BlockStored"]
+        assert len(out) <= 3
+        most = max(most, len(ev._backlog))
+        got += out
+    assert len(got) == n and len({h for e in got for h in e.block_hashes}) == n, "every stored block, once"
+    assert most <= 4 * 3 + 1000 // 64, "the backlog stayed bounded"
+    st.close()

@@ -304,7 +304,7 @@ class IndexLog:
             raise fmt.BadBlock("checkpoint checksum")
         body_end = fmt.FILE_HDR_BYTES + count * fmt.REC_BYTES
         table = None
-        if chunked and count > CHUNK:
+        if chunked and count:
             last = np.frombuffer(os.pread(fd, fmt.REC_BYTES, body_end - fmt.REC_BYTES), REC)
             table = Table(min(int(last["slot"][0]), max_slot - 1) + 1)
         got, prev, c, parts = 0, -1, 0, []

@@ -28,7 +28,7 @@ from aiokv.data import format as fmt
 from aiokv.store.index import Namespace
 from aiokv.store.journal import IndexLog
 from aiokv.store.meta import ns_dir
-from aiokv.store.table import Table, tag_of
+from aiokv.store.table import Table, give_back_scratch, tag_of
 
 _log = logging.getLogger("aiokv")  # (`log` names a journal here)
 
@@ -43,6 +43,7 @@ class Replay:
         table, log = self.read_own(ns)
         self.install(ns, table, log)
         self.give_back(ns)
+        give_back_scratch()
 
     def install(self, ns: Namespace, table, log) -> None:
         """The owner's half: the replayed index in place, the journal ours."""

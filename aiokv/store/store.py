@@ -90,7 +90,7 @@ from aiokv.store.reclaim import Reclaim
 from aiokv.store.replay import Replay
 from aiokv.store.scan import Scan
 from aiokv.store.space import Space
-from aiokv.store.table import tag_of
+from aiokv.store.table import give_back_scratch, tag_of
 from aiokv.store.wear import Wear
 from aiokv.util import counters
 
@@ -211,6 +211,7 @@ class Store:
             log.close()
             return
         self._replay.install(ns, table, log)
+        give_back_scratch()
         ns.ready = True
         holes, hwm = list(ns.alloc.holes), ns.alloc.hwm
 

@@ -42,6 +42,17 @@ MIN_BATCH = 256
 tag_of = _index.tag
 
 
+def give_back_scratch() -> None:
+    """Hand the memory a bulk load freed back to the system (glibc keeps freed heap memory
+    for reuse: tens of MB of a load's temporaries would stay in the process's RSS)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # another C library: its own policy
+
+
 def hash_size(n: int) -> int:
     """The hash's size for n blocks: a power of two at most 3/4 full."""
     size = MIN_HASH
