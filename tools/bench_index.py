@@ -26,6 +26,13 @@ not the disk):
    processes mapping them) are summed -> engines_rss_mb, engines_pss_mb, and each
    one's open (its first look at engine 0) -> engines_open_s (the slowest).
 
+With --lru-trace alone: the eviction order's hit ratio against exact LRU (an OrderedDict,
+the index before issue 36) on the chat and agent conversations of tools/bench_chat.py
+(its `workloads`, --conversations 64 --turns 8; replies stand in as random tokens):
+every turn looks up each prompt's blocks (16 tokens, chained keys) until the first miss,
+the hits touched, then stores the prompt and reply blocks, with room for a quarter of
+the distinct blocks.
+
 Prints one JSON line with --json (n, open_s, bytes_per_block, lookup_us, commit_us,
 replay_s, and the rest). Runs against any tree with the same Store API: PYTHONPATH
 names the one measured (docs/benchmarks-index.md: this tree against the one before).
@@ -208,6 +215,76 @@ def engines(root: str, n: int, k: int) -> dict:
     }
 
 
+def lru_trace() -> dict:
+    """Hit ratios on bench_chat's conversations: exact LRU against the index's eviction order."""
+    import collections
+    import hashlib
+    import types
+
+    import bench_chat
+
+    from aiokv.store.table import Table, tag_of
+
+    a = types.SimpleNamespace(conversations=64, turns=8, reply=192, tool=512)
+    rnd = random.Random(5)
+    bs = 16
+    trace = []  # [(keys looked up, keys stored)] a request
+    for name, turns in bench_chat.workloads(a).items():
+        convs = [list(p) for p in turns[0]["prompts"]]
+        for t, turn in enumerate(turns):
+            for c in range(len(convs)):
+                if t:
+                    convs[c] += turn["new"][c]
+                prompt = convs[c]
+                keys, prev = [], name.encode()
+                full = prompt + [rnd.randrange(3, 500) for _ in range(turn["reply"])]
+                for j in range(len(full) // bs):
+                    prev = hashlib.blake2b(
+                        prev + bytes(str(full[j * bs : (j + 1) * bs]), "ascii"), digest_size=32
+                    ).digest()
+                    keys.append(prev)
+                trace.append((keys[: len(prompt) // bs], keys))
+                convs[c] = full
+    distinct = len({k for _, ks in trace for k in ks})
+    cap = distinct // 4
+    lru: collections.OrderedDict = collections.OrderedDict()
+    t, free, clock = Table(), list(range(cap)), 0
+    looked = hits_lru = hits_index = 0
+    for lookup, stored in trace:
+        looked += len(lookup)
+        n = 0
+        while n < len(lookup) and lookup[n] in lru:
+            lru.move_to_end(lookup[n])
+            n += 1
+        hits_lru += n
+        m = 0
+        while m < len(lookup) and t.find(lookup[m]) >= 0:
+            clock += 1
+            t.touch(t.find(lookup[m]), clock)
+            m += 1
+        hits_index += m
+        for k in stored:
+            if k not in lru:
+                if len(lru) >= cap:
+                    lru.popitem(last=False)
+                lru[k] = None
+            if t.find(k) < 0:
+                if not free:
+                    s = t.oldest()
+                    t.clear(s)
+                    free.append(s)
+                clock += 1
+                t.put(free.pop(), tag_of(k), clock)
+    return {
+        "trace_requests": len(trace),
+        "trace_blocks_looked_up": looked,
+        "trace_distinct_blocks": distinct,
+        "trace_capacity_blocks": cap,
+        "hit_ratio_exact_lru": hits_lru / looked,
+        "hit_ratio_index": hits_index / looked,
+    }
+
+
 def run_phase(name: str, root: str, n: int) -> dict:
     p = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--phase", name, "--n", str(n), "--dir", root],
@@ -226,12 +303,18 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where the store goes (a file system with room for N slots)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--engines", type=int, default=0, help="K more engines opening the directory at once")
+    ap.add_argument("--lru-trace", action="store_true", help="only the hit ratios on bench_chat's conversations")
     ap.add_argument("--phase", choices=["build", "replay", "open", "follow"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
         phases = {"build": phase_build, "replay": phase_replay, "open": phase_open, "follow": phase_follow}
         out = phases[args.phase](args.dir, args.n)
         print(json.dumps(out), flush=True)
+        return
+    if args.lru_trace:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        out = lru_trace()
+        print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}))
         return
     base = args.dir or tempfile.mkdtemp(prefix="aiokv-index-")
     root = os.path.join(base, "store")
