@@ -48,6 +48,13 @@ while the file system answers: at most CLOSE_WAIT without an answer, CLOSE_MAX
 in all. Without io_thread (tools, inspect, unit tests) every call runs at once on the
 caller's thread, as before.
 
+Opening with io_thread (the engine's scheduler side): the directory, our lock and
+the namespaces are opened at once; each namespace's index is read on a loader
+thread of its own (`_load`), and until the owner installs it (at a poll) the
+namespace is not `ready`: its lookups are misses and its saves are dropped
+(`skipped_loading`). So opening does not grow with the cache. Without io_thread
+everything is read at once, as before.
+
 The facade (this module): `Store` holds the parts, one job per module, and
 forwards to them; it does lookups, reservations, commits, pins and drops
 itself. The parts, each owning its own state and handed the others it reads:
