@@ -18,7 +18,9 @@ not the disk):
    bytes_per_block; lookups of 64 stored keys at a time (what a request's lookup does)
    -> lookup_us a key; a lookup that misses at once -> miss_us; absent keys whose tag
    matched a stored one -> tag_hits (collisions: a miss after the header check); 100 000
-   commits at size N in batches of 1000 -> commit_us.
+   commits at size N in batches of 1000 -> commit_us; 20 000 evictions (the LRU block
+   found and forgotten) -> evict_us, and the longest one -> evict_worst_ms (a new batch
+   of victims picked: the pause a step may see).
 
 4. with --engines K: K more engines open the directory at once, each a process of its
    own following engine 0's N blocks (engine 0 is not running); while all K are up,
@@ -139,6 +141,15 @@ def phase_open(root: str, n: int) -> dict:
     miss_us = (time.perf_counter() - t) / len(absent) * 1e6
     more = min(100_000, max(1000, n // 10))
     took = commit_range(st, ns, n, n + more)
+    # evictions: the LRU block found and forgotten (a FREE record), its slot kept
+    k, worst = min(20_000, n // 2), 0.0
+    t = time.perf_counter()
+    for _ in range(k):
+        a = time.perf_counter()
+        v = st.index.victim()
+        st.space.evict(*v, punch=False)
+        worst = max(worst, time.perf_counter() - a)
+    evict_us = (time.perf_counter() - t) / k * 1e6
     out = {
         "open_s": open_s,
         "opened": got,
@@ -149,6 +160,8 @@ def phase_open(root: str, n: int) -> dict:
         "tag_hits": tag_hits,
         "absent_lookups": len(absent),
         "commit_us": took / more * 1e6,
+        "evict_us": evict_us,
+        "evict_worst_ms": worst * 1e3,
     }
     print(json.dumps(out), flush=True)
     os._exit(0)  # (no checkpoint of the extra commits: the directory stays as measured)
