@@ -769,6 +769,45 @@ static PyObject *py_seal(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* older(tags, atimes, thr, out int64) -> how many slots hold a block (tag != 0) last used
+ * at or before thr, their numbers written to out in order; -1 if out is too short. One pass,
+ * no temporaries: the eviction order's batch of victims (table.py). */
+static PyObject *py_older(PyObject *mod, PyObject *args) {
+    PyObject *to, *ao, *oo;
+    unsigned long long thr;
+    if (!PyArg_ParseTuple(args, "OOKO", &to, &ao, &thr, &oo)) return NULL;
+    Py_buffer t, a, o;
+    if (PyObject_GetBuffer(to, &t, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(ao, &a, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&t);
+        return NULL;
+    }
+    if (get_buf(oo, &o, 8, "out") < 0) {
+        PyBuffer_Release(&t);
+        PyBuffer_Release(&a);
+        return NULL;
+    }
+    size_t n = (size_t)t.len / 8, cap = (size_t)o.len / 8, k = 0;
+    if ((size_t)a.len / 8 < n) n = (size_t)a.len / 8;
+    const uint64_t *tags = t.buf, *at = a.buf;
+    int64_t *out = o.buf;
+    int over = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    for (size_t s = 0; s < n; s++)
+        if (tags[s] && at[s] <= thr) {
+            if (k == cap) {
+                over = 1;
+                break;
+            }
+            out[k++] = (int64_t)s;
+        }
+    Py_END_ALLOW_THREADS;
+    PyBuffer_Release(&t);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&o);
+    return PyLong_FromSsize_t(over ? -1 : (Py_ssize_t)k);
+}
+
 static PyMethodDef module_methods[] = {
     {"tag", py_tag, METH_O, "tag(key) -> the key's 64-bit tag (never 0)"},
     {"tags", py_tags, METH_O, "tags(keys) -> bytes of their uint64 tags"},
@@ -778,6 +817,7 @@ static PyMethodDef module_methods[] = {
     {"record_tags", py_record_tags, METH_VARARGS, "record_tags(records, recbytes, klen_at, key_at, out)"},
     {"records_valid", py_records_valid, METH_VARARGS, "records_valid(buf, recbytes, kinds, klens) -> count"},
     {"apply", py_apply, METH_VARARGS, "apply(probe, atimes, kinds, slots, ats, tags, max_slot, watch)"},
+    {"older", py_older, METH_VARARGS, "older(tags, atimes, thr, out) -> slots used at or before thr (-1: out short)"},
     {"seal", py_seal, METH_VARARGS, "seal(records, recbytes): each record's CRC32C into its last 4 bytes"},
     {NULL}};
 

@@ -227,9 +227,9 @@ class Table:
             seen = self.atime[idx][self.tag[idx] != 0]
             if len(seen) >= 64:
                 thr = np.quantile(seen, min(1.0, 2.0 * want / self.count), method="higher")
-                sel = np.flatnonzero((self.atime <= thr) & (self.tag != 0))
-                if len(sel) < want // 4:
-                    sel = None  # an unlucky sample: look at all of them
+                out = np.empty(8 * want, np.int64)
+                k = _index.older(self.tag, self.atime, int(thr), out)  # one pass, no temporaries
+                sel = out[:k] if k >= want // 4 else None  # too few or too many: an unlucky sample
         if sel is None:
             sel = self.live()
         at = self.atime[sel]
