@@ -47,6 +47,7 @@ log = logging.getLogger("aiokv")
 FOLLOW_INTERVAL = 0.1  # seconds between looks at the other engines' journals
 MIN_INTERVAL = 0.01  # seconds: the I/O thread's looks, however low the interval is set
 BACKLOG = 100_000  # records handed over and not yet applied past which the I/O thread stops looking
+REPLAY_DEADLINE = 30.0  # seconds a look that replays another engine's files whole may take before it counts as a stall
 
 
 def data_bytes(dir_fd: int, ns: Namespace) -> int:
@@ -113,6 +114,8 @@ class Following:
                 if sub:
                     self._peer_fds[key] = dfd
                 fl = self.followers[key] = Follower(path, dfd)
+            if not fl.replayed or fl._ckpt_ident() != fl.ckpt:  # (a whole replay, maybe: not a stall)
+                self.fs.allow(REPLAY_DEADLINE)
             try:
                 got = fl.poll(self.dirs.max_slots(ns))
             except fmt.BadBlock as err:

@@ -157,6 +157,14 @@ class FsThread:
             self._every_due = 0.0
             self._cond.notify()
 
+    def allow(self, seconds: float) -> None:
+        """From an operation on the I/O thread: it may take `seconds` more before the file
+        system counts as hung (a whole replay of another engine's index of tens of millions
+        of blocks reads and sorts for a second or more, not a stall)."""
+        op = self._current
+        if op is not None and self.thread is threading.current_thread():
+            op.deadline = max(op.deadline, time.monotonic() - op.started + seconds)
+
     def once(self, what, fn, done=None, deadline: float | None = None) -> Op | None:
         """submit(fn, done) unless the operation `what` is queued already (None then)."""
         if what in self._busy:
