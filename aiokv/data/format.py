@@ -304,6 +304,41 @@ REC_FIELDS = {
 }
 REC_KEY_AT, REC_KLEN_AT = 16, 1
 
+# index image: the in-memory index of a checkpoint's blocks as it is laid out in memory
+# (aiokv/store/table.py), written beside the checkpoint (same generation and count) so
+# that opening reads four arrays instead of parsing a record per block; a cache of the
+# checkpoint, never the truth: one that does not match it is ignored (docs/format.md).
+INDEX_NAME = "index"
+INDEX_MAGIC = b"AIOKVIDX"
+INDEX_VERSION = 1
+# magic, version, generation, count, slots, CRC32C of each column (tag, atime, tenant, flags)
+_INDEX_HDR = struct.Struct("<8sHxxQQQIIII")
+INDEX_COLUMNS = (("tag", 8), ("atime", 8), ("tenant", 2), ("flags", 1))
+
+
+def pack_index_header(gen: int, count: int, slots: int, crcs) -> bytes:
+    return _INDEX_HDR.pack(INDEX_MAGIC, INDEX_VERSION, gen, count, slots, *crcs).ljust(FILE_HDR_BYTES, b"\0")
+
+
+def unpack_index_header(raw: bytes) -> tuple[int, int, int, tuple]:
+    """(generation, count, slots, column CRCs); raises BadBlock if it is not an index image."""
+    if len(raw) < FILE_HDR_BYTES:
+        raise BadBlock("short index header")
+    m, ver, gen, count, slots, *crcs = _INDEX_HDR.unpack_from(raw)
+    if m != INDEX_MAGIC or ver != INDEX_VERSION:
+        raise BadBlock("not an index image of this version")
+    return gen, count, slots, tuple(crcs)
+
+
+def index_offsets(slots: int) -> list[int]:
+    """Where each column of an index image of `slots` slots starts."""
+    out, off = [], FILE_HDR_BYTES
+    for _, size in INDEX_COLUMNS:
+        out.append(off)
+        off += size * slots
+    return out
+
+
 JOURNAL_MAGIC = b"AIOKVJNL"
 CKPT_MAGIC = b"AIOKVCKP"
 # Journals of version 2 may hold FREE records; version 1 (read still) cannot. Checkpoints

@@ -160,6 +160,66 @@ def _records_of(entries) -> np.ndarray:
     return out
 
 
+class _Image:
+    """An index image being written beside a checkpoint (format.INDEX_NAME), from the
+    checkpoint's own records, a chunk (sorted by slot) at a time; slots no record names
+    are zero (the file is sparse there)."""
+
+    ZEROS = bytes(1 << 20)
+
+    def __init__(self, dfd: int, slots: int):
+        self.dfd, self.slots = dfd, slots
+        self.offs = fmt.index_offsets(slots)
+        self.crcs = [0] * len(fmt.INDEX_COLUMNS)
+        self.at = 0  # columns written (and CRC'd) up to this slot
+        self.fd = os.open(fmt.INDEX_NAME + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FLAGS, 0o600, dir_fd=dfd)
+        os.ftruncate(self.fd, self.offs[-1] + slots)
+
+    def _zeros(self, upto: int) -> None:
+        """The columns' CRCs over zeros from self.at to upto (the file holds them: sparse)."""
+        for c, (_, size) in enumerate(fmt.INDEX_COLUMNS):
+            left = (upto - self.at) * size
+            while left > 0:
+                n = min(left, len(self.ZEROS))
+                self.crcs[c] = _native.crc32c_bytes(memoryview(self.ZEROS)[:n], self.crcs[c])
+                left -= n
+        self.at = upto
+
+    def add(self, recs) -> None:
+        slots = recs["slot"].astype(np.int64)
+        lo, hi = int(slots[0]), min(int(slots[-1]) + 1, self.slots)
+        keep = slots < hi
+        self._zeros(lo)
+        for c, ((name, size), off) in enumerate(zip(fmt.INDEX_COLUMNS, self.offs)):
+            col = np.zeros(
+                hi - lo, {"tag": np.uint64, "atime": np.uint64, "tenant": np.uint16, "flags": np.uint8}[name]
+            )
+            col[slots[keep] - lo] = recs[name][keep]
+            data = memoryview(col.view(np.uint8))
+            self.crcs[c] = _native.crc32c_bytes(data, self.crcs[c])
+            pos = off + lo * size
+            while data:
+                w = os.pwrite(self.fd, data, pos)
+                data, pos = data[w:], pos + w
+        self.at = hi
+
+    def finish(self, gen: int, count: int) -> None:
+        self._zeros(self.slots)
+        os.pwrite(self.fd, fmt.pack_index_header(gen, count, self.slots, self.crcs), 0)
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = None
+
+    def drop(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            os.unlink(fmt.INDEX_NAME + ".tmp", dir_fd=self.dfd)
+        except OSError:
+            pass
+
+
 def _read_file(name: str, dir_fd: int) -> bytes | None:
     try:
         fd = os.open(name, os.O_RDONLY | O_FLAGS, dir_fd=dir_fd)
@@ -269,7 +329,8 @@ class IndexLog:
             pass
         if fd is not None:
             try:
-                ckpt = self._read_checkpoint(fd, chunked, max_slot)
+                image = self._read_image(fd, max_slot) if chunked else None
+                ckpt = image if image is not None else self._read_checkpoint(fd, chunked, max_slot)
             except fmt.BadBlock as e:
                 raise fmt.BadBlock(
                     f"{self.dir}/checkpoint is corrupt ({e}); the engine rebuilds it from the blocks "
@@ -309,6 +370,45 @@ class IndexLog:
         if not self.readonly:
             self._open_journal(valid, journal_ok)
         return ckpt, jrecs
+
+    def _read_image(self, fd: int, max_slot: int) -> Table | None:
+        """The Table of the checkpoint (open as fd) from its index image, if there is one of
+        its generation and count that verifies and fits max_slot; else None (the records)."""
+        try:
+            gen, count, _ = fmt.unpack_file_header(os.pread(fd, fmt.FILE_HDR_BYTES, 0), fmt.CKPT_MAGIC)
+            ifd = os.open(fmt.INDEX_NAME, os.O_RDONLY | O_FLAGS, dir_fd=self.dir_fd)
+        except (OSError, fmt.BadBlock):
+            return None
+        try:
+            igen, icount, slots, crcs = fmt.unpack_index_header(os.pread(ifd, fmt.FILE_HDR_BYTES, 0))
+            offs = fmt.index_offsets(slots)
+            if (igen, icount) != (gen, count) or slots > max_slot or os.fstat(ifd).st_size < offs[-1] + slots:
+                return None
+            t = Table(slots)
+            for (name, _), off, crc in zip(fmt.INDEX_COLUMNS, offs, crcs):
+                col = memoryview(getattr(t, name).view(np.uint8))
+                done = 0
+                while done < len(col):
+                    r = os.preadv(ifd, [col[done:]], off + done)
+                    if r <= 0:
+                        return None
+                    done += r
+                if _native.crc32c_bytes(col) != crc:
+                    return None
+        except (OSError, fmt.BadBlock):
+            return None
+        finally:
+            os.close(ifd)
+        live = t.live()
+        if len(live) != count:
+            return None
+        t.count = count
+        t.hash = np.zeros(hash_size(count), np.uint32)
+        t._bind()
+        t.probe.build(live.astype(np.uint64))
+        self.gen = gen
+        self.ckpt_bytes = fmt.FILE_HDR_BYTES + count * fmt.REC_BYTES
+        return t
 
     def _read_checkpoint(self, fd: int, chunked: bool, max_slot: int):
         """The checkpoint's records (checked against its header's count and CRC); chunked
@@ -443,6 +543,7 @@ class IndexLog:
         checkpoint and journal now on disk) by slot: see _merged."""
         gen = self.gen + 1
         dfd = self.dir_fd
+        image = _Image(dfd, len(entries.tag)) if isinstance(entries, Table) else None
         fd = os.open("checkpoint.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FLAGS, 0o600, dir_fd=dfd)
         try:
             count, crc, off = 0, 0, fmt.FILE_HDR_BYTES
@@ -450,6 +551,8 @@ class IndexLog:
             for recs in chunks:
                 if not len(recs):
                     continue
+                if image is not None:
+                    image.add(recs)
                 _index.seal(recs.view(np.uint8).reshape(-1), fmt.REC_BYTES)
                 data = memoryview(recs.view(np.uint8).reshape(-1))
                 crc = _native.crc32c_bytes(data, crc)
@@ -459,9 +562,22 @@ class IndexLog:
                 count += len(recs)
             os.pwrite(fd, fmt.pack_file_header(fmt.CKPT_MAGIC, gen, count, crc), 0)
             os.fsync(fd)
+            if image is not None:
+                image.finish(gen, count)
+        except BaseException:
+            if image is not None:
+                image.drop()
+            raise
         finally:
             os.close(fd)
         os.replace("checkpoint.tmp", "checkpoint", src_dir_fd=dfd, dst_dir_fd=dfd)
+        if image is not None:  # (after the checkpoint: an image never names a generation not on disk)
+            os.replace(fmt.INDEX_NAME + ".tmp", fmt.INDEX_NAME, src_dir_fd=dfd, dst_dir_fd=dfd)
+        else:
+            try:
+                os.unlink(fmt.INDEX_NAME, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
         os.fsync(dfd)
         self.ckpt_bytes = fmt.FILE_HDR_BYTES + count * fmt.REC_BYTES
         old = self.fd

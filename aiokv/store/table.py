@@ -139,7 +139,9 @@ class Table:
             arr = np.zeros(new, old.dtype)
             arr[:n] = old
             setattr(self, name, arr)
-        self._rehash(len(self.hash))
+        cand, at, ci = self._cand, self._cand_at, self._ci
+        self._bind()  # the hash is unchanged (slots keep their numbers): bound to the new arrays
+        self._cand, self._cand_at, self._ci = cand, at, ci
 
     def _rehash(self, size: int) -> None:
         self.hash = np.zeros(size, np.uint32)
