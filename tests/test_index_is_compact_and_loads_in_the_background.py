@@ -260,3 +260,44 @@ def test_a_start_announcement_reads_the_labels_in_turns_and_stays_bounded(tmp_pa
     assert len(got) == n and len({h for e in got for h in e.block_hashes}) == n, "every stored block, once"
     assert most <= 4 * 3 + 1000 // 64, "the backlog stayed bounded"
     st.close()
+
+
+def test_opening_reads_the_index_image_of_its_very_checkpoint_only(tmp_path, monkeypatch):
+    """Opening reads four arrays (the index image written with the checkpoint) instead of a
+    record a block; an image whose checkpoint changed since (or that does not verify) is
+    ignored and the checkpoint's records are read."""
+    from aiokv.store import journal as journal_mod
+
+    root = str(tmp_path / "s")
+    st = Store(root)
+    ns = st.namespace(NS, PAYLOAD)
+    ns.alloc.grow(range(300))
+    items = [(key(i), ns.alloc.take()) for i in range(300)]
+    for k, s in items:
+        ns.pending[k] = s
+    st.commit(ns, items)
+    st.close()
+    d = os.path.join(root, "ns", NS.hex())
+    assert os.path.exists(os.path.join(d, fmt.INDEX_NAME))
+    records = []
+    real = journal_mod.IndexLog._read_checkpoint
+    monkeypatch.setattr(
+        journal_mod.IndexLog, "_read_checkpoint", lambda self, *a: (records.append(1), real(self, *a))[1]
+    )
+    st = Store(root)
+    ns = st.namespace(NS, PAYLOAD)
+    assert st.lookup(ns, [key(i) for i in range(300)]) == 300 and not records, "the image, not the records"
+    st.close(checkpoint=False)
+    os.utime(os.path.join(d, "checkpoint"), ns=(1, 1))  # the checkpoint changed since its image
+    st = Store(root)
+    ns = st.namespace(NS, PAYLOAD)
+    assert st.lookup(ns, [key(i) for i in range(300)]) == 300 and records, "the records, not a stale image"
+    st.close(checkpoint=False)
+    with open(os.path.join(d, fmt.INDEX_NAME), "r+b") as f:  # a damaged image (and a stale one): records again
+        f.seek(fmt.INDEX_HDR_BYTES + 8)
+        f.write(b"\xff")
+    records.clear()
+    st = Store(root)
+    ns = st.namespace(NS, PAYLOAD)
+    assert st.lookup(ns, [key(i) for i in range(300)]) == 300
+    st.close()

@@ -311,28 +311,32 @@ REC_KEY_AT, REC_KLEN_AT = 16, 1
 INDEX_NAME = "index"
 INDEX_MAGIC = b"AIOKVIDX"
 INDEX_VERSION = 1
-# magic, version, generation, count, slots, CRC32C of each column (tag, atime, tenant, flags)
-_INDEX_HDR = struct.Struct("<8sHxxQQQIIII")
+# magic, version, generation, count, slots, CRC32C of each column (tag, atime, tenant, flags),
+# then the checkpoint file it was written with as the file system saw it: inode, mtime (ns),
+# size (a checkpoint changed since, by anyone, is read instead of the image)
+_INDEX_HDR = struct.Struct("<8sHxxQQQIIIIQQQ")
+INDEX_HDR_BYTES = 128
 INDEX_COLUMNS = (("tag", 8), ("atime", 8), ("tenant", 2), ("flags", 1))
 
 
-def pack_index_header(gen: int, count: int, slots: int, crcs) -> bytes:
-    return _INDEX_HDR.pack(INDEX_MAGIC, INDEX_VERSION, gen, count, slots, *crcs).ljust(FILE_HDR_BYTES, b"\0")
+def pack_index_header(gen: int, count: int, slots: int, crcs, ckpt: tuple[int, int, int]) -> bytes:
+    return _INDEX_HDR.pack(INDEX_MAGIC, INDEX_VERSION, gen, count, slots, *crcs, *ckpt).ljust(INDEX_HDR_BYTES, b"\0")
 
 
-def unpack_index_header(raw: bytes) -> tuple[int, int, int, tuple]:
-    """(generation, count, slots, column CRCs); raises BadBlock if it is not an index image."""
-    if len(raw) < FILE_HDR_BYTES:
+def unpack_index_header(raw: bytes) -> tuple[int, int, int, tuple, tuple]:
+    """(generation, count, slots, column CRCs, checkpoint identity); raises BadBlock if it
+    is not an index image."""
+    if len(raw) < INDEX_HDR_BYTES:
         raise BadBlock("short index header")
-    m, ver, gen, count, slots, *crcs = _INDEX_HDR.unpack_from(raw)
+    m, ver, gen, count, slots, c1, c2, c3, c4, ino, mtime, size = _INDEX_HDR.unpack_from(raw)
     if m != INDEX_MAGIC or ver != INDEX_VERSION:
         raise BadBlock("not an index image of this version")
-    return gen, count, slots, tuple(crcs)
+    return gen, count, slots, (c1, c2, c3, c4), (ino, mtime, size)
 
 
 def index_offsets(slots: int) -> list[int]:
     """Where each column of an index image of `slots` slots starts."""
-    out, off = [], FILE_HDR_BYTES
+    out, off = [], INDEX_HDR_BYTES
     for _, size in INDEX_COLUMNS:
         out.append(off)
         off += size * slots

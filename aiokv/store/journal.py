@@ -203,9 +203,9 @@ class _Image:
                 data, pos = data[w:], pos + w
         self.at = hi
 
-    def finish(self, gen: int, count: int) -> None:
+    def finish(self, gen: int, count: int, ckpt: tuple[int, int, int]) -> None:
         self._zeros(self.slots)
-        os.pwrite(self.fd, fmt.pack_index_header(gen, count, self.slots, self.crcs), 0)
+        os.pwrite(self.fd, fmt.pack_index_header(gen, count, self.slots, self.crcs, ckpt), 0)
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = None
@@ -372,17 +372,28 @@ class IndexLog:
         return ckpt, jrecs
 
     def _read_image(self, fd: int, max_slot: int) -> Table | None:
-        """The Table of the checkpoint (open as fd) from its index image, if there is one of
-        its generation and count that verifies and fits max_slot; else None (the records)."""
+        """The Table of the checkpoint (open as fd) from its index image, if there is one
+        written with this very checkpoint file (generation, count, and the file's inode,
+        mtime and size: a checkpoint changed since is read instead), whose columns verify
+        and fit max_slot; else None (the records are read). The checkpoint's own CRC is not
+        read here: damage to its body alone (bit rot under an intact header, mtime and
+        image) costs the keys of those records at the next checkpoint (their tags do not
+        match: left out, misses), and `aiokv inspect`, which reads the records, reports it."""
         try:
             gen, count, _ = fmt.unpack_file_header(os.pread(fd, fmt.FILE_HDR_BYTES, 0), fmt.CKPT_MAGIC)
             ifd = os.open(fmt.INDEX_NAME, os.O_RDONLY | O_FLAGS, dir_fd=self.dir_fd)
         except (OSError, fmt.BadBlock):
             return None
         try:
-            igen, icount, slots, crcs = fmt.unpack_index_header(os.pread(ifd, fmt.FILE_HDR_BYTES, 0))
+            igen, icount, slots, crcs, ident = fmt.unpack_index_header(os.pread(ifd, fmt.INDEX_HDR_BYTES, 0))
             offs = fmt.index_offsets(slots)
-            if (igen, icount) != (gen, count) or slots > max_slot or os.fstat(ifd).st_size < offs[-1] + slots:
+            st = os.fstat(fd)
+            if (
+                (igen, icount) != (gen, count)
+                or ident != (st.st_ino, st.st_mtime_ns, st.st_size)  # the checkpoint changed since
+                or slots > max_slot
+                or os.fstat(ifd).st_size < offs[-1] + slots
+            ):
                 return None
             t = Table(slots)
             for (name, _), off, crc in zip(fmt.INDEX_COLUMNS, offs, crcs):
@@ -563,7 +574,8 @@ class IndexLog:
             os.pwrite(fd, fmt.pack_file_header(fmt.CKPT_MAGIC, gen, count, crc), 0)
             os.fsync(fd)
             if image is not None:
-                image.finish(gen, count)
+                st = os.fstat(fd)  # (the checkpoint as it will stay: renamed, never written again)
+                image.finish(gen, count, (st.st_ino, st.st_mtime_ns, st.st_size))
         except BaseException:
             if image is not None:
                 image.drop()
