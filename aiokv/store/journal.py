@@ -160,6 +160,14 @@ def _records_of(entries) -> np.ndarray:
     return out
 
 
+def index_image_bytes(dir_fd: int) -> int:
+    """Bytes an engine's index image takes (0: none)."""
+    try:
+        return os.stat(fmt.INDEX_NAME, dir_fd=dir_fd, follow_symlinks=False).st_size
+    except OSError:
+        return 0
+
+
 class _Image:
     """An index image being written beside a checkpoint (format.INDEX_NAME), from the
     checkpoint's own records, a chunk (sorted by slot) at a time; slots no record names
@@ -170,6 +178,7 @@ class _Image:
     def __init__(self, dfd: int, slots: int):
         self.dfd, self.slots = dfd, slots
         self.offs = fmt.index_offsets(slots)
+        self.size = self.offs[-1] + slots
         self.crcs = [0] * len(fmt.INDEX_COLUMNS)
         self.at = 0  # columns written (and CRC'd) up to this slot
         self.fd = os.open(fmt.INDEX_NAME + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FLAGS, 0o600, dir_fd=dfd)
@@ -257,6 +266,7 @@ class IndexLog:
         self.sync_failures = 0  # fdatasync failures in a row (sync_if_due)
         self.touches: list[tuple[bytes, int]] = []  # TOUCH records of keys this journal does not hold
         self.beyond = 0  # records naming slots past the file system's size, left out (load_table)
+        self.image_bytes = index_image_bytes(dir_fd)  # the index image's size (capacity counts it)
 
     def _journal_path(self, gen: int) -> str:
         return os.path.join(self.dir, self._journal_name(gen))
@@ -523,7 +533,7 @@ class IndexLog:
     @property
     def disk_bytes(self) -> int:
         """Bytes the journal and checkpoint files take (capacity counts them)."""
-        return self.size + self.ckpt_bytes
+        return self.size + self.ckpt_bytes + self.image_bytes
 
     def sync_if_due(self) -> None:
         """fdatasync if the last one is sync_interval old. A failing disk is tried once per
@@ -554,7 +564,11 @@ class IndexLog:
         checkpoint and journal now on disk) by slot: see _merged."""
         gen = self.gen + 1
         dfd = self.dir_fd
-        image = _Image(dfd, len(entries.tag)) if isinstance(entries, Table) else None
+        if isinstance(entries, Table):
+            live = np.flatnonzero(entries.tag)  # (the image ends at the last block: it counts against the capacity)
+            image = _Image(dfd, int(live[-1]) + 1 if len(live) else 0)
+        else:
+            image = None
         fd = os.open("checkpoint.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FLAGS, 0o600, dir_fd=dfd)
         try:
             count, crc, off = 0, 0, fmt.FILE_HDR_BYTES
@@ -585,11 +599,13 @@ class IndexLog:
         os.replace("checkpoint.tmp", "checkpoint", src_dir_fd=dfd, dst_dir_fd=dfd)
         if image is not None:  # (after the checkpoint: an image never names a generation not on disk)
             os.replace(fmt.INDEX_NAME + ".tmp", fmt.INDEX_NAME, src_dir_fd=dfd, dst_dir_fd=dfd)
+            self.image_bytes = image.size
         else:
             try:
                 os.unlink(fmt.INDEX_NAME, dir_fd=dfd)
             except FileNotFoundError:
                 pass
+            self.image_bytes = 0
         os.fsync(dfd)
         self.ckpt_bytes = fmt.FILE_HDR_BYTES + count * fmt.REC_BYTES
         old = self.fd
@@ -783,6 +799,7 @@ class Follower:
         self.broken: tuple | None = None  # checkpoint identity that did not verify: not retried until it changes
         self.records = 0  # records of the current generation seen (replayed or tailed)
         self.max_slot = 1 << 32  # slots at or past it are damage (the caller's file system's size)
+        self.image_bytes = 0  # its index image's size, as of the last replay or roll
 
     def _ckpt_ident(self):
         try:
@@ -793,7 +810,7 @@ class Follower:
 
     @property
     def disk_bytes(self) -> int:
-        return self.off + self.ckpt_bytes
+        return self.off + self.ckpt_bytes + self.image_bytes
 
     def poll(self, max_slot: int = 1 << 32):
         """What changed since the last call: ("reset", Table) after a full replay
@@ -853,6 +870,7 @@ class Follower:
             os.close(fd)
         self.close()
         self.gen, self.ckpt, self.ckpt_bytes, self.records = gen, ident, fmt.FILE_HDR_BYTES + count * fmt.REC_BYTES, 0
+        self.image_bytes = index_image_bytes(self.dir_fd)
         self._open(gen)
         if self.fd is not None:
             recs = cat([recs, self._tail()])
@@ -866,6 +884,7 @@ class Follower:
             self.broken = ident
             raise
         self.log, self.ckpt, self.replayed = log, ident, True
+        self.image_bytes = log.image_bytes
         self.gen, self.ckpt_bytes, self.records = log.gen, log.ckpt_bytes, log.records
         self.close()
         self._open(log.gen)
