@@ -8,11 +8,11 @@
  * arrays are numpy's (allocated, grown, saved and loaded by table.py); a Probe
  * holds their buffers and runs the lookups, inserts and erases on them.
  *
- * The tag of a key (tag()) is a 64-bit mix of its bytes and length, never 0; it
- * is part of no file format (every file holds whole keys), so it may change
- * between releases. Two keys with one tag are one block to the index: the
- * reader's slot-header check (which compares the whole key) makes that a miss,
- * never a wrong block.
+ * The tag of a key (tag()) is a 64-bit mix of its bytes and length, never 0.
+ * Checkpoint records and index images carry it (docs/format.md), so it is part of
+ * the format: changing it means a new version of those files. Two keys with one
+ * tag are one block to the index: the reader's slot-header check (which compares
+ * the whole key) makes that a miss, never a wrong block.
  *
  * Threading: a Probe is used by one thread at a time (the store's owner, or the
  * thread that builds a table before handing it over); bulk calls release the GIL.
