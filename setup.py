@@ -70,4 +70,6 @@ ext = Extension(
     extra_objects=static[:1],
     libraries=([] if WITHOUT or static else ["uring"]) + ([] if WITHOUT_ISAL else [recipe.ISAL_LIB]),
 )
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
+# the compact index's hot loops (aiokv/store/table.py): a module of its own, no library
+index_ext = Extension("aiokv._index", sources=recipe.INDEX_UNITS, extra_compile_args=recipe.CFLAGS)
+setup(ext_modules=[ext, index_ext], cmdclass={"build_ext": BuildExt})

@@ -94,7 +94,7 @@ def test_build_is_warning_free_with_clean_metadata(dist):
     required = sorted(
         r.split(">")[0].split(";")[0].strip() for r in meta.get_all("Requires-Dist") if "extra ==" not in r
     )
-    assert required == ["blake3", "tqdm", "uvloop"], required
+    assert required == ["blake3", "numpy", "tqdm", "uvloop"], required  # numpy: the store's compact index (issue 36)
 
 
 def test_wheel_runs_from_a_fresh_venv(dist, tmp_path):
@@ -111,7 +111,7 @@ def test_wheel_runs_from_a_fresh_venv(dist, tmp_path):
         env=_env(),
     )
     assert p.returncode == 0, p.stderr
-    # uvloop and tqdm from this environment; aiokv only from the wheel
+    # uvloop, tqdm and numpy from this environment; aiokv only from the wheel
     site = subprocess.run(
         [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True,

@@ -132,10 +132,39 @@ def part_env() -> dict:
     return out
 
 
+def ns_dir(root: str, nsid: bytes) -> str:
+    """A namespace's directory (docs/format.md; the store's own helper imports the index,
+    which needs numpy: not on a bare GPU machine)."""
+    return os.path.join(root, "ns", nsid.hex())
+
+
+def build_index_extension(timeout: float) -> None:
+    """Import aiokv._index (the compact index's loops), or compile its one unit into aiokv/."""
+    try:
+        import aiokv._index  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    cc = shutil.which(os.environ.get("CC", "")) or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) to build aiokv's index extension; install gcc")
+    sys.path.insert(0, os.path.join(ROOT, "native"))
+    import recipe  # native/recipe.py: the units setup.py builds
+
+    target = os.path.join(ROOT, "aiokv", "_index" + sysconfig.get_config_var("EXT_SUFFIX"))
+    srcs = [os.path.join(ROOT, u) for u in recipe.INDEX_UNITS]
+    cmd = [cc, *recipe.CFLAGS, "-fPIC", "-shared", "-I" + sysconfig.get_paths()["include"], *srcs, "-o", target]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"building the index extension failed ({' '.join(cmd)}): {p.stderr[-2000:]}")
+
+
 def build_extension(timeout: float) -> dict:
     """Import aiokv._native, or compile its units (native/recipe.py) into aiokv/ with the C compiler
     (no setuptools needed); without liburing's header, without io_uring; without ISA-L's, with
     aiokv's own CRC32C."""
+    build_index_extension(timeout)
     try:
         import aiokv._native as n
 
@@ -292,7 +321,6 @@ SECRET = "gpu-check-secret-0123456789"
 
 def _worker(root: str, items, nb: int, memory_bufs: int = 0, layerwise: bool = False, secret=None):
     from aiokv.data import format as fmt
-    from aiokv.store.store import ns_dir
     from aiokv.worker.device import make_device
     from aiokv.worker.transfer import TransferWorker
 
@@ -359,7 +387,6 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
         if mode == "secret":  # every slot on disk carries the MAC (scheme 1) of the secret's key
             from aiokv.data import format as fmt
             from aiokv.data.slotfile import data_path
-            from aiokv.store.store import ns_dir
 
             with open(data_path(ns_dir(root, NS), 0), "rb") as f:
                 raw = f.read(n * w.slot_bytes)

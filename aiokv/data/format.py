@@ -370,14 +370,74 @@ REC_DROP = 2
 # engine holds) at `atime`; whichever engine holds the key refreshes its LRU
 # position. slot is 0.
 REC_TOUCH = 3
-REC_KINDS = (REC_COMMIT, REC_DROP, REC_TOUCH)
-# type, key len, slot, last access (ns since epoch), key, crc
+# FREE (journal version 2): the block in `slot`, whose key has the tag (aiokv/store/table.py)
+# in the first 8 bytes of the key field (little-endian; the other 8 zero, key length 16),
+# is gone: an eviction, which knows a slot and its tag, not the key. atime is 0.
+REC_FREE = 4
+REC_KINDS = (REC_COMMIT, REC_DROP, REC_TOUCH, REC_FREE)
+# type, key len, slot, last access (ns since epoch), key, then 12 bytes the record's
+# writer may fill (zero in journals): a checkpoint's records carry the key's tag there
+# (8 bytes; 0: not given, the reader computes it), then its tenant (2 bytes) and flags
+# (1 byte), both 0 until used (docs/format.md); crc
 _REC = struct.Struct("<BB2xIQ32s12x")
 REC_BYTES = _REC.size + 4
 assert REC_BYTES == 64
+# the same record as a numpy dtype (aiokv/store/table.py parses records in bulk)
+REC_FIELDS = {
+    "names": ["kind", "klen", "slot", "atime", "key", "tag", "tenant", "flags", "crc"],
+    "formats": ["u1", "u1", "<u4", "<u8", "V32", "<u8", "<u2", "u1", "<u4"],
+    "offsets": [0, 1, 4, 8, 16, 48, 56, 58, 60],
+    "itemsize": REC_BYTES,
+}
+REC_KEY_AT, REC_KLEN_AT = 16, 1
+
+# index image: the in-memory index of a checkpoint's blocks as it is laid out in memory
+# (aiokv/store/table.py), written beside the checkpoint (same generation and count) so
+# that opening reads four arrays instead of parsing a record per block; a cache of the
+# checkpoint, never the truth: one that does not match it is ignored (docs/format.md).
+INDEX_NAME = "index"
+INDEX_MAGIC = b"AIOKVIDX"
+INDEX_VERSION = 1
+# magic, version, generation, count, slots, CRC32C of each column (tag, atime, tenant, flags),
+# then the checkpoint file it was written with as the file system saw it: inode, mtime (ns),
+# size (a checkpoint changed since, by anyone, is read instead of the image)
+_INDEX_HDR = struct.Struct("<8sHxxQQQIIIIQQQ")
+INDEX_HDR_BYTES = 128
+INDEX_COLUMNS = (("tag", 8), ("atime", 8), ("tenant", 2), ("flags", 1))
+
+
+def pack_index_header(gen: int, count: int, slots: int, crcs, ckpt: tuple[int, int, int]) -> bytes:
+    return _INDEX_HDR.pack(INDEX_MAGIC, INDEX_VERSION, gen, count, slots, *crcs, *ckpt).ljust(INDEX_HDR_BYTES, b"\0")
+
+
+def unpack_index_header(raw: bytes) -> tuple[int, int, int, tuple, tuple]:
+    """(generation, count, slots, column CRCs, checkpoint identity); raises BadBlock if it
+    is not an index image."""
+    if len(raw) < INDEX_HDR_BYTES:
+        raise BadBlock("short index header")
+    m, ver, gen, count, slots, c1, c2, c3, c4, ino, mtime, size = _INDEX_HDR.unpack_from(raw)
+    if m != INDEX_MAGIC or ver != INDEX_VERSION:
+        raise BadBlock("not an index image of this version")
+    return gen, count, slots, (c1, c2, c3, c4), (ino, mtime, size)
+
+
+def index_offsets(slots: int) -> list[int]:
+    """Where each column of an index image of `slots` slots starts."""
+    out, off = [], INDEX_HDR_BYTES
+    for _, size in INDEX_COLUMNS:
+        out.append(off)
+        off += size * slots
+    return out
+
 
 JOURNAL_MAGIC = b"AIOKVJNL"
 CKPT_MAGIC = b"AIOKVCKP"
+# Journals of version 2 may hold FREE records; version 1 (read still) cannot. Checkpoints
+# stay version 1: their records' last 12 bytes, which earlier versions wrote zero and never
+# read, carry the tag (and tenant, flags), and they are sorted by slot (readers expect
+# neither: a checkpoint without them is read as before).
+JOURNAL_VERSION = 2
+FILE_VERSIONS = {JOURNAL_MAGIC: (1, 2)}  # the versions read, where more than FILE_VERSION
 # magic, version, generation, record count, body crc
 _FILE_HDR = struct.Struct("<8sHxxQQI")
 FILE_HDR_BYTES = 64
@@ -386,6 +446,11 @@ FILE_HDR_BYTES = 64
 def pack_record(kind: int, key: bytes, slot: int, atime: int) -> bytes:
     body = _REC.pack(kind, len(key), slot, atime, key)
     return body + struct.pack("<I", _native.crc32c_bytes(body))
+
+
+def pack_free(slot: int, tag: int) -> bytes:
+    """A FREE record: the block in `slot`, of key tag `tag`, is gone."""
+    return pack_record(REC_FREE, tag.to_bytes(8, "little") + bytes(8), slot, 0)
 
 
 def iter_records(buf: bytes, verify_each: bool = True):
@@ -407,8 +472,10 @@ def iter_records(buf: bytes, verify_each: bool = True):
     return n * REC_BYTES
 
 
-def pack_file_header(magic: bytes, gen: int, count: int = 0, body_crc: int = 0) -> bytes:
-    return _FILE_HDR.pack(magic, FILE_VERSION, gen, count, body_crc).ljust(FILE_HDR_BYTES, b"\0")
+def pack_file_header(magic: bytes, gen: int, count: int = 0, body_crc: int = 0, version: int | None = None) -> bytes:
+    if version is None:
+        version = JOURNAL_VERSION if magic == JOURNAL_MAGIC else FILE_VERSION
+    return _FILE_HDR.pack(magic, version, gen, count, body_crc).ljust(FILE_HDR_BYTES, b"\0")
 
 
 def unpack_file_header(raw: bytes, magic: bytes) -> tuple[int, int, int]:
@@ -418,8 +485,9 @@ def unpack_file_header(raw: bytes, magic: bytes) -> tuple[int, int, int]:
     m, ver, gen, count, crc = _FILE_HDR.unpack_from(raw)
     if m != magic:
         raise BadBlock("file magic")
-    if ver != FILE_VERSION:
-        raise BadBlock(f"format version {ver} (this aiokv reads {FILE_VERSION})")
+    reads = FILE_VERSIONS.get(magic, (FILE_VERSION,))
+    if ver not in reads:
+        raise BadBlock(f"format version {ver} (this aiokv reads {', '.join(map(str, reads))})")
     return gen, count, crc
 
 

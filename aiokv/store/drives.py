@@ -116,6 +116,15 @@ class DriveNamespace:
         self.entries = _Union([(d, ns.entries) for d, ns in parts])
         self.pending = _Union([(d, ns.pending) for d, ns in parts])
 
+    def held(self, tag: int) -> bool:
+        """Whether any drive holds a block of this key tag (the KV events' removals)."""
+        return any(ns.held(tag) for _, ns in self.parts)
+
+    @property
+    def ready(self) -> bool:
+        """Every drive's index has loaded."""
+        return all(ns.ready for _, ns in self.parts)
+
 
 class _Indexes:
     """What the connector reads of `store.index`: every drive's namespaces and pins."""
