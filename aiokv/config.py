@@ -165,6 +165,11 @@ class AioKVConfig:
         secret = extra.pop("secret", None) or os.environ.get("AIOKV_SECRET") or None
         if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
             raise ConfigError("aiokv: secret (or AIOKV_SECRET) must be a string of at least 16 characters")
+        if secret is not None:
+            from aiokv.data import mac
+
+            if not mac.available():  # a tree copied or installed without its dependencies
+                raise ConfigError(mac.MISSING)
         cfg.secret = secret
         if "bucket" in extra:
             from aiokv.bucket.naming import parse_url

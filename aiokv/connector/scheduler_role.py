@@ -439,6 +439,7 @@ class SchedulerRole:
             pending_saves=self.sched.pending_saves,
             breaker_open=int(self.sched.breaker.is_open),
             stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()),
+            index_loading=sum(not ns.ready for ns in st.index.namespaces.values()),
             drive_writes_per_day=self._writes_per_day(st),
         )
         if self.sched.bucket is not None:

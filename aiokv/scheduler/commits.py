@@ -144,7 +144,7 @@ class Ledger:
                 if slot is None or (rec.group, key, slot) in seen:
                     continue
                 seen.add((rec.group, key, slot))
-                if ns.entries.get(key) == slot:
+                if self.store.holds(ns, key, slot):  # (several drives: on the drive read)
                     bad.setdefault(rec.group, []).append((key, slot))
                 else:
                     missing.append((rec.group, key))
@@ -180,11 +180,8 @@ class Ledger:
                 self.store.unpin(ns, arg)
             elif kind == "abort":
                 self.store.abort(ns, arg, failed=op[3])
-            else:  # only where the key still sits in the slot that failed (not a newer copy)
-                keys = [k for k, slot in arg if ns.entries.get(k) == slot]
-                if keys:
-                    self.store.drop(ns, keys)
-                    self.counters.load_bad_blocks += len(keys)
+            else:  # only where the key still sits in the slot that failed (not a newer copy, nor another drive's)
+                self.counters.load_bad_blocks += self.store.drop_at(ns, arg)
         except Exception:
             log.warning(
                 "aiokv: giving the store back %s of %d block(s) failed; trying again at the next step",

@@ -222,6 +222,11 @@ TABLE: tuple[Row, ...] = (
             ),
             ("stored_blocks", "blocks", "KV blocks committed in the index (all namespaces)."),
             (
+                "index_loading",
+                "index_loading",
+                "Namespaces whose index is still loading at start (no hits, saves dropped); 0 once hits begin.",
+            ),
+            (
                 "drive_writes_per_day",
                 "drive_writes_per_day",
                 "Drive writes per day this engine's saves cost at their rate since start: bytes written per day over "
