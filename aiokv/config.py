@@ -241,7 +241,7 @@ MAX_QUEUE_DEPTH = 16384
 MAX_SECONDS = 86400.0
 # each timeout's least value (0: any positive time): below it the operation it bounds cannot finish
 # on a healthy local drive (a request's load or save, a journal append with its fdatasync, a bucket
-# request) or, for start_timeout, opening a cache directory (its journal replayed) may not
+# request) or, for start_timeout, opening a cache directory (its files, lock and index image) may not
 TIMEOUTS = {
     "load_timeout": 0.01,
     "save_timeout": 0.01,
