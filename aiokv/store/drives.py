@@ -315,6 +315,14 @@ class Drives:
     def pinned_bytes(self) -> int:
         return sum(s.pinned_bytes() for s in self.stores.values())
 
+    def tenant_bytes(self, top: int) -> dict[str, int]:
+        """Every drive's bytes per tenant added up (each drive's `top`, and its "other")."""
+        out: dict[str, int] = {}
+        for s in self.stores.values():
+            for label, n in s.tenant_bytes(top).items():
+                out[label] = out.get(label, 0) + n
+        return out
+
     def reserve(self, ns: DriveNamespace, key: bytes, tenant: int = 0) -> int | None:
         if key in ns.entries or key in ns.pending:
             return None

@@ -37,6 +37,10 @@ import dataclasses
 from typing import Any
 
 COUNTER, GAUGE, HISTOGRAM, LEVEL = "counter", "gauge", "histogram", "level"
+# a label whose values come with the figure: the figure is then {label value: number}
+# (tenant_bytes: the TOP_TENANTS tenants holding most, and "other")
+DYNAMIC = "*"
+TOP_TENANTS = 8
 WORKER, SCHEDULER, STORE, CONNECTOR, BUCKET, STATE = "worker", "scheduler", "store", "connector", "bucket", "state"
 
 
@@ -248,6 +252,21 @@ TABLE: tuple[Row, ...] = (
                 "pinned_bytes",
                 "Bytes of pinned blocks in the cache directory (every engine's; bounded by pin_capacity).",
             ),
+        )
+    ),
+    # one series per tenant, for the TOP_TENANTS tenants holding most, and "other" for the rest
+    Row(
+        "tenant_bytes",
+        "tenant_bytes",
+        GAUGE,
+        'Bytes of blocks each tenant (a request\'s cache_salt; "" for none) holds in the cache directory: the '
+        'tenants holding most by name, every other one together as "other".',
+        CONNECTOR,
+        labels=(("tenant", DYNAMIC),),
+    ),
+    *(
+        Row(key, series, GAUGE, text, CONNECTOR)
+        for key, series, text in (
             (
                 "index_loading",
                 "index_loading",
