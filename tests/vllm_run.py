@@ -157,6 +157,7 @@ def main(spec: dict) -> dict:
             prompts = [p + (r or []) + new for p, r, new in zip(last_prompts, result["tokens"][-1], prompts)]
         last_prompts = prompts
         salts = phase.get("salts") or [None] * len(prompts)
+        pins = phase.get("pins") or [False] * len(prompts)  # kv_transfer_params {"aiokv": {"pin": true}}
         aborts = {int(k): v for k, v in (phase.get("abort_after") or {}).items()}
         ids = []
         pending = list(range(len(prompts)))
@@ -172,8 +173,13 @@ def main(spec: dict) -> dict:
                 p = {"prompt_token_ids": prompts[i]}
                 if salts[i] is not None:
                     p["cache_salt"] = salts[i]
+                extra = {"kv_transfer_params": {"aiokv": {"pin": True}}} if pins[i] else None
                 internal[rid] = engine.add_request(
-                    rid, p, SamplingParams(temperature=0, max_tokens=phase.get("max_tokens", 8), ignore_eos=True)
+                    rid,
+                    p,
+                    SamplingParams(
+                        temperature=0, max_tokens=phase.get("max_tokens", 8), ignore_eos=True, extra_args=extra
+                    ),
                 )
                 ids.append((i, rid, step))
                 pending.remove(i)
