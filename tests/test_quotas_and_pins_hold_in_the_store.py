@@ -133,3 +133,13 @@ async def test_pin_and_unpin_a_tenant_with_the_command(tmp_path, blocks):
     ro = Store(root, readonly=True)
     assert ro.pinned_bytes() == 0
     ro.close()
+
+
+async def test_a_quota_beyond_any_disk_is_no_limit(tmp_path, blocks):
+    """quota is accepted up to 1e30 bytes (config.py); the per-tenant sums are int64."""
+    st = StoreIO(str(tmp_path / "c"), capacity="1GiB")
+    st.set_quotas({"*": 10**30, "acme": 10**30 // 64})
+    ns = st.namespace(NS, PAYLOAD)
+    assert await _fill(st, ns, blocks, range(3), "acme") + await _fill(st, ns, blocks, range(3, 6), "") == [0] * 6
+    assert _held(st, ns, range(6)) == list(range(6)) and st.stats.quota_evictions == 0
+    st.close()

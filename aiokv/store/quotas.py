@@ -32,12 +32,14 @@ import numpy as np
 from aiokv.data import format as fmt
 
 SLACK = 16  # a tenant's blocks may pass its quota by quota / SLACK while another engine holds its oldest
+MOST = 1 << 62  # a quota beyond this is no limit (the per-tenant sums are int64; config accepts up to 1e30)
 
 
 class Quotas:
     def __init__(self, index, tenants, sizes: dict[str, int]):
         """sizes: tenant name (a cache_salt; "*": every other tenant) -> bytes."""
         self.index, self.tenants = index, tenants
+        sizes = {name: min(size, MOST) for name, size in sizes.items()}
         self.default = sizes.get("*")
         self._named = {tenants.tag(name): size for name, size in sizes.items() if name != "*"}
         self._q = np.zeros(0, np.int64)  # per tenant id: its quota (-1: none); grown as tenants come
