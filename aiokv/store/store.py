@@ -81,6 +81,7 @@ import logging
 import os
 import threading
 import time
+from array import array
 
 from aiokv import _index
 from aiokv.config import parse_size
@@ -220,11 +221,17 @@ class Store:
         self._replay.install(ns, table, log)
         give_back_scratch()
         ns.ready = True
+        # the slots being given back are neither holes nor free until the punch ran (as in
+        # Space._unback): a grow planned meanwhile must not take them, or, where the punch is
+        # refused, they would become free twice (once here, once by the grow): one slot, two saves
         holes, hwm = list(ns.alloc.holes), ns.alloc.hwm
+        ns.alloc.holes = array("q")
 
         def unbacked(ok, e):
-            if not ok:
-                ns.alloc.grow(holes)  # they may still hold space: counted, and reused first
+            if ok:
+                ns.alloc.holes = array("q", holes) + ns.alloc.holes  # at the front: a grow in flight planned the end
+            else:
+                ns.alloc.free.extend(holes)  # they may still hold space: counted, and reused first
 
         self.fs.submit(lambda: self._replay.give_back_io(ns, holes, hwm), unbacked)
         _log.info(
