@@ -8,7 +8,7 @@ so that every run is a true restart.
 
 spec: model, cache (null: no connector), block_size, retention (vLLM's prefix_cache_retention_interval), dtype, max_model_len, metrics (multiprocess:
 return aiokv's Prometheus series as `metrics`),
-num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config), kv_role (aiokv's,
+num_gpu_blocks (small: forces preemption), max_num_batched_tokens, extra (kv_connector_extra_config), kv_role (aiokv's,
 kv_both unless given), with_connector (another connector's kv_transfer_config: aiokv and it run
 under vLLM's MultiConnector, aiokv first unless aiokv_first is false),
 ready_file (created once the engine is up), kv_events (a socket path: vLLM publishes its KV events
@@ -20,7 +20,13 @@ phase's prompt, its reply and these ids), salts?, abort_after?: {index: steps}, 
 the first n requests seen preempted, in the step they are; where each abort landed: "aborted_while"),
 wait_for?: path, peer_blocks?: n, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
 reset_prefix_cache?: {kwargs}, kill_when_loading?: process group (killed -9 at the first step
-that starts with one of aiokv's loads in flight; "killed_at_step")}], stagger (add
+that starts with one of aiokv's loads in flight; "killed_at_step"), resets?: [{when, kwargs}]
+(LLM.reset_prefix_cache(**kwargs) in the middle of the phase, one after the other, each at the
+start of the first step, after that step's aborts, at which `when` holds: "fired:KIND" (a fault
+of that kind, e.g. read:late, was injected), "loading" (one of aiokv's loads is in flight),
+"not_loading" (none is), at the start of `steps` steps in a row (1 unless given); the phase
+lasts until all were made; "phase_resets" gets [phase,
+result (True, False, or the exception's class name), whether aiokv's key epoch changed] each)}], stagger (add
 one request per step instead of all at once); wait_for keeps the engine alive and
 idle until that file exists (tests that run two engines at once use it to order
 them); peer_blocks waits, after that, until this engine's store sees at least n
@@ -70,6 +76,8 @@ def main(spec: dict) -> dict:
         kw["kv_cache_memory_bytes"] = 64 << 20
         if spec.get("max_num_seqs"):
             kw["max_num_seqs"] = spec["max_num_seqs"]
+    if spec.get("max_num_batched_tokens"):  # a prompt's prefill spread over steps (chunked prefill)
+        kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     tp = spec.get("tp", 1)
     if tp > 1:  # workers in their own processes (VLLM_CPU_OMP_THREADS_BIND gives each a core)
         kw["tensor_parallel_size"] = tp
@@ -161,7 +169,9 @@ def main(spec: dict) -> dict:
         internal: dict[str, str] = {}  # our id -> vLLM's (it appends a suffix)
         step = 0
         deadline = time.monotonic() + spec.get("phase_timeout", 300)
-        while pending or engine.has_unfinished_requests():
+        resets = list(phase.get("resets") or [])
+        held = 0  # steps at whose start the next reset's condition held, in a row
+        while pending or engine.has_unfinished_requests() or resets:
             take = pending[:1] if phase.get("stagger") else pending
             for i in list(take):
                 rid = f"r{n_req}"
@@ -192,6 +202,12 @@ def main(spec: dict) -> dict:
                         result["aborted_while"][where] = result["aborted_while"].get(where, 0) + 1
                     engine.abort_request([rid])
                     outs[rid] = None
+            while resets:
+                held = held + 1 if _reset_due(resets[0]["when"], aio) else 0
+                if held < resets[0].get("steps", 1):
+                    break
+                held = 0
+                result.setdefault("phase_resets", []).append([len(result["tokens"]), *_reset(llm, aio, resets.pop(0))])
             if phase.get("kill_at_step") and phase["kill_at_step"][0] == step:  # e.g. the bucket tier's server
                 import signal
 
@@ -266,6 +282,26 @@ def main(spec: dict) -> dict:
     result["requests_left"] = len(sched.requests)
     core.shutdown()
     return result
+
+
+def _reset_due(when: str, aio) -> bool:
+    if when.startswith("fired:"):
+        faults = sys.modules.get("aiokv.data.faults")
+        return faults is not None and faults.FIRED.get(when[6:], 0) > 0
+    if when in ("loading", "not_loading"):
+        return bool(aio.sched.loads_in_flight) == (when == "loading")
+    raise ValueError(f"unknown reset condition {when!r}")
+
+
+def _reset(llm, aio, what: dict) -> list:
+    """LLM.reset_prefix_cache(**kwargs): [its result or the exception's class name, whether
+    aiokv's key epoch changed]."""
+    epoch = aio.scheduler_role.epoch
+    try:
+        got = llm.reset_prefix_cache(**what.get("kwargs", {}))
+    except Exception as e:
+        got = type(e).__name__
+    return [got, aio.scheduler_role.epoch != epoch]
 
 
 def _take_events(sub, into: list, quiet: float) -> None:
