@@ -126,20 +126,22 @@ def test_a_load_ended_but_not_yet_reported_when_cancelled_reports_every_block_fa
 
 @pytest.mark.vllm
 def test_a_load_held_across_a_reset_serves_only_the_new_weights(tmp_path, tiny_model):
-    """Real vLLM (CPU), one engine life. Phase 0 stores P under the weight files. Phase 1:
-    other weights loaded in place (reload_weights), vLLM's own prefix cache emptied, P0 asked
-    again: aiokv loads it; once the first 4 blocks are copied (4 staging buffers) and the last
-    2 reads are held back (late by 2 s), `reset_prefix_cache(reset_connector=True)`: False,
-    as vLLM's own reset fails while P0 holds its blocks, but aiokv's epoch rotates and the
-    load is cut. P0's tokens are those of an engine started on the new weights. Asked again
-    once nothing holds blocks (the start of phase 2), the reset succeeds.
+    """Real vLLM (CPU), one engine life; the memory tier holds 4 blocks. Phase 0 stores P0 (6
+    blocks) under the weight files; phase 1 loads its first 4 blocks (a prompt of those 4 and
+    one token): the memory tier now holds them. Phase 2: other weights loaded in place
+    (reload_weights), vLLM's own prefix cache emptied, P0 asked again: aiokv copies blocks 1-4
+    in from memory and reads 5-6 from disk, held back (late by 2 s); then
+    `reset_prefix_cache(reset_connector=True)`: False, as vLLM's own reset fails while P0 holds
+    its blocks, but aiokv's epoch rotates and the load is cut. P0's tokens are those of an
+    engine started on the new weights. Asked again once nothing holds blocks (the start of
+    phase 3), the reset succeeds.
 
-    Then issue 37, item 9: phase 2 stores Q under the new epoch; phase 3 asks for Q0 again and
+    Then issue 37, item 9: phase 3 stores Q under the new epoch; phase 4 asks for Q0 again and
     aborts it while its load is in flight: `reset_prefix_cache(reset_running_requests=True,
     reset_connector=True)` raises RuntimeError in vLLM before it reaches the connector (the
     aborted request's blocks stay held until its load is reported), so aiokv's epoch does not
     rotate; `reset_connector=True` alone reaches it (False: vLLM's part failed); once the
-    cancelled load was reported, the first call succeeds. Phase 4: Q0 is a miss (the epoch
+    cancelled load was reported, the first call succeeds. Phase 5: Q0 is a miss (the epoch
     rotated) with the new weights' tokens."""
     from aiokv.demo.tiny_model import build
 
@@ -147,36 +149,46 @@ def test_a_load_held_across_a_reset_serves_only_the_new_weights(tmp_path, tiny_m
     p = prompts(1, 200, seed=71)  # 6 full blocks of 32 (one token is left to compute)
     q = prompts(2, 200, seed=72)
     every = {"reset_running_requests": True, "reset_connector": True}
-    # a prompt's prefill over several steps (64 tokens each): a step's saves fit 4 staging buffers
-    spec = dict(model=tiny_model, max_num_batched_tokens=64, max_num_seqs=8)
     phases = [
         {"prompts": p},
-        {"prompts": p, "settle": True, "reload_weights": other, "reset_prefix_cache": {}},
+        {"prompts": [p[0][: 4 * 32 + 1]], "settle": True, "reset_prefix_cache": {}},
+        {"prompts": p, "reload_weights": other, "reset_prefix_cache": {}},
         {"prompts": q, "reset_prefix_cache": every},  # asked again once nothing holds blocks: True
         {"prompts": q[:1], "settle": True, "reset_prefix_cache": {}},
         {"prompts": q[:1]},
     ]
-    base = run(dict(spec, phases=phases))
-    phases[1]["resets"] = [{"when": "fired:read:late", "kwargs": {"reset_connector": True}}]
-    phases[3]["abort_after"] = {0: 1}
-    phases[3]["resets"] = [
+    base = run(dict(model=tiny_model, phases=phases))
+    phases[2]["resets"] = [{"when": "fired:read:late", "kwargs": {"reset_connector": True}}]
+    phases[4]["abort_after"] = {0: 1}
+    phases[4]["resets"] = [
         {"when": "loading", "kwargs": every},
         {"when": "loading", "kwargs": {"reset_connector": True}},
         {"when": "not_loading", "kwargs": every},
     ]
-    late = [{"op": "read", "kind": "late", "delay": 2.0, "skip": 4}]  # P0's first 4 reads only are on time
+    # the memory tier keeps the last 4 blocks: after phase 0, P0's 3-6; phase 1 reads 1-2 (on time)
+    # and keeps 1-4. Every later read is late.
+    late = [{"op": "read", "kind": "late", "delay": 2.0, "skip": 2}]
+    memory = 4 * fmt.slot_bytes(2 * 2 * 32 * 2 * 64 * 4)  # 4 slots of the tiny model's blocks (fp32)
     life = run(
-        dict(spec, cache=str(tmp_path / "c"), extra={"staging": "1KiB", "memory": 0}, phases=phases),
+        dict(model=tiny_model, cache=str(tmp_path / "c"), extra={"memory": memory}, phases=phases),
         env={"AIOKV_FAULTS": json.dumps(late), "AIOKV_FAULTS_ACK": ACK},
     )
-    assert life["reset"] == [True, True, True], life["reset"]  # (at the start of phases 1, 2 and 3)
+    assert life["reset"] == [True, True, True, True], life["reset"]  # (at the start of phases 1 to 4)
     assert life["phase_resets"] == [
-        [1, False, True],
-        [3, "RuntimeError", False],
-        [3, False, True],
-        [3, True, True],
+        [2, False, True],
+        [4, "RuntimeError", False],
+        [4, False, True],
+        [4, True, True],
     ], life["phase_resets"]
     assert life["aborted_while"] == {"WAITING_FOR_REMOTE_KVS": 1}, life["aborted_while"]
-    assert life["cached"][4] == [0], life["cached"]
+    assert life["cached"][5] == [0], life["cached"]
     # (loads_cancelled counts the abort only: the scheduler side's count of loads of aborted requests)
-    happened(life, base, hit_blocks=12, loads_cancelled=1, load_cancelled_blocks=12, loads_ok_blocks=0)
+    happened(
+        life,
+        base,
+        hit_blocks=4 + 6 + 6,
+        memory_hit_blocks=">=6",
+        loads_cancelled=1,
+        load_cancelled_blocks=12,
+        loads_ok_blocks=4,
+    )
