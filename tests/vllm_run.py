@@ -8,15 +8,19 @@ so that every run is a true restart.
 
 spec: model, cache (null: no connector), block_size, retention (vLLM's prefix_cache_retention_interval), dtype, max_model_len, metrics (multiprocess:
 return aiokv's Prometheus series as `metrics`),
-num_gpu_blocks (small: forces preemption), max_num_batched_tokens, extra (kv_connector_extra_config), kv_role (aiokv's,
+num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config), kv_role (aiokv's,
 kv_both unless given), with_connector (another connector's kv_transfer_config: aiokv and it run
 under vLLM's MultiConnector, aiokv first unless aiokv_first is false),
 ready_file (created once the engine is up), kv_events (a socket path: vLLM publishes its KV events
 there over ZMQ (ipc://) and a subscriber here collects them in "events": [type, medium, group, hashes,
 parent, token ids] each, in order), audit_fs (RESULT lists the file-system
 calls aiokv made on vLLM's thread while the phases ran),
+lora ({max_lora_rank, max_loras}: LoRA served),
 phases: [{prompts: [[ids]], max_tokens, follow? (prompts are then the next turns: each the previous
-phase's prompt, its reply and these ids), salts?, abort_after?: {index: steps}, abort_preempted?: n (abort
+phase's prompt, its reply and these ids), salts?, loras? ([name, id, path] or null per prompt),
+add_lora? ([[name, id, path]]: loaded into the workers before the phase), stall? (a
+tests/stallfs.py control file written, with stall_mode ("a" unless given), before the phase's
+requests and removed once they are done; "seconds" gets each phase's time), abort_after?: {index: steps}, abort_preempted?: n (abort
 the first n requests seen preempted, in the step they are; where each abort landed: "aborted_while"),
 wait_for?: path, peer_blocks?: n, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
 reset_prefix_cache?: {kwargs}, kill_when_loading?: process group (killed -9 at the first step
@@ -76,8 +80,8 @@ def main(spec: dict) -> dict:
         kw["kv_cache_memory_bytes"] = 64 << 20
         if spec.get("max_num_seqs"):
             kw["max_num_seqs"] = spec["max_num_seqs"]
-    if spec.get("max_num_batched_tokens"):  # a prompt's prefill spread over steps (chunked prefill)
-        kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    if spec.get("lora"):  # LoRA adapters served ({max_lora_rank, max_loras}); phases name them per prompt
+        kw.update(enable_lora=True, **spec["lora"])
     tp = spec.get("tp", 1)
     if tp > 1:  # workers in their own processes (VLLM_CPU_OMP_THREADS_BIND gives each a core)
         kw["tensor_parallel_size"] = tp
@@ -157,11 +161,20 @@ def main(spec: dict) -> dict:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": phase["reload_weights"]})
         if phase.get("reset_prefix_cache") is not None:
             result.setdefault("reset", []).append(llm.reset_prefix_cache(**phase["reset_prefix_cache"]))
+        for name, lid, path in phase.get("add_lora") or ():  # loaded by the workers before any request names it
+            from vllm.lora.request import LoRARequest
+
+            engine.add_lora(LoRARequest(name, lid, path))
+        if phase.get("stall"):  # tests/stallfs.py's control file: the mount hangs until the phase ends
+            with open(phase["stall"], "w") as f:
+                f.write(phase.get("stall_mode", "a"))
+        t_phase = time.monotonic()
         prompts = phase["prompts"]
         if phase.get("follow"):  # the next turn of each conversation: its last prompt, the reply, new text
             prompts = [p + (r or []) + new for p, r, new in zip(last_prompts, result["tokens"][-1], prompts)]
         last_prompts = prompts
         salts = phase.get("salts") or [None] * len(prompts)
+        loras = phase.get("loras") or [None] * len(prompts)
         aborts = {int(k): v for k, v in (phase.get("abort_after") or {}).items()}
         ids = []
         pending = list(range(len(prompts)))
@@ -179,8 +192,16 @@ def main(spec: dict) -> dict:
                 p = {"prompt_token_ids": prompts[i]}
                 if salts[i] is not None:
                     p["cache_salt"] = salts[i]
+                lora = None
+                if loras[i] is not None:
+                    from vllm.lora.request import LoRARequest
+
+                    lora = LoRARequest(*loras[i])
                 internal[rid] = engine.add_request(
-                    rid, p, SamplingParams(temperature=0, max_tokens=phase.get("max_tokens", 8), ignore_eos=True)
+                    rid,
+                    p,
+                    SamplingParams(temperature=0, max_tokens=phase.get("max_tokens", 8), ignore_eos=True),
+                    lora_request=lora,
                 )
                 ids.append((i, rid, step))
                 pending.remove(i)
@@ -239,6 +260,9 @@ def main(spec: dict) -> dict:
         result["tokens"].append(toks)
         result["cached"].append(cached)
         result["finish"].append(fin)
+        result.setdefault("seconds", []).append(round(time.monotonic() - t_phase, 3))
+        if phase.get("stall") and os.path.exists(phase["stall"]):  # (the test may have ended the hang itself)
+            os.unlink(phase["stall"])
     if sub is not None:
         _take_events(sub, result["events"], 1.0)
     if audit is not None:
