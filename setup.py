@@ -1,13 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Builds aiokv._native, the C extension over liburing (native/aiokv_native.c, with
-BLAKE3 for the slot MAC: native/recipe.py lists the units).
+"""Builds aiokv._native, the C extension (native/*.c: native/recipe.py lists the
+units) over liburing and Intel ISA-L (its CRC32C, crc32_iscsi).
 
-liburing is linked statically when Debian's liburing.a is present, so the built
-wheel needs only libc at run time. Without liburing's header, building the
-extension (pip install, a wheel; not an sdist) stops with one line naming the fix,
-unless AIOKV_WITHOUT_URING=1 asks for a build without it: the extension then has
-CRC32C, the block copies and fallocate but no io_uring ring, and aiokv uses its
-thread-pool I/O backend (what tools/gpu_check.py does on machines without liburing).
+liburing is linked statically when Debian's liburing.a is present, ISA-L as a
+shared library (Debian has no static one): a wheel made by tools/wheel.sh carries
+it (auditwheel), so it needs only libc at run time. Without liburing's header,
+building the extension (pip install, a wheel; not an sdist) stops with one line
+naming the fix, unless AIOKV_WITHOUT_URING=1 asks for a build without it: the
+extension then has CRC32C, the block copies and fallocate but no io_uring ring,
+and aiokv uses its thread-pool I/O backend (what tools/gpu_check.py does on
+machines without liburing). Likewise without ISA-L's header, unless
+AIOKV_WITHOUT_ISAL=1 asks for aiokv's own CRC32C (native/crc32c.c: "crc32q" on
+x86-64 with SSE4.2, else a table).
 """
 
 import glob
@@ -25,18 +29,25 @@ MISSING = (
     "aiokv: liburing.h not found; install it with: apt-get install -y liburing-dev (Debian/Ubuntu), "
     "or set AIOKV_WITHOUT_URING=1 to build without io_uring (thread-pool I/O)"
 )
+MISSING_ISAL = (
+    "aiokv: isa-l/crc.h not found; install it with: apt-get install -y libisal-dev (Debian/Ubuntu), "
+    "or set AIOKV_WITHOUT_ISAL=1 to build with aiokv's own CRC32C"
+)
 WITHOUT = os.environ.get("AIOKV_WITHOUT_URING") == "1"
+WITHOUT_ISAL = os.environ.get("AIOKV_WITHOUT_ISAL") == "1"
+
+
+def have_header(name: str) -> bool:
+    return any(os.path.exists(os.path.join(d, name)) for d in HEADER_DIRS)
 
 
 class BuildExt(build_ext):
     def run(self):
-        if not WITHOUT and not any(os.path.exists(os.path.join(d, "liburing.h")) for d in HEADER_DIRS):
+        if not WITHOUT and not have_header("liburing.h"):
             raise SystemExit(MISSING)
+        if not WITHOUT_ISAL and not have_header(recipe.ISAL_HEADER):
+            raise SystemExit(MISSING_ISAL)
         super().run()
-
-    def build_extension(self, ext):
-        self.compiler.src_extensions.append(".S")  # BLAKE3's assembly (native/recipe.py)
-        super().build_extension(ext)
 
 
 UNITS, MACROS = recipe.units()
@@ -51,10 +62,14 @@ ext = Extension(
     "aiokv._native",
     sources=UNITS,
     extra_compile_args=recipe.CFLAGS,
-    define_macros=MACROS + ([] if WITHOUT else [("AIOKV_HAVE_URING", "1")]),
-    depends=glob.glob("native/blake3/*.h") + ["native/recipe.py", recipe.EXPORTS],
+    define_macros=MACROS
+    + ([] if WITHOUT else [("AIOKV_HAVE_URING", "1")])
+    + ([] if WITHOUT_ISAL else [recipe.ISAL_MACRO]),
+    depends=glob.glob("native/*.h") + ["native/recipe.py", recipe.EXPORTS],
     extra_link_args=[f"-Wl,--version-script={recipe.EXPORTS}"],
     extra_objects=static[:1],
-    libraries=[] if WITHOUT or static else ["uring"],
+    libraries=([] if WITHOUT or static else ["uring"]) + ([] if WITHOUT_ISAL else [recipe.ISAL_LIB]),
 )
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
+# the compact index's hot loops (aiokv/store/table.py): a module of its own, no library
+index_ext = Extension("aiokv._index", sources=recipe.INDEX_UNITS, extra_compile_args=recipe.CFLAGS)
+setup(ext_modules=[ext, index_ext], cmdclass={"build_ext": BuildExt})

@@ -10,7 +10,7 @@ Invariant: a worker whose files are on FUSE, with the backend left to aiokv
 (`auto`), runs on the thread-pool backend, and its saves and loads work there;
 the switch is said in one line per mount point and process, however many
 workers open files there; an explicit backend setting is honoured.
-Fix: aiokv/data/backend.py open_backend (BLOCKING_SUBMIT_FS; the line names the
+Fix: aiokv/data/choice.py open_backend (BLOCKING_SUBMIT_FS; the line names the
 mount point, through say_once).
 """
 

@@ -18,8 +18,9 @@ import time
 import pytest
 
 from aiokv.data import format as fmt
-from aiokv.data.backend import OP_READ, open_backend
+from aiokv.data.backend import OP_READ
 from aiokv.data.buffers import BufferPool
+from aiokv.data.choice import open_backend
 from tests.conftest import NS, key
 from tools.storeio import StoreIO
 

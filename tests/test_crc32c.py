@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CRC32C (Castagnoli): every path the CPU has (the carry-less-multiply folding
-over AVX-512 lanes, three interleaved crc32q chains merged with shift tables)
+"""CRC32C (Castagnoli): every path the machine has (Intel ISA-L's crc32_iscsi where
+the extension links it, our three crc32q streams joined by carry-less multiplication)
 must give exactly the table-driven software path's results, and all of them the
 published check values, for every length, alignment and seed.
 
@@ -8,12 +8,16 @@ Bug this guards against: a wrong fold constant or an off-by-one at a stripe or
 fold boundary gives a CRC that differs from every other writer's; each slot
 written would then read back as corrupt (a miss), or, worse, blocks written by
 one path would not verify under another machine's path. Fix: one result for
-every path, pinned here around each boundary (256-byte fold iterations, 64-byte
-tail folds, the 512-byte dispatch threshold, the crc32q stripes)."""
+every path, pinned here around each boundary (the crc32q streams of 4096, 512 and
+64 bytes, 8-byte steps; and the 256-byte and 64-byte steps of the AVX-512 folding
+that ISA-L, like aiokv before issue 33, runs on this CPU).
+Since issue 33 (CRC32C without borrowed code) the dispatch takes ISA-L wherever it
+is linked: test_this_cpu_runs_its_fastest_path says so."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 
 import pytest
@@ -31,6 +35,22 @@ VECTORS = [
     (bytes(range(32)), 0x46DD794E),
     (bytes(range(31, -1, -1)), 0x113FDB5C),
     (b"The quick brown fox jumps over the lazy dog", 0x22620404),
+    # RFC 3720 B.4: an iSCSI Read (10) command PDU
+    (
+        bytes.fromhex(
+            "01c00000"
+            + "00" * 12
+            + "14000000"
+            + "00000400"
+            + "00000014"
+            + "00000018"
+            + "28"
+            + "00" * 7
+            + "02"
+            + "00" * 7
+        ),
+        0xD9963A56,
+    ),
 ]
 
 
@@ -135,12 +155,17 @@ def test_every_path_around_fold_boundaries(n):
 
 
 def test_this_cpu_runs_its_fastest_path():
-    """The dispatch picks folding where the CPU and OS allow AVX-512 + VPCLMULQDQ,
-    else crc32q where it has SSE4.2: a lost CPUID check would silently fall back."""
+    """The dispatch takes ISA-L's crc32_iscsi wherever the extension links it (ISA-L
+    picks its own code by CPUID: AVX-512 folding where the CPU and OS allow it), and
+    a build here links it where its header is (setup.py stops otherwise, unless told
+    AIOKV_WITHOUT_ISAL=1); without ISA-L, crc32q where the CPU has SSE4.2 and
+    PCLMULQDQ: a lost check would silently fall back to the table."""
     flags = open("/proc/cpuinfo").read().split("\nflags")[1].split("\n")[0].split()
-    if {"avx512f", "vpclmulqdq"} <= set(flags):
-        assert _native.CRC_PATH == "fold"
-    elif "sse4_2" in flags:
+    if os.path.exists("/usr/include/isa-l/crc.h") and os.environ.get("AIOKV_WITHOUT_ISAL") != "1":
+        assert "isal" in PATHS
+    if "isal" in PATHS:
+        assert _native.CRC_PATH == "isal"
+    elif {"sse4_2", "pclmulqdq"} <= set(flags):
         assert _native.CRC_PATH == "crc32q"
     assert _native.CRC_PATH == PATHS[-1]
 
@@ -148,3 +173,23 @@ def test_this_cpu_runs_its_fastest_path():
 def test_unknown_path_is_a_clear_error():
     with pytest.raises(ValueError, match="not one this CPU has"):
         _native.crc32c_path("nope", 0, 0)
+
+
+@pytest.mark.parametrize(
+    "n",
+    [s + d for s in (3 * 4096, 2 * 3 * 4096 + 3 * 512, 3 * 4096 + 3 * 512 + 3 * 64) for d in (-9, -1, 0, 1, 8, 9, 63)]
+    + [3 * 512 - 1, 3 * 512, 3 * 64 - 1, 3 * 64, 3 * 64 + 8],
+)
+def test_every_path_around_the_crc32q_stream_boundaries(n):
+    """crc32q's rounds of three streams (4096, 512, 64 bytes each), each joined by two
+    carry-less shifts, then 8-byte steps and single bytes: every length near where
+    one kind of round gives way to the next."""
+    rnd = random.Random(n + 1)
+    raw = rnd.randbytes(n + 16)
+    buf = ctypes.create_string_buffer(raw, len(raw))
+    base = ctypes.addressof(buf)
+    for off in (0, 3, 8):
+        seed = rnd.getrandbits(32)
+        want = _native.crc32c_sw(raw[off : off + n], seed)
+        for p in PATHS:
+            assert _native.crc32c_path(p, base + off, n, seed) == want, (p, n, off)

@@ -19,7 +19,7 @@ failed load, reported as a bad key and not kept in memory, while the others load
 Fix: CpuDevice.copy_out/copy_in(crc_in_copy=True) over the native copies with the CRC,
 BlockIO.write(crc_in_copy=True) / read(crc_in_copy=True), used by
 TransferWorker's saves and whole-request disk loads (with a secret too: its
-MAC is computed in the native stamp and check, tests/test_slot_mac_is_native_blake3_and_versioned.py).
+MAC is computed in the stamp and check calls, tests/test_slot_mac_is_keyed_blake3_and_versioned.py).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ _run = run_jobs
 
 @pytest.mark.parametrize("secret", [None, "s3cret"])
 def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path, secret):
-    """With a secret as without: the CRC is the copy's, and the MAC (native, in the
+    """With a secret as without: the CRC is the copy's, and the MAC (in the
     stamp and check) is on every slot and caught the flips too."""
     root, ids = str(tmp_path), range(10)  # more than one write/read batch: the pipelined paths too
     mk = fmt.mac_key(secret) if secret else None

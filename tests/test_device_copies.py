@@ -81,3 +81,43 @@ def test_vllm_033_registrations_become_layers():
         kv_tensors(kv, ["other"])
     with pytest.raises(LayoutError, match="no KV tensor"):
         make_device(kv_tensors(kv, ["missing"]), NB)
+
+
+def test_the_block_dimension_vllm_describes_decides_whatever_the_sizes():
+    """A block count equal to another dimension's size is no ambiguity: the worker-role
+    connector asks vLLM how it lays each layer out (its shape for two probe block counts,
+    worker_role.block_dims) and the worker takes that dimension, kernel blocks grouped in it
+    wherever it is (issue 37 item 10; on real vLLM: test_block_count_equal_to_a_kv_dimension_e2e)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from aiokv.connector.worker_role import block_dims
+    from aiokv.worker.device import make_device
+
+    # the CPU backend's [blocks, KV heads, block size, 2 x head size], 2 x head size == NB
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=NB // 2, dtype=torch.float32)
+    cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+    buf = torch.randn(3, NB, 2, 32, NB, generator=torch.Generator().manual_seed(1))
+    kv = {f"l{i}": buf[i] for i in range(3)}
+    with pytest.raises(LayoutError, match="block dimension"):
+        make_device(kv, NB)
+    items = list(kv.items())
+    dims = block_dims(cfg, 0, items)
+    assert dims == [0, 0, 0]
+    dev = make_device(items, NB, dims)
+    pool = BufferPool(fmt.slot_bytes(dev.payload_bytes), 4)
+    dev.attach(pool)
+    before = {n: t.clone() for n, t in kv.items()}
+    dev.copy_out([1, 5], [0, 1])
+    dev.copy_in([7, 9], [0, 1])
+    for n, t in kv.items():
+        assert torch.equal(t[7], before[n][1]) and torch.equal(t[9], before[n][5])
+        assert torch.equal(t[2], before[n][2])
+    pool.close()
+    # kernel blocks (a block split in 2) counted in a dimension that is not the first
+    t = torch.arange(2 * NB * 2 * 3, dtype=torch.float32).view(2, NB * 2, 3)
+    dev = make_device([("g", t)], NB, [1])
+    assert dev.layers[0].block_shape == (2, 2, 3) and torch.equal(dev.layers[0].view[4], t[:, 8:10])
+    with pytest.raises(LayoutError, match="dimension 2"):
+        make_device([("g", t)], NB, [2])

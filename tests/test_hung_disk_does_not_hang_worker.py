@@ -24,8 +24,9 @@ import time
 import pytest
 import torch
 
-from aiokv.data.backend import ABANDON, OP_READ, open_backend
+from aiokv.data.backend import ABANDON, OP_READ
 from aiokv.data.buffers import BufferPool
+from aiokv.data.choice import open_backend
 from aiokv.jobs import SaveResult, Transfer
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice

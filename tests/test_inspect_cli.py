@@ -22,8 +22,8 @@ import sys
 import time
 
 from aiokv.data import format as fmt
-from aiokv.data.backend import open_backend
 from aiokv.data.blockio import BlockIO
+from aiokv.data.choice import open_backend
 from aiokv.store import Store
 from aiokv.store.store import ns_dir
 from tests.conftest import NS, PAYLOAD, Blocks, key

@@ -14,9 +14,9 @@ Fix: the callback is bound to the exception when the open fails (functools.parti
 import asyncio
 
 from aiokv.data import format as fmt
-from aiokv.data.backend import open_backend
 from aiokv.data.blockio import BlockIO
 from aiokv.data.buffers import BufferPool
+from aiokv.data.choice import open_backend
 from aiokv.store import Store
 from aiokv.store.store import ns_dir
 

@@ -16,7 +16,7 @@ verdict, in the order docs/format.md gives, named by SLOT_REASONS; with
 crc_in_copy (the payload CRC checked in the device copy instead) the verdict
 is format.check_header's; a reader that leaves the key or layout out (None)
 has it not checked, and a buffer too short is a verdict, never a read past it.
-Fix: one check, slot_verdict in native/aiokv_native.c, behind both entries
+Fix: one check, slot_verdict in native/slots.c, behind both entries
 (_native.check_slot, _native.verify_slots); one layout (format._HDR, mirrored
 by HDR_OFF_*); its verdicts named once (format.SLOT_REASONS).
 """

@@ -8,7 +8,9 @@ Invariant: tokens equal a run without aiokv; blocks are spread over every drive
 (each with its own files) and hit again after a restart with the same list; a
 drive whose reads fail (EIO) opens only its own breaker: its loads are
 recomputed, its blocks are no hits and its saves are dropped (counted), while the
-other drives still hit and save; the cache's own breaker stays closed.
+other drives still hit and save; the cache's own breaker stays closed. For a model
+without a full-attention group too (issue 37 item 5: its windows were checked against
+the open drive's blocks, and whole requests recomputed).
 
 Fix: aiokv/store/drives.py, aiokv/data/drives.py, per-drive verdicts in the
 workers' reports (WorkerReport.drives).
@@ -99,3 +101,31 @@ def test_a_failing_drive_costs_only_its_own_blocks(tiny_model, drives):
     again = run(dict(model=tiny_model, cache=paths[0], extra={"path": paths}, phases=[dict(prompts=PS3)]))
     # PS3 was saved on drives 0 and 2 only: its requests hit up to their first block of drive 1
     happened(again, part(base, [2]), hit_blocks=f"<{4 * FULL}", loads_ok_blocks=">0")
+
+
+def test_a_failing_drive_costs_a_sliding_window_model_only_its_own_blocks(tmp_path_factory, tmp_path):
+    """Issue 37 item 5, on vLLM: a model without a full-attention group (every layer windowed,
+    Mistral style) over two drives, drive 1's reads failing (EIO) and its breaker opening at
+    the first failure. Bug: a window's blocks were checked against every drive, the open one
+    included; the load then had no location for the block on drive 1 and the whole request was
+    recomputed, losing the window drive 0 held. Invariant: tokens identical; once the breaker is
+    open, hits fall back to a window drive 0 holds, so the only blocks that fail are those a
+    read actually failed (load_failed_blocks == read_errors); hits go on."""
+    from aiokv.demo import tiny_model as tm
+
+    model = tm.build_mistral(str(tmp_path_factory.mktemp("mistral") / "m"))
+    paths = [str(tmp_path / f"d{i}" / "c") for i in range(2)]
+    for p in paths:
+        os.makedirs(os.path.dirname(p))
+    ps = [prompts(1, n, seed=81 + i)[0] for i, n in enumerate([230, 200, 250, 215, 240, 190])]
+    spec = dict(model=model, block_size=32, phases=[dict(prompts=ps, max_tokens=8, stagger=True)])
+    base = run(spec)
+    cold = run(dict(spec, cache=paths[0], extra={"path": paths}))
+    happened(cold, base, saves_committed=">0", hit_blocks=0)
+    sick = {"AIOKV_FAULTS": json.dumps([{"op": "read", "kind": "eio", "file": "/d1/"}]), "AIOKV_FAULTS_ACK": ACK}
+    extra = {"path": paths, "breaker_failures": 1, "breaker_cooldown": 600}
+    res = run(dict(spec, cache=paths[0], extra=extra), env=sick)
+    c = res["counters"]
+    happened(res, base, allow_load_errors=True, store_drive_breaker_opens=1, hit_blocks=">0", read_errors=">0")
+    assert c["load_failed_blocks"] == c["read_errors"], "a load failed on a block no read failed"
+    assert c["loads_ok_blocks"] > 0 and sum(res["cached"][0]) > 0, c

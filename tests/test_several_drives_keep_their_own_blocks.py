@@ -11,11 +11,17 @@ misses and its saves are dropped (counted) while the other drives hit and save;
 a drive missing at start is one log line and a cache smaller by its share; all
 missing is an OSError (aiokv off, as for one bad path). Several engines on the
 same list share blocks as on one directory; `aiokv inspect` takes the list.
+Later bugs (issue 37, each test's docstring): a failing drive's blocks still
+counted for sliding-window and state groups' hits (the whole request was then
+recomputed); a corrupt copy on a later drive was never dropped; one drive's
+error that is no OSError left the other drives' I/O running after the call.
 
 Fix: aiokv/store/drives.py (Drives: one Store per drive, locations carry the
 drive above the engine's bits), aiokv/data/drives.py (DriveIO: one BlockIO per
 drive, per-drive verdicts and the drives a timed-out call waited on), per-drive
-breakers fed by WorkerReport.drives, config.parse_paths, `aiokv inspect DIR...`.
+breakers fed by WorkerReport.drives, config.parse_paths, `aiokv inspect DIR...`;
+then Drives.serving (match's view), Drives.holds/drop_at (the ledger), DriveIO
+settling every part on any exception.
 """
 
 from __future__ import annotations
@@ -262,3 +268,133 @@ def test_inspect_takes_the_list(tmp_path, blocks, capsys):
     assert out.count("== drive") == 2
     assert main(["inspect", paths[0], str(tmp_path / "nothing")]) == 2, "one unreadable: the worst status"
     assert "nothing" in capsys.readouterr().err
+
+
+# ---- the scheduler side over several drives (no vLLM) ----
+BS = 32
+
+
+def _side(paths, kinds):
+    """A SchedulerSide over DrivesIO, one namespace per group (window: 64 tokens)."""
+    from aiokv.scheduler.layout import WINDOW, GroupSpec
+    from aiokv.scheduler.side import SchedulerSide
+
+    st = DrivesIO(paths, capacity="1GiB", failures=3)
+    groups = [
+        (GroupSpec(i, k, 4096, (f"l{i}",), window=64 if k == WINDOW else 0), st.namespace(bytes([i]) * 16, 4096))
+        for i, k in enumerate(kinds)
+    ]
+    return st, SchedulerSide(st, groups, BS)
+
+
+def _on(st, ns, d: int, keys) -> None:
+    """keys committed on drive d, wherever placement would put them (a block saved on another
+    drive while its own was missing stays a hit there; a restart with the drive back holds both)."""
+    s, n = st.stores[d], ns.on[d]
+    s.commit(n, [(k, s.reserve(n, k)) for k in keys])
+
+
+def _down(st, d: int) -> None:
+    st.record({d: [3, 0]})  # three I/O errors in a row: its breaker opens
+    assert st.breakers[d].is_open
+
+
+@pytest.mark.parametrize("model", ["window", "full+state"])
+def test_a_failing_drive_costs_no_hit_of_another_drive_for_any_group_kind(tmp_path, model):
+    """Bug: match checked window and state groups against every drive's blocks, open breakers
+    included; pin then found nothing for the block on the failing drive, and the whole request
+    was recomputed, losing the hits the other drive could serve. Invariant: the hit falls back
+    to the longest one whose every needed block is on a drive that serves hits now, and every
+    block of its load has a location."""
+    from aiokv.scheduler.keys import extend_keys, request_root
+    from aiokv.scheduler.layout import FULL, STATE, WINDOW
+
+    kinds = [WINDOW] if model == "window" else [FULL, STATE]
+    st, side = _side(_paths(tmp_path, 2), kinds)
+    root = request_root(b"r" * 16, [])
+    tokens = list(range(8 * BS + 1))
+    keys = extend_keys([], root, tokens, BS, 8)
+    gs = [g.ns for g in side.groups]
+    if model == "window":  # a 64-token window ending after 8 blocks needs blocks 6 and 7
+        _on(st, gs[0], 1, keys[:7])
+        _on(st, gs[0], 0, keys[7:])
+    else:  # every attention block on drive 1; the state at 8 blocks on drive 0, at 7 on drive 1
+        _on(st, gs[0], 1, keys)
+        _on(st, gs[1], 1, [keys[6]])
+        _on(st, gs[1], 0, [keys[7]])
+    assert side.match("r", tokens, root, 0) == 8 * BS
+    _down(st, 0)
+    # the hit that drive 1 alone serves: 7 blocks (window: blocks 5 and 6; state: the one at 7)
+    assert side.match("r", tokens, root, 0) == 7 * BS
+    tables = tuple(list(range(10 * gi + 1, 10 * gi + 9)) for gi in range(len(kinds)))
+    side.on_alloc("r", tokens, root, tables, 7 * BS)
+    loads = side.plan([]).loads
+    assert loads and all(w >= 0 and fmt.drive_of(w)[0] == 1 for t in loads for w in t.locations), loads
+    side.on_report(None, {"r"})
+    st.close()
+
+
+def test_a_corrupt_copy_on_a_later_drive_is_dropped_there(tmp_path):
+    """Bug: a block that did not verify was dropped only where the first drive's copy of its
+    key sat (the ledger compared the slot read with the union's location, the first drive's):
+    a bad copy on another drive was never dropped, and every later hit read it and failed
+    again until the first drive came back. Invariant: the copy that failed is dropped on its
+    own drive, the other drive's copy is kept, the failure is counted, and the next lookup
+    stops before the block."""
+    from aiokv.jobs import LoadResult, WorkerReport
+    from aiokv.scheduler.keys import extend_keys, request_root
+    from aiokv.scheduler.layout import FULL
+
+    st, side = _side(_paths(tmp_path, 2), [FULL])
+    ns = side.groups[0].ns
+    root = request_root(b"r" * 16, [])
+    tokens = list(range(4 * BS + 1))
+    keys = extend_keys([], root, tokens, BS, 4)
+    _on(st, ns, 1, keys)
+    _on(st, ns, 0, keys[2:3])  # block 2 on both drives (drive 0 was missing when drive 1 saved it)
+    _down(st, 0)
+    assert side.match("r", tokens, root, 0) == 4 * BS
+    side.on_alloc("r", tokens, root, ([1, 2, 3, 4],), 4 * BS)
+    (load,) = side.plan([]).loads
+    assert fmt.drive_of(load.locations[2])[0] == 1, "drive 0 is down: drive 1's copy is read"
+    # the workers found drive 1's copy of block 2 corrupt
+    side.on_report(WorkerReport(loads=[LoadResult(load.job, 0, "r", failed=[3, 4], bad=[keys[2]])]), {"r"})
+    assert keys[2] not in ns.on[1].entries, "the corrupt copy is still offered"
+    assert keys[2] in ns.on[0].entries, "the other drive's copy was dropped instead"
+    assert side.counters.load_bad_blocks == 1
+    assert side.match("r2", tokens, root, 0) == 2 * BS, "the next hit stops before the bad block"
+    st.close()
+
+
+@pytest.mark.asyncio
+async def test_one_drive_raising_leaves_no_other_drive_io_running(tmp_path, blocks, monkeypatch):
+    """Bug: a call over several drives awaited their parts with gather, which on an error that
+    is no OSError (a bug, an exception below BlockIO) raised at once and left the other drives'
+    parts running, their reads still landing in staging buffers the caller then gave back.
+    Invariant: when a call over several drives ends, however it ends, none of its parts is
+    still running. Fix: DriveIO settles every part on any exception, as BlockIO._pipelined does."""
+    paths = _paths(tmp_path, 2)
+    keys = [key(i) for i in range(N)]
+    st = DrivesIO(paths, capacity="1GiB")
+    ns = st.namespace(NS, PAYLOAD)
+    await _save(st, ns, blocks, keys)
+    on = [_drive(st, ns, k) for k in keys]
+    assert set(on) == {0, 1}
+    st.close()
+    rules = [
+        {"op": "read", "kind": "raise", "file": "/mnt0/"},  # drive 0: an exception that is no OSError
+        {"op": "read", "kind": "late", "delay": 1.0, "file": "/mnt1/"},  # drive 1: its reads still out
+    ]
+    monkeypatch.setenv("AIOKV_FAULTS", json.dumps(rules))
+    monkeypatch.setenv("AIOKV_FAULTS_ACK", ACK)
+    st = DrivesIO(paths, capacity="1GiB")
+    ns = st.namespace(NS, PAYLOAD)
+    where = st.pin(ns, keys)
+    io = st.blockio(ns)
+    before = asyncio.all_tasks()
+    with pytest.raises(RuntimeError, match="injected"):
+        await io.read([(w, k, blocks.addr(i)) for i, (k, w) in enumerate(zip(keys, where))])
+    left = [t for t in asyncio.all_tasks() - before if not t.done()]
+    assert not left, f"{len(left)} drive part(s) still running once the call ended"
+    st.unpin(ns, keys)
+    st.close()

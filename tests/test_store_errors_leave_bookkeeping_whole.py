@@ -49,6 +49,8 @@ METHODS = (
     "commit",
     "abort",
     "drop",
+    "drop_at",
+    "serving",
     "refresh",
     "flush_if_due",
     "verify_slot",
@@ -353,7 +355,9 @@ def test_the_scenario_exercises_every_store_call(tmp_path):
     eng, faulty, store = scenario(str(tmp_path / "c"))
     _check(eng, store, "no fault")
     calls = set(faulty.calls)
-    assert {"lookup", "reserve", "pin", "unpin", "commit", "drop", "refresh", "flush_if_due"} <= calls, calls
+    assert {"lookup", "serving", "reserve", "pin", "unpin", "commit", "drop_at", "refresh", "flush_if_due"} <= calls, (
+        calls
+    )
     assert eng.loads > 0 and eng.saves > 0
     assert eng.side.counters.hit_requests >= 2 and eng.side.counters.load_bad_blocks == 1
 

@@ -26,8 +26,8 @@ from aiokv.bucket.loader import BAD, OK, BucketLoader
 from aiokv.bucket.naming import object_name
 from aiokv.config import AioKVConfig, ConfigError
 from aiokv.data import format as fmt
-from aiokv.data.backend import open_backend
 from aiokv.data.blockio import BlockIO
+from aiokv.data.choice import open_backend
 from aiokv.store import Store
 from aiokv.store.store import ns_dir
 from tests.conftest import NS, PAYLOAD, key

@@ -14,7 +14,8 @@ under vLLM's MultiConnector, aiokv first unless aiokv_first is false),
 ready_file (created once the engine is up), kv_events (a socket path: vLLM publishes its KV events
 there over ZMQ (ipc://) and a subscriber here collects them in "events": [type, medium, group, hashes,
 parent, token ids] each, in order), audit_fs (RESULT lists the file-system
-calls aiokv made on vLLM's thread while the phases ran),
+calls aiokv made on vLLM's thread while the phases ran), audit_saves (RESULT's "save_violations":
+every step's saves checked against vLLM's own scheduler output, _audit_saves),
 lora ({max_lora_rank, max_loras}: LoRA served),
 phases: [{prompts: [[ids]], max_tokens, follow? (prompts are then the next turns: each the previous
 phase's prompt, its reply and these ids), salts?, loras? ([name, id, path] or null per prompt),
@@ -140,6 +141,8 @@ def main(spec: dict) -> dict:
 
         sched._preempt_request = counting_preempt
     audit = _audit_fs() if spec.get("audit_fs") else None
+    if spec.get("audit_saves") and not MP:
+        result["save_violations"] = _audit_saves(aio)
     n_req = 0
     last_prompts: list = []
     for phase in spec["phases"]:
@@ -263,11 +266,11 @@ def main(spec: dict) -> dict:
         result.setdefault("seconds", []).append(round(time.monotonic() - t_phase, 3))
         if phase.get("stall") and os.path.exists(phase["stall"]):  # (the test may have ended the hang itself)
             os.unlink(phase["stall"])
-    if sub is not None:
-        _take_events(sub, result["events"], 1.0)
     if audit is not None:
         result["fs_calls_on_engine_thread"] = sorted(audit.pop())
     if MP:  # aiokv's counters live in the engine core process: read them as vLLM exports them
+        if sub is not None:
+            _take_events(sub, result["events"], 1.0)
         if spec.get("metrics"):
             result["metrics"] = {
                 m.name: m.value
@@ -298,6 +301,10 @@ def main(spec: dict) -> dict:
             engine.step()
         result["counters"] = {**conn.counters(), **wc.counters()}
         result["pool_size"] = wc.worker.pool.count if wc.worker is not None else 0
+    if sub is not None:
+        # only now: a save that ended after the last output was committed, and its event
+        # published, in one of the steps above (taking them before lost those: issue 37 item 12)
+        _take_events(sub, result["events"], 1.0)
     if "aiokv.data.faults" in sys.modules:  # the test-only injector ran in this process: what it did
         result["faults_fired"] = dict(sys.modules["aiokv.data.faults"].FIRED)
     pool = sched.kv_cache_manager.block_pool
@@ -430,6 +437,62 @@ def _audit_fs():
             return list(calls)
 
     return Audit()
+
+
+def _audit_saves(conn) -> list:
+    """From now on, check every step's saves against vLLM's own SchedulerOutput (one KV-cache
+    group, admit: all, no cache reset, no breaker): a block is saved once all its tokens were
+    computed in the request's current life (a new or resumed request starts one at its
+    num_computed_tokens, rounded up to a block, with the table vLLM gives it whole), from the
+    block id its current table holds; every such block whose key was neither stored nor being
+    saved before the step is saved. Returns the list the violations are appended to."""
+    from aiokv.scheduler.keys import extend_keys
+
+    side, bs = conn.sched, conn.scheduler_role.block_size
+    ns = side.groups[0].ns
+    lives: dict[str, list] = {}  # request -> [first block of its life, blocks full so far, block table]
+    violations: list = []
+    build = conn.build_connector_meta
+
+    def audited(so):
+        before = set(ns.entries) | set(ns.pending)
+        meta = build(so)
+        saved = {(t.req_id, k): b for t in meta.plan.saves for k, b in zip(t.keys, t.block_ids)}
+        spec = so.scheduled_spec_decode_tokens or {}
+        c = so.scheduled_cached_reqs
+        steps = [(r.req_id, r.num_computed_tokens, list(r.block_ids[0]), True) for r in so.scheduled_new_reqs]
+        for i, r in enumerate(c.req_ids):
+            ids = c.new_block_ids[i]
+            steps.append((r, c.num_computed_tokens[i], list(ids[0]) if ids else [], r in (c.resumed_req_ids or ())))
+        expected = {}
+        for r, computed, ids, whole in steps:
+            if whole:
+                start = -(-computed // bs)
+                lives[r] = [start, start, ids]
+            elif r in lives:
+                lives[r][2] += ids
+            st = side.requests.get(r)
+            if r not in lives or st is None:
+                continue
+            start, done, table = lives[r]
+            full = min(
+                (computed + so.num_scheduled_tokens.get(r, 0) - len(spec.get(r, ()))) // bs, len(st.tokens) // bs
+            )
+            keys = extend_keys(list(st.keys), st.root, st.tokens, bs, full)
+            for j in range(max(start, done), min(full, len(table))):
+                expected[(r, keys[j])] = table[j]
+            lives[r][1] = max(done, full)
+        for (r, k), b in saved.items():
+            if expected.get((r, k)) != b:
+                violations.append(f"{r}: saved from block {b}, its current life's table holds {expected.get((r, k))}")
+        saved_keys = {k for _, k in saved}
+        for (r, k), b in expected.items():
+            if k not in saved_keys and k not in before:  # (the same block of another request: saved once)
+                violations.append(f"{r}: a block computed in its current life (id {b}) was not saved")
+        return meta
+
+    conn.build_connector_meta = audited
+    return violations
 
 
 def _wait_for_peer_blocks(store, n: int, deadline: float) -> None:

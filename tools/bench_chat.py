@@ -349,7 +349,7 @@ def main() -> int:
         "--kv-tokens",
         type=int,
         default=3872,
-        help="vLLM's KV budget in tokens (small: preemption; its block count must not equal another KV tensor dimension: aiokv then refuses the layout)",
+        help="vLLM's KV budget in tokens (small: preemption; any block count works, aiokv asks vLLM which KV tensor dimension counts blocks)",
     )
     ap.add_argument("--dir", default=None, help="where models and caches go (default: a temp dir)")
     ap.add_argument("--out", default=None)

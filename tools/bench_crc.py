@@ -1,21 +1,27 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """CRC32C speed of each path this CPU has, hot and cold, against one core's
-memory-read floor.
+memory-read floor, and against another build's paths in the same run.
 
-    PYTHONPATH=. .venv/bin/python tools/bench_crc.py [--hot-mib 2] [--cold-mib 2048] [--json]
+    PYTHONPATH=. .venv/bin/python tools/bench_crc.py [--hot-mib 2] [--cold-mib 2048] [--baseline SO] [--json]
 
 - hot: CRC32C of one --hot-mib buffer, repeated (it stays in cache): the path's own speed.
 - cold: one pass over a --cold-mib buffer (make it several times the last-level
   cache), 1 MiB per call, the way the store meets payloads fresh from a copy.
 - floor: numpy sum of uint64 over the same buffers, hot and cold: what one core
   reads without computing anything (cold: the DRAM bandwidth one core gets).
-GB/s are 1e9 bytes per second; us/MiB is the cost per MiB of payload.
+- --baseline: another build of aiokv._native (its .so file, or a tree with it built
+  in place), loaded beside this one; its paths run in the same rounds ("base fold"...),
+  this build's as "new ..." (ISA-L's "isal" among them where it is linked).
+GB/s are 1e9 bytes per second; us/MiB is the cost per MiB of payload (one core: the
+CPU seconds per GB are 1 / GB/s).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib.util
 import json
 import os
 import sys
@@ -52,11 +58,28 @@ def cold(buf: np.ndarray, fn, step: int = MIB) -> float:
     return _gbps(n, time.perf_counter() - t)
 
 
+def load_build(where: str):
+    """Another build of aiokv._native, loaded beside ours (its init function is
+    the only name it exports, so the two do not clash)."""
+    if os.path.isdir(where):
+        found = glob.glob(os.path.join(where, "aiokv", "_native*.so"))
+        if not found:
+            raise SystemExit(
+                f"bench_crc: no aiokv/_native*.so in {where}; build it there (setup.py build_ext --inplace)"
+            )
+        where = found[0]
+    spec = importlib.util.spec_from_file_location("baseline._native", where)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hot-mib", type=int, default=2)
     ap.add_argument("--cold-mib", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each is reported")
+    ap.add_argument("--baseline", default=None, help="another build's aiokv/_native*.so (or its tree)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rng = np.random.default_rng(1)
@@ -78,7 +101,13 @@ def main() -> int:
         "rounds": args.rounds,
         "gbps": {},
     }
-    fns = {p: (lambda a, n, p=p: _native.crc32c_path(p, a, n)) for p in _native.CRC_PATHS}
+    builds = [("new", _native), ("base", load_build(args.baseline))] if args.baseline else [("", _native)]
+    fns = {}
+    for tag, mod in builds:
+        for p in mod.CRC_PATHS:
+            fns[f"{tag} {p}".strip()] = lambda a, n, p=p, mod=mod: mod.crc32c_path(p, a, n)
+        if tag:
+            out[f"path_default_{tag}"] = mod.CRC_PATH
     fns["floor (sum u64)"] = None
     best: dict[str, dict[str, float]] = {name: {"hot": 0.0, "cold": 0.0} for name in fns}
     for _ in range(args.rounds):  # interleaved rounds, best of each: other tenants' noise only slows a run down

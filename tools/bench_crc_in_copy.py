@@ -5,6 +5,7 @@ a separate pass ("separate") and inside the CPU device copy ("in copy", the work
 crc_in_copy).
 
     PYTHONPATH=. .venv/bin/python tools/bench_crc_in_copy.py [--gib 1] [--layers 28] [--rounds 3] [--dir DIR]
+        [--paths fold,isal] [--baseline SO]
 
 A TransferWorker over a CpuDevice with the CPU backend's KV layout (per layer
 [num_blocks, kv_heads, block_size, 2 * head_dim] bf16, views of one buffer):
@@ -19,12 +20,20 @@ job, CPU of the process (time.process_time: every thread, kernel included).
 verify + device copy, on slots already in staging). "copy in": the device copy
 alone, plain against the CRC in the copy (what a memory-tier hit would pay for checking its
 already verified slots again). core-s/GB per GB of
-payload, median of --rounds; wall GB/s alongside.
+payload, median of --rounds; wall GB/s alongside. "beyond the copy": a disk save or load
+with the CRC in the copy, less the plain copy alone (the 0.05 core-s/GB goal).
+
+Contenders, each round running them in turn on the same worker and data: this build's
+CRC32C paths named by --paths (default: the one it picks, CRC_PATH; every CRC32C the
+module computes takes that path: _native.crc32c_use), and with --baseline another build
+of aiokv._native (its .so, or a tree with it built in place, e.g. a worktree at main),
+its CRC-computing calls (copies, slot stamp and check, crc32c) swapped in for ours.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -42,6 +51,10 @@ from aiokv.jobs import Transfer  # noqa: E402
 from aiokv.store.store import ns_dir  # noqa: E402
 from aiokv.worker.device import CpuDevice  # noqa: E402
 from aiokv.worker.transfer import TransferWorker  # noqa: E402
+from tools.bench_crc import load_build  # noqa: E402
+
+# the calls of aiokv._native that compute CRC32C, swapped for a baseline build's
+SWAPPED = ("crc32c", "crc32c_bytes", "memcpy_many", "memcpy_crc_out", "memcpy_crc_in", "verify_slots", "check_slot")
 
 NS = bytes(range(16))
 
@@ -49,6 +62,37 @@ NS = bytes(range(16))
 def _wait(w: TransferWorker) -> None:
     while w.in_flight:
         w.wait_for_jobs(1.0)
+
+
+def contenders(args) -> list[tuple[str, object, object]]:
+    """(label, start, stop): what each contender switches on, and off again."""
+    out = []
+    for path in args.paths.split(",") if args.paths else [_native.CRC_PATH]:
+
+        def start(path=path):
+            return _native.crc32c_use(path)
+
+        def stop(was):
+            _native.crc32c_use(was)
+
+        out.append((f"new {path}", start, stop))
+    if args.baseline:
+        base = load_build(args.baseline)
+
+        def bstart():
+            was = {name: getattr(_native, name) for name in (*SWAPPED, "stamp_slots")}
+            for name in SWAPPED:
+                setattr(_native, name, getattr(base, name))
+            # earlier builds took a MAC key (None) where this one takes the MAC scheme (0: none)
+            _native.stamp_slots = lambda *a: base.stamp_slots(*a[:7], *([None] if len(a) > 7 else []))
+            return was
+
+        def bstop(was):
+            for name, fn in was.items():
+                setattr(_native, name, fn)
+
+        out.append((f"base {base.CRC_PATH}", bstart, bstop))
+    return out
 
 
 def run(args) -> dict:
@@ -92,25 +136,31 @@ def run(args) -> dict:
 
     def mem_save(in_copy):
         dev.copy_out(ids, stg, crc_in_copy=in_copy)
-        _native.stamp_slots(addrs, keys, *lay, in_copy)
+        fmt.stamp_slots(addrs, keys, *lay, in_copy)
 
     def mem_load(in_copy):
-        v = _native.verify_slots(addrs, keys, *lay, in_copy)
+        v = fmt.verify_slots(addrs, keys, *lay, in_copy)
         ok = dev.copy_in(ids, stg, crc_in_copy=in_copy)
         assert not any(v) and (ok is None or all(ok))
 
+    who = contenders(args)
     try:
         save()  # the data file grows to its size once, outside the measured rounds
         load()
-        for _ in range(args.rounds):
-            for in_copy in (False, True):
-                tag = "in copy" if in_copy else "separate"
-                w._crc_in_copy = in_copy
-                phase(f"disk save {tag}", save)
-                phase(f"disk load {tag}", load)
-                phase(f"memory save {tag}", lambda in_copy=in_copy: mem_save(in_copy))
-                phase(f"memory load {tag}", lambda in_copy=in_copy: mem_load(in_copy))
-                phase(f"copy in {tag}", lambda in_copy=in_copy: dev.copy_in(ids, stg, crc_in_copy=in_copy))
+        for r in range(args.rounds):
+            for label, start, stop in who if r % 2 == 0 else who[::-1]:
+                was = start()
+                try:
+                    for in_copy in (False, True):
+                        tag = f"{label}|{'in copy' if in_copy else 'separate'}"
+                        w._crc_in_copy = in_copy
+                        phase(f"disk save|{tag}", save)
+                        phase(f"disk load|{tag}", load)
+                        phase(f"memory save|{tag}", lambda in_copy=in_copy: mem_save(in_copy))
+                        phase(f"memory load|{tag}", lambda in_copy=in_copy: mem_load(in_copy))
+                        phase(f"copy in|{tag}", lambda in_copy=in_copy: dev.copy_in(ids, stg, crc_in_copy=in_copy))
+                finally:
+                    stop(was)
     finally:
         w.close()
         shutil.rmtree(root)
@@ -118,7 +168,7 @@ def run(args) -> dict:
         "payload": payload,
         "blocks": n,
         "gb": gb,
-        "crc_path": _native.CRC_PATH,
+        "contenders": [label for label, _, _ in who],
         "results": {
             k: (statistics.median(c for c, _ in v), statistics.median(g for _, g in v)) for k, v in out.items()
         },
@@ -135,20 +185,34 @@ def main() -> int:
     ap.add_argument("--depth", type=int, default=32, help="io_uring queue depth")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where the data file goes (a real disk; default: the temp dir)")
+    ap.add_argument("--paths", default=None, help="this build's CRC32C paths to run, comma separated")
+    ap.add_argument("--baseline", default=None, help="another build's aiokv/_native*.so (or its tree)")
+    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     r = run(args)
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return 0
     print(
         f"{r['blocks']} blocks of {r['payload'] / 1024:.0f} KiB ({r['gb']:.2f} GB) each way, "
-        f"CRC32C path {r['crc_path']}, median of {args.rounds} rounds"
-    )
-    print(
-        f"{'':14}{'separate core-s/GB':>20}{'in copy core-s/GB':>19}{'saved':>8}{'separate GB/s':>15}"
-        f"{'in copy GB/s':>14}"
+        f"median of {args.rounds} rounds"
     )
     res = r["results"]
-    for kind in ("disk save", "disk load", "memory save", "memory load", "copy in"):
-        (oc, og), (fc, fg) = res[f"{kind} separate"], res[f"{kind} in copy"]
-        print(f"{kind:14}{oc:20.4f}{fc:19.4f}{oc - fc:8.4f}{og:15.2f}{fg:14.2f}")
+    for label in r["contenders"]:
+        print(f"\n{label}")
+        print(
+            f"{'':14}{'separate core-s/GB':>20}{'in copy core-s/GB':>19}{'saved':>8}{'separate GB/s':>15}"
+            f"{'in copy GB/s':>14}"
+        )
+        for kind in ("disk save", "disk load", "memory save", "memory load", "copy in"):
+            (oc, og), (fc, fg) = res[f"{kind}|{label}|separate"], res[f"{kind}|{label}|in copy"]
+            print(f"{kind:14}{oc:20.4f}{fc:19.4f}{oc - fc:8.4f}{og:15.2f}{fg:14.2f}")
+        plain = res[f"copy in|{label}|separate"][0]
+        print(
+            f"beyond the copy (in copy, less the plain copy {plain:.4f}): "
+            f"save {res[f'disk save|{label}|in copy'][0] - plain:.4f}, "
+            f"load {res[f'disk load|{label}|in copy'][0] - plain:.4f} core-s/GB"
+        )
     return 0
 
 

@@ -43,7 +43,7 @@ and aiokv's none).
   each. The pool is made, populated and filled once per payload size, as a worker makes
   its arena once at start: made afresh each round, the timed writes were its
   first use, and a fresh pool writes slower than a held one on this VM
-  (docs/benchmarks.md 11.4; tools/bench_fresh_buffers.py).
+  (docs/benchmarks-history.md 11.4; tools/bench_fresh_buffers.py).
   The payloads' CRC32C (--crc): "copy", as a CPU worker computes it, inside the
   device copy that fills the staging buffer (copy_out) or empties it (copy_in),
   which is not part of this benchmark: the headers are stamped and checked here,
@@ -79,8 +79,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aiokv.config import parse_size  # noqa: E402
 from aiokv.data import format as fmt  # noqa: E402
-from aiokv.data.backend import open_backend  # noqa: E402
 from aiokv.data.buffers import BufferPool  # noqa: E402
+from aiokv.data.choice import open_backend  # noqa: E402
 from tools.bench_store import HUGE, HugePages, _keys, machine  # noqa: E402
 from tools.storeio import DrivesIO  # noqa: E402
 
@@ -117,7 +117,7 @@ def fill(pool: BufferPool, payload: int) -> None:
 def make_pool(n: int, payload: int, staging: int, calls: int) -> BufferPool:
     """aiokv's buffers for one payload size, made and filled once for all its rounds
     and populated, as a worker makes its arena once at start (a fresh pool's first
-    writes run slower on this VM: docs/benchmarks.md 11.4)."""
+    writes run slower on this VM: docs/benchmarks-history.md 11.4)."""
     slot = fmt.slot_bytes(payload)
     pool = BufferPool(slot, n if not staging else share_of(n, slot, staging, calls) * calls, populate=True)
     fill(pool, payload)
@@ -315,7 +315,7 @@ class Mounts:
                     # discards by punching holes in its image file, which undid the writing above
                     # (a 1 GiB image held 49 MiB after mkfs); the holes were then filled by whichever
                     # side first wrote a region, and aiokv's new directories each round land in
-                    # regions fio's file had not yet filled (docs/benchmarks.md 11.3)
+                    # regions fio's file had not yet filled (docs/benchmarks-history.md 11.3)
                     self._sh("mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=0,lazy_journal_init=0", dev)
                     held = os.stat(img).st_blocks * 512
                     if held < self.size:

@@ -46,8 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_store as bs  # noqa: E402
 
-from aiokv.data.backend import OP_READ, OP_WRITE, open_backend  # noqa: E402
+from aiokv.data.backend import OP_READ, OP_WRITE  # noqa: E402
 from aiokv.data.buffers import Arena  # noqa: E402
+from aiokv.data.choice import open_backend  # noqa: E402
 
 
 def queue_dir(path: str) -> str:

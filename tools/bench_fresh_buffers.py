@@ -17,7 +17,7 @@ the new pool. Each write is tools/bench_drives.py's aiokv round with --staging 0
 fill the pool. Then a pool made after --quiet seconds is held and written --rounds
 times more, next to the first pool: whether the cost stays with the memory or goes
 with its first use. Why it matters: tools/bench_drives.py made a fresh pool each
-round until docs/benchmarks.md 11.4.
+round until docs/benchmarks-history.md 11.4.
 """
 
 from __future__ import annotations

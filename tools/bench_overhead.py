@@ -165,7 +165,7 @@ def _connector(store_dir: str):
     role.epoch, role._remote_tokens, role._failed_recv, role._failed_now = None, {}, set(), set()
     role._bucket_tokens = {}  # _remote_tokens before the bucket tier had its one name
     role.layerwise, role._layers, role.worker, role.offer_hits = False, None, None, True
-    role.events, role._drives = None, None  # no KV events, one drive
+    role.events, role._drives = None, None  # (KV events off; one drive)
     try:  # LoRA adapters' fingerprints, on their own I/O thread since issue 37
         from aiokv.connector.adapters import Adapters
 

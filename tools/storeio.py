@@ -22,8 +22,8 @@ import errno
 
 from aiokv.config import parse_size
 from aiokv.data import format as fmt
-from aiokv.data.backend import open_backend
 from aiokv.data.blockio import BlockIO
+from aiokv.data.choice import open_backend
 from aiokv.data.drives import DriveIO
 from aiokv.store import Namespace, Store
 from aiokv.store.drives import Drives, open_drives

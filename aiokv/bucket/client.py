@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The S3 client of the bucket tier, on obstore (object_store, in Rust).
 
-Chosen by measurement (tools/bench_bucket.py, docs/benchmarks.md): against the
+Chosen by measurement (tools/bench_bucket.py; docs/benchmarks.md, "The bucket tier"): against the
 same server it moves objects at least as fast as aiobotocore, its transfers
 run outside the GIL (which vLLM's threads need), it imports in milliseconds,
 and it speaks conditional PUT natively.

@@ -25,8 +25,9 @@ import sys
 from aiokv.cli.opening import engines_running, open_readonly
 from aiokv.data import format as fmt
 from aiokv.data import slotfile
-from aiokv.data.backend import OP_READ, open_backend
+from aiokv.data.backend import OP_READ
 from aiokv.data.buffers import BufferPool
+from aiokv.data.choice import open_backend
 from aiokv.data.slotfile import open_data_file, open_engine_dir
 from aiokv.store.store import NotAStore, Store, ns_dir
 
@@ -162,13 +163,14 @@ async def _verify_ns(backend, root: str, ns, items, progress: Progress | None) -
 
 
 async def verify_items(root: str, namespaces: dict, work: dict, progress: Progress | None) -> list[Bad]:
-    """work: nsid -> [(rank, key, slot)]."""
+    """work: nsid -> [(rank, key, location)], or a Work that makes them a chunk at a time."""
     backend = open_backend(asyncio.get_running_loop())
     try:
         bad: list[Bad] = []
         for nsid, items in work.items():
-            if items:
-                bad += await _verify_ns(backend, root, namespaces[nsid], items, progress)
+            for part in items.chunks() if isinstance(items, Work) else [items]:
+                if part:
+                    bad += await _verify_ns(backend, root, namespaces[nsid], part, progress)
         return bad
     finally:
         backend.close()
@@ -182,12 +184,37 @@ def run_loop(coro):
     return uvloop.run(coro)
 
 
+class Work:
+    """(rank, key, location) of every copy in one namespace's engines' files, made a chunk
+    at a time (a directory of tens of millions of blocks is never one list)."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self, ns):
+        self.ns = ns
+
+    def __len__(self) -> int:
+        return sum(t.count for t in self.ns.tables.values()) * self.ns.ranks
+
+    def chunks(self):
+        ns = self.ns
+        for e in sorted(ns.tables):
+            t, keys = ns.tables[e], ns.keys_of(e)
+            live = t.live()
+            for i in range(0, len(live), self.CHUNK):
+                part = live[i : i + self.CHUNK]
+                found = keys.keys_of(part, t.tag[part])
+                yield [
+                    (r, k, fmt.loc(e, s))
+                    for s, k in zip(part.tolist(), found)
+                    if k is not None
+                    for r in range(ns.ranks)
+                ]
+
+
 def work_of(st: Store) -> dict:
-    """nsid -> [(rank, key, location)]: every copy in every engine's files."""
-    return {
-        nsid: [(r, k, fmt.loc(e, s)) for e, d in ns.peers.items() for k, (s, _) in d.items() for r in range(ns.ranks)]
-        for nsid, ns in st.index.namespaces.items()
-    }
+    """nsid -> Work: every copy in every engine's files."""
+    return {nsid: Work(ns) for nsid, ns in st.index.namespaces.items()}
 
 
 def still_committed(st, bad: list) -> dict:

@@ -12,6 +12,8 @@ import datetime
 import os
 import time
 
+import numpy as np
+
 from aiokv.cli.opening import SCHEMA
 from aiokv.data import format as fmt
 from aiokv.data.slotfile import data_path
@@ -39,12 +41,12 @@ def _disk_bytes(root: str, ns, engine: int) -> int:
     return total
 
 
-def _ages(atimes: list[int], now_ns: int) -> dict:
+def _ages(atimes, now_ns: int) -> dict:
     """How recently the blocks were last used (loaded or saved): the index keeps one
-    access time per block, not a hit count."""
-    ages = sorted((now_ns - a) / 1e9 for a in atimes)
-    out = {f"used_last_{name}": sum(a <= s for a in ages) for name, s in AGE_WINDOWS}
-    out["median_age_seconds"] = round(ages[len(ages) // 2], 3) if ages else None
+    access time per block, not a hit count. atimes: a numpy array (ns)."""
+    ages = np.sort((now_ns - atimes.astype(np.int64)) / 1e9)
+    out = {f"used_last_{name}": int(np.searchsorted(ages, s, side="right")) for name, s in AGE_WINDOWS}
+    out["median_age_seconds"] = round(float(ages[len(ages) // 2]), 3) if len(ages) else None
     return out
 
 
@@ -58,8 +60,10 @@ def summary(st: Store) -> dict:
         for e, pid in lives.items()
     }
     for nsid, ns in sorted(st.index.namespaces.items()):
-        atimes = [a for d in ns.peers.values() for _, a in d.values() if a]
-        held = {e: len(d) for e, d in sorted(ns.peers.items())}
+        tables = [ns.tables[e] for e in sorted(ns.tables)]
+        atimes = np.concatenate([t.atime[t.live()] for t in tables]) if tables else np.zeros(0, np.uint64)
+        atimes = atimes[atimes != 0]
+        held = {e: t.count for e, t in sorted(ns.tables.items())}
         blocks = sum(held.values())
         journals = {}
         disk = 0
@@ -84,15 +88,15 @@ def summary(st: Store) -> dict:
                 "nsid": ns.hex,
                 "fields": ns.fields,
                 "blocks": blocks,
-                "keys": len(ns.entries),  # distinct keys: two engines may hold the same block
+                "keys": len(ns.entries),  # blocks (a block two engines hold counts twice)
                 "engines": {str(e): n for e, n in held.items()},
                 "bytes": blocks * ns.slot_bytes * ns.ranks,
                 "payload_bytes": ns.payload_bytes,
                 "slot_bytes": ns.slot_bytes,
                 "ranks": ns.ranks,
                 "disk_bytes": disk,
-                "oldest_access": iso(min(atimes)) if atimes else None,
-                "newest_access": iso(max(atimes)) if atimes else None,
+                "oldest_access": iso(int(atimes.min())) if len(atimes) else None,
+                "newest_access": iso(int(atimes.max())) if len(atimes) else None,
                 "access": _ages(atimes, now),
                 "journals": journals,
             }

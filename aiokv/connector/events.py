@@ -6,8 +6,9 @@ published by vLLM from the scheduler's connector.take_events()).
   (every rank wrote it), or committed by another engine on the same directory and followed.
 - BlockRemoved when it stops being one: evicted (by this engine, or by the other engine
   whose copy it was), dropped as damaged, or no longer served after a cache reset.
-- At start, the blocks already stored for this engine's namespace, in batches of at most
-  ANNOUNCE_BATCH per step (vLLM publishes what take_events returns once per engine step,
+- At start, the blocks already stored for this engine's namespace (once its index has
+  loaded), read from the labels a part of START_READ bytes at a time and announced in
+  batches of at most ANNOUNCE_BATCH per step (vLLM publishes what take_events returns once per engine step,
   so the first batch goes out with the engine's first step).
 
 Each event carries what vLLM's own events carry for the same tokens (one event per
@@ -40,6 +41,9 @@ import logging
 import struct
 import time
 from array import array
+
+from aiokv.store.labels import START_READ
+from aiokv.store.table import tag_of
 
 log = logging.getLogger("aiokv")
 
@@ -114,14 +118,17 @@ class KVEvents:
         self.fp: bytes | None = None  # vLLM's NONE_HASH exists only once the engine is up
         self._reqs: dict[str, tuple] = {}  # request -> (its live block_hashes, LoRA name, LoRA id)
         self._pos: dict[str, tuple[int, dict]] = {}  # request -> (id of its key list, key -> block index)
-        self._held: collections.OrderedDict = collections.OrderedDict()  # (group, key) -> our saves' labels
+        # blocks are named by (group, their key's tag): a removal names a slot's tag, not its key
+        self._held: collections.OrderedDict = collections.OrderedDict()  # (group, tag) -> our saves' labels
         self._book: collections.OrderedDict = collections.OrderedDict()  # the same, other engines' (read)
-        self._announced: dict[tuple[int, bytes], bytes] = {}  # (group, key) -> the raw hash announced
-        self._unknown: dict[tuple[int, bytes], None] = {}  # hits here (other engines') whose label is unread
+        self._announced: dict[tuple[int, int], bytes] = {}  # (group, tag) -> the raw hash announced
+        self._unknown: dict[tuple[int, int], None] = {}  # hits here (other engines') whose label is unread
         self._backlog: collections.deque = collections.deque()  # the start announcement: (group, key, label)
         self._out: list = []
         self._write: dict[tuple, list] = {}  # (group, drive part) -> [(key, label)] for its labels file
         self._reset = False  # after a cache reset: what was stored before is not announced
+        self._reading = 0  # reads of the start announcement in flight
+        self._next_start: list = []  # (group, store, part) whose labels have more to read for it
         self._next_read = 0.0
         self._started = False
         for parts in self._parts.values():
@@ -162,7 +169,7 @@ class KVEvents:
                 parent = hashes[j * r - 1] if j else None
                 self._hold(
                     self._held,
-                    (t.group, key),
+                    (t.group, tag_of(key)),
                     pack_label(
                         fp,
                         hashes[(j + 1) * r - 1],
@@ -189,36 +196,61 @@ class KVEvents:
 
     def take(self) -> list:
         """The events since the last call (vLLM's take_events, once per step)."""
-        if not self._started and self._fingerprint() is not None:
+        if (
+            not self._started
+            and self._fingerprint() is not None
+            and all(part.ready for parts in self._parts.values() for _, part in parts)
+        ):  # (what is stored is known once every index has loaded: store.py)
             self._started = True
             for gi, parts in self._parts.items():
                 for st, part in parts:
+                    self._reading += 1
                     st.labels.read(
-                        part.nsid, lambda found, gi=gi: self._read(gi, found, True), keep=frozenset(part.own)
+                        part.nsid,
+                        lambda found, more, gi=gi, st=st, part=part: self._start_read(gi, st, part, found, more),
+                        keep=lambda key, t=part.table: t.find(key) >= 0,
+                        held=part.table.count,
+                        limit=START_READ,
                     )
         for gi, parts in self._parts.items():
             for pi, (_, part) in enumerate(parts):
                 changes, part.changes = part.changes, []
-                for added, key in changes:
+                for added, tag, key in changes:
                     if added:
-                        self._hit(gi, pi, key)
+                        self._hit(gi, pi, tag, key)
                     else:
-                        self._gone(gi, key)
+                        self._gone(gi, tag)
         if self._unknown and time.monotonic() >= self._next_read:
             self._next_read = time.monotonic() + READ_EVERY
             for gi, parts in self._parts.items():
                 for st, part in parts:
-                    st.labels.read(part.nsid, lambda found, gi=gi: self._read(gi, found, False))
+                    st.labels.read(part.nsid, lambda found, more, gi=gi: self._read(gi, found, False))
         for (gi, pi), items in self._write.items():
             st, part = self._parts[gi][pi]
             st.labels.append(part.nsid, items)
         self._write = {}
+        while self._next_start and not self._reading and len(self._backlog) < 4 * ANNOUNCE_BATCH:
+            gi, st, part = self._next_start.pop(0)
+            self._reading += 1
+            st.labels.read(
+                part.nsid,
+                lambda found, more, gi=gi, st=st, part=part: self._start_read(gi, st, part, found, more),
+                limit=START_READ,
+            )
         for _ in range(min(len(self._backlog), ANNOUNCE_BATCH)):
             gi, key, label = self._backlog.popleft()
             if key in self.groups[gi][1].entries:
-                self._stored(gi, key, label)
+                self._stored(gi, tag_of(key), label)
         out, self._out = self._out, []
         return out
+
+    def _start_read(self, gi: int, st, part, found: dict, more: bool) -> None:
+        """A part of the start announcement read; the next part is read once this one is
+        mostly announced (the backlog stays bounded however many blocks are stored)."""
+        self._reading -= 1
+        self._read(gi, found, True)
+        if more and not self._reset:
+            self._next_start.append((gi, st, part))
 
     @property
     def announcing(self) -> int:
@@ -245,16 +277,16 @@ class KVEvents:
         return pos
 
     @staticmethod
-    def _hold(into: collections.OrderedDict, k: tuple[int, bytes], label: bytes) -> None:
+    def _hold(into: collections.OrderedDict, k: tuple[int, int], label: bytes) -> None:
         into[k] = label
         into.move_to_end(k)
         while len(into) > HELD:  # saves that never committed, other engines' blocks never followed
             into.popitem(last=False)
 
-    def _hit(self, gi: int, pi: int, key: bytes) -> None:
-        k = (gi, key)
+    def _hit(self, gi: int, pi: int, tag: int, key: bytes | None) -> None:
+        k = (gi, tag)
         label = self._held.pop(k, None)
-        if label is not None:  # our save's (on drive part pi)
+        if label is not None and key is not None:  # our save's (on drive part pi)
             if not self._reset:
                 self._write.setdefault((gi, pi), []).append((key, label))
         else:
@@ -264,12 +296,12 @@ class KVEvents:
                 return
             self._unknown[k] = None  # another engine's: its label is read from its file
             return
-        self._stored(gi, key, label)
+        self._stored(gi, tag, label)
 
-    def _gone(self, gi: int, key: bytes) -> None:
-        if key in self.groups[gi][1].entries:
+    def _gone(self, gi: int, tag: int) -> None:
+        if self.groups[gi][1].held(tag):
             return  # still a hit: another drive holds it too
-        k = (gi, key)
+        k = (gi, tag)
         self._unknown.pop(k, None)
         h = self._announced.pop(k, None)
         if h is not None:
@@ -281,7 +313,7 @@ class KVEvents:
             return
         entries = self.groups[gi][1].entries
         for key, label in found.items():
-            k = (gi, key)
+            k = (gi, tag_of(key))
             if k in self._announced:
                 continue
             if start:
@@ -289,17 +321,17 @@ class KVEvents:
                     self._backlog.append((gi, key, label))
             elif k in self._unknown:
                 del self._unknown[k]
-                self._stored(gi, key, label)
+                self._stored(gi, k[1], label)
             elif key not in entries:
                 self._hold(self._book, k, label)  # its commit is followed later
 
-    def _stored(self, gi: int, key: bytes, label: bytes) -> None:
+    def _stored(self, gi: int, tag: int, label: bytes) -> None:
         BlockStored, _, MEDIUM_STORAGE, conv = _vllm()
         got = unpack_label(label)
-        if got is None or got[0] != self.fp or (gi, key) in self._announced:
+        if got is None or got[0] != self.fp or (gi, tag) in self._announced:
             return  # damaged, or hashed under another fingerprint: a router would not know the hash
         _, h, parent, lora_name, lora_id, tokens = got
-        self._announced[(gi, key)] = h
+        self._announced[(gi, tag)] = h
         _, _, kind, window = self.groups[gi]
         self._out.append(
             BlockStored(

@@ -47,6 +47,42 @@ def load_failures(per_block: bool, errors: set[int], failed: set[str]) -> tuple[
     return set(), set(failed)
 
 
+def block_dims(kv_cache_config, index: int, tensors) -> list[int | None]:
+    """Per KV tensor of group `index` ([(layer name, tensor)], as kv_tensors gives them): the
+    dimension that counts blocks, as vLLM lays the layer's tensor out; None where vLLM does not
+    describe it (the worker then goes by sizes: worker/device.py Layer).
+
+    Asked of vLLM, not guessed from sizes (a block count equal to another dimension's size
+    would be ambiguous): both model runners allocate each layer's tensor by
+    compute_layer_kv_cache_shape_bytes(spec, blocks) (its last dimension in bytes, viewed
+    as the dtype); called for two probe block counts, the one dimension that moves counts
+    blocks. Plain ints go down to the worker (nothing below the connector imports vLLM)."""
+    try:
+        from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, compute_layer_kv_cache_shape_bytes
+    except ImportError:  # another vLLM: sizes decide
+        return [None] * len(tensors)
+    names = [n for n, _ in tensors]
+    out: list[int | None] = []
+    for name, t in tensors:
+        dim = None
+        try:
+            spec = kv_cache_config.kv_cache_groups[index].kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                spec = spec.kv_cache_specs[name]
+            if names.count(name) == 1 and getattr(spec, "has_layer_views", True):
+                a, b = (tuple(compute_layer_kv_cache_shape_bytes(spec, n)) for n in PROBE_BLOCKS)
+                moved = [d for d, (x, y) in enumerate(zip(a, b)) if x != y]
+                if len(a) == len(b) == t.dim() and len(moved) == 1:
+                    dim = moved[0]
+        except Exception:  # a spec vLLM cannot shape this way: sizes decide
+            dim = None
+        out.append(dim)
+    return out
+
+
+PROBE_BLOCKS = (1, 2)  # block counts the layout is asked for (any two differ in the block dimension only)
+
+
 class WorkerRole:
     def __init__(self, cfg, ns, ranks: int, layerwise: bool, kv_cache_config):
         self.cfg = cfg
@@ -91,7 +127,9 @@ class WorkerRole:
                 bucket = BucketClient(self.cfg.bucket, self.cfg.bucket_timeout)
             devices = []
             for g in self.groups:
-                device = make_device(kv_tensors(kv_caches, g.layer_names), self.kv_cache_config.num_blocks)
+                tensors = kv_tensors(kv_caches, g.layer_names)
+                dims = block_dims(self.kv_cache_config, g.index, tensors)
+                device = make_device(tensors, self.kv_cache_config.num_blocks, dims)
                 if device.payload_bytes != g.payload_bytes:
                     raise ValueError(
                         f"aiokv: the KV tensors of group {g.index} hold {device.payload_bytes} bytes "

@@ -3,9 +3,10 @@
 on-disk format (format.py), through the I/O backends: batched, cancellable reads and writes
 of caller-owned buffers.
 
-See backend.py for the interface and the choice between io_uring and threads.
+See backend.py for the interface, choice.py for the choice between io_uring and threads.
 """
 
-from aiokv.data.backend import OP_READ, OP_WRITE, IOBackend, open_backend
+from aiokv.data.backend import OP_READ, OP_WRITE, IOBackend
+from aiokv.data.choice import open_backend
 
 __all__ = ["IOBackend", "OP_READ", "OP_WRITE", "open_backend"]

@@ -29,23 +29,24 @@ The CRC in the copy (`crc_in_copy`): a device that copies and checksums in one p
 `write(..., crc_in_copy=True)` does not read the payload again; on loads it checks
 the payload CRC while copying, so `read(..., crc_in_copy=True)` checks everything else (the
 header: format.check_header). Either way a slot on disk is what docs/format.md
-says. With a secret the native stamp and check compute the MAC over the payload
-in the same call, beside the payload CRC.
+says. With a secret the stamp and check calls (format.stamp_slots,
+verify_slots) also hash each payload for its MAC, in the same call.
 
 Pipelining: a call with more than PIPELINE_MIN items runs as several backend
 batches of `chunk` items, so the CPU work overlaps the disk: a write stamps
-(CRC32C) the next chunk while the previous ones are in the kernel, a read
-verifies a chunk as soon as it has arrived while later chunks are still being
-read. Cancelling a call returns only once every batch it started has ended
+(CRC32C) the next chunk while the previous ones are in the kernel (on the
+checksum threads up to a queue depth ahead, so the ring always has stamped
+writes to replace each completion with), a read verifies a chunk as soon as it
+has arrived while later chunks are still being read. Cancelling a call returns only once every batch it started has ended
 (each batch waits for its own operations, backend.py), so buffers are free.
 
 Checksum threads (`cpu`, an Executor; None: everything on the loop thread): a
 stamp or verify call over at least SPREAD_MIN_BYTES of payload runs on those
-threads (the native calls release the GIL), so the loop thread only submits and
+threads (the calls release the GIL), so the loop thread only submits and
 reaps, and the chunks of one call are checked on several cores at once. Where
 the device copy checks the payloads (crc_in_copy=True) the
 calls read only headers and stay on the loop, unless a secret's MAC (computed
-and checked in the same native calls) reads the payloads. A call cancelled while a thread
+and checked in the same calls) reads the payloads. A call cancelled while a thread
 is still stamping or verifying its slots returns only once that thread is done
 with them, like the I/O above.
 """
@@ -60,7 +61,6 @@ import os
 import threading
 import time
 
-from aiokv import _native
 from aiokv.data import format as fmt
 from aiokv.data.backend import OP_READ, OP_WRITE, settle
 from aiokv.data.slotfile import check_slot, open_data_file, open_engine_dir
@@ -71,6 +71,11 @@ PIPELINE_MIN = 4  # up to this many items: one backend batch
 # costs tens of microseconds, as much as checking about half a MiB that is not in cache
 SPREAD_MIN_BYTES = 1 << 20
 CHUNK_MIN_BYTES = 1 << 20  # see BlockIO._chunk
+# a call's chunks checked on the checksum threads: at least this much payload each (see BlockIO._chunk;
+# 0: CHUNK_MIN_BYTES, as before issue 36), and stamped up to this many queue depths ahead of the
+# kernel (0: stamped-or-written within one queue depth, as before); docs/benchmarks.md, "Beside LMCache's NVMe tier"
+SPREAD_CHUNK_BYTES = 4 << 20
+STAMP_AHEAD_DEPTHS = 1
 MISSING_RETRY = 0.5  # seconds before another engine's missing data file is looked for again
 
 
@@ -190,20 +195,20 @@ class BlockIO:
 
     def stamp(self, key: bytes, addr: int) -> None:
         """Fill the header of the staging buffer at addr for `key` (payload already there)."""
-        _native.stamp_slots([addr], [key], self.nsid, self.rank, self.payload_bytes, self.layout, False, self.mac_key)
+        fmt.stamp_slots([addr], [key], self.nsid, self.rank, self.payload_bytes, self.layout, False, self.mac_key)
 
     def _reads_payload(self, crc_in_copy: bool, n: int) -> int:
-        """Payloads a native slot call over n slots reads: none when their CRC is the
+        """Payloads a slot call over n slots reads: none when their CRC is the
         copy's and there is no MAC to compute."""
         return 0 if crc_in_copy and self.mac_key is None else n
 
     async def _stamp_many(self, keys: list, addrs: list, crc_in_copy: bool = False) -> None:
-        """Stamp many slots: one native call (CRC32C and header of each, and the MAC
-        where a secret is set, GIL released; crc_in_copy: the payload CRC is
-        already in each header)."""
-        await self._native(
+        """Stamp many slots: one call (format.stamp_slots: CRC32C and header of each,
+        and the MAC where a secret is set, GIL released; crc_in_copy: the payload
+        CRC is already in each header)."""
+        await self._slot_call(
             self._reads_payload(crc_in_copy, len(addrs)),
-            _native.stamp_slots,
+            fmt.stamp_slots,
             addrs,
             keys,
             self.nsid,
@@ -215,14 +220,15 @@ class BlockIO:
         )
 
     def _spreads(self, payloads: int) -> bool:
-        """Whether a native call over that many payloads goes to the checksum threads."""
+        """Whether a slot call over that many payloads goes to the checksum threads."""
         return self.cpu is not None and payloads * self.payload_bytes >= SPREAD_MIN_BYTES
 
-    async def _native(self, payloads: int, fn, *args):
-        """fn(*args), a native slot call that releases the GIL, over `payloads`
-        payloads: inline, or on the checksum threads when it is big enough to be
-        worth the hand-off. Cancelled, it returns only once the thread has let
-        go of the slots (the caller may free them then)."""
+    async def _slot_call(self, payloads: int, fn, *args):
+        """fn(*args), a slot call (format.stamp_slots, verify_slots: the GIL released
+        while they read payloads) over `payloads` payloads: inline, or on the
+        checksum threads when it is big enough to be worth the hand-off. Cancelled,
+        it returns only once the thread has let go of the slots (the caller may
+        free them then)."""
         if not self._spreads(payloads):
             return fn(*args)
         fut = asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
@@ -252,14 +258,20 @@ class BlockIO:
             return False
         return True
 
-    def _chunk(self) -> int:
+    def _chunk(self, spread: bool = False) -> int:
         """Items per backend batch of a pipelined call: a quarter of the queue depth,
         but at least CHUNK_MIN_BYTES of payload (up to the depth): each batch costs a
         task and a wake-up, which at small blocks cost more than the finer overlap
         saved (measured: 12-16 % of the CPU per GB at 64 KiB, depths 4 and 16, the
-        same GB/s; docs/benchmarks.md, round three)."""
+        same GB/s; docs/benchmarks-history.md, round three). Where the chunks go to the
+        checksum threads (spread), at least SPREAD_CHUNK_BYTES (up to the depth):
+        each is also a hand-off to a thread and back (25-50 µs of CPU on this VM),
+        and the threads, at over 10 GB/s each, keep ahead of a disk anyway (writes:
+        see _pipelined); a read's last chunk is checked after it has arrived, 4 MiB
+        in about 0.2 ms."""
         depth = getattr(self.backend, "depth", 16)
-        return max(2, depth // 4, min(depth, -(-CHUNK_MIN_BYTES // self.payload_bytes)))
+        least = (SPREAD_CHUNK_BYTES or CHUNK_MIN_BYTES) if spread else CHUNK_MIN_BYTES
+        return max(2, depth // 4, min(depth, -(-least // self.payload_bytes)))
 
     async def write(self, items, crc_in_copy: bool = False) -> list[int]:
         """items: (slot, key, addr). Stamps headers, writes, returns per-item 0/-errno.
@@ -298,18 +310,18 @@ class BlockIO:
 
     async def _checked(self, items, res, crc_in_copy: bool = False) -> list[int]:
         """Per-item result of reads: the slots that arrived whole are verified in
-        one native call (the slot check format.check_slot makes, the MAC with a
-        secret among its checks, over the batch, GIL released; without the
-        payload CRC with crc_in_copy)."""
+        one call (format.verify_slots: the slot check format.check_slot makes,
+        the MAC with a secret among its checks, over the batch, GIL released;
+        without the payload CRC with crc_in_copy)."""
         sb, n = self.slot_bytes, len(res)
         whole = range(n) if res.count(sb) == n else [i for i, r in enumerate(res) if r == sb]
         out = [r if r < 0 else -errno.EIO for r in res]
         if not whole:
             return out
         pick = items if len(whole) == n else [items[i] for i in whole]
-        verdicts = await self._native(
+        verdicts = await self._slot_call(
             self._reads_payload(crc_in_copy, len(whole)),
-            _native.verify_slots,
+            fmt.verify_slots,
             [it[2] for it in pick],
             [it[1] for it in pick],
             self.nsid,
@@ -330,12 +342,13 @@ class BlockIO:
         batch starts; reads verified chunk by chunk as their batch ends. Returns
         raw byte counts (writes) or per-item results (reads)."""
         run = self.backend.run
-        step = self._chunk()
+        spread = self._spreads(self._reads_payload(crc_in_copy, self._chunk()))
+        step = self._chunk(spread)
         parts = [items[i : i + step] for i in range(0, len(items), step)]
         futs: list[asyncio.Future] = []
         out: list[int] = []
         try:
-            if op == OP_WRITE and not self._spreads(self._reads_payload(crc_in_copy, step)):
+            if op == OP_WRITE and not spread:
                 # stamped here, on the loop thread: each batch reaches the kernel before the next is stamped
                 for k, part in enumerate(parts):
                     await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part], crc_in_copy)
@@ -343,10 +356,15 @@ class BlockIO:
                     if k + 1 < len(parts):
                         await asyncio.sleep(0)
             elif op == OP_WRITE:
-                # chunks stamped on the checksum threads, each batch started when its chunk is stamped;
-                # at most a queue depth of them stamped or in the kernel at once, so that stamping
-                # runs at the disk's pace and leaves the cores to the loop that feeds the disk
-                room = asyncio.Semaphore(max(2, -(-getattr(self.backend, "depth", 16) // step)))
+                # chunks stamped on the checksum threads, each batch started when its chunk is stamped,
+                # stamping up to STAMP_AHEAD_DEPTHS queue depths ahead of the kernel: the ring keeps
+                # `depth` writes in the kernel and queues the stamped rest, so each completion is
+                # replaced at once from stamped slots, not after a hand-off to a thread and back (with
+                # stamped-or-written bounded by one depth, the kernel held less than the depth while
+                # each chunk was stamped: 0.71-0.91 x RawBlockDevice, docs/benchmarks.md, "Beside LMCache's NVMe tier").
+                # Bounded, so that stamping runs at the disk's pace and leaves the cores to the loop.
+                depth = getattr(self.backend, "depth", 16)
+                room = asyncio.Semaphore(max(2, -(-depth * (1 + STAMP_AHEAD_DEPTHS) // step)))
                 futs = [asyncio.ensure_future(self._stamp_and_write(part, crc_in_copy, room)) for part in parts]
             else:
                 # each chunk verified as soon as it has arrived (on the checksum threads when big enough)

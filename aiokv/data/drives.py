@@ -10,7 +10,9 @@ One drive's trouble stays its own: a file that cannot be opened or created
 fails only its items (-errno), and each call's verdict per drive is handed to
 `report` as {drive: [I/O failures, blocks read whole and verified]} (the
 scheduler side's per-drive breakers). An item naming a drive this DriveIO has
-not got is -ENOENT (a miss).
+not got is -ENOENT (a miss). A call that ends by an exception (cancelled, or a
+part's error that is no OSError) first cancels and waits for every drive's part:
+none of its I/O is left in the kernel once it has ended.
 
 Which drives a timed-out call was still waiting on: a caller that sets
 WAITING to a set before the call (worker/loads.py, worker/saves.py: the job's
@@ -72,14 +74,20 @@ class DriveIO:
         }
         try:
             await asyncio.gather(*tasks.values())
-        except asyncio.CancelledError:
-            waiting = WAITING.get()
-            if waiting is not None:
-                # (gather has cancelled its parts by now: those that had not ended are the cancelled ones)
-                waiting.update(d for d, t in tasks.items() if not t.done() or t.cancelled())
+        except BaseException as e:
+            # however the call ends (cancelled, or one drive's part raised an error that is no
+            # OSError), no part of it may still be running: the caller gives the buffers back
+            if isinstance(e, asyncio.CancelledError):
+                waiting = WAITING.get()
+                if waiting is not None:
+                    # (gather has cancelled its parts by now: those that had not ended are the cancelled ones)
+                    waiting.update(d for d, t in tasks.items() if not t.done() or t.cancelled())
             for t in tasks.values():
                 t.cancel()
             await settle(list(tasks.values()))  # no buffer is in use once this call has ended
+            for t in tasks.values():
+                if not t.cancelled():
+                    t.exception()  # retrieved: the error that matters is re-raised below
             raise
         verdicts = {}
         for d, t in tasks.items():

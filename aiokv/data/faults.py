@@ -6,7 +6,7 @@ AIOKV_FAULTS (the rules) and AIOKV_FAULTS_ACK (exactly ACK below) are set, so
 it cannot be switched on by accident; when it is, it says so loudly, once.
 
 AIOKV_FAULTS is a JSON list of rules; each applies to operations of one kind:
-    {"op": "read"|"write", "kind": "eio"|"enospc"|"short"|"late"|"flip",
+    {"op": "read"|"write", "kind": "eio"|"enospc"|"short"|"late"|"flip"|"raise",
      "every": N (default 1: every matching op), "skip": K (first K matching ops pass),
      "limit": M (at most M faults), "delay": seconds (for "late"),
      "file": S (only operations on files whose path contains S, e.g. "rank1.data"),
@@ -16,6 +16,8 @@ AIOKV_FAULTS is a JSON list of rules; each applies to operations of one kind:
 - late: the operation completes `delay` seconds late.
 - flip: the operation runs, then one byte of its buffer is flipped (for a
   read: the bytes handed back are wrong; for a write: the bytes on disk are).
+- raise: no operation of the batch is performed; the backend's run raises
+  RuntimeError (an error that is no OSError: a bug below the caller).
 
 Threading contract: as the wrapped backend (its loop's thread only).
 """
@@ -31,7 +33,7 @@ import os
 from aiokv.data.backend import OP_READ, IOBackend, say_once
 
 ACK = "inject I/O faults"
-KINDS = ("eio", "enospc", "short", "late", "flip")
+KINDS = ("eio", "enospc", "short", "late", "flip", "raise")
 FIRED: dict[str, int] = {}  # "read:late" -> faults injected in this process (tests show theirs happened)
 
 
@@ -104,6 +106,8 @@ class FaultyBackend(IOBackend):
     async def run(self, ops) -> list[int]:
         rules = [next((r for r in self.rules if r.hits(op)), None) for op in ops]
         plan = [r.kind if r is not None else None for r in rules]
+        if "raise" in plan:
+            raise RuntimeError("aiokv: injected fault (raise)")
         real = [i for i, k in enumerate(plan) if k not in ("eio", "enospc")]
         for i in real:
             if plan[i] == "flip" and ops[i][0] != OP_READ:

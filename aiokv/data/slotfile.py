@@ -3,7 +3,7 @@
 data file (`open_data_file`, in an engine's directory opened by
 `open_engine_dir`), the one check of a slot's bytes (`check_slot`: the on-disk
 format's rules, format.check_slot: the native slot check, the MAC with a
-secret among them; BlockIO checks a batch by the same native check) and the one
+secret among them; BlockIO checks a batch by the same check, format.verify_slots) and the one
 slot reader of an open file (`read_slot`). BlockIO (blockio.py, the workers'
 data path), the store's scan and verify (aiokv/store/scan.py) and `aiokv inspect
 --verify` go through them; the file's name is format.data_file.
@@ -57,8 +57,8 @@ def data_path(ns_dir: str, rank: int, engine: int = 0) -> str:
 
 # The one check of a slot's bytes, for every reader (BlockIO, the bucket tier through
 # BlockIO.verify, the store's scan and verify, inspect): format.check_slot (the native
-# check: header, then payload CRC32C, with a secret's key the MAC too; a batch of
-# staging buffers: _native.verify_slots, the same check).
+# check: header, then payload CRC32C; with a secret's key the MAC too; a batch of
+# staging buffers: format.verify_slots, the same check).
 check_slot = fmt.check_slot
 
 

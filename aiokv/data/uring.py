@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The io_uring backend: one ring per event loop, completions through an eventfd.
 
-The split: the native Ring (native/aiokv_native.c) owns every operation, Python
+The split: the native Ring (native/ring.c) owns every operation, Python
 owns batches. `Ring.start` takes a whole batch in one call and queues its
 operations in C; the ring hands queued operations to the kernel, reaps their
 completions into per-batch result arrays and counts what is left, and tells
@@ -37,7 +37,7 @@ for it). Completions reaped in one wake-up refill the ring at once too
 operations (4): with more than two, Linux plugs the block layer and merges
 requests for adjacent offsets into larger ones; four per call measured best
 of 1, 2, 4 and 8 on file systems over loop devices and on a virtual disk
-(docs/benchmarks.md section 11.2), where an earlier virtual disk had served
+(docs/benchmarks-history.md section 11.2), where an earlier virtual disk had served
 merged requests 10-25 % slower ("Submission and request merging").
 
 Threading contract: loop thread only.

@@ -144,7 +144,7 @@ class Ledger:
                 if slot is None or (rec.group, key, slot) in seen:
                     continue
                 seen.add((rec.group, key, slot))
-                if ns.entries.get(key) == slot:
+                if self.store.holds(ns, key, slot):  # (several drives: on the drive read)
                     bad.setdefault(rec.group, []).append((key, slot))
                 else:
                     missing.append((rec.group, key))
@@ -180,11 +180,8 @@ class Ledger:
                 self.store.unpin(ns, arg)
             elif kind == "abort":
                 self.store.abort(ns, arg, failed=op[3])
-            else:  # only where the key still sits in the slot that failed (not a newer copy)
-                keys = [k for k, slot in arg if ns.entries.get(k) == slot]
-                if keys:
-                    self.store.drop(ns, keys)
-                    self.counters.load_bad_blocks += len(keys)
+            else:  # only where the key still sits in the slot that failed (not a newer copy, nor another drive's)
+                self.counters.load_bad_blocks += self.store.drop_at(ns, arg)
         except Exception:
             log.warning(
                 "aiokv: giving the store back %s of %d block(s) failed; trying again at the next step",
@@ -205,6 +202,18 @@ class Ledger:
         later, self.later = self.later, []
         for op in later:
             self.give_back(op)
+
+    def give_up(self, report: WorkerReport | None) -> None:
+        """A report that could not be processed: the blocks it reported (written or not) are
+        not committed; their slots go back (a dropped save)."""
+        for r in report.saves if report is not None else ():
+            rec = self.jobs.get(r.job)
+            if rec is None:
+                continue
+            items = [(k, rec.saving.pop(k)[0]) for k in r.written + r.failed if k in rec.saving]
+            if items:
+                self.give_back(("abort", rec.group, items, False))
+            self._settle(r.job)
 
     def close(self) -> None:
         """Commit saves whose reports can no longer arrive (the workers are gone) if

@@ -23,16 +23,18 @@ def hit(store, full: list[Group], partial: list[Group], keys: list[bytes], usabl
         hi = store.lookup(g.ns, keys, hi)
     if not partial:
         return hi
+    # only blocks the store serves now (several drives: none from a drive whose breaker is open)
+    views = [(g, store.serving(g.ns)) for g in partial]
     for h in range(hi, local, -1):  # the hit falls back to an earlier window end / checkpoint
-        if all(serves(g, keys, h, local, bs) for g in partial):
+        if all(serves(g, held, keys, h, local, bs) for g, held in views):
             return h
     return 0
 
 
-def serves(g: Group, keys: list[bytes], h: int, local: int, bs: int) -> bool:
-    entries = g.ns.entries
+def serves(g: Group, held, keys: list[bytes], h: int, local: int, bs: int) -> bool:
+    """Whether `held` (the keys the store serves now) has every block group g loads for a hit of h."""
     first = max(g.spec.first_needed_block(h, bs), local)
-    return all(keys[i] in entries for i in range(first, h))
+    return all(keys[i] in held for i in range(first, h))
 
 
 def bucket_extend(

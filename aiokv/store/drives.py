@@ -25,7 +25,7 @@ Breakers: each drive has its own (aiokv/util/breaker.py). Its failures (I/O erro
 on its files, loads that timed out waiting on it: counted per drive by the
 workers, WorkerReport.drives, handed in by `record`) and its file system's stalls
 (its Store's I/O thread past fs_timeout) open it; while open, its blocks are no
-hits (lookup, pin) and saves placed on it are dropped (store_skipped_drive_down);
+hits (lookup, pin, serving: for every kind of group) and saves placed on it are dropped (store_skipped_drive_down);
 half-open, it is probed by hits while none of its blocks is pinned. The other
 drives go on. The scheduler side's own breaker then judges only a stall of every
 drive (`stalled`).
@@ -115,6 +115,15 @@ class DriveNamespace:
         self.on = dict(parts)  # drive -> its Namespace
         self.entries = _Union([(d, ns.entries) for d, ns in parts])
         self.pending = _Union([(d, ns.pending) for d, ns in parts])
+
+    def held(self, tag: int) -> bool:
+        """Whether any drive holds a block of this key tag (the KV events' removals)."""
+        return any(ns.held(tag) for _, ns in self.parts)
+
+    @property
+    def ready(self) -> bool:
+        """Every drive's index has loaded."""
+        return all(ns.ready for _, ns in self.parts)
 
 
 class _Indexes:
@@ -232,6 +241,20 @@ class Drives:
             n += 1
         return n
 
+    def serving(self, ns: DriveNamespace) -> _Union:
+        """The blocks of ns that are hits now: those of the drives serving hits (as lookup and
+        pin see them), the first of them holding a key answering for it."""
+        serving = self._serving()
+        parts = [(d, n) for d, n in ns.parts if d in serving]
+        for d, n in parts:
+            self.stores[d].lookup(n, (), 0)  # applies the last look at the other engines (store.py)
+        return _Union([(d, n.entries) for d, n in parts])
+
+    def holds(self, ns: DriveNamespace, key: bytes, where: int) -> bool:
+        """Whether key's committed copy on the drive `where` names is the one at `where`."""
+        d, w = fmt.drive_of(where)
+        return d in ns.on and self.stores[d].holds(ns.on[d], key, w)
+
     def pin(self, ns: DriveNamespace, keys) -> list[int | None]:
         serving = self._serving()
         out: list[int | None] = [None] * len(keys)
@@ -304,6 +327,22 @@ class Drives:
                 first = first or e
         if first is not None:
             raise first
+
+    def drop_at(self, ns: DriveNamespace, items, corrupt: bool = True) -> int:
+        """Each (key, location) dropped on the drive the location names, where the key still
+        sits there (another drive's copy of it stays); returns how many were dropped."""
+        by = self._by_drive(items)
+        n, first = 0, None
+        for d, its in by.items():
+            if d not in ns.on:
+                continue
+            try:
+                n += self.stores[d].drop_at(ns.on[d], its, corrupt)
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
+        return n
 
     def verify_slot(self, ns: DriveNamespace, key: bytes, where: int) -> bool:
         d, w = fmt.drive_of(where)

@@ -47,6 +47,7 @@ log = logging.getLogger("aiokv")
 FOLLOW_INTERVAL = 0.1  # seconds between looks at the other engines' journals
 MIN_INTERVAL = 0.01  # seconds: the I/O thread's looks, however low the interval is set
 BACKLOG = 100_000  # records handed over and not yet applied past which the I/O thread stops looking
+REPLAY_DEADLINE = 30.0  # seconds a look that replays another engine's files whole may take before it counts as a stall
 
 
 def data_bytes(dir_fd: int, ns: Namespace) -> int:
@@ -73,10 +74,11 @@ class Following:
         self._handed = 0  # records the I/O thread handed over (it alone writes this)
         self._applied = 0  # records the owner applied (it alone writes this)
 
-    def add(self, ns: Namespace) -> None:
-        """A namespace opened (meta.py): followed from now on, and at once."""
+    def add(self, ns: Namespace, now: bool = True) -> None:
+        """A namespace opened (meta.py): followed from now on, and at once (now)."""
         self._spaces = tuple(self.index.namespaces.values())  # replaced, never changed: the I/O thread reads it
-        self.follow(ns)
+        if now:
+            self.follow(ns)
 
     def _peer_engines(self, ns: Namespace) -> list[int]:
         """Engine numbers with files in this namespace, other than ours."""
@@ -112,13 +114,15 @@ class Following:
                 if sub:
                     self._peer_fds[key] = dfd
                 fl = self.followers[key] = Follower(path, dfd)
+            if not fl.replayed or fl._ckpt_ident() != fl.ckpt:  # (a whole replay, maybe: not a stall)
+                self.fs.allow(REPLAY_DEADLINE)
             try:
-                got = fl.poll()
+                got = fl.poll(self.dirs.max_slots(ns))
             except fmt.BadBlock as err:
                 if self.dirs.readonly:
                     raise
                 log.warning("aiokv: %s; its blocks are misses here until its engine rebuilds it", err)
-                got = ("reset", {})
+                got = ("reset", None)
             except FileNotFoundError:
                 continue  # a checkpoint replaced under us: the next look replays it
             touches = list(fl.log.touches) if got is not None and got[0] == "reset" and fl.log is not None else []
@@ -131,16 +135,17 @@ class Following:
             if got is not None:
                 kind, what = got[0], got[1]
                 if kind == "reset":
-                    ns.peer_reset(e, {k: v for k, v in what.items() if v[0] < self.dirs.max_slots(ns)})
+                    ns.peer_reset(e, what)
                     touched = ns.peer_touches(touches)
                 else:
                     touched = ns.peer_apply(e, what, self.dirs.max_slots(ns))
-                    if kind == "roll" and got[2] != len(ns.peers.get(e, ())):
+                    if kind == "roll" and got[2] != (ns.tables[e].count if e in ns.tables else 0):
                         # our view of that engine drifted: replay its files next time
                         fl.forget() if self.fs.inline else self.fs.submit(fl.forget)
                 for k, atime in touched:
-                    if atime > ns.atime.get(k, 0):  # another engine hit our block
-                        self.index.touch(ns, [k], atime)
+                    s = ns.table.find(k)
+                    if s >= 0 and atime > ns.table.atime_at(s):  # another engine hit our block
+                        self.index.touch(ns, [k], atime, exact=True)
             self.peer_bytes[(ns.nsid, e)] = nbytes
 
     def start(self) -> None:
@@ -159,7 +164,11 @@ class Following:
             found = [f for f in self._follow_io(ns) if f[2] is not None or seen.get((ns.nsid, f[0])) != f[4]]
             for f in found:
                 seen[(ns.nsid, f[0])] = f[4]
-                n += len(f[2][1]) if f[2] is not None else 0
+                n += (
+                    (f[2][1].count if f[2][0] == "reset" else len(f[2][1]))
+                    if f[2] is not None and f[2][1] is not None
+                    else 0
+                )
             if found:
                 out.append((ns, found))
         self._handed += n

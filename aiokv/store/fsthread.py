@@ -157,6 +157,14 @@ class FsThread:
             self._every_due = 0.0
             self._cond.notify()
 
+    def allow(self, seconds: float) -> None:
+        """From an operation on the I/O thread: it may take `seconds` more before the file
+        system counts as hung (a whole replay of another engine's index of tens of millions
+        of blocks reads and sorts for a second or more, not a stall)."""
+        op = self._current
+        if op is not None and self.thread is threading.current_thread():
+            op.deadline = max(op.deadline, time.monotonic() - op.started + seconds)
+
     def once(self, what, fn, done=None, deadline: float | None = None) -> Op | None:
         """submit(fn, done) unless the operation `what` is queued already (None then)."""
         if what in self._busy:
@@ -220,6 +228,14 @@ class FsThread:
             op.done(op.result, op.error)
         elif op.error is not None and not isinstance(op.error, OSError):
             log.error("aiokv: a store operation failed", exc_info=op.error)
+
+    def post(self, done, result=None, error: BaseException | None = None) -> None:
+        """done(result, error) at the owner's next poll: what another thread of the store
+        (the index loader, store.py) hands the owner."""
+        op = Op(None, done, 0.0)
+        op.result, op.error, op.finished = result, error, True
+        with self._cond:
+            self._done.append(op)
 
     def poll(self) -> None:
         """Run the done callbacks of finished operations (cheap when there are none)."""

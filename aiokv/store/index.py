@@ -4,6 +4,13 @@
 Pure bookkeeping, no files: the Store persists what this decides (journal.py)
 and does the I/O. Kept apart so property tests can drive it fast.
 
+Every engine's blocks of a namespace are a Table (table.py: a few bytes a
+block, tags not keys). Lookups, commits and drops take keys and work on their
+tags; what only a slot names (an eviction) is said by slot and tag. The keys
+of the blocks are in the files, and the views that hand out keys (iterating
+`entries`, `own`, a peer's blocks, `Index.lru`: tools and tests) read them
+there through the namespace's `keys_of` (set by the store).
+
 Threading contract: one thread (the Store's owner) calls everything here.
 """
 
@@ -11,23 +18,40 @@ from __future__ import annotations
 
 import collections
 import time
+from array import array
+from collections.abc import Mapping
 
-from aiokv.data.format import REC_COMMIT, REC_DROP, loc
+import numpy as np
+
+from aiokv import _index
+from aiokv.data.format import loc
+from aiokv.store.journal import KeyMap, apply_records, record_key, record_tags
+from aiokv.store.table import Table, tag_of
 
 
 class SlotAllocator:
     """Slots of one namespace: free (backed by disk space), holes (punched), and a high-water mark.
 
     Every slot below `hwm` is exactly one of: in use (given out), free, or a hole.
-    `backed` counts slots that hold disk space (in use + free).
+    `backed` counts slots that hold disk space (in use + free). `free` and `holes`
+    are arrays of slot numbers (8 bytes each), taken from their ends.
     """
 
-    def __init__(self, hwm: int = 0, in_use: set[int] | None = None):
-        in_use = in_use or set()
+    def __init__(self, hwm: int = 0, in_use=None):
+        in_use = set(in_use or ())
         self.hwm = max([hwm, *(s + 1 for s in in_use)])
-        self.free: list[int] = []
-        self.holes: list[int] = [s for s in range(self.hwm - 1, -1, -1) if s not in in_use]
+        self.free = array("q")
+        self.holes = array("q", (s for s in range(self.hwm - 1, -1, -1) if s not in in_use))
         self.in_use = len(in_use)
+
+    @classmethod
+    def of_mask(cls, used: np.ndarray) -> SlotAllocator:
+        """Slots in use where `used` (a bool array over 0..hwm-1) is true; the rest are holes."""
+        a = cls()
+        a.hwm = len(used)
+        a.holes = array("q", np.flatnonzero(~used)[::-1].astype(np.int64).tobytes())
+        a.in_use = int(used.sum())
+        return a
 
     @property
     def backed(self) -> int:
@@ -42,14 +66,21 @@ class SlotAllocator:
 
     def plan_grow(self, n: int) -> list[int]:
         """Slots that would become backed by growing n: holes first, then new ones."""
-        out = self.holes[-n:][::-1]
+        out = list(self.holes[-n:][::-1]) if n > 0 else []
         return out + list(range(self.hwm, self.hwm + n - len(out)))
 
-    def grow(self, slots: list[int]) -> None:
+    def grow(self, slots) -> None:
         """The planned slots now have disk space: they become free."""
-        holes = set(slots)
-        self.holes = [h for h in self.holes if h not in holes]
-        self.hwm = max([self.hwm, *(s + 1 for s in slots)])
+        slots = list(slots)
+        k = len(self.holes)
+        tail = [s for s in slots if s < self.hwm]
+        if tail and list(self.holes[k - len(tail) :][::-1]) == tail:
+            del self.holes[k - len(tail) :]  # plan_grow's holes: the end of the array
+        elif tail:
+            gone = set(tail)
+            self.holes = array("q", (h for h in self.holes if h not in gone))
+        if slots:
+            self.hwm = max(self.hwm, max(slots) + 1)
         self.free.extend(sorted(slots, reverse=True))
 
     def release(self, slot: int) -> None:
@@ -64,13 +95,16 @@ class SlotAllocator:
 
 
 class Namespace:
-    """One namespace as one engine sees it: its own entries, pending reservations
-    and allocator, the entries of the other engines on the directory (followed
-    from their journals), and `entries`, the union of both that lookups read.
+    """One namespace as one engine sees it: its own blocks (`table`), pending
+    reservations and allocator, the blocks of the other engines on the directory
+    (`tables`, followed from their journals), and `entries`, the union that
+    lookups read: our own copy first, else the lowest-numbered engine's.
 
     `engine` is this engine's number (None for a read-only opener, which owns
     nothing). Own slots are plain slot numbers; `entries` and `pending` hold
     locations (format.loc: engine << 32 | slot), which for engine 0 are the slots.
+    `ready` is False while its index loads in the background (store.py): no hits,
+    no saves meanwhile.
     """
 
     def __init__(
@@ -83,21 +117,32 @@ class Namespace:
         self.fields = fields
         self.engine = engine
         self.base = loc(engine, 0) if engine is not None else 0  # our slot s is at location base | s
-        self.entries: dict[bytes, int] = {}  # key -> location, every engine's blocks
-        self.own: dict[bytes, int] = {}  # key -> slot, this engine's blocks
-        self.atime: dict[bytes, int] = {}  # own keys -> last access
+        self.table = Table()  # this engine's blocks
+        self.tables: dict[int, Table] = {}  # other engines' blocks, by engine number
         self.pending: dict[bytes, int] = {}  # key -> location reserved, not yet committed
         self.alloc = SlotAllocator()
-        # other engines: engine -> key -> (slot, last commit or TOUCH time), oldest first
-        self.peers: dict[int, collections.OrderedDict[bytes, tuple[int, int]]] = {}
-        # a watcher's list (the connector's KV events sets it): (True, key) when key becomes
-        # a hit here (in `entries`), (False, key) when it stops being one; None: not watched
-        self.changes: list[tuple[bool, bytes]] | None = None
+        self.pinned_tags: collections.Counter = collections.Counter()  # tags of keys loads hold pinned
+        self.ready = True
+        # a watcher's list (the connector's KV events sets it): (True, tag, key or None) when a
+        # block becomes a hit here, (False, tag, None) when it stops being one; None: not watched
+        self.changes: list[tuple[bool, int, bytes | None]] | None = None
+        # keys_of(engine) -> journal.KeyMap: the keys an engine's files name (set by the store)
+        self.keys_of = lambda engine: KeyMap()
+        self._order: tuple = ()
+        self._probes: tuple = ()
+        self._reorder()
+        self.entries = Entries(self)
+        self.own = Own(self)
+        self.peers = Peers(self)
 
-    def _added(self, key: bytes, where: int) -> None:
-        if self.changes is not None and key not in self.entries:
-            self.changes.append((True, key))
-        self.entries[key] = where
+    def _reorder(self) -> None:
+        peers = sorted(self.tables)
+        own = [] if self.engine is None else [self.engine]
+        self._order = tuple(own + peers)
+        self._probes = tuple(self.table_of(e).probe for e in self._order)
+
+    def table_of(self, engine: int) -> Table:
+        return self.table if engine == self.engine else self.tables[engine]
 
     @property
     def slot_cost(self) -> int:
@@ -108,48 +153,49 @@ class Namespace:
     def hex(self) -> str:
         return self.nsid.hex()
 
+    # ---- lookups ----
     def where(self, key: bytes) -> int | None:
         """The location lookups should use for key: our own copy first, else another
         engine's (the lowest-numbered; a newer commit elsewhere may also take its place)."""
-        slot = self.own.get(key)
-        if slot is not None:
-            return self.base | slot
-        for e in sorted(self.peers):
-            got = self.peers[e].get(key)
-            if got is not None:
-                return loc(e, got[0])
-        return None
+        got = _index.locate(self._probes, key)
+        return None if got is None else loc(self._order[got[0]], got[1])
 
-    def _resolve(self, key: bytes) -> None:
-        where = self.where(key)
-        if where is None:
-            if self.entries.pop(key, None) is not None and self.changes is not None:
-                self.changes.append((False, key))
-        else:
-            self.entries[key] = where
+    def held(self, tag: int, but: int | None = None) -> bool:
+        """Whether any engine (other than `but`) holds a block of this tag."""
+        return any(e != but and self.table_of(e).find_tag(tag) >= 0 for e in self._order)
+
+    def count(self) -> int:
+        """Blocks every engine holds (a block two engines hold counts twice)."""
+        return self.table.count + sum(t.count for t in self.tables.values())
+
+    # ---- changes, for a watcher ----
+    def _added(self, tag: int, key: bytes | None, engine: int) -> None:
+        if self.changes is not None and not self.held(tag, but=engine):
+            self.changes.append((True, tag, key))
+
+    def _gone(self, tag: int) -> None:
+        if self.changes is not None and not self.held(tag):
+            self.changes.append((False, tag, None))
+
+    # ---- other engines ----
+    def _peer(self, engine: int) -> Table:
+        t = self.tables.get(engine)
+        if t is None:
+            t = self.tables[engine] = Table()
+            self._reorder()
+        return t
 
     def peer_apply(self, engine: int, records, max_slot: int) -> list[tuple[bytes, int]]:
-        """Apply another engine's journal records (kind, key, slot, atime), in order;
-        a slot at or past max_slot (beyond the file system) is damage and skipped.
-        Returns the (key, atime) of TOUCH records for keys we hold (Index.touch them)."""
-        d = self.peers.get(engine)
-        if d is None:
-            d = self.peers[engine] = collections.OrderedDict()
-        own, base = self.own, loc(engine, 0)
+        """Apply another engine's journal records (a numpy array: journal.parse_records),
+        in order; a slot at or past max_slot (beyond the file system) is damage and
+        skipped. Returns the (key, atime) of TOUCH records for keys we hold (Index.touch them)."""
+        t = self._peer(engine)
+        touch, changes = apply_records(t, records, record_tags(records), max_slot, watch=self.changes is not None)
+        for tag, added in changes:
+            self._added(tag, None, engine) if added else self._gone(tag)
         touched = []
-        for kind, key, slot, atime in records:
-            if kind == REC_COMMIT:
-                if slot >= max_slot:
-                    continue
-                d.pop(key, None)  # a new commit time: to the young end
-                d[key] = (slot, atime)
-                if key not in own:
-                    self._added(key, base | slot)
-            elif kind == REC_DROP:
-                if d.pop(key, None) is not None:
-                    self._resolve(key)
-            else:  # TOUCH: whoever holds the key saw it used
-                touched += self.peer_touches([(key, atime)])
+        for i in touch.tolist():  # TOUCH: whoever holds the key saw it used
+            touched += self.peer_touches([(record_key(records[i]), int(records[i]["atime"]))])
         return touched
 
     def peer_touches(self, touches) -> list[tuple[bytes, int]]:
@@ -157,50 +203,82 @@ class Namespace:
         out = []
         for key, atime in touches:
             self.peer_touch(key, atime)
-            if key in self.own:
+            if self.table.find(key) >= 0:
                 out.append((key, atime))
         return out
 
     def peer_touch(self, key: bytes, atime: int) -> None:
         """Another engine's copies of key were used at atime: to the young end."""
-        for d in self.peers.values():
-            got = d.get(key)
-            if got is not None and got[1] < atime:
-                d[key] = (got[0], atime)
-                d.move_to_end(key)
+        tag = tag_of(key)
+        for t in self.tables.values():
+            s = t.find_tag(tag)
+            if s >= 0:
+                t.touch(s, atime)
 
     def peer_drop(self, engine: int, key: bytes) -> None:
-        d = self.peers.get(engine)
-        if d is not None and d.pop(key, None) is not None:
-            self._resolve(key)
+        t = self.tables.get(engine)
+        if t is not None:
+            s = t.find(key)
+            if s >= 0:
+                self._gone(t.clear(s))
 
-    def peer_reset(self, engine: int, entries: dict[bytes, tuple[int, int]]) -> None:
-        """Replace what we know of `engine` by a full replay of its files."""
-        old = self.peers.pop(engine, None) or {}
-        for key in old:
-            self._resolve(key)
-        if entries:
-            self.peers[engine] = collections.OrderedDict(sorted(entries.items(), key=lambda kv: kv[1][1]))
-            for key, (slot, _) in entries.items():
-                if key not in self.own and key not in self.entries:
-                    self._added(key, loc(engine, slot))
+    def peer_free(self, engine: int, slot: int) -> None:
+        """The block in another engine's `slot` is gone (we evicted it for that engine)."""
+        t = self.tables.get(engine)
+        if t is not None:
+            tag = t.clear(slot)
+            if tag:
+                self._gone(tag)
+
+    def peer_reset(self, engine: int, table: Table | None) -> None:
+        """Replace what we know of `engine` by a full replay of its files (a Table)."""
+        old = self.tables.pop(engine, None)
+        if table is not None and table.count:
+            self.tables[engine] = table
+        self._reorder()
+        if self.changes is None:
+            return
+        # a watcher hears of the blocks that came and went (by tag)
+        for t, was_there in ((old, True), (table, False)):
+            if t is None or not t.count:
+                continue
+            tags = t.tag[t.live()]
+            for tag in tags.tolist():
+                if was_there and not self.held(tag):
+                    self.changes.append((False, tag, None))
+                elif not was_there and (old is None or old.find_tag(tag) < 0) and not self.held(tag, but=engine):
+                    self.changes.append((True, tag, None))
+
+    def oldest_peer(self) -> tuple[int, int, int] | None:
+        """(atime, engine, slot) of the oldest block another engine holds."""
+        best = None
+        for e, t in self.tables.items():
+            s = t.oldest()
+            if s >= 0 and (best is None or t.atime_at(s) < best[0]):
+                best = (t.atime_at(s), e, s)
+        return best
 
     def oldest_peer_atime(self) -> int | None:
-        """Access time of the oldest block another engine holds (each engine's map is
-        kept in commit/TOUCH order)."""
-        firsts = [next(iter(d.values()))[1] for d in self.peers.values() if d]
-        return min(firsts) if firsts else None
+        """Access time of the oldest block another engine holds."""
+        got = self.oldest_peer()
+        return None if got is None else got[0]
 
 
 class Index:
-    """All namespaces of a store plus one LRU order over this engine's committed entries."""
+    """All namespaces of a store plus the eviction order over this engine's blocks."""
 
     def __init__(self):
         self.namespaces: dict[bytes, Namespace] = {}
-        self.lru: collections.OrderedDict[tuple[bytes, bytes], None] = collections.OrderedDict()
         self.pins: collections.Counter = collections.Counter()
         # slots of keys dropped while pinned: in use until the key is unpinned (release_dropped)
         self.dropped_pinned: dict[tuple[bytes, bytes], list[int]] = {}
+        self.clock = 0  # the last access time handed out: every one is later (ties keep their order)
+
+    def now(self, now: int | None = None) -> int:
+        """An access time for our blocks: the wall clock, later than every one handed out."""
+        now = max(now or time.time_ns(), self.clock + 1)
+        self.clock = now
+        return now
 
     def release_dropped(self, ns: Namespace, key: bytes, slot: int) -> None:
         """The slot of a dropped key goes back to the free list, or, while a load still holds
@@ -220,57 +298,203 @@ class Index:
     def physical_bytes(self) -> int:
         return sum(ns.alloc.backed * ns.slot_cost for ns in self.namespaces.values())
 
-    def load(self, ns: Namespace, entries: dict[bytes, tuple[int, int]]) -> None:
-        """Install this engine's entries replayed from disk, oldest access first in the LRU."""
-        ns.own = {k: s for k, (s, _) in entries.items()}
-        ns.atime = {k: a for k, (_, a) in entries.items()}
-        ns.alloc = SlotAllocator(0, set(ns.own.values()))
-        ns.entries = {k: ns.base | s for k, s in ns.own.items()}
+    def load(self, ns: Namespace, table: Table) -> None:
+        """Install this engine's blocks replayed from disk."""
+        ns.table = table
+        table.forget_order()
+        used = np.zeros(table.slots, bool)
+        used[table.live()] = True
+        last = np.flatnonzero(used)
+        ns.alloc = SlotAllocator.of_mask(used[: int(last[-1]) + 1] if len(last) else used[:0])
+        ns._reorder()
         self.namespaces[ns.nsid] = ns
-        merged = sorted(((a, ns.nsid, k) for k, a in ns.atime.items()))
-        # re-sort the whole LRU so several namespaces interleave by access time
-        old = [(self._atime(n, k), n, k) for (n, k) in self.lru]
-        self.lru = collections.OrderedDict(((n, k), None) for _, n, k in sorted(old + merged))
-
-    def _atime(self, nsid: bytes, key: bytes) -> int:
-        return self.namespaces[nsid].atime.get(key, 0)
+        if table.count:
+            self.clock = max(self.clock, int(table.atime.max()))
 
     def lookup(self, ns: Namespace, keys, limit: int | None = None) -> int:
         """Length of the run of committed keys at the start of `keys` (at most `limit`).
         No side effects."""
-        entries = ns.entries
-        n = 0
-        stop = len(keys) if limit is None else min(limit, len(keys))
-        while n < stop and keys[n] in entries:
-            n += 1
-        return n
+        if not ns.ready:
+            return 0
+        return _index.run(ns._probes, keys, -1 if limit is None else limit)
 
-    def touch(self, ns: Namespace, keys, now: int | None = None) -> None:
+    def touch(self, ns: Namespace, keys, now: int | None = None, exact: bool = False) -> None:
+        """Our blocks of these keys were used now (exact: at `now`, another engine's hit)."""
         now = now or time.time_ns()
+        t = ns.table
         for k in keys:
-            if k in ns.own:
-                ns.atime[k] = now
-                self.lru.move_to_end((ns.nsid, k))
+            s = t.find(k)
+            if s >= 0:
+                t.touch(s, now if exact else self.now(now))
 
-    def commit(self, ns: Namespace, key: bytes, slot: int, now: int) -> None:
-        ns.own[key] = slot
-        ns._added(key, ns.base | slot)
-        ns.atime[key] = now
-        self.lru[(ns.nsid, key)] = None
+    def commit(self, ns: Namespace, key: bytes, slot: int, now: int) -> int:
+        """Our block of key is in slot now; returns its access time."""
+        tag = tag_of(key)
+        if ns.changes is not None:
+            ns._added(tag, key, ns.engine)
+        at = self.now(now)
+        ns.table.put(slot, tag, at)
+        return at
+
+    def commit_many(self, ns: Namespace, keys: list[bytes], slots: list[int], now: int) -> None:
+        """commit, for a batch (their access times now, now + 1, ...: later than any before)."""
+        tags = np.frombuffer(_index.tags(keys), np.uint64)
+        if ns.changes is not None:
+            for tag, key in zip(tags.tolist(), keys):
+                ns._added(tag, key, ns.engine)
+        first = max(now, self.clock + 1)
+        self.clock = first + len(keys) - 1
+        ns.table.put_many(np.array(slots, np.uint64), tags, np.arange(first, first + len(keys), dtype=np.uint64))
 
     def remove(self, ns: Namespace, key: bytes) -> int | None:
         """Forget one of our committed keys; return its slot (still in use) or None.
         Another engine's copy of the key, if any, becomes the one lookups see."""
-        slot = ns.own.pop(key, None)
-        if slot is not None:
-            ns.atime.pop(key, None)
-            self.lru.pop((ns.nsid, key), None)
-            ns._resolve(key)
-        return slot
+        s = ns.table.find(key)
+        if s < 0:
+            return None
+        ns._gone(ns.table.clear(s))
+        return s
 
-    def victim(self) -> tuple[Namespace, bytes] | None:
-        """Our least recently used committed, unpinned entry (other engines evict their own)."""
-        for nsid, key in self.lru:
-            if not self.pins[(nsid, key)]:
-                return self.namespaces[nsid], key
-        return None
+    def remove_slot(self, ns: Namespace, slot: int) -> int:
+        """Forget our block in `slot`; returns its tag (0: none)."""
+        tag = ns.table.clear(slot)
+        if tag:
+            ns._gone(tag)
+        return tag
+
+    def victim(self) -> tuple[Namespace, int] | None:
+        """Our least recently used committed, unpinned block, as (namespace, slot)
+        (other engines evict their own)."""
+        best = None
+        for ns in self.namespaces.values():
+            t, pinned = ns.table, ns.pinned_tags
+            s = t.oldest((lambda s, t=t, p=pinned: p[t.tag_at(s)] > 0) if pinned else None)
+            if s >= 0 and (best is None or t.atime_at(s) < best[0]):
+                best = (t.atime_at(s), ns, s)
+        return None if best is None else (best[1], best[2])
+
+    def victim_atime(self, victim: tuple[Namespace, int]) -> int:
+        ns, slot = victim
+        return ns.table.atime_at(slot)
+
+    @property
+    def lru(self):
+        """(nsid, key) of our blocks, least recently used first (reads the keys from the files)."""
+        items = []
+        for ns in self.namespaces.values():
+            if ns.engine is None:
+                continue
+            t = ns.table
+            order = t.in_order()
+            for s, k in zip(order.tolist(), ns.keys_of(ns.engine).keys_of(order, t.tag[order])):
+                if k is not None:
+                    items.append((t.atime_at(s), s, ns.nsid, k))
+        items.sort(key=lambda x: (x[0], x[1]))
+        return [(n, k) for _, _, n, k in items]
+
+
+# ---- views that read like the dicts they replaced (tools, tests): lookups by key are
+# the tables'; iterating reads the keys from the files (Namespace.keys_of) ----
+def _keys(ns: Namespace, engine: int) -> list[bytes]:
+    t = ns.table_of(engine)
+    live = t.live()
+    return [k for k in ns.keys_of(engine).keys_of(live, t.tag[live]) if k is not None]
+
+
+class Entries(Mapping):
+    """key -> location of every engine's blocks (ours first)."""
+
+    def __init__(self, ns: Namespace):
+        self._ns = ns
+
+    def __contains__(self, key) -> bool:
+        return isinstance(key, bytes) and _index.locate(self._ns._probes, key) is not None
+
+    def get(self, key, default=None):
+        w = self._ns.where(key) if isinstance(key, bytes) else None
+        return default if w is None else w
+
+    def __getitem__(self, key):
+        w = self.get(key)
+        if w is None:
+            raise KeyError(key)
+        return w
+
+    def __len__(self) -> int:
+        return self._ns.count()
+
+    def __iter__(self):
+        seen = set()
+        for e in self._ns._order:
+            for k in _keys(self._ns, e):
+                if k not in seen:
+                    seen.add(k)
+                    yield k
+
+
+class Own(Mapping):
+    """key -> slot of our own blocks."""
+
+    def __init__(self, ns: Namespace):
+        self._ns = ns
+
+    def __contains__(self, key) -> bool:
+        return isinstance(key, bytes) and self._ns.table.find(key) >= 0
+
+    def __getitem__(self, key):
+        s = self._ns.table.find(key) if isinstance(key, bytes) else -1
+        if s < 0:
+            raise KeyError(key)
+        return s
+
+    def __len__(self) -> int:
+        return self._ns.table.count
+
+    def __iter__(self):
+        if self._ns.engine is None:
+            return iter(())
+        return iter(_keys(self._ns, self._ns.engine))
+
+
+class PeerBlocks(Mapping):
+    """key -> (slot, atime) of another engine's blocks."""
+
+    def __init__(self, ns: Namespace, engine: int):
+        self._ns, self._e = ns, engine
+
+    def _t(self) -> Table:
+        return self._ns.tables.get(self._e) or Table()
+
+    def __getitem__(self, key):
+        t = self._t()
+        s = t.find(key) if isinstance(key, bytes) else -1
+        if s < 0:
+            raise KeyError(key)
+        return s, t.atime_at(s)
+
+    def __contains__(self, key) -> bool:
+        return isinstance(key, bytes) and self._t().find(key) >= 0
+
+    def __len__(self) -> int:
+        return self._t().count
+
+    def __iter__(self):
+        return iter(_keys(self._ns, self._e)) if self._e in self._ns.tables else iter(())
+
+
+class Peers(Mapping):
+    """engine -> its blocks (PeerBlocks), for the other engines holding any."""
+
+    def __init__(self, ns: Namespace):
+        self._ns = ns
+
+    def __getitem__(self, engine):
+        if engine not in self._ns.tables:
+            raise KeyError(engine)
+        return PeerBlocks(self._ns, engine)
+
+    def __len__(self) -> int:
+        return len(self._ns.tables)
+
+    def __iter__(self):
+        return iter(sorted(self._ns.tables))

@@ -48,11 +48,13 @@ class JournalQueue:
         """Bytes the journal and checkpoint files take, queued records included."""
         return self._written + self._queued
 
-    def append(self, recs: list[bytes], failed=None) -> None:
-        """Queue records (all or none are written); failed(OSError) if they were not."""
+    def append(self, recs, failed=None) -> None:
+        """Queue records (a list, or bytes of records end to end; all or none are written);
+        failed(OSError) if they were not."""
         if not recs:
             return
-        n, nbytes, log = len(recs), len(recs) * fmt.REC_BYTES, self.log
+        n = len(recs) // fmt.REC_BYTES if isinstance(recs, bytes) else len(recs)  # (bytes: records end to end)
+        nbytes, log = n * fmt.REC_BYTES, self.log
         self.records += n
         self._queued += nbytes
         self._dirty = True
@@ -83,7 +85,7 @@ class JournalQueue:
         self.fs.once(key, self.log.sync, lambda _, e: failed(e) if e is not None else None)
 
     def checkpoint(self, snapshot, failed) -> None:
-        """Queue a checkpoint of snapshot [(key, slot, atime)] (unless one is queued):
+        """Queue a checkpoint of snapshot (a Table, or [(key, slot, atime)]) (unless one is queued):
         the journal starts empty after it; failed(error) if it was not written."""
         log, before, key = self.log, self.records, ("checkpoint", id(self))
         if self.fs.busy(key):

@@ -33,6 +33,7 @@ from aiokv.data.dirs import NotAStore, open_dir
 log = logging.getLogger("aiokv")
 O_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW
 MAX_READ = 256 << 20  # bytes read of one labels file at once (a hostile file stays bounded)
+START_READ = 16 << 20  # bytes a start announcement reads of each file at once (tens of millions of labels: in turns)
 
 
 class Labels:
@@ -52,20 +53,24 @@ class Labels:
         except OSError:
             pass  # the store is closed: the labels are lost, as the issue of a closed store
 
-    def read(self, nsid: bytes, done, keep: frozenset | None = None) -> None:
-        """done({key: label}) with what every engine's labels file of the namespace says
-        that was not read before; `keep` (our keys, at the first read): compact our file."""
+    def read(self, nsid: bytes, done, keep=None, held: int = 0, limit: int = MAX_READ) -> None:
+        """done({key: label}, more) with what every engine's labels file of the namespace says
+        that was not read before, at most `limit` bytes of each file (more: a file has more
+        to read; read again for it); `keep(key)` (whether we hold key) and `held` (how many we
+        hold), at the first read: compact our file. keep runs on the I/O thread while the
+        owner changes what it reads: a wrong answer only keeps a stale label or drops one
+        (its block is not announced after a restart)."""
 
-        def finish(found, e):
+        def finish(got, e):
             if e is not None:
                 log.warning("aiokv: reading the block labels failed (%s); trying again later", e)
-                found = {}
-            done(found)
+                got = ({}, False)
+            done(*got)
 
         try:
-            self.fs.submit(lambda: self._read(nsid, keep), finish)
+            self.fs.submit(lambda: self._read(nsid, keep, held, limit), finish)
         except OSError:
-            done({})
+            done({}, False)
 
     def close(self) -> None:
         """Close our labels files (on the I/O thread, as the store's last operations)."""
@@ -110,22 +115,25 @@ class Labels:
                 continue  # a symlink planted there, a directory vanishing: not an engine's
         return out
 
-    def _read(self, nsid: bytes, keep: frozenset | None) -> dict[bytes, bytes]:
+    def _read(self, nsid: bytes, keep, held: int = 0, limit: int = MAX_READ) -> tuple[dict[bytes, bytes], bool]:
         found: dict[bytes, bytes] = {}
+        more = False
         own = fmt.engine_dir(self.dirs.engine) if self.dirs.engine is not None else None
         for name, dfd, close in self._engine_dirs(nsid):
             try:
-                got = self._read_file(nsid, name, dfd)
-                if got is not None and keep is not None and name == own and len(got[1]) > 2 * len(keep) + 64:
-                    self._compact(nsid, dfd, {k: v for k, v in got[1].items() if k in keep})
+                got = self._read_file(nsid, name, dfd, limit)
+                # (compacted only when read whole: a part says nothing of the rest)
+                if got is not None and keep is not None and name == own and not got[2] and len(got[1]) > 2 * held + 64:
+                    self._compact(nsid, dfd, {k: v for k, v in got[1].items() if keep(k)})
                 if got is not None:
                     found.update(got[1])
+                    more = more or got[2]
             finally:
                 if close:
                     os.close(dfd)
-        return found
+        return found, more
 
-    def _read_file(self, nsid: bytes, name: str, dfd: int):
+    def _read_file(self, nsid: bytes, name: str, dfd: int, limit: int = MAX_READ):
         try:
             fd = os.open(fmt.LABELS_NAME, os.O_RDONLY | O_FLAGS, dir_fd=dfd)
         except FileNotFoundError:
@@ -142,7 +150,7 @@ class Labels:
                 except fmt.BadBlock:
                     return None
                 start = fmt.FILE_HDR_BYTES
-            buf = os.pread(fd, min(st.st_size - start, MAX_READ), start)
+            buf = os.pread(fd, min(st.st_size - start, limit, MAX_READ), start)
         finally:
             os.close(fd)
         it, out = fmt.iter_labels(buf), {}
@@ -154,7 +162,7 @@ class Labels:
                 break
             out[k] = v
         self._seen[(nsid, name)] = (st.st_ino, start + used)
-        return st.st_ino, out
+        return st.st_ino, out, used > 0 and start + used < st.st_size
 
     def _compact(self, nsid: bytes, dfd: int, live: dict[bytes, bytes]) -> None:
         """Our labels file rewritten with only `live` (tmp file, fsync, rename over)."""

@@ -203,6 +203,7 @@ class Opener:
     the following of the other engines, the space reserved ahead."""
 
     def __init__(self, dirs: Dirs, index, replay, following, space, fs):
+        self._keys: dict = {}  # (nsid, engine) -> the keys keys_of read last (slot -> key)
         self.dirs, self.index, self.replay, self.following, self.space, self.fs = (
             dirs,
             index,
@@ -212,15 +213,49 @@ class Opener:
             fs,
         )
 
+    def shell(self, nsid: bytes) -> Namespace:
+        """A namespace that has a namespace.json, its index still to load (store.py loads it
+        in the background): no blocks, not ready; the other engines followed from the I/O
+        thread's first look."""
+        pb, sb, ranks, fields = self.dirs.read_namespace(nsid)
+        ns = Namespace(nsid, pb, sb, ranks, fields, self.dirs.engine)
+        ns.keys_of = lambda engine, ns=ns: self.keys_of(ns, engine)
+        ns.ready = False
+        self.index.namespaces[nsid] = ns
+        self.following.add(ns, now=False)
+        return ns
+
     def load(self, nsid: bytes) -> Namespace:
         """Open a namespace that has a namespace.json: replay our files, follow the others'."""
         pb, sb, ranks, fields = self.dirs.read_namespace(nsid)
         ns = Namespace(nsid, pb, sb, ranks, fields, self.dirs.engine)
+        ns.keys_of = lambda engine, ns=ns: self.keys_of(ns, engine)
         if not self.dirs.readonly:
             self.replay.load_own(ns)
         self.index.namespaces[nsid] = ns
         self.following.add(ns)
         return ns
+
+    def keys_of(self, ns: Namespace, engine: int):
+        """slot -> key of an engine's blocks, read from its files (journal.read_keys; for the
+        views that hand out keys: tools and tests). Ours are read once what is queued for
+        the I/O thread is written (waited for at most NAMESPACE_WAIT)."""
+        from aiokv.store.journal import KeyMap, read_keys
+
+        try:
+            if engine == self.dirs.engine:
+                if not self.fs.inline:
+                    self.fs.call(lambda: None, NAMESPACE_WAIT)
+                path = os.path.join(ns_dir(self.dirs.root, ns.nsid), fmt.engine_dir(engine)).rstrip("/")
+                got = read_keys(path, self.dirs.own_dir_fd(ns.nsid))
+            else:
+                fl = self.following.followers.get((ns.nsid, engine))
+                got = KeyMap() if fl is None else read_keys(fl.dir, fl.dir_fd)
+        except OSError:
+            # a disk that stopped answering: the keys read last (a block not among them is left out)
+            return self._keys.get((ns.nsid, engine)) or KeyMap()
+        self._keys[(ns.nsid, engine)] = got
+        return got
 
     def namespace(self, nsid: bytes, payload_bytes: int, ranks: int = 1, fields: dict | None = None) -> Namespace:
         """Open or create a namespace. nsid is derived by the caller from all that changes the bytes.

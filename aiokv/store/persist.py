@@ -43,7 +43,7 @@ class Persist:
         self.logs[nsid] = log
         self.journals[nsid] = JournalQueue(log, self.fs)
 
-    def append(self, ns: Namespace, recs: list[bytes], failed=None) -> None:
+    def append(self, ns: Namespace, recs, failed=None) -> None:
         """Queue records to a namespace's journal; failed(OSError) if they were not written.
         Without `failed`, best effort: a DROP that is not persisted resurrects an entry whose
         slot was punched or reused; its header then fails verification: a miss. A TOUCH that
@@ -56,12 +56,17 @@ class Persist:
 
     @staticmethod
     def _snapshot(ns: Namespace):
-        return [(k, s, ns.atime.get(k, 0)) for k, s in ns.own.items()]
+        """What a checkpoint of ns writes: its table, read where the checkpoint runs, the keys
+        taken from the files it replaces (journal.py, IndexLog._merged)."""
+        return ns.table
 
     def checkpoint_if_due(self, ns: Namespace) -> None:
-        """After a commit: checkpoint a journal grown past checkpoint_every records and the index."""
+        """After a commit: checkpoint a journal grown past checkpoint_every records and past
+        the blocks it indexes, or past an eighth of them for a large index (a replay after a
+        crash reads at most that many records)."""
         jq = self.journals[ns.nsid]
-        if jq.records > self.checkpoint_every and jq.records > len(ns.own):
+        n = ns.table.count
+        if jq.records > self.checkpoint_every and jq.records > min(n, max(self.checkpoint_every, n // 8)):
             jq.checkpoint(self._snapshot(ns), self._checkpoint_failed)
 
     @staticmethod

@@ -60,36 +60,34 @@ class Reclaim:
         RECLAIM_INTERVAL seconds; a running engine (idle or not) is never touched."""
         space = self.space
         while space.used() > space.limit and space.peers_older() and not self.fs.busy("reclaim"):
-            ns, e, key = self._oldest_peer()
+            ns, e, slot = self._oldest_peer()
             if e not in self._reclaiming:
                 now = time.monotonic()
                 if now - self._checked < RECLAIM_INTERVAL:
                     return
                 self._checked = now
-            slot = ns.peers[e][key][0]
+            tag = ns.tables[e].tag_at(slot)
             op = self.fs.once(
                 "reclaim",
-                lambda ns=ns, e=e, key=key, slot=slot: self._evict_dead_io(ns, e, key, slot),
-                lambda r, err, ns=ns, e=e, key=key: self._evict_dead_done(ns, e, key, r, err),
+                lambda ns=ns, e=e, tag=tag, slot=slot: self._evict_dead_io(ns, e, tag, slot),
+                lambda r, err, ns=ns, e=e, slot=slot: self._evict_dead_done(ns, e, slot, r, err),
             )
             if not op.finished or op.result is None:
                 return
 
-    def _oldest_peer(self) -> tuple[Namespace, int, bytes] | None:
-        """(namespace, engine, key) of the oldest block another engine holds."""
+    def _oldest_peer(self) -> tuple[Namespace, int, int] | None:
+        """(namespace, engine, slot) of the oldest block another engine holds."""
         best = None
         for ns in self.index.namespaces.values():
-            for e, d in ns.peers.items():
-                if d:
-                    k, (_, a) = next(iter(d.items()))
-                    if best is None or a < best[0]:
-                        best = (a, ns, e, k)
+            got = ns.oldest_peer()
+            if got is not None and (best is None or got[0] < best[0]):
+                best = (got[0], ns, got[1], got[2])
         return best[1:] if best else None
 
-    def _evict_dead_io(self, ns: Namespace, e: int, key: bytes, slot: int):
+    def _evict_dead_io(self, ns: Namespace, e: int, tag: int, slot: int):
         """None if the engine runs, or its files could not be used; ("first", its bytes,
-        its journal's entries) after taking its files and punching the space no block of
-        it uses; ("dropped",) after a DROP of key and a punch of its slot."""
+        its blocks (a Table)) after taking its files and punching the space no block of
+        it uses; ("dropped",) after a FREE of its block in slot (of tag) and a punch of it."""
         fl = self.following.followers.get((ns.nsid, e))
         if fl is None:
             return None
@@ -108,27 +106,27 @@ class Reclaim:
                 jlog = IndexLog(fl.dir, fl.dir_fd, sync_interval=self.sync_interval)
                 # as its owner: cuts a torn tail so that our records are read; its blocks are what
                 # its journal says, not our view of it (which may lag behind it or be damaged)
-                entries = jlog.load()
+                table = jlog.load_table(self.dirs.max_slots(ns))
                 files[(ns.nsid, "log")] = jlog
                 fds = [open_data_file(fl.dir_fd, r, write=True)[0] for r in range(ns.ranks)]
                 files.update({(ns.nsid, r): fd for r, fd in enumerate(fds)})
                 # first its space that no block uses (free slots, an unfinished save's), by its
                 # journal; our view of it is replaced by the journal's on the owner's thread
-                used = sorted({s for s, _ in entries.values()})
+                used = table.live().tolist()
                 for fd in fds:
                     end = os.fstat(fd).st_size // sb
                     for first, stop in zip([0] + [u + 1 for u in used], used + [max(end, 0)]):
                         if stop > first:  # the run of unused slots between two used ones
                             _native.fallocate(fd, PUNCH, first * sb, (stop - first) * sb)
-                return "first", fl.disk_bytes + data_bytes(fl.dir_fd, ns), entries
-            jlog.append([fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
+                return "first", fl.disk_bytes + data_bytes(fl.dir_fd, ns), table
+            jlog.append([fmt.pack_free(slot, tag)])
             for rank in range(ns.ranks):
                 _native.fallocate(files[(ns.nsid, rank)], PUNCH, slot * sb, sb)
         except (OSError, fmt.BadBlock):
             return None
         return ("dropped",)
 
-    def _evict_dead_done(self, ns: Namespace, e: int, key: bytes, r, err) -> None:
+    def _evict_dead_done(self, ns: Namespace, e: int, slot: int, r, err) -> None:
         if err is not None:
             raise err
         if r is None:
@@ -137,9 +135,9 @@ class Reclaim:
         peer_bytes = self.following.peer_bytes
         if r[0] == "first":
             peer_bytes[(ns.nsid, e)] = r[1]
-            ns.peer_reset(e, {k: v for k, v in r[2].items() if v[0] < self.dirs.max_slots(ns)})
+            ns.peer_reset(e, r[2])
             return
-        ns.peer_drop(e, key)
+        ns.peer_free(e, slot)
         peer_bytes[(ns.nsid, e)] -= ns.slot_cost
         self.stats.evictions += 1
 

@@ -21,11 +21,14 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
+
 from aiokv import _native
 from aiokv.data import format as fmt
 from aiokv.store.index import Namespace
 from aiokv.store.journal import IndexLog
 from aiokv.store.meta import ns_dir
+from aiokv.store.table import Table, give_back_scratch, tag_of
 
 _log = logging.getLogger("aiokv")  # (`log` names a journal here)
 
@@ -35,13 +38,50 @@ class Replay:
         self.dirs, self.index, self.space, self.persist, self.scan = dirs, index, space, persist, scan
 
     def load_own(self, ns: Namespace) -> None:
-        """Replay our own engine's files of a namespace as their owner."""
+        """Replay our own engine's files of a namespace as their owner (at once: read_own,
+        install, give_back)."""
+        table, log = self.read_own(ns)
+        self.install(ns, table, log)
+        self.give_back(ns)
+        give_back_scratch()
+
+    def install(self, ns: Namespace, table, log) -> None:
+        """The owner's half: the replayed index in place, the journal ours."""
+        self.index.load(ns, table)
+        self.persist.add(ns.nsid, log)
+
+    def give_back(self, ns: Namespace) -> None:
+        """After install, at once: space the index does not account for (free slots of the
+        last life, a tail past the last used slot) is given back to the file system."""
+        holes = list(ns.alloc.holes)
+        if not self.give_back_io(ns, holes, ns.alloc.hwm):
+            ns.alloc.grow(holes)  # they may still hold space: counted, and reused first
+
+    def give_back_io(self, ns: Namespace, holes: list[int], hwm: int) -> bool:
+        """The file-system half of give_back (the I/O thread's, where there is one: queued
+        at install, so before any grow of the namespace); False if the holes could not be
+        punched. holes and hwm are the owner's, at install."""
+        ok = True
+        try:
+            self.space.fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, holes, punch=True)
+        except OSError:
+            ok = False
+        for rank in range(ns.ranks):
+            os.ftruncate(self.space.rank_fd(ns, rank), hwm * ns.slot_bytes)
+        return ok
+
+    def read_own(self, ns: Namespace):
+        """(Table, IndexLog) of our own files of a namespace: reads, and writes only those
+        files (a torn tail cut, a rebuilt checkpoint): the loader thread's, or the opener's."""
         nsid, dirs = ns.nsid, self.dirs
         d = os.path.join(ns_dir(dirs.root, nsid), fmt.engine_dir(dirs.engine)).rstrip("/")
         dfd = dirs.own_dir_fd(nsid)
         log = IndexLog(d, dfd, readonly=False, sync_interval=self.persist.sync_interval)
+        # A slot beyond the size of the file system never held a block: such a
+        # record is damage, and would make the allocator count billions of holes.
+        max_slot = dirs.max_slots(ns)
         try:
-            entries = log.load()
+            table = log.load_table(max_slot)
         except fmt.BadBlock as e:
             # The index is lost but the blocks describe themselves: rebuild from them.
             _log.warning("aiokv: %s", f"{e}; rebuilding the index from the data files")
@@ -49,24 +89,14 @@ class Replay:
             gens = [n.split(".")[1] for n in os.listdir(dfd) if n.startswith("journal.")]
             log.gen = 1 + max([int(g) for g in gens if g.isdigit()] + [log.gen])
             log.checkpoint([(k, s, a) for k, (s, a) in entries.items()])
-        # A slot beyond the size of the file system never held a block: such a
-        # record is damage, and would make the allocator count billions of holes.
-        beyond = [k for k, (s, _) in entries.items() if s >= dirs.max_slots(ns)]
-        if beyond:
+            kept = [(k, s, a) for k, (s, a) in entries.items() if s < max_slot]
+            table = Table.of(
+                np.array([s for _, s, _ in kept], np.uint64),
+                np.array([tag_of(k) for k, _, _ in kept], np.uint64),
+                np.array([a for _, _, a in kept], np.uint64),
+            )
+        if log.beyond:
             _log.warning(
-                "aiokv: %s", f"{d}: {len(beyond)} index record(s) name slots beyond the file system's size; dropped"
+                "aiokv: %s", f"{d}: {log.beyond} index record(s) name slots beyond the file system's size; dropped"
             )
-            for k in beyond:
-                del entries[k]
-        self.index.load(ns, entries)
-        self.persist.add(nsid, log)
-        # Space the index does not account for (free slots of the last life,
-        # a tail past the last used slot) is given back to the file system.
-        try:
-            self.space.fallocate(
-                ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, ns.alloc.holes, punch=True
-            )
-        except OSError:
-            ns.alloc.grow(list(ns.alloc.holes))  # they may still hold space: counted, and reused first
-        for rank in range(ns.ranks):
-            os.ftruncate(self.space.rank_fd(ns, rank), ns.alloc.hwm * ns.slot_bytes)
+        return table, log

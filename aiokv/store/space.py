@@ -67,12 +67,12 @@ class Space:
         oldest = [a for a in (n.oldest_peer_atime() for n in self.index.namespaces.values()) if a is not None]
         if not oldest:
             return False
-        return victim is None or min(oldest) < victim[0].atime.get(victim[1], 0)
+        return victim is None or min(oldest) < self.index.victim_atime(victim)
 
-    def evict(self, ns: Namespace, key: bytes, punch: bool) -> bool:
-        """Forget the LRU entry `key`; False if its space was to be punched and could not be."""
-        slot = self.index.remove(ns, key)
-        self.persist.append(ns, [fmt.pack_record(fmt.REC_DROP, key, slot, 0)])
+    def evict(self, ns: Namespace, slot: int, punch: bool) -> bool:
+        """Forget our LRU block in `slot`; False if its space was to be punched and could not be."""
+        tag = self.index.remove_slot(ns, slot)
+        self.persist.append(ns, [fmt.pack_free(slot, tag)])
         self.stats.evictions += 1
         if punch:
             return self._unback(ns, slot)

@@ -48,6 +48,13 @@ while the file system answers: at most CLOSE_WAIT without an answer, CLOSE_MAX
 in all. Without io_thread (tools, inspect, unit tests) every call runs at once on the
 caller's thread, as before.
 
+Opening with io_thread (the engine's scheduler side): the directory, our lock and
+the namespaces are opened at once; each namespace's index is read on a loader
+thread of its own (`_load`), and until the owner installs it (at a poll) the
+namespace is not `ready`: its lookups are misses and its saves are dropped
+(`skipped_loading`). So opening does not grow with the cache. Without io_thread
+everything is read at once, as before.
+
 The facade (this module): `Store` holds the parts, one job per module, and
 forwards to them; it does lookups, reservations, commits, pins and drops
 itself. The parts, each owning its own state and handed the others it reads:
@@ -72,11 +79,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 import time
 
+from aiokv import _index
 from aiokv.config import parse_size
 from aiokv.data import format as fmt
 from aiokv.data.dirs import NotAStore  # noqa: F401  (re-exported: aiokv.store)
+from aiokv.store import persist as persist_mod
 from aiokv.store.following import Following
 from aiokv.store.fsthread import FsThread
 from aiokv.store.index import Index, Namespace
@@ -87,12 +97,14 @@ from aiokv.store.reclaim import Reclaim
 from aiokv.store.replay import Replay
 from aiokv.store.scan import Scan
 from aiokv.store.space import Space
+from aiokv.store.table import give_back_scratch, tag_of
 from aiokv.store.wear import Wear
 from aiokv.util import counters
 
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
 WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight (io_thread)
 log = logging.getLogger("aiokv")
+_log = log  # (`log` names a journal in some methods)
 
 
 # what the store counts: one int per STORE row of the table of counters, named
@@ -138,6 +150,7 @@ class Store:
         self.engine: int | None = None
         self.wear: Wear | None = None
         self.skipped_fs_busy = 0  # reservations skipped: the space for them was still being reserved
+        self.skipped_loading = 0  # reservations skipped: the namespace's index was still loading
         self.dirs = Dirs(self.root, readonly)
         self.persist = Persist(fs, self.index, sync_interval, checkpoint_every)
         self.following = Following(self.dirs, self.index, fs)
@@ -155,13 +168,21 @@ class Store:
         self.labels = Labels(self.dirs, fs)  # a description per key, for the connector's KV events
         self.reclaim = Reclaim(self.dirs, self.index, fs, self.stats, self.following, self.space, sync_interval)
         self.opener = Opener(self.dirs, self.index, replay, self.following, self.space, fs)
+        self._replay = replay
+        self._loader: threading.Thread | None = None
+        self._closing = False
+        background = io_thread and not readonly
+        shells = []
         try:
             found = self.dirs.open(engine)
             self.engine = self.dirs.engine
             self.wear = Wear(self.dirs.root_fd, self.engine) if not readonly else None  # bytes committed
             for nsid in found:
-                self.opener.load(nsid)
-            if not readonly:
+                if background:  # loaded in the background (below): not ready until then
+                    shells.append(self.opener.shell(nsid))
+                else:
+                    self.opener.load(nsid)
+            if not readonly and not background:
                 self.space.shrink_to_limit()
         except BaseException:
             self.close(checkpoint=False)
@@ -169,6 +190,66 @@ class Store:
         if io_thread and not readonly:
             fs.start(f"aiokv-fs{self.engine}", deadline=fs_timeout)
             self.following.start()
+        if shells:
+            self._loader = threading.Thread(
+                target=self._load, args=(shells,), name=f"aiokv-load{self.engine}", daemon=True
+            )
+            self._loader.start()
+
+    # ---- loading in the background (io_thread) ----
+    def _load(self, shells: list[Namespace]) -> None:
+        """The loader thread: each namespace's own files read into a Table, handed to the
+        owner (fs.post). Reads, and writes only those files (journal.py, replay.py): nothing
+        else touches them until the owner installs what was read."""
+        for ns in shells:
+            if self._closing:
+                return
+            t = time.monotonic()
+            try:
+                table, log = self._replay.read_own(ns)
+            except BaseException as e:
+                self.fs.post(lambda r, err, ns=ns, e=e: self._load_failed(ns, e))
+                continue
+            self.fs.post(lambda r, err, ns=ns, table=table, log=log, t=t: self._loaded(ns, table, log, t))
+
+    def _loaded(self, ns: Namespace, table, log, started: float) -> None:
+        """A namespace's index has loaded (the owner's thread, at poll): hits and saves begin."""
+        if self._closing:
+            log.close()
+            return
+        self._replay.install(ns, table, log)
+        give_back_scratch()
+        ns.ready = True
+        holes, hwm = list(ns.alloc.holes), ns.alloc.hwm
+
+        def unbacked(ok, e):
+            if not ok:
+                ns.alloc.grow(holes)  # they may still hold space: counted, and reused first
+
+        self.fs.submit(lambda: self._replay.give_back_io(ns, holes, hwm), unbacked)
+        _log.info(
+            "aiokv: the index of namespace %s is loaded (%d blocks, %.2f s); its hits begin",
+            ns.hex[:12],
+            table.count,
+            time.monotonic() - started,
+        )
+        if self.space.limit is not None and self.space.used() > self.space.limit:
+            try:
+                self.space.shrink_to_limit()
+            except OSError:
+                pass  # tried again at the next refresh
+
+    def _load_failed(self, ns: Namespace, e: BaseException) -> None:
+        _log.error(
+            "aiokv: loading the index of namespace %s failed (%s); it serves no hits and takes no saves",
+            ns.hex[:12],
+            getattr(e, "strerror", None) or e,
+        )
+
+    @property
+    def loading(self) -> int:
+        """Namespaces whose index is still loading (no hits, no saves from them meanwhile)."""
+        return sum(not ns.ready for ns in self.index.namespaces.values())
 
     def namespace(self, nsid: bytes, payload_bytes: int, ranks: int = 1, fields: dict | None = None) -> Namespace:
         """Open or create a namespace (meta.py). nsid is derived by the caller from all that changes the bytes."""
@@ -210,10 +291,23 @@ class Store:
             following.follow_all()
         return self.index.lookup(ns, keys, limit)
 
+    def serving(self, ns: Namespace):
+        """The blocks of ns that are hits now, as a read-only key -> location mapping (the
+        other engines' last look applied, as by lookup)."""
+        self.lookup(ns, (), 0)
+        return ns.entries
+
+    def holds(self, ns: Namespace, key: bytes, where: int) -> bool:
+        """Whether key's committed copy is the one at location `where`."""
+        return ns.entries.get(key) == where
+
     def reserve(self, ns: Namespace, key: bytes) -> int | None:
         """A location (in our engine's files) for `key`, evicting if needed; None if
         present (in any engine's files), pending, or no space."""
-        if key in ns.entries or key in ns.pending:
+        if not ns.ready:
+            self.skipped_loading += 1  # the index is loading: the save is dropped
+            return None
+        if key in ns.pending or ns.where(key) is not None:
             return None
         space = self.space
         slot = ns.alloc.take()
@@ -236,40 +330,43 @@ class Store:
     def commit(self, ns: Namespace, items) -> None:
         """Make written (key, location) pairs visible to lookups, durably."""
         now = time.time_ns()
-        recs, done = [], []
+        done, slots = [], []
+        pending = ns.pending
         for key, where in items:
-            if ns.pending.get(key) != where:
+            if pending.get(key) != where:
                 continue  # aborted meanwhile
-            del ns.pending[key]
-            slot = where & fmt.SLOT_MASK
-            self.index.commit(ns, key, slot, now)
+            del pending[key]
             done.append(key)
-            recs.append(fmt.pack_record(fmt.REC_COMMIT, key, slot, now))
-        if not recs:
+            slots.append(where & fmt.SLOT_MASK)
+        if not done:
             return
-        self.stats.commits += len(recs)
+        # in memory a few ns apart (ties keep their order); the records say `now`
+        self.index.commit_many(ns, done, slots, now)
+        recs = _index.commit_records(done, slots, now)  # the COMMIT records (format.pack_record), in one
+        nrecs = len(done)
+        self.stats.commits += nrecs
         failed = []
 
         def undo(e):
             failed.append(e)
             # Not durable, so not committed: undo; only a full disk needs room.
-            self.stats.commits -= len(recs)
-            self.wear.count(-len(recs) * ns.slot_cost)
+            self.stats.commits -= nrecs
+            self.wear.count(-nrecs * ns.slot_cost)
             written = set(done)
             for key, where in items:
-                if key in written and ns.own.get(key) == where & fmt.SLOT_MASK:
+                if key in written and ns.table.find(key) == where & fmt.SLOT_MASK:
                     ns.alloc.release(self.index.remove(ns, key))
-            self.stats.save_failures += len(recs)
+            self.stats.save_failures += nrecs
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.stats.enospc += 1
                 self.space.make_room()
             else:
                 log.warning(
                     "aiokv: %s",
-                    f"journal write failed ({os.strerror(e.errno or 0)}); {len(recs)} block(s) not committed",
+                    f"journal write failed ({os.strerror(e.errno or 0)}); {nrecs} block(s) not committed",
                 )
 
-        self.wear.count(len(recs) * ns.slot_cost)
+        self.wear.count(nrecs * ns.slot_cost)
         self.persist.append(ns, recs, undo)
         if not failed:
             self.persist.checkpoint_if_due(ns)
@@ -286,10 +383,13 @@ class Store:
         """Locations of committed keys, protected from eviction (by this engine; another
         engine may evict its own: a miss on read) until unpin; refreshes LRU."""
         out = []
+        if not ns.ready:
+            return [None] * len(keys)
         for k in keys:
-            slot = ns.entries.get(k)
+            slot = ns.where(k)
             if slot is not None:
                 self.index.pins[(ns.nsid, k)] += 1
+                ns.pinned_tags[tag_of(k)] += 1
             out.append(slot)
         now = time.time_ns()
         self.index.touch(ns, keys, now)
@@ -306,29 +406,38 @@ class Store:
             return
         recs = []
         for k in keys:
-            where = ns.entries.get(k)
-            e = where >> fmt.ENGINE_SHIFT
-            got = ns.peers.get(e, {}).get(k)
-            if got is not None and now - got[1] >= TOUCH_EVERY_NS:
+            where = ns.where(k)
+            if where is None:
+                continue
+            t = ns.tables.get(where >> fmt.ENGINE_SHIFT)
+            s = t.find(k) if t is not None else -1
+            if s >= 0 and now - t.atime_at(s) >= TOUCH_EVERY_NS:
                 ns.peer_touch(k, now)
                 recs.append(fmt.pack_record(fmt.REC_TOUCH, k, 0, now))
         self.persist.append(ns, recs)
 
     def unpin(self, ns: Namespace, keys) -> None:
-        pins = self.index.pins
+        pins, tags = self.index.pins, ns.pinned_tags
         for k in keys:
             pk = (ns.nsid, k)
             if pins[pk] > 1:
                 pins[pk] -= 1
             elif pins.pop(pk, None):
                 self.index.unpinned(ns, k)
+            else:
+                continue
+            t = tag_of(k)
+            if tags[t] > 1:
+                tags[t] -= 1
+            else:
+                tags.pop(t, None)
 
     def drop(self, ns: Namespace, keys, corrupt: bool = True) -> None:
         """Forget keys whose blocks did not verify; our slots are reused, and another
         engine's copy is not offered again here (unless it commits the key anew)."""
         recs = []
         for k in keys:
-            where = ns.entries.get(k)
+            where = ns.where(k)
             if where is None:
                 continue
             e, _ = fmt.split(where)
@@ -342,6 +451,14 @@ class Store:
                 recs.append(fmt.pack_record(fmt.REC_DROP, k, slot, 0))
                 self.stats.corrupt_dropped += corrupt
         self.persist.append(ns, recs)
+
+    def drop_at(self, ns: Namespace, items, corrupt: bool = True) -> int:
+        """drop() of each (key, location) whose key still sits at that location (not a newer
+        copy); returns how many were dropped."""
+        keys = [k for k, where in items if ns.entries.get(k) == where]
+        if keys:
+            self.drop(ns, keys, corrupt)
+        return len(keys)
 
     def verify_slot(self, ns: Namespace, key: bytes, where: int) -> bool:
         """Whether our location `where` holds a complete, verifying block of `key` on every rank (scan.py)."""
@@ -361,7 +478,11 @@ class Store:
 
     def close(self, checkpoint: bool = True) -> None:
         """Checkpoint and close everything (persist.py; with the I/O thread bounded by
-        CLOSE_WAIT without an answer and CLOSE_MAX in all)."""
+        CLOSE_WAIT without an answer and CLOSE_MAX in all). A load in progress is let
+        finish (bounded by CLOSE_MAX) and not installed."""
+        self._closing = True
+        if self._loader is not None and self._loader is not threading.current_thread():
+            self._loader.join(persist_mod.CLOSE_MAX)
         lock = self.dirs.lock
         self.persist.close(
             checkpoint and not self.readonly and lock is not None and lock.fd is not None, self._close_files

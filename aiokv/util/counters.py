@@ -196,6 +196,14 @@ TABLE: tuple[Row, ...] = (
     ),
     Row("write_errors", "io_errors", COUNTER, "", WORKER, labels=(("op", "write"),)),
     Row(
+        "hook_errors",
+        "scheduler_errors",
+        COUNTER,
+        "Times aiokv's own work in one of vLLM's scheduler-side calls raised; vLLM never sees it: that "
+        "step's saves are dropped and its loads recomputed (the first of each call is logged).",
+        SCHEDULER,
+    ),
+    Row(
         "breaker_opens",
         "breaker_trips",
         COUNTER,
@@ -221,6 +229,11 @@ TABLE: tuple[Row, ...] = (
                 "Capacity in force: the `capacity` setting, or less after the disk was found full.",
             ),
             ("stored_blocks", "blocks", "KV blocks committed in the index (all namespaces)."),
+            (
+                "index_loading",
+                "index_loading",
+                "Namespaces whose index is still loading at start (no hits, saves dropped); 0 once hits begin.",
+            ),
             (
                 "drive_writes_per_day",
                 "drive_writes_per_day",

@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Device copies: whole KV blocks between vLLM's KV tensors and staging buffers.
 
-The layout is detected from the registered tensors: for each layer, the block
-dimension is the one whose size is the number of blocks (GPU backends put it
-first or second, e.g. [2, num_blocks, ...]); a block's bytes in the payload are
-that layer's [block] slice, made contiguous, layers in registration order.
+The layout: for each layer, the block dimension is the one vLLM says counts
+blocks (the connector asks it for two probe block counts: worker_role.block_dims),
+or, where vLLM does not describe the tensor, the one whose size is the number of
+blocks if only one is (GPU backends put it first or second, e.g. [2, num_blocks,
+...]); a block's bytes in the payload are that layer's [block] slice, made
+contiguous, layers in registration order.
 Whole blocks only, never token slices: inside a block the layout is backend
 and ISA specific (the CPU backend stores K transposed).
 
@@ -59,16 +61,28 @@ class LayoutError(ValueError):
 
 
 class Layer:
-    """One KV tensor seen as [num_blocks, *block_shape] (a view, no copy)."""
+    """One KV tensor seen as [num_blocks, *block_shape] (a view, no copy). `dim`: the
+    dimension that counts blocks, as vLLM lays the tensor out (the connector asks it:
+    worker_role.block_dims); None: the one whose size is the block count, if only one is."""
 
-    def __init__(self, name: str, t: torch.Tensor, num_blocks: int):
-        dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
-        if not dims and t.dim() > 1 and t.shape[0] > num_blocks and t.shape[0] % num_blocks == 0:
+    def __init__(self, name: str, t: torch.Tensor, num_blocks: int, dim: int | None = None):
+        if dim is not None:
+            size = t.shape[dim] if 0 <= dim < t.dim() else 0
+            if size != num_blocks and (size <= num_blocks or size % num_blocks):
+                raise LayoutError(
+                    f"aiokv: vLLM lays out KV tensor {name} {tuple(t.shape)} with its blocks in dimension "
+                    f"{dim}, which does not hold {num_blocks} blocks; this layout is not supported"
+                )
+            dims = [dim]
+        else:
+            dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
+            if not dims and t.dim() > 1 and t.shape[0] > num_blocks and t.shape[0] % num_blocks == 0:
+                dims = [0]
+        if len(dims) == 1 and t.shape[dims[0]] != num_blocks:
             # vLLM split each block into kernel blocks (the attention kernel's block size
-            # divides the KV manager's): dim 0 counts kernel blocks, those of block b are
-            # b*r .. b*r+r-1, so grouping them is a view
-            t = t.unflatten(0, (num_blocks, t.shape[0] // num_blocks))
-            dims = [0]
+            # divides the KV manager's): the dimension counts kernel blocks, those of block b
+            # are b*r .. b*r+r-1, so grouping them is a view
+            t = t.unflatten(dims[0], (num_blocks, t.shape[dims[0]] // num_blocks))
         if len(dims) != 1:
             raise LayoutError(
                 f"aiokv: cannot tell the block dimension of KV tensor {name} {tuple(t.shape)} "
@@ -93,12 +107,14 @@ class Device:
     # default count of threads that checksum off the worker's loop thread (TransferWorker)
     checksum_threads = 0
 
-    def __init__(self, kv_caches, num_blocks: int, pool: BufferPool | None = None):
+    def __init__(self, kv_caches, num_blocks: int, pool: BufferPool | None = None, dims=None):
         """kv_caches: {layer name: tensor}, or [(layer name, tensor)] (kv_tensors: a layer may
-        have several tensors, in order)."""
+        have several tensors, in order); dims: per tensor, in that order, the dimension that
+        counts blocks, or None (Layer)."""
         self.num_blocks = num_blocks
-        items = kv_caches.items() if isinstance(kv_caches, dict) else kv_caches
-        self.layers = [Layer(n, t, num_blocks) for n, t in items]
+        items = list(kv_caches.items() if isinstance(kv_caches, dict) else kv_caches)
+        dims = list(dims) if dims is not None else [None] * len(items)
+        self.layers = [Layer(n, t, num_blocks, d) for (n, t), d in zip(items, dims)]
         if not self.layers:
             raise LayoutError("aiokv: no KV tensor was registered for this KV-cache group's layers")
         self.payload_bytes = sum(layer.nbytes for layer in self.layers)
@@ -247,7 +263,7 @@ class CudaDevice(Device):
 
     asynchronous = True
     # the copies are DMA and the host's cores are free: the checksums of a node's several
-    # drives would be more than one loop thread can do (docs/benchmarks.md, round two)
+    # drives would be more than one loop thread can do (docs/benchmarks.md, "One worker's ceiling")
     checksum_threads = 2
 
     def attach(self, pool: BufferPool) -> None:
@@ -372,8 +388,9 @@ def kv_tensors(kv_caches: dict, names) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def make_device(kv_caches, num_blocks: int) -> Device:
-    """kv_caches: {layer name: tensor} or [(layer name, tensor)]."""
+def make_device(kv_caches, num_blocks: int, dims=None) -> Device:
+    """kv_caches: {layer name: tensor} or [(layer name, tensor)]; dims: per tensor, the
+    dimension that counts blocks, or None (Layer)."""
     items = list(kv_caches.items() if isinstance(kv_caches, dict) else kv_caches)
     if not items:
         raise LayoutError("aiokv: no KV tensor was registered for this KV-cache group's layers")
@@ -384,4 +401,4 @@ def make_device(kv_caches, num_blocks: int) -> Device:
             "this layout is not supported"
         )
     cls = CudaDevice if items[0][1].is_cuda else CpuDevice
-    return cls(items, num_blocks)
+    return cls(items, num_blocks, dims=dims)

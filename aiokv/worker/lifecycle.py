@@ -21,8 +21,8 @@ import asyncio
 import concurrent.futures
 import logging
 
-from aiokv.data.backend import open_backend
 from aiokv.data.blockio import BlockIO
+from aiokv.data.choice import open_backend
 from aiokv.data.drives import DriveIO
 
 log = logging.getLogger("aiokv")

@@ -19,7 +19,7 @@ thread calls; the parts are
 On a device that checksums inside its copies (Device.crc_in_copy, the CPU
 build), the payload CRC32C is computed by the save's copy and checked by the
 load's copy: no separate pass over the bytes (worker/device.py). With a secret,
-the MAC is computed and checked natively in BlockIO's stamp and check calls.
+the MAC is computed and checked in BlockIO's stamp and check calls.
 
 Failure contract (docs/reliability.md lists the scenarios and their tests):
 - A job's failure affects only its request: a failed save is reported so its

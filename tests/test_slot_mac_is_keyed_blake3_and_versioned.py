@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The slot MAC: native keyed BLAKE3, in the stamp and check calls, named by a scheme byte.
+"""The slot MAC: keyed BLAKE3, in the stamp and check calls, named by a scheme byte.
 
 Bug: with a `secret` the MAC was a keyed BLAKE2b computed in Python on the loop
 thread, a slot at a time, after the native stamp and check (about 0.4 GB/s on
@@ -18,8 +18,10 @@ still reads a MACed slot, and one with a secret still refuses a slot whose
 payload's CRC is wrong under a right MAC (a writer's bug) by the CRC.
 The same verdicts when the stamp takes the payload CRC from the header and when
 the check leaves it to the device copy (crc_in_copy both: the MAC alone then).
-Fix: native/aiokv_native.c (stamp_slots, verify_slots, check_slot with a MAC
-key; native/blake3), format.mac_key, BlockIO passing its key to them.
+Fix: the MAC computed in the stamp and check calls, GIL released (first
+native/blake3, BLAKE3's C code, in native/slots.c; since issue 33 the blake3
+package, in format.stamp_slots, verify_slots and check_slot: aiokv/data/mac.py),
+format.mac_key, BlockIO passing its key to them.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ import ctypes
 import threading
 import time
 
+import blake3
 import pytest
 
 from aiokv import _native
 from aiokv.data import format as fmt
+from aiokv.data import mac
 from aiokv.data.buffers import BufferPool
 from tests.conftest import NS, key
 
@@ -55,14 +59,17 @@ S3CRET_KEY = "e657c3699f6005dc8e66bdc95c09a15b2450bc5fbf4abec50bc093abd00af3e2"
 
 @pytest.mark.parametrize("n", sorted(KEYED_VECTORS))
 def test_keyed_blake3_matches_the_published_vectors(n):
-    assert _native.blake3_keyed(VECTOR_KEY, bytes(i % 251 for i in range(n))).hex() == KEYED_VECTORS[n]
+    assert mac.keyed(VECTOR_KEY, bytes(i % 251 for i in range(n))).hex() == KEYED_VECTORS[n]
+    cut = n // 3  # in parts, as the MAC hashes a payload, then header fields
+    data = bytes(i % 251 for i in range(n))
+    assert mac.keyed(VECTOR_KEY, data[:cut], memoryview(data)[cut:]).hex() == KEYED_VECTORS[n]
 
 
 def test_mac_key_is_pinned_and_depends_on_the_secret():
     assert fmt.mac_key("s3cret").hex() == S3CRET_KEY == fmt.mac_key(b"s3cret").hex()
     assert fmt.mac_key("s3cret!") != fmt.mac_key("s3cret") and len(fmt.mac_key("")) == 32
     with pytest.raises(ValueError, match="32 bytes"):
-        _native.verify_slots([], [], NS, 0, 16, 0, False, b"short")
+        fmt.verify_slots([], [], NS, 0, 16, 0, False, b"short")
 
 
 # sizes: below one BLAKE3 chunk, a chunk exactly, several pieces of the stamp's CRC+MAC pass with a rest
@@ -88,8 +95,17 @@ def _refix(addr: int, offset: int, xor: int) -> None:
     ctypes.memmove(addr, bytes(body) + _native.crc32c_bytes(bytes(body)).to_bytes(4, "little"), fmt.HDR_USED)
 
 
+def _one_slot_reason(raw, plen, k, mk) -> str:
+    """format.check_slot's verdict on one slot: "" or its BadBlock's reason."""
+    try:
+        fmt.check_slot(raw, NS, RANK, plen, k, LAYOUT, mk)
+    except fmt.BadBlock as e:
+        return str(e)
+    return ""
+
+
 def _verdicts(addrs, plen, mk, skip=False) -> list[str]:
-    got = _native.verify_slots(addrs, [key(i) for i in range(len(addrs))], NS, RANK, plen, LAYOUT, skip, mk)
+    got = fmt.verify_slots(addrs, [key(i) for i in range(len(addrs))], NS, RANK, plen, LAYOUT, skip, mk)
     return [fmt.SLOT_REASONS[v] for v in got]
 
 
@@ -100,12 +116,12 @@ def test_stamped_mac_is_keyed_blake3_of_payload_then_header_fields(slots, crc_in
     if crc_in_copy:  # the CRC already in the header (what the device copy leaves there)
         for a in addrs:
             ctypes.memmove(a + 36, _native.crc32c(a + fmt.HEADER_BYTES, plen).to_bytes(4, "little"), 4)
-    _native.stamp_slots(addrs, [key(i) for i in range(8)], NS, RANK, plen, LAYOUT, crc_in_copy, mk)
+    fmt.stamp_slots(addrs, [key(i) for i in range(8)], NS, RANK, plen, LAYOUT, crc_in_copy, mk)
     for i, a in enumerate(addrs):
         raw = _slot(a, plen)
         h = fmt.check_slot(raw, NS, RANK, plen, key(i), LAYOUT)  # the CRC path still holds
         assert h["mac_scheme"] == fmt.MAC_SCHEME == 1
-        want = _native.blake3_keyed(mk, raw[fmt.HEADER_BYTES :] + raw[: fmt._HDR.size])
+        want = blake3.blake3(raw[fmt.HEADER_BYTES :] + raw[: fmt._HDR.size], key=mk).digest()
         assert raw[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] == want
         assert raw[fmt.MAC_OFFSET + fmt.MAC_BYTES : fmt.HEADER_BYTES] == bytes(fmt.HEADER_BYTES - 132)
         assert fmt.check_slot(raw, NS, RANK, plen, key(i), LAYOUT, mk)["key"] == key(i)
@@ -118,7 +134,7 @@ def test_stamped_mac_is_keyed_blake3_of_payload_then_header_fields(slots, crc_in
 def test_every_change_to_a_maced_slot_is_a_mac_verdict(slots, skip):
     plen, addrs = slots
     mk = fmt.mac_key("s3cret")
-    _native.stamp_slots(addrs, [key(i) for i in range(8)], NS, RANK, plen, LAYOUT, False, mk)
+    fmt.stamp_slots(addrs, [key(i) for i in range(8)], NS, RANK, plen, LAYOUT, False, mk)
     # 0: intact; 1: a payload bit (first byte); 2: a payload bit (last byte); 3: the sequence number
     # (a header field no other check reads); 4: the payload CRC field; 5: the MAC itself; 6: scheme 0
     # (what a BLAKE2b-era slot says); 7: stamped under another secret
@@ -130,12 +146,11 @@ def test_every_change_to_a_maced_slot_is_a_mac_verdict(slots, skip):
     _refix(a[4], 36, 4)
     ctypes.memset(a[5] + fmt.MAC_OFFSET + 31, ctypes.string_at(a[5] + fmt.MAC_OFFSET + 31, 1)[0] ^ 1, 1)
     _refix(a[6], fmt.MAC_SCHEME_OFFSET, 1)
-    _native.stamp_slots([a[7]], [key(7)], NS, RANK, plen, LAYOUT, False, fmt.mac_key("another"))
+    fmt.stamp_slots([a[7]], [key(7)], NS, RANK, plen, LAYOUT, False, fmt.mac_key("another"))
     want = [""] + ["MAC"] * 7
     assert _verdicts(addrs, plen, mk, skip) == want
     for i, addr in enumerate(addrs):  # the one-slot check says the same
-        v = _native.check_slot(_slot(addr, plen), NS, RANK, plen, key(i), LAYOUT, _native.CHECK_SLOT, mk)
-        assert fmt.SLOT_REASONS[v] == want[i], i
+        assert _one_slot_reason(_slot(addr, plen), plen, key(i), mk) == want[i], i
     # without the secret: the payload flips and the CRC field are CRC verdicts, the rest reads fine
     assert (
         _verdicts(addrs, plen, None, skip)
@@ -153,7 +168,7 @@ def test_header_only_checks_do_not_need_the_payload():
     pool = BufferPool(fmt.slot_bytes(plen), 1)
     try:
         a = pool.addr(pool.acquire(1)[0])
-        _native.stamp_slots([a], [key(1)], NS, RANK, plen, LAYOUT, False, fmt.mac_key("s3cret"))
+        fmt.stamp_slots([a], [key(1)], NS, RANK, plen, LAYOUT, False, fmt.mac_key("s3cret"))
         hdr = ctypes.string_at(a, fmt.HDR_USED + fmt.MAC_BYTES)
         assert fmt.check_header(hdr, NS, RANK, plen, key(1), LAYOUT)["mac_scheme"] == 1
         assert fmt.unpack_header(hdr)["key"] == key(1)
@@ -172,11 +187,10 @@ def test_a_wrong_payload_crc_under_a_right_mac_is_still_caught(slots):
     for i, a in enumerate(addrs):
         crc = _native.crc32c(a + fmt.HEADER_BYTES, plen) ^ (i & 1)  # odd slots: a CRC off by one bit
         ctypes.memmove(a + 36, crc.to_bytes(4, "little"), 4)
-    _native.stamp_slots(addrs, [key(i) for i in range(8)], NS, RANK, plen, LAYOUT, True, mk)
+    fmt.stamp_slots(addrs, [key(i) for i in range(8)], NS, RANK, plen, LAYOUT, True, mk)
     assert _verdicts(addrs, plen, mk) == ["", "payload checksum"] * 4
     assert _verdicts(addrs, plen, mk, skip=True) == [""] * 8
-    v = _native.check_slot(_slot(addrs[1], plen), NS, RANK, plen, key(1), LAYOUT, _native.CHECK_SLOT, mk)
-    assert fmt.SLOT_REASONS[v] == "payload checksum"
+    assert _one_slot_reason(_slot(addrs[1], plen), plen, key(1), mk) == "payload checksum"
 
 
 def test_mac_calls_release_the_gil():
@@ -190,14 +204,14 @@ def test_mac_calls_release_the_gil():
     try:
         addrs = [pool.addr(s) for s in pool.acquire(4)] * (n // 4)  # the same 4 slots, checked 32 times each
         mk = fmt.mac_key("s3cret")
-        _native.stamp_slots(addrs[:4], [key(i) for i in range(4)], NS, RANK, plen, LAYOUT, False, mk)
+        fmt.stamp_slots(addrs[:4], [key(i) for i in range(4)], NS, RANK, plen, LAYOUT, False, mk)
         addrs = addrs[:4] * (n // 4)
         ks = [key(i) for i in range(4)] * (n // 4)
         span, got = [0.0, 0.0], []
 
         def call():
             span[0] = time.monotonic()
-            got.append(list(_native.verify_slots(addrs, ks, NS, RANK, plen, LAYOUT, False, mk)))
+            got.append(list(fmt.verify_slots(addrs, ks, NS, RANK, plen, LAYOUT, False, mk)))
             span[1] = time.monotonic()
 
         t = threading.Thread(target=call)
