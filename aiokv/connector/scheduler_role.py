@@ -485,7 +485,10 @@ class SchedulerRole:
         return out
 
     def shutdown(self) -> None:
-        self.adapters.close()
+        try:
+            self.adapters.close()  # (a look still running is a daemon thread's: the process exit ends it)
+        except Exception:
+            log.exception("aiokv: closing the LoRA adapters' I/O thread failed")
         if self.sched is not None:
             try:
                 self.sched.close()  # (never raises)
