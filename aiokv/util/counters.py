@@ -72,6 +72,14 @@ TABLE: tuple[Row, ...] = (
         CONNECTOR,
     ),
     Row(
+        "lora_fingerprint_misses",
+        "lora_fingerprint_misses",
+        COUNTER,
+        "Requests served as a miss that saved nothing because their LoRA adapter's files were not "
+        "fingerprinted yet (aiokv looks at them on an I/O thread of its own; a hung mount keeps them coming).",
+        CONNECTOR,
+    ),
+    Row(
         "hit_tokens",
         "hit_tokens",
         COUNTER,
