@@ -164,12 +164,18 @@ class SchedulerRole:
             from aiokv.bucket.lookup import BucketLookup
             from aiokv.data.format import slot_bytes
 
-            self.sched.bucket = BucketLookup(
+            self.sched.bucket = bucket = BucketLookup(
                 self.cfg.bucket,
                 self.cfg.bucket_timeout,
                 self.cfg.probe_timeout,
                 [(ns.nsid, ns.ranks, slot_bytes(ns.payload_bytes)) for _, ns in spaces],
+                self.cfg.secret,
             )
+            # for nodes warmed from the bucket (aiokv warm): what each namespace holds, and the
+            # labels the KV events write for our blocks (bucket/publisher.py)
+            bucket.publisher.namespaces((ns.nsid, ns.payload_bytes, ns.ranks, ns.fields) for _, ns in spaces)
+            for st in getattr(store, "stores", {0: store}).values():
+                st.labels.sink = bucket.publisher.labels
         log.info(
             "aiokv %s: cache %s, namespace %s (%s), %d blocks stored",
             __version__,

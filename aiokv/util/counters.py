@@ -288,6 +288,8 @@ TABLE: tuple[Row, ...] = (
         )
     ),
     *(_no(k, BUCKET, _BUCKET) for k in ("bucket_probes", "bucket_probe_gave_up", "bucket_breaker_opened")),
+    # block labels published beside the blocks for nodes warmed from the bucket (aiokv/bucket/publisher.py)
+    *(_no(k, BUCKET, _BUCKET) for k in ("bucket_labels_uploaded", "bucket_labels_dropped")),
     # the state of this instance (counters() only)
     *(
         _no(k, STATE, _STATE, GAUGE)
