@@ -58,7 +58,7 @@ class Bad:
 class Progress:
     """A progress bar on stderr (tqdm), by default only when stderr is a terminal."""
 
-    def __init__(self, total_blocks: int, total_bytes: int, enabled: bool | None = None):
+    def __init__(self, total_blocks: int, total_bytes: int, enabled: bool | None = None, desc: str = "verifying"):
         from tqdm import tqdm
 
         self.bar = tqdm(
@@ -66,7 +66,7 @@ class Progress:
             unit="B",
             unit_scale=True,
             unit_divisor=1024,
-            desc="verifying",
+            desc=desc,
             file=sys.stderr,
             leave=False,
             dynamic_ncols=True,
