@@ -22,8 +22,9 @@ back. Only blocks written whole on every rank are committed, so an interrupt (Ct
 committed are given back when these files are next opened), and the next run skips every key
 the directory already holds.
 
-Bounds: `limit` bytes copied (a block costs its slot on every rank), and the capacity (the
-engines' `capacity` setting): the warm evicts nothing; a drive without room takes no more.
+Bounds: `limit` bytes copied (a block costs its slot on every rank), the capacity (the
+engines' `capacity` setting) and the file system's free space: the warm evicts nothing; a
+drive without room takes no more.
 Order: the newest blocks first (by their objects' upload times), across the namespaces chosen.
 
 Threading: one thread (the CLI's) runs an asyncio loop: the store's calls on it, the fetches on
@@ -45,6 +46,7 @@ from aiokv.data import format as fmt
 from aiokv.data.slotfile import open_data_file, open_engine_dir
 from aiokv.store.drives import DriveNamespace, Drives, open_drives, place
 from aiokv.store.meta import ns_dir
+from aiokv.store.space import HEADROOM
 from aiokv.store.store import Store
 
 SCHEMA = 1
@@ -120,12 +122,17 @@ class Warm:
 
     # ---- the store (the loop's thread) ----
     def _room(self, d: int, t: Target) -> bool:
-        """Whether drive d takes one more block of t without evicting anything."""
+        """Whether drive d takes one more block of t without evicting anything: a free slot,
+        or room under the capacity and on the file system (HEADROOM left to it: a full file
+        system would make the store evict, space.py)."""
         st, part = self.drives.stores[d], t.ns.on[d]
         if part.alloc.free:
             return True
         lim = st.space.limit
-        return lim is None or lim - st.space.used() >= part.slot_cost
+        if lim is not None and lim - st.space.used() < part.slot_cost:
+            return False
+        fs = os.statvfs(st.root)
+        return fs.f_bavail * fs.f_frsize - HEADROOM >= part.slot_cost
 
     def _refresh(self) -> None:
         now = time.monotonic()
