@@ -281,6 +281,42 @@ def test_no_secret_or_a_dead_bucket_is_one_line(s3env, tmp_path, monkeypatch, ca
     assert time.monotonic() - t < 10
 
 
+def test_a_bucket_that_stops_answering_ends_the_warm_in_one_line_and_a_rerun_resumes(secret_env, tmp_path):
+    import threading
+
+    url = secret_env.url("fleet8")
+    keys = [key(i) for i in range(400)]
+    publish(url, {NS: [(k, "org/tiny") for k in keys]}, labels=False)
+    cache = tmp_path / "c"
+    got: list = []
+
+    def go():
+        try:
+            got.append(run_warm([cache], url, concurrency=2, timeout=1.0))
+        except warm.WarmError as e:
+            got.append(e)
+
+    t = threading.Thread(target=go)
+    t.start()
+    end = time.monotonic() + 120
+    while (len(held(cache)) if (cache / "ns").exists() else 0) < 40:
+        assert t.is_alive() and time.monotonic() < end, got
+        time.sleep(0.02)
+    secret_env.kill()  # kill -9 of the server, mid-warm
+    t.join(60)
+    e = got[0]
+    assert isinstance(e, warm.WarmError) and e.code == 2, e
+    assert "does not answer" in str(e) and "run again to resume" in str(e) and "\n" not in str(e), e
+    before = held(cache)
+    assert 40 <= len(before) < 400
+    verify_ok(cache)
+    secret_env.log.close()
+    secret_env.start()
+    doc = run_warm([cache], url)
+    assert doc["already_blocks"] == len(before) and doc["warmed_blocks"] == 400 - len(before), doc
+    assert held(cache) == set(keys)
+
+
 def test_the_publisher_keeps_labels_apart_per_engine_and_the_fleet_description(s3env, tmp_path):
     url = s3env.url("pub")
     client = BucketClient(url, timeout=10)

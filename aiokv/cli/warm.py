@@ -98,6 +98,7 @@ class Target:
     missing: int = 0
     no_room: int = 0
     labelled: int = 0
+    failed: int = 0  # fetches the bucket did not answer (error, timeout)
     bad_size: int = 0
     incomplete: int = 0
     labels: dict = dataclasses.field(default_factory=dict)
@@ -111,6 +112,9 @@ class Warm:
     """One run: the bucket's client, the local drives (this run's engine), what is warmed."""
 
     def __init__(self, client, drives: Drives, secret: str | None, limit: int | None, concurrency: int, bar):
+        from aiokv.bucket.client import BucketError  # (obstore: the bucket extra, imported once needed)
+
+        self.unanswered = BucketError
         self.client, self.drives, self.limit, self.concurrency, self.bar = client, drives, limit, concurrency, bar
         self.mac_key = fmt.mac_key(secret) if secret else None
         self.bytes = 0  # reserved or committed by this run (the limit's count)
@@ -215,7 +219,13 @@ class Warm:
         bufs: list = []
         done = False
         try:
-            bufs = await asyncio.gather(*(self._fetch(t, key, r) for r in range(ns.ranks)))
+            try:
+                bufs = await asyncio.gather(*(self._fetch(t, key, r) for r in range(ns.ranks)))
+            except self.unanswered:
+                t.failed += 1
+                if self.client.breaker.in_cooldown:
+                    raise  # the bucket stopped answering: the run ends (run again to resume)
+                return
             if all(b is not None for b in bufs):
                 await asyncio.to_thread(self._write, d, t, fmt.drive_of(where)[1], bufs)
                 label = t.labels.get(key)
@@ -228,7 +238,9 @@ class Warm:
                 self.warmed_bytes += cost
                 self.bar.add(1, cost)
         except asyncio.CancelledError:
-            done = True  # (a thread may still be writing the slot: it stays reserved, never committed)
+            # a thread may still be checking or writing the slot: it stays reserved (never
+            # committed, given back when these files are next opened), its buffers to the GC
+            done, bufs = True, []
             raise
         finally:
             for b in bufs:
@@ -398,6 +410,7 @@ def render(doc: dict) -> str:
             f"{n['warmed']} warmed, {n['already']} here already"
             + (f", {n['bad'] + n['bad_size']} bad object(s) skipped" if n["bad"] + n["bad_size"] else "")
             + (f", {n['missing']} gone" if n["missing"] else "")
+            + (f", {n['failed']} not answered" if n["failed"] else "")
             + (f", {n['incomplete']} missing a rank" if n["incomplete"] else "")
             + (f", {n['no_room']} without room" if n["no_room"] else "")
             + f"; {n['labelled']} labelled"
