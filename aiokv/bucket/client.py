@@ -113,6 +113,13 @@ class BucketClient:
         except (FileNotFoundError, NotFoundError):
             return None
 
+    async def head_bytes(self, name: str, n: int):
+        """The object's first n bytes (a ranged GET), or None when there is no such object."""
+        try:
+            return await self._call(lambda: obstore.get_range_async(self.store, name, start=0, length=n))
+        except (FileNotFoundError, NotFoundError):
+            return None
+
     async def list(self, prefix: str, page: int = 1000):
         """The objects whose names start with the path `prefix` (whole segments), a page of
         at most `page` at a time: [{"path", "size", "last_modified", ...}]; each page is a
