@@ -11,6 +11,10 @@
     aiokv warm DIR [DIR ...] --bucket s3://BUCKET/PREFIX [--model NAME] [--limit SIZE]
                                          copy the fleet's blocks from the bucket before the node serves
                                          (docs/operations.md, "Warm-up"); run again after an interrupt
+    aiokv clear DIR [--model NAME|--namespace ID] [--tenant SALT] [--older-than DURATION] [--dry-run]
+                                         remove blocks, also while engines serve (cli/operate.py)
+    aiokv pin DIR --tenant SALT [--model NAME|--namespace ID]    keep a tenant's blocks (pin_capacity)
+    aiokv unpin DIR --tenant SALT [--model NAME|--namespace ID]  and let them go again
 
 Exit status: 0 fine, 1 corruption found (also when --repair dropped it), 130 interrupted,
 2 a usage or environment error (one line on stderr, no traceback). With several
@@ -78,6 +82,44 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--timeout", type=float, default=5.0, help="seconds per request to the bucket (default 5)")
     w.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     w.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    for op, text in (
+        ("clear", "remove blocks (by model or namespace, tenant, age), also while engines serve from the directory"),
+        ("pin", "keep a tenant's blocks: never evicted (within each engine's pin_capacity)"),
+        ("unpin", "let a tenant's pinned blocks be evicted again"),
+    ):
+        c = sub.add_parser(
+            op,
+            help=text,
+            description=f"{text[0].upper()}{text[1:]}. The order is written to DIR/control; running engines apply "
+            "it within about 0.1 s of their next step, and the files of stopped engines are changed here. "
+            "Where the engines have a `secret`, give it in AIOKV_SECRET. docs/operations.md, "
+            '"Operating the cache".',
+        )
+        c.add_argument("dir", metavar="DIR", help="the cache directory")
+        which = c.add_mutually_exclusive_group()
+        which.add_argument(
+            "--model", help="only the namespaces of this model (as vLLM was given it, or its last path part)"
+        )
+        which.add_argument("--namespace", metavar="ID", help="only this namespace (a prefix of its id: aiokv inspect)")
+        c.add_argument(
+            "--tenant",
+            metavar="SALT",
+            required=op != "clear",
+            help='only this tenant: a request\'s cache_salt ("" for requests without one)',
+        )
+        if op == "clear":
+            c.add_argument(
+                "--older-than", metavar="DURATION", help="only blocks last used longer ago (90s, 30m, 12h, 7d, 2w)"
+            )
+            c.add_argument("--dry-run", action="store_true", help="say what would be removed; change nothing")
+        c.add_argument(
+            "--wait",
+            type=float,
+            default=5.0,
+            metavar="SECONDS",
+            help="how long to wait for the running engines to apply it (default 5)",
+        )
+        c.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     return p
 
 
@@ -104,6 +146,23 @@ def _warm(args) -> int:
         )
     )
     _emit(doc, warm.render(doc), args.format)
+    return 0
+
+
+def _operate(args) -> int:
+    from aiokv.cli import operate
+
+    doc = operate.run(
+        args.command,
+        args.dir,
+        args.tenant,
+        args.model,
+        args.namespace,
+        getattr(args, "older_than", None),
+        getattr(args, "dry_run", False),
+        args.wait,
+    )
+    _emit(doc, operate.render(doc), args.format)
     return 0
 
 
@@ -174,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     from aiokv.data import format as fmt
 
     try:
-        return _warm(args) if args.command == "warm" else _inspect(args)
+        run = {"inspect": _inspect, "warm": _warm}.get(args.command, _operate)
+        return run(args)
     except (InspectError, WarmError) as e:
         print(_one_line(e), file=sys.stderr)
         return e.code

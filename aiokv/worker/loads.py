@@ -206,6 +206,7 @@ class Loads:
                                 [b for (_, _, b), _ in good],
                                 t.group,
                                 job=t.job,
+                                tenant=t.tenant,
                             ),
                             handed,
                         )
