@@ -12,7 +12,9 @@ directory, including one running beside the warm; corrupt, truncated, foreign an
 objects are skipped and counted, never committed; an interrupted warm (SIGINT or kill -9)
 leaves only whole committed blocks, and the next run copies only the rest, each block
 committed once; `--limit` and the capacity bound it and nothing is evicted; `--model`
-selects namespaces by the model their engines published; the labels engines published reach
+selects namespaces by the model their engines published; `--tenant` copies only that tenant's
+blocks and every warmed block is committed as the tenant its header names (quotas, clears and
+pins treat it as the engines' own); the labels engines published reach
 the warmed blocks' labels file (so engines announce them: docs/operations.md, "Warm-up"); no
 secret, or a bucket that does not answer, is one line and exit status 2.
 Fix: aiokv/cli/warm.py, aiokv/bucket/catalog.py, meta.py, publisher.py.
@@ -49,13 +51,17 @@ SB = fmt.slot_bytes(PAYLOAD)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def image(nsid: bytes, rank: int, k: bytes, secret: str | None = SECRET, payload: int = PAYLOAD) -> bytes:
-    """A block's slot image as an engine uploads it (stamped: header, CRC, MAC)."""
+def image(
+    nsid: bytes, rank: int, k: bytes, secret: str | None = SECRET, payload: int = PAYLOAD, tenant: str = ""
+) -> bytes:
+    """A block's slot image as an engine uploads it (stamped: header, CRC, MAC, the tenant's tag)."""
     sb = fmt.slot_bytes(payload)
     buf = mmap.mmap(-1, sb)
     buf[fmt.HEADER_BYTES : fmt.HEADER_BYTES + payload] = (k * (payload // len(k) + 1))[:payload]
     c = ctypes.c_char.from_buffer(buf)
-    fmt.stamp_slots([ctypes.addressof(c)], [k], nsid, rank, payload, 0, False, fmt.mac_key(secret) if secret else None)
+    mk = fmt.mac_key(secret) if secret else None
+    tag = fmt.tenant_tag(tenant, fmt.tenant_key(secret))
+    fmt.stamp_slots([ctypes.addressof(c)], [k], nsid, rank, payload, 0, False, mk, tenant=tag)
     del c
     return bytes(buf)
 
@@ -64,16 +70,20 @@ def label(i: int) -> bytes:
     return b"label-%d" % i
 
 
-def publish(prefix: str, blocks: dict, secret: str | None = SECRET, ranks: int = 1, labels: bool = True) -> None:
-    """What a fleet's engines leave in the bucket: blocks (nsid -> [(key, model)]), each
-    namespace's description and the blocks' labels (through the engines' Publisher)."""
+def publish(
+    prefix: str, blocks: dict, secret: str | None = SECRET, ranks: int = 1, labels: bool = True, tenants=None
+) -> None:
+    """What a fleet's engines leave in the bucket: blocks (nsid -> [(key, model)]; tenants: key ->
+    the cache_salt it was saved for, default none), each namespace's description and the
+    blocks' labels (through the engines' Publisher)."""
 
     async def put_all(client):
         sem = asyncio.Semaphore(32)
 
         async def one(nsid, r, k):
             async with sem:
-                await client.put(object_name(client.prefix, nsid, r, k), image(nsid, r, k, secret))
+                t = (tenants or {}).get(k, "")
+                await client.put(object_name(client.prefix, nsid, r, k), image(nsid, r, k, secret, tenant=t))
 
         await asyncio.gather(*(one(n, r, k) for n, ks in blocks.items() for k, _ in ks for r in range(ranks)))
 
@@ -233,6 +243,30 @@ def test_model_selects_namespaces_by_what_their_engines_published(secret_env, tm
     assert doc["warmed_blocks"] == 7, doc
     with pytest.raises(warm.WarmError, match="holds: /models/beta, org/alpha"):
         run_warm([tmp_path / "a"], url, model="gamma")
+
+
+def test_tenant_keeps_one_tenants_blocks_and_each_block_stays_its_tenants(secret_env, tmp_path):
+    url = secret_env.url("fleet9")
+    owners = {key(i): ("alice", "bob", "")[i % 3] for i in range(18)}
+    publish(url, {NS: [(k, "org/tiny") for k in owners]}, tenants=owners, ranks=2)
+    doc = run_warm([tmp_path / "a"], url, tenant="alice")
+    assert doc["warmed_blocks"] == 6 and doc["namespaces"][0]["other_tenant"] == 12, doc
+    assert held(tmp_path / "a") == {k for k, o in owners.items() if o == "alice"}
+    doc = run_warm([tmp_path / "a"], url, tenant="")  # requests without a cache_salt
+    assert doc["warmed_blocks"] == 6 and doc["already_blocks"] == 6, doc
+
+    # every tenant: each block is committed as the tenant its header names (quotas, clears, pins)
+    doc = run_warm([tmp_path / "b"], url)
+    assert doc["warmed_blocks"] == 18, doc
+    st = Store(str(tmp_path / "b"), readonly=True, secret=SECRET)
+    ns = st.index.namespaces[NS]
+    (engine,) = ns.tables
+    t = ns.tables[engine]
+    tk = fmt.tenant_key(SECRET)
+    for k, o in owners.items():
+        assert st.tenant_tag(int(t.tenant[t.find(k)])) == fmt.tenant_tag(o, tk), o
+    st.close()
+    verify_ok(tmp_path / "b")  # (both ranks of every block)
 
 
 def test_several_drives_take_the_blocks_their_keys_place_there(secret_env, tmp_path):

@@ -8,7 +8,7 @@
     aiokv inspect DIR --verify --repair  ...and drop the corrupt ones (engine must be stopped)
     aiokv inspect DIR DIR ...            several drives (a `path` list): each drive's directory in turn
     --format json                        one JSON document on stdout instead of text
-    aiokv warm DIR [DIR ...] --bucket s3://BUCKET/PREFIX [--model NAME] [--limit SIZE]
+    aiokv warm DIR [DIR ...] --bucket s3://BUCKET/PREFIX [--model NAME] [--tenant SALT] [--limit SIZE]
                                          copy the fleet's blocks from the bucket before the node serves
                                          (docs/operations.md, "Warm-up"); run again after an interrupt
     aiokv clear DIR [--model NAME|--namespace ID] [--tenant SALT] [--older-than DURATION] [--dry-run]
@@ -71,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("dir", metavar="DIR", nargs="+", help="the cache directory (several: each drive's, as in `path`)")
     w.add_argument("--bucket", required=True, metavar="s3://BUCKET/PREFIX", help="the engines' `bucket` setting")
     w.add_argument("--model", help="only namespaces of this model (the name or path vLLM was given, or its last parts)")
+    w.add_argument(
+        "--tenant",
+        metavar="SALT",
+        help="only this tenant's blocks: a request's cache_salt (\"\" for requests without one)",
+    )
     w.add_argument("--limit", metavar="SIZE", help="copy at most this much (e.g. 100GiB; slots on every rank)")
     w.add_argument(
         "--capacity", metavar="SIZE", default="64GiB", help="the engines' `capacity` setting (default 64GiB)"
@@ -137,6 +142,7 @@ def _warm(args) -> int:
             args.dir,
             args.bucket,
             model=args.model,
+            tenant=args.tenant,
             limit=limit,
             capacity=capacity,
             unsigned=args.unsigned,

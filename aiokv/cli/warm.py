@@ -22,6 +22,11 @@ back. Only blocks written whole on every rank are committed, so an interrupt (Ct
 committed are given back when these files are next opened), and the next run skips every key
 the directory already holds.
 
+Tenants: each block is committed as its tenant's, the tag its slot header carries (stamped by
+the engine that saved it: format.header_tenant), so quotas, clears and pins treat a warmed block
+as the engines' own. `tenant` keeps one tenant's blocks: a ranged GET of each candidate's header
+says whose it is before its objects are fetched.
+
 Bounds: `limit` bytes copied (a block costs its slot on every rank), the capacity (the
 engines' `capacity` setting) and the file system's free space: the warm evicts nothing; a
 drive without room takes no more.
@@ -34,6 +39,7 @@ obstore's runtime, verification and writes on worker threads.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import errno
 import mmap
@@ -99,6 +105,7 @@ class Target:
     no_room: int = 0
     labelled: int = 0
     failed: int = 0  # fetches the bucket did not answer (error, timeout)
+    other_tenant: int = 0  # blocks of another tenant than --tenant's
     bad_size: int = 0
     incomplete: int = 0
     labels: dict = dataclasses.field(default_factory=dict)
@@ -111,10 +118,23 @@ class Target:
 class Warm:
     """One run: the bucket's client, the local drives (this run's engine), what is warmed."""
 
-    def __init__(self, client, drives: Drives, secret: str | None, limit: int | None, concurrency: int, bar):
+    def __init__(
+        self,
+        client,
+        drives: Drives,
+        secret: str | None,
+        limit: int | None,
+        concurrency: int,
+        bar,
+        tenant: str | None = None,
+    ):
+        """tenant: only blocks of this tenant (a cache_salt; "": requests without one), or None: every block."""
         from aiokv.bucket.client import BucketError  # (obstore: the bucket extra, imported once needed)
 
         self.unanswered = BucketError
+        # the tenant's tag, as the engines stamp it in slot headers (keyed by the secret), and its id here
+        self.tenant = None if tenant is None else fmt.tenant_tag(tenant, fmt.tenant_key(secret))
+        self.tenant_id = 0 if tenant is None else drives.tenant(tenant)
         self.client, self.drives, self.limit, self.concurrency, self.bar = client, drives, limit, concurrency, bar
         self.mac_key = fmt.mac_key(secret) if secret else None
         self.bytes = 0  # reserved or committed by this run (the limit's count)
@@ -123,20 +143,24 @@ class Warm:
         self.stopped: str | None = None  # "limit", "capacity": why the run ended before the list did
         self._fds: dict[tuple[int, bytes, int], int] = {}
         self._refreshed = 0.0
+        self._flying: collections.Counter = collections.Counter()  # (drive, nsid) -> blocks in flight
+        self._flying_bytes: collections.Counter = collections.Counter()  # drive -> their bytes
 
     # ---- the store (the loop's thread) ----
     def _room(self, d: int, t: Target) -> bool:
-        """Whether drive d takes one more block of t without evicting anything: a free slot,
-        or room under the capacity and on the file system (HEADROOM left to it: a full file
-        system would make the store evict, space.py)."""
+        """Whether drive d takes one more block of t, beside those in flight (fetched before
+        they are reserved), without evicting anything: a free slot for each, or room under the
+        capacity and on the file system (HEADROOM left to it: a full file system would make the
+        store evict, space.py) for all of them."""
         st, part = self.drives.stores[d], t.ns.on[d]
-        if part.alloc.free:
+        if len(part.alloc.free) > self._flying[(d, part.nsid)]:
             return True
+        need = part.slot_cost + self._flying_bytes[d]
         lim = st.space.limit
-        if lim is not None and lim - st.space.used() < part.slot_cost:
+        if lim is not None and lim - st.space.used() < need:
             return False
         fs = os.statvfs(st.root)
-        return fs.f_bavail * fs.f_frsize - HEADROOM >= part.slot_cost
+        return fs.f_bavail * fs.f_frsize - HEADROOM >= need
 
     def _refresh(self) -> None:
         now = time.monotonic()
@@ -191,6 +215,18 @@ class Warm:
             if n != t.ns.slot_bytes:
                 raise OSError(errno.EIO, f"short write ({n} of {t.ns.slot_bytes} bytes)")
 
+    async def _tenant_ok(self, t: Target, key: bytes) -> bool:
+        """With --tenant: whether the block is that tenant's, by a ranged GET of its header's
+        tenant tag (counted: other_tenant, missing), before its whole objects are fetched."""
+        head = await self.client.head_bytes(object_name(self.client.prefix, t.ns.nsid, 0, key), fmt.TENANT_END)
+        if head is None:
+            t.missing += 1
+            return False
+        if (fmt.header_tenant(head) or fmt.NO_TENANT) != self.tenant:
+            t.other_tenant += 1
+            return False
+        return True
+
     async def _one(self, t: Target, key: bytes) -> None:
         ns = t.ns
         if key in ns.entries or key in ns.pending:
@@ -207,48 +243,61 @@ class Warm:
             if len(self.full) == len(self.drives.live):
                 self.stopped = "capacity"
             return
-        where = self.drives.reserve(ns, key)
-        if where is None:  # present after all, or no space after all (a full disk)
-            if key in ns.entries or key in ns.pending:
-                t.already += 1
-            else:
-                self.full.add(d)
-                t.no_room += 1
-            return
-        self.bytes += cost
+        self.bytes += cost  # (in flight: counted against the limit until it is known not warmed)
+        self._flying[(d, ns.nsid)] += 1
+        self._flying_bytes[d] += cost
         bufs: list = []
-        done = False
+        where, done = None, False
         try:
             try:
+                if self.tenant is not None and not await self._tenant_ok(t, key):
+                    return
                 bufs = await asyncio.gather(*(self._fetch(t, key, r) for r in range(ns.ranks)))
             except self.unanswered:
                 t.failed += 1
                 if self.client.breaker.in_cooldown:
                     raise  # the bucket stopped answering: the run ends (run again to resume)
                 return
-            if all(b is not None for b in bufs):
-                await asyncio.to_thread(self._write, d, t, fmt.drive_of(where)[1], bufs)
-                label = t.labels.get(key)
-                if label is not None:
-                    self.drives.stores[d].labels.append(ns.nsid, [(key, label)])
-                    t.labelled += 1
-                self.drives.commit(ns, [(key, where)])
-                done = True
-                t.warmed += 1
-                self.warmed_bytes += cost
-                self.bar.add(1, cost)
+            if any(b is None for b in bufs):
+                return
+            tag = fmt.header_tenant(bufs[0]) or fmt.NO_TENANT  # (damaged: outside the MAC, the tenant "")
+            if self.tenant is not None and tag != self.tenant:
+                t.other_tenant += 1  # (replaced since its header was read)
+                return
+            tenant = self.drives.tenant_of_tag(tag) if self.tenant is None else self.tenant_id
+            where = self.drives.reserve(ns, key, tenant)
+            if where is None:  # committed meanwhile (an engine beside us), or no space after all
+                if key in ns.entries or key in ns.pending:
+                    t.already += 1
+                else:
+                    self.full.add(d)
+                    t.no_room += 1
+                return
+            await asyncio.to_thread(self._write, d, t, fmt.drive_of(where)[1], bufs)
+            label = t.labels.get(key)
+            if label is not None:
+                self.drives.stores[d].labels.append(ns.nsid, [(key, label)])
+                t.labelled += 1
+            self.drives.commit(ns, [(key, where)], tenant)
+            done = True
+            t.warmed += 1
+            self.warmed_bytes += cost
+            self.bar.add(1, cost)
         except asyncio.CancelledError:
             # a thread may still be checking or writing the slot: it stays reserved (never
             # committed, given back when these files are next opened), its buffers to the GC
             done, bufs = True, []
             raise
         finally:
+            self._flying[(d, ns.nsid)] -= 1
+            self._flying_bytes[d] -= cost
             for b in bufs:
                 if b is not None:
                     b.close()
             if not done:
-                self.drives.abort(ns, [(key, where)], failed=False)
                 self.bytes -= cost
+                if where is not None:
+                    self.drives.abort(ns, [(key, where)], failed=False)
 
     async def run(self, work: list[tuple[Target, bytes]]) -> None:
         it = iter(work)
@@ -270,9 +319,9 @@ class Warm:
             raise
 
 
-def _open(paths: list[str], capacity: int) -> Drives:
+def _open(paths: list[str], capacity: int, secret: str | None) -> Drives:
     try:
-        drives, _ = open_drives(paths, lambda p, n: (Store(p, capacity=capacity // n), []), 60.0)
+        drives, _ = open_drives(paths, lambda p, n: (Store(p, capacity=capacity // n, secret=secret), []), 60.0)
     except OSError as e:
         raise WarmError(f"aiokv: cannot use {', '.join(paths)} ({e.strerror or e})") from None
     return drives
@@ -328,7 +377,7 @@ async def _warm(args, client, drives: Drives, secret, out: dict) -> None:
     work.sort(key=lambda w: -w[0])  # newest first, across namespaces
     total = sum(t.ns.slot_bytes * t.ns.ranks for _, t, _ in work)
     bar = Progress(len(work), min(total, args.limit) if args.limit is not None else total, args.progress, "warming")
-    warm = Warm(client, drives, secret, args.limit, args.concurrency, bar)
+    warm = Warm(client, drives, secret, args.limit, args.concurrency, bar, args.tenant)
     out["targets"] = targets
     out["warm"] = warm
     try:
@@ -343,6 +392,7 @@ class Args:
     paths: list[str]
     bucket: str
     model: str | None = None
+    tenant: str | None = None  # a cache_salt ("": requests without one); None: every tenant
     limit: int | None = None
     capacity: int = AioKVConfig.capacity
     unsigned: bool = False
@@ -367,7 +417,7 @@ def warm(args: Args) -> dict:
         client = BucketClient(args.bucket, args.timeout)
     except ValueError as e:
         raise WarmError(str(e)) from None
-    drives = _open(args.paths, args.capacity)
+    drives = _open(args.paths, args.capacity, secret)
     out: dict = {"skipped_namespaces": [], "foreign_labels_objects": 0, "targets": [], "warm": None}
     code = None
     try:
@@ -413,6 +463,7 @@ def render(doc: dict) -> str:
             + (f", {n['failed']} not answered" if n["failed"] else "")
             + (f", {n['incomplete']} missing a rank" if n["incomplete"] else "")
             + (f", {n['no_room']} without room" if n["no_room"] else "")
+            + (f", {n['other_tenant']} of other tenants" if n["other_tenant"] else "")
             + f"; {n['labelled']} labelled"
         )
     for s in doc["skipped_namespaces"]:
