@@ -1,7 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """aiokv's settings, read from vLLM's kv_connector_extra_config.
 
-Every wrong or missing setting fails at start with one line that names the fix.
+Every wrong or missing setting fails at start with one line that names the fix. Each
+setting's bounds (README's settings table, "accepted") are checked here: sizes finite and
+positive (memory: 0 too), staging + memory within the machine's memory; whole numbers
+without a fraction (queue_depth 1 to MAX_QUEUE_DEPTH, admit_window 1 to 2^30,
+checksum_threads 0 to 64, breaker_failures 0 and up); timeouts from TIMEOUTS' least value
+to MAX_SECONDS, finite. Every value inside them works on real vLLM
+(tests/test_every_setting_at_its_bounds.py; tools/fuzz.py --random-settings draws them).
 The bucket tier's setting is `bucket`; its old name `shared` is still accepted,
 with one deprecation line per process; so is `remote_timeout`, the old name of
 `bucket_timeout`.
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 
 log = logging.getLogger("aiokv")
@@ -92,19 +99,20 @@ class AioKVConfig:
         cfg = cls(path=paths[0], paths=paths)
         for name in ("capacity", "staging", "upload_queue"):
             if name in extra:
-                try:
-                    setattr(cfg, name, parse_size(extra.pop(name)))
-                except ValueError as e:
-                    raise ConfigError(f"aiokv: {name}: {e}") from None
+                setattr(cfg, name, _size(name, extra.pop(name)))
                 if getattr(cfg, name) <= 0:
-                    raise ConfigError(f"aiokv: {name} must be positive")
+                    raise ConfigError(f"aiokv: {name} must be positive: a size such as 4GiB")
         if "memory" in extra:  # 0 turns the memory tier off
-            try:
-                cfg.memory = parse_size(extra.pop("memory"))
-            except ValueError as e:
-                raise ConfigError(f"aiokv: memory: {e}") from None
+            cfg.memory = _size("memory", extra.pop("memory"))
             if cfg.memory < 0:
                 raise ConfigError("aiokv: memory must be 0 (off) or a size such as 4GiB")
+        ram = physical_memory()
+        if ram and cfg.staging + cfg.memory > ram:
+            # every worker populates both at start: beyond the machine's memory the kernel kills the engine
+            raise ConfigError(
+                f"aiokv: staging + memory ({_gib(cfg.staging + cfg.memory)}) exceed this machine's memory "
+                f"({_gib(ram)}); each worker holds both from its start: lower memory (or staging)"
+            )
         if "admit" in extra:
             cfg.admit = extra.pop("admit")
             if cfg.admit not in ("all", "reused"):
@@ -112,41 +120,42 @@ class AioKVConfig:
                     f"aiokv: admit must be all (every block to disk) or reused (blocks seen twice), not {cfg.admit!r}"
                 )
         if "admit_window" in extra:
-            v = extra.pop("admit_window")
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 30:
-                raise ConfigError("aiokv: admit_window must be a whole number of sightings from 1 to 2^30")
-            cfg.admit_window = v
+            cfg.admit_window = _whole(
+                "admit_window",
+                extra.pop("admit_window"),
+                1,
+                1 << 30,
+                "a whole number of sightings from 1 to 2^30",
+                strings=False,
+            )
         if "io" in extra:
             cfg.io = extra.pop("io")
             if cfg.io not in ("auto", "uring", "threads"):
                 raise ConfigError(f"aiokv: io must be auto, uring or threads, not {cfg.io!r}")
-        for name, typ in (
-            ("queue_depth", int),
-            ("load_timeout", float),
-            ("save_timeout", float),
-            ("breaker_failures", int),
-            ("breaker_cooldown", float),
-            ("bucket_timeout", float),
-            ("probe_timeout", float),
-            ("flush_timeout", float),
-            ("fs_timeout", float),
-            ("start_timeout", float),
-        ):
+        if "queue_depth" in extra:
+            cfg.queue_depth = _whole(
+                "queue_depth",
+                extra.pop("queue_depth"),
+                1,
+                MAX_QUEUE_DEPTH,
+                f"a whole number from 1 to {MAX_QUEUE_DEPTH} (I/O operations in flight per worker and drive)",
+            )
+        if "breaker_failures" in extra:  # 0 turns the breaker off
+            cfg.breaker_failures = _whole(
+                "breaker_failures", extra.pop("breaker_failures"), 0, None, "a whole number: 0 (off) or more"
+            )
+        for name, least in TIMEOUTS.items():
             if name in extra:
-                try:
-                    setattr(cfg, name, typ(extra.pop(name)))
-                except (TypeError, ValueError):
-                    raise ConfigError(f"aiokv: {name} must be a number") from None
-                if name == "breaker_failures":  # 0 turns the breaker off
-                    if cfg.breaker_failures < 0:
-                        raise ConfigError("aiokv: breaker_failures must be 0 (off) or more")
-                elif getattr(cfg, name) <= 0:
-                    raise ConfigError(f"aiokv: {name} must be positive")
+                setattr(cfg, name, _seconds(name, extra.pop(name), least))
         if "checksum_threads" in extra:
-            v = extra.pop("checksum_threads")
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 64:
-                raise ConfigError("aiokv: checksum_threads must be a whole number from 0 (on the loop thread) to 64")
-            cfg.checksum_threads = v
+            cfg.checksum_threads = _whole(
+                "checksum_threads",
+                extra.pop("checksum_threads"),
+                0,
+                64,
+                "a whole number from 0 (on the loop thread) to 64",
+                strings=False,
+            )
         for name in ("strict_load_failures", "layerwise", "bucket_unsigned", "kv_events", "save_generated"):
             if name in extra:
                 v = extra.pop(name)
@@ -223,14 +232,81 @@ def parse_paths(v) -> list[str]:
 
 
 MAX_DRIVES = 64  # the drives a location can name (aiokv/data/format.py, DRIVE_SHIFT)
+# io_uring rings hold at most 32768 entries (IORING_MAX_ENTRIES) and aiokv's are 2 x the depth;
+# a deeper ring was refused by the kernel and aiokv fell back to threads, saying io_uring was unavailable
+MAX_QUEUE_DEPTH = 16384
+# every timeout's upper bound, in seconds: a day. Beyond ~292 years a thread's wait raises
+# (OverflowError out of the connector's start for start_timeout), and NaN or infinity never work
+# (a NaN load or save timeout failed every save)
+MAX_SECONDS = 86400.0
+# each timeout's least value (0: any positive time): below it the operation it bounds cannot finish
+# on a healthy local drive (a request's load or save, a journal append with its fdatasync, a bucket
+# request) or, for start_timeout, opening a cache directory (its files, lock and index image) may not
+TIMEOUTS = {
+    "load_timeout": 0.01,
+    "save_timeout": 0.01,
+    "fs_timeout": 0.01,
+    "start_timeout": 1.0,
+    "breaker_cooldown": 0.0,
+    "bucket_timeout": 0.01,
+    "probe_timeout": 0.01,
+    "flush_timeout": 0.0,
+}
+
+
+def _size(name: str, v) -> int:
+    try:
+        return parse_size(v)
+    except ValueError as e:
+        raise ConfigError(f"aiokv: {name}: {e}") from None
+
+
+def _whole(name: str, v, least: int, most: int | None, what: str, strings: bool = True) -> int:
+    """A whole number in [least, most] (most None: no upper bound); a string of one too (strings)."""
+    n = v
+    if strings and isinstance(v, str):
+        try:
+            n = int(v.strip())
+        except ValueError:
+            n = None
+    if isinstance(n, bool) or not isinstance(n, int) or n < least or (most is not None and n > most):
+        raise ConfigError(f"aiokv: {name} must be {what}, not {v!r}")
+    return n
+
+
+def _seconds(name: str, v, least: float) -> float:
+    """A number of seconds in [least, MAX_SECONDS] (least 0: above 0)."""
+    try:
+        t = float(v) if not isinstance(v, bool) else math.nan
+    except (TypeError, ValueError):
+        t = math.nan
+    if not (t >= least and t > 0 and t <= MAX_SECONDS):  # (NaN fails every comparison)
+        lo = "above 0" if least == 0 else f"from {least:g}"
+        must = "must be positive:" if not t > 0 else "must be"
+        raise ConfigError(f"aiokv: {name} {must} a number of seconds {lo} to {MAX_SECONDS:g} (a day), not {v!r}")
+    return t
+
+
+def physical_memory() -> int:
+    """This machine's memory in bytes (0: unknown)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
 
 
 def parse_size(v) -> int:
     """Bytes from an int or a string like '200GiB', '1.5 TB', '512M'."""
     if isinstance(v, bool):
-        raise ValueError(f"not a size: {v!r}")
-    if isinstance(v, (int, float)):
-        return int(v)
+        raise ValueError(f"not a size: {v!r} (use bytes or a unit like 200GiB)")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float):
+        return _finite(v, v)
     s = str(v).strip().replace(" ", "")
     units = {
         "": 1,
@@ -252,7 +328,13 @@ def parse_size(v) -> int:
     unit = s[len(num) :].lower()
     if unit not in units or not num:
         raise ValueError(f"not a size: {v!r} (use bytes or a unit like 200GiB)")
-    return int(float(num) * units[unit])
+    return _finite(float(num) * units[unit], v)
+
+
+def _finite(x: float, v) -> int:
+    if not math.isfinite(x):  # (int() of infinity raised OverflowError out of the connector's start)
+        raise ValueError(f"not a size: {v!r} (use bytes or a unit like 200GiB)")
+    return int(x)
 
 
 _said: set[str] = set()

@@ -162,3 +162,42 @@ def test_short_fuzz_with_store_errors(tmp_path):
     assert sum(life["store_faults_injected"] for life in summary["lives"]) >= 10
     assert sum(life["saves"] for life in summary["lives"]) > 0
     assert sum(life["hit_blocks"] or 0 for life in summary["lives"]) > 0, "loads must be prepared under faults"
+
+
+@pytest.mark.long
+def test_short_fuzz_with_random_settings(tmp_path):
+    """The same fuzz with every life's settings drawn from their accepted ranges, bounds included
+    (tools/fuzz.py --random-settings: queue depths 1 to 16384, staging and memory below one block,
+    capacity below one block or 10^30 bytes, timeouts from 10 ms to a day, the breaker off or
+    never opening, 0 to 64 checksum threads, admit reused at windows 1 to 2^30, layerwise, ...):
+    tokens equal to a run without aiokv, no leak, loads adding up, stored blocks equal to a
+    recomputation, in every life (issue 37, item 2)."""
+    p = subprocess.run(
+        [
+            sys.executable,
+            "tools/fuzz.py",
+            "--steps",
+            "80",
+            "--lives",
+            "4",
+            "--prompts",
+            "20",
+            "--seed",
+            "11",
+            "--random-settings",
+            "--dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=1500,
+    )
+    summary = json.loads(p.stdout[p.stdout.index("{") :])
+    problems = [x for life in summary["lives"] for x in life["problems"]]
+    assert not problems, problems
+    assert summary["stored_bytes"]["checked"] > 0 and not summary["stored_bytes"]["bad"]
+    assert summary["ok"] and p.returncode == 0
+    assert all(life["settings"] for life in summary["lives"]), "a life drew no setting"
+    assert sum(life["saves"] for life in summary["lives"]) > 0

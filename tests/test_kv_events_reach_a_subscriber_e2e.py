@@ -119,15 +119,17 @@ def test_blocks_committed_after_the_last_output_are_announced(tiny_model, tmp_pa
     blocks committed, under two test workers): a save still being written when its request's
     last output came out is committed at a later step, while the engine drains aiokv's work
     (has_pending_push_work); the harness took the life's events before those steps. The writes
-    are made late here (0.5 s each) so that every save ends after the outputs: every block
-    committed is still announced, once (tests/vllm_run.py takes the events after the drain)."""
+    are made late here (2 s each) and the request asks for one token, so every save ends after
+    its output on any machine (0.5 s and 8 tokens were not enough on a slow CI runner): every
+    block committed is still announced, once (tests/vllm_run.py takes the events after the drain)."""
     import json
 
     from aiokv.data.faults import ACK
 
-    late = {"AIOKV_FAULTS": json.dumps([{"op": "write", "kind": "late", "delay": 0.5}]), "AIOKV_FAULTS_ACK": ACK}
+    late = {"AIOKV_FAULTS": json.dumps([{"op": "write", "kind": "late", "delay": 2.0}]), "AIOKV_FAULTS_ACK": ACK}
+    phase = dict(prompts=PS[:1], max_tokens=1)
     res = run(
-        dict(model=tiny_model, cache=str(tmp_path / "c"), kv_events=events_socket(), phases=[dict(prompts=PS[:1])]),
+        dict(model=tiny_model, cache=str(tmp_path / "c"), kv_events=events_socket(), phases=[phase]),
         env=late,
     )
     why = "the first test compares tokens; this one asks for the events of saves that end late"

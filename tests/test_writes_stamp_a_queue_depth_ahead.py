@@ -7,7 +7,7 @@ or in the kernel at once. Each time a chunk's writes completed, the next chunk
 was only then handed to a thread, stamped and handed back, and meanwhile the
 kernel held less than the queue depth: writes ran at 0.71-0.91 x LMCache's
 RawBlockDevice on the same disk, 0.79-0.94 x in paired rounds
-(docs/benchmarks-peers.md), the CRC pass and not the I/O holding them back.
+(docs/benchmarks.md, "Beside LMCache's NVMe tier"), the CRC pass and not the I/O holding them back.
 
 Invariants: while the backend holds a full queue depth of a call's writes, the
 next queue depth of its blocks is already stamped and handed to the backend

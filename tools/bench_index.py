@@ -37,7 +37,7 @@ the distinct blocks.
 
 Prints one JSON line with --json (n, open_s, bytes_per_block, lookup_us, commit_us,
 replay_s, and the rest). Runs against any tree with the same Store API: PYTHONPATH
-names the one measured (docs/benchmarks-index.md: this tree against the one before).
+names the one measured (docs/benchmarks.md, "Tens of millions of blocks": this tree against the one before).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 """A seeded fuzz of aiokv on the real vLLM engine (CPU).
 
     PYTHONPATH=. .venv/bin/python tools/fuzz.py --steps N [--seed S] [--lives L] [--dir DIR]
-        [--prompts P] [--fault-every K] [--store-faults P] [--life-timeout S] [--time-budget S]
+        [--prompts P] [--fault-every K] [--store-faults P] [--random-settings] [--life-timeout S]
+        [--time-budget S]
 
 Each life prints a progress line (JSON) on stderr; the summary (with totals)
 goes to stdout at the end.
@@ -21,7 +22,12 @@ holds, tokens included (and the circuit breaker may open). With --store-faults P
 each store call of the scheduler side raises with probability P in every life
 (tools/store_faults.py): load and save errors are then allowed too, and every save
 and load is checked against vLLM's block tables (the block holds its key's tokens);
-at the end no reservation may be left in the store and no load reported twice.
+at the end no reservation may be left in the store and no load reported twice. With
+--random-settings, every life draws aiokv's settings from their accepted ranges, bounds
+included (SETTINGS: depths, sizes below a block, timeouts from 10 ms to a day, the breaker,
+checksum threads, admission and its window, a secret or none, ...): a life whose load timeout
+is under a second, or whose secret is not the last life's, may have load errors; every other
+check holds.
 After every step it checks:
 - every block a save reads or a load writes belongs, at that moment, to the
   request it is for (no block read or written after release);
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import subprocess
@@ -99,6 +106,54 @@ def make_prompts(rnd: random.Random, n: int, prefixes: list[list[int]], longest:
     return out
 
 
+# every life's settings with --random-settings: each drawn from its accepted range (README's
+# settings table, aiokv/config.py), its bounds included, the sizes of memory the machine must
+# populate capped at 64 MiB. Left as they are: path (the lives of a run share one directory; the
+# several-drive tests change it), the bucket tier and its settings (no server here), and
+# strict_load_failures (it makes a failed load fail its request, by design)
+SETTINGS = {
+    "capacity": ["64MiB", "8MiB", 1, 10**30],  # (the run's --capacity in most lives: see draw_settings)
+    "staging": [1, 65536, "4MiB", "64MiB"],
+    "memory": [0, 1, 65536, "4MiB", "64MiB"],
+    "io": ["auto", "uring", "threads"],
+    "queue_depth": [1, 2, 16384],  # (or log-uniform between)
+    "load_timeout": [0.01, 0.5, 30.0, 86400.0],
+    "save_timeout": [0.01, 0.5, 60.0, 86400.0],
+    "fs_timeout": [0.01, 0.5, 2.0, 86400.0],
+    "start_timeout": [1.0, 60.0, 86400.0],
+    "breaker_failures": [0, 1, 3, 10**18],
+    "breaker_cooldown": [5e-324, 0.5, 30.0, 86400.0],
+    "checksum_threads": [0, 1, 4, 64],
+    "admit": ["all", "all", "reused"],
+    "admit_window": [1, 1 << 30],  # (or log-uniform between)
+    "save_generated": [True, False],
+    "layerwise": [True, False],
+    "kv_events": [True, False],
+    "secret": [None, "fuzz-secret-0123456789"],
+}
+
+
+def draw_settings(rnd: random.Random, capacity: str) -> dict:
+    """One life's settings: each present with probability 1/2, at a value of SETTINGS (a bound or a
+    common value) or, for the whole-number ranges, log-uniform within them; capacity is the run's
+    in 3 lives of 4. The config must accept every draw (checked here, in the parent)."""
+    from aiokv.config import AioKVConfig
+
+    out = {}
+    for name, values in SETTINGS.items():
+        if rnd.random() < 0.5:
+            continue
+        v = rnd.choice(values)
+        if name in ("queue_depth", "admit_window") and rnd.random() < 0.5:
+            v = int(round(2 ** rnd.uniform(0, math.log2(values[-1]))))
+        if name == "capacity" and rnd.random() < 0.75:
+            v = capacity
+        if v is not None:
+            out[name] = v
+    AioKVConfig.from_extra(dict(out, path="/tmp/fuzz"))  # raises if a draw is refused
+    return out
+
+
 # ---------------------------------------------------------------- one life (child process)
 
 
@@ -110,6 +165,7 @@ def life(args) -> dict:
     spec = _load_spec(args.life)
     rnd = random.Random(spec["seed"])
     extra = {"path": spec["cache"], "capacity": spec.get("capacity", "64MiB"), "staging": "4MiB"}
+    extra.update(spec.get("settings") or {})  # --random-settings: this life's draw (draw_settings)
     if spec.get("faults"):
         # a read held up past this is a load timeout (FAULTS' slow rule); a short cool-down lets
         # the breaker reopen hits within the life, so every kind of failure keeps being exercised;
@@ -485,6 +541,11 @@ def main() -> int:
         default=0.0,
         help="probability that a store call of the scheduler side raises (every life)",
     )
+    ap.add_argument(
+        "--random-settings",
+        action="store_true",
+        help="every life draws its settings from their accepted ranges (SETTINGS, draw_settings)",
+    )
     ap.add_argument("--life-timeout", type=float, default=600, help="seconds one life may step")
     ap.add_argument(
         "--time-budget",
@@ -517,6 +578,7 @@ def main() -> int:
     all_prompts: list[list[int]] = []
     spoiled: list[str] = []
     prefixes = make_prefixes(rnd)
+    secret = None  # the last life's (--random-settings)
     for n in range(args.lives):
         if args.time_budget and time.monotonic() - t0 > args.time_budget and summary["lives"]:
             break
@@ -533,6 +595,7 @@ def main() -> int:
             family=args.family,
         )
         faulty = bool(args.fault_every) and n % args.fault_every == args.fault_every - 1
+        settings = draw_settings(rnd, args.capacity) if args.random_settings else {}
         got = run_life(
             dict(
                 common,
@@ -540,9 +603,15 @@ def main() -> int:
                 seed=args.seed * 100 + n,
                 faults=FAULTS if faulty else None,
                 store_faults=args.store_faults,
+                settings=settings,
             )
         )
-        lenient = faulty or bool(args.store_faults)  # load and save errors allowed
+        # load and save errors allowed; with drawn settings also where a load timeout under a second may
+        # run out on a busy machine, and where the secret changed since the last life (the blocks stored
+        # under the other one fail their MAC: recomputed, counted as corrupt)
+        lenient = faulty or bool(args.store_faults) or settings.get("load_timeout", 30) < 1
+        lenient |= args.random_settings and settings.get("secret") != secret
+        secret = settings.get("secret")
         spoiled += got.get("spoiled", [])
         # the reference: the same prompts without aiokv, one at a time, no aborts, no step limit
         finished = [int(k) for k, v in got["outs"].items() if v is not None]
@@ -589,6 +658,7 @@ def main() -> int:
                 "load_bad_blocks": c.get("load_bad_blocks", 0),
                 "token_diffs_inexact": [] if FAMILIES[args.family][5] else token_diffs,
                 "store_faults_injected": sum((got.get("store_faults") or {}).get("injected", {}).values()),
+                "settings": settings,
                 "problems": problems,
             }
         )

@@ -238,7 +238,7 @@ class SchedulerRole:
         try:
             return self.events.take()
         except Exception:
-            log.exception("aiokv: building KV events failed; this step's are lost")
+            self._error("take_events (KV events: this step's are lost)")
             return ()
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
@@ -248,7 +248,11 @@ class SchedulerRole:
         tier is the workers' and the scheduler side cannot know it at lookup time."""
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-        bucket = min(self._bucket_tokens.pop(request.request_id, 0), num_external_tokens)
+        try:
+            bucket = min(self._bucket_tokens.pop(request.request_id, 0), num_external_tokens)
+        except Exception:
+            self._error("get_external_cache_hit_sources (a hit counted as the disk's)")
+            bucket = 0  # (labels only: the whole hit is counted as the disk's)
         out = {CacheHitSource.DISK: num_external_tokens - bucket, CacheHitSource.EXTERNAL_UNSPECIFIED: bucket}
         return {k: v for k, v in out.items() if v > 0}
 
@@ -283,32 +287,52 @@ class SchedulerRole:
             if self.events is not None:
                 self.events.reset()
         except Exception:
-            log.exception("aiokv: resetting the cache failed")
+            self._error("reset_cache")
             return False
         log.info("aiokv: cache reset (the weights may have changed): blocks stored before are no longer served")
         return True
 
+    # ---- the hooks vLLM's scheduler calls: none lets an exception of aiokv's own work through ----
+    def _error(self, hook: str) -> None:
+        """aiokv's own work in vLLM's call `hook` raised (call from its except block): counted
+        (hook_errors), the first of each hook logged with its traceback. Never raises."""
+        try:
+            if self.sched is not None:
+                self.sched.error(hook)
+                return
+        except Exception:
+            pass
+        log.exception("aiokv: %s failed; vLLM goes on", hook)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.events is not None:
-            self.events.request(request)
+            try:
+                self.events.request(request)
+            except Exception:
+                self._error("get_num_new_matched_tokens (KV events)")
         if self.sched is not None and request.request_id not in self.sched.requests:
-            self.sched.describe(request.request_id, request.cache_salt or "", wants_pin(request))
+            try:
+                self.sched.describe(request.request_id, request.cache_salt or "", wants_pin(request))
+            except Exception:
+                self._error("get_num_new_matched_tokens (tenant)")
         if self.sched is None or not self.offer_hits or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         try:
             n = self.sched.match(request.request_id, request.all_token_ids, self._root(request), num_computed_tokens)
+            self._queried[request.request_id] = request.num_tokens - num_computed_tokens  # counted at alloc
         except Exception:
-            log.exception("aiokv: lookup failed; treated as a miss")
+            self._error("get_num_new_matched_tokens (a lookup: a miss)")
             return 0, False
-        self._queried[request.request_id] = request.num_tokens - num_computed_tokens  # counted at alloc
         return n, bool(n)  # None: the bucket has not answered yet; vLLM asks again next step
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self.sched is None:
             return
-        self._queried_tokens += self._queried.pop(request.request_id, 0)
-        self._bucket_tokens[request.request_id] = self.sched.bucket_hit_tokens(request.request_id, num_external_tokens)
         try:
+            self._queried_tokens += self._queried.pop(request.request_id, 0)
+            self._bucket_tokens[request.request_id] = self.sched.bucket_hit_tokens(
+                request.request_id, num_external_tokens
+            )
             self.sched.on_alloc(
                 request.request_id,
                 request.all_token_ids,
@@ -317,14 +341,40 @@ class SchedulerRole:
                 num_external_tokens,
             )
         except Exception:
-            log.exception("aiokv: preparing a load failed; it is recomputed")
+            self._error("update_state_after_alloc (preparing a load: recomputed)")
             if num_external_tokens > 0:  # vLLM now waits for this load: it must be reported, failed
-                self.sched.fail_load(request.request_id, blocks.get_block_ids(), num_external_tokens)
+                try:
+                    ids = blocks.get_block_ids()
+                except Exception:
+                    ids = ([],)
+                self.sched.fail_load(request.request_id, ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> AioKVMetadata:
-        idle = scheduler_output.total_num_scheduled_tokens == 0
+        try:
+            idle = scheduler_output.total_num_scheduled_tokens == 0
+        except Exception:
+            idle = False  # (the worker then never waits for a job in this step)
         if self.sched is None:
             return AioKVMetadata(StepPlan(), idle=idle)
+        decode_like = False
+        try:
+            items, boundary, decode_like = self._scheduled(scheduler_output)
+            plan = self.sched.plan(items, boundary)  # plan() contains its own failures
+        except Exception:
+            # the step's saves are dropped, the loads queued for it fail (vLLM recomputes them)
+            self._error("build_connector_meta (this step's saves are dropped, its loads recomputed)")
+            plan = self.sched.fail_step()
+        if self.events is not None and plan.saves:
+            try:
+                self.events.planned(plan.saves, self.sched.requests)
+            except Exception:
+                self._error("build_connector_meta (KV events: this step's saves are not announced)")
+        return AioKVMetadata(plan, decode_like, idle)
+
+    @staticmethod
+    def _scheduled(scheduler_output) -> tuple[list, dict | None, bool]:
+        """vLLM's SchedulerOutput as plain data: (Scheduled items, the recurrent-state
+        checkpoints written this step, whether every request computes one token)."""
         from aiokv.scheduler.side import Scheduled
 
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
@@ -345,52 +395,61 @@ class SchedulerRole:
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         boundary = state.boundary_state_offloads if state is not None else None
         decode_like = all(n <= 1 + len(spec.get(r, ())) for r, n in n_sched.items())
-        plan = self.sched.plan(items, boundary)  # plan() contains its own failures
-        if self.events is not None and plan.saves:
-            try:
-                self.events.planned(plan.saves, self.sched.requests)
-            except Exception:
-                log.exception("aiokv: describing this step's saves for KV events failed; they are not announced")
-        return AioKVMetadata(plan, decode_like, idle)
+        return items, boundary, decode_like
 
     def update_connector_output(self, connector_output) -> None:
         if self.sched is None:
             return
-        meta = connector_output.kv_connector_worker_meta
-        report = meta.report if isinstance(meta, AioKVWorkerMetadata) else None
-        if report is not None:
-            self._delta.add_worker(report.counters)
-            merge(self._totals, report.counters)
-            if self._drives is not None:
-                self._drives.record(report.drives)
+        report, finished = None, None
         try:
-            self.sched.on_report(report, connector_output.finished_recving)
+            finished = connector_output.finished_recving
+            meta = connector_output.kv_connector_worker_meta
+            report = meta.report if isinstance(meta, AioKVWorkerMetadata) else None
+            if report is not None:
+                self._delta.add_worker(report.counters)
+                merge(self._totals, report.counters)
+                if self._drives is not None:
+                    self._drives.record(report.drives)
+            self.sched.on_report(report, finished)
         except Exception:
-            log.exception("aiokv: processing the workers' report failed; its saves are not committed")
+            # its saves are not committed (their slots go back); finished loads give back their pins
+            self._error("update_connector_output (the saves it reports are dropped)")
+            self.sched.lost_report(report, finished)
 
     def has_pending_push_work(self) -> bool:
         # keeps the engine stepping until the workers have reported every save
-        return self.sched is not None and self.sched.pending_saves > 0
+        try:
+            return self.sched is not None and self.sched.pending_saves > 0
+        except Exception:
+            self._error("has_pending_push_work")
+            return False
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._roots.pop(request.request_id, None)
-        self._queried.pop(request.request_id, None)
-        self._bucket_tokens.pop(request.request_id, None)
-        if self.events is not None:
-            self.events.finished(request.request_id)
+        try:
+            self._roots.pop(request.request_id, None)
+            self._queried.pop(request.request_id, None)
+            self._bucket_tokens.pop(request.request_id, None)
+            if self.events is not None:
+                self.events.finished(request.request_id)
+        except Exception:
+            self._error("request_finished (bookkeeping)")
         if self.sched is None:
             return False, None
         try:
             return self.sched.finished(request.request_id), None
         except Exception:
-            log.exception("aiokv: request_finished failed; the request's blocks are freed as usual")
+            self._error("request_finished")  # (its blocks are freed as usual: none is held)
             return False, None
 
     def get_kv_connector_stats(self):
         # vLLM sums what it is handed: deltas of counters, gauges when they change (aiokv/connector/metrics.py)
         if self.sched is None:
             return None
-        data = self._delta.take(self._scheduler_counters())
+        try:
+            data = self._delta.take(self._scheduler_counters())
+        except Exception:
+            self._error("get_kv_connector_stats (this step's stats are lost)")
+            return None
         return AioKVStats(data=data) if data else None
 
     def _scheduler_counters(self) -> dict[str, int]:
@@ -431,5 +490,8 @@ class SchedulerRole:
 
     def shutdown(self) -> None:
         if self.sched is not None:
-            self.sched.close()
+            try:
+                self.sched.close()  # (never raises)
+            except Exception:
+                log.exception("aiokv: closing the scheduler side failed")
             self.sched = None

@@ -78,7 +78,7 @@ SPREAD_MIN_BYTES = 1 << 20
 CHUNK_MIN_BYTES = 1 << 20  # see BlockIO._chunk
 # a call's chunks checked on the checksum threads: at least this much payload each (see BlockIO._chunk;
 # 0: CHUNK_MIN_BYTES, as before issue 36), and stamped up to this many queue depths ahead of the
-# kernel (0: stamped-or-written within one queue depth, as before); docs/benchmarks-peers.md
+# kernel (0: stamped-or-written within one queue depth, as before); docs/benchmarks.md, "Beside LMCache's NVMe tier"
 SPREAD_CHUNK_BYTES = 4 << 20
 STAMP_AHEAD_DEPTHS = 1
 MISSING_RETRY = 0.5  # seconds before another engine's missing data file is looked for again
@@ -367,7 +367,7 @@ class BlockIO:
                 # `depth` writes in the kernel and queues the stamped rest, so each completion is
                 # replaced at once from stamped slots, not after a hand-off to a thread and back (with
                 # stamped-or-written bounded by one depth, the kernel held less than the depth while
-                # each chunk was stamped: 0.71-0.91 x RawBlockDevice, docs/benchmarks-peers.md).
+                # each chunk was stamped: 0.71-0.91 x RawBlockDevice, docs/benchmarks.md, "Beside LMCache's NVMe tier").
                 # Bounded, so that stamping runs at the disk's pace and leaves the cores to the loop.
                 depth = getattr(self.backend, "depth", 16)
                 room = asyncio.Semaphore(max(2, -(-depth * (1 + STAMP_AHEAD_DEPTHS) // step)))

@@ -14,11 +14,36 @@ any thread. A BufferPool is called from one thread only (the worker's event loop
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 
 HUGE = 2 << 20
 ALIGN = 4096
 MADV_POPULATE_WRITE = 23  # Linux 5.14+ (not in Python's mmap module)
+
+
+def available_memory() -> int:
+    """Bytes of memory this process can still take (0: unknown): the kernel's MemAvailable, less
+    where a cgroup (a container) allows less."""
+    avail = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            cap = f.read().strip()
+        if cap != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                room = max(0, int(cap) - int(f.read()))
+            avail = min(avail, room) if avail else room
+    except (OSError, ValueError):
+        pass
+    return avail
 
 
 def round_up(n: int, a: int = ALIGN) -> int:
@@ -50,7 +75,12 @@ class Arena:
         if populate:
             try:
                 self._map.madvise(MADV_POPULATE_WRITE, self.offset, round_up(self.size, HUGE))
-            except (OSError, ValueError):  # an older kernel: touch it
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # out of memory: touching it would call the OOM killer
+                    self.close()
+                    raise MemoryError(f"cannot populate {size} bytes of staging memory ({e.strerror})") from None
+                ctypes.memset(self.addr, 0, self.size)  # an older kernel (no MADV_POPULATE_WRITE): touch it
+            except ValueError:
                 ctypes.memset(self.addr, 0, self.size)
 
     def tensor(self):

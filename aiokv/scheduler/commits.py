@@ -209,6 +209,18 @@ class Ledger:
         for op in later:
             self.give_back(op)
 
+    def give_up(self, report: WorkerReport | None) -> None:
+        """A report that could not be processed: the blocks it reported (written or not) are
+        not committed; their slots go back (a dropped save)."""
+        for r in report.saves if report is not None else ():
+            rec = self.jobs.get(r.job)
+            if rec is None:
+                continue
+            items = [(k, rec.saving.pop(k)[0]) for k in r.written + r.failed if k in rec.saving]
+            if items:
+                self.give_back(("abort", rec.group, items, False))
+            self._settle(r.job)
+
     def close(self) -> None:
         """Commit saves whose reports can no longer arrive (the workers are gone) if
         their blocks verify on disk; give the other reservations back. Never raises."""

@@ -91,6 +91,7 @@ class SchedulerSide:
         self.layerwise = False
         self._staged: set[str] = set()
         self._described: dict[str, tuple[int, bool]] = {}  # req -> (tenant id, pin): describe()
+        self._logged: set[str] = set()  # the hooks whose failure was logged (error)
 
     @property
     def store(self) -> Store:
@@ -186,13 +187,16 @@ class SchedulerSide:
         """A load vLLM now waits for but that could not be prepared: whatever was queued
         for it is replaced by one load with no slots, so the worker reports the request
         finished, failed, exactly once. Never raises."""
-        dropped = [t for t in self._new_loads if t.req_id == req_id]
-        if dropped:
-            self._new_loads = [t for t in self._new_loads if t.req_id != req_id]
-            self.counters.load_blocks -= sum(len(t.keys) for t in dropped)
-            for t in dropped:  # its bucket-tier reservations go back
-                self.jobs.forget(t.job)
-        self.jobs.loads_done(req_id)
+        try:
+            dropped = [t for t in self._new_loads if t.req_id == req_id]
+            if dropped:
+                self._new_loads = [t for t in self._new_loads if t.req_id != req_id]
+                self.counters.load_blocks -= sum(len(t.keys) for t in dropped)
+                for t in dropped:  # its bucket-tier reservations go back
+                    self.jobs.forget(t.job)
+            self.jobs.loads_done(req_id)
+        except Exception:
+            log.warning("aiokv: giving back what a failed load of %s held failed", req_id, exc_info=True)
         try:
             local = self._local_blocks.get(req_id, 0)
             n = num_external // self.bs
@@ -211,15 +215,70 @@ class SchedulerSide:
         """This step's loads and cancellations (always delivered) and saves (best effort:
         a store error drops a request's saves of this step, never the step, never another
         request's). `boundary`: vLLM's recurrent-state checkpoints written this step,
-        {req_id: [(group, block id, tokens)]}.
+        {req_id: [(group, block id, tokens)]}. Never raises: if the step's own work raises,
+        step_failed (its saves dropped, its loads recomputed).
 
         Two phases: first the bookkeeping of every scheduled request (its block tables, the
         next block to save), with no store call; then the store: reservations request by
         request, each yielding its save jobs or giving back what it reserved."""
-        plan = StepPlan(loads=self._new_loads, cancel=self._cancel, reset=self._reset_workers)
-        self._new_loads, self._cancel, self._reset_workers = [], [], False
+        plan = self._queued()
         if self.disabled:
             return plan
+        try:
+            self._plan_saves(plan, scheduled, boundary)
+        except Exception:
+            self.error("planning a step (its saves are dropped, its loads recomputed)")
+            self.step_failed(plan)
+        return plan
+
+    def fail_step(self) -> StepPlan:
+        """The connector's step work raised before plan() could run: this step's plan with
+        its queued loads failed (reported to vLLM as failed: recomputed), its cancels and
+        reset. Never raises (the caller counted the error)."""
+        plan = self._queued()
+        self.step_failed(plan)
+        return plan
+
+    def _queued(self) -> StepPlan:
+        plan = StepPlan(loads=self._new_loads, cancel=self._cancel, reset=self._reset_workers)
+        self._new_loads, self._cancel, self._reset_workers = [], [], False
+        return plan
+
+    def step_failed(self, plan: StepPlan) -> None:
+        """The step's work raised: its saves are dropped (their reservations given back) and
+        each of its loads is replaced by one with nothing to read under the same job id, so
+        the workers report it finished, every block failed (vLLM recomputes it), exactly once;
+        its pins stay until then, its bucket-tier reservations go back now. Never raises."""
+        saves, plan.saves = plan.saves, []
+        for t in saves:
+            try:
+                self.jobs.forget(t.job)
+            except Exception:
+                log.warning("aiokv: giving back the reservations of a dropped save failed", exc_info=True)
+        failed = []
+        for t in plan.loads:
+            failed.append(Transfer(t.req_id, [], [], list(t.block_ids), t.group, job=t.job))
+            self._no_hits.add(t.req_id)
+            try:
+                self.jobs.forget(t.job)  # (its pins: until vLLM reports the request finished)
+            except Exception:
+                log.warning("aiokv: giving back a failed load's bucket reservations failed", exc_info=True)
+        plan.loads = failed
+
+    def error(self, what: str) -> None:
+        """aiokv's own work raised in one of vLLM's calls (`what`); call from the except
+        block. Counted (hook_errors); the first of each `what` is logged with its traceback,
+        the others only counted. Never raises."""
+        self.counters.hook_errors += 1
+        if what not in self._logged:
+            self._logged.add(what)
+            log.exception(
+                "aiokv: %s failed; vLLM goes on without it; further failures of it are counted "
+                "(vllm:aiokv_scheduler_errors), not logged",
+                what,
+            )
+
+    def _plan_saves(self, plan: StepPlan, scheduled: list[Scheduled], boundary: dict | None) -> None:
         wanted: dict[str, list[tuple[int, list[bytes], list[int]]]] = {}
         if self.saves:  # (kv_consumer: nothing is saved, so nothing to track)
             for s in scheduled:
@@ -245,7 +304,6 @@ class SchedulerSide:
             plan.saves += planning.reserve(
                 self.store, self.jobs, self.groups, self.counters, req_id, parts, st.tenant, st.pin
             )
-        return plan
 
     def _admit(self, req_id: str, parts: list) -> list:
         """The planned saves admission lets through (admit: reused); the others are counted."""
@@ -299,6 +357,20 @@ class SchedulerSide:
             for gi, key in missing:
                 self.bucket.missing(gi, key)  # a bucket block that failed: not offered for a while
 
+    def lost_report(self, report: WorkerReport | None, finished_recving) -> None:
+        """on_report raised (the caller counted it): what the report held is given up, so
+        nothing waits for it for ever. Its saves' slots go back (dropped saves), and the
+        requests vLLM reported finished loading give back their pins. Never raises."""
+        try:
+            self.jobs.give_up(report)
+        except Exception:
+            log.warning("aiokv: giving back the slots of an unprocessed report failed", exc_info=True)
+        for req_id in finished_recving or ():
+            try:
+                self.jobs.loads_done(req_id)
+            except Exception:
+                log.warning("aiokv: unpinning the load of request %s failed", req_id, exc_info=True)
+
     def new_epoch(self) -> None:
         """The cache was reset (connector.reset_cache: the weights may have changed in
         place); the caller roots new requests' keys in a fresh epoch. Every request
@@ -314,7 +386,14 @@ class SchedulerSide:
         self._reset_workers = True
 
     def finished(self, req_id: str) -> bool:
-        """The request is gone from vLLM. Returns whether to delay freeing its blocks: never."""
+        """The request is gone from vLLM. Returns whether to delay freeing its blocks: never.
+        Its cancel first: the one part vLLM's blocks depend on."""
+        if req_id in self.jobs.loading:
+            self._cancel.append(req_id)  # vLLM keeps its blocks until we report the load
+            self.counters.loads_cancelled += 1
+        elif req_id in self._staged:
+            self._cancel.append(req_id)  # its blocks are vLLM's to reuse: never copy into them
+        self._staged.discard(req_id)
         self._reqs.pop(req_id, None)
         self._described.pop(req_id, None)
         self._local_blocks.pop(req_id, None)
@@ -323,12 +402,6 @@ class SchedulerSide:
         self._from_bucket.pop(req_id, None)
         if self.bucket is not None:
             self.bucket.forget(req_id)
-        if req_id in self.jobs.loading:
-            self._cancel.append(req_id)  # vLLM keeps its blocks until we report the load
-            self.counters.loads_cancelled += 1
-        elif req_id in self._staged:
-            self._cancel.append(req_id)  # its blocks are vLLM's to reuse: never copy into them
-        self._staged.discard(req_id)
         return False
 
     def close(self) -> None:

@@ -210,6 +210,14 @@ TABLE: tuple[Row, ...] = (
     ),
     Row("write_errors", "io_errors", COUNTER, "", WORKER, labels=(("op", "write"),)),
     Row(
+        "hook_errors",
+        "scheduler_errors",
+        COUNTER,
+        "Times aiokv's own work in one of vLLM's scheduler-side calls raised; vLLM never sees it: that "
+        "step's saves are dropped and its loads recomputed (the first of each call is logged).",
+        SCHEDULER,
+    ),
+    Row(
         "breaker_opens",
         "breaker_trips",
         COUNTER,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 
+from aiokv.data.buffers import available_memory
 from aiokv.util.loops import LoopThread
 from aiokv.worker.staging import Staging
 
@@ -28,7 +29,14 @@ log = logging.getLogger("aiokv")
 class WorkerHost:
     def __init__(self, slot_bytes: int, staging_bytes: int, memory_bytes: int, checksum_threads: int, rank: int):
         kept = memory_bytes // slot_bytes  # the memory tier shares the staging arena
-        self.staging = Staging(slot_bytes, max(4, staging_bytes // slot_bytes) + kept, kept)
+        count = max(4, staging_bytes // slot_bytes) + kept
+        avail = available_memory()
+        if avail and count * slot_bytes > avail:  # populated below: past what is free the OOM killer would come
+            raise MemoryError(
+                f"staging + memory take {count * slot_bytes >> 20} MiB of host memory in each worker; "
+                f"{avail >> 20} MiB is available: lower memory (or staging)"
+            )
+        self.staging = Staging(slot_bytes, count, kept)
         self.rank = rank
         self.devices: list = []  # attached to the arena: closed (unpinned) last
         self.lives: list = []  # each group's Lifecycle (its backend)
