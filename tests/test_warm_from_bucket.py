@@ -16,7 +16,8 @@ selects namespaces by the model their engines published; `--tenant` copies only 
 blocks and every warmed block is committed as the tenant its header names (quotas, clears and
 pins treat it as the engines' own); the labels engines published reach
 the warmed blocks' labels file (so engines announce them: docs/operations.md, "Warm-up"); no
-secret, or a bucket that does not answer, is one line and exit status 2.
+secret, or a bucket that does not answer, is one line and exit status 2; progress is a bar on a
+terminal and plain lines (no control characters) in a log.
 Fix: aiokv/cli/warm.py, aiokv/bucket/catalog.py, meta.py, publisher.py.
 """
 
@@ -25,11 +26,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
+import fcntl
 import mmap
 import os
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 
 import pytest
@@ -204,6 +208,52 @@ def test_an_interrupted_warm_resumes_and_commits_each_block_once(secret_env, tmp
     assert doc["already_blocks"] == seen[-1] and doc["warmed_blocks"] == n - seen[-1], (doc, seen)
     assert held(cache) == set(keys)
     assert verify_ok(cache)["checked_blocks"] == n  # each key in one slot, none twice
+
+
+def _stderr_of_warm(argv, env, tty: bool) -> str:
+    """What `aiokv warm` writes on stderr: a terminal's (a pty) or a pipe's."""
+    if not tty:
+        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        return p.stderr
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # (a terminal's size)
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    got = b""
+    while True:  # (drained as it comes: a full pty would block the warm)
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the process closed its end
+            break
+        if not chunk:
+            break
+        got += chunk
+    os.close(master)
+    assert p.wait(timeout=120) == 0, got
+    return got.decode(errors="replace")
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_in_a_log(secret_env, tmp_path, capfd):
+    url = secret_env.url("fleet10")
+    keys = [key(i) for i in range(12)]
+    publish(url, {NS: [(k, "org/tiny") for k in keys]})
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    argv = [sys.executable, "-m", "aiokv", "warm", "--bucket", url]
+    bar = _stderr_of_warm([*argv, str(tmp_path / "a")], env, tty=True)
+    assert "warming" in bar and "\r" in bar and "aiokv: warming:" not in bar, bar  # tqdm's bar, redrawn
+    log = _stderr_of_warm([*argv, str(tmp_path / "b")], env, tty=False)
+    mib = 12 * SB / (1 << 20)
+    assert log.splitlines() == [f"aiokv: warming: 12 of 12 block(s), {mib:.1f} of {mib:.1f} MiB"], log
+    assert "\r" not in log and "\x1b" not in log
+    assert _stderr_of_warm([*argv, str(tmp_path / "c"), "--no-progress"], env, tty=True) == ""
+
+    # a line at most every progress_every seconds, each saying how far the warm is
+    capfd.readouterr()
+    warm.warm(warm.Args([str(tmp_path / "d")], url, progress_every=0.0, concurrency=1))
+    lines = capfd.readouterr().err.splitlines()
+    assert lines[0].startswith("aiokv: warming: 1 of 12 block(s), ") and len(lines) == 13, lines
+    assert lines[-1] == lines[-2] == f"aiokv: warming: 12 of 12 block(s), {mib:.1f} of {mib:.1f} MiB", lines
 
 
 def test_limit_and_capacity_bound_the_warm_and_it_evicts_nothing(secret_env, tmp_path):

@@ -86,7 +86,11 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--concurrency", type=int, default=16, help="blocks fetched at once (default 16)")
     w.add_argument("--timeout", type=float, default=5.0, help="seconds per request to the bucket (default 5)")
     w.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
-    w.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    w.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress on stderr (a bar on a terminal, else a line every 10 s)",
+    )
     for op, text in (
         ("clear", "remove blocks (by model or namespace, tenant, age), also while engines serve from the directory"),
         ("pin", "keep a tenant's blocks: never evicted (within each engine's pin_capacity)"),

@@ -57,6 +57,7 @@ from aiokv.store.store import Store
 
 SCHEMA = 1
 CONCURRENCY = 16  # blocks fetched at once
+PLAIN_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
 REFRESH_EVERY = 1.0  # seconds between looks at the other engines (their bytes count against the capacity)
 MISSING_SECRET = (
     "aiokv: warming from a bucket needs the fleet's secret in AIOKV_SECRET (the engines' `secret`), "
@@ -227,22 +228,23 @@ class Warm:
             return False
         return True
 
-    async def _one(self, t: Target, key: bytes) -> None:
+    async def _one(self, t: Target, key: bytes) -> int:
+        """Warm one block if it is to be; the bytes it took (0: not warmed)."""
         ns = t.ns
         if key in ns.entries or key in ns.pending:
             t.already += 1
-            return
+            return 0
         d = place(key, self.drives.seeds, self.drives.live)
         cost = ns.slot_bytes * ns.ranks
         if self.limit is not None and self.bytes + cost > self.limit:
             self.stopped = "limit"
-            return
+            return 0
         if d in self.full or not self._room(d, t):
             self.full.add(d)
             t.no_room += 1
             if len(self.full) == len(self.drives.live):
                 self.stopped = "capacity"
-            return
+            return 0
         self.bytes += cost  # (in flight: counted against the limit until it is known not warmed)
         self._flying[(d, ns.nsid)] += 1
         self._flying_bytes[d] += cost
@@ -251,19 +253,19 @@ class Warm:
         try:
             try:
                 if self.tenant is not None and not await self._tenant_ok(t, key):
-                    return
+                    return 0
                 bufs = await asyncio.gather(*(self._fetch(t, key, r) for r in range(ns.ranks)))
             except self.unanswered:
                 t.failed += 1
                 if self.client.breaker.in_cooldown:
                     raise  # the bucket stopped answering: the run ends (run again to resume)
-                return
+                return 0
             if any(b is None for b in bufs):
-                return
+                return 0
             tag = fmt.header_tenant(bufs[0]) or fmt.NO_TENANT  # (damaged: outside the MAC, the tenant "")
             if self.tenant is not None and tag != self.tenant:
                 t.other_tenant += 1  # (replaced since its header was read)
-                return
+                return 0
             tenant = self.drives.tenant_of_tag(tag) if self.tenant is None else self.tenant_id
             where = self.drives.reserve(ns, key, tenant)
             if where is None:  # committed meanwhile (an engine beside us), or no space after all
@@ -272,7 +274,7 @@ class Warm:
                 else:
                     self.full.add(d)
                     t.no_room += 1
-                return
+                return 0
             await asyncio.to_thread(self._write, d, t, fmt.drive_of(where)[1], bufs)
             label = t.labels.get(key)
             if label is not None:
@@ -282,7 +284,7 @@ class Warm:
             done = True
             t.warmed += 1
             self.warmed_bytes += cost
-            self.bar.add(1, cost)
+            return cost
         except asyncio.CancelledError:
             # a thread may still be checking or writing the slot: it stays reserved (never
             # committed, given back when these files are next opened), its buffers to the GC
@@ -307,7 +309,7 @@ class Warm:
                 if self.stopped:
                     return
                 self._refresh()
-                await self._one(t, key)
+                self.bar.add(1, await self._one(t, key))  # (warmed, here already or skipped)
 
         tasks = [asyncio.ensure_future(worker()) for _ in range(self.concurrency)]
         try:
@@ -376,7 +378,8 @@ async def _warm(args, client, drives: Drives, secret, out: dict) -> None:
         work += [(when, t, k) for k, when in todo]
     work.sort(key=lambda w: -w[0])  # newest first, across namespaces
     total = sum(t.ns.slot_bytes * t.ns.ranks for _, t, _ in work)
-    bar = Progress(len(work), min(total, args.limit) if args.limit is not None else total, args.progress, "warming")
+    limited = min(total, args.limit) if args.limit is not None else total
+    bar = Progress(len(work), limited, args.progress, "warming", args.progress_every)
     warm = Warm(client, drives, secret, args.limit, args.concurrency, bar, args.tenant)
     out["targets"] = targets
     out["warm"] = warm
@@ -397,7 +400,8 @@ class Args:
     capacity: int = AioKVConfig.capacity
     unsigned: bool = False
     concurrency: int = CONCURRENCY
-    progress: bool | None = None  # None: on a terminal only
+    progress: bool | None = None  # None: a bar on a terminal, else a plain line every progress_every s
+    progress_every: float = PLAIN_EVERY
     timeout: float = 5.0  # seconds per request to the bucket
 
 
