@@ -179,6 +179,22 @@ def test_corrupt_truncated_foreign_and_misnamed_objects_are_skipped_never_commit
     assert doc["warmed_blocks"] == 0 and "not ours" in doc["skipped_namespaces"][0]["why"], doc
 
 
+def test_without_a_secret_the_crcs_alone_keep_damaged_objects_out(s3env, tmp_path, monkeypatch):
+    monkeypatch.delenv("AIOKV_SECRET", raising=False)
+    url = s3env.url("fleet11")
+    keys = [key(i) for i in range(8)]
+    publish(url, {NS: [(k, "org/tiny") for k in keys]}, secret=None)  # a bucket_unsigned fleet
+    name = lambda k: object_name("fleet11", NS, 0, k)  # noqa: E731
+    for k, at in ((keys[0], fmt.HEADER_BYTES + 100), (keys[1], fmt.HEADER_BYTES + PAYLOAD - 1), (keys[2], 40)):
+        spoiled = bytearray(s3env.get_raw(name(k)))
+        spoiled[at] ^= 0x01  # one bit of the payload (its CRC32C) or of the header (the header's CRC)
+        s3env.put_raw(name(k), bytes(spoiled))
+    doc = run_warm([tmp_path / "c"], url, unsigned=True)
+    assert doc["warmed_blocks"] == 5 and doc["bad_objects"] == 3, doc
+    assert held(tmp_path / "c") == set(keys[3:])
+    verify_ok(tmp_path / "c")
+
+
 def test_an_interrupted_warm_resumes_and_commits_each_block_once(secret_env, tmp_path):
     url = secret_env.url("fleet3")
     n = 600
