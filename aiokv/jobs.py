@@ -33,6 +33,9 @@ class Transfer:
     # is then a fresh reservation the worker writes through to and reports as saved
     from_bucket: list[bool] = dataclasses.field(default_factory=list)
     job: int = 0  # the scheduler side's id for it (from 1, never reused); results name it
+    # the request's tenant (its cache_salt) as its tag (format.tenant_tag; b"": the tenant ""), which
+    # a save (or a load's write-through) stamps into each slot's header (format.TENANT_OFFSET)
+    tenant: bytes = b""
 
 
 @dataclasses.dataclass

@@ -394,11 +394,14 @@ static PyObject *py_tags(PyObject *mod, PyObject *keys) {
     return out;
 }
 
-/* commit_records(keys, slots, atime) -> bytes: a COMMIT record per key (format.pack_record) */
+/* commit_records(keys, slots, atime, tenant=0, flags=0) -> bytes: a COMMIT record per key
+ * (format.pack_record), each naming the tenant (bytes 56..57) and flags (byte 58) */
 static PyObject *py_commit_records(PyObject *mod, PyObject *args) {
     PyObject *keys, *slots;
     unsigned long long at;
-    if (!PyArg_ParseTuple(args, "OOK", &keys, &slots, &at)) return NULL;
+    unsigned short tenant = 0;
+    unsigned char flags = 0;
+    if (!PyArg_ParseTuple(args, "OOK|Hb", &keys, &slots, &at, &tenant, &flags)) return NULL;
     PyObject *kf = PySequence_Fast(keys, "keys: a sequence of bytes");
     if (!kf) return NULL;
     PyObject *sf = PySequence_Fast(slots, "slots: a sequence of int");
@@ -440,6 +443,8 @@ static PyObject *py_commit_records(PyObject *mod, PyObject *args) {
         memcpy(o + 4, &s32, 4);
         memcpy(o + 8, &a, 8);
         memcpy(o + 16, k, (size_t)kl);
+        memcpy(o + 56, &tenant, 2);
+        o[58] = flags;
         uint32_t c = crc32c(o, 60);
         memcpy(o + 60, &c, 4);
     }
@@ -808,10 +813,53 @@ static PyObject *py_older(PyObject *mod, PyObject *args) {
     return PyLong_FromSsize_t(over ? -1 : (Py_ssize_t)k);
 }
 
+/* older_of(tags, atimes, tenants, flags, excluded, thr, out int64) -> older()'s answer over
+ * the blocks that may be evicted: not pinned (flags bit 0) and of a tenant t that `excluded`
+ * (uint8 per tenant id; ids past its end: not excluded) leaves out (excluded[t] == 0). */
+static PyObject *py_older_of(PyObject *mod, PyObject *args) {
+    PyObject *to, *ao, *tno, *fo, *xo, *oo;
+    unsigned long long thr;
+    if (!PyArg_ParseTuple(args, "OOOOOKO", &to, &ao, &tno, &fo, &xo, &thr, &oo)) return NULL;
+    PyObject *objs[] = {to, ao, tno, fo, xo};
+    Py_buffer v[5], o;
+    int got = 0;
+    for (; got < 5; got++)
+        if (PyObject_GetBuffer(objs[got], &v[got], PyBUF_C_CONTIGUOUS) < 0) break;
+    if (got < 5 || get_buf(oo, &o, 8, "out") < 0) {
+        for (int j = 0; j < got; j++) PyBuffer_Release(&v[j]);
+        return NULL;
+    }
+    size_t n = (size_t)v[0].len / 8, cap = (size_t)o.len / 8, k = 0, nx = (size_t)v[4].len;
+    if ((size_t)v[1].len / 8 < n) n = (size_t)v[1].len / 8;
+    if ((size_t)v[2].len / 2 < n) n = (size_t)v[2].len / 2;
+    if ((size_t)v[3].len < n) n = (size_t)v[3].len;
+    const uint64_t *tags = v[0].buf, *at = v[1].buf;
+    const uint16_t *ten = v[2].buf;
+    const uint8_t *fl = v[3].buf, *ex = v[4].buf;
+    int64_t *out = o.buf;
+    int over = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    for (size_t s = 0; s < n; s++)
+        if (tags[s] && at[s] <= thr && !(fl[s] & 1) && (ten[s] >= nx || !ex[ten[s]])) {
+            if (k == cap) {
+                over = 1;
+                break;
+            }
+            out[k++] = (int64_t)s;
+        }
+    Py_END_ALLOW_THREADS;
+    for (int j = 0; j < 5; j++) PyBuffer_Release(&v[j]);
+    PyBuffer_Release(&o);
+    return PyLong_FromSsize_t(over ? -1 : (Py_ssize_t)k);
+}
+
 static PyMethodDef module_methods[] = {
+    {"older_of", py_older_of, METH_VARARGS,
+     "older_of(tags, atimes, tenants, flags, excluded, thr, out) -> unpinned slots of tenants not excluded, "
+     "used at or before thr (-1: out short)"},
     {"tag", py_tag, METH_O, "tag(key) -> the key's 64-bit tag (never 0)"},
     {"tags", py_tags, METH_O, "tags(keys) -> bytes of their uint64 tags"},
-    {"commit_records", py_commit_records, METH_VARARGS, "commit_records(keys, slots, atime) -> COMMIT records"},
+    {"commit_records", py_commit_records, METH_VARARGS, "commit_records(keys, slots, atime, tenant=0, flags=0) -> COMMIT records"},
     {"run", py_run, METH_VARARGS, "run(probes, keys, limit) -> keys from the first found in any probe"},
     {"locate", py_locate, METH_VARARGS, "locate(probes, key) -> (probe index, slot) or None"},
     {"record_tags", py_record_tags, METH_VARARGS, "record_tags(records, recbytes, klen_at, key_at, out)"},

@@ -22,7 +22,7 @@ import errno
 
 from aiokv.config import parse_size
 from aiokv.data import format as fmt
-from aiokv.data.blockio import BlockIO
+from aiokv.data.blockio import TENANT, BlockIO
 from aiokv.data.choice import open_backend
 from aiokv.data.drives import DriveIO
 from aiokv.store import Namespace, Store
@@ -46,7 +46,7 @@ class StoreIO(Store):
         self._io: dict[tuple[bytes, int], BlockIO] = {}
         self._backend = None  # opened on the first blockio (a benchmark may set its own before)
         self._secret, self._cpu = secret, cpu  # BlockIO's: a MAC on every block, checksum threads
-        super().__init__(*args, **kw)
+        super().__init__(*args, secret=secret, **kw)  # (the store's: tenants' tags keyed by it)
 
     def blockio(self, ns: Namespace, rank: int = 0) -> BlockIO:
         loop = asyncio.get_running_loop()
@@ -65,15 +65,18 @@ class StoreIO(Store):
             )
         return io
 
-    async def save(self, ns: Namespace, items, rank: int = 0) -> list[int]:
-        """Store (key, addr) staging buffers; per item 0, -EEXIST, -ENOSPC or -errno."""
+    async def save(self, ns: Namespace, items, rank: int = 0, tenant: str = "", pin: bool = False) -> list[int]:
+        """Store (key, addr) staging buffers of `tenant` (a cache_salt; pinned if `pin`); per
+        item 0, -EEXIST, -ENOSPC or -errno."""
         if ns.ranks != 1:
             raise ValueError("aiokv: StoreIO.save is for one-rank namespaces; ranks commit through the owner")
         res = [0] * len(items)
         todo = []
+        tid = self.tenant(tenant)
+        TENANT.set(self.tenant_tag(tid))  # (this task's: stamped into each slot's header)
         for i, (key, addr) in enumerate(items):
             fmt.check_key(key)
-            slot = self.reserve(ns, key)
+            slot = self.reserve(ns, key, tid)
             if slot is None:
                 res[i] = -errno.EEXIST if (key in ns.entries or key in ns.pending) else -errno.ENOSPC
             else:
@@ -83,7 +86,7 @@ class StoreIO(Store):
         except BaseException:
             self.abort(ns, [(k, s) for _, s, k, _ in todo], failed=False)
             raise
-        self.commit(ns, [(k, s) for (_, s, k, _), r in zip(todo, out) if r == 0])
+        self.commit(ns, [(k, s) for (_, s, k, _), r in zip(todo, out) if r == 0], tid, pin)
         self.abort(ns, [(k, s) for (_, s, k, _), r in zip(todo, out) if r != 0])
         for (i, _, k, _), r in zip(todo, out):
             res[i] = r if r or k in ns.entries else -errno.EIO  # written but not committed
@@ -136,7 +139,11 @@ class DrivesIO(Drives):
         self._secret, self._cpu = secret, cpu
         cap = parse_size(capacity) if capacity is not None else None
         drives, _ = open_drives(
-            paths, lambda p, n: (Store(p, capacity=cap and cap // n, **kw), []), timeout, failures, cooldown
+            paths,
+            lambda p, n: (Store(p, capacity=cap and cap // n, secret=secret, **kw), []),
+            timeout,
+            failures,
+            cooldown,
         )
         self.__dict__.update(drives.__dict__)
 

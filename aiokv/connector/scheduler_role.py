@@ -48,6 +48,14 @@ def engine_transfer_config(own, depth: int = 8):
     return own
 
 
+def wants_pin(request) -> bool:
+    """Whether a request asks for its blocks to be pinned: kv_transfer_params {"aiokv": {"pin": true}}
+    (vLLM 0.32 puts SamplingParams.extra_args["kv_transfer_params"] on the Request it hands us)."""
+    params = getattr(request, "kv_transfer_params", None)
+    ours = params.get("aiokv") if isinstance(params, dict) else None
+    return isinstance(ours, dict) and ours.get("pin") is True
+
+
 class SchedulerRole:
     _started = 0.0  # time.monotonic() at construction (the wear gauge's rate)
 
@@ -95,7 +103,13 @@ class SchedulerRole:
             )
 
         def open_store(path=self.cfg.path, drives=1):  # drives: capacity is shared by that many
-            store = Store(path, capacity=self.cfg.capacity // drives, io_thread=True, fs_timeout=self.cfg.fs_timeout)
+            store = Store(
+                path,
+                capacity=self.cfg.capacity // drives,
+                io_thread=True,
+                fs_timeout=self.cfg.fs_timeout,
+                secret=self.cfg.secret,  # (tenants are named on disk by tags keyed by it)
+            )
             try:
                 spaces = []
                 for g, nsid in zip(self.groups, self.group_nsids):
@@ -168,12 +182,18 @@ class SchedulerRole:
             from aiokv.bucket.lookup import BucketLookup
             from aiokv.data.format import slot_bytes
 
-            self.sched.bucket = BucketLookup(
+            self.sched.bucket = bucket = BucketLookup(
                 self.cfg.bucket,
                 self.cfg.bucket_timeout,
                 self.cfg.probe_timeout,
                 [(ns.nsid, ns.ranks, slot_bytes(ns.payload_bytes)) for _, ns in spaces],
+                self.cfg.secret,
             )
+            # for nodes warmed from the bucket (aiokv warm): what each namespace holds, and the
+            # labels the KV events write for our blocks (bucket/publisher.py)
+            bucket.publisher.namespaces((ns.nsid, ns.payload_bytes, ns.ranks, ns.fields) for _, ns in spaces)
+            for st in getattr(store, "stores", {0: store}).values():
+                st.labels.sink = bucket.publisher.labels
         log.info(
             "aiokv %s: cache %s, namespace %s (%s), %d blocks stored",
             __version__,
@@ -298,6 +318,11 @@ class SchedulerRole:
                 self.events.request(request)
             except Exception:
                 self._error("get_num_new_matched_tokens (KV events)")
+        if self.sched is not None and request.request_id not in self.sched.requests:
+            try:
+                self.sched.describe(request.request_id, request.cache_salt or "", wants_pin(request))
+            except Exception:
+                self._error("get_num_new_matched_tokens (tenant)")
         if self.sched is None or not self.offer_hits or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         try:
@@ -461,6 +486,7 @@ class SchedulerRole:
             pending_saves=self.sched.pending_saves,
             breaker_open=int(self.sched.breaker.is_open),
             stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()),
+            pinned_bytes=st.pinned_bytes(),
             index_loading=sum(not ns.ready for ns in st.index.namespaces.values()),
             drive_writes_per_day=self._writes_per_day(st),
         )

@@ -54,6 +54,7 @@ with them, like the I/O above.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ctypes
 import errno
 import functools
@@ -64,6 +65,10 @@ import time
 from aiokv.data import format as fmt
 from aiokv.data.backend import OP_READ, OP_WRITE, settle
 from aiokv.data.slotfile import check_slot, open_data_file, open_engine_dir
+
+# the tenant tag (format.tenant_tag) a save's stamps write into its slots' headers: set by the
+# save's task (aiokv/worker/saves.py) around its write, read where the slots are stamped
+TENANT: contextvars.ContextVar[bytes] = contextvars.ContextVar("aiokv_tenant", default=fmt.NO_TENANT)
 
 EBADMSG = -errno.EBADMSG
 PIPELINE_MIN = 4  # up to this many items: one backend batch
@@ -217,6 +222,7 @@ class BlockIO:
             self.layout,
             crc_in_copy,
             self.mac_key,
+            TENANT.get(),
         )
 
     def _spreads(self, payloads: int) -> bool:

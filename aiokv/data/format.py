@@ -31,6 +31,7 @@ a CRC32C of the header itself. Any mismatch is a miss.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import hmac
 import struct
 
@@ -110,6 +111,30 @@ def engine_of_dir(name: str) -> int | None:
     return None
 
 
+# ---- tenants (issue 34): a request's cache_salt ("" without one), named on disk by a tag ----
+# A tenant's tag is 16 bytes: BLAKE2b of its name, keyed (under a `secret`) by a key derived
+# from the secret, so the name itself never reaches disk where a secret is set. The tenant ""
+# (no cache_salt: every block written before tenants existed) is the tag of 16 zero bytes.
+TENANT_TAG_BYTES = 16
+NO_TENANT = bytes(TENANT_TAG_BYTES)
+
+
+def tenant_key(secret: str | bytes | None) -> bytes | None:
+    """The key tenant tags are made with under a secret (None: no secret, unkeyed tags)."""
+    if secret is None:
+        return None
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    return hashlib.blake2b(raw, digest_size=32, person=b"aiokv-tenantkey").digest()
+
+
+def tenant_tag(name: str, key: bytes | None = None) -> bytes:
+    """The 16-byte tag of a tenant's name ("" -> NO_TENANT); key: tenant_key(secret) or None."""
+    if not name:
+        return NO_TENANT
+    tag = hashlib.blake2b(name.encode(), digest_size=TENANT_TAG_BYTES, key=key or b"", person=b"aiokv-tenant").digest()
+    return tag if tag != NO_TENANT else b"\x01" + tag[1:]
+
+
 # ---- slot header ----
 BLOCK_MAGIC = b"AIOKVBLK"
 # magic, version, header bytes, rank, nsid, key len, MAC scheme, payload crc, payload len, key, seq, layout tag
@@ -127,6 +152,34 @@ HDR_USED = _HDR.size + _HDR_CRC.size
 # MAC of earlier versions, scheme 0, is a miss).
 MAC_SCHEME_OFFSET, MAC_SCHEME = 33, 1
 MAC_OFFSET, MAC_BYTES = HDR_USED, mac.MAC_BYTES
+
+
+# Bytes TENANT_OFFSET.. of the header (zero until issue 34, and never read before it): the tag
+# of the block's tenant (TENANT_TAG_BYTES), then the CRC32C of those bytes. All zero: the
+# tenant "" (old blocks too). Written after the native stamp (stamp_slots); outside the
+# header CRC and the MAC, so blocks with and without it are the same version: it describes
+# the block (whose tenant's quota, clear and warm-up it belongs to), never its bytes.
+TENANT_OFFSET = MAC_OFFSET + MAC_BYTES
+TENANT_END = TENANT_OFFSET + TENANT_TAG_BYTES + 4
+
+
+def tenant_field(tag: bytes) -> bytes:
+    """The header's tenant bytes for a tenant tag (zeros for NO_TENANT)."""
+    if tag == NO_TENANT:
+        return bytes(TENANT_END - TENANT_OFFSET)
+    return tag + _HDR_CRC.pack(_native.crc32c_bytes(tag))
+
+
+def header_tenant(raw) -> bytes | None:
+    """The tenant tag a slot header carries (NO_TENANT for none: an old block's too), or None
+    if its bytes do not verify (damage: the block's tenant is unknown)."""
+    b = bytes(memoryview(raw)[TENANT_OFFSET:TENANT_END])
+    if len(b) < TENANT_END - TENANT_OFFSET:
+        return None
+    tag, crc = b[:TENANT_TAG_BYTES], b[TENANT_TAG_BYTES:]
+    if tag == NO_TENANT and crc == bytes(4):
+        return NO_TENANT
+    return tag if _HDR_CRC.unpack(crc)[0] == _native.crc32c_bytes(tag) and tag != NO_TENANT else None
 
 
 def mac_key(secret: str | bytes) -> bytes:
@@ -231,13 +284,28 @@ def _mac_verdict(verdict: int, slot: memoryview, payload_len: int, mac_key: byte
 # the blake3 class itself: each layer of calls around it cost about a microsecond a slot
 # (stamping 512 slots of 4 KiB payloads: 4.8 us a slot so, 7.0 through slot_mac and
 # mac.keyed), against about 40 us to hash a 256 KiB payload.
-def stamp_slots(addrs, keys, nsid: bytes, rank: int, payload_len: int, layout: int, crc_in_copy=False, mac_key=None):
+def stamp_slots(
+    addrs,
+    keys,
+    nsid: bytes,
+    rank: int,
+    payload_len: int,
+    layout: int,
+    crc_in_copy=False,
+    mac_key=None,
+    tenant=NO_TENANT,
+):
     """Stamp the headers of the slots at addrs (payloads already there): the
     native stamp (the payload CRC32C, unless crc_in_copy: then the one the
-    device copy left in the header), and with a secret's mac_key each slot's
-    MAC (scheme 1). GIL released while the native call and the hashing run."""
+    device copy left in the header), the tenant's tag (every slot's: one request's),
+    and with a secret's mac_key each slot's MAC (scheme 1). GIL released while the
+    native call and the hashing run."""
     mk = _mac_key_arg(mac_key)
     _native.stamp_slots(addrs, keys, nsid, rank, payload_len, layout, crc_in_copy, 0 if mk is None else MAC_SCHEME)
+    if tenant and tenant != NO_TENANT:
+        field = tenant_field(tenant)
+        for a in addrs:
+            ctypes.memmove(a + TENANT_OFFSET, field, len(field))
     if mk is None:
         return
     hasher, mem, fields, end = (
@@ -307,6 +375,7 @@ def _checked(slot, upto: int, nsid: bytes, rank: int, payload_len: int, key, lay
         "seq": seq,
         "layout": layout,
         "mac_scheme": macs,
+        "tenant": header_tenant(slot),  # (None: unknown, or a header read short of it)
     }
 
 
@@ -374,12 +443,22 @@ REC_TOUCH = 3
 # in the first 8 bytes of the key field (little-endian; the other 8 zero, key length 16),
 # is gone: an eviction, which knows a slot and its tag, not the key. atime is 0.
 REC_FREE = 4
-REC_KINDS = (REC_COMMIT, REC_DROP, REC_TOUCH, REC_FREE)
-# type, key len, slot, last access (ns since epoch), key, then 12 bytes the record's
-# writer may fill (zero in journals): a checkpoint's records carry the key's tag there
-# (8 bytes; 0: not given, the reader computes it), then its tenant (2 bytes) and flags
-# (1 byte), both 0 until used (docs/format.md); crc
-_REC = struct.Struct("<BB2xIQ32s12x")
+# FLAGS (journal version 3): the writer's block in `slot`, whose key has the tag in the key
+# field (as FREE's), has the flags of byte 58 from now on (FLAG_PINNED: pinned, never
+# evicted); a FLAGS whose tag does not match the slot's block changes nothing. atime is 0.
+REC_FLAGS = 5
+# MARK (journal version 3): the writer applied the directory's control records (clear, pin,
+# unpin: aiokv/store/control.py) up to number `slot` to this namespace, in the records before
+# it (written in the same write(2): all of them or none). Key of length 16, zero; atime: when.
+REC_MARK = 6
+REC_KINDS = (REC_COMMIT, REC_DROP, REC_TOUCH, REC_FREE, REC_FLAGS, REC_MARK)
+FLAG_PINNED = 1  # flags bit 0: pinned (by an operator's pin, or a request's)
+# type, key len, slot, last access (ns since epoch), key, then 12 bytes: a checkpoint's
+# records carry the key's tag (8 bytes; 0 in journals and in checkpoints of old writers: the
+# reader computes it); a COMMIT's (journal version 3) and a checkpoint's record its tenant
+# (2 bytes: an id in the writer's tenants file, 0: the tenant "") and flags (1 byte); FLAGS
+# records their flags; one zero byte; crc
+_REC = struct.Struct("<BB2xIQ32sQHBx")
 REC_BYTES = _REC.size + 4
 assert REC_BYTES == 64
 # the same record as a numpy dtype (aiokv/store/table.py parses records in bulk)
@@ -432,25 +511,40 @@ def index_offsets(slots: int) -> list[int]:
 
 JOURNAL_MAGIC = b"AIOKVJNL"
 CKPT_MAGIC = b"AIOKVCKP"
-# Journals of version 2 may hold FREE records; version 1 (read still) cannot. Checkpoints
-# stay version 1: their records' last 12 bytes, which earlier versions wrote zero and never
-# read, carry the tag (and tenant, flags), and they are sorted by slot (readers expect
-# neither: a checkpoint without them is read as before).
-JOURNAL_VERSION = 2
-FILE_VERSIONS = {JOURNAL_MAGIC: (1, 2)}  # the versions read, where more than FILE_VERSION
+# Journals of version 2 may hold FREE records; version 1 (read still) cannot. Journals of
+# version 3 (issue 34) carry each COMMIT's tenant and flags, and may hold FLAGS and MARK
+# records; versions 1 and 2 (read still) carry none: their blocks are the tenant "", unpinned.
+# Checkpoints stay version 1: their records' last 12 bytes, which earlier versions wrote zero
+# and never read, carry the tag, tenant and flags, and they are sorted by slot (readers expect
+# none of it: a checkpoint without them is read as before); their header's bytes 32..39 (zero
+# before) the control records applied (MARK), 0: none.
+JOURNAL_VERSION = 3
+FILE_VERSIONS = {JOURNAL_MAGIC: (1, 2, 3)}  # the versions read, where more than FILE_VERSION
 # magic, version, generation, record count, body crc
 _FILE_HDR = struct.Struct("<8sHxxQQI")
+_FILE_MARK = struct.Struct("<Q")
+FILE_MARK_AT = 32  # a checkpoint's MARK (control records applied)
 FILE_HDR_BYTES = 64
 
 
-def pack_record(kind: int, key: bytes, slot: int, atime: int) -> bytes:
-    body = _REC.pack(kind, len(key), slot, atime, key)
+def pack_record(kind: int, key: bytes, slot: int, atime: int, tenant: int = 0, flags: int = 0) -> bytes:
+    body = _REC.pack(kind, len(key), slot, atime, key, 0, tenant, flags)
     return body + struct.pack("<I", _native.crc32c_bytes(body))
+
+
+def pack_mark(upto: int, when: int) -> bytes:
+    """A MARK record: control records up to number `upto` applied (at `when`, ns)."""
+    return pack_record(REC_MARK, bytes(MIN_KEY), upto, when)
 
 
 def pack_free(slot: int, tag: int) -> bytes:
     """A FREE record: the block in `slot`, of key tag `tag`, is gone."""
     return pack_record(REC_FREE, tag.to_bytes(8, "little") + bytes(8), slot, 0)
+
+
+def pack_flags(slot: int, tag: int, flags: int) -> bytes:
+    """A FLAGS record: the block in `slot`, of key tag `tag`, has `flags` from now on."""
+    return pack_record(REC_FLAGS, tag.to_bytes(8, "little") + bytes(8), slot, 0, flags=flags)
 
 
 def iter_records(buf: bytes, verify_each: bool = True):
@@ -465,17 +559,25 @@ def iter_records(buf: bytes, verify_each: bool = True):
         body = buf[off : off + _REC.size]
         if verify_each and crc(body) != int.from_bytes(buf[off + _REC.size : off + REC_BYTES], "little"):
             return off
-        kind, klen, slot, atime, key = _REC.unpack(body)
+        kind, klen, slot, atime, key, _, _, _ = _REC.unpack(body)
         if kind not in REC_KINDS or not MIN_KEY <= klen <= MAX_KEY:
             return off
         yield kind, key[:klen], slot, atime
     return n * REC_BYTES
 
 
-def pack_file_header(magic: bytes, gen: int, count: int = 0, body_crc: int = 0, version: int | None = None) -> bytes:
+def pack_file_header(
+    magic: bytes, gen: int, count: int = 0, body_crc: int = 0, version: int | None = None, mark: int = 0
+) -> bytes:
     if version is None:
         version = JOURNAL_VERSION if magic == JOURNAL_MAGIC else FILE_VERSION
-    return _FILE_HDR.pack(magic, version, gen, count, body_crc).ljust(FILE_HDR_BYTES, b"\0")
+    head = _FILE_HDR.pack(magic, version, gen, count, body_crc).ljust(FILE_MARK_AT, b"\0")
+    return (head + _FILE_MARK.pack(mark)).ljust(FILE_HDR_BYTES, b"\0")
+
+
+def file_header_mark(raw: bytes) -> int:
+    """A checkpoint header's MARK: the control records its index has applied (0: none)."""
+    return _FILE_MARK.unpack_from(raw, FILE_MARK_AT)[0] if len(raw) >= FILE_MARK_AT + 8 else 0
 
 
 def unpack_file_header(raw: bytes, magic: bytes) -> tuple[int, int, int]:
@@ -525,3 +627,85 @@ def iter_labels(buf: bytes):
         yield bytes(body[1 : 1 + klen]), bytes(body[1 + klen :])
         off += _LABEL.size + n
     return off
+
+
+# ---- tenants: each engine's table of the tenants its records name (issue 34) ----
+# DIR/tenants.<E> (every engine number E, 0 included), written only by the engine holding E:
+# a file header (TENANTS_MAGIC, generation 0), then records in the labels' layout (pack_label)
+# whose key is a tenant's tag and whose label is its id (2 bytes, little-endian: what that
+# engine's COMMIT and checkpoint records carry, 1..MAX_TENANT_ID), whether the tag is keyed by
+# a secret (1 byte), then, only for an unkeyed tag, the tenant's name (UTF-8; a name with a
+# secret never reaches disk). Id 0 is the tenant "" and is never written. An id or a tag
+# given twice keeps its first record (a later one is damage). A record is written (and synced)
+# before the first journal record that names its id.
+TENANTS_MAGIC = b"AIOKVTNT"
+MAX_TENANT_ID = 0xFFFE  # ids an engine gives out; OVERFLOW_TENANT holds every tenant past them
+OVERFLOW_TENANT = 0xFFFF
+_TENANT = struct.Struct("<HB")
+
+
+def tenants_name(engine: int) -> str:
+    return f"tenants.{engine}"
+
+
+def pack_tenant(tag: bytes, tid: int, keyed: bool, name: str | None) -> bytes:
+    label = _TENANT.pack(tid, int(keyed)) + (b"" if keyed or name is None else name.encode()[: MAX_LABEL - 64])
+    return pack_label(tag, label)
+
+
+def iter_tenants(buf: bytes):
+    """Yield (tag, id, keyed, name or None) of a tenants file's body, up to the first record
+    that does not verify; returns (StopIteration value) the bytes of the valid prefix."""
+    it = iter_labels(buf)
+    while True:
+        try:
+            tag, label = next(it)
+        except StopIteration as stop:
+            return stop.value
+        if len(tag) != TENANT_TAG_BYTES or len(label) < _TENANT.size:
+            continue
+        tid, keyed = _TENANT.unpack_from(label)
+        if not 1 <= tid <= MAX_TENANT_ID:
+            continue
+        try:
+            name = label[_TENANT.size :].decode() if not keyed else None
+        except UnicodeDecodeError:
+            name = None
+        yield tag, tid, bool(keyed), name
+
+
+# ---- control: the operators' orders to every engine on a directory (issue 34) ----
+# DIR/control, written by `aiokv clear`, `aiokv pin` and `aiokv unpin` (under an flock of the
+# file itself), read by every engine at each look at the others (every 0.1 s): a file header
+# (CONTROL_MAGIC, generation 0), then records in the labels' layout whose key is the order's
+# number (8 bytes, little-endian, from 1, each one more than the last) and its time (ns since
+# the epoch, 8 bytes), and whose label is the order as JSON (aiokv/store/control.py). Reading
+# stops at the first record that does not verify or does not follow its predecessor's number
+# (a writer killed mid-append: the next writer cuts it off first).
+CONTROL_NAME = "control"
+CONTROL_MAGIC = b"AIOKVCTL"
+MAX_CONTROL = 64 << 20  # bytes of orders read at once (a hostile file stays bounded)
+_ORDER = struct.Struct("<QQ")
+
+
+def pack_order(number: int, when: int, body: bytes) -> bytes:
+    return pack_label(_ORDER.pack(number, when), body)
+
+
+def iter_orders(buf: bytes, after: int = 0):
+    """Yield (number, time, body) of a control file's records (the body after its header),
+    numbered on from `after`; returns (StopIteration value) the bytes of the valid prefix."""
+    it, used, want = iter_labels(buf), 0, after + 1
+    while True:
+        try:
+            key, body = next(it)
+        except StopIteration:
+            return used
+        if len(key) != _ORDER.size:
+            return used
+        number, when = _ORDER.unpack(key)
+        if number != want:
+            return used
+        used += 8 + 1 + len(key) + len(body)
+        want += 1
+        yield number, when, body

@@ -71,7 +71,7 @@ def read_slot(
     or OSError."""
     sb = fmt.slot_bytes(payload_bytes)
     if header_only:
-        return fmt.check_header(os.pread(fd, fmt.HDR_USED, slot * sb), nsid, rank, payload_bytes, key)
+        return fmt.check_header(os.pread(fd, fmt.TENANT_END, slot * sb), nsid, rank, payload_bytes, key)
     raw = os.pread(fd, sb, slot * sb)
     if len(raw) != sb:
         raise fmt.BadBlock("short read (data file truncated)")

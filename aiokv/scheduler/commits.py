@@ -45,6 +45,8 @@ class Job:
     saving: dict[bytes, tuple[int, set[int], set[int]]] = dataclasses.field(default_factory=dict)
     from_bucket: bool = False  # `saving` holds a load's reservations for blocks of the bucket tier
     loading: bool = False  # a load whose request vLLM has not reported finished yet
+    tenant: int = 0  # the request's tenant (Store.tenant): its blocks are committed as its
+    pin: bool = False  # the request's blocks are committed pinned
 
 
 class Ledger:
@@ -59,8 +61,10 @@ class Ledger:
         self._last += 1
         return self._last
 
-    def add_save(self, job: int, req_id: str, gi: int, items: list[tuple[bytes, int]]) -> None:
-        self.jobs[job] = Job(req_id, gi, saving={k: (slot, set(), set()) for k, slot in items})
+    def add_save(
+        self, job: int, req_id: str, gi: int, items: list[tuple[bytes, int]], tenant: int = 0, pin: bool = False
+    ) -> None:
+        self.jobs[job] = Job(req_id, gi, saving={k: (slot, set(), set()) for k, slot in items}, tenant=tenant, pin=pin)
 
     def add_loads(self, req_id: str, jobs: dict[int, Job]) -> None:
         """A request's load: one job per group, in flight until the request is reported finished."""
@@ -103,7 +107,7 @@ class Ledger:
         """The workers' results, then the requests vLLM reported finished loading. Returns
         (requests whose load failed, (group, key) that did not verify and are not in the
         store under the slot read: bucket-tier blocks)."""
-        done: dict[int, list] = {}
+        done: dict[tuple[int, int, bool], list] = {}  # (group, tenant, pin) -> blocks every rank wrote
         failed: dict[int, list] = {}
         bucket_lost: dict[int, list] = {}
         bad: dict[int, list] = {}
@@ -127,8 +131,10 @@ class Ledger:
                     continue  # committed, or given back, once every rank has reported
                 del rec.saving[key]
                 # a bucket block that did not arrive: a miss, not a failed save
-                into = (bucket_lost if rec.from_bucket else failed) if failing else done
-                into.setdefault(rec.group, []).append((key, slot))
+                if failing:
+                    (bucket_lost if rec.from_bucket else failed).setdefault(rec.group, []).append((key, slot))
+                else:
+                    done.setdefault((rec.group, rec.tenant, rec.pin), []).append((key, slot))
             self._settle(r.job)
         seen: set[tuple[int, bytes, int]] = set()
         for r in report.loads if report is not None else ():
@@ -151,10 +157,10 @@ class Ledger:
         for req_id in finished or ():
             self.loads_done(req_id)
         # the store
-        for gi, items in done.items():
+        for (gi, tenant, pin), items in done.items():
             before = self.store.stats.commits
             try:
-                self.store.commit(self.groups[gi].ns, items)
+                self.store.commit(self.groups[gi].ns, items, tenant, pin)
             except Exception:
                 log.exception("aiokv: committing %d block(s) failed; they are not stored", len(items))
                 self.give_back(("abort", gi, items, True))
@@ -218,7 +224,7 @@ class Ledger:
     def close(self) -> None:
         """Commit saves whose reports can no longer arrive (the workers are gone) if
         their blocks verify on disk; give the other reservations back. Never raises."""
-        done: dict[int, list] = {}
+        done: dict[tuple[int, int, bool], list] = {}
         lost: dict[int, list] = {}
         for rec in self.jobs.values():
             ns = self.groups[rec.group].ns
@@ -227,13 +233,16 @@ class Ledger:
                     ok = not failing and self.store.verify_slot(ns, key, slot)
                 except Exception:
                     ok = False
-                (done if ok else lost).setdefault(rec.group, []).append((key, slot))
+                if ok:
+                    done.setdefault((rec.group, rec.tenant, rec.pin), []).append((key, slot))
+                else:
+                    lost.setdefault(rec.group, []).append((key, slot))
             rec.saving.clear()
         for job in list(self.jobs):
             self._settle(job)
-        for gi, items in done.items():
+        for (gi, tenant, pin), items in done.items():
             try:
-                self.store.commit(self.groups[gi].ns, items)
+                self.store.commit(self.groups[gi].ns, items, tenant, pin)
                 self.counters.saves_committed += len(items)
             except Exception:
                 log.exception("aiokv: committing saves at shutdown failed")

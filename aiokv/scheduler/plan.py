@@ -55,10 +55,14 @@ def alloc(
             keys = [st.keys[i] for i in idx]
             blocks = [ids[i] if i < len(ids) else 0 for i in idx]
             slots = store.pin(g.ns, keys)
+            if st.pin:  # a pinned request's hit: its blocks stay
+                store.pin_blocks(g.ns, [k for k, s in zip(keys, slots) if s is not None])
             pinned.append((gi, [k for k, s in zip(keys, slots) if s is not None]))
             first = len(reserved)
             bucket_flags = (
-                reserve_from_bucket(store, g, gi, idx, keys, slots, from_bucket, reserved) if from_bucket else []
+                reserve_from_bucket(store, g, gi, idx, keys, slots, from_bucket, reserved, st.tenant)
+                if from_bucket
+                else []
             )
             mine = reserved[first:]
             # a key gone since match, or no block to load into, cannot be loaded:
@@ -71,6 +75,7 @@ def alloc(
                 gi,
                 bucket_flags,
                 job=ledger.new_id(),
+                tenant=store.tenant_tag(st.tenant) if st.tenant else b"",  # (its write-through's)
             )
             transfers.append(t)
             jobs[t.job] = Job(
@@ -80,6 +85,8 @@ def alloc(
                 read=dict(zip(t.keys, t.locations)),
                 saving={k: (s, set(), set()) for _, k, s in mine},
                 from_bucket=True,
+                tenant=st.tenant,
+                pin=st.pin,
             )
     except BaseException:
         for gi, keys in pinned:
@@ -90,7 +97,7 @@ def alloc(
 
 
 def reserve_from_bucket(
-    store, g: Group, gi: int, idx: list[int], keys: list[bytes], slots: list, span, reserved: list
+    store, g: Group, gi: int, idx: list[int], keys: list[bytes], slots: list, span, reserved: list, tenant: int = 0
 ) -> list[bool]:
     """Blocks of `span` (a range) not stored locally get a reserved slot (in `slots`,
     and (group, key, slot) in `reserved`): the worker loads them from the bucket tier
@@ -98,7 +105,7 @@ def reserve_from_bucket(
     out = [False] * len(keys)
     for j, i in enumerate(idx):
         if slots[j] is None and span[0] <= i < span[1]:
-            slot = store.reserve(g.ns, keys[j])
+            slot = store.reserve(g.ns, keys[j], tenant)
             if slot is not None:
                 slots[j] = slot
                 out[j] = True
@@ -179,14 +186,19 @@ def reserve(
     counters: SchedulerCounters,
     req_id: str,
     parts: list[tuple[int, list[bytes], list[int]]],
+    tenant: int = 0,
+    pin: bool = False,
 ) -> list[Transfer]:
-    """Slots for one request's blocks of this step: all of its save jobs, or none."""
+    """Slots for one request's blocks of this step (of its `tenant`, pinned if `pin`): all of
+    its save jobs, or none."""
     got: list[tuple[int, bytes, int, int]] = []  # (group, key, slot, block)
     try:
         for gi, keys, blocks in parts:
             ns = groups[gi].ns
+            if pin:  # those stored already (by an earlier request, another engine) are pinned now
+                store.pin_blocks(ns, keys)
             for key, block in zip(keys, blocks):
-                slot = store.reserve(ns, key)
+                slot = store.reserve(ns, key, tenant)
                 if slot is not None:
                     got.append((gi, key, slot, block))
     except Exception:
@@ -194,14 +206,15 @@ def reserve(
         ledger.abort_reserved([(gi, k, slot) for gi, k, slot, _ in got])
         return []
     out: dict[int, Transfer] = {}
+    tag = store.tenant_tag(tenant) if tenant else b""
     for gi, key, slot, block in got:
         t = out.get(gi)
         if t is None:
-            t = out[gi] = Transfer(req_id, [], [], [], gi, job=ledger.new_id())
+            t = out[gi] = Transfer(req_id, [], [], [], gi, job=ledger.new_id(), tenant=tag)
         t.keys.append(key)
         t.locations.append(slot)
         t.block_ids.append(block)
     for t in out.values():
-        ledger.add_save(t.job, req_id, t.group, list(zip(t.keys, t.locations)))
+        ledger.add_save(t.job, req_id, t.group, list(zip(t.keys, t.locations)), tenant, pin)
     counters.saves_planned += len(got)
     return list(out.values())

@@ -90,6 +90,7 @@ class SchedulerSide:
         # is sent as a cancel so that its blocks, once vLLM frees them, are never written
         self.layerwise = False
         self._staged: set[str] = set()
+        self._described: dict[str, tuple[int, bool]] = {}  # req -> (tenant id, pin): describe()
         self._logged: set[str] = set()  # the hooks whose failure was logged (error)
 
     @property
@@ -101,12 +102,27 @@ class SchedulerSide:
         self.jobs.store = store
 
     # ---- matching and allocation ----
+    def describe(self, req_id: str, tenant: str = "", pin: bool = False) -> None:
+        """What a request is beyond its tokens: its tenant (its cache_salt, "" for none), and
+        whether its blocks are pinned; before its first match. Never raises."""
+        try:
+            self._described[req_id] = (self.store.tenant(tenant or ""), bool(pin))
+        except Exception:
+            log.exception('aiokv: naming request %s\'s tenant failed; its blocks count as the tenant ""', req_id)
+
     def _state(self, req_id: str, tokens, root: bytes) -> Req:
         st = self._reqs.get(req_id)
         if st is None or st.root != root:
             n = len(self.groups)
+            tenant, pin = self._described.get(req_id, (0, False))
             st = self._reqs[req_id] = Req(
-                tokens, root, block_ids=[[] for _ in range(n)], next_save=[0] * n, prompt=len(tokens)
+                tokens,
+                root,
+                block_ids=[[] for _ in range(n)],
+                next_save=[0] * n,
+                prompt=len(tokens),
+                tenant=tenant,
+                pin=pin,
             )
         st.tokens = tokens
         return st
@@ -284,7 +300,10 @@ class SchedulerSide:
                 continue
             if self.admission.sketch is not None:
                 parts = self._admit(req_id, parts)
-            plan.saves += planning.reserve(self.store, self.jobs, self.groups, self.counters, req_id, parts)
+            st = self._reqs[req_id]
+            plan.saves += planning.reserve(
+                self.store, self.jobs, self.groups, self.counters, req_id, parts, st.tenant, st.pin
+            )
 
     def _admit(self, req_id: str, parts: list) -> list:
         """The planned saves admission lets through (admit: reused); the others are counted."""
@@ -376,6 +395,7 @@ class SchedulerSide:
             self._cancel.append(req_id)  # its blocks are vLLM's to reuse: never copy into them
         self._staged.discard(req_id)
         self._reqs.pop(req_id, None)
+        self._described.pop(req_id, None)
         self._local_blocks.pop(req_id, None)
         self._no_hits.discard(req_id)
         self._stale.discard(req_id)

@@ -53,6 +53,8 @@ class Req:
     # computed them met their keys first and could not
     own_cache: int = -1
     prompt: int = 0  # prompt tokens (the list's length when vLLM first asked about the request)
+    tenant: int = 0  # the store's id of its tenant (its cache_salt: Store.tenant; 0: none)
+    pin: bool = False  # its blocks are pinned (kv_transfer_params {"aiokv": {"pin": true}})
 
 
 # what the scheduler side counts: one int per SCHEDULER row of the table of counters

@@ -62,8 +62,9 @@ def data_bytes(dir_fd: int, ns: Namespace) -> int:
 
 
 class Following:
-    def __init__(self, dirs, index, fs):
-        self.dirs, self.index, self.fs = dirs, index, fs
+    def __init__(self, dirs, index, fs, tenants):
+        self.dirs, self.index, self.fs, self.tenants = dirs, index, fs, tenants
+        self.control = None  # the operators' orders (control.py), read at each look; set by the store
         self.interval = FOLLOW_INTERVAL
         self.followed = 0.0  # time.monotonic() of the last look (with the I/O thread: the last applied)
         self.followers: dict[tuple[bytes, int], Follower] = {}  # (nsid, engine) -> its files
@@ -99,7 +100,8 @@ class Following:
 
     def _follow_io(self, ns: Namespace) -> list:
         """The file-system half: what each engine's files say, as
-        [(engine, follower, what poll returned, its touches after a replay, its bytes)]."""
+        [(engine, follower, what poll returned, its touches after a replay, its bytes, its
+        tenants file if it changed (read after its journal: every id its records name is there))]."""
         nsid, out = ns.nsid, []
         for e in self._peer_engines(ns):
             key = (nsid, e)
@@ -126,19 +128,28 @@ class Following:
             except FileNotFoundError:
                 continue  # a checkpoint replaced under us: the next look replays it
             touches = list(fl.log.touches) if got is not None and got[0] == "reset" and fl.log is not None else []
-            out.append((e, fl, got, touches, fl.disk_bytes + data_bytes(fl.dir_fd, ns)))
+            out.append((e, fl, got, touches, fl.disk_bytes + data_bytes(fl.dir_fd, ns), self.tenants.read_peer_io(e)))
         return out
 
     def _apply(self, ns: Namespace, found: list) -> None:
         """The in-memory half (the owner's thread)."""
-        for e, fl, got, touches, nbytes in found:
+        for e, fl, got, touches, nbytes, tenants in found:
+            if tenants is not None:
+                self.tenants.adopt(e, tenants)
             if got is not None:
                 kind, what = got[0], got[1]
                 if kind == "reset":
+                    if what is not None:  # its tenant ids, as ours; what its owner has not cleared yet, left out
+                        what.tenant[:] = self.tenants.remap(e, what.tenant)
+                        what.recount()
+                        if self.control is not None:
+                            self.control.filter_peer(ns, what, getattr(what, "mark", 0))
                     ns.peer_reset(e, what)
                     touched = ns.peer_touches(touches)
                 else:
-                    touched = ns.peer_apply(e, what, self.dirs.max_slots(ns))
+                    touched = ns.peer_apply(
+                        e, what, self.dirs.max_slots(ns), self.tenants.remap(e, what["tenant"]) if len(what) else None
+                    )
                     if kind == "roll" and got[2] != (ns.tables[e].count if e in ns.tables else 0):
                         # our view of that engine drifted: replay its files next time
                         fl.forget() if self.fs.inline else self.fs.submit(fl.forget)
@@ -160,8 +171,13 @@ class Following:
             # (the Followers keep their place; nothing is missed, only held on disk meanwhile)
             return None
         out, seen, n = [], self._io_seen, 0
+        orders = self.control.read_io() if self.control is not None else None
         for ns in self._spaces:
-            found = [f for f in self._follow_io(ns) if f[2] is not None or seen.get((ns.nsid, f[0])) != f[4]]
+            found = [
+                f
+                for f in self._follow_io(ns)
+                if f[2] is not None or f[5] is not None or seen.get((ns.nsid, f[0])) != f[4]
+            ]
             for f in found:
                 seen[(ns.nsid, f[0])] = f[4]
                 n += (
@@ -172,7 +188,7 @@ class Following:
             if found:
                 out.append((ns, found))
         self._handed += n
-        return (out, n) if out else None
+        return (out, n, orders) if out or orders else None
 
     def _look_done(self, found, e) -> None:
         """A look of the I/O thread finished (the owner's thread, at poll)."""
@@ -181,8 +197,10 @@ class Following:
         elif e is not None:
             log.error("aiokv: following the other engines failed; trying again later", exc_info=e)
         else:
-            found, n = found
+            found, n, orders = found
             self._applied += n
+            if self.control is not None:
+                self.control.take(orders)  # (first: a replay below is filtered by them too)
             for ns, got in found:
                 self._apply(ns, got)
         self.followed = time.monotonic()
@@ -194,6 +212,8 @@ class Following:
             return
         self.followed = now
         try:
+            if self.control is not None:
+                self.control.take(self.control.read_io())
             for ns in list(self.index.namespaces.values()):
                 self.follow(ns)
         except OSError as e:

@@ -124,6 +124,8 @@ class Namespace:
         self.alloc = SlotAllocator()
         self.pinned_tags: collections.Counter = collections.Counter()  # tags of keys loads hold pinned
         self.ready = True
+        self.rebuilt = False  # our index was rebuilt from the slot headers at this opening (replay.py)
+        self.mark = 0  # the control orders our index of it has applied (control.py)
         # a watcher's list (the connector's KV events sets it): (True, tag, key or None) when a
         # block becomes a hit here, (False, tag, None) when it stops being one; None: not watched
         self.changes: list[tuple[bool, int, bytes | None]] | None = None
@@ -186,12 +188,15 @@ class Namespace:
             self._reorder()
         return t
 
-    def peer_apply(self, engine: int, records, max_slot: int) -> list[tuple[bytes, int]]:
+    def peer_apply(self, engine: int, records, max_slot: int, tenants=None) -> list[tuple[bytes, int]]:
         """Apply another engine's journal records (a numpy array: journal.parse_records),
         in order; a slot at or past max_slot (beyond the file system) is damage and
-        skipped. Returns the (key, atime) of TOUCH records for keys we hold (Index.touch them)."""
+        skipped; tenants: the records' tenant ids as ours (tenants.py). Returns the (key,
+        atime) of TOUCH records for keys we hold (Index.touch them)."""
         t = self._peer(engine)
-        touch, changes = apply_records(t, records, record_tags(records), max_slot, watch=self.changes is not None)
+        touch, changes = apply_records(
+            t, records, record_tags(records), max_slot, watch=self.changes is not None, tenants=tenants
+        )
         for tag, added in changes:
             self._added(tag, None, engine) if added else self._gone(tag)
         touched = []
@@ -328,16 +333,18 @@ class Index:
             if s >= 0:
                 t.touch(s, now if exact else self.now(now))
 
-    def commit(self, ns: Namespace, key: bytes, slot: int, now: int) -> int:
-        """Our block of key is in slot now; returns its access time."""
+    def commit(self, ns: Namespace, key: bytes, slot: int, now: int, tenant: int = 0, flags: int = 0) -> int:
+        """Our block of key (of `tenant`, with `flags`) is in slot now; returns its access time."""
         tag = tag_of(key)
         if ns.changes is not None:
             ns._added(tag, key, ns.engine)
         at = self.now(now)
-        ns.table.put(slot, tag, at)
+        ns.table.put(slot, tag, at, tenant, flags)
         return at
 
-    def commit_many(self, ns: Namespace, keys: list[bytes], slots: list[int], now: int) -> None:
+    def commit_many(
+        self, ns: Namespace, keys: list[bytes], slots: list[int], now: int, tenant: int = 0, flags: int = 0
+    ) -> None:
         """commit, for a batch (their access times now, now + 1, ...: later than any before)."""
         tags = np.frombuffer(_index.tags(keys), np.uint64)
         if ns.changes is not None:
@@ -345,7 +352,9 @@ class Index:
                 ns._added(tag, key, ns.engine)
         first = max(now, self.clock + 1)
         self.clock = first + len(keys) - 1
-        ns.table.put_many(np.array(slots, np.uint64), tags, np.arange(first, first + len(keys), dtype=np.uint64))
+        ns.table.put_many(
+            np.array(slots, np.uint64), tags, np.arange(first, first + len(keys), dtype=np.uint64), tenant, flags
+        )
 
     def remove(self, ns: Namespace, key: bytes) -> int | None:
         """Forget one of our committed keys; return its slot (still in use) or None.

@@ -66,15 +66,15 @@ def cat(parts) -> np.ndarray:
 
 
 def record_tags(recs) -> np.ndarray:
-    """The tag of each record's key (FREE records: the tag they carry; checkpoint records:
-    the one they carry, where they carry one)."""
+    """The tag of each record's key (FREE and FLAGS records: the tag they carry; checkpoint
+    records: the one they carry, where they carry one)."""
     n = len(recs)
     out = np.zeros(n, np.uint64)
     if n:
         _index.record_tags(recs.view(np.uint8).reshape(-1), fmt.REC_BYTES, fmt.REC_KLEN_AT, fmt.REC_KEY_AT, out)
         given = recs["tag"] != 0
         out[given] = recs["tag"][given]
-        free = recs["kind"] == fmt.REC_FREE
+        free = (recs["kind"] == fmt.REC_FREE) | (recs["kind"] == fmt.REC_FLAGS)
         if free.any():
             out[free] = recs.view(_KEY0)["k0"][free]
     return out
@@ -100,11 +100,36 @@ def record_key(rec) -> bytes:
     return bytes(rec["key"])[: rec["klen"]]
 
 
-def apply_records(table: Table, recs, tags, max_slot: int, watch: bool = False):
-    """Journal records, in order, on a table (aiokv._index.apply); returns (indices of TOUCH
-    records of keys it does not hold, [(tag, added)] if watch)."""
+def apply_records(table: Table, recs, tags, max_slot: int, watch: bool = False, tenants=None):
+    """Journal records, in order, on a table (aiokv._index.apply; FLAGS records here, between
+    the runs of the others); returns (indices of TOUCH records of keys it does not hold,
+    [(tag, added)] if watch). A COMMIT's block gets the record's tenant (`tenants`: the
+    records' tenant ids as the reader names them; None: as written) and flags; the table's
+    counts follow."""
     if not len(recs):
         return np.zeros(0, np.uint32), []
+    rt = recs["tenant"] if tenants is None else np.asarray(tenants, np.uint16)
+    kinds = recs["kind"]
+    cuts = np.flatnonzero(kinds == fmt.REC_FLAGS).tolist()
+    if not cuts:
+        return _apply_run(table, recs, tags, rt, max_slot, watch)
+    touches, changes, start = [], [], 0
+    for cut in cuts + [len(recs)]:
+        if cut > start:
+            t, c = _apply_run(table, recs[start:cut], tags[start:cut], rt[start:cut], max_slot, watch)
+            touches.append(t + start)
+            changes += c
+        if cut < len(recs):
+            slot = int(recs["slot"][cut])
+            if slot < table.slots and table.tag[slot] == tags[cut]:
+                table.set_flags(slot, int(recs["flags"][cut]))
+        start = cut + 1
+    touch = np.concatenate(touches).astype(np.uint32) if touches else np.zeros(0, np.uint32)
+    return touch, changes
+
+
+def _apply_run(table: Table, recs, tags, rt, max_slot: int, watch: bool):
+    """apply_records of records without FLAGS among them."""
     commit = recs["kind"] == fmt.REC_COMMIT
     top = int(recs["slot"][commit].max()) if commit.any() else -1
     if top >= 0:
@@ -112,6 +137,13 @@ def apply_records(table: Table, recs, tags, max_slot: int, watch: bool = False):
     need = hash_size(table.count + int(commit.sum()))
     if need > len(table.hash):
         table._rehash(need)
+    # the slots these records may change: theirs, and where their tags are now
+    rslots = recs["slot"].astype(np.int64)
+    where = np.full(len(recs), -1, np.int64)
+    table.probe.find_many(np.ascontiguousarray(tags, np.uint64), where)
+    aff = np.unique(np.concatenate([rslots[rslots < table.slots], where[where >= 0]]))
+    was = aff[table.tag[aff] != 0]
+    table.count_blocks(table.tenant[was], table.flags[was], -1)
     delta, touches, changes = _index.apply(
         table.probe,
         table.atime,
@@ -124,11 +156,25 @@ def apply_records(table: Table, recs, tags, max_slot: int, watch: bool = False):
     )
     table.count += delta
     table.forget_order()
-    gone = table.tag == 0
+    # a COMMIT whose block holds its slot now names its tenant and flags (the last one wins)
+    cs = rslots[commit]
+    ok = cs < min(max_slot, table.slots)
+    ok[ok] = table.tag[cs[ok]] == tags[commit][ok]
+    table.tenant[cs[ok]] = rt[commit][ok]
+    table.flags[cs[ok]] = recs["flags"][commit][ok]
+    gone = aff[table.tag[aff] == 0]
     table.tenant[gone] = 0
     table.flags[gone] = 0
+    now = np.unique(np.concatenate([aff[table.tag[aff] != 0], cs[ok]]))
+    table.count_blocks(table.tenant[now], table.flags[now], 1)
     ch = np.frombuffer(changes, np.dtype([("tag", "<u8"), ("added", "u1")])) if watch else []
     return np.frombuffer(touches, np.uint32), [(int(t), bool(a)) for t, a in ch] if watch else []
+
+
+def marks(recs) -> int:
+    """The highest MARK among records (0: none)."""
+    m = recs["kind"] == fmt.REC_MARK
+    return int(recs["slot"][m].max()) if len(recs) and m.any() else 0
 
 
 def table_of(ckpt, jrecs, max_slot: int) -> tuple[Table, np.ndarray]:
@@ -147,16 +193,18 @@ def table_of(ckpt, jrecs, max_slot: int) -> tuple[Table, np.ndarray]:
 
 
 def _records_of(entries) -> np.ndarray:
-    """Checkpoint records of [(key, slot, atime)], sorted by slot, their tags filled in."""
+    """Checkpoint records of [(key, slot, atime)] or [(key, slot, atime, tenant)], sorted by
+    slot, their tags filled in."""
     entries = sorted(entries, key=lambda e: e[1])
     out = np.zeros(len(entries), REC)
     if entries:
         out["kind"] = fmt.REC_COMMIT
-        out["klen"] = [len(k) for k, _, _ in entries]
-        out["slot"] = [s for _, s, _ in entries]
-        out["atime"] = [a for _, _, a in entries]
-        out["key"] = [k.ljust(fmt.MAX_KEY, b"\0") for k, _, _ in entries]
-        out["tag"] = [_index.tag(k) for k, _, _ in entries]
+        out["klen"] = [len(e[0]) for e in entries]
+        out["slot"] = [e[1] for e in entries]
+        out["atime"] = [e[2] for e in entries]
+        out["key"] = [e[0].ljust(fmt.MAX_KEY, b"\0") for e in entries]
+        out["tag"] = [_index.tag(e[0]) for e in entries]
+        out["tenant"] = [e[3] if len(e) > 3 else 0 for e in entries]
     return out
 
 
@@ -267,6 +315,7 @@ class IndexLog:
         self.touches: list[tuple[bytes, int]] = []  # TOUCH records of keys this journal does not hold
         self.beyond = 0  # records naming slots past the file system's size, left out (load_table)
         self.image_bytes = index_image_bytes(dir_fd)  # the index image's size (capacity counts it)
+        self.mark = 0  # the control records its index has applied (checkpoint header, MARK records)
 
     def _journal_path(self, gen: int) -> str:
         return os.path.join(self.dir, self._journal_name(gen))
@@ -285,6 +334,9 @@ class IndexLog:
             tags = record_tags(recs) if journal else None
             for i, r in enumerate(recs):
                 kind, slot, atime = int(r["kind"]), int(r["slot"]), int(r["atime"])
+                if kind in (fmt.REC_FLAGS, fmt.REC_MARK):
+                    self.mark = max(self.mark, slot) if kind == fmt.REC_MARK else self.mark
+                    continue
                 if kind == fmt.REC_FREE:
                     k = by_slot.get(slot)
                     if k is not None and _index.tag(k) == int(tags[i]) and entries.get(k, (None,))[0] == slot:
@@ -324,6 +376,7 @@ class IndexLog:
         else:
             table, touch = table_of(got[0], got[1], max_slot)
         jrecs = got[1]
+        self.mark = max(self.mark, marks(jrecs))
         self.touches += [(record_key(jrecs[i]), int(jrecs[i]["atime"])) for i in touch.tolist()]
         return table
 
@@ -390,7 +443,8 @@ class IndexLog:
         image) costs the keys of those records at the next checkpoint (their tags do not
         match: left out, misses), and `aiokv inspect`, which reads the records, reports it."""
         try:
-            gen, count, _ = fmt.unpack_file_header(os.pread(fd, fmt.FILE_HDR_BYTES, 0), fmt.CKPT_MAGIC)
+            head = os.pread(fd, fmt.FILE_HDR_BYTES, 0)
+            gen, count, _ = fmt.unpack_file_header(head, fmt.CKPT_MAGIC)
             ifd = os.open(fmt.INDEX_NAME, os.O_RDONLY | O_FLAGS, dir_fd=self.dir_fd)
         except (OSError, fmt.BadBlock):
             return None
@@ -427,7 +481,9 @@ class IndexLog:
         t.hash = np.zeros(hash_size(count), np.uint32)
         t._bind()
         t.probe.build(live.astype(np.uint64))
+        t.recount()
         self.gen = gen
+        self.mark = fmt.file_header_mark(head)
         self.ckpt_bytes = fmt.FILE_HDR_BYTES + count * fmt.REC_BYTES
         return t
 
@@ -475,12 +531,14 @@ class IndexLog:
         if c != crc:
             raise fmt.BadBlock("checkpoint checksum")
         self.gen = gen
+        self.mark = fmt.file_header_mark(head)
         self.ckpt_bytes = body_end
         if table is not None:
             table.count = count
             table.hash = np.zeros(hash_size(count), np.uint32)
             table._bind()
             table.probe.build(table.live().astype(np.uint64))
+            table.recount()
             return table
         return cat(parts)
 
@@ -490,6 +548,13 @@ class IndexLog:
             self.fd = os.open(name, os.O_RDWR | O_FLAGS, dir_fd=dfd)
             os.ftruncate(self.fd, fmt.FILE_HDR_BYTES + valid)  # cut a torn tail
             self.size = os.lseek(self.fd, 0, os.SEEK_END)
+            head = os.pread(self.fd, fmt.FILE_HDR_BYTES, 0)
+            if int.from_bytes(head[8:10], "little") < fmt.JOURNAL_VERSION:
+                # an older version's journal, read as it is: what we append is of this version,
+                # and its header says so, so a reader of the older version refuses it whole
+                # rather than stop at our first record as if it were torn
+                os.pwrite(self.fd, fmt.JOURNAL_VERSION.to_bytes(2, "little"), 8)
+                os.fsync(self.fd)
         else:
             self.fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC | O_FLAGS, 0o600, dir_fd=dfd)
             os.write(self.fd, fmt.pack_file_header(fmt.JOURNAL_MAGIC, self.gen))
@@ -502,7 +567,7 @@ class IndexLog:
         if not exists:
             os.fsync(dfd)  # the new journal's name (and the old one's removal) survive a power cut
 
-    def append(self, records) -> None:
+    def append(self, records, mark: int = 0) -> None:
         """Append records (a list, or bytes of records end to end), all or none: a failed or short write is cut off again,
         so a later append never lands behind a torn record."""
         if not records:
@@ -521,6 +586,7 @@ class IndexLog:
             raise
         self.size += len(data)
         self.records += count
+        self.mark = max(self.mark, mark)
         self._dirty = True
         try:
             self.sync_if_due()
@@ -585,7 +651,7 @@ class IndexLog:
                     w = os.pwrite(fd, data, off)
                     data, off = data[w:], off + w
                 count += len(recs)
-            os.pwrite(fd, fmt.pack_file_header(fmt.CKPT_MAGIC, gen, count, crc), 0)
+            os.pwrite(fd, fmt.pack_file_header(fmt.CKPT_MAGIC, gen, count, crc, mark=self.mark), 0)
             os.fsync(fd)
             if image is not None:
                 st = os.fstat(fd)  # (the checkpoint as it will stay: renamed, never written again)
@@ -883,6 +949,7 @@ class Follower:
         except fmt.BadBlock:
             self.broken = ident
             raise
+        table.mark = log.mark  # (the control orders its owner has applied: control.py)
         self.log, self.ckpt, self.replayed = log, ident, True
         self.image_bytes = log.image_bytes
         self.gen, self.ckpt_bytes, self.records = log.gen, log.ckpt_bytes, log.records

@@ -48,9 +48,10 @@ class JournalQueue:
         """Bytes the journal and checkpoint files take, queued records included."""
         return self._written + self._queued
 
-    def append(self, recs, failed=None) -> None:
+    def append(self, recs, failed=None, mark: int = 0) -> None:
         """Queue records (a list, or bytes of records end to end; all or none are written);
-        failed(OSError) if they were not."""
+        failed(OSError) if they were not; mark: the MARK among them (control.py), which the
+        next checkpoint keeps."""
         if not recs:
             return
         n = len(recs) // fmt.REC_BYTES if isinstance(recs, bytes) else len(recs)  # (bytes: records end to end)
@@ -72,6 +73,8 @@ class JournalQueue:
 
         def write():
             log.append(recs)
+            if mark:  # (written: the next checkpoint keeps it)
+                log.mark = max(log.mark, mark)
             return log.disk_bytes
 
         self.fs.submit(write, done)

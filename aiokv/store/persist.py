@@ -43,12 +43,12 @@ class Persist:
         self.logs[nsid] = log
         self.journals[nsid] = JournalQueue(log, self.fs)
 
-    def append(self, ns: Namespace, recs, failed=None) -> None:
+    def append(self, ns: Namespace, recs, failed=None, mark: int = 0) -> None:
         """Queue records to a namespace's journal; failed(OSError) if they were not written.
         Without `failed`, best effort: a DROP that is not persisted resurrects an entry whose
         slot was punched or reused; its header then fails verification: a miss. A TOUCH that
         is not persisted only leaves a block older in the LRU."""
-        self.journals[ns.nsid].append(recs, failed)
+        self.journals[ns.nsid].append(recs, failed, mark)
 
     def disk_bytes(self) -> int:
         """Bytes our journals and checkpoints take, queued records included."""

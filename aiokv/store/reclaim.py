@@ -107,6 +107,7 @@ class Reclaim:
                 # as its owner: cuts a torn tail so that our records are read; its blocks are what
                 # its journal says, not our view of it (which may lag behind it or be damaged)
                 table = jlog.load_table(self.dirs.max_slots(ns))
+                table.mark = jlog.mark
                 files[(ns.nsid, "log")] = jlog
                 fds = [open_data_file(fl.dir_fd, r, write=True)[0] for r in range(ns.ranks)]
                 files.update({(ns.nsid, r): fd for r, fd in enumerate(fds)})
@@ -135,7 +136,12 @@ class Reclaim:
         peer_bytes = self.following.peer_bytes
         if r[0] == "first":
             peer_bytes[(ns.nsid, e)] = r[1]
-            ns.peer_reset(e, r[2])
+            table = r[2]
+            table.tenant[:] = self.following.tenants.remap(e, table.tenant)  # its tenant ids, as ours
+            table.recount()
+            if self.following.control is not None:  # what its files have not cleared yet, left out
+                self.following.control.filter_peer(ns, table, getattr(table, "mark", 0))
+            ns.peer_reset(e, table)
             return
         ns.peer_free(e, slot)
         peer_bytes[(ns.nsid, e)] -= ns.slot_cost

@@ -34,8 +34,11 @@ _log = logging.getLogger("aiokv")  # (`log` names a journal here)
 
 
 class Replay:
-    def __init__(self, dirs, index, space, persist, scan):
+    def __init__(self, dirs, index, space, persist, scan, tenant_of=lambda tag: 0):
+        """tenant_of(tag): the id our tenants file gives a tenant tag (0 if it names none; read
+        only: the loader thread may call it)."""
         self.dirs, self.index, self.space, self.persist, self.scan = dirs, index, space, persist, scan
+        self.tenant_of = tenant_of
 
     def load_own(self, ns: Namespace) -> None:
         """Replay our own engine's files of a namespace as their owner (at once: read_own,
@@ -49,6 +52,7 @@ class Replay:
         """The owner's half: the replayed index in place, the journal ours."""
         self.index.load(ns, table)
         self.persist.add(ns.nsid, log)
+        ns.mark = log.mark  # the control orders its index has applied (control.py)
 
     def give_back(self, ns: Namespace) -> None:
         """After install, at once: space the index does not account for (free slots of the
@@ -88,13 +92,19 @@ class Replay:
             entries = self.scan.scan(ns)
             gens = [n.split(".")[1] for n in os.listdir(dfd) if n.startswith("journal.")]
             log.gen = 1 + max([int(g) for g in gens if g.isdigit()] + [log.gen])
-            log.checkpoint([(k, s, a) for k, (s, a) in entries.items()])
-            kept = [(k, s, a) for k, (s, a) in entries.items() if s < max_slot]
+            # (the control records are applied again to the rebuilt index, to the blocks written
+            # before each: store/control.py; the pins are lost with the index)
+            log.mark = 0
+            rows = [(k, s, a, self.tenant_of(tn)) for k, (s, a, tn) in entries.items()]
+            log.checkpoint(rows)
+            kept = [r for r in rows if r[1] < max_slot]
             table = Table.of(
-                np.array([s for _, s, _ in kept], np.uint64),
-                np.array([tag_of(k) for k, _, _ in kept], np.uint64),
-                np.array([a for _, _, a in kept], np.uint64),
+                np.array([r[1] for r in kept], np.uint64),
+                np.array([tag_of(r[0]) for r in kept], np.uint64),
+                np.array([r[2] for r in kept], np.uint64),
+                np.array([r[3] for r in kept], np.uint16),
             )
+            ns.rebuilt = True
         if log.beyond:
             _log.warning(
                 "aiokv: %s", f"{d}: {log.beyond} index record(s) name slots beyond the file system's size; dropped"

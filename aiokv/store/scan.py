@@ -28,9 +28,10 @@ class Scan:
     def __init__(self, dirs, space, fs, persist):
         self.dirs, self.space, self.fs, self.persist = dirs, space, fs, persist
 
-    def scan(self, ns: Namespace) -> dict[bytes, tuple[int, int]]:
-        """key -> (slot, write time) for every slot whose header verifies on every rank."""
-        found: dict[bytes, tuple[int, int]] | None = None
+    def scan(self, ns: Namespace) -> dict[bytes, tuple[int, int, bytes]]:
+        """key -> (slot, write time, tenant tag) for every slot whose header verifies on every
+        rank (the tenant: rank 0's header's, NO_TENANT where it does not verify)."""
+        found: dict | None = None
         sb = ns.slot_bytes
         for rank in range(ns.ranks):
             fd = self.space.rank_fd(ns, rank)
@@ -40,9 +41,9 @@ class Scan:
                     h = read_slot(fd, slot, ns.nsid, rank, ns.payload_bytes, header_only=True)
                 except fmt.BadBlock:
                     continue
-                here[(h["key"], slot)] = h["seq"]
-            found = here if found is None else {ks: t for ks, t in here.items() if ks in found}
-        return {k: (s, t) for (k, s), t in sorted((found or {}).items(), key=lambda x: x[1])}
+                here[(h["key"], slot)] = (h["seq"], h["tenant"] or fmt.NO_TENANT)
+            found = here if found is None else {ks: found[ks] for ks in here if ks in found}
+        return {k: (s, t, tn) for (k, s), (t, tn) in sorted((found or {}).items(), key=lambda x: x[1][0])}
 
     def verify_slot(self, ns: Namespace, key: bytes, where: int) -> bool:
         """Whether our location `where` holds a complete, verifying block of `key` on

@@ -88,6 +88,7 @@ from aiokv.config import parse_size
 from aiokv.data import format as fmt
 from aiokv.data.dirs import NotAStore  # noqa: F401  (re-exported: aiokv.store)
 from aiokv.store import persist as persist_mod
+from aiokv.store.control import Control
 from aiokv.store.following import Following
 from aiokv.store.fsthread import FsThread
 from aiokv.store.index import Index, Namespace
@@ -98,11 +99,14 @@ from aiokv.store.reclaim import Reclaim
 from aiokv.store.replay import Replay
 from aiokv.store.scan import Scan
 from aiokv.store.space import Space
-from aiokv.store.table import give_back_scratch, tag_of
+from aiokv.store.table import PINNED, give_back_scratch, tag_of
+from aiokv.store.tenants import Tenants
 from aiokv.store.wear import Wear
 from aiokv.util import counters
 
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
+PIN_SHARE = 10  # without pin_capacity, pinned blocks may take this share of the capacity (1/10)
+PIN_SAY_EVERY = 60.0  # seconds between the log lines of refused pins
 WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight (io_thread)
 log = logging.getLogger("aiokv")
 _log = log  # (`log` names a journal in some methods)
@@ -140,9 +144,11 @@ class Store:
         engine: int | None = None,
         io_thread: bool = False,
         fs_timeout: float = 2.0,
+        secret: str | bytes | None = None,
     ):
         """engine: the engine number to own (default: the lowest free one); io_thread: after
-        opening, file-system calls run on the store's I/O thread (fs_timeout: its deadline)."""
+        opening, file-system calls run on the store's I/O thread (fs_timeout: its deadline);
+        secret: the `secret` setting (tenants are named on disk by tags keyed by it)."""
         self.root = os.path.abspath(root)
         self.readonly = readonly
         self.stats = StoreStats()
@@ -152,9 +158,12 @@ class Store:
         self.wear: Wear | None = None
         self.skipped_fs_busy = 0  # reservations skipped: the space for them was still being reserved
         self.skipped_loading = 0  # reservations skipped: the namespace's index was still loading
+        self.pin_capacity: int | None = None  # bytes pinned blocks may take (None: capacity / PIN_SHARE)
+        self._pin_said = -PIN_SAY_EVERY
         self.dirs = Dirs(self.root, readonly)
+        self.tenants = Tenants(self.dirs, fs, fmt.tenant_key(secret))  # tenant tags <-> ids (tenants.py)
         self.persist = Persist(fs, self.index, sync_interval, checkpoint_every)
-        self.following = Following(self.dirs, self.index, fs)
+        self.following = Following(self.dirs, self.index, fs, self.tenants)
         self.space = Space(
             parse_size(capacity) if capacity is not None else None,
             self.dirs,
@@ -165,10 +174,13 @@ class Store:
             self.following.peer_bytes,
         )
         self.scan = Scan(self.dirs, self.space, fs, self.persist)
-        replay = Replay(self.dirs, self.index, self.space, self.persist, self.scan)
+        replay = Replay(self.dirs, self.index, self.space, self.persist, self.scan, self.tenants.known)
         self.labels = Labels(self.dirs, fs)  # a description per key, for the connector's KV events
         self.reclaim = Reclaim(self.dirs, self.index, fs, self.stats, self.following, self.space, sync_interval)
         self.opener = Opener(self.dirs, self.index, replay, self.following, self.space, fs)
+        # the operators' orders (aiokv clear, pin, unpin), read at each look at the other engines
+        self.control = Control(self.dirs, self.index, self.tenants, self.space, self.persist, self.stats, self._may_pin)
+        self.following.control = self.control
         self._replay = replay
         self._loader: threading.Thread | None = None
         self._closing = False
@@ -177,12 +189,15 @@ class Store:
         try:
             found = self.dirs.open(engine)
             self.engine = self.dirs.engine
+            self.tenants.load_own()
             self.wear = Wear(self.dirs.root_fd, self.engine) if not readonly else None  # bytes committed
+            self.control.orders += self.control.read_io() or []  # (applied as each namespace is in place)
+            self.control.last = self.control.orders[-1].number if self.control.orders else 0
             for nsid in found:
                 if background:  # loaded in the background (below): not ready until then
                     shells.append(self.opener.shell(nsid))
                 else:
-                    self.opener.load(nsid)
+                    self.control.catch_up(self.opener.load(nsid))
             if not readonly and not background:
                 self.space.shrink_to_limit()
         except BaseException:
@@ -220,6 +235,7 @@ class Store:
             return
         self._replay.install(ns, table, log)
         give_back_scratch()
+        self.control.catch_up(ns)  # the orders its index has not applied (before its hits begin)
         ns.ready = True
         # the slots being given back are neither holes nor free until the punch ran (as in
         # Space._unback): a grow planned meanwhile must not take them, or, where the punch is
@@ -260,7 +276,24 @@ class Store:
 
     def namespace(self, nsid: bytes, payload_bytes: int, ranks: int = 1, fields: dict | None = None) -> Namespace:
         """Open or create a namespace (meta.py). nsid is derived by the caller from all that changes the bytes."""
-        return self.opener.namespace(nsid, payload_bytes, ranks, fields)
+        ns = self.opener.namespace(nsid, payload_bytes, ranks, fields)
+        if ns.ready and ns.engine is not None:
+            self.control.catch_up(ns)  # (a new one: the orders so far are behind it)
+        return ns
+
+    # ---- tenants (tenants.py) ----
+    def tenant(self, name: str) -> int:
+        """The id of the tenant a request's cache_salt names ("" or None: 0), for reserve and commit."""
+        return self.tenants.id(name or "")
+
+    def tenant_of_tag(self, tag: bytes) -> int:
+        """The id of a tenant named by its 16-byte tag (format.tenant_tag; as a slot header
+        carries it: format.header_tenant), for reserve and commit."""
+        return self.tenants.of_tag(bytes(tag))
+
+    def tenant_tag(self, tenant: int) -> bytes:
+        """The tag of a tenant id (what a slot header carries: Transfer.tenant)."""
+        return self.tenants.tag_of(tenant) or fmt.NO_TENANT
 
     @property
     def stalled(self) -> bool:
@@ -308,9 +341,9 @@ class Store:
         """Whether key's committed copy is the one at location `where`."""
         return ns.entries.get(key) == where
 
-    def reserve(self, ns: Namespace, key: bytes) -> int | None:
-        """A location (in our engine's files) for `key`, evicting if needed; None if
-        present (in any engine's files), pending, or no space."""
+    def reserve(self, ns: Namespace, key: bytes, tenant: int = 0) -> int | None:
+        """A location (in our engine's files) for `key` of `tenant` (Store.tenant), evicting
+        if needed; None if present (in any engine's files), pending, or no space."""
         if not ns.ready:
             self.skipped_loading += 1  # the index is loading: the save is dropped
             return None
@@ -334,8 +367,9 @@ class Store:
         ns.pending[key] = where = fmt.loc(self.engine, slot)
         return where
 
-    def commit(self, ns: Namespace, items) -> None:
-        """Make written (key, location) pairs visible to lookups, durably."""
+    def commit(self, ns: Namespace, items, tenant: int = 0, pinned: bool = False) -> None:
+        """Make written (key, location) pairs of `tenant` (Store.tenant) visible to lookups,
+        durably; pinned: never evicted (bounded by pin_capacity)."""
         now = time.time_ns()
         done, slots = [], []
         pending = ns.pending
@@ -347,9 +381,11 @@ class Store:
             slots.append(where & fmt.SLOT_MASK)
         if not done:
             return
+        flags = PINNED if pinned and self._may_pin(ns, len(done), tenant) else 0
         # in memory a few ns apart (ties keep their order); the records say `now`
-        self.index.commit_many(ns, done, slots, now)
-        recs = _index.commit_records(done, slots, now)  # the COMMIT records (format.pack_record), in one
+        self.index.commit_many(ns, done, slots, now, tenant, flags)
+        self.tenants.persist(tenant)  # (before the records that name it)
+        recs = _index.commit_records(done, slots, now, tenant, flags)  # the COMMIT records (format.pack_record)
         nrecs = len(done)
         self.stats.commits += nrecs
         failed = []
@@ -404,6 +440,56 @@ class Store:
             ns, [k for k, w in zip(keys, out) if w is not None and w >> fmt.ENGINE_SHIFT != self.engine], now
         )
         return out
+
+    # ---- pins that last: blocks never evicted (issue 34), bounded by pin_capacity ----
+    def pinned_bytes(self) -> int:
+        """Bytes of pinned blocks in the directory: ours and the other engines' (as followed)."""
+        return sum(
+            ns.slot_cost * (ns.table.pinned + sum(t.pinned for t in ns.tables.values()))
+            for ns in self.index.namespaces.values()
+        )
+
+    @property
+    def pin_limit(self) -> int | None:
+        """pin_capacity, or PIN_SHARE of the capacity where it is not set (None: no bound)."""
+        if self.pin_capacity is not None:
+            return self.pin_capacity
+        return None if self.space.capacity is None else self.space.capacity // PIN_SHARE
+
+    def _may_pin(self, ns: Namespace, n: int, tenant: int = 0) -> bool:
+        """Whether n more blocks of ns may be pinned (within pin_capacity); a refusal is said
+        (one line a minute at most) and counted, never raised."""
+        limit = self.pin_limit
+        if limit is None or self.pinned_bytes() + n * ns.slot_cost <= limit:
+            return True
+        self.stats.pins_refused += n
+        now = time.monotonic()
+        if now - self._pin_said >= PIN_SAY_EVERY:
+            self._pin_said = now
+            log.warning(
+                "aiokv: pinning %d block(s) of tenant %s refused: pinned blocks would exceed pin_capacity "
+                "(%d bytes); they are stored unpinned (raise pin_capacity, or unpin: aiokv unpin)",
+                n,
+                self.tenants.label(tenant),
+                limit,
+            )
+        return False
+
+    def pin_blocks(self, ns: Namespace, keys, tenant: int | None = None) -> int:
+        """Pin our stored blocks of these keys (FLAGS records; within pin_capacity: past it the
+        rest stays unpinned, said once). Another engine's copy is pinned by its holder when it
+        saves or hits the key itself. Returns how many were pinned now."""
+        t, recs = ns.table, []
+        for k in keys:
+            s = t.find(k)
+            if s < 0 or t.flags[s] & PINNED:
+                continue
+            if not self._may_pin(ns, 1, int(t.tenant[s]) if tenant is None else tenant):
+                break
+            t.set_flags(s, int(t.flags[s]) | PINNED)
+            recs.append(fmt.pack_flags(s, t.tag_at(s), int(t.flags[s])))
+        self.persist.append(ns, recs)
+        return len(recs)
 
     def _touch_peers(self, ns: Namespace, keys, now: int) -> None:
         """Tell the engines holding these keys that we used them (TOUCH records in

@@ -172,6 +172,28 @@ TABLE: tuple[Row, ...] = (
     Row("save_timeouts", "save_dropped_blocks", COUNTER, "", WORKER, labels=(("cause", "timeout"),), per_rank=True),
     Row("store_evictions", "evicted_blocks", COUNTER, "KV blocks evicted (least recently used) to make room.", STORE),
     Row(
+        "store_quota_evictions",
+        "quota_evicted_blocks",
+        COUNTER,
+        "KV blocks of a tenant over its `quota` evicted (its own least recently used) to keep it there.",
+        STORE,
+    ),
+    Row("store_skipped_quota", "save_dropped_blocks", COUNTER, "", STORE, labels=(("cause", "quota"),)),
+    Row(
+        "store_cleared",
+        "cleared_blocks",
+        COUNTER,
+        "KV blocks this engine removed for `aiokv clear` (its own, and the other engines' it stopped serving).",
+        STORE,
+    ),
+    Row(
+        "store_pins_refused",
+        "pins_refused_blocks",
+        COUNTER,
+        "KV blocks a pin (a request's, or `aiokv pin`) left unpinned because pinned blocks would exceed pin_capacity.",
+        STORE,
+    ),
+    Row(
         "store_enospc",
         "disk_full_events",
         COUNTER,
@@ -229,6 +251,11 @@ TABLE: tuple[Row, ...] = (
                 "Capacity in force: the `capacity` setting, or less after the disk was found full.",
             ),
             ("stored_blocks", "blocks", "KV blocks committed in the index (all namespaces)."),
+            (
+                "pinned_bytes",
+                "pinned_bytes",
+                "Bytes of pinned blocks in the cache directory (every engine's; bounded by pin_capacity).",
+            ),
             (
                 "index_loading",
                 "index_loading",
@@ -304,6 +331,8 @@ TABLE: tuple[Row, ...] = (
         )
     ),
     *(_no(k, BUCKET, _BUCKET) for k in ("bucket_probes", "bucket_probe_gave_up", "bucket_breaker_opened")),
+    # block labels published beside the blocks for nodes warmed from the bucket (aiokv/bucket/publisher.py)
+    *(_no(k, BUCKET, _BUCKET) for k in ("bucket_labels_uploaded", "bucket_labels_dropped")),
     # the state of this instance (counters() only)
     *(
         _no(k, STATE, _STATE, GAUGE)

@@ -209,6 +209,7 @@ class Loads:
                                 [b for (_, _, b), _ in good],
                                 t.group,
                                 job=t.job,
+                                tenant=t.tenant,
                             ),
                             handed,
                         )

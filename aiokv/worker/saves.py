@@ -23,7 +23,9 @@ import logging
 import time
 
 from aiokv.data.backend import ABANDON
+from aiokv.data.blockio import TENANT
 from aiokv.data.drives import WAITING
+from aiokv.data.format import NO_TENANT
 from aiokv.jobs import SaveResult, Transfer, WorkerReport
 from aiokv.worker.latency import latency_counts
 from aiokv.worker.reads import NOT_IO_ERRORS
@@ -56,12 +58,16 @@ class Saves:
             bufs = self.staging.acquire(len(t.keys), whole=False)
             take = len(bufs) if bufs else 0
             if take < len(t.keys):
-                rest = Transfer(t.req_id, t.keys[take:], t.locations[take:], t.block_ids[take:], t.group, job=t.job)
+                rest = Transfer(
+                    t.req_id, t.keys[take:], t.locations[take:], t.block_ids[take:], t.group, job=t.job, tenant=t.tenant
+                )
                 self.results.count(save_skipped_staging_full=len(rest.keys))
                 self._save_done(rest, None, [-errno.ENOBUFS] * len(rest.keys))
                 if not take:
                     continue
-                t = Transfer(t.req_id, t.keys[:take], t.locations[:take], t.block_ids[:take], t.group, job=t.job)
+                t = Transfer(
+                    t.req_id, t.keys[:take], t.locations[:take], t.block_ids[:take], t.group, job=t.job, tenant=t.tenant
+                )
             try:
                 self.device.copy_out(t.block_ids, bufs, crc_in_copy=self.crc_in_copy)
             except Exception:
@@ -96,6 +102,7 @@ class Saves:
         res = [-errno.EIO] * len(t.keys)
         ABANDON.set(self.staging.abandon)
         WAITING.set(waiting := set())  # several drives: those its writes still waited on (data/drives.py)
+        TENANT.set(t.tenant or NO_TENANT)  # stamped into each slot's header (data/blockio.py)
         uploader = self.life.uploader
         try:
             if self.device.asynchronous:  # the device copy may still be landing
