@@ -65,10 +65,11 @@ def events_socket() -> str:
     return f"/tmp/aiokv-ev-{uuid.uuid4().hex[:16]}"
 
 
-def vllm_hashes(seqs: list[list[int]], bs: int) -> dict[int, tuple[list[int], int | None]]:
+def vllm_hashes(seqs: list[list[int]], bs: int, salt: str | None = None) -> dict[int, tuple[list[int], int | None]]:
     """What vLLM's KV events call each full block of these token sequences (its own hash function,
-    sha256 under this process's PYTHONHASHSEED, converted as its events convert it):
-    hash -> (the block's tokens, the parent block's hash or None)."""
+    sha256 under this process's PYTHONHASHSEED, converted as its events convert it), requested
+    with this cache_salt (vLLM hashes it into the first block): hash -> (the block's tokens, the
+    parent block's hash or None)."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash, resolve_none_hash_seed
 
@@ -76,7 +77,8 @@ def vllm_hashes(seqs: list[list[int]], bs: int) -> dict[int, tuple[list[int], in
     for seq in seqs:
         parent, prev = sha256(resolve_none_hash_seed(sha256)), None
         for j in range(len(seq) // bs):
-            parent = hash_block_tokens(sha256, parent, seq[j * bs : (j + 1) * bs])
+            extra = (("cache_salt", salt),) if salt and j == 0 else None
+            parent = hash_block_tokens(sha256, parent, seq[j * bs : (j + 1) * bs], extra)
             h = maybe_convert_block_hash(parent)
             out[h] = (seq[j * bs : (j + 1) * bs], prev)
             prev = h

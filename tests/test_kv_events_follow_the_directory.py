@@ -8,8 +8,10 @@ router uses; and a labels file is a file anyone with access may damage.
 Invariant: a block another engine commits is announced here once its label is read, and
 removed here when that engine evicts it; a restart announces exactly the stored blocks
 whose labels verify and were hashed the same way; a damaged or foreign record is never
-announced and never raises; what was announced before a cache reset is removed.
-Fix: aiokv/connector/events.py over aiokv/store/labels.py and the index's change list.
+announced and never raises; what was announced before a cache reset is removed, and
+after it nothing but this engine's new saves is announced or waits for a label.
+Fix: aiokv/connector/events.py over aiokv/store/labels.py and the index's change list
+(after a reset, `_hit` keeps no block without a held label: issue 37, item 8).
 """
 
 from __future__ import annotations
@@ -171,3 +173,45 @@ def test_several_drives_announce_and_remove_each_drives_blocks(tmp_path):
     again = _stored(_events(st, ns).take())
     assert {e.block_hashes[0] for e in again} == {e.block_hashes[0] for e in got} - set(gone)
     st.close()
+
+
+def test_after_a_reset_other_engines_commits_are_neither_kept_nor_read_for(tmp_path, monkeypatch):
+    """Bug (issue 37, item 8): after a cache reset, `_read` ignored every label, so each block
+    another engine committed (and each of our saves planned before the reset and committed
+    after it) waited in `_unknown` for a label that was never taken, and while any waited the
+    labels files were read again every READ_EVERY seconds, for the rest of the run. None of
+    those blocks can be a hit here any more (our keys are rooted in a fresh epoch): they are
+    not announced, not remembered, and read for no label."""
+    from aiokv.connector import events
+
+    monkeypatch.setattr(events, "READ_EVERY", 0.0)  # every take may read: only a need does
+    a, nsa = _open(str(tmp_path), 0)
+    b, nsb = _open(str(tmp_path), 1)
+    ea, eb = _events(a, nsa), _events(b, nsb)
+    _save(a, nsa, ea, "r", 2)
+    assert len(_stored(ea.take())) == 2
+    # a save planned before the reset and committed after it (its label held, not yet written)
+    tokens = list(range(50, 50 + 3 * BS))
+    late = [os.urandom(32) for _ in range(3)]
+    hashes = [sha256((late[j - 1] if j else None, tuple(tokens[j * BS : (j + 1) * BS]))) for j in range(3)]
+    ea.request(types.SimpleNamespace(request_id="late", block_hashes=hashes, lora_request=None))
+    items = [(k, a.reserve(nsa, k)) for k in late]
+    ea.planned([Transfer("late", late, [s for _, s in items], [1, 2, 3])], {"late": Req(tokens, b"r", keys=late)})
+    ea.reset()
+    assert len(_removed(ea.take())) == 2
+    a.commit(nsa, items)
+    reads = []
+    real = a.labels.read
+    monkeypatch.setattr(a.labels, "read", lambda *x, **k: reads.append(1) or real(*x, **k))
+    for i in range(5):  # another engine goes on committing, with labels; this one follows
+        _save(b, nsb, eb, f"q{i}", 3, first=10 + i)
+        assert len(_stored(eb.take())) == 3
+        a.refresh()
+        assert not _stored(ea.take())
+    assert len(nsa.entries) == 2 + 3 + 15  # on disk, committed and followed here
+    assert not ea._unknown, f"{len(ea._unknown)} blocks kept waiting for a label after the reset"
+    assert reads == [], f"the labels files were read {len(reads)} times after the reset"
+    # this engine's own saves after the reset are still announced
+    _save(a, nsa, ea, "s", 2, first=90)
+    assert len(_stored(ea.take())) == 2
+    a.close(), b.close()

@@ -222,6 +222,7 @@ def test_what_the_connector_hands_out_are_rows_of_the_table(tmp_path):
     """counters() and the stats vLLM is handed name only counters of the table."""
     import types
 
+    from aiokv.connector.adapters import Adapters
     from aiokv.connector.scheduler_role import SchedulerRole
     from aiokv.connector.worker_role import WorkerRole
     from aiokv.scheduler.side import SchedulerSide
@@ -232,6 +233,7 @@ def test_what_the_connector_hands_out_are_rows_of_the_table(tmp_path):
     role = object.__new__(SchedulerRole)  # the real methods over a real store, without vLLM's configs
     role.sched = SchedulerSide(st, st.namespace(NS, PAYLOAD, fields={"model": "t"}), 16)
     role._totals, role._queried_tokens, role.offer_hits, role._delta = {}, 0, True, StatsDelta(1)
+    role._lora_misses, role.adapters = 0, Adapters(1.0)
     try:
         role._delta.add_worker({k: 1 for k in transfer.COUNTERS})
         merge_into = metrics.merge(role._totals, {k: 1 for k in transfer.COUNTERS})

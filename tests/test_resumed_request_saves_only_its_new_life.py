@@ -34,7 +34,7 @@ def _role(tmp_path) -> SchedulerRole:
     store = Store(str(tmp_path / "c"), capacity="64MiB")
     ns = store.namespace(NSID, 4096)
     names = SimpleNamespace(fields={}, groups=[], group_nsids=[NSID], nsid=NSID, block_size=BS)
-    role = SchedulerRole(None, names, 1, False, True, "kv_both")
+    role = SchedulerRole(SimpleNamespace(fs_timeout=2.0), names, 1, False, True, "kv_both")  # (cfg: for the LoRA looks)
     role.sched = SchedulerSide(store, ns, BS)
     return role
 

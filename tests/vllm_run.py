@@ -16,12 +16,22 @@ there over ZMQ (ipc://) and a subscriber here collects them in "events": [type, 
 parent, token ids] each, in order), audit_fs (RESULT lists the file-system
 calls aiokv made on vLLM's thread while the phases ran), audit_saves (RESULT's "save_violations":
 every step's saves checked against vLLM's own scheduler output, _audit_saves),
+lora ({max_lora_rank, max_loras}: LoRA served),
 phases: [{prompts: [[ids]], max_tokens, follow? (prompts are then the next turns: each the previous
-phase's prompt, its reply and these ids), salts?, abort_after?: {index: steps}, abort_preempted?: n (abort
+phase's prompt, its reply and these ids), salts?, loras? ([name, id, path] or null per prompt),
+add_lora? ([[name, id, path]]: loaded into the workers before the phase), stall? (a
+tests/stallfs.py control file written, with stall_mode ("a" unless given), before the phase's
+requests and removed once they are done; "seconds" gets each phase's time), abort_after?: {index: steps}, abort_preempted?: n (abort
 the first n requests seen preempted, in the step they are; where each abort landed: "aborted_while"),
 wait_for?: path, peer_blocks?: n, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
 reset_prefix_cache?: {kwargs}, kill_when_loading?: process group (killed -9 at the first step
-that starts with one of aiokv's loads in flight; "killed_at_step")}], stagger (add
+that starts with one of aiokv's loads in flight; "killed_at_step"), resets?: [{when, kwargs}]
+(LLM.reset_prefix_cache(**kwargs) in the middle of the phase, one after the other, each at the
+start of the first step, after that step's aborts, at which `when` holds: "fired:KIND" (a fault
+of that kind, e.g. read:late, was injected), "loading" (one of aiokv's loads is in flight),
+"not_loading" (none is), at the start of `steps` steps in a row (1 unless given); the phase
+lasts until all were made; "phase_resets" gets [phase,
+result (True, False, or the exception's class name), whether aiokv's key epoch changed] each)}], stagger (add
 one request per step instead of all at once); wait_for keeps the engine alive and
 idle until that file exists (tests that run two engines at once use it to order
 them); peer_blocks waits, after that, until this engine's store sees at least n
@@ -71,6 +81,8 @@ def main(spec: dict) -> dict:
         kw["kv_cache_memory_bytes"] = 64 << 20
         if spec.get("max_num_seqs"):
             kw["max_num_seqs"] = spec["max_num_seqs"]
+    if spec.get("lora"):  # LoRA adapters served ({max_lora_rank, max_loras}); phases name them per prompt
+        kw.update(enable_lora=True, **spec["lora"])
     tp = spec.get("tp", 1)
     if tp > 1:  # workers in their own processes (VLLM_CPU_OMP_THREADS_BIND gives each a core)
         kw["tensor_parallel_size"] = tp
@@ -152,12 +164,21 @@ def main(spec: dict) -> dict:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": phase["reload_weights"]})
         if phase.get("reset_prefix_cache") is not None:
             result.setdefault("reset", []).append(llm.reset_prefix_cache(**phase["reset_prefix_cache"]))
+        for name, lid, path in phase.get("add_lora") or ():  # loaded by the workers before any request names it
+            from vllm.lora.request import LoRARequest
+
+            engine.add_lora(LoRARequest(name, lid, path))
+        if phase.get("stall"):  # tests/stallfs.py's control file: the mount hangs until the phase ends
+            with open(phase["stall"], "w") as f:
+                f.write(phase.get("stall_mode", "a"))
+        t_phase = time.monotonic()
         prompts = phase["prompts"]
         if phase.get("follow"):  # the next turn of each conversation: its last prompt, the reply, new text
             prompts = [p + (r or []) + new for p, r, new in zip(last_prompts, result["tokens"][-1], prompts)]
         last_prompts = prompts
         salts = phase.get("salts") or [None] * len(prompts)
         pins = phase.get("pins") or [False] * len(prompts)  # kv_transfer_params {"aiokv": {"pin": true}}
+        loras = phase.get("loras") or [None] * len(prompts)
         aborts = {int(k): v for k, v in (phase.get("abort_after") or {}).items()}
         ids = []
         pending = list(range(len(prompts)))
@@ -165,7 +186,9 @@ def main(spec: dict) -> dict:
         internal: dict[str, str] = {}  # our id -> vLLM's (it appends a suffix)
         step = 0
         deadline = time.monotonic() + spec.get("phase_timeout", 300)
-        while pending or engine.has_unfinished_requests():
+        resets = list(phase.get("resets") or [])
+        held = 0  # steps at whose start the next reset's condition held, in a row
+        while pending or engine.has_unfinished_requests() or resets:
             take = pending[:1] if phase.get("stagger") else pending
             for i in list(take):
                 rid = f"r{n_req}"
@@ -173,6 +196,11 @@ def main(spec: dict) -> dict:
                 p = {"prompt_token_ids": prompts[i]}
                 if salts[i] is not None:
                     p["cache_salt"] = salts[i]
+                lora = None
+                if loras[i] is not None:
+                    from vllm.lora.request import LoRARequest
+
+                    lora = LoRARequest(*loras[i])
                 extra = {"kv_transfer_params": {"aiokv": {"pin": True}}} if pins[i] else None
                 internal[rid] = engine.add_request(
                     rid,
@@ -180,6 +208,7 @@ def main(spec: dict) -> dict:
                     SamplingParams(
                         temperature=0, max_tokens=phase.get("max_tokens", 8), ignore_eos=True, extra_args=extra
                     ),
+                    lora_request=lora,
                 )
                 ids.append((i, rid, step))
                 pending.remove(i)
@@ -201,6 +230,12 @@ def main(spec: dict) -> dict:
                         result["aborted_while"][where] = result["aborted_while"].get(where, 0) + 1
                     engine.abort_request([rid])
                     outs[rid] = None
+            while resets:
+                held = held + 1 if _reset_due(resets[0]["when"], aio) else 0
+                if held < resets[0].get("steps", 1):
+                    break
+                held = 0
+                result.setdefault("phase_resets", []).append([len(result["tokens"]), *_reset(llm, aio, resets.pop(0))])
             if phase.get("kill_at_step") and phase["kill_at_step"][0] == step:  # e.g. the bucket tier's server
                 import signal
 
@@ -232,6 +267,9 @@ def main(spec: dict) -> dict:
         result["tokens"].append(toks)
         result["cached"].append(cached)
         result["finish"].append(fin)
+        result.setdefault("seconds", []).append(round(time.monotonic() - t_phase, 3))
+        if phase.get("stall") and os.path.exists(phase["stall"]):  # (the test may have ended the hang itself)
+            os.unlink(phase["stall"])
     if audit is not None:
         result["fs_calls_on_engine_thread"] = sorted(audit.pop())
     if MP:  # aiokv's counters live in the engine core process: read them as vLLM exports them
@@ -279,6 +317,26 @@ def main(spec: dict) -> dict:
     result["requests_left"] = len(sched.requests)
     core.shutdown()
     return result
+
+
+def _reset_due(when: str, aio) -> bool:
+    if when.startswith("fired:"):
+        faults = sys.modules.get("aiokv.data.faults")
+        return faults is not None and faults.FIRED.get(when[6:], 0) > 0
+    if when in ("loading", "not_loading"):
+        return bool(aio.sched.loads_in_flight) == (when == "loading")
+    raise ValueError(f"unknown reset condition {when!r}")
+
+
+def _reset(llm, aio, what: dict) -> list:
+    """LLM.reset_prefix_cache(**kwargs): [its result or the exception's class name, whether
+    aiokv's key epoch changed]."""
+    epoch = aio.scheduler_role.epoch
+    try:
+        got = llm.reset_prefix_cache(**what.get("kwargs", {}))
+    except Exception as e:
+        got = type(e).__name__
+    return [got, aio.scheduler_role.epoch != epoch]
 
 
 def _take_events(sub, into: list, quiet: float) -> None:

@@ -166,6 +166,12 @@ def _connector(store_dir: str):
     role._bucket_tokens = {}  # _remote_tokens before the bucket tier had its one name
     role.layerwise, role._layers, role.worker, role.offer_hits = False, None, None, True
     role.events, role._drives = None, None  # (KV events off; one drive)
+    try:  # LoRA adapters' fingerprints, on their own I/O thread since issue 37
+        from aiokv.connector.adapters import Adapters
+
+        role.adapters, role._lora_misses = Adapters(2.0), 0
+    except ImportError:
+        pass
     return conn, role, store, ns
 
 

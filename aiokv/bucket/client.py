@@ -113,6 +113,33 @@ class BucketClient:
         except (FileNotFoundError, NotFoundError):
             return None
 
+    async def head_bytes(self, name: str, n: int):
+        """The object's first n bytes (a ranged GET), or None when there is no such object."""
+        try:
+            return await self._call(lambda: obstore.get_range_async(self.store, name, start=0, length=n))
+        except (FileNotFoundError, NotFoundError):
+            return None
+
+    async def list(self, prefix: str, page: int = 1000):
+        """The objects whose names start with the path `prefix` (whole segments), a page of
+        at most `page` at a time: [{"path", "size", "last_modified", ...}]; each page is a
+        request under the deadline and the breaker."""
+        it = obstore.list(self.store, prefix=prefix, chunk_size=page).__aiter__()
+
+        async def more():
+            try:
+                return await it.__anext__()
+            except StopAsyncIteration:
+                return None
+
+        while (got := await self._call(more)) is not None:
+            yield got
+
+    async def folders(self, prefix: str) -> list[str]:
+        """The names one segment below the path `prefix` that hold objects (a listing with a delimiter)."""
+        got = await self._call(lambda: obstore.list_with_delimiter_async(self.store, prefix=prefix))
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in got["common_prefixes"]]
+
     async def size(self, name: str) -> int | None:
         """The object's size (HEAD), or None when there is no such object."""
         try:

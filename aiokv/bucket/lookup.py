@@ -8,22 +8,37 @@ the block a miss for all). Only models whose groups are all full attention
 use the bucket for loads (sliding-window and recurrent-state groups need
 other blocks per hit; they still upload).
 
-Threading contract: vLLM's scheduler thread (the Prober runs its probes on
-its own loop thread).
+It also holds the engine's Publisher (publisher.py): the namespaces' descriptions and
+the blocks' labels written beside the blocks, for nodes warmed from the bucket.
+
+Threading contract: vLLM's scheduler thread (the Prober runs its probes, and the
+Publisher its uploads, on the prober's loop thread).
 """
 
 from __future__ import annotations
 
+from aiokv.bucket import meta
 from aiokv.bucket.client import BucketClient, bucket_breaker
 from aiokv.bucket.naming import object_name
 from aiokv.bucket.prober import Prober
+from aiokv.bucket.publisher import Publisher
 
 
 class BucketLookup:
-    def __init__(self, url: str, timeout: float, probe_timeout: float, groups: list[tuple[bytes, int, int]]):
-        """groups: (namespace id, ranks that store it, slot bytes) per KV-cache group."""
+    def __init__(
+        self,
+        url: str,
+        timeout: float,
+        probe_timeout: float,
+        groups: list[tuple[bytes, int, int]],
+        secret: str | None = None,
+    ):
+        """groups: (namespace id, ranks that store it, slot bytes) per KV-cache group; secret:
+        the fleet's (the MAC of what the publisher writes beside the blocks)."""
         self.client = BucketClient(url, timeout, bucket_breaker())
         self.prober = Prober(self.client, probe_timeout)
+        # namespace descriptions and block labels, for nodes warmed from the bucket (publisher.py)
+        self.publisher = Publisher(self.client, self.prober.lt, meta.meta_key(secret))
         self.groups = groups
         self.prefix = self.client.prefix
 
@@ -46,9 +61,10 @@ class BucketLookup:
 
     @property
     def counters(self) -> dict[str, int]:
-        return {f"bucket_{k}": v for k, v in self.prober.counters.items()} | {
+        return {f"bucket_{k}": v for k, v in (self.prober.counters + self.publisher.counters).items()} | {
             "bucket_breaker_opened": self.client.breaker.opens
         }
 
     def close(self) -> None:
+        self.publisher.close(self.client.timeout)
         self.prober.close()

@@ -54,7 +54,7 @@ class Prober:
         self._known: collections.OrderedDict[str, tuple[bool, float]] = collections.OrderedDict()
         self._probes: dict[str, _Probe] = {}
         self.counters = collections.Counter()
-        self._lt = LoopThread("aiokv-prober")
+        self._lt = self.lt = LoopThread("aiokv-prober")  # (the publisher's uploads run on it too)
         self.loop, self.thread = self._lt.loop, self._lt.thread
 
     def _state(self, name: str, now: float) -> bool | None:

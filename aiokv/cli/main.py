@@ -8,12 +8,15 @@
     aiokv inspect DIR --verify --repair  ...and drop the corrupt ones (engine must be stopped)
     aiokv inspect DIR DIR ...            several drives (a `path` list): each drive's directory in turn
     --format json                        one JSON document on stdout instead of text
+    aiokv warm DIR [DIR ...] --bucket s3://BUCKET/PREFIX [--model NAME] [--tenant SALT] [--limit SIZE]
+                                         copy the fleet's blocks from the bucket before the node serves
+                                         (docs/operations.md, "Warm-up"); run again after an interrupt
     aiokv clear DIR [--model NAME|--namespace ID] [--tenant SALT] [--older-than DURATION] [--dry-run]
                                          remove blocks, also while engines serve (cli/operate.py)
     aiokv pin DIR --tenant SALT [--model NAME|--namespace ID]    keep a tenant's blocks (pin_capacity)
     aiokv unpin DIR --tenant SALT [--model NAME|--namespace ID]  and let them go again
 
-Exit status: 0 fine, 1 corruption found (also when --repair dropped it),
+Exit status: 0 fine, 1 corruption found (also when --repair dropped it), 130 interrupted,
 2 a usage or environment error (one line on stderr, no traceback). With several
 directories each is shown in turn (JSON: {"schema", "drives": [{"path", and its
 document or "error"}]}); one that cannot be read is its one line on stderr and
@@ -57,6 +60,37 @@ def _parser() -> argparse.ArgumentParser:
     )
     ins.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     ins.add_argument("--no-progress", action="store_true", help="no progress bar on stderr during --verify")
+    w = sub.add_parser(
+        "warm",
+        help="copy blocks from the fleet's bucket to this node's cache directories",
+        description="Copy blocks from the fleet's bucket to the local cache directories, each verified "
+        "before it is committed, newest first, evicting nothing. Safe beside running engines (they "
+        "serve what it commits); interrupted, run it again: it resumes. The fleet's secret is read "
+        "from AIOKV_SECRET.",
+    )
+    w.add_argument("dir", metavar="DIR", nargs="+", help="the cache directory (several: each drive's, as in `path`)")
+    w.add_argument("--bucket", required=True, metavar="s3://BUCKET/PREFIX", help="the engines' `bucket` setting")
+    w.add_argument("--model", help="only namespaces of this model (the name or path vLLM was given, or its last parts)")
+    w.add_argument(
+        "--tenant",
+        metavar="SALT",
+        help="only this tenant's blocks: a request's cache_salt (\"\" for requests without one)",
+    )
+    w.add_argument("--limit", metavar="SIZE", help="copy at most this much (e.g. 100GiB; slots on every rank)")
+    w.add_argument(
+        "--capacity", metavar="SIZE", default="64GiB", help="the engines' `capacity` setting (default 64GiB)"
+    )
+    w.add_argument(
+        "--unsigned", action="store_true", help="a bucket without a secret (the engines' bucket_unsigned: true)"
+    )
+    w.add_argument("--concurrency", type=int, default=16, help="blocks fetched at once (default 16)")
+    w.add_argument("--timeout", type=float, default=5.0, help="seconds per request to the bucket (default 5)")
+    w.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
+    w.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress on stderr (a bar on a terminal, else a line every 10 s)",
+    )
     for op, text in (
         ("clear", "remove blocks (by model or namespace, tenant, age), also while engines serve from the directory"),
         ("pin", "keep a tenant's blocks: never evicted (within each engine's pin_capacity)"),
@@ -96,6 +130,33 @@ def _parser() -> argparse.ArgumentParser:
         )
         c.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     return p
+
+
+def _warm(args) -> int:
+    from aiokv.cli import warm
+    from aiokv.config import parse_size
+
+    try:
+        limit = None if args.limit is None else parse_size(args.limit)
+        capacity = parse_size(args.capacity)
+    except ValueError as e:
+        raise warm.WarmError(f"aiokv: {e}") from None
+    doc = warm.warm(
+        warm.Args(
+            args.dir,
+            args.bucket,
+            model=args.model,
+            tenant=args.tenant,
+            limit=limit,
+            capacity=capacity,
+            unsigned=args.unsigned,
+            concurrency=args.concurrency,
+            progress=False if args.no_progress else None,
+            timeout=args.timeout,
+        )
+    )
+    _emit(doc, warm.render(doc), args.format)
+    return 0
 
 
 def _operate(args) -> int:
@@ -178,15 +239,18 @@ def _one_line(e: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from aiokv.cli.inspect import InspectError
+    from aiokv.cli.warm import WarmError
     from aiokv.data import format as fmt
 
     try:
-        return _inspect(args) if args.command == "inspect" else _operate(args)
-    except InspectError as e:
+        run = {"inspect": _inspect, "warm": _warm}.get(args.command, _operate)
+        return run(args)
+    except (InspectError, WarmError) as e:
         print(_one_line(e), file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
-        print("aiokv: interrupted", file=sys.stderr)
+        resume = "; run it again to resume (what it committed stays)" if args.command == "warm" else ""
+        print(f"aiokv: interrupted{resume}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # stdout closed early (| head): not an error of ours; keep Python quiet at exit

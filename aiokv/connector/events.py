@@ -24,7 +24,10 @@ its tokens and the fingerprint of vLLM's hashing (algorithm, NONE_HASH, which th
 and PYTHONHASHSEED decide, and the block sizes). A block stored under another
 fingerprint is not announced: its hash would not be the one this engine's router
 computes. Blocks saved after a cache reset are not labelled (no engine loads them
-after a restart). Labels describe, they are never trusted for bytes.
+after a restart); after a reset only the saves planned since are announced: no other
+block (another engine's, or a save planned before it) can be a hit here any more, so
+none waits for a label and no labels file is read again. Labels describe, they are
+never trusted for bytes.
 
 Threading contract: the EngineCore scheduler thread only (the SchedulerRole's calls);
 the labels' file calls run on the store's I/O thread.
@@ -289,6 +292,8 @@ class KVEvents:
         else:
             label = self._book.pop(k, None)
         if label is None:
+            if self._reset:  # planned before the reset, or another engine's: never a hit here now
+                return
             self._unknown[k] = None  # another engine's: its label is read from its file
             return
         self._stored(gi, tag, label)

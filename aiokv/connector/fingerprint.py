@@ -11,10 +11,11 @@ touches none of the sampled bytes is not seen; set the model's revision or a
 cache_salt when you patch weights in place.
 
 LoRA adapters are fingerprinted the same way (their adapter_config.json too),
-once per version of their files (adapter_fingerprint).
+once per version of their files (adapter_files gives the version's signature).
 
 Threading contract: weights_fingerprint runs once, in the connector's __init__;
-adapter_fingerprint (and its memo) on the EngineCore scheduler thread only.
+adapter_files and adapter_fingerprint on the adapters' I/O thread (adapters.py),
+never on vLLM's. No state.
 """
 
 from __future__ import annotations
@@ -60,22 +61,19 @@ def weights_fingerprint(model_dir: str) -> str:
 
 
 ADAPTER_META = ("adapter_config.json",)
-_adapters: dict[tuple, str] = {}  # (dir, the files' names, sizes and mtimes) -> fingerprint
 
 
-def adapter_fingerprint(adapter_dir: str) -> str:
-    """weights_fingerprint of a LoRA adapter's directory, computed once per version of
-    its files: memoised by the files' names, sizes and modification times (a few
-    stat calls per new request), so an adapter re-saved at the same path is
-    fingerprinted again, and an unchanged one never is. Scheduler thread only."""
+def adapter_files(adapter_dir: str) -> tuple[list[tuple[str, str, int]], tuple]:
+    """A LoRA adapter's weight files and adapter_config.json [(relative path, path, size)],
+    and their signature (the directory, the files' names, sizes and modification times: a
+    walk and a few stat calls); files re-saved at the path have another signature."""
     files = _files(adapter_dir, ADAPTER_META)
-    sig = (adapter_dir, tuple((rel, size, os.stat(p).st_mtime_ns) for rel, p, size in files))
-    fp = _adapters.get(sig)
-    if fp is None:
-        if len(_adapters) >= 1024:
-            _adapters.clear()
-        fp = _adapters[sig] = _digest(files)
-    return fp
+    return files, (adapter_dir, tuple((rel, size, os.stat(p).st_mtime_ns) for rel, p, size in files))
+
+
+def adapter_fingerprint(files: list[tuple[str, str, int]]) -> str:
+    """Hex digest of an adapter's files (adapter_files), as weights_fingerprint hashes a model's."""
+    return _digest(files)
 
 
 def _digest(files: list[tuple[str, str, int]]) -> str:

@@ -9,8 +9,9 @@ LoRA adapter by its files' fingerprint, multimodal inputs, prompt embeddings)
 become the key root's extras.
 
 Threading contract: ModelNamespace is built once in the connector's __init__
-(either role) and read only afterwards; request_extras and lora_fingerprint
-run on the EngineCore scheduler thread (their memos are that thread's).
+(either role) and read only afterwards; request_extras runs on the EngineCore
+scheduler thread and makes no file-system call (an adapter's files are looked at
+on the adapters' own I/O thread: adapters.py).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def describe(vllm_config, kv_cache_config) -> tuple[dict, list[GroupSpec]]:
             "run this model without aiokv"
         )
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    weights = weights_fingerprint(_local_model_dir(mc.model, mc.revision))
+    weights = weights_fingerprint(local_model_dir(mc.model, mc.revision))
     import vllm
 
     fields = {
@@ -165,7 +166,7 @@ def _group_fields(g: GroupSpec, spec) -> dict:
     return out
 
 
-def _local_model_dir(model: str, revision) -> str:
+def local_model_dir(model: str, revision) -> str:
     """The directory holding the weights: the path itself, or the hub snapshot vLLM uses."""
     if os.path.isdir(model):
         return model
@@ -200,47 +201,19 @@ def cannot_use_cached_prefix(vllm_config) -> str | None:
     return None
 
 
-_adapter_dirs: dict[str, str] = {}  # LoRA path -> its local directory
-_unreadable_adapters: dict[tuple, str] = {}  # (name, path) -> a random fingerprint for this process
-
-
-def lora_fingerprint(name: str, path) -> str:
-    """The adapter's files decide its KV, not its name or path (aiokv/connector/fingerprint.py).
-    An adapter whose files aiokv cannot read gets a random fingerprint for this
-    process: its blocks are hits in this life only, never after a restart."""
-    from aiokv.connector.fingerprint import adapter_fingerprint
-
-    fp = _unreadable_adapters.get((name, path))
-    if fp is not None:
-        return fp
-    try:
-        if not isinstance(path, str) or not path:
-            raise ValueError("no path")
-        d = _adapter_dirs.get(path)
-        if d is None:
-            d = _adapter_dirs[path] = _local_model_dir(path, None)
-        return adapter_fingerprint(d)
-    except (ValueError, OSError) as e:
-        log.warning(
-            "aiokv: cannot read the files of LoRA adapter %s (%s) to fingerprint them (%s); "
-            "its blocks are kept for this run only",
-            name,
-            path,
-            e,
-        )
-        fp = _unreadable_adapters[(name, path)] = "unread-" + os.urandom(16).hex()
-        return fp
-
-
-def request_extras(request) -> list:
-    """Per-request factors that change the KV of the same tokens."""
+def request_extras(request, adapters) -> list | None:
+    """Per-request factors that change the KV of the same tokens; None while the request's
+    LoRA adapter is not fingerprinted yet (`adapters`: adapters.Adapters)."""
     extras: list = []
     if request.cache_salt:
         extras.append(["salt", request.cache_salt])
     lora = request.lora_request
     if lora is not None:
         path = getattr(lora, "lora_path", None)
-        extras.append(["lora", lora.lora_name, path, lora_fingerprint(lora.lora_name, path)])
+        fp = adapters.get(lora.lora_name, path)
+        if fp is None:
+            return None
+        extras.append(["lora", lora.lora_name, path, fp])
     for f in request.mm_features or ():
         pos = f.mm_position
         extras.append(["mm", f.identifier, pos.offset, pos.length])

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from aiokv import __version__
+from aiokv.connector.adapters import Adapters
 from aiokv.connector.metadata import AioKVMetadata, AioKVWorkerMetadata
 from aiokv.connector.metrics import AioKVStats, StatsDelta
 from aiokv.connector.namespace import request_extras
@@ -68,6 +69,9 @@ class SchedulerRole:
         self.kv_role = kv_role
         self.sched = None
         self._roots: dict[str, tuple[int, bytes]] = {}  # request id -> (multimodal inputs seen, key root)
+        # LoRA adapters' fingerprints, looked at on their own I/O thread (adapters.py)
+        self.adapters = Adapters(cfg.fs_timeout)
+        self._lora_misses = 0  # requests allocated with no key root: their adapter was not fingerprinted yet
         # set by reset_cache (the weights may have changed in place): bound into every key's root,
         # random, so never the epoch of another life or reset (None: the weight files' own blocks)
         self.epoch: str | None = None
@@ -181,12 +185,18 @@ class SchedulerRole:
             from aiokv.bucket.lookup import BucketLookup
             from aiokv.data.format import slot_bytes
 
-            self.sched.bucket = BucketLookup(
+            self.sched.bucket = bucket = BucketLookup(
                 self.cfg.bucket,
                 self.cfg.bucket_timeout,
                 self.cfg.probe_timeout,
                 [(ns.nsid, ns.ranks, slot_bytes(ns.payload_bytes)) for _, ns in spaces],
+                self.cfg.secret,
             )
+            # for nodes warmed from the bucket (aiokv warm): what each namespace holds, and the
+            # labels the KV events write for our blocks (bucket/publisher.py)
+            bucket.publisher.namespaces((ns.nsid, ns.payload_bytes, ns.ranks, ns.fields) for _, ns in spaces)
+            for st in getattr(store, "stores", {0: store}).values():
+                st.labels.sink = bucket.publisher.labels
         log.info(
             "aiokv %s: cache %s, namespace %s (%s), %d blocks stored",
             __version__,
@@ -253,12 +263,16 @@ class SchedulerRole:
         out = {CacheHitSource.DISK: num_external_tokens - bucket, CacheHitSource.EXTERNAL_UNSPECIFIED: bucket}
         return {k: v for k, v in out.items() if v > 0}
 
-    def _root(self, request) -> bytes:
+    def _root(self, request) -> bytes | None:
+        """The request's key root; None while its LoRA adapter is not fingerprinted yet (then it
+        is a miss and saves nothing: it gets no state on the scheduler side)."""
         # a streaming-input session keeps its id but may gain multimodal inputs: a new root then
         n = len(request.mm_features or ())
         got = self._roots.get(request.request_id)
         if got is None or got[0] != n:
-            extras = request_extras(request)
+            extras = request_extras(request, self.adapters)
+            if extras is None:
+                return None
             if self.epoch is not None:
                 extras.append(["epoch", self.epoch])
             got = self._roots[request.request_id] = (n, request_root(self.nsid, extras))
@@ -315,7 +329,12 @@ class SchedulerRole:
         if self.sched is None or not self.offer_hits or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         try:
-            n = self.sched.match(request.request_id, request.all_token_ids, self._root(request), num_computed_tokens)
+            root = self._root(request)  # None: its adapter is not fingerprinted yet, a miss
+            n = (
+                0
+                if root is None
+                else self.sched.match(request.request_id, request.all_token_ids, root, num_computed_tokens)
+            )
             self._queried[request.request_id] = request.num_tokens - num_computed_tokens  # counted at alloc
         except Exception:
             self._error("get_num_new_matched_tokens (a lookup: a miss)")
@@ -330,10 +349,14 @@ class SchedulerRole:
             self._bucket_tokens[request.request_id] = self.sched.bucket_hit_tokens(
                 request.request_id, num_external_tokens
             )
+            root = self._root(request)
+            if root is None:  # its adapter is not fingerprinted yet: no state, so nothing saved
+                self._lora_misses += 1
+                return
             self.sched.on_alloc(
                 request.request_id,
                 request.all_token_ids,
-                self._root(request),
+                root,
                 blocks.get_block_ids(),
                 num_external_tokens,
             )
@@ -353,6 +376,10 @@ class SchedulerRole:
             idle = False  # (the worker then never waits for a job in this step)
         if self.sched is None:
             return AioKVMetadata(StepPlan(), idle=idle)
+        try:
+            self.adapters.poll()  # adapters fingerprinted since the last step: their requests hit from the next
+        except Exception:
+            self._error("build_connector_meta (LoRA adapters' fingerprints: applied at a later step)")
         decode_like = False
         try:
             items, boundary, decode_like = self._scheduled(scheduler_output)
@@ -456,6 +483,7 @@ class SchedulerRole:
         out.update(store_counters(st.stats))
         out.update(
             queried_tokens=self._queried_tokens,
+            lora_fingerprint_misses=self._lora_misses,
             disk_bytes=st.space.used(),
             capacity_bytes=st.limit or 0,
             pending_saves=self.sched.pending_saves,
@@ -487,6 +515,10 @@ class SchedulerRole:
         return out
 
     def shutdown(self) -> None:
+        try:
+            self.adapters.close()  # (a look still running is a daemon thread's: the process exit ends it)
+        except Exception:
+            log.exception("aiokv: closing the LoRA adapters' I/O thread failed")
         if self.sched is not None:
             try:
                 self.sched.close()  # (never raises)

@@ -51,9 +51,10 @@ def available() -> bool:
     return True
 
 
-def derive_key(secret: bytes) -> bytes:
-    """The 32-byte MAC key of a secret of any length: BLAKE3's derive_key under CONTEXT."""
-    return hasher()(secret, derive_key_context=CONTEXT).digest()
+def derive_key(secret: bytes, context: str = CONTEXT) -> bytes:
+    """The 32-byte MAC key of a secret of any length: BLAKE3's derive_key under `context`
+    (CONTEXT: the slots'; another context gives an unrelated key, e.g. the bucket's metadata)."""
+    return hasher()(secret, derive_key_context=context).digest()
 
 
 def keyed(key: bytes, *parts) -> bytes:

@@ -4,6 +4,7 @@ tokenizer trained on the spot, saved as a local model directory vLLM can load.
 
 Nothing is downloaded. A large initializer_range keeps greedy decoding from
 collapsing to one repeated token, so token comparisons mean something.
+build_lora writes a LoRA adapter for such a model (vLLM's CPU build serves LoRA).
 """
 
 from __future__ import annotations
@@ -248,3 +249,43 @@ def build_mla(path: str) -> str:
         return DeepseekV2ForCausalLM(cfg).to(torch.bfloat16)
 
     return _with_tokenizer(path, {"mla": "deepseek_v2", "v": 1}, make)
+
+
+def build_lora(path: str, base: str, rank: int = 8, seed: int = 0) -> str:
+    """A LoRA adapter (PEFT's files: adapter_config.json, adapter_model.safetensors) for the
+    model build() wrote at `base`, on every layer's q_proj and v_proj, with random A and B
+    (B is not zero, so the adapter changes the output). Written to `path`; returns path."""
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(base, "config.json")) as f:
+        cfg = json.load(f)
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    head = hidden // cfg["num_attention_heads"]
+    out = {"q_proj": hidden, "v_proj": cfg["num_key_value_heads"] * head}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        for name, rows in out.items():
+            at = f"base_model.model.model.layers.{i}.self_attn.{name}"
+            tensors[f"{at}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * 0.2
+            tensors[f"{at}.lora_B.weight"] = torch.randn(rows, rank, generator=g) * 0.2
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": base,
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "lora_dropout": 0.0,
+                "target_modules": sorted(out),
+                "bias": "none",
+                "fan_in_fan_out": False,
+                "modules_to_save": None,
+            },
+            f,
+        )
+    return path

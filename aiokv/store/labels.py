@@ -16,7 +16,10 @@ Failure contract: best effort. A label that is not written, or that is lost, cos
 only its description (no event for that block after a restart); labels are never
 trusted for bytes (a block is served only by its key and its header's checks).
 
-Threading contract: `append`, `read` and `close` are for the store's owner thread;
+`sink`, when set (the bucket tier's publisher, aiokv/bucket/publisher.py), is handed every
+batch `append` takes as well, so that a node warmed from the bucket learns them.
+
+Threading contract: `append`, `read` and `close` are for the store's owner thread (and so is `sink`'s call);
 every file call they make runs on the store's I/O thread (fsthread.py), and the
 file state (`_fds`, `_seen`) is that thread's alone; `read`'s `done` runs on the
 owner's thread (at the store's poll).
@@ -41,12 +44,18 @@ class Labels:
         self.dirs, self.fs = dirs, fs
         self._fds: dict[bytes, int] = {}  # nsid -> our labels file, opened for appends
         self._seen: dict[tuple[bytes, str], tuple[int, int]] = {}  # (nsid, engine dir) -> (inode, bytes read)
+        self.sink = None  # sink(nsid, [(key, label)]): a copy of what is appended (the bucket's publisher)
 
     # ---- the owner's calls ----
     def append(self, nsid: bytes, items: list[tuple[bytes, bytes]]) -> None:
         """Queue labels [(key, label)] to our file of the namespace (best effort)."""
         if self.dirs.readonly or not items:
             return
+        if self.sink is not None:
+            try:
+                self.sink(nsid, items)
+            except Exception:
+                log.exception("aiokv: handing block labels to the bucket failed; they stay local")
         blob = b"".join(fmt.pack_label(k, v) for k, v in items)
         try:
             self.fs.submit(lambda: self._write(nsid, blob), self._written)

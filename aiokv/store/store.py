@@ -81,6 +81,7 @@ import logging
 import os
 import threading
 import time
+from array import array
 
 import numpy as np
 
@@ -241,11 +242,17 @@ class Store:
         give_back_scratch()
         self.control.catch_up(ns)  # the orders its index has not applied (before its hits begin)
         ns.ready = True
+        # the slots being given back are neither holes nor free until the punch ran (as in
+        # Space._unback): a grow planned meanwhile must not take them, or, where the punch is
+        # refused, they would become free twice (once here, once by the grow): one slot, two saves
         holes, hwm = list(ns.alloc.holes), ns.alloc.hwm
+        ns.alloc.holes = array("q")
 
         def unbacked(ok, e):
-            if not ok:
-                ns.alloc.grow(holes)  # they may still hold space: counted, and reused first
+            if ok:
+                ns.alloc.holes = array("q", holes) + ns.alloc.holes  # at the front: a grow in flight planned the end
+            else:
+                ns.alloc.free.extend(holes)  # they may still hold space: counted, and reused first
 
         self.fs.submit(lambda: self._replay.give_back_io(ns, holes, hwm), unbacked)
         _log.info(

@@ -76,6 +76,14 @@ TABLE: tuple[Row, ...] = (
         CONNECTOR,
     ),
     Row(
+        "lora_fingerprint_misses",
+        "lora_fingerprint_misses",
+        COUNTER,
+        "Requests served as a miss that saved nothing because their LoRA adapter's files were not "
+        "fingerprinted yet (aiokv looks at them on an I/O thread of its own; a hung mount keeps them coming).",
+        CONNECTOR,
+    ),
+    Row(
         "hit_tokens",
         "hit_tokens",
         COUNTER,
@@ -342,6 +350,8 @@ TABLE: tuple[Row, ...] = (
         )
     ),
     *(_no(k, BUCKET, _BUCKET) for k in ("bucket_probes", "bucket_probe_gave_up", "bucket_breaker_opened")),
+    # block labels published beside the blocks for nodes warmed from the bucket (aiokv/bucket/publisher.py)
+    *(_no(k, BUCKET, _BUCKET) for k in ("bucket_labels_uploaded", "bucket_labels_dropped")),
     # the state of this instance (counters() only)
     *(
         _no(k, STATE, _STATE, GAUGE)

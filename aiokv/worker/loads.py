@@ -8,8 +8,9 @@ request is reported finished, with the block ids that failed.
 
 A load that times out or is cancelled ends at once: its staging buffers are set
 aside while the kernel still writes into them (worker/staging.py), and the load
-is reported (cancelled loads too, their blocks as failed: vLLM holds them until
-the load is reported). With `layerwise` on, a verified load that fits is staged
+is reported (cancelled loads too, every block as failed, even those already
+copied: vLLM holds the blocks until the load is reported, and a load cancelled by
+a cache reset is of a request that lives on, which must use nothing of it). With `layerwise` on, a verified load that fits is staged
 for the next step's layer-by-layer copy (worker/layerwise.py) instead.
 
 The loop owns the table of running loads (`_tasks`, request -> task): `start`
@@ -113,7 +114,9 @@ class Loads:
                 self.results.count(**latency_counts("load", time.monotonic() - t0))
             if self._tasks.get(t.req_id) is asyncio.current_task():
                 del self._tasks[t.req_id]
-            self._load_done(t, sorted(failed), cancelled, [k for k, _, _ in bad_keys])
+            # cancelled: every block failed, those it copied too (a cache reset cancels the loads of
+            # requests that live on, and vLLM keeps a load's blocks before its first failed one)
+            self._load_done(t, sorted(t.block_ids if cancelled else failed), cancelled, [k for k, _, _ in bad_keys])
 
     async def _load_body(self, t: Transfer, failed: set, bad_keys: list) -> None:
         # no location: nothing to read; block 0 is vLLM's null block and is never written

@@ -37,7 +37,8 @@ class Results:
         # vLLM's thread only
         self.loads: dict[str, Transfer] = {}  # req -> load handed in, not seen finished
         self.saves: dict[int, Transfer] = {}  # save job id -> save handed in or started, not seen finished
-        self._done_loads: list[tuple[str, list[int]]] = []  # (req, failed block ids)
+        self._done_loads: list[tuple[str, list[int], Transfer | None]] = []  # (req, failed block ids, its load)
+        self._cut: set[str] = set()  # requests whose load in flight was cancelled: reported whole-failed
         self._report = WorkerReport()
         self._counts = collections.Counter()
 
@@ -80,8 +81,12 @@ class Results:
                 self._add(msg[1])
             elif kind == _LOAD_DONE:
                 _, req_id, failed, part = msg
-                self.loads.pop(req_id, None)
-                self._done_loads.append((req_id, failed))
+                t = self.loads.pop(req_id, None)
+                if req_id in self._cut:
+                    self._cut.discard(req_id)
+                    if t is not None:
+                        failed = _fail_whole(t, failed, part.loads, part.counters)
+                self._done_loads.append((req_id, failed, t))
                 self._add(part)
             elif kind == _SAVE_DONE:
                 _, job, part = msg
@@ -103,6 +108,20 @@ class Results:
             elif v:
                 setattr(self._report, f.name, v)
 
+    def cancelled(self, req_ids) -> None:
+        """A cancel of these requests' loads is handed in. A load that ends, or has ended,
+        without vLLM having been handed its report is reported with every block failed,
+        whatever it copied: a cache reset cancels the loads of requests that live on, and
+        vLLM must then use nothing they loaded (it keeps a load's blocks up to its first
+        failed one). A load already handed on is past recall (docs/operations.md)."""
+        for r in req_ids:
+            if r in self.loads:  # its report is still to come (queued, or the load runs)
+                self._cut.add(r)
+                continue
+            for i, (req, failed, t) in enumerate(self._done_loads):
+                if req == r and t is not None:
+                    self._done_loads[i] = (req, _fail_whole(t, failed, self._report.loads, self._counts), t)
+
     @property
     def in_flight(self) -> int:
         self.drain()
@@ -117,13 +136,28 @@ class Results:
         """Every load and save not seen finished, forgotten here (a dead loop: they fail)."""
         self.drain()
         loads, self.loads = list(self.loads.values()), {}
+        self._cut.clear()  # (every one of them is reported failed)
         saves, self.saves = list(self.saves.items()), {}
         return loads, saves
 
     def take(self) -> tuple[list[tuple[str, list[int]]], WorkerReport, collections.Counter]:
         """What finished since the last take: (loads, report, counters)."""
         self.drain()
-        done, self._done_loads = self._done_loads, []
+        done, self._done_loads = [(r, f) for r, f, _ in self._done_loads], []
         report, self._report = self._report, WorkerReport()
         counts, self._counts = self._counts, collections.Counter()
         return done, report, counts
+
+
+def _fail_whole(t: Transfer, failed: list[int], results: list, counts) -> list[int]:
+    """Every block of load `t` failed (a cancel came before vLLM saw it finish): its
+    LoadResult among `results` says so too, and its loaded blocks count as cancelled."""
+    every = sorted(t.block_ids)
+    for r in results:
+        if r.job == t.job and r.req_id == t.req_id:
+            r.failed = list(every)
+    moved = len(every) - len(failed)
+    if moved > 0:
+        counts["loads_ok_blocks"] = counts.get("loads_ok_blocks", 0) - moved
+        counts["load_cancelled_blocks"] = counts.get("load_cancelled_blocks", 0) + moved
+    return every

@@ -219,6 +219,7 @@ class TransferWorker:
                 self.loads._load_done(t, list(t.block_ids))
 
     def cancel(self, req_ids) -> None:
+        self.results.cancelled(req_ids)  # a load that ended but is not reported yet: reported whole-failed
         if self.layers is not None:
             self.layers.cancel(req_ids)
         self.life.call_soon(self.loads.cancel, list(req_ids))  # on the loop: cancels the tasks; their finally reports
