@@ -24,7 +24,7 @@ from aiokv.store import Store
 from aiokv.util.counters import TOP_TENANTS
 from tests.conftest import NS, PAYLOAD, key
 from tests.test_metrics_series_table import prom, sample
-from tools.storeio import StoreIO
+from tools.storeio import DrivesIO, StoreIO
 
 COST = fmt.slot_bytes(PAYLOAD)
 
@@ -99,4 +99,20 @@ async def test_the_metric_names_the_top_tenants_and_other(tmp_path, blocks):
     assert sample(reg, "vllm:aiokv_tenant_bytes", tenant="t0") == (2 * n + 1) * COST
     series = [s for m in reg.collect() for s in m.samples if s.name == "vllm:aiokv_tenant_bytes"]
     assert len(series) == TOP_TENANTS + 1
+    st.close()
+
+
+async def test_several_drives_name_the_same_top_tenants(tmp_path, blocks):
+    """Each drive holds a share of each tenant: the top is taken over the drives together
+    (each drive's own top and "other" added up named up to drives x (top + 1) tenants)."""
+    st = DrivesIO([str(tmp_path / f"d{i}") for i in range(3)], capacity="3GiB")
+    ns = st.namespace(NS, PAYLOAD)
+    n = TOP_TENANTS + 6
+    for t in range(n):
+        await _fill(st, ns, blocks, range(1000 * t, 1000 * t + 2 * t + 1), f"t{t}")
+    every = st.tenant_bytes(None)
+    assert len(every) == n and sum(every.values()) == sum(2 * t + 1 for t in range(n)) * COST
+    got = st.tenant_bytes(TOP_TENANTS)
+    assert set(got) == {f"t{t}" for t in range(n - TOP_TENANTS, n)} | {"other"}
+    assert sum(got.values()) == sum(every.values())
     st.close()

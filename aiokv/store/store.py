@@ -332,9 +332,10 @@ class Store:
                 self.stats.quota_evictions += 1
                 n += 1
 
-    def tenant_bytes(self, top: int) -> dict[str, int]:
+    def tenant_bytes(self, top: int | None) -> dict[str, int]:
         """Bytes per tenant in the directory (every engine's blocks, as followed): the `top`
-        tenants holding most by their label (tenants.py), the others together as "other"."""
+        tenants holding most by their label (tenants.py), the others together as "other"
+        (top None: every tenant)."""
         held = np.zeros(1, np.int64)
         for ns in self.index.namespaces.values():
             for t in (ns.table, *ns.tables.values()):
@@ -343,12 +344,11 @@ class Store:
                     held = np.concatenate([held, np.zeros(len(c) - len(held), np.int64)])
                 held[: len(c)] += c * ns.slot_cost
         ids = np.flatnonzero(held)
-        best = ids[np.argsort(-held[ids], kind="stable")[:top]]
-        out = {self.tenants.label(int(t)): int(held[t]) for t in best}
-        rest = int(held.sum()) - sum(out.values())
-        if rest or len(ids) > top:
-            out["other"] = out.get("other", 0) + rest
-        return out
+        out: dict[str, int] = {}
+        for t in ids.tolist():
+            label = self.tenants.label(t)
+            out[label] = out.get(label, 0) + int(held[t])
+        return out if top is None else counters.top_and_other(out, top)
 
     # ---- tenants (tenants.py) ----
     def tenant(self, name: str) -> int:

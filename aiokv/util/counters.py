@@ -381,6 +381,16 @@ def names(source: str) -> tuple[str, ...]:
     return tuple(r.key for r in TABLE if source in r.sources and r.kind != HISTOGRAM)
 
 
+def top_and_other(figures: dict[str, int], top: int) -> dict[str, int]:
+    """The `top` largest of {label: number} by name, every other one added up as "other" (a
+    label cardinality of at most top + 1: tenant_bytes)."""
+    best = sorted(figures, key=lambda k: (-figures[k], k))[:top]
+    out = {k: figures[k] for k in best}
+    if len(figures) > top:
+        out["other"] = out.get("other", 0) + sum(v for k, v in figures.items() if k not in out)
+    return out
+
+
 def merge(into: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """Adds `new` to `into` (counters add up, gauges take the newer value); returns `into`."""
     for k, v in new.items():
