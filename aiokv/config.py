@@ -67,6 +67,10 @@ class AioKVConfig:
     # the bucket can then plant blocks that verify)
     # every drive's cache directory, in the configured order (one: [path]); several: aiokv/store/drives.py
     paths: list[str] = dataclasses.field(default_factory=list)
+    # bytes each tenant (a request's cache_salt; "" without one) may hold in the directory: {"TENANT": SIZE,
+    # "*": SIZE for every other}; docs/operations.md, "Operating the cache"
+    quota: dict[str, int] = dataclasses.field(default_factory=dict)
+    pin_capacity: int | None = None  # bytes pinned blocks may take (None: a tenth of capacity; 0: no pins)
 
     def __post_init__(self):
         if not self.paths:
@@ -113,6 +117,12 @@ class AioKVConfig:
                 f"aiokv: staging + memory ({_gib(cfg.staging + cfg.memory)}) exceed this machine's memory "
                 f"({_gib(ram)}); each worker holds both from its start: lower memory (or staging)"
             )
+        if "quota" in extra:
+            cfg.quota = parse_quota(extra.pop("quota"))
+        if "pin_capacity" in extra:
+            cfg.pin_capacity = _size("pin_capacity", extra.pop("pin_capacity"))
+            if cfg.pin_capacity < 0:
+                raise ConfigError("aiokv: pin_capacity must be 0 (no pins) or a size such as 4GiB")
         if "admit" in extra:
             cfg.admit = extra.pop("admit")
             if cfg.admit not in ("all", "reused"):
@@ -297,6 +307,31 @@ def physical_memory() -> int:
 
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB"
+
+
+def parse_quota(v) -> dict[str, int]:
+    """The `quota` setting: {"TENANT": SIZE, "*": SIZE} -> {name: bytes}; a ConfigError naming the
+    entry otherwise. A tenant is a request's cache_salt ("" for requests without one)."""
+    if isinstance(v, str):  # (a JSON object given as a string: vllm serve --kv-transfer-config on a shell)
+        import json
+
+        try:
+            v = json.loads(v)
+        except ValueError:
+            v = None
+    if not isinstance(v, dict):
+        raise ConfigError('aiokv: quota must be an object of tenant -> size, such as {"acme": "20GiB", "*": "5GiB"}')
+    out = {}
+    for name, size in v.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"aiokv: quota: the tenant {name!r} is not a string (a cache_salt, or * for every other)")
+        try:
+            out[name] = parse_size(size)
+        except ValueError as e:
+            raise ConfigError(f"aiokv: quota[{name!r}]: {e}") from None
+        if out[name] <= 0:
+            raise ConfigError(f"aiokv: quota[{name!r}] must be a positive size, such as 5GiB")
+    return out
 
 
 def parse_size(v) -> int:

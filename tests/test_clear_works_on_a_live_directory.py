@@ -282,3 +282,43 @@ def test_orders_are_numbered_and_a_torn_one_is_cut_off(tmp_path):
         assert [o.number for o in got] == [1, 2] and got[1] == b and got[1].nsids == frozenset([NS])
     finally:
         os.close(fd)
+
+
+async def test_a_load_reading_a_cleared_block_completes_or_fails_verification(tmp_path, blocks):
+    """A load planned before the clear reads its slots after them: before the punch (the
+    block as it was), after it (a hole), after the slot went to another block: each read
+    either returns the block's own bytes or fails verification (-EBADMSG), never another
+    block's bytes; the load's pins are let go without harm."""
+    import errno
+
+    st = StoreIO(str(tmp_path / "c"), capacity="1GiB")
+    st.follow_interval = 0
+    ns = st.namespace(NS, PAYLOAD)
+    await _fill(st, ns, blocks, range(4), "acme")
+    keys = [key(i) for i in range(4)]
+    io = st.blockio(ns)
+
+    async def read(slots, ks):
+        for j in range(len(ks)):
+            blocks.clear(8 + j)
+        got = await io.read([(s, k, blocks.addr(8 + j)) for j, (s, k) in enumerate(zip(slots, ks))])
+        for j, (r, k) in enumerate(zip(got, ks)):
+            assert r in (0, -errno.EBADMSG), r
+            assert r != 0 or blocks.holds(8 + j, k), "a load returned bytes that are not its block's"
+        return got
+
+    held = st.pin(ns, keys)  # a load has planned them: its slots
+    assert await read(held[:2], keys[:2]) == [0, 0]  # read before the order: whole
+    operate.run("clear", st.root, "acme", wait=0)
+    st.refresh()  # the order applied: forgotten, punched
+    assert not any(k in ns.entries for k in keys)
+    assert await read(held[2:3], keys[2:3]) == [-errno.EBADMSG]  # a hole: fails verification
+    # the slots go to other blocks; the late read of the last one meets another key
+    others = range(100, 100 + 2 * len(ns.alloc.free) + 64)  # past the free slots: the holes are grown again
+    await _fill(st, ns, blocks, others, "other")
+    reused = [s for s in held if s in {ns.where(key(i)) for i in others}]
+    assert reused, "no slot was reused (the test would prove nothing)"
+    assert await read([reused[0]], [keys[held.index(reused[0])]]) == [-errno.EBADMSG]
+    st.unpin(ns, keys)  # the load reports: its pins go, nothing else does
+    assert all(key(i) in ns.entries for i in others)
+    st.close()

@@ -99,6 +99,19 @@ TABLE = [
     ("memory", "0", (OK, 0)),
     ("memory", -1, "aiokv: memory must be 0 (off) or a size such as 4GiB"),
     ("memory", math.inf, f"aiokv: memory: not a size: inf {SIZE}"),
+    ("pin_capacity", 0, OK),
+    ("pin_capacity", 1, OK),
+    ("pin_capacity", "1GiB", (OK, 1 << 30)),
+    ("pin_capacity", -1, "aiokv: pin_capacity must be 0 (no pins) or a size such as 4GiB"),
+    ("pin_capacity", "most", f"aiokv: pin_capacity: not a size: 'most' {SIZE}"),
+    ("quota", {"*": 1}, OK),
+    ("quota", {"acme": "1GiB", "": 4096, "*": "1e30"}, (OK, {"acme": 1 << 30, "": 4096, "*": int(1e30)})),
+    ("quota", '{"acme": "2KiB"}', (OK, {"acme": 2048})),
+    ("quota", {}, OK),
+    ("quota", {"acme": 0}, "aiokv: quota['acme'] must be a positive size, such as 5GiB"),
+    ("quota", {"acme": "big"}, f"aiokv: quota['acme']: not a size: 'big' {SIZE}"),
+    ("quota", "5GiB", 'aiokv: quota must be an object of tenant -> size, such as {"acme": "20GiB", "*": "5GiB"}'),
+    ("quota", [1], 'aiokv: quota must be an object of tenant -> size, such as {"acme": "20GiB", "*": "5GiB"}'),
     # whole numbers
     ("queue_depth", 1, OK),
     ("queue_depth", 2, OK),
@@ -272,6 +285,7 @@ def test_every_setting_at_its_least_serves_identical_tokens(tiny_model, tmp_path
         upload_queue=1,  # below one block: every upload is dropped
         admit="reused",
         admit_window=1,
+        pin_capacity=0,  # no pins
     )
     res = _life(tiny_model, str(tmp_path / "c"), extra, s3env)
     # 10 ms for a load, a save, a journal append: on a busy machine some may run out (then recomputed,
@@ -300,6 +314,8 @@ def test_every_setting_at_its_largest_serves_identical_tokens(tiny_model, tmp_pa
         checksum_threads=64,
         admit="reused",
         admit_window=1 << 30,
+        quota={"*": 10**30},
+        pin_capacity=10**30,
         secret=SECRET * 200,
         bucket=s3env.url("most"),
     )

@@ -177,6 +177,7 @@ def main(spec: dict) -> dict:
             prompts = [p + (r or []) + new for p, r, new in zip(last_prompts, result["tokens"][-1], prompts)]
         last_prompts = prompts
         salts = phase.get("salts") or [None] * len(prompts)
+        pins = phase.get("pins") or [False] * len(prompts)  # kv_transfer_params {"aiokv": {"pin": true}}
         loras = phase.get("loras") or [None] * len(prompts)
         aborts = {int(k): v for k, v in (phase.get("abort_after") or {}).items()}
         ids = []
@@ -200,10 +201,13 @@ def main(spec: dict) -> dict:
                     from vllm.lora.request import LoRARequest
 
                     lora = LoRARequest(*loras[i])
+                extra = {"kv_transfer_params": {"aiokv": {"pin": True}}} if pins[i] else None
                 internal[rid] = engine.add_request(
                     rid,
                     p,
-                    SamplingParams(temperature=0, max_tokens=phase.get("max_tokens", 8), ignore_eos=True),
+                    SamplingParams(
+                        temperature=0, max_tokens=phase.get("max_tokens", 8), ignore_eos=True, extra_args=extra
+                    ),
                     lora_request=lora,
                 )
                 ids.append((i, rid, step))

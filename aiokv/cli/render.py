@@ -73,6 +73,8 @@ def render_summary(d: dict) -> str:
             f"engine {e['engine']}:  {state}; {e['blocks']} block(s), {human(e['bytes'])} "
             f"({human(e['disk_bytes'])} on disk)"
         )
+    for r in d.get("tenants", ()):
+        lines.append(f"tenant {_tenant_text(r)}")
     for n in d["namespaces"]:
         lines += [
             "",
@@ -96,7 +98,14 @@ def render_summary(d: dict) -> str:
                 else ""
             ),
         ]
+        lines += [f"  tenant {_tenant_text(r)}" for r in n.get("tenants", ())]
     return "\n".join(lines)
+
+
+def _tenant_text(r: dict) -> str:
+    """A tenant's line: its name ("(none)" for requests without a cache_salt), blocks, bytes, pins."""
+    pins = f", {r['pinned_blocks']} pinned" if r["pinned_blocks"] else ""
+    return f"{r['tenant'] or '(none)'}: {r['blocks']} block(s), {human(r['bytes'])}{pins}"
 
 
 def render_keys(d: dict) -> str:

@@ -19,6 +19,7 @@ from aiokv.data import format as fmt
 from aiokv.data.slotfile import data_path
 from aiokv.store.lock import engines
 from aiokv.store.store import Store, ns_dir
+from aiokv.store.table import PINNED
 from aiokv.store.wear import read_all
 
 AGE_WINDOWS = (("hour", 3600), ("day", 86400), ("week", 7 * 86400))
@@ -50,11 +51,40 @@ def _ages(atimes, now_ns: int) -> dict:
     return out
 
 
+def _tenants(st: Store, ns, into: dict) -> list[dict]:
+    """Blocks, bytes and pinned blocks per tenant of a namespace (every engine's), largest
+    first; added into `into` (tenant id -> the directory's row)."""
+    rows: dict[int, dict] = {}
+    for t in ns.tables.values():
+        live = t.live()
+        tids, n = np.unique(t.tenant[live], return_counts=True)
+        pinned = dict(zip(*np.unique(t.tenant[live][(t.flags[live] & PINNED) != 0], return_counts=True)))
+        for tid, c in zip(tids.tolist(), n.tolist()):
+            for d in (rows, into):
+                r = d.setdefault(tid, _tenant_row(st, tid))
+                r["blocks"] += c
+                r["bytes"] += c * ns.slot_bytes * ns.ranks
+                r["pinned_blocks"] += int(pinned.get(tid, 0))
+    return sorted(rows.values(), key=lambda r: (-r["bytes"], r["tenant"]))
+
+
+def _tenant_row(st: Store, tid: int) -> dict:
+    tag = st.tenants.tag_of(tid)
+    return {
+        "tenant": st.tenants.label(tid),
+        "tag": (tag or fmt.NO_TENANT).hex(),
+        "blocks": 0,
+        "bytes": 0,
+        "pinned_blocks": 0,
+    }
+
+
 def summary(st: Store) -> dict:
     root = st.root
     lives = engines(root)
     now = time.time_ns()
     out_ns = []
+    per_tenant: dict[int, dict] = {}
     per_engine: dict[int, dict] = {
         e: {"engine": e, "pid": pid, "running": pid is not None, "blocks": 0, "bytes": 0, "disk_bytes": 0}
         for e, pid in lives.items()
@@ -99,6 +129,7 @@ def summary(st: Store) -> dict:
                 "newest_access": iso(int(atimes.max())) if len(atimes) else None,
                 "access": _ages(atimes, now),
                 "journals": journals,
+                "tenants": _tenants(st, ns, per_tenant),
             }
         )
     running = [e["pid"] for e in per_engine.values() if e["running"]]
@@ -114,6 +145,8 @@ def summary(st: Store) -> dict:
         # bytes the engines committed since the directory's first use, and what that is in drive writes per day
         "wear": read_all(st.dirs.root_fd, st.dirs.fs_bytes),
         "namespaces": out_ns,
+        # per tenant (a request's cache_salt; "" for none; "#<tag>" where named under a secret)
+        "tenants": sorted(per_tenant.values(), key=lambda r: (-r["bytes"], r["tenant"])),
         "total": {
             "namespaces": len(out_ns),
             "blocks": sum(n["blocks"] for n in out_ns),

@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from aiokv.util.counters import (  # noqa: F401 (SERIES, NOT_EXPORTED and the kinds: read here by tests)
     COUNTER,
+    DYNAMIC,
     GAUGE,
     GAUGES,
     HISTOGRAM,
@@ -97,7 +98,8 @@ class AioKVStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: v for k, v in self.data.items() if "_seconds_b" not in k}  # histograms: see /metrics
+        # histograms and per-tenant figures ({tenant: bytes}): see /metrics
+        return {k: v for k, v in self.data.items() if "_seconds_b" not in k and not isinstance(v, dict)}
 
     def is_empty(self) -> bool:
         return not self.data  # a gauge back to 0 is news too
@@ -120,6 +122,9 @@ class AioKVPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._children: dict[str, tuple[Row, dict[int, Any]]] = {}  # stats key -> (row, engine -> child)
         self._levels: dict[tuple[str, int], float] = {}  # (LEVEL key, engine) -> its value
+        # rows with a DYNAMIC label (tenant_bytes): stats key -> (metric, engine -> label values set now)
+        self._dynamic: dict[str, tuple[Any, dict[int, set]]] = {}
+        self._engine_labels = per_engine_labelvalues
         by_series: dict[str, Any] = {}
         for row in SERIES:
             extra = [k for k, _ in row.labels]
@@ -138,6 +143,9 @@ class AioKVPromMetrics(KVConnectorPromMetrics):
                     )
                 by_series[row.series] = metric
             values = [v for _, v in row.labels]
+            if DYNAMIC in values:  # children made as the figure names them (observe)
+                self._dynamic[row.key] = (metric, {})
+                continue
             self._children[row.key] = (
                 row,
                 {idx: metric.labels(*lv, *values) for idx, lv in per_engine_labelvalues.items()},
@@ -145,6 +153,20 @@ class AioKVPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         data = transfer_stats_data or {}
+        for key, (metric, shown) in self._dynamic.items():
+            got = data.get(key)
+            lv = self._engine_labels.get(engine_idx)
+            if not isinstance(got, dict) or lv is None:
+                continue
+            # one child per label value named now; those no longer named are removed (a bounded set)
+            for value in shown.get(engine_idx, set()) - set(got):
+                try:
+                    metric.remove(*lv, value)
+                except KeyError:
+                    pass
+            for value, v in got.items():
+                metric.labels(*lv, value).set(v)
+            shown[engine_idx] = set(got)
         for key, (row, children) in self._children.items():
             child = children.get(engine_idx)
             if child is None:

@@ -24,7 +24,7 @@ from aiokv.connector.metrics import AioKVStats, StatsDelta
 from aiokv.connector.namespace import request_extras
 from aiokv.jobs import StepPlan
 from aiokv.scheduler.keys import request_root
-from aiokv.util.counters import merge, store_counters
+from aiokv.util.counters import TOP_TENANTS, merge, store_counters
 
 log = logging.getLogger("aiokv")
 
@@ -110,6 +110,9 @@ class SchedulerRole:
                 fs_timeout=self.cfg.fs_timeout,
                 secret=self.cfg.secret,  # (tenants are named on disk by tags keyed by it)
             )
+            # a drive's share of the quotas and of pin_capacity, as of the capacity
+            store.set_quotas({t: max(1, q // drives) for t, q in self.cfg.quota.items()})
+            store.pin_capacity = None if self.cfg.pin_capacity is None else self.cfg.pin_capacity // drives
             try:
                 spaces = []
                 for g, nsid in zip(self.groups, self.group_nsids):
@@ -487,6 +490,7 @@ class SchedulerRole:
             breaker_open=int(self.sched.breaker.is_open),
             stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()),
             pinned_bytes=st.pinned_bytes(),
+            tenant_bytes=st.tenant_bytes(TOP_TENANTS),
             index_loading=sum(not ns.ready for ns in st.index.namespaces.values()),
             drive_writes_per_day=self._writes_per_day(st),
         )

@@ -53,6 +53,7 @@ import threading
 from aiokv.data import format as fmt
 from aiokv.store.fsthread import bounded
 from aiokv.store.store import StoreStats
+from aiokv.util import counters
 from aiokv.util.breaker import Breaker
 
 log = logging.getLogger("aiokv")
@@ -314,6 +315,14 @@ class Drives:
 
     def pinned_bytes(self) -> int:
         return sum(s.pinned_bytes() for s in self.stores.values())
+
+    def tenant_bytes(self, top: int | None) -> dict[str, int]:
+        """Every drive's bytes per tenant added up, then the `top` tenants and "other" (Store.tenant_bytes)."""
+        out: dict[str, int] = {}
+        for s in self.stores.values():
+            for label, n in s.tenant_bytes(None).items():
+                out[label] = out.get(label, 0) + n
+        return out if top is None else counters.top_and_other(out, top)
 
     def reserve(self, ns: DriveNamespace, key: bytes, tenant: int = 0) -> int | None:
         if key in ns.entries or key in ns.pending:

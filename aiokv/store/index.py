@@ -372,13 +372,13 @@ class Index:
             ns._gone(tag)
         return tag
 
-    def victim(self) -> tuple[Namespace, int] | None:
-        """Our least recently used committed, unpinned block, as (namespace, slot)
-        (other engines evict their own)."""
+    def victim(self, filt: tuple | None = None) -> tuple[Namespace, int] | None:
+        """Our least recently used committed block that is not pinned (by a load, or for good)
+        and passes filt (table.Table.oldest), as (namespace, slot) (other engines evict their own)."""
         best = None
         for ns in self.namespaces.values():
             t, pinned = ns.table, ns.pinned_tags
-            s = t.oldest((lambda s, t=t, p=pinned: p[t.tag_at(s)] > 0) if pinned else None)
+            s = t.oldest((lambda s, t=t, p=pinned: p[t.tag_at(s)] > 0) if pinned else None, filt)
             if s >= 0 and (best is None or t.atime_at(s) < best[0]):
                 best = (t.atime_at(s), ns, s)
         return None if best is None else (best[1], best[2])

@@ -53,6 +53,7 @@ class Space:
         self._rank_fds: dict[tuple[bytes, int], int] = {}
         self._punching = 0  # bytes of slots queued for punching (not counted as used)
         self._growing: dict[bytes, object] = {}  # nsid -> the grow in flight
+        self.victims = index.victim  # which of our blocks the capacity gives up first (the store's quotas set it)
 
     def used(self) -> int:
         """Bytes the directory takes on disk: our backed slots (less those queued for
@@ -108,7 +109,7 @@ class Space:
                         return
             if self.used() <= target or (oldest_only and self.peers_older()):
                 return
-            victim = self.index.victim()
+            victim = self.victims()
             if victim is None or not self.evict(*victim, punch=True):
                 return
 

@@ -83,6 +83,8 @@ import threading
 import time
 from array import array
 
+import numpy as np
+
 from aiokv import _index
 from aiokv.config import parse_size
 from aiokv.data import format as fmt
@@ -95,6 +97,7 @@ from aiokv.store.index import Index, Namespace
 from aiokv.store.labels import Labels
 from aiokv.store.meta import Dirs, Opener, ns_dir  # noqa: F401  (ns_dir: callers name a namespace's directory)
 from aiokv.store.persist import Persist
+from aiokv.store.quotas import SLACK, Quotas
 from aiokv.store.reclaim import Reclaim
 from aiokv.store.replay import Replay
 from aiokv.store.scan import Scan
@@ -107,6 +110,7 @@ from aiokv.util import counters
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
 PIN_SHARE = 10  # without pin_capacity, pinned blocks may take this share of the capacity (1/10)
 PIN_SAY_EVERY = 60.0  # seconds between the log lines of refused pins
+SHED_MAX = 4096  # blocks of tenants past their quota one refresh evicts at most
 WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight (io_thread)
 log = logging.getLogger("aiokv")
 _log = log  # (`log` names a journal in some methods)
@@ -159,6 +163,7 @@ class Store:
         self.skipped_fs_busy = 0  # reservations skipped: the space for them was still being reserved
         self.skipped_loading = 0  # reservations skipped: the namespace's index was still loading
         self.pin_capacity: int | None = None  # bytes pinned blocks may take (None: capacity / PIN_SHARE)
+        self.quotas: Quotas | None = None  # bytes per tenant (quotas.py; set_quotas)
         self._pin_said = -PIN_SAY_EVERY
         self.dirs = Dirs(self.root, readonly)
         self.tenants = Tenants(self.dirs, fs, fmt.tenant_key(secret))  # tenant tags <-> ids (tenants.py)
@@ -281,6 +286,70 @@ class Store:
             self.control.catch_up(ns)  # (a new one: the orders so far are behind it)
         return ns
 
+    # ---- quotas (quotas.py) ----
+    def set_quotas(self, sizes: dict[str, int] | None) -> None:
+        """The `quota` setting: tenant name ("*": every other) -> bytes; None or {}: none."""
+        self.quotas = Quotas(self.index, self.tenants, sizes) if sizes else None
+        self.space.victims = self._capacity_victim
+
+    def _capacity_victim(self):
+        """The block the directory's capacity gives up first: of a tenant not protected by its quota."""
+        return self.quotas.victim(None) or self.index.victim() if self.quotas is not None else self.index.victim()
+
+    def _within_quota(self, ns: Namespace, tid: int) -> bool:
+        """Room for one more block of tenant tid within its quota: its own least recently used
+        blocks evicted while they are its oldest in the directory (another engine's older ones
+        are that engine's to evict: up to quota / SLACK over meanwhile); False: none to give up."""
+        quotas = self.quotas
+        q = quotas.quota(tid)
+        if q is None:
+            return True
+        cost = ns.slot_cost
+        while quotas.bytes_of(tid) + cost > q:
+            victim = quotas.own_victim(tid)
+            older = quotas.peers_older(tid, victim)
+            if older and quotas.bytes_of(tid) + cost <= q + max(q // SLACK, cost):
+                return True  # its oldest blocks are another engine's: that one evicts them
+            if victim is None:
+                return False
+            if not self.space.evict(*victim, punch=victim[0] is not ns):
+                return False
+            self.stats.evictions -= 1  # (counted as a quota eviction instead)
+            self.stats.quota_evictions += 1
+        return True
+
+    def _shed_quotas(self) -> None:
+        """Tenants past their quota (another engine's saves, a quota lowered): our own blocks of
+        each evicted while they are its oldest in the directory (refresh)."""
+        quotas = self.quotas
+        for tid in quotas.over():
+            q, n = quotas.quota(tid), 0
+            while q is not None and quotas.bytes_of(tid) > q and n < SHED_MAX:
+                victim = quotas.own_victim(tid)
+                if victim is None or quotas.peers_older(tid, victim) or not self.space.evict(*victim, punch=True):
+                    break
+                self.stats.evictions -= 1
+                self.stats.quota_evictions += 1
+                n += 1
+
+    def tenant_bytes(self, top: int | None) -> dict[str, int]:
+        """Bytes per tenant in the directory (every engine's blocks, as followed): the `top`
+        tenants holding most by their label (tenants.py), the others together as "other"
+        (top None: every tenant)."""
+        held = np.zeros(1, np.int64)
+        for ns in self.index.namespaces.values():
+            for t in (ns.table, *ns.tables.values()):
+                c = t.tenant_blocks
+                if len(c) > len(held):
+                    held = np.concatenate([held, np.zeros(len(c) - len(held), np.int64)])
+                held[: len(c)] += c * ns.slot_cost
+        ids = np.flatnonzero(held)
+        out: dict[str, int] = {}
+        for t in ids.tolist():
+            label = self.tenants.label(t)
+            out[label] = out.get(label, 0) + int(held[t])
+        return out if top is None else counters.top_and_other(out, top)
+
     # ---- tenants (tenants.py) ----
     def tenant(self, name: str) -> int:
         """The id of the tenant a request's cache_salt names ("" or None: 0), for reserve and commit."""
@@ -318,6 +387,8 @@ class Store:
                 self.reclaim.run()
             except OSError as e:
                 log.warning("aiokv: %s", f"giving back space failed ({os.strerror(e.errno or 0)}); trying again later")
+        if self.quotas is not None and not self.readonly:
+            self._shed_quotas()
 
     # ---- lookups and commits (owner) ----
     def lookup(self, ns: Namespace, keys, limit: int | None = None) -> int:
@@ -349,6 +420,9 @@ class Store:
             return None
         if key in ns.pending or ns.where(key) is not None:
             return None
+        if self.quotas is not None and not self._within_quota(ns, tenant):
+            self.stats.skipped_quota += 1
+            return None
         space = self.space
         slot = ns.alloc.take()
         while slot is None:
@@ -357,7 +431,7 @@ class Store:
                 self.skipped_fs_busy += 1
                 return None
             if not grown:
-                victim = self.index.victim()
+                victim = self.quotas.victim(tenant) if self.quotas is not None else self.index.victim()
                 # another namespace's slot is no use here: its space must be punched
                 if victim is None or not space.evict(*victim, punch=victim[0] is not ns):
                     self.stats.skipped_no_space += 1
@@ -381,6 +455,8 @@ class Store:
             slots.append(where & fmt.SLOT_MASK)
         if not done:
             return
+        if not pinned and self.control.orders:  # a tenant pinned by `aiokv pin`: its new blocks too
+            pinned = self.control.pinned(ns.nsid, self.tenant_tag(tenant))
         flags = PINNED if pinned and self._may_pin(ns, len(done), tenant) else 0
         # in memory a few ns apart (ties keep their order); the records say `now`
         self.index.commit_many(ns, done, slots, now, tenant, flags)

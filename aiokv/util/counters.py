@@ -37,6 +37,10 @@ import dataclasses
 from typing import Any
 
 COUNTER, GAUGE, HISTOGRAM, LEVEL = "counter", "gauge", "histogram", "level"
+# a label whose values come with the figure: the figure is then {label value: number}
+# (tenant_bytes: the TOP_TENANTS tenants holding most, and "other")
+DYNAMIC = "*"
+TOP_TENANTS = 8
 WORKER, SCHEDULER, STORE, CONNECTOR, BUCKET, STATE = "worker", "scheduler", "store", "connector", "bucket", "state"
 
 
@@ -256,6 +260,21 @@ TABLE: tuple[Row, ...] = (
                 "pinned_bytes",
                 "Bytes of pinned blocks in the cache directory (every engine's; bounded by pin_capacity).",
             ),
+        )
+    ),
+    # one series per tenant, for the TOP_TENANTS tenants holding most, and "other" for the rest
+    Row(
+        "tenant_bytes",
+        "tenant_bytes",
+        GAUGE,
+        'Bytes of blocks each tenant (a request\'s cache_salt; "" for none) holds in the cache directory: the '
+        'tenants holding most by name, every other one together as "other".',
+        CONNECTOR,
+        labels=(("tenant", DYNAMIC),),
+    ),
+    *(
+        Row(key, series, GAUGE, text, CONNECTOR)
+        for key, series, text in (
             (
                 "index_loading",
                 "index_loading",
@@ -360,6 +379,16 @@ PER_RANK = frozenset(r.key for r in SERIES if r.per_rank)
 def names(source: str) -> tuple[str, ...]:
     """The counters counted at `source` (histograms aside), in the table's order."""
     return tuple(r.key for r in TABLE if source in r.sources and r.kind != HISTOGRAM)
+
+
+def top_and_other(figures: dict[str, int], top: int) -> dict[str, int]:
+    """The `top` largest of {label: number} by name, every other one added up as "other" (a
+    label cardinality of at most top + 1: tenant_bytes)."""
+    best = sorted(figures, key=lambda k: (-figures[k], k))[:top]
+    out = {k: figures[k] for k in best}
+    if len(figures) > top:
+        out["other"] = out.get("other", 0) + sum(v for k, v in figures.items() if k not in out)
+    return out
 
 
 def merge(into: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,137 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Quotas: bytes each tenant may hold in the directory (issue 34).
+
+`quota: {"TENANT": SIZE, "*": SIZE}` (kv_connector_extra_config): a tenant named there may
+hold that many bytes of blocks in the cache directory, every other tenant ("*") the default
+(none: no quota for them). A tenant is a request's cache_salt ("" for requests without one).
+
+Bytes are the directory's: every engine's blocks of the tenant, known from following the other
+engines' journals (their COMMITs name the tenant), times the slot size of their namespace. The
+rules (store.py calls them):
+
+- a save of a tenant that would take it past its quota first evicts that tenant's own least
+  recently used blocks (`own_victim`), while they are its oldest in the directory; where
+  another engine holds older ones, that engine evicts them at its next look (`shed`, from
+  refresh) and this one may pass the quota by 1/16 (at least a slot) meanwhile, as capacity
+  is shared (space.py); past that it evicts its own anyway, and with none of its own to give
+  up the save is skipped (`skipped_quota`);
+- when the directory is full, a save evicts the least recently used block of a tenant that is
+  not protected (`victim`): a tenant is protected while it has a quota and is within it, and
+  only its own saves evict its blocks then; with nothing else to evict, the saver's own blocks,
+  else the save is skipped. So one tenant's flood never evicts another tenant's blocks while
+  that one is under its quota. Engines agree because each sees the same bytes per tenant (the
+  journals) and each evicts only its own blocks.
+
+Threading contract: the owner's (the Store's thread), like the index it reads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from aiokv.data import format as fmt
+
+SLACK = 16  # a tenant's blocks may pass its quota by quota / SLACK while another engine holds its oldest
+MOST = 1 << 62  # a quota beyond this is no limit (the per-tenant sums are int64; config accepts up to 1e30)
+
+
+class Quotas:
+    def __init__(self, index, tenants, sizes: dict[str, int]):
+        """sizes: tenant name (a cache_salt; "*": every other tenant) -> bytes."""
+        self.index, self.tenants = index, tenants
+        sizes = {name: min(size, MOST) for name, size in sizes.items()}
+        self.default = sizes.get("*")
+        self._named = {tenants.tag(name): size for name, size in sizes.items() if name != "*"}
+        self._q = np.zeros(0, np.int64)  # per tenant id: its quota (-1: none); grown as tenants come
+
+    def _quotas(self, n: int) -> np.ndarray:
+        if len(self._q) < n:
+            q = np.full(n, -1 if self.default is None else self.default, np.int64)
+            for tid in range(n):
+                tag = self.tenants.tag_of(tid)
+                if tag is not None and tag in self._named:
+                    q[tid] = self._named[tag]
+            self._q = q
+        return self._q[:n]
+
+    def quota(self, tid: int) -> int | None:
+        q = self._quotas(tid + 1)[tid]
+        return None if q < 0 else int(q)
+
+    def held(self) -> np.ndarray:
+        """Bytes per tenant id in the directory (every engine's blocks, as followed)."""
+        n = 1
+        for ns in self.index.namespaces.values():
+            for t in (ns.table, *ns.tables.values()):
+                n = max(n, len(t.tenant_blocks))
+        out = np.zeros(n, np.int64)
+        for ns in self.index.namespaces.values():
+            for t in (ns.table, *ns.tables.values()):
+                c = t.tenant_blocks
+                out[: len(c)] += c * ns.slot_cost
+        return out
+
+    def bytes_of(self, tid: int) -> int:
+        total = 0
+        for ns in self.index.namespaces.values():
+            total += ns.slot_cost * (ns.table.blocks_of(tid) + sum(t.blocks_of(tid) for t in ns.tables.values()))
+        return total
+
+    # ---- choosing victims ----
+    def protected(self, saver: int | None) -> tuple | None:
+        """A victim filter (table.Table.oldest) leaving out the tenants within their quota (but
+        the saver); None if no tenant is."""
+        held = self.held()
+        q = self._quotas(len(held))
+        mask = ((q >= 0) & (held <= q)).astype(np.uint8)
+        if saver is not None and saver < len(mask):
+            mask[saver] = 0
+        if not mask.any():
+            return None
+        return ("protect", mask.tobytes()), mask
+
+    _only: dict = {}
+
+    @classmethod
+    def only(cls, tid: int) -> tuple:
+        """A victim filter letting through one tenant's blocks only."""
+        got = cls._only.get(tid)
+        if got is None:
+            mask = np.ones(fmt.OVERFLOW_TENANT + 1, np.uint8)
+            mask[tid] = 0
+            if len(cls._only) > 64:
+                cls._only.clear()
+            got = cls._only[tid] = (("only", tid), mask)
+        return got
+
+    def victim(self, saver: int | None):
+        """(namespace, slot) of our least recently used block that a save of `saver` may evict
+        when the directory is full: of a tenant not protected by its quota, else the saver's
+        own; None if there is none."""
+        filt = self.protected(saver)
+        got = self.index.victim(filt)
+        if got is None and filt is not None and saver is not None:
+            got = self.index.victim(self.only(saver))
+        return got
+
+    def own_victim(self, tid: int):
+        """(namespace, slot) of our least recently used block of tenant tid, or None."""
+        return self.index.victim(self.only(tid))
+
+    def peers_older(self, tid: int, victim) -> bool:
+        """Whether another engine holds a block of tenant tid older than our victim."""
+        filt = self.only(tid)
+        mine = None if victim is None else self.index.victim_atime(victim)
+        for ns in self.index.namespaces.values():
+            for t in ns.tables.values():
+                if t.blocks_of(tid):
+                    a = t.oldest_atime(filt)
+                    if a is not None and (mine is None or a < mine):
+                        return True
+        return False
+
+    def over(self) -> list[int]:
+        """Tenant ids whose blocks are past their quota now."""
+        held = self.held()
+        q = self._quotas(len(held))
+        return np.flatnonzero((q >= 0) & (held > q)).tolist()
