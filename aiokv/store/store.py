@@ -344,11 +344,21 @@ class Store:
                     held = np.concatenate([held, np.zeros(len(c) - len(held), np.int64)])
                 held[: len(c)] += c * ns.slot_cost
         ids = np.flatnonzero(held)
+        rest = 0  # the bytes of tenants that cannot be among the top: never labelled (a step's metrics)
+        if top is not None and len(ids) > top:
+            vals = held[ids]
+            keep = vals >= np.partition(vals, len(vals) - top)[len(vals) - top]  # the top, ties included
+            rest, ids = int(vals[~keep].sum()), ids[keep]
         out: dict[str, int] = {}
         for t in ids.tolist():
             label = self.tenants.label(t)
             out[label] = out.get(label, 0) + int(held[t])
-        return out if top is None else counters.top_and_other(out, top)
+        if top is None:
+            return out
+        out = counters.top_and_other(out, top)
+        if rest:
+            out["other"] = out.get("other", 0) + rest
+        return out
 
     # ---- tenants (tenants.py) ----
     def tenant(self, name: str) -> int:
