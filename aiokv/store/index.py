@@ -304,6 +304,17 @@ class Index:
     def physical_bytes(self) -> int:
         return sum(ns.alloc.backed * ns.slot_cost for ns in self.namespaces.values())
 
+    def tenant_bytes(self) -> np.ndarray:
+        """Bytes per tenant id in the directory: every engine's blocks, as followed (quotas,
+        inspect, the per-tenant metric)."""
+        tables = [
+            (t.tenant_blocks, ns.slot_cost) for ns in self.namespaces.values() for t in (ns.table, *ns.tables.values())
+        ]
+        out = np.zeros(max([1] + [len(c) for c, _ in tables]), np.int64)
+        for c, cost in tables:
+            out[: len(c)] += c * cost
+        return out
+
     def load(self, ns: Namespace, table: Table) -> None:
         """Install this engine's blocks replayed from disk."""
         ns.table = table

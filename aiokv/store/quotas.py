@@ -58,19 +58,6 @@ class Quotas:
         q = self._quotas(tid + 1)[tid]
         return None if q < 0 else int(q)
 
-    def held(self) -> np.ndarray:
-        """Bytes per tenant id in the directory (every engine's blocks, as followed)."""
-        n = 1
-        for ns in self.index.namespaces.values():
-            for t in (ns.table, *ns.tables.values()):
-                n = max(n, len(t.tenant_blocks))
-        out = np.zeros(n, np.int64)
-        for ns in self.index.namespaces.values():
-            for t in (ns.table, *ns.tables.values()):
-                c = t.tenant_blocks
-                out[: len(c)] += c * ns.slot_cost
-        return out
-
     def bytes_of(self, tid: int) -> int:
         total = 0
         for ns in self.index.namespaces.values():
@@ -81,7 +68,7 @@ class Quotas:
     def protected(self, saver: int | None) -> tuple | None:
         """A victim filter (table.Table.oldest) leaving out the tenants within their quota (but
         the saver); None if no tenant is."""
-        held = self.held()
+        held = self.index.tenant_bytes()
         q = self._quotas(len(held))
         mask = ((q >= 0) & (held <= q)).astype(np.uint8)
         if saver is not None and saver < len(mask):
@@ -132,6 +119,6 @@ class Quotas:
 
     def over(self) -> list[int]:
         """Tenant ids whose blocks are past their quota now."""
-        held = self.held()
+        held = self.index.tenant_bytes()
         q = self._quotas(len(held))
         return np.flatnonzero((q >= 0) & (held > q)).tolist()

@@ -336,13 +336,7 @@ class Store:
         """Bytes per tenant in the directory (every engine's blocks, as followed): the `top`
         tenants holding most by their label (tenants.py), the others together as "other"
         (top None: every tenant)."""
-        held = np.zeros(1, np.int64)
-        for ns in self.index.namespaces.values():
-            for t in (ns.table, *ns.tables.values()):
-                c = t.tenant_blocks
-                if len(c) > len(held):
-                    held = np.concatenate([held, np.zeros(len(c) - len(held), np.int64)])
-                held[: len(c)] += c * ns.slot_cost
+        held = self.index.tenant_bytes()
         ids = np.flatnonzero(held)
         rest = 0  # the bytes of tenants that cannot be among the top: never labelled (a step's metrics)
         if top is not None and len(ids) > top:
