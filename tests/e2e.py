@@ -129,6 +129,12 @@ def _named_in_aiokv(name: str, _src: list = []) -> bool:  # noqa: B006 (the list
     return any(name in s for s in _src)
 
 
+def _log_tail(res: dict) -> str:
+    """The end of the life's log (its warnings: why a path was not taken), for a failure's message."""
+    tail = res.get("log", "")[-2000:]
+    return f"\nthe end of its log:\n{tail}" if tail else ""
+
+
 def happened(
     res: dict,
     base: dict | None,
@@ -173,9 +179,9 @@ def happened(
         got = figure(res, name)
         if isinstance(want, str):
             op = want.rstrip("0123456789.-")
-            assert _OPS[op](got, float(want[len(op) :])), f"{name} = {got}, expected {want}"
+            assert _OPS[op](got, float(want[len(op) :])), f"{name} = {got}, expected {want}{_log_tail(res)}"
         else:
-            assert got == want, f"{name} = {got}, expected {want}"
+            assert got == want, f"{name} = {got}, expected {want}{_log_tail(res)}"
 
 
 def assert_clean(res: dict, *, allow_load_errors: bool = False, allow_save_errors: bool = False) -> None:

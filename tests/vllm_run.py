@@ -11,7 +11,8 @@ return aiokv's Prometheus series as `metrics`),
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config), kv_role (aiokv's,
 kv_both unless given), with_connector (another connector's kv_transfer_config: aiokv and it run
 under vLLM's MultiConnector, aiokv first unless aiokv_first is false),
-ready_file (created once the engine is up), kv_events (a socket path: vLLM publishes its KV events
+ready_file (created once the engine is up), index_wait (true unless given: before the phases,
+wait until aiokv's index has loaded in the background, "index_wait_s" the seconds waited), kv_events (a socket path: vLLM publishes its KV events
 there over ZMQ (ipc://) and a subscriber here collects them in "events": [type, medium, group, hashes,
 parent, token ids] each, in order), audit_fs (RESULT lists the file-system
 calls aiokv made on vLLM's thread while the phases ran), audit_saves (RESULT's "save_violations":
@@ -115,8 +116,6 @@ def main(spec: dict) -> dict:
         sub.connect(where)
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     llm = LLM(**kw)
-    if spec.get("ready_file"):  # tests waiting for the engine to be up
-        open(spec["ready_file"], "w").close()
     engine = llm.llm_engine
     result: dict = {
         "tokens": [],
@@ -140,6 +139,12 @@ def main(spec: dict) -> dict:
             return preempt(*a, **k)
 
         sched._preempt_request = counting_preempt
+        if spec.get("index_wait", True) and getattr(aio, "sched", None) is not None:
+            # a restart's hits begin once the index has loaded (in the background): the first
+            # phase's requests wait for that, as an operator's readiness check would
+            result["index_wait_s"] = _wait_for_index(aio.sched.store, time.monotonic() + 120)
+    if spec.get("ready_file"):  # tests waiting for the engine to be up (its index loaded)
+        open(spec["ready_file"], "w").close()
     audit = _audit_fs() if spec.get("audit_fs") else None
     if spec.get("audit_saves") and not MP:
         result["save_violations"] = _audit_saves(aio)
@@ -497,6 +502,21 @@ def _audit_saves(conn) -> list:
 
     conn.build_connector_meta = audited
     return violations
+
+
+def _wait_for_index(store, deadline: float) -> float:
+    """Until every namespace's index has loaded (refresh applies what the loader thread read,
+    as the scheduler's step does); returns the seconds waited."""
+    t0 = time.monotonic()
+    stores = list(getattr(store, "stores", {}).values()) or [store]  # several drives: a Store each
+    while True:
+        done = not any(s._loader is not None and s._loader.is_alive() for s in stores)
+        store.refresh()
+        if done or all(ns.ready for ns in store.index.namespaces.values()):  # (done: loaded, or failed to)
+            return round(time.monotonic() - t0, 3)
+        if time.monotonic() > deadline:
+            raise RuntimeError("aiokv's index did not load")
+        time.sleep(0.01)
 
 
 def _wait_for_peer_blocks(store, n: int, deadline: float) -> None:
