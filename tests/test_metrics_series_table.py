@@ -12,7 +12,8 @@ and re-aggregates the per-step deltas; gauges show the last value (a return to
 once at any TP size; the latency histograms carried as counters give the same
 bucket counts and sum as observing each latency directly; every counter aiokv
 keeps has a row in the table of counters (aiokv/util/counters.py): a series
-(metrics.SERIES) or a stated reason (metrics.NOT_EXPORTED).
+(metrics.SERIES) or a stated reason (metrics.NOT_EXPORTED); a figure Prometheus refuses
+never raises into vLLM's stat logger (it raised there, unguarded, before).
 
 The fix: aiokv/connector/metrics.py (StatsDelta, AioKVStats, AioKVPromMetrics),
 the table aiokv/util/counters.py and aiokv/worker/latency.py.
@@ -33,7 +34,7 @@ from aiokv.scheduler.side import SchedulerCounters
 from aiokv.store.store import StoreStats
 from aiokv.util import counters as table
 from aiokv.worker import transfer
-from aiokv.worker.latency import LATENCY_BUCKETS, latency_counts
+from aiokv.worker.latency import LATENCY_BUCKETS, bucket_key, latency_counts
 
 LABELS = ["model_name", "engine"]
 
@@ -246,3 +247,26 @@ def test_what_the_connector_hands_out_are_rows_of_the_table(tmp_path):
     worker.worker = types.SimpleNamespace(in_flight=0, staging_in_use=0, breaches=0)
     worker._layers = types.SimpleNamespace(counts={"staged_loads": 1, "copied_blocks": 2})
     assert set(worker.counters()) <= set(table.ROWS), set(worker.counters()) - set(table.ROWS)
+
+
+def test_a_figure_that_cannot_be_recorded_never_reaches_vllm(caplog):
+    """observe runs in vLLM's stat logger: a value Prometheus refuses (a string where a number
+    belongs, in a gauge, a histogram and the per-tenant figures) is skipped and logged once per
+    series; the figures beside it are recorded, and the next good value of that series too."""
+    reg = CollectorRegistry()
+    pm = prom(reg)
+    bad = {
+        "disk_bytes": "lots",
+        bucket_key("load", 3): "3",
+        "tenant_bytes": {"acme": "many"},
+        "hit_tokens": 64,
+    }
+    with caplog.at_level("WARNING", logger="aiokv"):
+        pm.observe(bad, 0)
+        pm.observe(bad, 0)
+    assert sample(reg, "vllm:aiokv_hit_tokens_total") == 128
+    failed = [r.getMessage() for r in caplog.records if "could not be recorded" in r.getMessage()]
+    assert len(failed) == 3 and all(any(k in m for m in failed) for k in ("disk_bytes", "load", "tenant_bytes")), failed
+    pm.observe({"disk_bytes": 5, "tenant_bytes": {"acme": 7}}, 0)
+    assert sample(reg, "vllm:aiokv_disk_bytes") == 5
+    assert sample(reg, "vllm:aiokv_tenant_bytes", tenant="acme") == 7

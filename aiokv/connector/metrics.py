@@ -22,6 +22,7 @@ rank per load or save.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -44,6 +45,8 @@ from aiokv.util.counters import (  # noqa: F401 (SERIES, NOT_EXPORTED and the ki
     merge,
 )
 from aiokv.worker.latency import LATENCY_BUCKETS, bucket_key
+
+log = logging.getLogger("aiokv")
 
 
 class StatsDelta:
@@ -125,6 +128,7 @@ class AioKVPromMetrics(KVConnectorPromMetrics):
         # rows with a DYNAMIC label (tenant_bytes): stats key -> (metric, engine -> label values set now)
         self._dynamic: dict[str, tuple[Any, dict[int, set]]] = {}
         self._engine_labels = per_engine_labelvalues
+        self._failed: set[str] = set()  # series whose figure could not be recorded (logged once each)
         by_series: dict[str, Any] = {}
         for row in SERIES:
             extra = [k for k, _ in row.labels]
@@ -152,39 +156,55 @@ class AioKVPromMetrics(KVConnectorPromMetrics):
             )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
-        data = transfer_stats_data or {}
+        """Record one step's figures. Called by vLLM's stat logger: never raises into it; a
+        figure that cannot be recorded (a value of the wrong type) is skipped, the others are
+        recorded, and the first such failure of each series is logged."""
+        data = transfer_stats_data if isinstance(transfer_stats_data, dict) else {}
         for key, (metric, shown) in self._dynamic.items():
-            got = data.get(key)
-            lv = self._engine_labels.get(engine_idx)
-            if not isinstance(got, dict) or lv is None:
-                continue
-            # one child per label value named now; those no longer named are removed (a bounded set)
-            for value in shown.get(engine_idx, set()) - set(got):
-                try:
-                    metric.remove(*lv, value)
-                except KeyError:
-                    pass
-            for value, v in got.items():
-                metric.labels(*lv, value).set(v)
-            shown[engine_idx] = set(got)
+            self._guarded(key, self._observe_dynamic, data, key, metric, shown, engine_idx)
         for key, (row, children) in self._children.items():
             child = children.get(engine_idx)
-            if child is None:
-                continue
-            if row.kind == HISTOGRAM:
-                for i in range(len(LATENCY_BUCKETS) + 1):
-                    n = data.get(bucket_key(key, i))
-                    if n:
-                        # n observations at their mean: exact bucket counts and _sum
-                        value = _clamp_into(data.get(bucket_key(key, i) + "_ns", 0) / n / 1e9, i)
-                        for _ in range(int(n)):
-                            child.observe(value)
-            elif key in data:
-                if row.kind == GAUGE:
-                    child.set(data[key])
-                elif row.kind == LEVEL:  # the running sum of its changes (mostrecent gauges refuse inc)
-                    level = self._levels.get((key, engine_idx), 0) + data[key]
-                    self._levels[(key, engine_idx)] = level
-                    child.set(level)
-                elif data[key] > 0:
-                    child.inc(data[key])
+            if child is not None:
+                self._guarded(key, self._observe_row, data, key, row, child, engine_idx)
+
+    def _guarded(self, key: str, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            if key not in self._failed:
+                self._failed.add(key)
+                log.warning("aiokv: the figure %r could not be recorded in /metrics; skipped", key, exc_info=True)
+
+    def _observe_dynamic(self, data: dict, key: str, metric, shown: dict, engine_idx: int) -> None:
+        got = data.get(key)
+        lv = self._engine_labels.get(engine_idx)
+        if not isinstance(got, dict) or lv is None:
+            return
+        # one child per label value named now; those no longer named are removed (a bounded set)
+        for value in shown.get(engine_idx, set()) - set(got):
+            try:
+                metric.remove(*lv, value)
+            except KeyError:
+                pass
+        shown[engine_idx] = set(got)
+        for value, v in got.items():
+            metric.labels(*lv, value).set(v)
+
+    def _observe_row(self, data: dict, key: str, row, child, engine_idx: int) -> None:
+        if row.kind == HISTOGRAM:
+            for i in range(len(LATENCY_BUCKETS) + 1):
+                n = data.get(bucket_key(key, i))
+                if n:
+                    # n observations at their mean: exact bucket counts and _sum
+                    value = _clamp_into(data.get(bucket_key(key, i) + "_ns", 0) / n / 1e9, i)
+                    for _ in range(int(n)):
+                        child.observe(value)
+        elif key in data:
+            if row.kind == GAUGE:
+                child.set(data[key])
+            elif row.kind == LEVEL:  # the running sum of its changes (mostrecent gauges refuse inc)
+                level = self._levels.get((key, engine_idx), 0) + data[key]
+                self._levels[(key, engine_idx)] = level
+                child.set(level)
+            elif data[key] > 0:
+                child.inc(data[key])
