@@ -12,8 +12,9 @@ num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config), kv
 kv_both unless given), with_connector (another connector's kv_transfer_config: aiokv and it run
 under vLLM's MultiConnector, aiokv first unless aiokv_first is false),
 ready_file (created once the engine is up), index_wait (true unless given: before the phases,
-wait until aiokv's index has loaded in the background, "index_wait_s" the seconds waited), kv_events (a socket path: vLLM publishes its KV events
-there over ZMQ (ipc://) and a subscriber here collects them in "events": [type, medium, group, hashes,
+wait until aiokv's index has loaded in the background, "index_wait_s" the seconds waited),
+kv_events (a socket path: vLLM publishes its KV events there over ZMQ (ipc://) and a subscriber
+here collects them in "events": [type, medium, group, hashes,
 parent, token ids] each, in order), audit_fs (RESULT lists the file-system
 calls aiokv made on vLLM's thread while the phases ran), audit_saves (RESULT's "save_violations":
 every step's saves checked against vLLM's own scheduler output, _audit_saves),
@@ -504,31 +505,42 @@ def _audit_saves(conn) -> list:
     return violations
 
 
-def _wait_for_index(store, deadline: float) -> float:
-    """Until every namespace's index has loaded (refresh applies what the loader thread read,
-    as the scheduler's step does); returns the seconds waited."""
+def _refresh_until(store, holds, deadline: float, failure: str) -> float:
+    """store.refresh() (it applies the I/O and loader threads' results, as the scheduler's step
+    does) until holds() is true; returns the seconds that took, raises past the deadline."""
     t0 = time.monotonic()
-    stores = list(getattr(store, "stores", {}).values()) or [store]  # several drives: a Store each
     while True:
-        done = not any(s._loader is not None and s._loader.is_alive() for s in stores)
         store.refresh()
-        if done or all(ns.ready for ns in store.index.namespaces.values()):  # (done: loaded, or failed to)
+        if holds():
             return round(time.monotonic() - t0, 3)
         if time.monotonic() > deadline:
-            raise RuntimeError("aiokv's index did not load")
+            raise RuntimeError(failure)
         time.sleep(0.01)
 
 
+def _wait_for_index(store, deadline: float) -> float:
+    """Until every namespace's index has loaded, or its loader thread ended (a load that
+    failed) before the last refresh; returns the seconds waited."""
+    stores = list(getattr(store, "stores", {}).values()) or [store]  # several drives: a Store each
+    ended = [False]  # the loaders had ended before the last refresh (it applied what they handed over)
+
+    def holds() -> bool:
+        if ended[0] or all(ns.ready for ns in store.index.namespaces.values()):
+            return True
+        ended[0] = not any(s._loader is not None and s._loader.is_alive() for s in stores)
+        return False
+
+    return _refresh_until(store, holds, deadline, "aiokv's index did not load")
+
+
 def _wait_for_peer_blocks(store, n: int, deadline: float) -> None:
-    """Until the store sees n blocks of the other engines (refresh applies the I/O
-    thread's looks, as the scheduler's step does)."""
-    while True:
-        store.refresh()
-        if sum(len(d) for ns in store.index.namespaces.values() for d in ns.peers.values()) >= n:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"this engine did not see {n} blocks of the other engines")
-        time.sleep(0.02)
+    """Until the store sees n blocks of the other engines (it looks every FOLLOW_INTERVAL)."""
+    _refresh_until(
+        store,
+        lambda: sum(len(d) for ns in store.index.namespaces.values() for d in ns.peers.values()) >= n,
+        deadline,
+        f"this engine did not see {n} blocks of the other engines",
+    )
 
 
 def _settle(engine, deadline: float) -> None:
