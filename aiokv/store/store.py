@@ -53,7 +53,9 @@ the namespaces are opened at once; each namespace's index is read on a loader
 thread of its own (`_load`), and until the owner installs it (at a poll) the
 namespace is not `ready`: its lookups are misses and its saves are dropped
 (`skipped_loading`). So opening does not grow with the cache. Without io_thread
-everything is read at once, as before.
+everything is read at once, as before. Our data files, directories and lock are
+given back by the last of close and the loader to be done with them (`_users`,
+under `_users_lock`): never while the loader may still read or write our files.
 
 The facade (this module): `Store` holds the parts, one job per module, and
 forwards to them; it does lookups, reservations, commits, pins and drops
