@@ -149,7 +149,7 @@ class Following:
             path = os.path.join(self.dirs.root, "ns", nsid.hex(), sub).rstrip("/")
             try:
                 dfd = self.dirs.ns_dir_fd(nsid) if not sub else open_dir(path, self.dirs.ns_dir_fd(nsid))
-            except (NotAStore, OSError):
+            except (NotAStore, FileNotFoundError):
                 return None  # a symlink planted there, a directory vanishing: not an engine's
             if sub:
                 self._peer_fds[key] = dfd
