@@ -8,7 +8,11 @@ exists, what it holds hangs (the handler waits until CONTROL is removed; the
 kernel keeps the caller in the system call meanwhile, as a hung device does):
 - "r" (or empty): reads of files whose name ends in `.data` do not answer;
 - "w": nor do writes of them;
-- "a": no operation on the mount answers (a hung NFS server, a frozen queue).
+- "a": no operation on the mount answers (a hung NFS server, a frozen queue);
+- "j": reads of the index files (`checkpoint*`, `journal.*`) do not answer (an index
+  loader stuck on a sick disk while the journals still take writes).
+While the file CONTROL.eio exists, reads of files whose path contains the text it holds
+fail with EIO (a bad sector under one engine's journal), answered at once.
 THREADS (default 200) is the daemon's thread pool. With a small pool (4) and
 "r", the hung reads take every daemon thread and everything else on the mount
 hangs behind them (a stat, an open, a journal write): what a real FUSE daemon
@@ -40,6 +44,15 @@ def _says(control: str, what: str) -> bool:
             return what in (f.read() or "r")
     except FileNotFoundError:
         return False
+
+
+def _eio(control: str, path: str) -> bool:
+    try:
+        with open(control + ".eio") as f:
+            what = f.read()
+    except FileNotFoundError:
+        return False
+    return bool(what) and what in path
 
 
 def serve(source: str, mountpoint: str, control: str, threads: int = 200) -> None:
@@ -123,6 +136,12 @@ def serve(source: str, mountpoint: str, control: str, threads: int = 200) -> Non
             if path.endswith(".data"):
                 while _says(control, "r"):  # the hung disk
                     time.sleep(0.02)
+            name = os.path.basename(path)
+            if name.startswith(("checkpoint", "journal.")):
+                while _says(control, "j"):  # the index files' reads hang
+                    time.sleep(0.02)
+            if _eio(control, path):
+                raise fuse.FuseOSError(errno.EIO)
             return self._os(os.pread, fh, size, offset)
 
         def write(self, path, data, offset, fh):
@@ -198,6 +217,8 @@ def mounted(source: str, mountpoint: str, control: str, timeout: float = 20.0, t
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(control)  # resume reads first: nothing may stay stuck in the kernel
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(control + ".eio")
         subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True)
         try:
             p.wait(3)

@@ -46,7 +46,7 @@ def test_lookups_and_refresh_never_wait_for_the_io_thread(tmp_path, monkeypatch)
     # the file system is slow, short of fs_timeout: every look at the other engine's files
     # takes 40 ms
     poll = Follower.poll
-    monkeypatch.setattr(Follower, "poll", lambda self: (time.sleep(0.04), poll(self))[1])
+    monkeypatch.setattr(Follower, "poll", lambda self, *a: (time.sleep(0.04), poll(self, *a))[1])
     theirs = [key(i, 1) for i in range(64)]
     _commit(writer, wns, theirs)
     took = []

@@ -6,7 +6,9 @@ running engine applies it at its next look at the directory (at most 0.1 s while
 says so in its journal (a MARK record); the files of an engine that is not running are opened
 here as their owner (its lock taken, as reclaim does) and the order applied to them. The
 command then waits up to --wait seconds for the running engines' MARKs and says which applied
-it. --dry-run counts what a clear would remove and changes nothing.
+it. --dry-run counts what a clear would remove and changes nothing. The command acts as the
+directory's owner, the user its engines run as (owner.py: as root it takes that user's ids; as
+any other user it refuses).
 
 Which blocks: the namespaces of --model NAME (namespace.json's "model", or its last path
 component) or --namespace ID (a prefix of the id), else all; the tenant --tenant SALT (a
@@ -26,6 +28,7 @@ import time
 import numpy as np
 
 from aiokv.cli.opening import SCHEMA, InspectError, check_root, open_readonly
+from aiokv.cli.owner import as_owner
 from aiokv.data import format as fmt
 from aiokv.data.dirs import open_dir
 from aiokv.store.control import Order, append_order
@@ -195,11 +198,16 @@ def run(
     dry_run: bool = False,
     wait: float = WAIT,
 ) -> dict:
-    """One clear, pin or unpin: its document (JSON-ready)."""
+    """One clear, pin or unpin: its document (JSON-ready). Acts as the directory's owner (owner.py)."""
     root = os.path.abspath(root)
     check_root(root)
     if op != "clear" and tenant is None:
         raise InspectError(f'aiokv: {op} needs --tenant SALT ("" for requests without a cache_salt)')
+    with as_owner(root):
+        return _run(op, root, tenant, model, namespace, older_than, dry_run, wait)
+
+
+def _run(op, root, tenant, model, namespace, older_than, dry_run, wait) -> dict:
     st = open_readonly(root)
     try:
         spaces = _namespaces(st, model, namespace)

@@ -36,6 +36,7 @@ import fcntl
 import json
 import logging
 import os
+import pwd
 import time
 
 import numpy as np
@@ -123,6 +124,22 @@ def read_orders(root_fd: int, start: int = 0, after: int = 0) -> tuple[list[Orde
             log.warning("aiokv: control order %d of the cache directory makes no sense here; it is skipped", number)
 
 
+def unreadable(root: str, e: OSError) -> str:
+    """What an engine says once when DIR/control does not read (and the fix)."""
+    path = os.path.join(root, fmt.CONTROL_NAME)
+    fix = "; read again at every look"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        try:
+            user = pwd.getpwuid(os.geteuid()).pw_name
+        except KeyError:
+            user = str(os.geteuid())
+        fix = f" (it is not this engine's user's); run: chown {user} {path}"
+    return (
+        f"the control file {path} cannot be read ({os.strerror(e.errno or 0)}): this engine applies no "
+        f"aiokv clear, pin or unpin until it can, and follows the other engines meanwhile{fix}"
+    )
+
+
 def append_order(root_fd: int, op: str, nsids=None, tenants=None, before: int | None = None) -> Order:
     """Append an order to DIR/control (created if missing) and sync it: under an flock of the
     file, a torn tail (a writer killed mid-append) cut off first. Returns the order written."""
@@ -185,17 +202,26 @@ class Control:
         self.orders: list[Order] = []
         self.last = 0  # the number of the last order read
         self._off, self._seen = 0, 0  # the I/O thread's read position (bytes, last number)
+        self._unreadable: int | None = None  # the I/O thread's: errno of the last failed read (said once)
         self._pins: dict[tuple[bytes, bytes], bool] = {}  # (nsid, tenant tag) -> pinned (memo)
 
     # ---- reading (the I/O thread's, or the opener's) ----
     def read_io(self) -> list[Order] | None:
-        """Orders appended since the last read, or None."""
+        """Orders appended since the last read, or None. Never raises for the file: one this
+        engine cannot read (another user's, EIO) is said once and read again at the next look,
+        from the same place (the position moves only with a read that succeeded)."""
         try:
             if os.stat(fmt.CONTROL_NAME, dir_fd=self.dirs.root_fd, follow_symlinks=False).st_size <= self._off:
                 return None
+            got, off, seen = read_orders(self.dirs.root_fd, self._off, self._seen)
         except FileNotFoundError:
             return None
-        got, self._off, self._seen = read_orders(self.dirs.root_fd, self._off, self._seen)
+        except OSError as e:
+            if self._unreadable != e.errno:
+                self._unreadable = e.errno
+                log.warning("aiokv: %s", unreadable(self.dirs.root, e))
+            return None
+        self._off, self._seen, self._unreadable = off, seen, None
         return got or None
 
     # ---- the owner's ----

@@ -39,7 +39,8 @@ OSError (aiokv is then off, as for one bad path). A directory that is not a stor
 
 Threading contract: a Store's. One owner thread calls Drives (the EngineCore
 scheduler thread); each drive's Store has its own I/O thread; `open_drives` runs
-its opens on threads of their own and returns once each has ended or timed out.
+its opens on threads of their own and returns once each has ended or timed out;
+`close` closes each drive's Store on a thread of its own (the owner waits meanwhile).
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ import os
 import threading
 
 from aiokv.data import format as fmt
-from aiokv.store.fsthread import bounded
+from aiokv.store import persist
+from aiokv.store.fsthread import at_once, bounded
 from aiokv.store.store import StoreStats
 from aiokv.util import counters
 from aiokv.util.breaker import Breaker
 
 log = logging.getLogger("aiokv")
+CLOSE_SLACK = 2.0  # seconds past CLOSE_MAX the drives' closes are waited for (each is bounded by CLOSE_MAX on its own)
 
 
 def seed(path: str) -> bytes:
@@ -405,12 +408,12 @@ class Drives:
         return d in ns.on and self.stores[d].verify_slot(ns.on[d], key, w)
 
     def close(self, checkpoint: bool = True) -> None:
-        """Every drive's Store closed, one after the other (each bounded: store.py)."""
-        for s in self.stores.values():
-            try:
-                s.close(checkpoint=checkpoint)
-            except Exception:
-                log.exception("aiokv: closing the cache directory %s failed", s.root)
+        """Every drive's Store closed at once, each on a thread of its own (each bounded by
+        CLOSE_MAX: store.py, so the whole close is; CLOSE_SLACK past it, they are left running)."""
+        calls = [
+            (f"closing the cache directory {s.root}", lambda s=s: s.close(checkpoint)) for s in self.stores.values()
+        ]
+        at_once(calls, persist.CLOSE_MAX + CLOSE_SLACK)
 
 
 def open_drives(paths: list[str], open_one, timeout: float, failures: int = 3, cooldown: float = 30.0):

@@ -350,3 +350,23 @@ def bounded(fn, timeout: float, what: str, late=None):
     if "error" in box:
         raise box["error"]
     return box["result"]
+
+
+def at_once(calls, timeout: float) -> bool:
+    """Each (what, fn) of calls run on a thread of its own, all at once, waited for at most
+    timeout seconds in all (closing several drives: each is bounded on its own); an error is
+    logged naming `what`. False if some did not return in time (they go on, daemon threads)."""
+
+    def run(what, fn):
+        try:
+            fn()
+        except Exception:
+            log.exception("aiokv: %s failed", what)
+
+    threads = [threading.Thread(target=run, args=c, name="aiokv-close", daemon=True) for c in calls]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    return not any(t.is_alive() for t in threads)

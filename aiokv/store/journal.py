@@ -969,5 +969,5 @@ class Follower:
 
     def close(self) -> None:
         if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+            fd, self.fd = self.fd, None  # (gone even if close reports an error)
+            os.close(fd)

@@ -53,7 +53,9 @@ the namespaces are opened at once; each namespace's index is read on a loader
 thread of its own (`_load`), and until the owner installs it (at a poll) the
 namespace is not `ready`: its lookups are misses and its saves are dropped
 (`skipped_loading`). So opening does not grow with the cache. Without io_thread
-everything is read at once, as before.
+everything is read at once, as before. Our data files, directories and lock are
+given back by the last of close and the loader to be done with them (`_users`,
+under `_users_lock`): never while the loader may still read or write our files.
 
 The facade (this module): `Store` holds the parts, one job per module, and
 forwards to them; it does lookups, reservations, commits, pins and drops
@@ -76,6 +78,7 @@ in one process use tools/storeio.py).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -189,6 +192,8 @@ class Store:
         self._replay = replay
         self._loader: threading.Thread | None = None
         self._closing = False
+        self._users = 1  # what needs our data files, directories and lock: close, and the loader while it runs
+        self._users_lock = threading.Lock()
         background = io_thread and not readonly
         shells = []
         try:
@@ -215,23 +220,32 @@ class Store:
             self._loader = threading.Thread(
                 target=self._load, args=(shells,), name=f"aiokv-load{self.engine}", daemon=True
             )
+            self._users += 1
             self._loader.start()
 
     # ---- loading in the background (io_thread) ----
     def _load(self, shells: list[Namespace]) -> None:
         """The loader thread: each namespace's own files read into a Table, handed to the
         owner (fs.post). Reads, and writes only those files (journal.py, replay.py): nothing
-        else touches them until the owner installs what was read."""
-        for ns in shells:
-            if self._closing:
-                return
-            t = time.monotonic()
-            try:
-                table, log = self._replay.read_own(ns)
-            except BaseException as e:
-                self.fs.post(lambda r, err, ns=ns, e=e: self._load_failed(ns, e))
-                continue
-            self.fs.post(lambda r, err, ns=ns, table=table, log=log, t=t: self._loaded(ns, table, log, t))
+        else touches them until the owner installs what was read. Our data files, directories
+        and lock stay open until it ends (`_release_dirs`)."""
+        try:
+            for ns in shells:
+                if self._closing:
+                    return
+                t = time.monotonic()
+                try:
+                    table, log = self._replay.read_own(ns)
+                except BaseException as e:
+                    self.fs.post(lambda r, err, ns=ns, e=e: self._load_failed(ns, e))
+                    continue
+                if self._closing:  # (nobody installs it now)
+                    with contextlib.suppress(OSError):
+                        log.close()
+                    return
+                self.fs.post(lambda r, err, ns=ns, table=table, log=log, t=t: self._loaded(ns, table, log, t))
+        finally:
+            self._release_dirs()
 
     def _loaded(self, ns: Namespace, table, log, started: float) -> None:
         """A namespace's index has loaded (the owner's thread, at poll): hits and saves begin."""
@@ -651,18 +665,39 @@ class Store:
 
     def close(self, checkpoint: bool = True) -> None:
         """Checkpoint and close everything (persist.py; with the I/O thread bounded by
-        CLOSE_WAIT without an answer and CLOSE_MAX in all). A load in progress is let
-        finish (bounded by CLOSE_MAX) and not installed."""
+        CLOSE_WAIT without an answer and CLOSE_MAX in all). A load in progress is not
+        installed; it is waited for, after the journals, at most CLOSE_WAIT within that
+        bound: one still reading then keeps our data files, directories and lock, and gives
+        them back when it ends (never our lock while it may write our files)."""
         self._closing = True
-        if self._loader is not None and self._loader is not threading.current_thread():
-            self._loader.join(persist_mod.CLOSE_MAX)
         lock = self.dirs.lock
         self.persist.close(
             checkpoint and not self.readonly and lock is not None and lock.fd is not None, self._close_files
         )
+        loader = self._loader
+        if loader is not None and loader is not threading.current_thread() and loader.is_alive():
+            left = self.persist.close_deadline() - time.monotonic()
+            loader.join(max(0.0, min(persist_mod.CLOSE_WAIT, left)))
+            if loader.is_alive():
+                _log.warning(
+                    "aiokv: the index of %s is still being read at shutdown (a file system that does not "
+                    "answer?); the engine's lock is given back once that read ends, or at the process exit",
+                    self.root,
+                )
+
+    def _release_dirs(self) -> None:
+        """Close and the loader each give up our data files and directories when done with them:
+        the last of the two closes them and gives our engine's lock back (dirs.close, last)."""
+        with self._users_lock:
+            self._users -= 1
+            if self._users:
+                return
+        self.space.close()
+        self.dirs.close()
 
     def _close_files(self) -> None:
-        """After the journals, on the same thread: every other file, then our lock."""
+        """After the journals, on the same thread: every other file, then (with the loader
+        ended) our data files, directories and lock."""
         self.reclaim.release()
         if self.wear is not None:
             try:
@@ -671,5 +706,4 @@ class Store:
                 pass  # its bytes since the last save are lost, never the cache
         self.labels.close()
         self.following.close()
-        self.space.close()
-        self.dirs.close()
+        self._release_dirs()

@@ -199,5 +199,10 @@ class Tenants:
         ident = (st.st_ino, st.st_size)
         if self._peer_seen.get(engine) == ident:
             return None
-        self._peer_seen[engine] = ident
-        return read_file(self.dirs.root_fd, engine)
+        got = read_file(self.dirs.root_fd, engine)
+        self._peer_seen[engine] = ident  # (once read: a read that failed is tried again)
+        return got
+
+    def reread_peer_io(self, engine: int) -> None:
+        """Another engine's tenants file is read again at the next look (what was read was not applied)."""
+        self._peer_seen.pop(engine, None)
