@@ -213,15 +213,14 @@ def test_counts_follow_every_change_of_the_table():
 
 
 @pytest.mark.parametrize("secret", [None, SECRET])
-def test_the_tenants_file_is_bounded_and_damage_ends_it(tmp_path, secret):
+def test_the_tenants_file_is_bounded_and_damage_ends_it(tmp_path, secret, blocks):
     """Records of a tenants file up to the first that does not verify; an id or a tag named
     twice keeps the first record."""
     from aiokv.store.tenants import read_file
 
     root = tmp_path / "c"
-    st = Store(str(root), capacity="64MiB", secret=secret)
-    for n in ("a", "b", "c"):
-        st.tenants.persist(st.tenant(n))
+    st = StoreIO(str(root), capacity="64MiB", secret=secret)
+    _save(st, st.namespace(NS, PAYLOAD), blocks, ([0], "a"), ([1], "b"), ([2], "c"))
     st.close()
     path = root / fmt.tenants_name(0)
     raw = path.read_bytes()

@@ -104,6 +104,7 @@ from aiokv.store.scan import Scan
 from aiokv.store.space import Space
 from aiokv.store.table import PINNED, give_back_scratch, tag_of
 from aiokv.store.tenants import Tenants
+from aiokv.store.tenantsfile import TenantsNotWritten
 from aiokv.store.wear import Wear
 from aiokv.util import counters
 
@@ -166,8 +167,9 @@ class Store:
         self.quotas: Quotas | None = None  # bytes per tenant (quotas.py; set_quotas)
         self._pin_said = -PIN_SAY_EVERY
         self.dirs = Dirs(self.root, readonly)
-        self.tenants = Tenants(self.dirs, fs, fmt.tenant_key(secret))  # tenant tags <-> ids (tenants.py)
+        self.tenants = Tenants(self.dirs, fs, fmt.tenant_key(secret), self.index)  # tenant tags <-> ids (tenants.py)
         self.persist = Persist(fs, self.index, sync_interval, checkpoint_every)
+        self.tenants.checkpoint = self.persist.checkpoint
         self.following = Following(self.dirs, self.index, fs, self.tenants)
         self.space = Space(
             parse_size(capacity) if capacity is not None else None,
@@ -179,7 +181,8 @@ class Store:
             self.following.peer_bytes,
         )
         self.scan = Scan(self.dirs, self.space, fs, self.persist)
-        replay = Replay(self.dirs, self.index, self.space, self.persist, self.scan, self.tenants.known)
+        t = self.tenants
+        replay = Replay(self.dirs, self.index, self.space, self.persist, self.scan, t.id_at_open, t.own_loaded)
         self.labels = Labels(self.dirs, fs)  # a description per key, for the connector's KV events
         self.reclaim = Reclaim(self.dirs, self.index, fs, self.stats, self.following, self.space, sync_interval)
         self.opener = Opener(self.dirs, self.index, replay, self.following, self.space, fs)
@@ -194,7 +197,7 @@ class Store:
         try:
             found = self.dirs.open(engine)
             self.engine = self.dirs.engine
-            self.tenants.load_own()
+            self.tenants.load_own(self.persist.logs)
             self.wear = Wear(self.dirs.root_fd, self.engine) if not readonly else None  # bytes committed
             self.control.orders += self.control.read_io() or []  # (applied as each namespace is in place)
             self.control.last = self.control.orders[-1].number if self.control.orders else 0
@@ -268,6 +271,7 @@ class Store:
                 pass  # tried again at the next refresh
 
     def _load_failed(self, ns: Namespace, e: BaseException) -> None:
+        self.tenants.failed_loads.add(ns.nsid)
         _log.error(
             "aiokv: loading the index of namespace %s failed (%s); it serves no hits and takes no saves",
             ns.hex[:12],
@@ -296,11 +300,15 @@ class Store:
         """The block the directory's capacity gives up first: of a tenant not protected by its quota."""
         return self.quotas.victim(None) or self.index.victim() if self.quotas is not None else self.index.victim()
 
-    def _within_quota(self, ns: Namespace, tid: int) -> bool:
+    def _within_quota(self, ns: Namespace, tid: int | None, tag: bytes) -> bool:
         """Room for one more block of tenant tid within its quota: its own least recently used
         blocks evicted while they are its oldest in the directory (another engine's older ones
-        are that engine's to evict: up to quota / SLACK over meanwhile); False: none to give up."""
+        are that engine's to evict: up to quota / SLACK over meanwhile); False: none to give up.
+        tid None: a tenant not registered (it holds nothing): its quota by its tag."""
         quotas = self.quotas
+        if tid is None:
+            q = quotas.quota_of_tag(tag)
+            return q is None or ns.slot_cost <= q
         q = quotas.quota(tid)
         if q is None:
             return True
@@ -355,14 +363,15 @@ class Store:
         return out
 
     # ---- tenants (tenants.py) ----
-    def tenant(self, name: str) -> int:
-        """The id of the tenant a request's cache_salt names ("" or None: 0), for reserve and commit."""
+    def tenant(self, name: str) -> int | None:
+        """The id of the tenant a request's cache_salt names ("" or None: 0), if it holds or
+        held blocks here (registered at its first commit); None: not registered."""
         return self.tenants.id(name or "")
 
-    def tenant_of_tag(self, tag: bytes) -> int:
-        """The id of a tenant named by its 16-byte tag (format.tenant_tag; as a slot header
-        carries it: format.header_tenant), for reserve and commit."""
-        return self.tenants.of_tag(bytes(tag))
+    def tag(self, name: str) -> bytes:
+        """The 16-byte tag of a tenant's name (format.tenant_tag, keyed by the secret): what its
+        slot headers carry (Transfer.tenant)."""
+        return self.tenants.tag(name or "")
 
     def tenant_tag(self, tenant: int) -> bytes:
         """The tag of a tenant id (what a slot header carries: Transfer.tenant)."""
@@ -416,15 +425,20 @@ class Store:
         """Whether key's committed copy is the one at location `where`."""
         return ns.entries.get(key) == where
 
-    def reserve(self, ns: Namespace, key: bytes, tenant: int = 0) -> int | None:
-        """A location (in our engine's files) for `key` of `tenant` (Store.tenant), evicting
-        if needed; None if present (in any engine's files), pending, or no space."""
+    def reserve(self, ns: Namespace, key: bytes, tenant: str | bytes = "") -> int | None:
+        """A location (in our engine's files) for `key` of `tenant` (a cache_salt, or a tenant's
+        tag), evicting if needed; None if present (in any engine's files), pending, no space,
+        or no tenant id free for a new tenant (tenants.py)."""
         if not ns.ready:
             self.skipped_loading += 1  # the index is loading: the save is dropped
             return None
         if key in ns.pending or ns.where(key) is not None:
             return None
-        if self.quotas is not None and not self._within_quota(ns, tenant):
+        tag, tid = self.tenants.for_save(tenant)
+        if tag is None:  # a new tenant and no id free (tenants.py)
+            self.stats.skipped_tenants += 1
+            return None
+        if self.quotas is not None and not self._within_quota(ns, tid, tag):
             self.stats.skipped_quota += 1
             return None
         space = self.space
@@ -435,7 +449,7 @@ class Store:
                 self.skipped_fs_busy += 1
                 return None
             if not grown:
-                victim = self.quotas.victim(tenant) if self.quotas is not None else self.index.victim()
+                victim = self.quotas.victim(tid) if self.quotas is not None else self.index.victim()
                 # another namespace's slot is no use here: its space must be punched
                 if victim is None or not space.evict(*victim, punch=victim[0] is not ns):
                     self.stats.skipped_no_space += 1
@@ -445,9 +459,14 @@ class Store:
         ns.pending[key] = where = fmt.loc(self.engine, slot)
         return where
 
-    def commit(self, ns: Namespace, items, tenant: int = 0, pinned: bool = False) -> None:
-        """Make written (key, location) pairs of `tenant` (Store.tenant) visible to lookups,
-        durably; pinned: never evicted (bounded by pin_capacity)."""
+    def commit(self, ns: Namespace, items, tenant: str | bytes = "", pinned: bool = False) -> None:
+        """Make written (key, location) pairs of `tenant` (a cache_salt, or a tenant's tag)
+        visible to lookups, durably; pinned: never evicted (bounded by pin_capacity). A new
+        tenant is registered here (tenants.py); without an id free its blocks are given back."""
+        tag, tid = self.tenants.register(tenant)
+        if tid is None:  # no id free (tenants.py): given back
+            self.stats.skipped_tenants += sum(ns.pending.get(k) == w for k, w in items)
+            return self.abort(ns, items, failed=False)
         now = time.time_ns()
         done, slots = [], []
         pending = ns.pending
@@ -460,12 +479,11 @@ class Store:
         if not done:
             return
         if not pinned and self.control.orders:  # a tenant pinned by `aiokv pin`: its new blocks too
-            pinned = self.control.pinned(ns.nsid, self.tenant_tag(tenant))
-        flags = PINNED if pinned and self._may_pin(ns, len(done), tenant) else 0
+            pinned = self.control.pinned(ns.nsid, tag)
+        flags = PINNED if pinned and self._may_pin(ns, len(done), tid) else 0
         # in memory a few ns apart (ties keep their order); the records say `now`
-        self.index.commit_many(ns, done, slots, now, tenant, flags)
-        self.tenants.persist(tenant)  # (before the records that name it)
-        recs = _index.commit_records(done, slots, now, tenant, flags)  # the COMMIT records (format.pack_record)
+        self.index.commit_many(ns, done, slots, now, tid, flags)
+        recs = _index.commit_records(done, slots, now, tid, flags)  # the COMMIT records (format.pack_record)
         nrecs = len(done)
         self.stats.commits += nrecs
         failed = []
@@ -483,6 +501,8 @@ class Store:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.stats.enospc += 1
                 self.space.make_room()
+            elif isinstance(e, TenantsNotWritten):
+                self.tenants.not_written(e, nrecs)
             else:
                 log.warning(
                     "aiokv: %s",
@@ -490,7 +510,7 @@ class Store:
                 )
 
         self.wear.count(nrecs * ns.slot_cost)
-        self.persist.append(ns, recs, undo)
+        self.persist.append(ns, recs, undo, before=self.tenants.writer(tid))  # (its tenants record first)
         if not failed:
             self.persist.checkpoint_if_due(ns)
 
