@@ -203,12 +203,11 @@ def test_counts_follow_every_change_of_the_table():
                     recs.append(fmt.pack_record(kind, k, s2, step + 1, int(rng.integers(0, 4)), 1))
             r, _ = parse_records(b"".join(recs))
             apply_records(t, r, record_tags(r), 1 << 32)
-        counts, pinned = t.tenant_blocks.copy(), t.pinned
+        counts, pinned, per = t.tenant_blocks.copy(), t.pinned, t.tenant_pinned.copy()
         t.recount()
-        n = max(len(counts), len(t.tenant_blocks))
-        assert np.array_equal(
-            np.pad(counts, (0, n - len(counts))), np.pad(t.tenant_blocks, (0, n - len(t.tenant_blocks)))
-        ), step
+        for a, b in ((counts, t.tenant_blocks), (per, t.tenant_pinned)):
+            n = max(len(a), len(b))
+            assert np.array_equal(np.pad(a, (0, n - len(a))), np.pad(b, (0, n - len(b)))), step
         assert pinned == t.pinned and t.count == len(t.live()), step
 
 

@@ -160,7 +160,7 @@ class Ledger:
         for (gi, tenant, pin), items in done.items():
             before = self.store.stats.commits
             try:
-                self.store.commit(self.groups[gi].ns, items, tenant, pin)
+                self.store.commit(self.groups[gi].ns, items, tenant, pin, request=pin)
             except Exception:
                 log.exception("aiokv: committing %d block(s) failed; they are not stored", len(items))
                 self.give_back(("abort", gi, items, True))
@@ -242,7 +242,7 @@ class Ledger:
             self._settle(job)
         for (gi, tenant, pin), items in done.items():
             try:
-                self.store.commit(self.groups[gi].ns, items, tenant, pin)
+                self.store.commit(self.groups[gi].ns, items, tenant, pin, request=pin)
                 self.counters.saves_committed += len(items)
             except Exception:
                 log.exception("aiokv: committing saves at shutdown failed")

@@ -55,8 +55,8 @@ def alloc(
             keys = [st.keys[i] for i in idx]
             blocks = [ids[i] if i < len(ids) else 0 for i in idx]
             slots = store.pin(g.ns, keys)
-            if st.pin:  # a pinned request's hit: its blocks stay
-                store.pin_blocks(g.ns, [k for k, s in zip(keys, slots) if s is not None])
+            if st.pin:  # a pinned request's hit: its blocks stay (within request_pins: store/pins.py)
+                store.pin_blocks(g.ns, [k for k, s in zip(keys, slots) if s is not None], request=True)
             pinned.append((gi, [k for k, s in zip(keys, slots) if s is not None]))
             first = len(reserved)
             bucket_flags = (
@@ -196,7 +196,7 @@ def reserve(
         for gi, keys, blocks in parts:
             ns = groups[gi].ns
             if pin:  # those stored already (by an earlier request, another engine) are pinned now
-                store.pin_blocks(ns, keys)
+                store.pin_blocks(ns, keys, request=True)
             for key, block in zip(keys, blocks):
                 slot = store.reserve(ns, key, tenant)
                 if slot is not None:

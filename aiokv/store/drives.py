@@ -283,10 +283,10 @@ class Drives:
         """A tenant's tag (the same on every drive: the secret is theirs)."""
         return self.stores[next(iter(self.stores))].tag(name)
 
-    def pin_blocks(self, ns: DriveNamespace, keys, tenant: int | None = None) -> int:
+    def pin_blocks(self, ns: DriveNamespace, keys, tenant: int | None = None, request: bool = False) -> int:
         n = 0
         for d, part in ns.parts:
-            n += self.stores[d].pin_blocks(part, keys)
+            n += self.stores[d].pin_blocks(part, keys, request=request)
         return n
 
     def pinned_bytes(self) -> int:
@@ -317,13 +317,15 @@ class Drives:
             by.setdefault(d, []).append((key, w))
         return by
 
-    def commit(self, ns: DriveNamespace, items, tenant: str | bytes = "", pinned: bool = False) -> None:
+    def commit(
+        self, ns: DriveNamespace, items, tenant: str | bytes = "", pinned: bool = False, request: bool = False
+    ) -> None:
         first = None
         for d, its in self._by_drive(items).items():
             if d not in ns.on:
                 continue  # no such drive here: nothing of ours
             try:
-                self.stores[d].commit(ns.on[d], its, tenant, pinned)
+                self.stores[d].commit(ns.on[d], its, tenant, pinned, request)
             except Exception as e:
                 first = first or e
         if first is not None:

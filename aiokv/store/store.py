@@ -97,6 +97,7 @@ from aiokv.store.index import Index, Namespace
 from aiokv.store.labels import Labels
 from aiokv.store.meta import Dirs, Opener, ns_dir  # noqa: F401  (ns_dir: callers name a namespace's directory)
 from aiokv.store.persist import Persist
+from aiokv.store.pins import Pins
 from aiokv.store.quotas import SLACK, Quotas
 from aiokv.store.reclaim import Reclaim
 from aiokv.store.replay import Replay
@@ -109,8 +110,6 @@ from aiokv.store.wear import Wear
 from aiokv.util import counters
 
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
-PIN_SHARE = 10  # without pin_capacity, pinned blocks may take this share of the capacity (1/10)
-PIN_SAY_EVERY = 60.0  # seconds between the log lines of refused pins
 SHED_MAX = 4096  # blocks of tenants past their quota one refresh evicts at most
 WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight (io_thread)
 log = logging.getLogger("aiokv")
@@ -134,6 +133,7 @@ class Store:
     lock = _part("dirs", "lock")
     capacity = _part("space", "capacity")
     limit = _part("space", "limit")  # the capacity, or lower while the disk is full
+    pin_capacity = _part("pins", "capacity")  # bytes pinned blocks may take (None: capacity / PIN_SHARE)
     space_check_interval = _part("space", "check_interval")  # seconds between free-space checks while lowered
     follow_interval = _part("following", "interval")  # seconds between looks at the other engines
     followers = _part("following", "followers")  # (nsid, engine) -> its files
@@ -163,9 +163,7 @@ class Store:
         self.wear: Wear | None = None
         self.skipped_fs_busy = 0  # reservations skipped: the space for them was still being reserved
         self.skipped_loading = 0  # reservations skipped: the namespace's index was still loading
-        self.pin_capacity: int | None = None  # bytes pinned blocks may take (None: capacity / PIN_SHARE)
         self.quotas: Quotas | None = None  # bytes per tenant (quotas.py; set_quotas)
-        self._pin_said = -PIN_SAY_EVERY
         self.dirs = Dirs(self.root, readonly)
         self.tenants = Tenants(self.dirs, fs, fmt.tenant_key(secret), self.index)  # tenant tags <-> ids (tenants.py)
         self.persist = Persist(fs, self.index, sync_interval, checkpoint_every)
@@ -180,6 +178,7 @@ class Store:
             self.persist,
             self.following.peer_bytes,
         )
+        self.pins = Pins(self.index, self.tenants, self.stats, self.space)  # pin_capacity, request_pins (pins.py)
         self.scan = Scan(self.dirs, self.space, fs, self.persist)
         t = self.tenants
         replay = Replay(self.dirs, self.index, self.space, self.persist, self.scan, t.id_at_open, t.own_loaded)
@@ -187,7 +186,9 @@ class Store:
         self.reclaim = Reclaim(self.dirs, self.index, fs, self.stats, self.following, self.space, sync_interval)
         self.opener = Opener(self.dirs, self.index, replay, self.following, self.space, fs)
         # the operators' orders (aiokv clear, pin, unpin), read at each look at the other engines
-        self.control = Control(self.dirs, self.index, self.tenants, self.space, self.persist, self.stats, self._may_pin)
+        self.control = Control(
+            self.dirs, self.index, self.tenants, self.space, self.persist, self.stats, self.pins.may_pin
+        )
         self.following.control = self.control
         self._replay = replay
         self._loader: threading.Thread | None = None
@@ -459,10 +460,13 @@ class Store:
         ns.pending[key] = where = fmt.loc(self.engine, slot)
         return where
 
-    def commit(self, ns: Namespace, items, tenant: str | bytes = "", pinned: bool = False) -> None:
+    def commit(
+        self, ns: Namespace, items, tenant: str | bytes = "", pinned: bool = False, request: bool = False
+    ) -> None:
         """Make written (key, location) pairs of `tenant` (a cache_salt, or a tenant's tag)
-        visible to lookups, durably; pinned: never evicted (bounded by pin_capacity). A new
-        tenant is registered here (tenants.py); without an id free its blocks are given back."""
+        visible to lookups, durably; pinned: never evicted (bounded by pin_capacity; `request`:
+        a request's pin, bounded by request_pins too: pins.py). A new tenant is registered here
+        (tenants.py); without an id free its blocks are given back."""
         tag, tid = self.tenants.register(tenant)
         if tid is None:  # no id free (tenants.py): given back
             self.stats.skipped_tenants += sum(ns.pending.get(k) == w for k, w in items)
@@ -478,12 +482,15 @@ class Store:
             slots.append(where & fmt.SLOT_MASK)
         if not done:
             return
-        if not pinned and self.control.orders:  # a tenant pinned by `aiokv pin`: its new blocks too
-            pinned = self.control.pinned(ns.nsid, tag)
-        flags = PINNED if pinned and self._may_pin(ns, len(done), tid) else 0
+        if self.control.orders and self.control.pinned(ns.nsid, tag):  # pinned by `aiokv pin`: its new blocks too
+            pinned, request = True, False
+        k = self.pins.room(ns, len(done), tid, request) if pinned else 0  # the first k pinned (pins.py)
         # in memory a few ns apart (ties keep their order); the records say `now`
-        self.index.commit_many(ns, done, slots, now, tid, flags)
-        recs = _index.commit_records(done, slots, now, tid, flags)  # the COMMIT records (format.pack_record)
+        recs = b""
+        for part, flags in ((slice(0, k), PINNED), (slice(k, None), 0)):
+            if done[part]:
+                self.index.commit_many(ns, done[part], slots[part], now, tid, flags)
+                recs += _index.commit_records(done[part], slots[part], now, tid, flags)  # (format.pack_record)
         nrecs = len(done)
         self.stats.commits += nrecs
         failed = []
@@ -541,50 +548,29 @@ class Store:
         )
         return out
 
-    # ---- pins that last: blocks never evicted (issue 34), bounded by pin_capacity ----
+    # ---- pins that last: blocks never evicted (issue 34), bounded by pin_capacity (pins.py) ----
     def pinned_bytes(self) -> int:
         """Bytes of pinned blocks in the directory: ours and the other engines' (as followed)."""
-        return sum(
-            ns.slot_cost * (ns.table.pinned + sum(t.pinned for t in ns.tables.values()))
-            for ns in self.index.namespaces.values()
-        )
+        return self.pins.pinned_bytes()
 
-    @property
-    def pin_limit(self) -> int | None:
-        """pin_capacity, or PIN_SHARE of the capacity where it is not set (None: no bound)."""
-        if self.pin_capacity is not None:
-            return self.pin_capacity
-        return None if self.space.capacity is None else self.space.capacity // PIN_SHARE
+    def set_request_pins(self, spec: dict[str, int | None] | None) -> None:
+        """The `request_pins` setting: the tenants whose requests may pin, and their bounds (pins.py)."""
+        self.pins.set_requests(spec)
 
-    def _may_pin(self, ns: Namespace, n: int, tenant: int = 0) -> bool:
-        """Whether n more blocks of ns may be pinned (within pin_capacity); a refusal is said
-        (one line a minute at most) and counted, never raised."""
-        limit = self.pin_limit
-        if limit is None or self.pinned_bytes() + n * ns.slot_cost <= limit:
-            return True
-        self.stats.pins_refused += n
-        now = time.monotonic()
-        if now - self._pin_said >= PIN_SAY_EVERY:
-            self._pin_said = now
-            log.warning(
-                "aiokv: pinning %d block(s) of tenant %s refused: pinned blocks would exceed pin_capacity "
-                "(%d bytes); they are stored unpinned (raise pin_capacity, or unpin: aiokv unpin)",
-                n,
-                self.tenants.label(tenant),
-                limit,
-            )
-        return False
-
-    def pin_blocks(self, ns: Namespace, keys, tenant: int | None = None) -> int:
-        """Pin our stored blocks of these keys (FLAGS records; within pin_capacity: past it the
-        rest stays unpinned, said once). Another engine's copy is pinned by its holder when it
-        saves or hits the key itself. Returns how many were pinned now."""
+    def pin_blocks(self, ns: Namespace, keys, tenant: int | None = None, request: bool = False) -> int:
+        """Pin our stored blocks of these keys (FLAGS records; within pin_capacity, and for a
+        `request`'s pin within its tenant's request_pins bound: past it the rest stays unpinned,
+        said once; refused, said, while the index loads). Another engine's copy is pinned by its
+        holder when it saves or hits the key itself. Returns how many were pinned now."""
+        if not ns.ready:
+            self.pins.loading(ns)
+            return 0
         t, recs = ns.table, []
         for k in keys:
             s = t.find(k)
             if s < 0 or t.flags[s] & PINNED:
                 continue
-            if not self._may_pin(ns, 1, int(t.tenant[s]) if tenant is None else tenant):
+            if not self.pins.may_pin(ns, 1, int(t.tenant[s]) if tenant is None else tenant, request):
                 break
             t.set_flags(s, int(t.flags[s]) | PINNED)
             recs.append(fmt.pack_flags(s, t.tag_at(s), int(t.flags[s])))

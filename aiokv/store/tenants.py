@@ -68,7 +68,7 @@ class Tenants:
         self._peer_seen: dict[int, tuple[int, int]] = {}  # the I/O thread's: engine -> (inode, size) read
         self._memo: dict[str, bytes] = {}
         self._looked = -RECLAIM_EVERY  # time.monotonic() of the last look for ids to reclaim
-        self._said = -SAY_EVERY
+        self._said: dict[str, float] = {}  # what was said -> when, last
         self.epoch = 0  # changes whenever an id is given or taken back (quotas.py caches per id)
         self.failed_loads: set[bytes] = set()  # our namespaces whose index failed to load (the store's)
         self.checkpoint = lambda: None  # checkpoint our journals (the store's: persist.py)
@@ -219,16 +219,12 @@ class Tenants:
         """A commit's tenants record was not written (its blocks are not committed)."""
         if e.checkpoint:
             self.checkpoint()  # (an id given anew waits for it: tenantsfile.py)
-        now = time.monotonic()
-        if now - self._said >= SAY_EVERY:
-            self._said = now
+        if self._due("written"):
             log.warning("aiokv: %s; %d block(s) not committed (tried again at the next save)", e.strerror, n)
 
     def _say_skipped(self) -> None:
         """Blocks of a tenant without an id are not stored (one line a minute at most)."""
-        now = time.monotonic()
-        if now - self._said >= SAY_EVERY:
-            self._said = now
+        if self._due("skipped"):
             log.warning(
                 "aiokv: blocks of new tenants are not stored: %s (counted: save_dropped_blocks cause tenants)",
                 "an index of ours is still loading"
@@ -236,6 +232,14 @@ class Tenants:
                 else f"every tenant id ({fmt.MAX_TENANT_ID}) is held by tenants with blocks; "
                 "ids come free as those blocks go",
             )
+
+    def _due(self, what: str) -> bool:
+        """Whether a line about `what` may be said now (one a minute at most)."""
+        now = time.monotonic()
+        if now - self._said.get(what, -SAY_EVERY) < SAY_EVERY:
+            return False
+        self._said[what] = now
+        return True
 
     def tag_of(self, tid: int) -> bytes | None:
         return self._tag.get(tid)

@@ -196,7 +196,8 @@ TABLE: tuple[Row, ...] = (
         "store_pins_refused",
         "pins_refused_blocks",
         COUNTER,
-        "KV blocks a pin (a request's, or `aiokv pin`) left unpinned because pinned blocks would exceed pin_capacity.",
+        "KV blocks a pin (a request's, or `aiokv pin`) left unpinned because pinned blocks would exceed "
+        "pin_capacity, or, for a request's, its tenant's request_pins bound (or request_pins does not name it).",
         STORE,
     ),
     Row(
