@@ -209,8 +209,11 @@ async def test_ids_no_block_carries_are_reclaimed_in_a_life_and_across_restarts(
     for i in (1, 2, 3):
         assert await _save(st, ns, blocks, [i], f"t{i}") == [0]
     _clear(st, root, "t1", "t2")  # no block carries their ids any more
+    inodes = []
     for i in (4, 5):
         assert await _save(st, ns, blocks, [i], f"t{i}") == [0], f"t{i} got no id"
+        inodes.append(os.stat(os.path.join(root, fmt.tenants_name(0))).st_ino)
+    assert inodes[0] == inodes[1], "the file is replaced once (t1's and t2's records out), then appended to"
     names = {i: st.tenants.name_of(int(ns.table.tenant[ns.table.find(key(i))])) for i in (3, 4, 5)}
     assert names == {3: "t3", 4: "t4", 5: "t5"}
     _check_attribution(st, ns, root)

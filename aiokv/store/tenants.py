@@ -61,11 +61,12 @@ class Tenants:
         self._name: dict[int, str | None] = {0: ""}
         self._next = 1  # ids from here were never given out in this life
         self._free: list[int] = []  # ids reclaimed, to give out
+        self._stale: frozenset[int] = frozenset()  # the ids free at the last reclaim (their records may go)
         self._blocked: set[int] = set()  # ids our journals name that the file at opening did not
         self.at_open: dict[bytes, int] = {fmt.NO_TENANT: 0}  # our file at opening (the loader's rebuild)
         self._peers: dict[int, dict[int, tuple[bytes, str | None]]] = {}  # engine -> its file: id -> (tag, name)
         self._remaps: dict[int, np.ndarray] = {}  # engine -> its ids -> ours (-1: not resolved yet)
-        self._peer_seen: dict[int, tuple[int, int]] = {}  # the I/O thread's: engine -> (inode, size) read
+        self._peer_seen: dict[int, tuple] = {}  # the I/O thread's: engine -> (inode, size, times) read
         self._memo: dict[str, bytes] = {}
         self._looked = -RECLAIM_EVERY  # time.monotonic() of the last look for ids to reclaim
         self._said: dict[str, float] = {}  # what was said -> when, last
@@ -201,6 +202,7 @@ class Tenants:
             del self._id[self._tag.pop(tid)]
             self._name.pop(tid, None)
         self._free.extend(sorted(freed, reverse=True))
+        self._stale = frozenset(self._free)  # (the file's next replacement leaves their records out)
         for r in self._remaps.values():
             r[np.isin(r, freed)] = -1  # another engine's ids that named them: resolved again
         self.epoch += 1
@@ -211,9 +213,9 @@ class Tenants:
         file's record of tid, written and synced there (tenantsfile.py)."""
         if tid == 0 or self.file is None or self.dirs.readonly:
             return None
-        f, tag = self.file, self._tag[tid]
+        f, tag, stale = self.file, self._tag[tid], self._stale
         rec = fmt.pack_tenant(tag, tid, self.key is not None, self._name.get(tid))
-        return lambda: f.ensure_io(tid, tag, rec)
+        return lambda: f.ensure_io(tid, tag, rec, stale)
 
     def not_written(self, e: TenantsNotWritten, n: int) -> None:
         """A commit's tenants record was not written (its blocks are not committed)."""
@@ -312,7 +314,7 @@ class Tenants:
             st = os.stat(fmt.tenants_name(engine), dir_fd=self.dirs.root_fd, follow_symlinks=False)
         except FileNotFoundError:
             return None
-        ident = (st.st_ino, st.st_size)
+        ident = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)  # (replaced whole: tenantsfile.py)
         if self._peer_seen.get(engine) == ident:
             return None
         self._peer_seen[engine] = ident

@@ -6,7 +6,8 @@ it, `aiokv inspect`). `TenantsFile` is the owner's writer: what the file holds (
 on disk), a record written whole or not at all (`ensure_io`: a short write goes on, a failed
 one is cut off again, so the file never ends in a torn record that would hide the records after
 it), the file replaced whole (written beside, synced, renamed over) when an id or a tag is given
-anew (a reclaimed id: tenants.py). A record is synced before the journal record naming its id
+anew (a reclaimed id: tenants.py), leaving out the records of every id free at the owner's last
+reclaim (so the tenants given those next append: one replacement per reclaim). A record is synced before the journal record naming its id
 is written: `ensure_io` runs on the I/O thread inside that journal write (journalq.py), and
 raises when the record could not be written, so that write and its commit fail with it.
 
@@ -99,6 +100,8 @@ class TenantsFile:
         self._recs: dict[int, tuple[bytes, bytes]] = {}  # id -> (tag, record) as in the file
         self._ids: dict[bytes, int] = {}  # tag -> id as in the file
         self._size = 0  # bytes of the file that hold its header and whole records (0: no file yet)
+        self._stale_seen: frozenset = frozenset()  # the owner's last set of free ids met
+        self._stale: set[int] = set()  # of those, the ones not written since: left out at a replacement
         self.logs = None  # nsid -> IndexLog, our journals (persist.py): whether they replay to the index
 
     def open_io(self, readonly: bool) -> list[tuple[bytes, int, bool, str | None]]:
@@ -111,9 +114,14 @@ class TenantsFile:
             self._size = fmt.FILE_HDR_BYTES + sum(len(r) for _, r in self._recs.values())
         return recs
 
-    def ensure_io(self, tid: int, tag: bytes, rec: bytes) -> None:
+    def ensure_io(self, tid: int, tag: bytes, rec: bytes, stale: frozenset = frozenset()) -> None:
         """(The I/O thread's.) The file names tid as tag, written and synced, before the
-        caller's journal write; raises TenantsNotWritten if it could not be."""
+        caller's journal write; raises TenantsNotWritten if it could not be. stale: the ids
+        the owner had free at its last reclaim: a replacement leaves their records out (so the
+        next tenants given them append), but those written since."""
+        if stale is not self._stale_seen:
+            self._stale_seen, self._stale = stale, set(stale)
+        self._stale.discard(tid)
         if self._recs.get(tid, (None,))[0] == tag:
             return
         try:
@@ -122,7 +130,7 @@ class TenantsFile:
                     e = TenantsNotWritten(errno.EAGAIN, "an id is given anew only once our journals are checkpointed")
                     e.checkpoint = True
                     raise e
-                keep = {i: r for i, r in self._recs.items() if i != tid and r[0] != tag}
+                keep = {i: r for i, r in self._recs.items() if i != tid and r[0] != tag and i not in self._stale}
                 keep[tid] = (tag, rec)
                 self._replace(keep)
             else:
