@@ -126,7 +126,7 @@ class TenantsFile:
             return
         try:
             if tid in self._recs or tag in self._ids:  # given anew: the old record must go
-                if any(getattr(lg, "diverged", False) for lg in (self.logs or {}).values()):
+                if any(getattr(lg, "diverged", False) for lg in list((self.logs or {}).values())):
                     e = TenantsNotWritten(errno.EAGAIN, "an id is given anew only once our journals are checkpointed")
                     e.checkpoint = True
                     raise e
