@@ -19,6 +19,7 @@ the config is read only afterwards.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -71,6 +72,9 @@ class AioKVConfig:
     # "*": SIZE for every other}; docs/operations.md, "Operating the cache"
     quota: dict[str, int] = dataclasses.field(default_factory=dict)
     pin_capacity: int | None = None  # bytes pinned blocks may take (None: a tenth of capacity; 0: no pins)
+    # the tenants whose requests may pin their blocks, each up to its bytes pinned (None: a quarter of
+    # pin_capacity); "*": every other; none by default (docs/operations.md, "Pins"; store/pins.py)
+    request_pins: dict[str, int | None] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if not self.paths:
@@ -119,6 +123,8 @@ class AioKVConfig:
             )
         if "quota" in extra:
             cfg.quota = parse_quota(extra.pop("quota"))
+        if "request_pins" in extra:
+            cfg.request_pins = parse_quota(extra.pop("request_pins"), "request_pins", sizes_only=False)
         if "pin_capacity" in extra:
             cfg.pin_capacity = _size("pin_capacity", extra.pop("pin_capacity"))
             if cfg.pin_capacity < 0:
@@ -309,28 +315,35 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
 
-def parse_quota(v) -> dict[str, int]:
+def parse_quota(v, setting: str = "quota", sizes_only: bool = True) -> dict:
     """The `quota` setting: {"TENANT": SIZE, "*": SIZE} -> {name: bytes}; a ConfigError naming the
-    entry otherwise. A tenant is a request's cache_salt ("" for requests without one)."""
-    if isinstance(v, str):  # (a JSON object given as a string: vllm serve --kv-transfer-config on a shell)
-        import json
-
+    entry otherwise. A tenant is a request's cache_salt ("" for requests without one). sizes_only
+    False (request_pins): a size may be null (None); "*" or a list of names: those, with null."""
+    if isinstance(v, str) and v[:1] in "[{":  # (JSON as a string: vllm serve --kv-transfer-config on a shell)
         try:
             v = json.loads(v)
         except ValueError:
             v = None
+    if not sizes_only and (v == "*" or (isinstance(v, list) and all(isinstance(n, str) for n in v))):
+        v = dict.fromkeys([v] if v == "*" else v)
     if not isinstance(v, dict):
-        raise ConfigError('aiokv: quota must be an object of tenant -> size, such as {"acme": "20GiB", "*": "5GiB"}')
-    out = {}
+        what = '"*", a list of tenants, or an object of tenant -> size or null, such as ["acme", ""] or '
+        what = "an object of tenant -> size, such as " if sizes_only else what
+        eg = '{"acme": "20GiB", "*": "5GiB"}' if sizes_only else '{"acme": "1GiB", "*": null}'
+        raise ConfigError(f"aiokv: {setting} must be {what}{eg}")
+    out, bad = {}, "is not a string (a cache_salt, or * for every other)"
     for name, size in v.items():
         if not isinstance(name, str):
-            raise ConfigError(f"aiokv: quota: the tenant {name!r} is not a string (a cache_salt, or * for every other)")
+            raise ConfigError(f"aiokv: {setting}: the tenant {name!r} {bad}")
+        if size is None and not sizes_only:
+            out[name] = None
+            continue
         try:
             out[name] = parse_size(size)
         except ValueError as e:
-            raise ConfigError(f"aiokv: quota[{name!r}]: {e}") from None
+            raise ConfigError(f"aiokv: {setting}[{name!r}]: {e}") from None
         if out[name] <= 0:
-            raise ConfigError(f"aiokv: quota[{name!r}] must be a positive size, such as 5GiB")
+            raise ConfigError(f"aiokv: {setting}[{name!r}] must be a positive size, such as 5GiB")
     return out
 
 

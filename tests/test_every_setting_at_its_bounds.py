@@ -72,6 +72,10 @@ def _timeouts():
 
 DEPTH = f"a whole number from 1 to {MAX_QUEUE_DEPTH} (I/O operations in flight per worker and drive)"
 SIZE = "(use bytes or a unit like 200GiB)"
+PINS = (
+    'aiokv: request_pins must be "*", a list of tenants, or an object of tenant -> size or null, such as '
+    '["acme", ""] or {"acme": "1GiB", "*": null}'
+)
 
 TABLE = [
     # sizes
@@ -112,6 +116,15 @@ TABLE = [
     ("quota", {"acme": "big"}, f"aiokv: quota['acme']: not a size: 'big' {SIZE}"),
     ("quota", "5GiB", 'aiokv: quota must be an object of tenant -> size, such as {"acme": "20GiB", "*": "5GiB"}'),
     ("quota", [1], 'aiokv: quota must be an object of tenant -> size, such as {"acme": "20GiB", "*": "5GiB"}'),
+    ("request_pins", {}, OK),
+    ("request_pins", "*", (OK, {"*": None})),
+    ("request_pins", ["acme", ""], (OK, {"acme": None, "": None})),
+    ("request_pins", {"acme": 1, "*": None}, OK),
+    ("request_pins", {"acme": "1e30"}, (OK, {"acme": int(1e30)})),
+    ("request_pins", {"acme": 0}, "aiokv: request_pins['acme'] must be a positive size, such as 5GiB"),
+    ("request_pins", "acme", PINS),
+    ("request_pins", [1], PINS),
+    ("request_pins", 5, PINS),
     # whole numbers
     ("queue_depth", 1, OK),
     ("queue_depth", 2, OK),

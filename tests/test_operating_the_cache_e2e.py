@@ -11,7 +11,8 @@ cleared block, and `--dry-run` changes no byte; an engine killed with kill -9 wh
 is being applied leaves a directory the next life serves exactly, with the clear done; a
 tenant flooding under a `quota` ("*": each tenant's) leaves the other tenant's blocks all
 hits (in the same life and the next), while the same flood without a quota evicts them; a prompt pinned by
-kv_transfer_params {"aiokv": {"pin": true}} survives a flood that evicts everything else.
+kv_transfer_params {"aiokv": {"pin": true}} (its tenant named in `request_pins`) survives a flood
+that evicts everything else.
 Tokens equal a run without aiokv in every life.
 The fix: aiokv/store/control.py and aiokv/cli/operate.py (clear, pin, unpin),
 aiokv/store/quotas.py, the PINNED flag (aiokv/store/table.py), scheduler_role.wants_pin.
@@ -214,7 +215,8 @@ def base_flood(tiny_model):
 
 
 def _flood(tiny_model, cache: str, **extra) -> dict:
-    extra = dict(capacity=ROOM, pin_capacity=8 * COST, **extra)
+    # (request pins are the operator's choice: the tenant "" may pin all of the directory's pin room)
+    extra = dict(capacity=ROOM, pin_capacity=8 * COST, request_pins={"": 8 * COST}, **extra)
     return run(dict(model=tiny_model, prefix_caching=False, cache=cache, extra=extra, phases=[KEEP, FLOODING, AGAIN]))
 
 

@@ -203,25 +203,23 @@ def test_counts_follow_every_change_of_the_table():
                     recs.append(fmt.pack_record(kind, k, s2, step + 1, int(rng.integers(0, 4)), 1))
             r, _ = parse_records(b"".join(recs))
             apply_records(t, r, record_tags(r), 1 << 32)
-        counts, pinned = t.tenant_blocks.copy(), t.pinned
+        counts, pinned, per = t.tenant_blocks.copy(), t.pinned, t.tenant_pinned.copy()
         t.recount()
-        n = max(len(counts), len(t.tenant_blocks))
-        assert np.array_equal(
-            np.pad(counts, (0, n - len(counts))), np.pad(t.tenant_blocks, (0, n - len(t.tenant_blocks)))
-        ), step
+        for a, b in ((counts, t.tenant_blocks), (per, t.tenant_pinned)):
+            n = max(len(a), len(b))
+            assert np.array_equal(np.pad(a, (0, n - len(a))), np.pad(b, (0, n - len(b)))), step
         assert pinned == t.pinned and t.count == len(t.live()), step
 
 
 @pytest.mark.parametrize("secret", [None, SECRET])
-def test_the_tenants_file_is_bounded_and_damage_ends_it(tmp_path, secret):
+def test_the_tenants_file_is_bounded_and_damage_ends_it(tmp_path, secret, blocks):
     """Records of a tenants file up to the first that does not verify; an id or a tag named
     twice keeps the first record."""
     from aiokv.store.tenants import read_file
 
     root = tmp_path / "c"
-    st = Store(str(root), capacity="64MiB", secret=secret)
-    for n in ("a", "b", "c"):
-        st.tenants.persist(st.tenant(n))
+    st = StoreIO(str(root), capacity="64MiB", secret=secret)
+    _save(st, st.namespace(NS, PAYLOAD), blocks, ([0], "a"), ([1], "b"), ([2], "c"))
     st.close()
     path = root / fmt.tenants_name(0)
     raw = path.read_bytes()

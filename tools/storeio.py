@@ -72,11 +72,10 @@ class StoreIO(Store):
             raise ValueError("aiokv: StoreIO.save is for one-rank namespaces; ranks commit through the owner")
         res = [0] * len(items)
         todo = []
-        tid = self.tenant(tenant)
-        TENANT.set(self.tenant_tag(tid))  # (this task's: stamped into each slot's header)
+        TENANT.set(self.tag(tenant))  # (this task's: stamped into each slot's header)
         for i, (key, addr) in enumerate(items):
             fmt.check_key(key)
-            slot = self.reserve(ns, key, tid)
+            slot = self.reserve(ns, key, tenant)
             if slot is None:
                 res[i] = -errno.EEXIST if (key in ns.entries or key in ns.pending) else -errno.ENOSPC
             else:
@@ -86,7 +85,7 @@ class StoreIO(Store):
         except BaseException:
             self.abort(ns, [(k, s) for _, s, k, _ in todo], failed=False)
             raise
-        self.commit(ns, [(k, s) for (_, s, k, _), r in zip(todo, out) if r == 0], tid, pin)
+        self.commit(ns, [(k, s) for (_, s, k, _), r in zip(todo, out) if r == 0], tenant, pin)
         self.abort(ns, [(k, s) for (_, s, k, _), r in zip(todo, out) if r != 0])
         for (i, _, k, _), r in zip(todo, out):
             res[i] = r if r or k in ns.entries else -errno.EIO  # written but not committed

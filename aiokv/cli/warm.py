@@ -133,9 +133,9 @@ class Warm:
         from aiokv.bucket.client import BucketError  # (obstore: the bucket extra, imported once needed)
 
         self.unanswered = BucketError
-        # the tenant's tag, as the engines stamp it in slot headers (keyed by the secret), and its id here
+        # the tenant's tag, as the engines stamp it in slot headers (keyed by the secret)
         self.tenant = None if tenant is None else fmt.tenant_tag(tenant, fmt.tenant_key(secret))
-        self.tenant_id = 0 if tenant is None else drives.tenant(tenant)
+        self.tenant_name = tenant
         self.client, self.drives, self.limit, self.concurrency, self.bar = client, drives, limit, concurrency, bar
         self.mac_key = fmt.mac_key(secret) if secret else None
         self.bytes = 0  # reserved or committed by this run (the limit's count)
@@ -266,7 +266,7 @@ class Warm:
             if self.tenant is not None and tag != self.tenant:
                 t.other_tenant += 1  # (replaced since its header was read)
                 return 0
-            tenant = self.drives.tenant_of_tag(tag) if self.tenant is None else self.tenant_id
+            tenant = tag if self.tenant is None else self.tenant_name  # (its name: kept where no secret)
             where = self.drives.reserve(ns, key, tenant)
             if where is None:  # committed meanwhile (an engine beside us), or no space after all
                 if key in ns.entries or key in ns.pending:

@@ -113,6 +113,9 @@ class SchedulerRole:
             # a drive's share of the quotas and of pin_capacity, as of the capacity
             store.set_quotas({t: max(1, q // drives) for t, q in self.cfg.quota.items()})
             store.pin_capacity = None if self.cfg.pin_capacity is None else self.cfg.pin_capacity // drives
+            store.set_request_pins(
+                {t: None if b is None else max(1, b // drives) for t, b in self.cfg.request_pins.items()}
+            )
             try:
                 spaces = []
                 for g, nsid in zip(self.groups, self.group_nsids):

@@ -629,18 +629,26 @@ def iter_labels(buf: bytes):
     return off
 
 
-# ---- tenants: each engine's table of the tenants its records name (issue 34) ----
+# ---- tenants: each engine's table of the tenants its records name (issues 34, 40) ----
 # DIR/tenants.<E> (every engine number E, 0 included), written only by the engine holding E:
-# a file header (TENANTS_MAGIC, generation 0), then records in the labels' layout (pack_label)
-# whose key is a tenant's tag and whose label is its id (2 bytes, little-endian: what that
-# engine's COMMIT and checkpoint records carry, 1..MAX_TENANT_ID), whether the tag is keyed by
-# a secret (1 byte), then, only for an unkeyed tag, the tenant's name (UTF-8; a name with a
-# secret never reaches disk). Id 0 is the tenant "" and is never written. An id or a tag
-# given twice keeps its first record (a later one is damage). A record is written (and synced)
-# before the first journal record that names its id.
+# a file header (TENANTS_MAGIC, generation 0, version TENANTS_VERSION), then records in the
+# labels' layout (pack_label) whose key is a tenant's tag and whose label is its id (2 bytes,
+# little-endian: what that engine's COMMIT and checkpoint records carry, 1..MAX_TENANT_ID),
+# whether the tag is keyed by a secret (1 byte), then, only for an unkeyed tag, the tenant's
+# name (UTF-8, at most MAX_TENANT_NAME bytes; a name with a secret never reaches disk). Id 0 is
+# the tenant "" and is never written. An id or a tag given twice keeps its first record (a later
+# one is damage). A record is written whole and synced before the first journal record naming
+# its id; the owner cuts a torn tail at opening. Version 2 (issue 40): ids are reclaimed once no
+# block carries them, and an id (or a tag) given anew replaces the file whole (renamed over):
+# a reader reads a file whose inode changed anew, forgetting the ids of the one it replaces.
+# Version 1 files read alike (their ids were never given anew). An id a journal names and its
+# engine's file does not counts for no tenant (OVERFLOW_TENANT).
 TENANTS_MAGIC = b"AIOKVTNT"
-MAX_TENANT_ID = 0xFFFE  # ids an engine gives out; OVERFLOW_TENANT holds every tenant past them
-OVERFLOW_TENANT = 0xFFFF
+TENANTS_VERSION = 2
+FILE_VERSIONS[TENANTS_MAGIC] = (1, 2)
+MAX_TENANT_ID = 0xFFFE  # ids an engine gives out (tenants holding blocks at once)
+OVERFLOW_TENANT = 0xFFFF  # in memory and in records: a block counted for no tenant (never in a file)
+MAX_TENANT_NAME = 200  # bytes of a name kept in the file (it is shown, never matched: the tag is)
 _TENANT = struct.Struct("<HB")
 
 
@@ -649,7 +657,8 @@ def tenants_name(engine: int) -> str:
 
 
 def pack_tenant(tag: bytes, tid: int, keyed: bool, name: str | None) -> bytes:
-    label = _TENANT.pack(tid, int(keyed)) + (b"" if keyed or name is None else name.encode()[: MAX_LABEL - 64])
+    text = b"" if keyed or name is None else name.encode()[:MAX_TENANT_NAME].decode(errors="ignore").encode()
+    label = _TENANT.pack(tid, int(keyed)) + text
     return pack_label(tag, label)
 
 

@@ -45,7 +45,7 @@ class Job:
     saving: dict[bytes, tuple[int, set[int], set[int]]] = dataclasses.field(default_factory=dict)
     from_bucket: bool = False  # `saving` holds a load's reservations for blocks of the bucket tier
     loading: bool = False  # a load whose request vLLM has not reported finished yet
-    tenant: int = 0  # the request's tenant (Store.tenant): its blocks are committed as its
+    tenant: str = ""  # the request's tenant (its cache_salt): its blocks are committed as its
     pin: bool = False  # the request's blocks are committed pinned
 
 
@@ -62,7 +62,7 @@ class Ledger:
         return self._last
 
     def add_save(
-        self, job: int, req_id: str, gi: int, items: list[tuple[bytes, int]], tenant: int = 0, pin: bool = False
+        self, job: int, req_id: str, gi: int, items: list[tuple[bytes, int]], tenant: str = "", pin: bool = False
     ) -> None:
         self.jobs[job] = Job(req_id, gi, saving={k: (slot, set(), set()) for k, slot in items}, tenant=tenant, pin=pin)
 
@@ -107,7 +107,7 @@ class Ledger:
         """The workers' results, then the requests vLLM reported finished loading. Returns
         (requests whose load failed, (group, key) that did not verify and are not in the
         store under the slot read: bucket-tier blocks)."""
-        done: dict[tuple[int, int, bool], list] = {}  # (group, tenant, pin) -> blocks every rank wrote
+        done: dict[tuple[int, str, bool], list] = {}  # (group, tenant, pin) -> blocks every rank wrote
         failed: dict[int, list] = {}
         bucket_lost: dict[int, list] = {}
         bad: dict[int, list] = {}
@@ -160,7 +160,7 @@ class Ledger:
         for (gi, tenant, pin), items in done.items():
             before = self.store.stats.commits
             try:
-                self.store.commit(self.groups[gi].ns, items, tenant, pin)
+                self.store.commit(self.groups[gi].ns, items, tenant, pin, request=pin)
             except Exception:
                 log.exception("aiokv: committing %d block(s) failed; they are not stored", len(items))
                 self.give_back(("abort", gi, items, True))
@@ -242,7 +242,7 @@ class Ledger:
             self._settle(job)
         for (gi, tenant, pin), items in done.items():
             try:
-                self.store.commit(self.groups[gi].ns, items, tenant, pin)
+                self.store.commit(self.groups[gi].ns, items, tenant, pin, request=pin)
                 self.counters.saves_committed += len(items)
             except Exception:
                 log.exception("aiokv: committing saves at shutdown failed")

@@ -55,8 +55,8 @@ def alloc(
             keys = [st.keys[i] for i in idx]
             blocks = [ids[i] if i < len(ids) else 0 for i in idx]
             slots = store.pin(g.ns, keys)
-            if st.pin:  # a pinned request's hit: its blocks stay
-                store.pin_blocks(g.ns, [k for k, s in zip(keys, slots) if s is not None])
+            if st.pin:  # a pinned request's hit: its blocks stay (within request_pins: store/pins.py)
+                store.pin_blocks(g.ns, [k for k, s in zip(keys, slots) if s is not None], request=True)
             pinned.append((gi, [k for k, s in zip(keys, slots) if s is not None]))
             first = len(reserved)
             bucket_flags = (
@@ -75,7 +75,7 @@ def alloc(
                 gi,
                 bucket_flags,
                 job=ledger.new_id(),
-                tenant=store.tenant_tag(st.tenant) if st.tenant else b"",  # (its write-through's)
+                tenant=store.tag(st.tenant) if st.tenant else b"",  # (its write-through's)
             )
             transfers.append(t)
             jobs[t.job] = Job(
@@ -97,7 +97,7 @@ def alloc(
 
 
 def reserve_from_bucket(
-    store, g: Group, gi: int, idx: list[int], keys: list[bytes], slots: list, span, reserved: list, tenant: int = 0
+    store, g: Group, gi: int, idx: list[int], keys: list[bytes], slots: list, span, reserved: list, tenant: str = ""
 ) -> list[bool]:
     """Blocks of `span` (a range) not stored locally get a reserved slot (in `slots`,
     and (group, key, slot) in `reserved`): the worker loads them from the bucket tier
@@ -186,7 +186,7 @@ def reserve(
     counters: SchedulerCounters,
     req_id: str,
     parts: list[tuple[int, list[bytes], list[int]]],
-    tenant: int = 0,
+    tenant: str = "",
     pin: bool = False,
 ) -> list[Transfer]:
     """Slots for one request's blocks of this step (of its `tenant`, pinned if `pin`): all of
@@ -196,7 +196,7 @@ def reserve(
         for gi, keys, blocks in parts:
             ns = groups[gi].ns
             if pin:  # those stored already (by an earlier request, another engine) are pinned now
-                store.pin_blocks(ns, keys)
+                store.pin_blocks(ns, keys, request=True)
             for key, block in zip(keys, blocks):
                 slot = store.reserve(ns, key, tenant)
                 if slot is not None:
@@ -206,7 +206,7 @@ def reserve(
         ledger.abort_reserved([(gi, k, slot) for gi, k, slot, _ in got])
         return []
     out: dict[int, Transfer] = {}
-    tag = store.tenant_tag(tenant) if tenant else b""
+    tag = store.tag(tenant) if tenant else b""
     for gi, key, slot, block in got:
         t = out.get(gi)
         if t is None:

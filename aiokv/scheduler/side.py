@@ -90,7 +90,7 @@ class SchedulerSide:
         # is sent as a cancel so that its blocks, once vLLM frees them, are never written
         self.layerwise = False
         self._staged: set[str] = set()
-        self._described: dict[str, tuple[int, bool]] = {}  # req -> (tenant id, pin): describe()
+        self._described: dict[str, tuple[str, bool]] = {}  # req -> (tenant, pin): describe()
         self._logged: set[str] = set()  # the hooks whose failure was logged (error)
 
     @property
@@ -106,7 +106,7 @@ class SchedulerSide:
         """What a request is beyond its tokens: its tenant (its cache_salt, "" for none), and
         whether its blocks are pinned; before its first match. Never raises."""
         try:
-            self._described[req_id] = (self.store.tenant(tenant or ""), bool(pin))
+            self._described[req_id] = (str(tenant or ""), bool(pin))  # (registered at its first commit)
         except Exception:
             log.exception('aiokv: naming request %s\'s tenant failed; its blocks count as the tenant ""', req_id)
 
@@ -114,7 +114,7 @@ class SchedulerSide:
         st = self._reqs.get(req_id)
         if st is None or st.root != root:
             n = len(self.groups)
-            tenant, pin = self._described.get(req_id, (0, False))
+            tenant, pin = self._described.get(req_id, ("", False))
             st = self._reqs[req_id] = Req(
                 tokens,
                 root,

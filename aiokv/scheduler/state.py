@@ -53,7 +53,7 @@ class Req:
     # computed them met their keys first and could not
     own_cache: int = -1
     prompt: int = 0  # prompt tokens (the list's length when vLLM first asked about the request)
-    tenant: int = 0  # the store's id of its tenant (its cache_salt: Store.tenant; 0: none)
+    tenant: str = ""  # its tenant: its cache_salt ("": none); the store registers it at its first commit
     pin: bool = False  # its blocks are pinned (kv_transfer_params {"aiokv": {"pin": true}})
 
 

@@ -254,10 +254,11 @@ class Control:
         return got
 
     def _ids(self, order: Order) -> np.ndarray | None:
-        """The store's ids of the order's tenants (None: every tenant)."""
+        """The store's ids of the order's tenants (None: every tenant; a tenant without an id
+        here holds no block here: registered by nothing)."""
         if order.tenants is None:
             return None
-        return np.array(sorted({self.tenants.of_tag(t) for t in order.tenants}), np.uint16)
+        return np.array(sorted({self.tenants.lookup(t) for t in order.tenants} - {None}), np.uint16)
 
     def _matching(self, table, order: Order, written_before: bool = False) -> np.ndarray:
         """The slots of a table's blocks an order is for."""

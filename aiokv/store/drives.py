@@ -164,9 +164,6 @@ class Drives:
         self.skipped_drive_down = 0
         self.index = _Indexes(self.stores)
         self.space = _Space(self.stores)
-        # tenants: ids of the drives' composite (each drive's store has ids of its own)
-        self._tenants: list[tuple[str | None, bytes | None]] = [("", None)]
-        self._tids: dict = {("", None): 0}
 
     # ---- what the connector reads ----
     @property
@@ -284,36 +281,15 @@ class Drives:
             if mine:
                 self.stores[d].unpin(n, mine)
 
-    # ---- tenants: one id for all drives, each drive's own under it ----
-    def _tenant(self, which: tuple) -> int:
-        tid = self._tids.get(which)
-        if tid is None:
-            tid = self._tids[which] = len(self._tenants)
-            self._tenants.append(which)
-        return tid
+    # ---- tenants: by name or tag (each drive's store registers them at their first commit) ----
+    def tag(self, name: str) -> bytes:
+        """A tenant's tag (the same on every drive: the secret is theirs)."""
+        return self.stores[next(iter(self.stores))].tag(name)
 
-    def tenant(self, name: str) -> int:
-        return self._tenant((name or "", None)) if name else 0
-
-    def tenant_of_tag(self, tag: bytes) -> int:
-        return self._tenant((None, bytes(tag))) if bytes(tag) != fmt.NO_TENANT else 0
-
-    def _on(self, d: int, tenant: int) -> int:
-        """A tenant id as drive d's store knows it."""
-        if not tenant:
-            return 0
-        name, tag = self._tenants[tenant]
-        s = self.stores[d]
-        return s.tenant(name) if tag is None else s.tenant_of_tag(tag)
-
-    def tenant_tag(self, tenant: int) -> bytes:
-        d = next(iter(self.stores))
-        return self.stores[d].tenant_tag(self._on(d, tenant))
-
-    def pin_blocks(self, ns: DriveNamespace, keys, tenant: int | None = None) -> int:
+    def pin_blocks(self, ns: DriveNamespace, keys, tenant: int | None = None, request: bool = False) -> int:
         n = 0
         for d, part in ns.parts:
-            n += self.stores[d].pin_blocks(part, keys)
+            n += self.stores[d].pin_blocks(part, keys, request=request)
         return n
 
     def pinned_bytes(self) -> int:
@@ -327,14 +303,14 @@ class Drives:
                 out[label] = out.get(label, 0) + n
         return out if top is None else counters.top_and_other(out, top)
 
-    def reserve(self, ns: DriveNamespace, key: bytes, tenant: int = 0) -> int | None:
+    def reserve(self, ns: DriveNamespace, key: bytes, tenant: str | bytes = "") -> int | None:
         if key in ns.entries or key in ns.pending:
             return None
         d = place(key, self.seeds, self.live)
         if not self.breakers[d].allow_saves():
             self.skipped_drive_down += 1
             return None
-        where = self.stores[d].reserve(ns.on[d], key, self._on(d, tenant))
+        where = self.stores[d].reserve(ns.on[d], key, tenant)
         return None if where is None else fmt.on_drive(d, where)
 
     def _by_drive(self, items) -> dict[int, list]:
@@ -344,13 +320,15 @@ class Drives:
             by.setdefault(d, []).append((key, w))
         return by
 
-    def commit(self, ns: DriveNamespace, items, tenant: int = 0, pinned: bool = False) -> None:
+    def commit(
+        self, ns: DriveNamespace, items, tenant: str | bytes = "", pinned: bool = False, request: bool = False
+    ) -> None:
         first = None
         for d, its in self._by_drive(items).items():
             if d not in ns.on:
                 continue  # no such drive here: nothing of ours
             try:
-                self.stores[d].commit(ns.on[d], its, self._on(d, tenant), pinned)
+                self.stores[d].commit(ns.on[d], its, tenant, pinned, request)
             except Exception as e:
                 first = first or e
         if first is not None:

@@ -316,6 +316,9 @@ class IndexLog:
         self.beyond = 0  # records naming slots past the file system's size, left out (load_table)
         self.image_bytes = index_image_bytes(dir_fd)  # the index image's size (capacity counts it)
         self.mark = 0  # the control records its index has applied (checkpoint header, MARK records)
+        # an append failed since the last checkpoint: a replay may differ from the owner's index
+        # (a DROP not written brings its block back); a tenant id is given anew only once it is not
+        self.diverged = False
 
     def _journal_path(self, gen: int) -> str:
         return os.path.join(self.dir, self._journal_name(gen))
@@ -578,6 +581,7 @@ class IndexLog:
             if os.write(self.fd, data) != len(data):
                 raise OSError(errno.ENOSPC, "short journal write")
         except OSError:
+            self.diverged = True
             try:
                 os.ftruncate(self.fd, self.size)
             except OSError:
@@ -677,6 +681,7 @@ class IndexLog:
         old = self.fd
         self.gen, self.records = gen, 0
         self._open_journal(0, exists=False)
+        self.diverged = False
         if old is not None:
             os.close(old)
 

@@ -48,10 +48,11 @@ class JournalQueue:
         """Bytes the journal and checkpoint files take, queued records included."""
         return self._written + self._queued
 
-    def append(self, recs, failed=None, mark: int = 0) -> None:
+    def append(self, recs, failed=None, mark: int = 0, before=None) -> None:
         """Queue records (a list, or bytes of records end to end; all or none are written);
         failed(OSError) if they were not; mark: the MARK among them (control.py), which the
-        next checkpoint keeps."""
+        next checkpoint keeps; before: run first on the I/O thread (a tenants record that the
+        records name: tenants.py); if it raises, the records are not written."""
         if not recs:
             return
         n = len(recs) // fmt.REC_BYTES if isinstance(recs, bytes) else len(recs)  # (bytes: records end to end)
@@ -72,6 +73,8 @@ class JournalQueue:
                 failed(e)
 
         def write():
+            if before is not None:
+                before()
             log.append(recs)
             if mark:  # (written: the next checkpoint keeps it)
                 log.mark = max(log.mark, mark)

@@ -43,12 +43,13 @@ class Persist:
         self.logs[nsid] = log
         self.journals[nsid] = JournalQueue(log, self.fs)
 
-    def append(self, ns: Namespace, recs, failed=None, mark: int = 0) -> None:
-        """Queue records to a namespace's journal; failed(OSError) if they were not written.
+    def append(self, ns: Namespace, recs, failed=None, mark: int = 0, before=None) -> None:
+        """Queue records to a namespace's journal; failed(OSError) if they were not written
+        (before: run first where they are written, journalq.py).
         Without `failed`, best effort: a DROP that is not persisted resurrects an entry whose
         slot was punched or reused; its header then fails verification: a miss. A TOUCH that
         is not persisted only leaves a block older in the LRU."""
-        self.journals[ns.nsid].append(recs, failed, mark)
+        self.journals[ns.nsid].append(recs, failed, mark, before)
 
     def disk_bytes(self) -> int:
         """Bytes our journals and checkpoints take, queued records included."""

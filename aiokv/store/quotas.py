@@ -43,16 +43,23 @@ class Quotas:
         self.default = sizes.get("*")
         self._named = {tenants.tag(name): size for name, size in sizes.items() if name != "*"}
         self._q = np.zeros(0, np.int64)  # per tenant id: its quota (-1: none); grown as tenants come
+        self._epoch = -1  # the tenants' epoch _q was made at (an id given anew: made again)
 
     def _quotas(self, n: int) -> np.ndarray:
-        if len(self._q) < n:
-            q = np.full(n, -1 if self.default is None else self.default, np.int64)
-            for tid in range(n):
-                tag = self.tenants.tag_of(tid)
-                if tag is not None and tag in self._named:
-                    q[tid] = self._named[tag]
-            self._q = q
+        if len(self._q) < n or self._epoch != self.tenants.epoch:
+            q = np.full(max(n, len(self._q)), -1 if self.default is None else self.default, np.int64)
+            for tag, size in self._named.items():
+                tid = self.tenants.lookup(tag)
+                if tid is not None and tid < len(q):
+                    q[tid] = size
+            if len(q) > fmt.OVERFLOW_TENANT:
+                q[fmt.OVERFLOW_TENANT] = -1  # (blocks of no tenant: no quota counts them)
+            self._q, self._epoch = q, self.tenants.epoch
         return self._q[:n]
+
+    def quota_of_tag(self, tag: bytes) -> int | None:
+        """The quota of a tenant by its tag (one not registered yet)."""
+        return self._named.get(tag, self.default)
 
     def quota(self, tid: int) -> int | None:
         q = self._quotas(tid + 1)[tid]

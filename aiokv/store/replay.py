@@ -34,11 +34,12 @@ _log = logging.getLogger("aiokv")  # (`log` names a journal here)
 
 
 class Replay:
-    def __init__(self, dirs, index, space, persist, scan, tenant_of=lambda tag: 0):
-        """tenant_of(tag): the id our tenants file gives a tenant tag (0 if it names none; read
-        only: the loader thread may call it)."""
+    def __init__(self, dirs, index, space, persist, scan, tenant_of=lambda tag: 0, own_loaded=lambda table: None):
+        """tenant_of(tag): the id our tenants file gave a tenant tag at opening (for a rebuild
+        from the slot headers; read only: the loader thread may call it); own_loaded(table): the
+        owner's, at install (tenants.py: ids the file does not name)."""
         self.dirs, self.index, self.space, self.persist, self.scan = dirs, index, space, persist, scan
-        self.tenant_of = tenant_of
+        self.tenant_of, self.own_loaded = tenant_of, own_loaded
 
     def load_own(self, ns: Namespace) -> None:
         """Replay our own engine's files of a namespace as their owner (at once: read_own,
@@ -50,6 +51,7 @@ class Replay:
 
     def install(self, ns: Namespace, table, log) -> None:
         """The owner's half: the replayed index in place, the journal ours."""
+        self.own_loaded(table)
         self.index.load(ns, table)
         self.persist.add(ns.nsid, log)
         ns.mark = log.mark  # the control orders its index has applied (control.py)

@@ -100,6 +100,7 @@ from aiokv.store.index import Index, Namespace
 from aiokv.store.labels import Labels
 from aiokv.store.meta import Dirs, Opener, ns_dir  # noqa: F401  (ns_dir: callers name a namespace's directory)
 from aiokv.store.persist import Persist
+from aiokv.store.pins import Pins
 from aiokv.store.quotas import SLACK, Quotas
 from aiokv.store.reclaim import Reclaim
 from aiokv.store.replay import Replay
@@ -107,12 +108,11 @@ from aiokv.store.scan import Scan
 from aiokv.store.space import Space
 from aiokv.store.table import PINNED, give_back_scratch, tag_of
 from aiokv.store.tenants import Tenants
+from aiokv.store.tenantsfile import TenantsNotWritten
 from aiokv.store.wear import Wear
 from aiokv.util import counters
 
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
-PIN_SHARE = 10  # without pin_capacity, pinned blocks may take this share of the capacity (1/10)
-PIN_SAY_EVERY = 60.0  # seconds between the log lines of refused pins
 SHED_MAX = 4096  # blocks of tenants past their quota one refresh evicts at most
 WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight (io_thread)
 log = logging.getLogger("aiokv")
@@ -136,6 +136,7 @@ class Store:
     lock = _part("dirs", "lock")
     capacity = _part("space", "capacity")
     limit = _part("space", "limit")  # the capacity, or lower while the disk is full
+    pin_capacity = _part("pins", "capacity")  # bytes pinned blocks may take (None: capacity / PIN_SHARE)
     space_check_interval = _part("space", "check_interval")  # seconds between free-space checks while lowered
     follow_interval = _part("following", "interval")  # seconds between looks at the other engines
     followers = _part("following", "followers")  # (nsid, engine) -> its files
@@ -165,12 +166,11 @@ class Store:
         self.wear: Wear | None = None
         self.skipped_fs_busy = 0  # reservations skipped: the space for them was still being reserved
         self.skipped_loading = 0  # reservations skipped: the namespace's index was still loading
-        self.pin_capacity: int | None = None  # bytes pinned blocks may take (None: capacity / PIN_SHARE)
         self.quotas: Quotas | None = None  # bytes per tenant (quotas.py; set_quotas)
-        self._pin_said = -PIN_SAY_EVERY
         self.dirs = Dirs(self.root, readonly)
-        self.tenants = Tenants(self.dirs, fs, fmt.tenant_key(secret))  # tenant tags <-> ids (tenants.py)
+        self.tenants = Tenants(self.dirs, fs, fmt.tenant_key(secret), self.index)  # tenant tags <-> ids (tenants.py)
         self.persist = Persist(fs, self.index, sync_interval, checkpoint_every)
+        self.tenants.checkpoint = self.persist.checkpoint
         self.following = Following(self.dirs, self.index, fs, self.tenants)
         self.space = Space(
             parse_size(capacity) if capacity is not None else None,
@@ -181,13 +181,17 @@ class Store:
             self.persist,
             self.following.peer_bytes,
         )
+        self.pins = Pins(self.index, self.tenants, self.stats, self.space)  # pin_capacity, request_pins (pins.py)
         self.scan = Scan(self.dirs, self.space, fs, self.persist)
-        replay = Replay(self.dirs, self.index, self.space, self.persist, self.scan, self.tenants.known)
+        t = self.tenants
+        replay = Replay(self.dirs, self.index, self.space, self.persist, self.scan, t.id_at_open, t.own_loaded)
         self.labels = Labels(self.dirs, fs)  # a description per key, for the connector's KV events
         self.reclaim = Reclaim(self.dirs, self.index, fs, self.stats, self.following, self.space, sync_interval)
         self.opener = Opener(self.dirs, self.index, replay, self.following, self.space, fs)
         # the operators' orders (aiokv clear, pin, unpin), read at each look at the other engines
-        self.control = Control(self.dirs, self.index, self.tenants, self.space, self.persist, self.stats, self._may_pin)
+        self.control = Control(
+            self.dirs, self.index, self.tenants, self.space, self.persist, self.stats, self.pins.may_pin
+        )
         self.following.control = self.control
         self._replay = replay
         self._loader: threading.Thread | None = None
@@ -199,7 +203,7 @@ class Store:
         try:
             found = self.dirs.open(engine)
             self.engine = self.dirs.engine
-            self.tenants.load_own()
+            self.tenants.load_own(self.persist.logs)
             self.wear = Wear(self.dirs.root_fd, self.engine) if not readonly else None  # bytes committed
             self.control.orders += self.control.read_io() or []  # (applied as each namespace is in place)
             self.control.last = self.control.orders[-1].number if self.control.orders else 0
@@ -282,6 +286,7 @@ class Store:
                 pass  # tried again at the next refresh
 
     def _load_failed(self, ns: Namespace, e: BaseException) -> None:
+        self.tenants.failed_loads.add(ns.nsid)
         _log.error(
             "aiokv: loading the index of namespace %s failed (%s); it serves no hits and takes no saves",
             ns.hex[:12],
@@ -310,11 +315,15 @@ class Store:
         """The block the directory's capacity gives up first: of a tenant not protected by its quota."""
         return self.quotas.victim(None) or self.index.victim() if self.quotas is not None else self.index.victim()
 
-    def _within_quota(self, ns: Namespace, tid: int) -> bool:
+    def _within_quota(self, ns: Namespace, tid: int | None, tag: bytes) -> bool:
         """Room for one more block of tenant tid within its quota: its own least recently used
         blocks evicted while they are its oldest in the directory (another engine's older ones
-        are that engine's to evict: up to quota / SLACK over meanwhile); False: none to give up."""
+        are that engine's to evict: up to quota / SLACK over meanwhile); False: none to give up.
+        tid None: a tenant not registered (it holds nothing): its quota by its tag."""
         quotas = self.quotas
+        if tid is None:
+            q = quotas.quota_of_tag(tag)
+            return q is None or ns.slot_cost <= q
         q = quotas.quota(tid)
         if q is None:
             return True
@@ -369,14 +378,15 @@ class Store:
         return out
 
     # ---- tenants (tenants.py) ----
-    def tenant(self, name: str) -> int:
-        """The id of the tenant a request's cache_salt names ("" or None: 0), for reserve and commit."""
+    def tenant(self, name: str) -> int | None:
+        """The id of the tenant a request's cache_salt names ("" or None: 0), if it holds or
+        held blocks here (registered at its first commit); None: not registered."""
         return self.tenants.id(name or "")
 
-    def tenant_of_tag(self, tag: bytes) -> int:
-        """The id of a tenant named by its 16-byte tag (format.tenant_tag; as a slot header
-        carries it: format.header_tenant), for reserve and commit."""
-        return self.tenants.of_tag(bytes(tag))
+    def tag(self, name: str) -> bytes:
+        """The 16-byte tag of a tenant's name (format.tenant_tag, keyed by the secret): what its
+        slot headers carry (Transfer.tenant)."""
+        return self.tenants.tag(name or "")
 
     def tenant_tag(self, tenant: int) -> bytes:
         """The tag of a tenant id (what a slot header carries: Transfer.tenant)."""
@@ -430,15 +440,20 @@ class Store:
         """Whether key's committed copy is the one at location `where`."""
         return ns.entries.get(key) == where
 
-    def reserve(self, ns: Namespace, key: bytes, tenant: int = 0) -> int | None:
-        """A location (in our engine's files) for `key` of `tenant` (Store.tenant), evicting
-        if needed; None if present (in any engine's files), pending, or no space."""
+    def reserve(self, ns: Namespace, key: bytes, tenant: str | bytes = "") -> int | None:
+        """A location (in our engine's files) for `key` of `tenant` (a cache_salt, or a tenant's
+        tag), evicting if needed; None if present (in any engine's files), pending, no space,
+        or no tenant id free for a new tenant (tenants.py)."""
         if not ns.ready:
             self.skipped_loading += 1  # the index is loading: the save is dropped
             return None
         if key in ns.pending or ns.where(key) is not None:
             return None
-        if self.quotas is not None and not self._within_quota(ns, tenant):
+        tag, tid = self.tenants.for_save(tenant)
+        if tag is None:  # a new tenant and no id free (tenants.py)
+            self.stats.skipped_tenants += 1
+            return None
+        if self.quotas is not None and not self._within_quota(ns, tid, tag):
             self.stats.skipped_quota += 1
             return None
         space = self.space
@@ -449,7 +464,7 @@ class Store:
                 self.skipped_fs_busy += 1
                 return None
             if not grown:
-                victim = self.quotas.victim(tenant) if self.quotas is not None else self.index.victim()
+                victim = self.quotas.victim(tid) if self.quotas is not None else self.index.victim()
                 # another namespace's slot is no use here: its space must be punched
                 if victim is None or not space.evict(*victim, punch=victim[0] is not ns):
                     self.stats.skipped_no_space += 1
@@ -459,9 +474,17 @@ class Store:
         ns.pending[key] = where = fmt.loc(self.engine, slot)
         return where
 
-    def commit(self, ns: Namespace, items, tenant: int = 0, pinned: bool = False) -> None:
-        """Make written (key, location) pairs of `tenant` (Store.tenant) visible to lookups,
-        durably; pinned: never evicted (bounded by pin_capacity)."""
+    def commit(
+        self, ns: Namespace, items, tenant: str | bytes = "", pinned: bool = False, request: bool = False
+    ) -> None:
+        """Make written (key, location) pairs of `tenant` (a cache_salt, or a tenant's tag)
+        visible to lookups, durably; pinned: never evicted (bounded by pin_capacity; `request`:
+        a request's pin, bounded by request_pins too: pins.py). A new tenant is registered here
+        (tenants.py); without an id free its blocks are given back."""
+        tag, tid = self.tenants.register(tenant)
+        if tid is None:  # no id free (tenants.py): given back
+            self.stats.skipped_tenants += sum(ns.pending.get(k) == w for k, w in items)
+            return self.abort(ns, items, failed=False)
         now = time.time_ns()
         done, slots = [], []
         pending = ns.pending
@@ -473,13 +496,15 @@ class Store:
             slots.append(where & fmt.SLOT_MASK)
         if not done:
             return
-        if not pinned and self.control.orders:  # a tenant pinned by `aiokv pin`: its new blocks too
-            pinned = self.control.pinned(ns.nsid, self.tenant_tag(tenant))
-        flags = PINNED if pinned and self._may_pin(ns, len(done), tenant) else 0
+        if self.control.orders and self.control.pinned(ns.nsid, tag):  # pinned by `aiokv pin`: its new blocks too
+            pinned, request = True, False
+        k = self.pins.room(ns, len(done), tid, request) if pinned else 0  # the first k pinned (pins.py)
         # in memory a few ns apart (ties keep their order); the records say `now`
-        self.index.commit_many(ns, done, slots, now, tenant, flags)
-        self.tenants.persist(tenant)  # (before the records that name it)
-        recs = _index.commit_records(done, slots, now, tenant, flags)  # the COMMIT records (format.pack_record)
+        recs = b""
+        for part, flags in ((slice(0, k), PINNED), (slice(k, None), 0)):
+            if done[part]:
+                self.index.commit_many(ns, done[part], slots[part], now, tid, flags)
+                recs += _index.commit_records(done[part], slots[part], now, tid, flags)  # (format.pack_record)
         nrecs = len(done)
         self.stats.commits += nrecs
         failed = []
@@ -497,6 +522,8 @@ class Store:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.stats.enospc += 1
                 self.space.make_room()
+            elif isinstance(e, TenantsNotWritten):
+                self.tenants.not_written(e, nrecs)
             else:
                 log.warning(
                     "aiokv: %s",
@@ -504,7 +531,7 @@ class Store:
                 )
 
         self.wear.count(nrecs * ns.slot_cost)
-        self.persist.append(ns, recs, undo)
+        self.persist.append(ns, recs, undo, before=self.tenants.writer(tid))  # (its tenants record first)
         if not failed:
             self.persist.checkpoint_if_due(ns)
 
@@ -535,50 +562,29 @@ class Store:
         )
         return out
 
-    # ---- pins that last: blocks never evicted (issue 34), bounded by pin_capacity ----
+    # ---- pins that last: blocks never evicted (issue 34), bounded by pin_capacity (pins.py) ----
     def pinned_bytes(self) -> int:
         """Bytes of pinned blocks in the directory: ours and the other engines' (as followed)."""
-        return sum(
-            ns.slot_cost * (ns.table.pinned + sum(t.pinned for t in ns.tables.values()))
-            for ns in self.index.namespaces.values()
-        )
+        return self.pins.pinned_bytes()
 
-    @property
-    def pin_limit(self) -> int | None:
-        """pin_capacity, or PIN_SHARE of the capacity where it is not set (None: no bound)."""
-        if self.pin_capacity is not None:
-            return self.pin_capacity
-        return None if self.space.capacity is None else self.space.capacity // PIN_SHARE
+    def set_request_pins(self, spec: dict[str, int | None] | None) -> None:
+        """The `request_pins` setting: the tenants whose requests may pin, and their bounds (pins.py)."""
+        self.pins.set_requests(spec)
 
-    def _may_pin(self, ns: Namespace, n: int, tenant: int = 0) -> bool:
-        """Whether n more blocks of ns may be pinned (within pin_capacity); a refusal is said
-        (one line a minute at most) and counted, never raised."""
-        limit = self.pin_limit
-        if limit is None or self.pinned_bytes() + n * ns.slot_cost <= limit:
-            return True
-        self.stats.pins_refused += n
-        now = time.monotonic()
-        if now - self._pin_said >= PIN_SAY_EVERY:
-            self._pin_said = now
-            log.warning(
-                "aiokv: pinning %d block(s) of tenant %s refused: pinned blocks would exceed pin_capacity "
-                "(%d bytes); they are stored unpinned (raise pin_capacity, or unpin: aiokv unpin)",
-                n,
-                self.tenants.label(tenant),
-                limit,
-            )
-        return False
-
-    def pin_blocks(self, ns: Namespace, keys, tenant: int | None = None) -> int:
-        """Pin our stored blocks of these keys (FLAGS records; within pin_capacity: past it the
-        rest stays unpinned, said once). Another engine's copy is pinned by its holder when it
-        saves or hits the key itself. Returns how many were pinned now."""
+    def pin_blocks(self, ns: Namespace, keys, tenant: int | None = None, request: bool = False) -> int:
+        """Pin our stored blocks of these keys (FLAGS records; within pin_capacity, and for a
+        `request`'s pin within its tenant's request_pins bound: past it the rest stays unpinned,
+        said once; refused, said, while the index loads). Another engine's copy is pinned by its
+        holder when it saves or hits the key itself. Returns how many were pinned now."""
+        if not ns.ready:
+            self.pins.loading(ns)
+            return 0
         t, recs = ns.table, []
         for k in keys:
             s = t.find(k)
             if s < 0 or t.flags[s] & PINNED:
                 continue
-            if not self._may_pin(ns, 1, int(t.tenant[s]) if tenant is None else tenant):
+            if not self.pins.may_pin(ns, 1, int(t.tenant[s]) if tenant is None else tenant, request):
                 break
             t.set_flags(s, int(t.flags[s]) | PINNED)
             recs.append(fmt.pack_flags(s, t.tag_at(s), int(t.flags[s])))

@@ -22,7 +22,8 @@ may leave out the blocks of some tenants (`oldest(filt=...)`: a tenant's own LRU
 or every tenant but those a quota protects; aiokv/store/quotas.py): the same pass
 over the blocks that filter lets through, one batch kept per filter.
 
-Counts: blocks per tenant (`tenant_blocks`) and pinned blocks (`pinned`), kept as
+Counts: blocks per tenant (`tenant_blocks`), pinned blocks (`pinned`) and pinned blocks per
+tenant (`tenant_pinned`: the bound on a tenant's request pins, aiokv/store/pins.py), kept as
 blocks come and go (put, put_many, clear, journal.apply_records) or counted again
 after a bulk build (`recount`).
 
@@ -79,6 +80,7 @@ class Table:
         self.count = 0
         self.tenant_blocks = np.zeros(1, np.int64)  # blocks per tenant id
         self.pinned = 0  # blocks with PINNED
+        self.tenant_pinned = np.zeros(1, np.int64)  # blocks with PINNED per tenant id (request pins' bound)
         self._bind()
 
     def _bind(self) -> None:
@@ -114,7 +116,9 @@ class Table:
         """Blocks per tenant and pinned blocks, counted from the arrays (after a bulk build)."""
         live = self.tag != 0
         self.tenant_blocks = np.bincount(self.tenant[live], minlength=1).astype(np.int64)
-        self.pinned = int(np.count_nonzero(self.flags[live] & PINNED))
+        pinned = live & (self.flags & PINNED != 0)
+        self.pinned = int(np.count_nonzero(pinned))
+        self.tenant_pinned = np.bincount(self.tenant[pinned], minlength=1).astype(np.int64)
 
     def count_blocks(self, tenants, flags, sign: int) -> None:
         """Blocks of these tenants (ids) and flags came (sign 1) or went (-1)."""
@@ -125,10 +129,27 @@ class Table:
         if n > len(self.tenant_blocks):
             self.tenant_blocks = np.concatenate([self.tenant_blocks, np.zeros(n - len(self.tenant_blocks), np.int64)])
         self.tenant_blocks[:n] += sign * np.bincount(tenants, minlength=n)
-        self.pinned += sign * int(np.count_nonzero(np.asarray(flags) & PINNED))
+        pinned = tenants[(np.asarray(flags) & PINNED) != 0]
+        self.pinned += sign * len(pinned)
+        if len(pinned):
+            self._count_pinned(pinned, sign)
+
+    def _count_pinned(self, tenants: np.ndarray, sign: int) -> None:
+        n = int(tenants.max()) + 1
+        if n > len(self.tenant_pinned):
+            self.tenant_pinned = np.concatenate([self.tenant_pinned, np.zeros(n - len(self.tenant_pinned), np.int64)])
+        self.tenant_pinned[:n] += sign * np.bincount(tenants, minlength=n)
+
+    def _pin1(self, tenant: int, sign: int) -> None:
+        if tenant >= len(self.tenant_pinned):
+            self._count_pinned(np.array([tenant], np.int64), 0)  # (grown)
+        self.tenant_pinned[tenant] += sign
 
     def blocks_of(self, tenant: int) -> int:
         return int(self.tenant_blocks[tenant]) if tenant < len(self.tenant_blocks) else 0
+
+    def pinned_of(self, tenant: int) -> int:
+        return int(self.tenant_pinned[tenant]) if tenant < len(self.tenant_pinned) else 0
 
     def _count1(self, tenant: int, flags: int, sign: int) -> None:
         if tenant >= len(self.tenant_blocks):
@@ -138,6 +159,7 @@ class Table:
         self.tenant_blocks[tenant] += sign
         if flags & PINNED:
             self.pinned += sign
+            self._pin1(tenant, sign)
 
     @property
     def slots(self) -> int:
@@ -251,7 +273,10 @@ class Table:
         """The block in `slot` has these flags from now on; False if there is none or they did not change."""
         if slot >= len(self._tags) or not self._tags[slot] or self.flags[slot] == flags:
             return False
-        self.pinned += bool(flags & PINNED) - bool(self.flags[slot] & PINNED)
+        change = bool(flags & PINNED) - bool(self.flags[slot] & PINNED)
+        if change:
+            self.pinned += change
+            self._pin1(int(self.tenant[slot]), change)
         self.flags[slot] = flags
         return True
 

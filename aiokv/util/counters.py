@@ -166,7 +166,8 @@ TABLE: tuple[Row, ...] = (
         COUNTER,
         "KV blocks not saved, by cause: staging_full = no free staging memory (raise `staging`); "
         "no_space = nothing evictable or the disk is full; timeout = a write over save_timeout; "
-        "breaker = the circuit breaker was open.",
+        "breaker = the circuit breaker was open; quota = its tenant's quota left nothing to evict; "
+        "tenants = a new tenant and no tenant id free (65,534 tenants holding blocks).",
         WORKER,
         labels=(("cause", "staging_full"),),
         per_rank=True,
@@ -183,6 +184,7 @@ TABLE: tuple[Row, ...] = (
         STORE,
     ),
     Row("store_skipped_quota", "save_dropped_blocks", COUNTER, "", STORE, labels=(("cause", "quota"),)),
+    Row("store_skipped_tenants", "save_dropped_blocks", COUNTER, "", STORE, labels=(("cause", "tenants"),)),
     Row(
         "store_cleared",
         "cleared_blocks",
@@ -194,7 +196,8 @@ TABLE: tuple[Row, ...] = (
         "store_pins_refused",
         "pins_refused_blocks",
         COUNTER,
-        "KV blocks a pin (a request's, or `aiokv pin`) left unpinned because pinned blocks would exceed pin_capacity.",
+        "KV blocks a pin (a request's, or `aiokv pin`) left unpinned because pinned blocks would exceed "
+        "pin_capacity, or, for a request's, its tenant's request_pins bound (or request_pins does not name it).",
         STORE,
     ),
     Row(

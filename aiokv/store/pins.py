@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: Apache-2.0
+"""How many blocks may be pinned, and whose requests may pin (issues 34, 40).
+
+Pinned blocks (table.PINNED) are never evicted; they take at most `pin_capacity` bytes of the
+directory (`capacity`, default a tenth of the capacity: PIN_SHARE), every engine's pinned blocks
+counted, as followed. Pins are the operator's: `aiokv pin` (control.py), bounded by that alone.
+A request may ask for its blocks to be pinned (kv_transfer_params {"aiokv": {"pin": true}}):
+only for a tenant the `request_pins` setting names ("*": every tenant; none by default), and
+only while that tenant's pinned blocks (every engine's, whoever pinned them) stay within its
+bound: the size given there, else REQUEST_SHARE of the pin limit. So requests never fill the pin
+capacity by themselves, and a tenant no setting names never pins. A refusal is said (one line a
+minute at most) and counted (`pins_refused`, per block), the block stored unpinned.
+
+Threading contract: the owner's (the Store's thread), like the index it reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from aiokv.data import format as fmt
+
+log = logging.getLogger("aiokv")
+PIN_SHARE = 10  # without pin_capacity, pinned blocks may take this share of the capacity (1/10)
+REQUEST_SHARE = 4  # a tenant named in request_pins without a size: this share of the pin limit (1/4)
+SAY_EVERY = 60.0  # seconds between the log lines of refused pins
+
+
+class Pins:
+    def __init__(self, index, tenants, stats, space):
+        self.index, self.tenants, self.stats, self.space = index, tenants, stats, space
+        self.capacity: int | None = None  # pin_capacity (None: capacity / PIN_SHARE)
+        self.requests: dict[str, int | None] = {}  # request_pins: tenant name ("*": every other) -> bytes or None
+        self._named: dict[bytes, int | None] = {}  # the same, by tag
+        self._said: dict[str, float] = {}  # what was refused -> when it was last said
+
+    def set_requests(self, spec: dict[str, int | None] | None) -> None:
+        """The `request_pins` setting (aiokv/config.py): tenant name ("*": every other) ->
+        bytes, or None for REQUEST_SHARE of the pin limit; None or {}: no request pins."""
+        self.requests = dict(spec or {})
+        self._named = {self.tenants.tag(n): size for n, size in self.requests.items() if n != "*"}
+
+    @property
+    def limit(self) -> int | None:
+        """pin_capacity, or PIN_SHARE of the capacity where it is not set (None: no bound)."""
+        if self.capacity is not None:
+            return self.capacity
+        return None if self.space.capacity is None else self.space.capacity // PIN_SHARE
+
+    def pinned_bytes(self) -> int:
+        """Bytes of pinned blocks in the directory: ours and the other engines' (as followed)."""
+        return sum(
+            ns.slot_cost * (ns.table.pinned + sum(t.pinned for t in ns.tables.values()))
+            for ns in self.index.namespaces.values()
+        )
+
+    def pinned_of(self, tid: int) -> int:
+        """Bytes of a tenant's pinned blocks in the directory (every engine's, as followed)."""
+        return sum(
+            ns.slot_cost * (ns.table.pinned_of(tid) + sum(t.pinned_of(tid) for t in ns.tables.values()))
+            for ns in self.index.namespaces.values()
+        )
+
+    def bound(self, tag: bytes) -> int | None:
+        """Bytes a tenant's pinned blocks may take for its requests to pin more (None: its
+        requests may not pin)."""
+        if tag in self._named:
+            size = self._named[tag]
+        elif "*" in self.requests:
+            size = self.requests["*"]
+        else:
+            return None
+        if size is None:
+            limit = self.limit
+            return None if limit is None else limit // REQUEST_SHARE
+        return size
+
+    def may_pin(self, ns, n: int, tenant: int = 0, request: bool = False) -> bool:
+        """Whether n more blocks of ns, of tenant id `tenant`, may be pinned (room); all or none."""
+        return self.room(ns, n, tenant, request, whole=True) == n
+
+    def room(self, ns, n: int, tenant: int = 0, request: bool = False, whole: bool = False) -> int:
+        """How many of n more blocks of ns, of tenant id `tenant`, may be pinned: within
+        pin_capacity, and for a `request`'s pin within its tenant's request_pins bound (whole:
+        all n or none). The rest are refused: said (one line a minute at most) and counted."""
+        cost, label, k = ns.slot_cost, self.tenants.label(tenant), n
+        if request:
+            bound = self.bound(self.tenants.tag_of(tenant) or fmt.NO_TENANT)
+            k = 0 if bound is None else min(k, max(0, (bound - self.pinned_of(tenant)) // cost))
+            if bound is None:
+                self._say(
+                    "named",
+                    "aiokv: a request of tenant %s asked for %d block(s) to be pinned; the "
+                    "`request_pins` setting does not name that tenant: stored unpinned",
+                    label,
+                    n,
+                )
+            elif k < n:
+                self._say(
+                    "bound",
+                    "aiokv: pinning %d block(s) of tenant %s for a request refused: its pinned "
+                    "blocks would exceed its request_pins bound (%d bytes); stored unpinned",
+                    n - k,
+                    label,
+                    bound,
+                )
+        limit = self.limit
+        if limit is not None and k:
+            fit = min(k, max(0, (limit - self.pinned_bytes()) // cost))
+            if fit < k:
+                self._say(
+                    "capacity",
+                    "aiokv: pinning %d block(s) of tenant %s refused: pinned blocks would "
+                    "exceed pin_capacity (%d bytes); they are stored unpinned (raise pin_capacity, or unpin: "
+                    "aiokv unpin)",
+                    k - fit,
+                    label,
+                    limit,
+                )
+            k = fit
+        if whole and k < n:
+            k = 0
+        self.stats.pins_refused += n - k
+        return k
+
+    def loading(self, ns) -> None:
+        """A pin asked of a namespace whose index is loading (or failed to load): refused, said."""
+        self._say(
+            "loading",
+            "aiokv: pins of namespace %s are refused while its index loads (its blocks are not known yet)",
+            ns.hex[:12],
+        )
+
+    def _say(self, what: str, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._said.get(what, -SAY_EVERY) >= SAY_EVERY:
+            self._said[what] = now
+            log.warning(msg, *args)
