@@ -131,9 +131,8 @@ def _fill(root, say):
     st = Store(root, capacity="64MiB")
     ns = st.namespace(NS, PAYLOAD)
     for name, base in (("alice", 0), ("bob", 10)):
-        tid = st.tenant(name)
-        slots = [st.reserve(ns, key(base + i), tid) for i in range(3)]
-        st.commit(ns, [(key(base + i), s) for i, s in enumerate(slots)], tid)
+        slots = [st.reserve(ns, key(base + i), name) for i in range(3)]
+        st.commit(ns, [(key(base + i), s) for i, s in enumerate(slots)], name)
     st.close()
     return True
 
