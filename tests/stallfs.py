@@ -8,7 +8,11 @@ exists, what it holds hangs (the handler waits until CONTROL is removed; the
 kernel keeps the caller in the system call meanwhile, as a hung device does):
 - "r" (or empty): reads of files whose name ends in `.data` do not answer;
 - "w": nor do writes of them;
-- "a": no operation on the mount answers (a hung NFS server, a frozen queue).
+- "a": no operation on the mount answers (a hung NFS server, a frozen queue);
+- "i": reads of an index's files (checkpoint, journal.<gen>, its image `index`) do not
+  answer: an engine's store opens, and its loader thread waits there (a slow mount at a
+  restart, held until the test says);
+- "e": reads of an index's files fail with EIO (after any "i" ends): a load that fails.
 THREADS (default 200) is the daemon's thread pool. With a small pool (4) and
 "r", the hung reads take every daemon thread and everything else on the mount
 hangs behind them (a stat, an open, a journal write): what a real FUSE daemon
@@ -40,6 +44,11 @@ def _says(control: str, what: str) -> bool:
             return what in (f.read() or "r")
     except FileNotFoundError:
         return False
+
+
+def _index_file(path: str) -> bool:
+    name = os.path.basename(path)
+    return name in ("checkpoint", "index") or name.startswith("journal.")
 
 
 def serve(source: str, mountpoint: str, control: str, threads: int = 200) -> None:
@@ -123,6 +132,11 @@ def serve(source: str, mountpoint: str, control: str, threads: int = 200) -> Non
             if path.endswith(".data"):
                 while _says(control, "r"):  # the hung disk
                     time.sleep(0.02)
+            elif _index_file(path):
+                while _says(control, "i"):  # the index held where the loader reads it
+                    time.sleep(0.02)
+                if _says(control, "e"):
+                    raise fuse.FuseOSError(errno.EIO)
             return self._os(os.pread, fh, size, offset)
 
         def write(self, path, data, offset, fh):
