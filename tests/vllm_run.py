@@ -11,8 +11,9 @@ return aiokv's Prometheus series as `metrics`),
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config), kv_role (aiokv's,
 kv_both unless given), with_connector (another connector's kv_transfer_config: aiokv and it run
 under vLLM's MultiConnector, aiokv first unless aiokv_first is false),
-ready_file (created once the engine is up), index_wait (true unless given: before the phases,
-wait until aiokv's index has loaded in the background, "index_wait_s" the seconds waited),
+ready_file (created once the engine is up and, in one process, aiokv's index has loaded in the
+background: a test that then makes the mount hang; "index_wait_s" the seconds that took; the
+phases themselves never wait for the index: aiokv's requests do, scheduler/index_wait.py),
 kv_events (a socket path: vLLM publishes its KV events there over ZMQ (ipc://) and a subscriber
 here collects them in "events": [type, medium, group, hashes,
 parent, token ids] each, in order), audit_fs (RESULT lists the file-system
@@ -21,6 +22,9 @@ every step's saves checked against vLLM's own scheduler output, _audit_saves),
 lora ({max_lora_rank, max_loras}: LoRA served),
 phases: [{prompts: [[ids]], max_tokens, follow? (prompts are then the next turns: each the previous
 phase's prompt, its reply and these ids), salts?, loras? ([name, id, path] or null per prompt),
+index_gate? ({path, then}: a tests/stallfs.py control file holding aiokv's index loader,
+rewritten with `then` (null: removed) at the start of the first step at which every request of
+the phase has waited for the index (counter index_waited); "index_gate_step" gets that step),
 add_lora? ([[name, id, path]]: loaded into the workers before the phase), stall? (a
 tests/stallfs.py control file written, with stall_mode ("a" unless given), before the phase's
 requests and removed once they are done; "seconds" gets each phase's time), abort_after?: {index: steps}, abort_preempted?: n (abort
@@ -140,11 +144,9 @@ def main(spec: dict) -> dict:
             return preempt(*a, **k)
 
         sched._preempt_request = counting_preempt
-        if spec.get("index_wait", True) and getattr(aio, "sched", None) is not None:
-            # a restart's hits begin once the index has loaded (in the background): the first
-            # phase's requests wait for that, as an operator's readiness check would
+    if spec.get("ready_file"):  # tests waiting for the engine to be up (its index loaded, e.g. to hang the mount)
+        if not MP and getattr(aio, "sched", None) is not None:
             result["index_wait_s"] = _wait_for_index(aio.sched.store, time.monotonic() + 120)
-    if spec.get("ready_file"):  # tests waiting for the engine to be up (its index loaded)
         open(spec["ready_file"], "w").close()
     audit = _audit_fs() if spec.get("audit_fs") else None
     if spec.get("audit_saves") and not MP:
@@ -194,6 +196,8 @@ def main(spec: dict) -> dict:
         deadline = time.monotonic() + spec.get("phase_timeout", 300)
         resets = list(phase.get("resets") or [])
         held = 0  # steps at whose start the next reset's condition held, in a row
+        gate = phase.get("index_gate")
+        waited = aio.sched.counters.index_waited if gate else 0  # (before this phase)
         while pending or engine.has_unfinished_requests() or resets:
             take = pending[:1] if phase.get("stagger") else pending
             for i in list(take):
@@ -236,6 +240,9 @@ def main(spec: dict) -> dict:
                         result["aborted_while"][where] = result["aborted_while"].get(where, 0) + 1
                     engine.abort_request([rid])
                     outs[rid] = None
+            if gate and aio.sched.counters.index_waited - waited >= len(prompts):
+                _open_gate(gate)
+                result["index_gate_step"], gate = step, None
             while resets:
                 held = held + 1 if _reset_due(resets[0]["when"], aio) else 0
                 if held < resets[0].get("steps", 1):
@@ -276,6 +283,8 @@ def main(spec: dict) -> dict:
         result.setdefault("seconds", []).append(round(time.monotonic() - t_phase, 3))
         if phase.get("stall") and os.path.exists(phase["stall"]):  # (the test may have ended the hang itself)
             os.unlink(phase["stall"])
+        if gate:  # never opened: the loader must not stay held (the test sees no index_gate_step)
+            _open_gate(gate)
     if audit is not None:
         result["fs_calls_on_engine_thread"] = sorted(audit.pop())
     if MP:  # aiokv's counters live in the engine core process: read them as vLLM exports them
@@ -323,6 +332,16 @@ def main(spec: dict) -> dict:
     result["requests_left"] = len(sched.requests)
     core.shutdown()
     return result
+
+
+def _open_gate(gate: dict) -> None:
+    """An index_gate's control file: rewritten with `then`, or removed (the loader goes on)."""
+    if gate.get("then") is None:
+        if os.path.exists(gate["path"]):
+            os.unlink(gate["path"])
+    else:
+        with open(gate["path"], "w") as f:
+            f.write(gate["then"])
 
 
 def _reset_due(when: str, aio) -> bool:
