@@ -43,7 +43,8 @@ idle until that file exists (tests that run two engines at once use it to order
 them); peer_blocks waits, after that, until this engine's store sees at least n
 blocks the other engines on the directory committed (it looks every
 FOLLOW_INTERVAL, so a file on disk is not yet a hit here); settle waits, before the phase, until the previous phases' saves and
-bucket-tier uploads are done (one process, TP 1); kill_at_step kills -9 that
+bucket-tier uploads are done (one process, TP 1; spec settle_at_end: after the last phase, before
+the counters are read, so an upload figure counts every upload); kill_at_step kills -9 that
 process group at that step of the phase; reload_weights loads other weights into
 the running engine (collective_rpc) and reset_prefix_cache then calls
 LLM.reset_prefix_cache(**kwargs), both before the phase (its result in "reset").
@@ -318,6 +319,8 @@ def main(spec: dict) -> dict:
             if not sched.has_requests():
                 break
             engine.step()
+        if spec.get("settle_at_end"):  # the bucket tier's uploads done before the counters are read
+            _settle(engine, time.monotonic() + spec.get("phase_timeout", 300))
         result["counters"] = {**conn.counters(), **wc.counters()}
         result["pool_size"] = wc.worker.pool.count if wc.worker is not None else 0
     if sub is not None:
