@@ -29,7 +29,9 @@ add_lora? ([[name, id, path]]: loaded into the workers before the phase), stall?
 tests/stallfs.py control file written, with stall_mode ("a" unless given), before the phase's
 requests and removed once they are done; "seconds" gets each phase's time), abort_after?: {index: steps}, abort_preempted?: n (abort
 the first n requests seen preempted, in the step they are; where each abort landed: "aborted_while"),
-wait_for?: path, peer_blocks?: n, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
+abort_loading?: n (abort requests seen waiting for their load, WAITING_FOR_REMOTE_KVS, in the step
+they are, until n aborts landed there),
+wait_for?: path, peer_blocks?: n, orders?: n, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
 reset_prefix_cache?: {kwargs}, kill_when_loading?: process group (killed -9 at the first step
 that starts with one of aiokv's loads in flight; "killed_at_step"), resets?: [{when, kwargs}]
 (LLM.reset_prefix_cache(**kwargs) in the middle of the phase, one after the other, each at the
@@ -42,7 +44,8 @@ one request per step instead of all at once); wait_for keeps the engine alive an
 idle until that file exists (tests that run two engines at once use it to order
 them); peer_blocks waits, after that, until this engine's store sees at least n
 blocks the other engines on the directory committed (it looks every
-FOLLOW_INTERVAL, so a file on disk is not yet a hit here); settle waits, before the phase, until the previous phases' saves and
+FOLLOW_INTERVAL, so a file on disk is not yet a hit here); orders waits, after that, until
+this engine has read and applied the operators' first n orders (aiokv clear, pin: DIR/control); settle waits, before the phase, until the previous phases' saves and
 bucket-tier uploads are done (one process, TP 1; spec settle_at_end: after the last phase, before
 the counters are read, so an upload figure counts every upload); kill_at_step kills -9 that
 process group at that step of the phase; reload_weights loads other weights into
@@ -169,6 +172,13 @@ def main(spec: dict) -> dict:
             _wait_for_peer_blocks(
                 aio.sched.store, phase["peer_blocks"], time.monotonic() + spec.get("phase_timeout", 300)
             )
+        if phase.get("orders"):  # the operators' orders applied (read at the I/O thread's looks)
+            _refresh_until(
+                aio.sched.store,
+                lambda n=phase["orders"]: aio.sched.store.control.last >= n,
+                time.monotonic() + spec.get("phase_timeout", 300),
+                f"this engine did not apply {phase['orders']} order(s)",
+            )
         if phase.get("reload_weights"):  # weights changed in place, as an RL trainer does
             llm.collective_rpc("reload_weights", kwargs={"weights_path": phase["reload_weights"]})
         if phase.get("reset_prefix_cache") is not None:
@@ -233,6 +243,17 @@ def main(spec: dict) -> dict:
                         and result["aborted_while"].get("PREEMPTED", 0) < phase["abort_preempted"]
                     ):
                         aborts[i] = step - next(a for j, _, a in ids if j == i)
+            if phase.get("abort_loading") and not MP:  # a load in flight when the abort lands, whatever the speed
+                for i, rid, added in ids:
+                    r = sched.requests.get(internal[rid])
+                    if (
+                        r is not None
+                        and r.status.name == "WAITING_FOR_REMOTE_KVS"
+                        and rid not in outs
+                        and result["aborted_while"].get("WAITING_FOR_REMOTE_KVS", 0) < phase["abort_loading"]
+                    ):
+                        aborts[i] = step - added
+                        break
             for i, rid, added in ids:
                 if i in aborts and step - added == aborts[i] and rid not in outs:
                     if not MP:  # where the abort landed: WAITING, WAITING_FOR_REMOTE_KVS, RUNNING, PREEMPTED
