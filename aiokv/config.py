@@ -47,6 +47,8 @@ class AioKVConfig:
     fs_timeout: float = 2.0  # seconds a store operation (journal, grow, punch...) may take before the
     # file system counts as hung: no hits or saves until it answers
     start_timeout: float = 60.0  # seconds opening the cache directory may take at start; past it aiokv is off
+    # seconds requests wait (vLLM asks again each step) for an index still loading at start; past it, misses
+    index_wait: float = 5.0
     breaker_failures: int = 3  # load timeouts / I/O errors in a row that stop hits and saves (0: never)
     breaker_cooldown: float = 30.0  # seconds hits and saves stay off before one probe
     strict_load_failures: bool = False  # keep vLLM's kv_load_failure_policy="fail"
@@ -267,6 +269,7 @@ TIMEOUTS = {
     "bucket_timeout": 0.01,
     "probe_timeout": 0.01,
     "flush_timeout": 0.0,
+    "index_wait": 0.0,
 }
 
 

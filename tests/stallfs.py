@@ -4,13 +4,19 @@
     python -m tests.stallfs SOURCE MOUNTPOINT CONTROL [THREADS]
 
 Everything under MOUNTPOINT is SOURCE, except that while the file CONTROL
-exists, what it holds hangs (the handler waits until CONTROL is removed; the
-kernel keeps the caller in the system call meanwhile, as a hung device does):
+exists, what its first line holds hangs (the handler waits until CONTROL is removed
+or says otherwise; the kernel keeps the caller in the system call meanwhile, as a
+hung device does):
 - "r" (or empty): reads of files whose name ends in `.data` do not answer;
 - "w": nor do writes of them;
 - "a": no operation on the mount answers (a hung NFS server, a frozen queue);
-- "j": reads of the index files (`checkpoint*`, `journal.*`) do not answer (an index
-  loader stuck on a sick disk while the journals still take writes).
+- "i": reads of an index's files (checkpoint, journal.<gen>, its image `index`) do not
+  answer: an engine's store opens, and its loader thread waits there (a slow mount at a
+  restart, held until the test says);
+- "e": reads of an index's files fail with EIO (after any "i" ends): a load that fails;
+- "j": writes of journal files (journal.<gen>) whose path contains CONTROL's second line
+  (all of them without one) do not answer: a command stopped at a point the test chooses;
+- "x": those writes fail with EIO (after any "j" ends): a held write that never lands.
 While the file CONTROL.eio exists, reads of files whose path contains the text it holds
 fail with EIO (a bad sector under one engine's journal), answered at once.
 THREADS (default 200) is the daemon's thread pool. With a small pool (4) and
@@ -38,12 +44,21 @@ import sys
 import time
 
 
-def _says(control: str, what: str) -> bool:
+def _says(control: str, what: str, path: str | None = None) -> bool:
+    """Whether CONTROL's first line holds mode `what` (and, for a path, its second line, if any,
+    is part of the path)."""
     try:
         with open(control) as f:
-            return what in (f.read() or "r")
+            modes, _, where = f.read().partition("\n")
     except FileNotFoundError:
         return False
+    where = where.strip()
+    return what in (modes or "r") and (path is None or not where or where in path)
+
+
+def _index_file(path: str) -> bool:
+    name = os.path.basename(path)
+    return name in ("checkpoint", "index") or name.startswith("journal.")
 
 
 def _eio(control: str, path: str) -> bool:
@@ -136,10 +151,11 @@ def serve(source: str, mountpoint: str, control: str, threads: int = 200) -> Non
             if path.endswith(".data"):
                 while _says(control, "r"):  # the hung disk
                     time.sleep(0.02)
-            name = os.path.basename(path)
-            if name.startswith(("checkpoint", "journal.")):
-                while _says(control, "j"):  # the index files' reads hang
+            elif _index_file(path):
+                while _says(control, "i"):  # the index held where the loader reads it
                     time.sleep(0.02)
+                if _says(control, "e"):
+                    raise fuse.FuseOSError(errno.EIO)
             if _eio(control, path):
                 raise fuse.FuseOSError(errno.EIO)
             return self._os(os.pread, fh, size, offset)
@@ -148,6 +164,11 @@ def serve(source: str, mountpoint: str, control: str, threads: int = 200) -> Non
             if path.endswith(".data"):
                 while _says(control, "w"):  # a disk that takes no writes either
                     time.sleep(0.02)
+            elif os.path.basename(path).startswith("journal."):
+                while _says(control, "j", path):  # a journal write held where the test chose
+                    time.sleep(0.02)
+                if _says(control, "x", path):
+                    raise fuse.FuseOSError(errno.EIO)
             return self._os(os.pwrite, fh, data, offset)
 
         def fallocate(self, path, mode, offset, size, fh):

@@ -31,21 +31,25 @@ async def _cancel_once_in_flight(start, undo, io, delay: float) -> None:
     """Cancel the task `start()` makes `delay` s after its first operation reached the backend
     (with delay 0: while that operation is still in flight). A buffered write or a page-cached
     read can complete inside the very io_uring_enter that submits it, so the whole call may end
-    before the loop ever sees an operation in flight: then `undo()` and try again, up to 50 times."""
+    before the loop ever sees an operation in flight; on a fast machine it may also end within
+    the delay (the cancel then found it done: "DID NOT RAISE"). Either way `undo()` and try again,
+    the delay halved each time: below 0.1 ms the cancel is made at once, while the operation
+    seen is still in flight (no await between), so the last tries cannot miss it."""
     for _ in range(50):
         task = asyncio.ensure_future(start())
         end = time.monotonic() + 10
         while io.backend.in_flight == 0 and not task.done():
             assert time.monotonic() < end, "the call neither ended nor had an operation in flight"
             await asyncio.sleep(0)
+        if not task.done() and delay >= 1e-4:
+            await asyncio.sleep(delay)
         if not task.done():
             break
         await task
         undo()
+        delay /= 2
     assert not task.done(), "no operation of the call was ever seen in flight in 50 tries"
-    if delay:
-        await asyncio.sleep(delay)
-    else:
+    if delay < 1e-4:
         assert io.backend.in_flight > 0
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

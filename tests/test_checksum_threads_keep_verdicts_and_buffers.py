@@ -51,20 +51,22 @@ N = 16
 
 
 class CountingPool(concurrent.futures.ThreadPoolExecutor):
-    """A real thread pool that records each call it ran: (thread name, start, end);
-    `delay` seconds are slept (GIL released) before each call, to widen races."""
+    """A real thread pool that records each call it ran: (thread name, start, end); while
+    `gate` is clear, each call waits for it (GIL released) before its work: the test holds
+    calls in their threads at a point it controls."""
 
-    def __init__(self, n: int = 2, delay: float = 0.0):
+    def __init__(self, n: int = 2):
         super().__init__(n, "test-crc")
-        self.delay = delay
+        self.gate = threading.Event()
+        self.gate.set()
         self.calls: list[tuple[str, float, float]] = []
-        self.started = 0  # calls a thread has begun (inside their delay or their work)
+        self.started = 0  # calls a thread has begun (waiting at the gate or in their work)
 
     def submit(self, fn, *args, **kw):
         def timed():
             t0 = time.monotonic()
             self.started += 1
-            time.sleep(self.delay)
+            assert self.gate.wait(60)
             try:
                 return fn(*args, **kw)
             finally:
@@ -144,24 +146,27 @@ async def test_small_chunks_stay_on_the_loop(tmp_path):
 
 @pytest.mark.parametrize("op", ["write", "read"])
 async def test_cancelled_call_returns_after_its_threads(tmp_path, op):
-    cpu = CountingPool(2, delay=0.3)
+    cpu = CountingPool(2)
     pool = BufferPool(fmt.slot_bytes(PAYLOAD), N)
     io = _io(str(tmp_path), cpu)
     _fill(pool, 2)
     items = [(i, key(i), pool.addr(i)) for i in range(N)]
     if op == "read":
-        cpu.delay = 0.0
         assert await io.write(items) == [0] * N
         cpu.calls.clear()
         cpu.started = 0
-        cpu.delay = 0.3
+    cpu.gate.clear()  # calls wait in their threads until the cancel has been made (it slept 0.3 s before,
+    # hoping the call was still running when the cancel came)
     task = asyncio.ensure_future(getattr(io, op)(items))
     end = time.monotonic() + 10
-    while not cpu.started:  # a thread is inside its call's 0.3 s delay
+    while not cpu.started:  # a thread holds a call at the gate
         assert time.monotonic() < end and not task.done(), "no checksum call ever reached a thread"
         await asyncio.sleep(0.001)
     cancelled = time.monotonic()
     task.cancel()
+    await asyncio.sleep(0.05)  # the task takes the cancel while its threads' calls are held
+    assert not task.done(), "the cancelled call returned while its threads still held its slots"
+    cpu.gate.set()
     with pytest.raises(asyncio.CancelledError):
         await task
     returned = time.monotonic()

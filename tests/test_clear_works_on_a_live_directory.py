@@ -31,6 +31,7 @@ from aiokv.data import format as fmt
 from aiokv.store import Store
 from aiokv.store.table import tag_of
 from tests.conftest import NS, PAYLOAD, key
+from tests.stallfs import mounted
 from tools.storeio import StoreIO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,43 +227,47 @@ def _journal_bytes(d: str) -> int:
 
 
 def test_a_clear_killed_with_kill_9_leaves_each_block_cleared_or_whole(tmp_path):
-    """The command is killed (SIGKILL) as soon as it has written the order, then as soon as it
-    has cleared its first namespace (of 24); each time the directory is whole, and the next run
-    finishes the clear."""
+    """The command is killed (SIGKILL) once it has written the order, then once it has cleared
+    its first namespace (of 24); each time the directory is whole, and the next run finishes the
+    clear. The directory is on a FUSE mount (tests/stallfs.py) whose journal writes of one
+    namespace the test holds: the command cannot get past that point before the kill lands,
+    however fast the machine (it raced the command before: six tries, hoping one kill landed in
+    the middle), and the held write never lands (it fails once the command is dead)."""
     namespaces, per = 24, 40
     template = str(tmp_path / "template")
     _template(template, namespaces, per)
-    seen = set()
-    for trial in range(6):
-        when = "order" if trial == 0 else "first"
-        if "part" in seen:
-            break  # (a busy machine may let the command get further before the kill lands: tried again)
-        root = str(tmp_path / f"t{trial}")
-        shutil.copytree(template, root)
-        dirs = [os.path.join(root, "ns", (bytes([n]) * 16).hex()) for n in range(namespaces)]
-        sizes = [_journal_bytes(d) for d in dirs]
-        p = cli("clear", root, "--tenant", "alice", "--wait", "0")
-        deadline = time.monotonic() + 60
-        while p.poll() is None and time.monotonic() < deadline:
-            if when == "order" and os.path.exists(os.path.join(root, fmt.CONTROL_NAME)):
-                break
-            if when == "first" and _journal_bytes(dirs[0]) > sizes[0]:  # (namespaces are opened in order)
-                break
-            time.sleep(0.0002)
-        try:
+    control = str(tmp_path / "control")
+    with mounted(str(tmp_path / "src"), str(tmp_path / "mnt"), control):
+        for trial, (held_ns, want) in enumerate([(0, "none"), (1, "part")]):
+            shutil.copytree(template, str(tmp_path / "src" / f"t{trial}"))
+            root = str(tmp_path / "mnt" / f"t{trial}")
+            dirs = [os.path.join(root, "ns", (bytes([n]) * 16).hex()) for n in range(namespaces)]
+            sizes = [_journal_bytes(d) for d in dirs]
+            where = "ns/" + (bytes([held_ns]) * 16).hex()
+            with open(control, "w") as f:
+                f.write(f"j\n{where}")  # (namespaces are opened in order: the command stops at this one)
+            p = cli("clear", root, "--tenant", "alice", "--wait", "0")
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(root, fmt.CONTROL_NAME)) or (
+                held_ns == 1 and _journal_bytes(dirs[0]) == sizes[0]
+            ):
+                assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+                time.sleep(0.01)
             os.kill(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # it finished first
-        p.wait()
-        left = _state(root, namespaces, per)
-        seen.add("none" if all(n == per // 2 for n in left) else "all" if not any(left) else "part")
-        # an engine opening those files finishes it (here: the next run of the command)
-        q = cli("clear", root, "--tenant", "alice", "--wait", "0")
-        _, err = q.communicate(timeout=120)
-        assert q.returncode == 0, err
-        assert _state(root, namespaces, per) == [0] * namespaces, trial
-    # a kill landed in the middle of the clear (some namespaces cleared, others not)
-    assert "part" in seen, seen
+            # a process in a write the FUSE daemon holds dies only once it answers: the held write
+            # fails (EIO), so the killed command's last write never lands
+            with open(control, "w") as f:
+                f.write(f"x\n{where}")
+            p.wait(60)
+            os.unlink(control)
+            left = _state(root, namespaces, per)
+            got = "none" if all(n == per // 2 for n in left) else "all" if not any(left) else "part"
+            assert got == want and (want == "none" or left[0] == 0 and left[1:] == [per // 2] * 23), left
+            # an engine opening those files finishes it (here: the next run of the command)
+            q = cli("clear", root, "--tenant", "alice", "--wait", "0")
+            _, err = q.communicate(timeout=120)
+            assert q.returncode == 0, err
+            assert _state(root, namespaces, per) == [0] * namespaces, trial
 
 
 def test_orders_are_numbered_and_a_torn_one_is_cut_off(tmp_path):

@@ -98,10 +98,11 @@ def test_aborts_at_every_point(tiny_model, tmp_path):
     happened(cold, dict(base, tokens=[base["tokens"][0][:6]]), saves_committed=">=6")
     slow = {"AIOKV_FAULTS": json.dumps([{"op": "read", "kind": "late", "delay": 0.3}]), "AIOKV_FAULTS_ACK": ACK}
     # 0-5 hit (slow loads), 6-11 are new. max_tokens=6: a request finishes about 6 steps after its prefill.
+    # abort_loading: the first request seen waiting for its load is aborted then (the step counts
+    # alone hoped a 0.3 s read was still in flight at steps 1 and 3 after a request came)
     aborts = {0: 0, 1: 1, 2: 3, 3: 6, 4: 7, 6: 1, 7: 5, 8: 6, 9: 7, 10: 12, 11: 20}
-    res = run(
-        dict(spec, cache=cache, phases=[dict(prompts=ps, max_tokens=6, abort_after=aborts, stagger=True)]), env=slow
-    )
+    phase = dict(prompts=ps, max_tokens=6, abort_after=aborts, abort_loading=1, stagger=True)
+    res = run(dict(spec, cache=cache, phases=[phase]), env=slow)
     assert res["finish"][0].count("aborted") >= 3
     w = res["aborted_while"]
     assert w.get("WAITING_FOR_REMOTE_KVS", 0) >= 1 and w.get("RUNNING", 0) >= 1, w  # mid-load and mid-save

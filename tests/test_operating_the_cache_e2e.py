@@ -128,7 +128,7 @@ def test_a_clear_of_one_tenant_while_an_engine_serves_both(tiny_model, tmp_path,
             prefix_caching=False,
             cache=cache,
             kv_events=events_socket(),
-            phases=[TWO, dict(TWO, settle=True, wait_for=go)],
+            phases=[TWO, dict(TWO, settle=True, wait_for=go, orders=1)],
         )
     )
     try:
@@ -144,10 +144,9 @@ def test_a_clear_of_one_tenant_while_an_engine_serves_both(tiny_model, tmp_path,
         done = _aiokv("clear", cache, "--tenant", "alice", "--wait", "0", "--format", "json")
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["not_yet_applied_by"] == [0]
-        # the engine's I/O thread reads the order at its next look (every 0.1 s); requests in the
-        # same instant may still hit, as requests just before the clear would. A second is the bound
+        # the engine's I/O thread reads the order at its next look (every 0.1 s): the phase after go
+        # starts once the engine has applied it (orders=1), not after a second that hopes it did
         # (a first run touched go at once and, on a loaded machine, the look had not run yet)
-        time.sleep(1.0)
         open(go, "w").close()
         res = _result(eng)
     finally:

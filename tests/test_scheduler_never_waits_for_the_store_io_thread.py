@@ -64,10 +64,17 @@ def test_lookups_and_refresh_never_wait_for_the_io_thread(tmp_path, monkeypatch)
     assert took[len(took) * 9 // 10] < 0.001, took[len(took) * 9 // 10]
     monkeypatch.setattr(Follower, "poll", poll)
 
-    # the reader idles (no calls at all); its I/O thread looks on its own meanwhile
-    time.sleep(5 * reader.follow_interval)
+    # the reader idles (no calls at all); its I/O thread looks on its own meanwhile: the other
+    # engine's next blocks are found without a call of the reader (not a sleep hoping a look ran)
+    fresh = [key(i, 2) for i in range(64)]
+    handed = reader.following._handed
+    _commit(writer, wns, fresh)
+    end = time.monotonic() + 30
+    while reader.following._handed < handed + len(fresh):
+        assert time.monotonic() < end, "the I/O thread did not look while the reader idled"
+        time.sleep(0.01)
     t = time.perf_counter()
-    assert reader.lookup(rns, theirs) == len(theirs), "the first lookup after idle missed the other engine's blocks"
+    assert reader.lookup(rns, fresh) == len(fresh), "the first lookup after idle missed the other engine's blocks"
     assert time.perf_counter() - t < 0.05
     writer.close()
     reader.close()

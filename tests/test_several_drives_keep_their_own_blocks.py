@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -193,7 +194,10 @@ async def test_a_hung_drive_file_system_stops_only_its_own_hits_and_saves(tmp_pa
     ns = st.namespace(NS, PAYLOAD)
     hang = threading.Event()
     st.stores[0].fs.submit(lambda: hang.wait(30))  # drive 0's I/O thread is stuck in its file system
-    await asyncio.sleep(0.3)
+    end = time.monotonic() + 20
+    while not st.stores[0].stalled:  # past fs_timeout (not a sleep hoping the thread got there)
+        assert time.monotonic() < end, "drive 0 never counted as stalled"
+        await asyncio.sleep(0.01)
     st.refresh()
     assert st.breakers[0].is_open and not st.stalled, "one drive stalled is not the cache stalled"
     assert st.lookup(ns, [k for k, d in zip(keys, on) if d == 0][:1]) == 0

@@ -64,7 +64,7 @@ def test_close_with_hung_index_loaders_on_several_drives_returns_within_its_boun
         for p in paths:
             _fill(p)
         with open(control, "w") as f:
-            f.write("j")  # the index files' reads hang from now on (the journals still take writes)
+            f.write("i")  # the index files' reads hang from now on (the journals still take writes)
         drives, _ = open_drives(paths, lambda p, n: (Store(p, capacity="64MiB", io_thread=True), []), 20.0)
         try:
             stores = list(drives.stores.values())

@@ -12,7 +12,10 @@ module path answers the same prompts identically across a SIGTERM restart; the
 second life reports the stored prefix in `usage.prompt_tokens_details
 .cached_tokens` and in `vllm:aiokv_hit_tokens_total`; a server stopped with SIGTERM right after
 its last answer (given vLLM's `--shutdown-timeout` grace period) exits cleanly
-within a bounded time, with every full block saved (`aiokv inspect`).
+within a bounded time, with every full block saved (`aiokv inspect`). The cache is on a
+FUSE mount (tests/stallfs.py) whose index reads the test holds at the restart: the second
+life's first request comes while its index is still loading, waits for it (issue 41:
+aiokv/scheduler/index_wait.py) and hits once the test lets the loader go on.
 
 The fix: aiokv's stats hooks (`build_kv_connector_stats`, `build_prom_metrics`,
 aiokv/connector/metrics.py) and the plugin entry point (aiokv/connector/plugin.py).
@@ -24,6 +27,7 @@ vllm.entrypoints.openai.api_server` is the same server with the same flags.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -40,6 +44,7 @@ import pytest
 import aiokv
 from aiokv import __version__
 from tests.e2e import ROOT, prompts, run
+from tests.stallfs import mounted
 
 pytestmark = pytest.mark.vllm
 
@@ -123,6 +128,14 @@ class Server:
                 pass
             time.sleep(1)
         raise AssertionError(f"server not ready in {START_TIMEOUT} s:\n{self.text()[-6000:]}")
+
+    def wait_log(self, text: str, timeout: float = 120) -> None:
+        """Until the server's log says `text` (the engine core logs there too)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the server never logged {text!r}:\n{self.text()[-6000:]}")
+            time.sleep(0.1)
 
     def complete(self, prompt: list[int]) -> dict:
         body = json.dumps(
@@ -212,7 +225,12 @@ def _inspect(cache: str) -> dict:
 
 
 def test_vllm_serve_restart_serves_hits_and_metrics(tiny_model, tmp_path):
-    cache = str(tmp_path / "cache")
+    control = str(tmp_path / "stall")
+    with mounted(str(tmp_path / "src"), str(tmp_path / "mnt"), control):
+        _serve_twice(tiny_model, tmp_path, str(tmp_path / "mnt" / "cache"), control)
+
+
+def _serve_twice(tiny_model, tmp_path, cache: str, control: str) -> None:
     ps = prompts(3, PROMPT_LEN, seed=11)
     full_blocks = PROMPT_LEN // BLOCK
     hit_tokens = (PROMPT_LEN - 1) // BLOCK * BLOCK  # the last prompt token is always computed
@@ -241,11 +259,19 @@ def test_vllm_serve_restart_serves_hits_and_metrics(tiny_model, tmp_path):
     # saves flushed by the shutdown: every full block is on disk and in the index
     assert _inspect(cache)["total"]["blocks"] == len(ps) * full_blocks
 
-    # ---- second life, same cache: hits, identical output
+    # ---- second life, same cache: hits, identical output. Its index is held where the loader
+    # reads it (a slow mount) until the first request is waiting for it: no wait in the test
+    with open(control, "w") as f:
+        f.write("i")
     srv = Server(tiny_model, cache, str(tmp_path / "serve2.log"))
     try:
         srv.wait_ready()
-        second = [srv.complete(p) for p in ps]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first_request = pool.submit(srv.complete, ps[0])
+            srv.wait_log("aiokv: requests wait for the index of namespace")
+            os.unlink(control)  # the loader goes on
+            second = [first_request.result(timeout=120)]
+        second += [srv.complete(p) for p in ps[1:]]
         m2 = srv.wait_metric("vllm:aiokv_load_seconds_count", len(ps))
         rc = srv.stop()
     finally:
@@ -264,3 +290,5 @@ def test_vllm_serve_restart_serves_hits_and_metrics(tiny_model, tmp_path):
     assert m2.get("vllm:aiokv_load_failed_blocks_total", 0) == 0, m2
     assert m2.get('vllm:aiokv_load_failures_total{cause="corrupt"}', 0) == 0, m2
     assert m2.get("vllm:aiokv_blocks") == len(ps) * full_blocks, m2
+    assert m2.get("vllm:aiokv_index_waited_requests_total") == 1, m2  # the first one waited, and hit
+    assert m2.get("vllm:aiokv_index_wait_expired_requests_total", 0) == 0, m2

@@ -48,6 +48,7 @@ from aiokv.data import format as fmt
 from aiokv.store import Store
 from aiokv.util.loops import LoopThread
 from tests.conftest import NS, PAYLOAD, key
+from tests.s3gate import Gate
 
 SECRET = "fleet-secret-0123456789"
 NS2 = bytes(range(1, 17))
@@ -99,8 +100,7 @@ def publish(
     if labels:
         for n, ks in blocks.items():
             pub.labels(n, [(k, label(i)) for i, (k, _) in enumerate(ks)])
-    time.sleep(0.5)  # (the namespace descriptions: write-once PUTs in the background)
-    pub.close(10)
+    pub.close(10)  # (waits for the namespace descriptions' write-once PUTs and the labels)
     lt.stop()
     assert pub.counters["labels_dropped"] == 0, pub.counters
 
@@ -195,33 +195,53 @@ def test_without_a_secret_the_crcs_alone_keep_damaged_objects_out(s3env, tmp_pat
     verify_ok(tmp_path / "c")
 
 
+def _until(cond, what: str, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, what
+        time.sleep(0.02)
+
+
+def _committed(cache) -> int:
+    return len(held(cache)) if (cache / "ns").exists() else 0
+
+
 def test_an_interrupted_warm_resumes_and_commits_each_block_once(secret_env, tmp_path):
     url = secret_env.url("fleet3")
-    n = 600
+    n = 200
     keys = [key(i) for i in range(n)]
     publish(url, {NS: [(k, "org/tiny") for k in keys]}, labels=False)
     cache = tmp_path / "c"
-    env = dict(os.environ, PYTHONPATH=ROOT)
     argv = [sys.executable, "-m", "aiokv", "warm", str(cache), "--bucket", url, "--concurrency", "2", "--no-progress"]
+    argv += ["--timeout", "600"]  # (a request held at the gate never times out meanwhile)
     seen = []
     for sig in (signal.SIGINT, signal.SIGKILL):  # Ctrl-C, then kill -9, each in the middle of a warm
-        before = len(held(cache)) if cache.exists() else 0
+        before = _committed(cache)
+        # the bucket answers 40 blocks, then holds the next ones: the warm cannot finish before the
+        # signal lands, however fast the machine (it raced the copy before: rc 0 on a fast CPU)
+        gate = Gate(secret_env.endpoint).start()
+        gate.hold_after(40)
+        env = dict(os.environ, PYTHONPATH=ROOT, AWS_ENDPOINT_URL=gate.endpoint)
         p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        end = time.monotonic() + 120
-        while (len(held(cache)) if (cache / "ns").exists() else 0) < before + 40:
-            assert p.poll() is None and time.monotonic() < end, p.communicate()
-            time.sleep(0.02)
-        p.send_signal(sig)
-        out, err = p.communicate(timeout=60)
-        seen.append(len(held(cache)))
+        try:
+            gate.wait_held(2)  # both workers wait for a block
+            _until(lambda b=before: _committed(cache) == b + 40, "the 40 blocks that came were not committed")
+            p.send_signal(sig)
+            out, err = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+            gate.stop()
+        seen.append(_committed(cache))
         if sig == signal.SIGINT:
             assert p.returncode == 130 and "interrupted" in err, (p.returncode, err)
         else:
             assert p.returncode == -signal.SIGKILL
-        assert before + 40 <= seen[-1] < n, (seen, err)
+        assert seen[-1] == before + 40, (seen, err)  # every block that came, none of those on their way
         verify_ok(cache)  # only whole, verified blocks were committed
     doc = run_warm([cache], url)
-    assert doc["already_blocks"] == seen[-1] and doc["warmed_blocks"] == n - seen[-1], (doc, seen)
+    assert doc["already_blocks"] == seen[-1] == 80 and doc["warmed_blocks"] == n - 80, (doc, seen)
     assert held(cache) == set(keys)
     assert verify_ok(cache)["checked_blocks"] == n  # each key in one slot, none twice
 
@@ -381,39 +401,47 @@ def test_no_secret_or_a_dead_bucket_is_one_line(s3env, tmp_path, monkeypatch, ca
     assert time.monotonic() - t < 10
 
 
-def test_a_bucket_that_stops_answering_ends_the_warm_in_one_line_and_a_rerun_resumes(secret_env, tmp_path):
+def test_a_bucket_that_stops_answering_ends_the_warm_in_one_line_and_a_rerun_resumes(secret_env, tmp_path, monkeypatch):
     import threading
 
     url = secret_env.url("fleet8")
-    keys = [key(i) for i in range(400)]
+    keys = [key(i) for i in range(100)]
     publish(url, {NS: [(k, "org/tiny") for k in keys]}, labels=False)
     cache = tmp_path / "c"
     got: list = []
+    # 40 blocks come; the warm's next requests wait at the gate while the server is killed
+    # (it raced the copy before: a fast machine could finish the warm first)
+    gate = Gate(secret_env.endpoint).start()
+    gate.hold_after(40)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", gate.endpoint)
 
     def go():
         try:
-            got.append(run_warm([cache], url, concurrency=2, timeout=1.0))
+            got.append(run_warm([cache], url, concurrency=2, timeout=30.0))
         except warm.WarmError as e:
             got.append(e)
 
     t = threading.Thread(target=go)
     t.start()
-    end = time.monotonic() + 120
-    while (len(held(cache)) if (cache / "ns").exists() else 0) < 40:
-        assert t.is_alive() and time.monotonic() < end, got
-        time.sleep(0.02)
-    secret_env.kill()  # kill -9 of the server, mid-warm
-    t.join(60)
+    try:
+        gate.wait_held(2)
+        _until(lambda: _committed(cache) == 40, "the 40 blocks that came were not committed")
+        secret_env.kill()  # kill -9 of the server, mid-warm
+    finally:
+        gate.open()  # the waiting requests go on, to a dead server
+        t.join(120)
+        gate.stop()
     e = got[0]
     assert isinstance(e, warm.WarmError) and e.code == 2, e
     assert "does not answer" in str(e) and "run again to resume" in str(e) and "\n" not in str(e), e
     before = held(cache)
-    assert 40 <= len(before) < 400
+    assert len(before) == 40
     verify_ok(cache)
     secret_env.log.close()
     secret_env.start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", secret_env.endpoint)
     doc = run_warm([cache], url)
-    assert doc["already_blocks"] == len(before) and doc["warmed_blocks"] == 400 - len(before), doc
+    assert doc["already_blocks"] == len(before) and doc["warmed_blocks"] == 100 - len(before), doc
     assert held(cache) == set(keys)
 
 
@@ -426,10 +454,8 @@ def test_the_publisher_keeps_labels_apart_per_engine_and_the_fleet_description(s
     a.namespaces([(NS, PAYLOAD, 2, {"model": "m"})])
     a.labels(NS, [(key(1), b"one"), (key(2), b"two")])
     b.labels(NS, [(key(1), b"uno")])
-    time.sleep(0.5)
+    a.close(10)  # waits for its uploads: its description is in the bucket now
     b.namespaces([(NS, PAYLOAD, 2, {"model": "someone else"})])  # write-once: the first stays
-    time.sleep(0.5)
-    a.close(10)
     b.close(10)
     lt.stop()
     assert a.counters["labels_uploaded"] == 2 and b.counters["labels_uploaded"] == 1

@@ -11,8 +11,9 @@ return aiokv's Prometheus series as `metrics`),
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config), kv_role (aiokv's,
 kv_both unless given), with_connector (another connector's kv_transfer_config: aiokv and it run
 under vLLM's MultiConnector, aiokv first unless aiokv_first is false),
-ready_file (created once the engine is up), index_wait (true unless given: before the phases,
-wait until aiokv's index has loaded in the background, "index_wait_s" the seconds waited),
+ready_file (created once the engine is up and, in one process, aiokv's index has loaded in the
+background: a test that then makes the mount hang; "index_wait_s" the seconds that took; the
+phases themselves never wait for the index: aiokv's requests do, scheduler/index_wait.py),
 kv_events (a socket path: vLLM publishes its KV events there over ZMQ (ipc://) and a subscriber
 here collects them in "events": [type, medium, group, hashes,
 parent, token ids] each, in order), audit_fs (RESULT lists the file-system
@@ -21,11 +22,16 @@ every step's saves checked against vLLM's own scheduler output, _audit_saves),
 lora ({max_lora_rank, max_loras}: LoRA served),
 phases: [{prompts: [[ids]], max_tokens, follow? (prompts are then the next turns: each the previous
 phase's prompt, its reply and these ids), salts?, loras? ([name, id, path] or null per prompt),
+index_gate? ({path, then}: a tests/stallfs.py control file holding aiokv's index loader,
+rewritten with `then` (null: removed) at the start of the first step at which every request of
+the phase has waited for the index (counter index_waited); "index_gate_step" gets that step),
 add_lora? ([[name, id, path]]: loaded into the workers before the phase), stall? (a
 tests/stallfs.py control file written, with stall_mode ("a" unless given), before the phase's
 requests and removed once they are done; "seconds" gets each phase's time), abort_after?: {index: steps}, abort_preempted?: n (abort
 the first n requests seen preempted, in the step they are; where each abort landed: "aborted_while"),
-wait_for?: path, peer_blocks?: n, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
+abort_loading?: n (abort requests seen waiting for their load, WAITING_FOR_REMOTE_KVS, in the step
+they are, until n aborts landed there),
+wait_for?: path, peer_blocks?: n, orders?: n, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
 reset_prefix_cache?: {kwargs}, kill_when_loading?: process group (killed -9 at the first step
 that starts with one of aiokv's loads in flight; "killed_at_step"), resets?: [{when, kwargs}]
 (LLM.reset_prefix_cache(**kwargs) in the middle of the phase, one after the other, each at the
@@ -38,8 +44,10 @@ one request per step instead of all at once); wait_for keeps the engine alive an
 idle until that file exists (tests that run two engines at once use it to order
 them); peer_blocks waits, after that, until this engine's store sees at least n
 blocks the other engines on the directory committed (it looks every
-FOLLOW_INTERVAL, so a file on disk is not yet a hit here); settle waits, before the phase, until the previous phases' saves and
-bucket-tier uploads are done (one process, TP 1); kill_at_step kills -9 that
+FOLLOW_INTERVAL, so a file on disk is not yet a hit here); orders waits, after that, until
+this engine has read and applied the operators' first n orders (aiokv clear, pin: DIR/control); settle waits, before the phase, until the previous phases' saves and
+bucket-tier uploads are done (one process, TP 1; spec settle_at_end: after the last phase, before
+the counters are read, so an upload figure counts every upload); kill_at_step kills -9 that
 process group at that step of the phase; reload_weights loads other weights into
 the running engine (collective_rpc) and reset_prefix_cache then calls
 LLM.reset_prefix_cache(**kwargs), both before the phase (its result in "reset").
@@ -140,11 +148,9 @@ def main(spec: dict) -> dict:
             return preempt(*a, **k)
 
         sched._preempt_request = counting_preempt
-        if spec.get("index_wait", True) and getattr(aio, "sched", None) is not None:
-            # a restart's hits begin once the index has loaded (in the background): the first
-            # phase's requests wait for that, as an operator's readiness check would
+    if spec.get("ready_file"):  # tests waiting for the engine to be up (its index loaded, e.g. to hang the mount)
+        if not MP and getattr(aio, "sched", None) is not None:
             result["index_wait_s"] = _wait_for_index(aio.sched.store, time.monotonic() + 120)
-    if spec.get("ready_file"):  # tests waiting for the engine to be up (its index loaded)
         open(spec["ready_file"], "w").close()
     audit = _audit_fs() if spec.get("audit_fs") else None
     if spec.get("audit_saves") and not MP:
@@ -165,6 +171,13 @@ def main(spec: dict) -> dict:
         if phase.get("peer_blocks"):
             _wait_for_peer_blocks(
                 aio.sched.store, phase["peer_blocks"], time.monotonic() + spec.get("phase_timeout", 300)
+            )
+        if phase.get("orders"):  # the operators' orders applied (read at the I/O thread's looks)
+            _refresh_until(
+                aio.sched.store,
+                lambda n=phase["orders"]: aio.sched.store.control.last >= n,
+                time.monotonic() + spec.get("phase_timeout", 300),
+                f"this engine did not apply {phase['orders']} order(s)",
             )
         if phase.get("reload_weights"):  # weights changed in place, as an RL trainer does
             llm.collective_rpc("reload_weights", kwargs={"weights_path": phase["reload_weights"]})
@@ -194,6 +207,8 @@ def main(spec: dict) -> dict:
         deadline = time.monotonic() + spec.get("phase_timeout", 300)
         resets = list(phase.get("resets") or [])
         held = 0  # steps at whose start the next reset's condition held, in a row
+        gate = phase.get("index_gate")
+        waited = aio.sched.counters.index_waited if gate else 0  # (before this phase)
         while pending or engine.has_unfinished_requests() or resets:
             take = pending[:1] if phase.get("stagger") else pending
             for i in list(take):
@@ -228,6 +243,17 @@ def main(spec: dict) -> dict:
                         and result["aborted_while"].get("PREEMPTED", 0) < phase["abort_preempted"]
                     ):
                         aborts[i] = step - next(a for j, _, a in ids if j == i)
+            if phase.get("abort_loading") and not MP:  # a load in flight when the abort lands, whatever the speed
+                for i, rid, added in ids:
+                    r = sched.requests.get(internal[rid])
+                    if (
+                        r is not None
+                        and r.status.name == "WAITING_FOR_REMOTE_KVS"
+                        and rid not in outs
+                        and result["aborted_while"].get("WAITING_FOR_REMOTE_KVS", 0) < phase["abort_loading"]
+                    ):
+                        aborts[i] = step - added
+                        break
             for i, rid, added in ids:
                 if i in aborts and step - added == aborts[i] and rid not in outs:
                     if not MP:  # where the abort landed: WAITING, WAITING_FOR_REMOTE_KVS, RUNNING, PREEMPTED
@@ -236,6 +262,9 @@ def main(spec: dict) -> dict:
                         result["aborted_while"][where] = result["aborted_while"].get(where, 0) + 1
                     engine.abort_request([rid])
                     outs[rid] = None
+            if gate and aio.sched.counters.index_waited - waited >= len(prompts):
+                _open_gate(gate)
+                result["index_gate_step"], gate = step, None
             while resets:
                 held = held + 1 if _reset_due(resets[0]["when"], aio) else 0
                 if held < resets[0].get("steps", 1):
@@ -276,6 +305,8 @@ def main(spec: dict) -> dict:
         result.setdefault("seconds", []).append(round(time.monotonic() - t_phase, 3))
         if phase.get("stall") and os.path.exists(phase["stall"]):  # (the test may have ended the hang itself)
             os.unlink(phase["stall"])
+        if gate:  # never opened: the loader must not stay held (the test sees no index_gate_step)
+            _open_gate(gate)
     if audit is not None:
         result["fs_calls_on_engine_thread"] = sorted(audit.pop())
     if MP:  # aiokv's counters live in the engine core process: read them as vLLM exports them
@@ -309,6 +340,8 @@ def main(spec: dict) -> dict:
             if not sched.has_requests():
                 break
             engine.step()
+        if spec.get("settle_at_end"):  # the bucket tier's uploads done before the counters are read
+            _settle(engine, time.monotonic() + spec.get("phase_timeout", 300))
         result["counters"] = {**conn.counters(), **wc.counters()}
         result["pool_size"] = wc.worker.pool.count if wc.worker is not None else 0
     if sub is not None:
@@ -323,6 +356,16 @@ def main(spec: dict) -> dict:
     result["requests_left"] = len(sched.requests)
     core.shutdown()
     return result
+
+
+def _open_gate(gate: dict) -> None:
+    """An index_gate's control file: rewritten with `then`, or removed (the loader goes on)."""
+    if gate.get("then") is None:
+        if os.path.exists(gate["path"]):
+            os.unlink(gate["path"])
+    else:
+        with open(gate["path"], "w") as f:
+            f.write(gate["then"])
 
 
 def _reset_due(when: str, aio) -> bool:

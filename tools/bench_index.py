@@ -22,7 +22,14 @@ not the disk):
    found and forgotten) -> evict_us, and the longest one -> evict_worst_ms (a new batch
    of victims picked: the pause a step may see).
 
-4. with --engines K: K more engines open the directory at once, each a process of its
+4. wait (a restart): the directory opened as the engine opens it (the index loads on the
+   store's loader thread) with a SchedulerSide (index_wait 600 s) asked, step after step (a
+   millisecond apart), about 64 requests of 1024 tokens until they are answered: each ask
+   while the index loads ("not yet") -> wait_ask_us (median; the first ask of a request
+   also computes its 64 keys: first_ask_us), wait_ask_worst_us, asks_while_loading, and
+   the time until they are answered -> answered_after_s (about open_s: the index in).
+
+5. with --engines K: K more engines open the directory at once, each a process of its
    own following engine 0's N blocks (engine 0 is not running); while all K are up,
    their RSS growth and PSS (/proc/PID/smaps_rollup: shared pages split among the
    processes mapping them) are summed -> engines_rss_mb, engines_pss_mb, and each
@@ -165,6 +172,43 @@ def phase_open(root: str, n: int) -> dict:
     }
     print(json.dumps(out), flush=True)
     os._exit(0)  # (no checkpoint of the extra commits: the directory stays as measured)
+
+
+def phase_wait(root: str, n: int) -> dict:
+    import inspect
+
+    from aiokv.scheduler.side import SchedulerSide
+    from aiokv.store import Store
+
+    if "index_wait" not in inspect.signature(SchedulerSide).parameters:  # a tree before issue 41
+        print("{}", flush=True)
+        os._exit(0)
+    st = Store(root, checkpoint_every=10**12, io_thread=True)
+    side = SchedulerSide(st, st.namespace(NSID, PAYLOAD), 16, index_wait=600.0)
+    reqs = [[i] + list(range(1023)) for i in range(64)]
+    first, asks, open_ = [], [], set(range(64))
+    t0 = time.perf_counter()
+    while open_:
+        for i in sorted(open_):  # one scheduler step: every request still waiting is asked again
+            a = time.perf_counter_ns()
+            got = side.match(f"r{i}", reqs[i], b"\0" * 16, 0)
+            took = time.perf_counter_ns() - a
+            if len(first) < 64:
+                first.append(took)
+            elif got is None:
+                asks.append(took)  # "not yet": the index is still loading
+            if got is not None:
+                open_.discard(i)
+        time.sleep(0.001)  # the step's model work
+    out = {
+        "answered_after_s": time.perf_counter() - t0,
+        "first_ask_us": sorted(first)[len(first) // 2] / 1e3,
+        "wait_ask_us": sorted(asks)[len(asks) // 2] / 1e3 if asks else 0.0,
+        "wait_ask_worst_us": max(asks) / 1e3 if asks else 0.0,
+        "asks_while_loading": len(asks),
+    }
+    print(json.dumps(out), flush=True)
+    os._exit(0)
 
 
 def pss() -> int:
@@ -317,10 +361,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--engines", type=int, default=0, help="K more engines opening the directory at once")
     ap.add_argument("--lru-trace", action="store_true", help="only the hit ratios on bench_chat's conversations")
-    ap.add_argument("--phase", choices=["build", "replay", "open", "follow"], help=argparse.SUPPRESS)
+    ap.add_argument("--phase", choices=["build", "replay", "open", "wait", "follow"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
-        phases = {"build": phase_build, "replay": phase_replay, "open": phase_open, "follow": phase_follow}
+        phases = {"build": phase_build, "replay": phase_replay, "open": phase_open, "wait": phase_wait}
+        phases["follow"] = phase_follow
         out = phases[args.phase](args.dir, args.n)
         print(json.dumps(out), flush=True)
         return
@@ -339,6 +384,7 @@ def main() -> None:
         out.update(run_phase("build", root, args.n))
         out.update(run_phase("replay", root, args.n))
         out.update(run_phase("open", root, args.n))
+        out.update(run_phase("wait", root, args.n))
         if args.engines:
             out.update(engines(root, args.n, args.engines))
     finally:

@@ -23,6 +23,7 @@ from aiokv.connector.metadata import AioKVMetadata, AioKVWorkerMetadata
 from aiokv.connector.metrics import AioKVStats, StatsDelta
 from aiokv.connector.namespace import request_extras
 from aiokv.jobs import StepPlan
+from aiokv.scheduler.index_wait import still_loading
 from aiokv.scheduler.keys import request_root
 from aiokv.util.counters import TOP_TENANTS, merge, store_counters
 
@@ -176,6 +177,7 @@ class SchedulerRole:
             spaces,
             self.block_size,
             Breaker(0 if several else self.cfg.breaker_failures, self.cfg.breaker_cooldown),
+            index_wait=self.cfg.index_wait,
         )
         self.sched.layerwise = self.layerwise
         self.sched.saves = self.kv_role != "kv_consumer"
@@ -494,7 +496,7 @@ class SchedulerRole:
             stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()),
             pinned_bytes=st.pinned_bytes(),
             tenant_bytes=st.tenant_bytes(TOP_TENANTS),
-            index_loading=sum(not ns.ready for ns in st.index.namespaces.values()),
+            index_loading=sum(map(still_loading, st.index.namespaces.values())),
             drive_writes_per_day=self._writes_per_day(st),
         )
         if self.sched.bucket is not None:

@@ -4,6 +4,7 @@ load/save jobs. Runs in vLLM's EngineCore process; imports no vLLM.
 
 SchedulerSide is the facade the connector calls; the work is done by:
     match.py    hits (every group serves them; the bucket tier may extend one)
+    index_wait.py  requests wait ("not yet") while the index still loads at start
     plan.py     load jobs at allocation, save jobs per step, their reservations
     commits.py  the ledger of jobs in flight: reports -> commits, give-backs
     state.py    the plain data (scheduled requests, groups, requests, counters)
@@ -37,6 +38,7 @@ from aiokv.scheduler import match as matching
 from aiokv.scheduler import plan as planning
 from aiokv.scheduler.admission import Admission
 from aiokv.scheduler.commits import Job, Ledger
+from aiokv.scheduler.index_wait import IndexWait
 from aiokv.scheduler.keys import extend_keys
 from aiokv.scheduler.layout import FULL, GroupSpec
 from aiokv.scheduler.state import Group, Req, Scheduled, SchedulerCounters
@@ -56,6 +58,7 @@ class SchedulerSide:
         groups: "list[tuple[GroupSpec, Namespace]] | Namespace",
         block_size: int,
         breaker: Breaker | None = None,
+        index_wait: float = 0.0,
     ):
         if isinstance(groups, Namespace):  # one full-attention group
             groups = [(GroupSpec(0, FULL, groups.payload_bytes, ()), groups)]
@@ -67,6 +70,7 @@ class SchedulerSide:
         self._partial = [g for g in self.groups if g.spec.kind != FULL]
         self.counters = SchedulerCounters()
         self.jobs = Ledger(store, self.groups, self.counters)  # jobs in flight: pins, reservations; the store
+        self.index_wait = IndexWait([g.ns for g in self.groups], index_wait, self.counters)  # (the setting)
         self._reqs: dict[str, Req] = {}
         self._local_blocks: dict[str, int] = {}  # from the last match, used by on_alloc
         self._new_loads: list[Transfer] = []
@@ -128,8 +132,8 @@ class SchedulerSide:
         return st
 
     def match(self, req_id: str, tokens, root: bytes, num_computed: int) -> int | None:
-        """External hit tokens beyond the num_computed local ones (block multiple);
-        None: the bucket tier has not answered yet (vLLM asks again next step)."""
+        """External hit tokens beyond the num_computed local ones (block multiple); None: the
+        index is still loading or the bucket tier has not answered yet (vLLM asks again next step)."""
         if req_id in self._no_hits or self.disabled or not self.breaker.allow_hit(len(self.jobs.loading)):
             return 0
         st = self._state(req_id, tokens, root)
@@ -138,6 +142,8 @@ class SchedulerSide:
         self.admission.looked_up(st, usable)
         local = num_computed // self.bs
         hit = matching.hit(self.store, self._full, self._partial, st.keys, usable, local, self.bs)
+        if local < usable and self.index_wait.holds(req_id):
+            return None
         if self.bucket is not None and not self._partial:
             got = matching.bucket_extend(self.bucket, self.groups, req_id, st.keys, max(hit, local), usable)
             if got is None:
@@ -400,6 +406,7 @@ class SchedulerSide:
         self._no_hits.discard(req_id)
         self._stale.discard(req_id)
         self._from_bucket.pop(req_id, None)
+        self.index_wait.finished(req_id)
         if self.bucket is not None:
             self.bucket.forget(req_id)
         return False

@@ -105,7 +105,7 @@ class Namespace:
     nothing). Own slots are plain slot numbers; `entries` and `pending` hold
     locations (format.loc: engine << 32 | slot), which for engine 0 are the slots.
     `ready` is False while its index loads in the background (store.py): no hits,
-    no saves meanwhile.
+    no saves meanwhile; `load_failed` once that load failed (it stays not ready).
     """
 
     def __init__(
@@ -124,6 +124,7 @@ class Namespace:
         self.alloc = SlotAllocator()
         self.pinned_tags: collections.Counter = collections.Counter()  # tags of keys loads hold pinned
         self.ready = True
+        self.load_failed = False
         self.rebuilt = False  # our index was rebuilt from the slot headers at this opening (replay.py)
         self.mark = 0  # the control orders our index of it has applied (control.py)
         # a watcher's list (the connector's KV events sets it): (True, tag, key or None) when a

@@ -287,6 +287,7 @@ class Store:
 
     def _load_failed(self, ns: Namespace, e: BaseException) -> None:
         self.tenants.failed_loads.add(ns.nsid)
+        ns.load_failed = True  # (requests waiting for it stop waiting: scheduler/index_wait.py)
         _log.error(
             "aiokv: loading the index of namespace %s failed (%s); it serves no hits and takes no saves",
             ns.hex[:12],
@@ -296,7 +297,7 @@ class Store:
     @property
     def loading(self) -> int:
         """Namespaces whose index is still loading (no hits, no saves from them meanwhile)."""
-        return sum(not ns.ready for ns in self.index.namespaces.values())
+        return sum(not ns.ready and not ns.load_failed for ns in self.index.namespaces.values())
 
     def namespace(self, nsid: bytes, payload_bytes: int, ranks: int = 1, fields: dict | None = None) -> Namespace:
         """Open or create a namespace (meta.py). nsid is derived by the caller from all that changes the bytes."""

@@ -91,6 +91,21 @@ TABLE: tuple[Row, ...] = (
         SCHEDULER,
     ),
     Row("hit_requests", "hit_requests", COUNTER, "Requests that got a hit from aiokv.", SCHEDULER),
+    Row(
+        "index_waited",
+        "index_waited_requests",
+        COUNTER,
+        "Requests that waited (vLLM asked again at its next step) because their namespace's index was still "
+        "loading at start.",
+        SCHEDULER,
+    ),
+    Row(
+        "index_wait_expired",
+        "index_wait_expired_requests",
+        COUNTER,
+        "Requests still waiting for a loading index when index_wait ran out: served as misses.",
+        SCHEDULER,
+    ),
     # volume
     Row("bytes_read", "loaded_bytes", COUNTER, "Bytes read from disk for loads, all TP ranks together.", WORKER),
     Row("bytes_written", "stored_bytes", COUNTER, "Bytes written to disk for saves, all TP ranks together.", WORKER),
