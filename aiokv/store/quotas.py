@@ -9,6 +9,9 @@ Bytes are the directory's: every engine's blocks of the tenant, known from follo
 engines' journals (their COMMITs name the tenant), times the slot size of their namespace. The
 rules (store.py calls them):
 
+- a tenant's bytes are its blocks' and its reservations' not yet committed (`reserving`,
+  until `settled`: one request's save reserves all its blocks in one step), so a save of many
+  blocks at once is capped like one block at a time;
 - a save of a tenant that would take it past its quota first evicts that tenant's own least
   recently used blocks (`own_victim`), while they are its oldest in the directory; where
   another engine holds older ones, that engine evicts them at its next look (`shed`, from
@@ -43,6 +46,8 @@ class Quotas:
         self.default = sizes.get("*")
         self._named = {tenants.tag(name): size for name, size in sizes.items() if name != "*"}
         self._q = np.zeros(0, np.int64)  # per tenant id: its quota (-1: none); grown as tenants come
+        self._reserved: dict[tuple[bytes, bytes], tuple[int, int]] = {}  # (nsid, key) -> (tenant id, bytes)
+        self._reserved_of: dict[int, int] = {}  # tenant id -> bytes reserved, not yet committed
 
     def _quotas(self, n: int) -> np.ndarray:
         if len(self._q) < n:
@@ -63,6 +68,27 @@ class Quotas:
         for ns in self.index.namespaces.values():
             total += ns.slot_cost * (ns.table.blocks_of(tid) + sum(t.blocks_of(tid) for t in ns.tables.values()))
         return total
+
+    # ---- reservations not yet committed (a tenant with a quota only) ----
+    def reserving(self, nsid: bytes, key: bytes, tid: int, cost: int) -> None:
+        """A slot of `cost` bytes was reserved for key of tenant tid (until settled)."""
+        if self.quota(tid) is not None:
+            self._reserved[(nsid, key)] = (tid, cost)
+            self._reserved_of[tid] = self._reserved_of.get(tid, 0) + cost
+
+    def settled(self, nsid: bytes, key: bytes) -> None:
+        """The reservation of key was committed or given back."""
+        got = self._reserved.pop((nsid, key), None)
+        if got is not None:
+            left = self._reserved_of[got[0]] - got[1]
+            if left:
+                self._reserved_of[got[0]] = left
+            else:
+                del self._reserved_of[got[0]]
+
+    def claimed(self, tid: int) -> int:
+        """Bytes of tenant tid: its blocks in the directory and its reservations not yet committed."""
+        return self.bytes_of(tid) + self._reserved_of.get(tid, 0)
 
     # ---- choosing victims ----
     def protected(self, saver: int | None) -> tuple | None:

@@ -297,18 +297,19 @@ class Store:
         return self.quotas.victim(None) or self.index.victim() if self.quotas is not None else self.index.victim()
 
     def _within_quota(self, ns: Namespace, tid: int) -> bool:
-        """Room for one more block of tenant tid within its quota: its own least recently used
-        blocks evicted while they are its oldest in the directory (another engine's older ones
-        are that engine's to evict: up to quota / SLACK over meanwhile); False: none to give up."""
+        """Room for one more block of tenant tid within its quota (its blocks and its reservations
+        not yet committed): its own least recently used blocks evicted while they are its oldest
+        in the directory (another engine's older ones are that engine's to evict: up to quota /
+        SLACK over meanwhile); False: none to give up."""
         quotas = self.quotas
         q = quotas.quota(tid)
         if q is None:
             return True
         cost = ns.slot_cost
-        while quotas.bytes_of(tid) + cost > q:
+        while quotas.claimed(tid) + cost > q:  # (its reservations count: a prompt reserves all its blocks at once)
             victim = quotas.own_victim(tid)
             older = quotas.peers_older(tid, victim)
-            if older and quotas.bytes_of(tid) + cost <= q + max(q // SLACK, cost):
+            if older and quotas.claimed(tid) + cost <= q + max(q // SLACK, cost):
                 return True  # its oldest blocks are another engine's: that one evicts them
             if victim is None:
                 return False
@@ -443,6 +444,8 @@ class Store:
             slot = ns.alloc.take()
         space.grow_ahead(ns)
         ns.pending[key] = where = fmt.loc(self.engine, slot)
+        if self.quotas is not None:
+            self.quotas.reserving(ns.nsid, key, tenant, ns.slot_cost)
         return where
 
     def commit(self, ns: Namespace, items, tenant: int = 0, pinned: bool = False) -> None:
@@ -455,6 +458,8 @@ class Store:
             if pending.get(key) != where:
                 continue  # aborted meanwhile
             del pending[key]
+            if self.quotas is not None:
+                self.quotas.settled(ns.nsid, key)
             done.append(key)
             slots.append(where & fmt.SLOT_MASK)
         if not done:
@@ -499,6 +504,8 @@ class Store:
         for key, where in items:
             if ns.pending.get(key) == where:
                 del ns.pending[key]
+                if self.quotas is not None:
+                    self.quotas.settled(ns.nsid, key)
                 ns.alloc.release(where & fmt.SLOT_MASK)
                 self.stats.save_failures += failed
 
