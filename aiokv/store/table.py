@@ -79,6 +79,7 @@ class Table:
         self.count = 0
         self.tenant_blocks = np.zeros(1, np.int64)  # blocks per tenant id
         self.pinned = 0  # blocks with PINNED
+        self.examined = 0  # entries the victim search has read (tests and benchmarks: work per call)
         self._bind()
 
     def _bind(self) -> None:
@@ -281,6 +282,7 @@ class Table:
                 if b is None:
                     return -1
             s = int(b[0][b[2]])
+            self.examined += 1
             if (
                 s < len(tags)
                 and tags[s]
@@ -322,14 +324,17 @@ class Table:
             # a threshold from a sample, then one pass: the blocks at most that old
             rng = np.random.default_rng()
             idx = rng.integers(0, n, size=min(n, 1 << 16))
+            self.examined += len(idx)
             seen = self.atime[idx][self._eligible(idx, excluded)]
             if len(seen) >= 64:
                 thr = np.quantile(seen, min(1.0, 2.0 * want / est), method="higher")
                 out = np.empty(8 * want, np.int64)
                 # one pass, no temporaries
                 k = _index.older_of(self.tag, self.atime, self.tenant, self.flags, ex, int(thr), out)
+                self.examined += n
                 sel = out[:k] if k >= want // 4 else None  # too few or too many: an unlucky sample
         if sel is None:
+            self.examined += n
             live = self.live()
             sel = live[self._eligible(live, excluded)]
         if not len(sel):
