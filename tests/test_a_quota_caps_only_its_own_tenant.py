@@ -11,7 +11,7 @@ The invariant: a save of a tenant with a quota counts its reservations not yet c
 the quota it evicts the tenant's own least recently used blocks (else the save is skipped), so it
 never takes the directory's room from another tenant, named in `quota` or not.
 The fix: aiokv/store/quotas.py (`Quotas.reserving`: bytes reserved per tenant, until committed or
-given back), Store.reserve/_within_quota/commit/abort.
+given back), Quotas.make_room (was Store._within_quota), Store.reserve/commit/abort.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ rules (store.py calls them):
   that one is under its quota. Engines agree because each sees the same bytes per tenant (the
   journals) and each evicts only its own blocks.
 
+`make_room` (a reservation of the store's) and `shed` (its refresh) carry the rules out.
+
 Threading contract: the owner's (the Store's thread), like the index it reads.
 """
 
@@ -32,16 +34,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from aiokv.data import format as fmt
-
 SLACK = 16  # a tenant's blocks may pass its quota by quota / SLACK while another engine holds its oldest
+SHED_MAX = 4096  # blocks of tenants past their quota one refresh evicts at most
 MOST = 1 << 62  # a quota beyond this is no limit (the per-tenant sums are int64; config accepts up to 1e30)
 
 
 class Quotas:
-    def __init__(self, index, tenants, sizes: dict[str, int]):
-        """sizes: tenant name (a cache_salt; "*": every other tenant) -> bytes."""
-        self.index, self.tenants = index, tenants
+    def __init__(self, index, tenants, sizes: dict[str, int], space=None, stats=None):
+        """sizes: tenant name (a cache_salt; "*": every other tenant) -> bytes; space (space.py)
+        evicts for make_room and shed, which count in stats (the store's)."""
+        self.index, self.tenants, self.space, self.stats = index, tenants, space, stats
         sizes = {name: min(size, MOST) for name, size in sizes.items()}
         self.default = sizes.get("*")
         self._named = {tenants.tag(name): size for name, size in sizes.items() if name != "*"}
@@ -50,9 +52,10 @@ class Quotas:
         self._reserved_of: dict[int, int] = {}  # tenant id -> bytes reserved, not yet committed
 
     def _quotas(self, n: int) -> np.ndarray:
-        if len(self._q) < n:
+        if len(self._q) < n:  # (only the new ids looked up: tenants come one at a time)
             q = np.full(n, -1 if self.default is None else self.default, np.int64)
-            for tid in range(n):
+            q[: len(self._q)] = self._q
+            for tid in range(len(self._q), len(q)):
                 tag = self.tenants.tag_of(tid)
                 if tag is not None and tag in self._named:
                     q[tid] = self._named[tag]
@@ -95,27 +98,17 @@ class Quotas:
         """A victim filter (table.Table.oldest) leaving out the tenants within their quota (but
         the saver); None if no tenant is."""
         held = self.index.tenant_bytes()
-        q = self._quotas(len(held))
-        mask = ((q >= 0) & (held <= q)).astype(np.uint8)
+        mask = held <= self._quotas(len(held))  # (no quota: -1, never within)
         if saver is not None and saver < len(mask):
-            mask[saver] = 0
+            mask[saver] = False
         if not mask.any():
             return None
-        return ("protect", mask.tobytes()), mask
+        return ("except", mask.view(np.uint8))
 
-    _only: dict = {}
-
-    @classmethod
-    def only(cls, tid: int) -> tuple:
+    @staticmethod
+    def only(tid: int) -> tuple:
         """A victim filter letting through one tenant's blocks only."""
-        got = cls._only.get(tid)
-        if got is None:
-            mask = np.ones(fmt.OVERFLOW_TENANT + 1, np.uint8)
-            mask[tid] = 0
-            if len(cls._only) > 64:
-                cls._only.clear()
-            got = cls._only[tid] = (("only", tid), mask)
-        return got
+        return ("only", tid)
 
     def victim(self, saver: int | None):
         """(namespace, slot) of our least recently used block that a save of `saver` may evict
@@ -148,3 +141,36 @@ class Quotas:
         held = self.index.tenant_bytes()
         q = self._quotas(len(held))
         return np.flatnonzero((q >= 0) & (held > q)).tolist()
+
+    # ---- keeping tenants within their quotas (the store's reserve and refresh) ----
+    def make_room(self, ns, tid: int) -> bool:
+        """Room for one more block of tenant tid in ns within its quota (its blocks and its
+        reservations not yet committed): its own least recently used blocks evicted while they
+        are its oldest in the directory (another engine's older ones are that engine's to evict:
+        up to quota / SLACK over meanwhile); False: none to give up."""
+        q = self.quota(tid)
+        if q is None:
+            return True
+        cost = ns.slot_cost
+        while self.claimed(tid) + cost > q:  # (its reservations count: a prompt reserves all its blocks at once)
+            victim = self.own_victim(tid)
+            if self.peers_older(tid, victim) and self.claimed(tid) + cost <= q + max(q // SLACK, cost):
+                return True  # its oldest blocks are another engine's: that one evicts them
+            if victim is None or not self.space.evict(*victim, punch=victim[0] is not ns):
+                return False
+            self.stats.evictions -= 1  # (counted as a quota eviction instead)
+            self.stats.quota_evictions += 1
+        return True
+
+    def shed(self) -> None:
+        """Tenants past their quota (another engine's saves, a quota lowered): our own blocks of
+        each evicted while they are its oldest in the directory (refresh)."""
+        for tid in self.over():
+            q, n = self.quota(tid), 0
+            while q is not None and self.bytes_of(tid) > q and n < SHED_MAX:
+                victim = self.own_victim(tid)
+                if victim is None or self.peers_older(tid, victim) or not self.space.evict(*victim, punch=True):
+                    break
+                self.stats.evictions -= 1
+                self.stats.quota_evictions += 1
+                n += 1

@@ -97,7 +97,7 @@ from aiokv.store.index import Index, Namespace
 from aiokv.store.labels import Labels
 from aiokv.store.meta import Dirs, Opener, ns_dir  # noqa: F401  (ns_dir: callers name a namespace's directory)
 from aiokv.store.persist import Persist
-from aiokv.store.quotas import SLACK, Quotas
+from aiokv.store.quotas import Quotas
 from aiokv.store.reclaim import Reclaim
 from aiokv.store.replay import Replay
 from aiokv.store.scan import Scan
@@ -110,7 +110,6 @@ from aiokv.util import counters
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
 PIN_SHARE = 10  # without pin_capacity, pinned blocks may take this share of the capacity (1/10)
 PIN_SAY_EVERY = 60.0  # seconds between the log lines of refused pins
-SHED_MAX = 4096  # blocks of tenants past their quota one refresh evicts at most
 WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight (io_thread)
 log = logging.getLogger("aiokv")
 _log = log  # (`log` names a journal in some methods)
@@ -289,49 +288,12 @@ class Store:
     # ---- quotas (quotas.py) ----
     def set_quotas(self, sizes: dict[str, int] | None) -> None:
         """The `quota` setting: tenant name ("*": every other) -> bytes; None or {}: none."""
-        self.quotas = Quotas(self.index, self.tenants, sizes) if sizes else None
+        self.quotas = Quotas(self.index, self.tenants, sizes, self.space, self.stats) if sizes else None
         self.space.victims = self._capacity_victim
 
     def _capacity_victim(self):
         """The block the directory's capacity gives up first: of a tenant not protected by its quota."""
         return self.quotas.victim(None) or self.index.victim() if self.quotas is not None else self.index.victim()
-
-    def _within_quota(self, ns: Namespace, tid: int) -> bool:
-        """Room for one more block of tenant tid within its quota (its blocks and its reservations
-        not yet committed): its own least recently used blocks evicted while they are its oldest
-        in the directory (another engine's older ones are that engine's to evict: up to quota /
-        SLACK over meanwhile); False: none to give up."""
-        quotas = self.quotas
-        q = quotas.quota(tid)
-        if q is None:
-            return True
-        cost = ns.slot_cost
-        while quotas.claimed(tid) + cost > q:  # (its reservations count: a prompt reserves all its blocks at once)
-            victim = quotas.own_victim(tid)
-            older = quotas.peers_older(tid, victim)
-            if older and quotas.claimed(tid) + cost <= q + max(q // SLACK, cost):
-                return True  # its oldest blocks are another engine's: that one evicts them
-            if victim is None:
-                return False
-            if not self.space.evict(*victim, punch=victim[0] is not ns):
-                return False
-            self.stats.evictions -= 1  # (counted as a quota eviction instead)
-            self.stats.quota_evictions += 1
-        return True
-
-    def _shed_quotas(self) -> None:
-        """Tenants past their quota (another engine's saves, a quota lowered): our own blocks of
-        each evicted while they are its oldest in the directory (refresh)."""
-        quotas = self.quotas
-        for tid in quotas.over():
-            q, n = quotas.quota(tid), 0
-            while q is not None and quotas.bytes_of(tid) > q and n < SHED_MAX:
-                victim = quotas.own_victim(tid)
-                if victim is None or quotas.peers_older(tid, victim) or not self.space.evict(*victim, punch=True):
-                    break
-                self.stats.evictions -= 1
-                self.stats.quota_evictions += 1
-                n += 1
 
     def tenant_bytes(self, top: int | None) -> dict[str, int]:
         """Bytes per tenant in the directory (every engine's blocks, as followed): the `top`
@@ -393,7 +355,7 @@ class Store:
             except OSError as e:
                 log.warning("aiokv: %s", f"giving back space failed ({os.strerror(e.errno or 0)}); trying again later")
         if self.quotas is not None and not self.readonly:
-            self._shed_quotas()
+            self.quotas.shed()
 
     # ---- lookups and commits (owner) ----
     def lookup(self, ns: Namespace, keys, limit: int | None = None) -> int:
@@ -425,7 +387,7 @@ class Store:
             return None
         if key in ns.pending or ns.where(key) is not None:
             return None
-        if self.quotas is not None and not self._within_quota(ns, tenant):
+        if self.quotas is not None and not self.quotas.make_room(ns, tenant):
             self.stats.skipped_quota += 1
             return None
         space = self.space
