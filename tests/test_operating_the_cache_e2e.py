@@ -9,10 +9,10 @@ makes that engine stop hitting the tenant's blocks at its next step while the ot
 hits are unchanged, a subscriber to the KV events sees a STORAGE BlockRemoved for each
 cleared block, and `--dry-run` changes no byte; an engine killed with kill -9 while a clear
 is being applied leaves a directory the next life serves exactly, with the clear done; a
-tenant flooding under a `quota` ("*": each tenant's) leaves the other tenant's blocks all
-hits (in the same life and the next), while the same flood without a quota evicts them; a prompt pinned by
-kv_transfer_params {"aiokv": {"pin": true}} (its tenant named in `request_pins`) survives a flood
-that evicts everything else.
+tenant flooding under a `quota` ("*": each tenant's, or the flooder's alone) leaves the other
+tenant's blocks all hits (in the same life and the next), while the same flood without a quota
+evicts them; a prompt pinned by kv_transfer_params {"aiokv": {"pin": true}} (its tenant named in
+`request_pins`) survives a flood that evicts everything else.
 Tokens equal a run without aiokv in every life.
 The fix: aiokv/store/control.py and aiokv/cli/operate.py (clear, pin, unpin),
 aiokv/store/quotas.py, the PINNED flag (aiokv/store/table.py), scheduler_role.wants_pin.
@@ -230,7 +230,8 @@ def test_a_flood_under_a_quota_leaves_the_other_tenants_blocks(tiny_model, tmp_p
     cache = str(tmp_path / "c")
     res = _flood(tiny_model, cache, quota={"*": 12 * COST})
     assert res["cached"][2] == [32 * PER] * 3, res["cached"]  # bob's and the pinned prompt's all hit
-    happened(res, base_flood, store_quota_evictions=">0", hit_blocks=3 * PER)
+    # (alice's 36 blocks are reserved in one step: past her 12 the saves are skipped)
+    happened(res, base_flood, store_skipped_quota=">0", hit_blocks=3 * PER)
     assert _tenants(cache)["alice"] <= 12
     # and in the next life
     nxt = run(
@@ -247,3 +248,15 @@ def test_a_flood_under_a_quota_leaves_the_other_tenants_blocks(tiny_model, tmp_p
     st = Store(cache, readonly=True)
     assert st.pinned_bytes() == PER * COST
     st.close()
+
+
+def test_a_quota_on_the_flooder_alone_leaves_the_other_tenants_blocks(tiny_model, tmp_path, base_flood):
+    """Issue 40, item 1: only alice has a quota; bob (no quota) keeps every block while the directory
+    has room for his, the pinned prompt's and alice's quota (12 + 6 + 12 of 36): alice's flood
+    reserves its blocks in one step, and those reservations count against her quota."""
+    cache = str(tmp_path / "c")
+    res = _flood(tiny_model, cache, quota={"alice": 12 * COST})
+    assert res["cached"][2] == [32 * PER] * 3, res["cached"]  # bob's and the pinned prompt's all hit
+    happened(res, base_flood, store_skipped_quota=">0", hit_blocks=3 * PER)
+    held = _tenants(cache)
+    assert held.get("bob") == 2 * PER and held.get("alice", 0) <= 12, held

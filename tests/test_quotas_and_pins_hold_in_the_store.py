@@ -10,7 +10,7 @@ engines the quota is the directory's, and the engine holding the tenant's oldest
 them up; pinned blocks (a request's pin, `aiokv pin --tenant`) are never evicted, survive
 restarts, are bounded by pin_capacity (past it a pin is refused with one log line, the block
 stored unpinned), and `aiokv unpin` lets them go.
-The fix: aiokv/store/quotas.py, Store.reserve/_within_quota/_shed_quotas, the PINNED flag in
+The fix: aiokv/store/quotas.py (make_room, shed: Store.reserve and refresh), the PINNED flag in
 table.py (never a victim) and its FLAGS and COMMIT records, control.py's pin orders.
 """
 

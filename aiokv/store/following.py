@@ -168,6 +168,8 @@ class Following:
             return None  # a checkpoint replaced under us: the next look replays it
         try:
             touches = list(fl.log.touches) if got is not None and got[0] == "reset" and fl.log is not None else []
+            if got is not None and got[0] == "reset" and got[1] is not None and not self.dirs.readonly:
+                got[1].build_order()  # its eviction order, here on the I/O thread (O(blocks))
             tenants = self.tenants.read_peer_io(e)
         except BaseException:
             fl.forget()  # what the poll read is not handed over: its files are replayed whole next time
@@ -247,8 +249,7 @@ class Following:
             kind, what = got[0], got[1]
             if kind == "reset":
                 if what is not None:  # its tenant ids, as ours; what its owner has not cleared yet, left out
-                    what.tenant[:] = self.tenants.remap(e, what.tenant)
-                    what.recount()
+                    what.retenant(self.tenants.remap(e, what.tenant))
                     if self.control is not None:
                         self.control.filter_peer(ns, what, getattr(what, "mark", 0))
                 ns.peer_reset(e, what)

@@ -311,6 +311,8 @@ class Index:
         tables = [
             (t.tenant_blocks, ns.slot_cost) for ns in self.namespaces.values() for t in (ns.table, *ns.tables.values())
         ]
+        if len(tables) == 1:  # (one engine, one namespace: a victim's filter asks this per save)
+            return tables[0][0] * tables[0][1]
         out = np.zeros(max([1] + [len(c) for c, _ in tables]), np.int64)
         for c, cost in tables:
             out[: len(c)] += c * cost
@@ -318,8 +320,7 @@ class Index:
 
     def load(self, ns: Namespace, table: Table) -> None:
         """Install this engine's blocks replayed from disk."""
-        ns.table = table
-        table.forget_order()
+        ns.table = table  # (ordered by the loader: Table.build_order)
         used = np.zeros(table.slots, bool)
         used[table.live()] = True
         last = np.flatnonzero(used)

@@ -155,7 +155,6 @@ def _apply_run(table: Table, recs, tags, rt, max_slot: int, watch: bool):
         watch,
     )
     table.count += delta
-    table.forget_order()
     # a COMMIT whose block holds its slot now names its tenant and flags (the last one wins)
     cs = rslots[commit]
     ok = cs < min(max_slot, table.slots)
@@ -167,6 +166,7 @@ def _apply_run(table: Table, recs, tags, rt, max_slot: int, watch: bool):
     table.flags[gone] = 0
     now = np.unique(np.concatenate([aff[table.tag[aff] != 0], cs[ok]]))
     table.count_blocks(table.tenant[now], table.flags[now], 1)
+    table.changed(aff)  # (each to its place in the eviction order, or out: cs[ok] are among them)
     ch = np.frombuffer(changes, np.dtype([("tag", "<u8"), ("added", "u1")])) if watch else []
     return np.frombuffer(touches, np.uint32), [(int(t), bool(a)) for t, a in ch] if watch else []
 
@@ -187,6 +187,7 @@ def table_of(ckpt, jrecs, max_slot: int) -> tuple[Table, np.ndarray]:
         t = Table.of(c["slot"].astype(np.uint64), record_tags(c), c["atime"], c["tenant"], c["flags"])
     else:  # an older writer's order, or damage: the records one by one, as the journal's
         t = Table()
+        t.forget_order()  # (ordered once built: Table.build_order)
         apply_records(t, ckpt, record_tags(ckpt), max_slot)
     touches, _ = apply_records(t, jrecs, record_tags(jrecs), max_slot)
     return t, touches

@@ -9,6 +9,9 @@ Bytes are the directory's: every engine's blocks of the tenant, known from follo
 engines' journals (their COMMITs name the tenant), times the slot size of their namespace. The
 rules (store.py calls them):
 
+- a tenant's bytes are its blocks' and its reservations' not yet committed (`reserving`,
+  until `settled`: one request's save reserves all its blocks in one step), so a save of many
+  blocks at once is capped like one block at a time;
 - a save of a tenant that would take it past its quota first evicts that tenant's own least
   recently used blocks (`own_victim`), while they are its oldest in the directory; where
   another engine holds older ones, that engine evicts them at its next look (`shed`, from
@@ -22,6 +25,8 @@ rules (store.py calls them):
   that one is under its quota. Engines agree because each sees the same bytes per tenant (the
   journals) and each evicts only its own blocks.
 
+`make_room` (a reservation of the store's) and `shed` (its refresh) carry the rules out.
+
 Threading contract: the owner's (the Store's thread), like the index it reads.
 """
 
@@ -32,18 +37,22 @@ import numpy as np
 from aiokv.data import format as fmt
 
 SLACK = 16  # a tenant's blocks may pass its quota by quota / SLACK while another engine holds its oldest
+SHED_MAX = 4096  # blocks of tenants past their quota one refresh evicts at most
 MOST = 1 << 62  # a quota beyond this is no limit (the per-tenant sums are int64; config accepts up to 1e30)
 
 
 class Quotas:
-    def __init__(self, index, tenants, sizes: dict[str, int]):
-        """sizes: tenant name (a cache_salt; "*": every other tenant) -> bytes."""
-        self.index, self.tenants = index, tenants
+    def __init__(self, index, tenants, sizes: dict[str, int], space=None, stats=None):
+        """sizes: tenant name (a cache_salt; "*": every other tenant) -> bytes; space (space.py)
+        evicts for make_room and shed, which count in stats (the store's)."""
+        self.index, self.tenants, self.space, self.stats = index, tenants, space, stats
         sizes = {name: min(size, MOST) for name, size in sizes.items()}
         self.default = sizes.get("*")
         self._named = {tenants.tag(name): size for name, size in sizes.items() if name != "*"}
         self._q = np.zeros(0, np.int64)  # per tenant id: its quota (-1: none); grown as tenants come
         self._epoch = -1  # the tenants' epoch _q was made at (an id given anew: made again)
+        self._reserved: dict[tuple[bytes, bytes], tuple[bytes, int]] = {}  # (nsid, key) -> (tenant tag, bytes)
+        self._reserved_of: dict[bytes, int] = {}  # tenant tag -> bytes reserved, not yet committed
 
     def _quotas(self, n: int) -> np.ndarray:
         if len(self._q) < n or self._epoch != self.tenants.epoch:
@@ -71,32 +80,49 @@ class Quotas:
             total += ns.slot_cost * (ns.table.blocks_of(tid) + sum(t.blocks_of(tid) for t in ns.tables.values()))
         return total
 
+    # ---- reservations not yet committed (a tenant with a quota only) ----
+    def reserving(self, nsid: bytes, key: bytes, tid: int | None, tag: bytes, cost: int) -> None:
+        """A slot of `cost` bytes was reserved for key of the tenant (id tid, or None before its
+        first commit; tag) until settled: counted if it has a quota. Kept by tag: an id is given at
+        the first commit, and may be given anew once no block carries it (tenants.py)."""
+        if self.quota_of(tid, tag) is not None:
+            self._reserved[(nsid, key)] = (tag, cost)
+            self._reserved_of[tag] = self._reserved_of.get(tag, 0) + cost
+
+    def settled(self, nsid: bytes, key: bytes) -> None:
+        """The reservation of key was committed or given back."""
+        got = self._reserved.pop((nsid, key), None)
+        if got is not None:
+            left = self._reserved_of[got[0]] - got[1]
+            if left:
+                self._reserved_of[got[0]] = left
+            else:
+                del self._reserved_of[got[0]]
+
+    def quota_of(self, tid: int | None, tag: bytes) -> int | None:
+        """The quota of a tenant by its id, or by its tag before it has one."""
+        return self.quota(tid) if tid is not None else self.quota_of_tag(tag)
+
+    def claimed(self, tid: int | None, tag: bytes) -> int:
+        """Bytes of the tenant: its blocks in the directory and its reservations not yet committed."""
+        return (0 if tid is None else self.bytes_of(tid)) + self._reserved_of.get(tag, 0)
+
     # ---- choosing victims ----
     def protected(self, saver: int | None) -> tuple | None:
         """A victim filter (table.Table.oldest) leaving out the tenants within their quota (but
         the saver); None if no tenant is."""
         held = self.index.tenant_bytes()
-        q = self._quotas(len(held))
-        mask = ((q >= 0) & (held <= q)).astype(np.uint8)
+        mask = held <= self._quotas(len(held))  # (no quota: -1, never within)
         if saver is not None and saver < len(mask):
-            mask[saver] = 0
+            mask[saver] = False
         if not mask.any():
             return None
-        return ("protect", mask.tobytes()), mask
+        return ("except", mask.view(np.uint8))
 
-    _only: dict = {}
-
-    @classmethod
-    def only(cls, tid: int) -> tuple:
+    @staticmethod
+    def only(tid: int) -> tuple:
         """A victim filter letting through one tenant's blocks only."""
-        got = cls._only.get(tid)
-        if got is None:
-            mask = np.ones(fmt.OVERFLOW_TENANT + 1, np.uint8)
-            mask[tid] = 0
-            if len(cls._only) > 64:
-                cls._only.clear()
-            got = cls._only[tid] = (("only", tid), mask)
-        return got
+        return ("only", tid)
 
     def victim(self, saver: int | None):
         """(namespace, slot) of our least recently used block that a save of `saver` may evict
@@ -129,3 +155,39 @@ class Quotas:
         held = self.index.tenant_bytes()
         q = self._quotas(len(held))
         return np.flatnonzero((q >= 0) & (held > q)).tolist()
+
+    # ---- keeping tenants within their quotas (the store's reserve and refresh) ----
+    def make_room(self, ns, tid: int | None, tag: bytes) -> bool:
+        """Room for one more block of the tenant (id tid, None before its first commit; tag) in ns
+        within its quota (its blocks and its reservations not yet committed): its own least
+        recently used blocks evicted while they are its oldest in the directory (another engine's
+        older ones are that engine's to evict: up to quota / SLACK over meanwhile); False: none to
+        give up."""
+        q = self.quota_of(tid, tag)
+        if q is None:
+            return True
+        cost = ns.slot_cost
+        while self.claimed(tid, tag) + cost > q:  # (its reservations count: a prompt reserves all its blocks at once)
+            if tid is None:
+                return False  # it holds no block yet: nothing of its own to give up
+            victim = self.own_victim(tid)
+            if self.peers_older(tid, victim) and self.claimed(tid, tag) + cost <= q + max(q // SLACK, cost):
+                return True  # its oldest blocks are another engine's: that one evicts them
+            if victim is None or not self.space.evict(*victim, punch=victim[0] is not ns):
+                return False
+            self.stats.evictions -= 1  # (counted as a quota eviction instead)
+            self.stats.quota_evictions += 1
+        return True
+
+    def shed(self) -> None:
+        """Tenants past their quota (another engine's saves, a quota lowered): our own blocks of
+        each evicted while they are its oldest in the directory (refresh)."""
+        for tid in self.over():
+            q, n = self.quota(tid), 0
+            while q is not None and self.bytes_of(tid) > q and n < SHED_MAX:
+                victim = self.own_victim(tid)
+                if victim is None or self.peers_older(tid, victim) or not self.space.evict(*victim, punch=True):
+                    break
+                self.stats.evictions -= 1
+                self.stats.quota_evictions += 1
+                n += 1

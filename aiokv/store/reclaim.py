@@ -107,6 +107,7 @@ class Reclaim:
                 # as its owner: cuts a torn tail so that our records are read; its blocks are what
                 # its journal says, not our view of it (which may lag behind it or be damaged)
                 table = jlog.load_table(self.dirs.max_slots(ns))
+                table.build_order()  # (here on the I/O thread, not the owner's: O(blocks))
                 table.mark = jlog.mark
                 files[(ns.nsid, "log")] = jlog
                 fds = [open_data_file(fl.dir_fd, r, write=True)[0] for r in range(ns.ranks)]
@@ -137,8 +138,7 @@ class Reclaim:
         if r[0] == "first":
             peer_bytes[(ns.nsid, e)] = r[1]
             table = r[2]
-            table.tenant[:] = self.following.tenants.remap(e, table.tenant)  # its tenant ids, as ours
-            table.recount()
+            table.retenant(self.following.tenants.remap(e, table.tenant))  # its tenant ids, as ours
             if self.following.control is not None:  # what its files have not cleared yet, left out
                 self.following.control.filter_peer(ns, table, getattr(table, "mark", 0))
             ns.peer_reset(e, table)

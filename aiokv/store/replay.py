@@ -111,4 +111,5 @@ class Replay:
             _log.warning(
                 "aiokv: %s", f"{d}: {log.beyond} index record(s) name slots beyond the file system's size; dropped"
             )
+        table.build_order()  # (here, before the owner installs it: O(blocks))
         return table, log

@@ -101,7 +101,7 @@ from aiokv.store.labels import Labels
 from aiokv.store.meta import Dirs, Opener, ns_dir  # noqa: F401  (ns_dir: callers name a namespace's directory)
 from aiokv.store.persist import Persist
 from aiokv.store.pins import Pins
-from aiokv.store.quotas import SLACK, Quotas
+from aiokv.store.quotas import Quotas
 from aiokv.store.reclaim import Reclaim
 from aiokv.store.replay import Replay
 from aiokv.store.scan import Scan
@@ -113,7 +113,6 @@ from aiokv.store.wear import Wear
 from aiokv.util import counters
 
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
-SHED_MAX = 4096  # blocks of tenants past their quota one refresh evicts at most
 WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight (io_thread)
 log = logging.getLogger("aiokv")
 _log = log  # (`log` names a journal in some methods)
@@ -309,52 +308,12 @@ class Store:
     # ---- quotas (quotas.py) ----
     def set_quotas(self, sizes: dict[str, int] | None) -> None:
         """The `quota` setting: tenant name ("*": every other) -> bytes; None or {}: none."""
-        self.quotas = Quotas(self.index, self.tenants, sizes) if sizes else None
+        self.quotas = Quotas(self.index, self.tenants, sizes, self.space, self.stats) if sizes else None
         self.space.victims = self._capacity_victim
 
     def _capacity_victim(self):
         """The block the directory's capacity gives up first: of a tenant not protected by its quota."""
         return self.quotas.victim(None) or self.index.victim() if self.quotas is not None else self.index.victim()
-
-    def _within_quota(self, ns: Namespace, tid: int | None, tag: bytes) -> bool:
-        """Room for one more block of tenant tid within its quota: its own least recently used
-        blocks evicted while they are its oldest in the directory (another engine's older ones
-        are that engine's to evict: up to quota / SLACK over meanwhile); False: none to give up.
-        tid None: a tenant not registered (it holds nothing): its quota by its tag."""
-        quotas = self.quotas
-        if tid is None:
-            q = quotas.quota_of_tag(tag)
-            return q is None or ns.slot_cost <= q
-        q = quotas.quota(tid)
-        if q is None:
-            return True
-        cost = ns.slot_cost
-        while quotas.bytes_of(tid) + cost > q:
-            victim = quotas.own_victim(tid)
-            older = quotas.peers_older(tid, victim)
-            if older and quotas.bytes_of(tid) + cost <= q + max(q // SLACK, cost):
-                return True  # its oldest blocks are another engine's: that one evicts them
-            if victim is None:
-                return False
-            if not self.space.evict(*victim, punch=victim[0] is not ns):
-                return False
-            self.stats.evictions -= 1  # (counted as a quota eviction instead)
-            self.stats.quota_evictions += 1
-        return True
-
-    def _shed_quotas(self) -> None:
-        """Tenants past their quota (another engine's saves, a quota lowered): our own blocks of
-        each evicted while they are its oldest in the directory (refresh)."""
-        quotas = self.quotas
-        for tid in quotas.over():
-            q, n = quotas.quota(tid), 0
-            while q is not None and quotas.bytes_of(tid) > q and n < SHED_MAX:
-                victim = quotas.own_victim(tid)
-                if victim is None or quotas.peers_older(tid, victim) or not self.space.evict(*victim, punch=True):
-                    break
-                self.stats.evictions -= 1
-                self.stats.quota_evictions += 1
-                n += 1
 
     def tenant_bytes(self, top: int | None) -> dict[str, int]:
         """Bytes per tenant in the directory (every engine's blocks, as followed): the `top`
@@ -417,7 +376,7 @@ class Store:
             except OSError as e:
                 log.warning("aiokv: %s", f"giving back space failed ({os.strerror(e.errno or 0)}); trying again later")
         if self.quotas is not None and not self.readonly:
-            self._shed_quotas()
+            self.quotas.shed()
 
     # ---- lookups and commits (owner) ----
     def lookup(self, ns: Namespace, keys, limit: int | None = None) -> int:
@@ -454,7 +413,7 @@ class Store:
         if tag is None:  # a new tenant and no id free (tenants.py)
             self.stats.skipped_tenants += 1
             return None
-        if self.quotas is not None and not self._within_quota(ns, tid, tag):
+        if self.quotas is not None and not self.quotas.make_room(ns, tid, tag):
             self.stats.skipped_quota += 1
             return None
         space = self.space
@@ -473,6 +432,8 @@ class Store:
             slot = ns.alloc.take()
         space.grow_ahead(ns)
         ns.pending[key] = where = fmt.loc(self.engine, slot)
+        if self.quotas is not None:
+            self.quotas.reserving(ns.nsid, key, tid, tag, ns.slot_cost)
         return where
 
     def commit(
@@ -493,6 +454,8 @@ class Store:
             if pending.get(key) != where:
                 continue  # aborted meanwhile
             del pending[key]
+            if self.quotas is not None:
+                self.quotas.settled(ns.nsid, key)
             done.append(key)
             slots.append(where & fmt.SLOT_MASK)
         if not done:
@@ -541,6 +504,8 @@ class Store:
         for key, where in items:
             if ns.pending.get(key) == where:
                 del ns.pending[key]
+                if self.quotas is not None:
+                    self.quotas.settled(ns.nsid, key)
                 ns.alloc.release(where & fmt.SLOT_MASK)
                 self.stats.save_failures += failed
 

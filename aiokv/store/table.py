@@ -12,15 +12,17 @@ whole key, and every read checks it, so a tag that two keys share is a miss afte
 that check, never a wrong block; the files (checkpoint, journal) hold the keys for
 whoever needs them (aiokv/store/journal.py, `read_keys`).
 
-Eviction order: exact LRU on (atime, slot), taken in batches. `oldest` hands out
-the oldest live slot; a batch of the oldest ~1/64 of the blocks (at least 256) is
-picked at once (a sampled threshold and one pass over the arrays), sorted, and
-handed out in order; a slot whose atime changed since (touched, freed, reused) is
-skipped. atimes only grow, and new blocks are the youngest, so the batch stays
-the oldest blocks until it is used up. Pinned blocks are never in a batch. A batch
-may leave out the blocks of some tenants (`oldest(filt=...)`: a tenant's own LRU,
-or every tenant but those a quota protects; aiokv/store/quotas.py): the same pass
-over the blocks that filter lets through, one batch kept per filter.
+Eviction order: exact LRU on (atime, then slot), per tenant: aiokv._index.Order
+(native/order.c) keeps, for each tenant, its blocks that may be victims (not PINNED) in that
+order, as they come, go, are used, pinned and unpinned (10 bytes a slot, built at the first
+search or by `build_order`). `oldest` asks it for the least recently used block of every tenant,
+of one (`filt=("only", tid)`), or of all but some (`filt=("except", mask)`: quotas.py); a block a
+load holds (`skip`) is passed over and keeps its place. One search reads one entry per tenant
+holding blocks (and each held block it passes): `examined` counts them. Every change to a slot's
+tag, atime, tenant or flags goes through the methods here, or is followed by `changed(slots)`
+(journal.apply_records) before the next search; a table filled in bulk is ordered anew by
+`build_order` (on the thread that built it, before handing it over: a stable radix sort,
+O(blocks)), or else at its first search.
 
 Counts: blocks per tenant (`tenant_blocks`), pinned blocks (`pinned`) and pinned blocks per
 tenant (`tenant_pinned`: the bound on a tenant's request pins, aiokv/store/pins.py), kept as
@@ -31,7 +33,8 @@ Threading contract: a Table is changed by one thread (the store's owner, or the
 thread that builds it before handing it over). A checkpoint on the store's I/O
 thread reads `tag` and `atime` while the owner changes them (journal.py says why
 any value it reads is fine); arrays are replaced, never resized in place, so a
-reader keeps the ones it took.
+reader keeps the ones it took. The eviction order is the changing thread's alone (its
+build releases the GIL: only reads of the arrays go on meanwhile).
 """
 
 from __future__ import annotations
@@ -41,12 +44,9 @@ import numpy as np
 from aiokv import _index
 
 PINNED = 1  # flags: pinned (an operator's pin, a request's: issue 34), never a victim (format.FLAG_PINNED)
-MAX_BATCHES = 16  # victim batches kept at once (one per filter)
 MIN_HASH = 1 << 10
 GROW = 1 / 8  # slot arrays grow by this fraction (at least MIN_GROW slots) when a slot past them is used
 MIN_GROW = 1 << 12
-BATCH_SHIFT = 6  # a victim batch is about count >> BATCH_SHIFT blocks
-MIN_BATCH = 256
 
 tag_of = _index.tag
 
@@ -81,6 +81,8 @@ class Table:
         self.tenant_blocks = np.zeros(1, np.int64)  # blocks per tenant id
         self.pinned = 0  # blocks with PINNED
         self.tenant_pinned = np.zeros(1, np.int64)  # blocks with PINNED per tenant id (request pins' bound)
+        self._order = None
+        self._ordered = slots == 0  # the order is kept (an empty table's from the start); else built when needed
         self._bind()
 
     def _bind(self) -> None:
@@ -91,7 +93,10 @@ class Table:
             self.probe.__init__(self.tag, self.hash)
         self._tags = memoryview(self.tag)  # scalar access, faster than numpy's
         self._atimes = memoryview(self.atime)
-        self._batches: dict = {}  # filter key -> [slots, their atimes, next index]: the victims in order
+        if self._order is None:
+            self._order = _index.Order(self.tag, self.atime, self.tenant, self.flags)
+        else:
+            self._order.bind(self.tag, self.atime, self.tenant, self.flags)
 
     @classmethod
     def of(cls, slots, tags, atimes, tenants=None, flags=None) -> Table:
@@ -109,6 +114,7 @@ class Table:
         t._bind()
         t.probe.build(slots)
         t.recount()
+        t.forget_order()
         return t
 
     # ---- counts ----
@@ -200,15 +206,11 @@ class Table:
             arr = np.zeros(new, old.dtype)
             arr[:n] = old
             setattr(self, name, arr)
-        batches = self._batches
         self._bind()  # the hash is unchanged (slots keep their numbers): bound to the new arrays
-        self._batches = batches
 
     def _rehash(self, size: int) -> None:
         self.hash = np.zeros(size, np.uint32)
-        batches = self._batches
         self._bind()
-        self._batches = batches
         self.probe.build(self.live().astype(np.uint64))
 
     def put(self, slot: int, tag: int, atime: int, tenant: int = 0, flags: int = 0) -> int:
@@ -219,6 +221,7 @@ class Table:
         old = self.probe.find_tag(tag)
         if old == slot:
             self._atimes[slot] = atime
+            self._sync(slot)
             return -1
         if old >= 0:
             self.clear(old)
@@ -233,6 +236,7 @@ class Table:
         self._count1(tenant, flags, 1)
         self.probe.insert(slot)
         self.count += 1
+        self._sync(slot)
         return old
 
     def put_many(self, slots: np.ndarray, tags: np.ndarray, ats: np.ndarray, tenant: int = 0, flags: int = 0) -> None:
@@ -253,6 +257,7 @@ class Table:
         self.tenant[slots] = tenant
         self.flags[slots] = flags
         self.count_blocks(np.full(len(slots), tenant), np.full(len(slots), flags, np.uint8), 1)
+        self.changed(np.concatenate([gone, slots.astype(np.int64)]))
 
     def clear(self, slot: int) -> int:
         """Forget the block in `slot`; returns its tag (0: there was none)."""
@@ -267,6 +272,7 @@ class Table:
             self.tenant[slot] = 0
             self.flags[slot] = 0
             self.count -= 1
+            self._sync(slot)
         return tag
 
     def set_flags(self, slot: int, flags: int) -> bool:
@@ -278,100 +284,66 @@ class Table:
             self.pinned += change
             self._pin1(int(self.tenant[slot]), change)
         self.flags[slot] = flags
+        self._sync(slot)
         return True
 
     def touch(self, slot: int, atime: int) -> bool:
         """The block in `slot` was used at atime (kept if older than what it has)."""
         if atime > self._atimes[slot]:
             self._atimes[slot] = atime
+            self._sync(slot)
             return True
         return False
 
+    def retenant(self, tenants: np.ndarray) -> None:
+        """Every slot's tenant id renamed (another engine's ids as ours: each old id to one new)."""
+        self.tenant[:] = tenants
+        self.recount()
+        if self._ordered:
+            self._order.relabel()
+
     # ---- eviction order ----
-    def oldest(self, skip=None, filt: tuple | None = None) -> int:
-        """The slot of the least recently used block (atime, then slot) that is not pinned,
-        passes `filt` and of which skip(slot) is not true; -1 if none. filt: (a hashable
-        key naming it, a uint8 array over tenant ids: 1 leaves that tenant's blocks out;
-        ids past its end are in). Does not take it: the caller clears it (or not)."""
-        tags, atimes, flags = self._tags, self._atimes, self.flags
-        key = None if filt is None else filt[0]
-        b = self._batches.get(key)
-        refills = 0
-        while True:
-            if b is None or b[2] >= len(b[0]):
-                if refills == 2:  # every candidate skipped twice over (held by loads): none now
-                    return -1
-                refills += 1
-                b = self._refill(filt)
-                if b is None:
-                    return -1
-            s = int(b[0][b[2]])
-            if (
-                s < len(tags)
-                and tags[s]
-                and atimes[s] == b[1][b[2]]
-                and not flags[s] & PINNED
-                and (skip is None or not skip(s))
-            ):
-                return s
-            b[2] += 1
+    def _sync(self, slot: int) -> None:
+        if self._ordered:
+            self._order.sync(slot)
 
-    def _eligible(self, sel: np.ndarray, excluded: np.ndarray | None) -> np.ndarray:
-        """Which of the slots `sel` hold a block that may be a victim under the filter."""
-        ok = (self.tag[sel] != 0) & ((self.flags[sel] & PINNED) == 0)
-        if excluded is not None and len(excluded):
-            ten = self.tenant[sel]
-            inr = ten < len(excluded)
-            ok[inr] &= excluded[ten[inr]] == 0
-        return ok
+    def changed(self, slots: np.ndarray) -> None:
+        """The blocks in these slots changed other than through the methods here (tag, atime,
+        tenant or flags): each goes to its place in the eviction order, or out of it."""
+        if self._ordered and len(slots):
+            self._order.changed(np.ascontiguousarray(slots, np.int64))
 
-    def _refill(self, filt: tuple | None):
-        """The next batch of the oldest blocks the filter lets through (kept under its key);
-        None if there are none."""
-        key, excluded = (None, None) if filt is None else filt
-        self._batches.pop(key, None)
-        if not self.count:
-            return None
-        est = self.count - self.pinned
-        if excluded is not None and len(excluded):
-            m = min(len(excluded), len(self.tenant_blocks))
-            est -= int(self.tenant_blocks[:m][excluded[:m] != 0].sum())
-        if est <= 0 and self.pinned == 0:
-            return None
-        est = max(est, 1)
-        want = max(MIN_BATCH, est >> BATCH_SHIFT)
-        n = len(self.tag)
-        ex = np.zeros(0, np.uint8) if excluded is None else np.ascontiguousarray(excluded, np.uint8)
-        sel = None
-        if est > 4 * want:
-            # a threshold from a sample, then one pass: the blocks at most that old
-            rng = np.random.default_rng()
-            idx = rng.integers(0, n, size=min(n, 1 << 16))
-            seen = self.atime[idx][self._eligible(idx, excluded)]
-            if len(seen) >= 64:
-                thr = np.quantile(seen, min(1.0, 2.0 * want / est), method="higher")
-                out = np.empty(8 * want, np.int64)
-                # one pass, no temporaries
-                k = _index.older_of(self.tag, self.atime, self.tenant, self.flags, ex, int(thr), out)
-                sel = out[:k] if k >= want // 4 else None  # too few or too many: an unlucky sample
-        if sel is None:
-            live = self.live()
-            sel = live[self._eligible(live, excluded)]
-        if not len(sel):
-            return None
-        at = self.atime[sel]
-        if len(sel) > want:
-            part = np.argpartition(at, want - 1)[:want]
-            sel, at = sel[part], at[part]
-        order = np.lexsort((sel, at))
-        if len(self._batches) >= MAX_BATCHES:
-            self._batches.pop(next(iter(self._batches)))
-        b = self._batches[key] = [sel[order], at[order], 0]
-        return b
+    def build_order(self) -> None:
+        """Order every block now (after a bulk build; the thread building the table, before it
+        hands it over: the GIL is released meanwhile)."""
+        self._order.build()
+        self._ordered = True
 
     def forget_order(self) -> None:
-        """Blocks changed in bulk: the next victim comes from a new batch."""
-        self._batches = {}
+        """The arrays were filled in bulk: the order is built again at the next search."""
+        self._ordered = False
+
+    @property
+    def examined(self) -> int:
+        """Entries the victim searches have read (tests and benchmarks: the work per call)."""
+        return self._order.examined
+
+    def oldest(self, skip=None, filt: tuple | None = None) -> int:
+        """The slot of the least recently used block (atime, then slot) that is not pinned,
+        passes `filt` and of which skip(slot) is not true (a load holds it); -1 if none. filt:
+        None (every tenant), ("only", tenant id) or ("except", a uint8 array over tenant ids:
+        1 leaves that tenant's blocks out; ids past its end are in). Does not take it: the
+        caller clears it (or not). Reads one entry per tenant it looks at, and each skipped."""
+        if not self._ordered:
+            self.build_order()
+        order, held = self._order, None
+        only = filt is not None and filt[0] == "only"
+        excluded = None if filt is None or only else filt[1]
+        while True:
+            s = order.front(filt[1], held) if only else order.first(excluded, held)
+            if s < 0 or skip is None or not skip(s):
+                return s
+            held = np.union1d(held if held is not None else np.zeros(0, np.uint32), [s]).astype(np.uint32)
 
     def oldest_atime(self, filt: tuple | None = None) -> int | None:
         """The atime of the least recently used block that may be a victim (under filt), or None."""
