@@ -233,7 +233,7 @@ class Control:
             return
         # the first orders read after an opening that could not read the file: those older than the
         # opening were in it then, and are taken as if read at opening: not applied to our view of
-        # the other engines' blocks, and to ours only to blocks written before each (ours since are newer)
+        # the other engines' blocks, and a clear or unpin to ours only to blocks written before each
         old = set()
         if self.blind:
             self.blind = False
@@ -298,7 +298,9 @@ class Control:
             if not order.for_ns(ns.nsid):
                 continue
             t = ns.table
-            slots = self._matching(t, order, written_before=ns.rebuilt or order.number in old)
+            # (an old pin: as if read at opening, our blocks since would have been committed pinned)
+            late = order.number in old and order.op != "pin"
+            slots = self._matching(t, order, written_before=ns.rebuilt or late)
             if order.op == "clear":
                 for s in slots.tolist():
                     tag = self.index.remove_slot(ns, s)
