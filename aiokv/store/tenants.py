@@ -27,7 +27,8 @@ them as they are), and each other engine's ids are mapped into ours as its block
   no tenant: OVERFLOW_TENANT, which no clear or pin of a named tenant matches and no quota counts;
 - blocks of ours whose id the file did not name at opening (a damaged or lost file, or an
   older aiokv's failed write) count for no tenant either (`own_loaded`), and their ids are not
-  given out in this life (`_blocked`): the next checkpoint writes them as no tenant's.
+  given out in this life (`_blocked`; another engine's tenant given one while our index loaded
+  moves to a new id, `_move_off`): the next checkpoint writes them as no tenant's.
 
 Threading contract: the owner's (the Store's thread), except `at_open` (the loader thread
 reads it: never changed after opening), the file's `ensure_io` (the I/O thread: tenantsfile.py)
