@@ -10,9 +10,9 @@ hung device does):
 - "r" (or empty): reads of files whose name ends in `.data` do not answer;
 - "w": nor do writes of them;
 - "a": no operation on the mount answers (a hung NFS server, a frozen queue);
-- "i": reads of an index's files (checkpoint, journal.<gen>, its image `index`) do not
-  answer: an engine's store opens, and its loader thread waits there (a slow mount at a
-  restart, held until the test says);
+- "i": reads of an index's files (checkpoint, journal.<gen>, its image `index`) whose path
+  contains CONTROL's second line (all of them without one) do not answer: an engine's store
+  opens, and its loader thread waits there (a slow mount at a restart, held until the test says);
 - "e": reads of an index's files fail with EIO (after any "i" ends): a load that fails;
 - "j": writes of journal files (journal.<gen>) whose path contains CONTROL's second line
   (all of them without one) do not answer: a command stopped at a point the test chooses;
@@ -152,7 +152,7 @@ def serve(source: str, mountpoint: str, control: str, threads: int = 200) -> Non
                 while _says(control, "r"):  # the hung disk
                     time.sleep(0.02)
             elif _index_file(path):
-                while _says(control, "i"):  # the index held where the loader reads it
+                while _says(control, "i", path):  # the index held where the loader reads it
                     time.sleep(0.02)
                 if _says(control, "e"):
                     raise fuse.FuseOSError(errno.EIO)

@@ -203,6 +203,8 @@ class Control:
         self.last = 0  # the number of the last order read
         self._off, self._seen = 0, 0  # the I/O thread's read position (bytes, last number)
         self._unreadable: int | None = None  # the I/O thread's: errno of the last failed read (said once)
+        self.opened = time.time_ns()  # orders older than this were in the file when the store opened
+        self.blind = False  # the file did not read at opening: the orders in it then are not known yet (take)
         self._pins: dict[tuple[bytes, bytes], bool] = {}  # (nsid, tenant tag) -> pinned (memo)
 
     # ---- reading (the I/O thread's, or the opener's) ----
@@ -229,13 +231,21 @@ class Control:
         """New orders: kept, and applied to every namespace whose index is in place."""
         if not orders:
             return
+        # the first orders read after an opening that could not read the file: those older than the
+        # opening were in it then, and are taken as if read at opening: not applied to our view of
+        # the other engines' blocks, and a clear or unpin to ours only to blocks written before each
+        old = set()
+        if self.blind:
+            self.blind = False
+            old = {o.number for o in orders if o.time < self.opened}
         self.orders += orders
         self.last = max(self.last, orders[-1].number)
         self._pins.clear()
+        new = [o for o in orders if o.number not in old]
         for ns in list(self.index.namespaces.values()):
-            self.view(ns, orders)
+            self.view(ns, new)
             if ns.engine is not None and ns.ready:
-                self.catch_up(ns)
+                self.catch_up(ns, old)
 
     def pending(self, mark: int) -> list[Order]:
         return [o for o in self.orders if o.number > mark]
@@ -277,8 +287,9 @@ class Control:
             ok &= (table.flags[live] & PINNED) != 0
         return live[ok]
 
-    def catch_up(self, ns) -> None:
-        """Our own blocks of ns given the orders past its MARK (at install, and as orders come)."""
+    def catch_up(self, ns, old=frozenset()) -> None:
+        """Our own blocks of ns given the orders past its MARK (at install, and as orders come;
+        old: numbers of orders applied to the blocks written before each only, as `take` says)."""
         todo = [o for o in self.orders if o.number > ns.mark]
         if not todo or self.dirs.readonly:
             return
@@ -287,7 +298,9 @@ class Control:
             if not order.for_ns(ns.nsid):
                 continue
             t = ns.table
-            slots = self._matching(t, order, written_before=ns.rebuilt)
+            # (an old pin: as if read at opening, our blocks since would have been committed pinned)
+            late = order.number in old and order.op != "pin"
+            slots = self._matching(t, order, written_before=ns.rebuilt or late)
             if order.op == "clear":
                 for s in slots.tolist():
                     tag = self.index.remove_slot(ns, s)

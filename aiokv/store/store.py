@@ -206,6 +206,7 @@ class Store:
             self.wear = Wear(self.dirs.root_fd, self.engine) if not readonly else None  # bytes committed
             self.control.orders += self.control.read_io() or []  # (applied as each namespace is in place)
             self.control.last = self.control.orders[-1].number if self.control.orders else 0
+            self.control.blind = self.control._unreadable is not None  # (its orders then: control.take)
             for nsid in found:
                 if background:  # loaded in the background (below): not ready until then
                     shells.append(self.opener.shell(nsid))

@@ -27,7 +27,8 @@ them as they are), and each other engine's ids are mapped into ours as its block
   no tenant: OVERFLOW_TENANT, which no clear or pin of a named tenant matches and no quota counts;
 - blocks of ours whose id the file did not name at opening (a damaged or lost file, or an
   older aiokv's failed write) count for no tenant either (`own_loaded`), and their ids are not
-  given out in this life (`_blocked`): the next checkpoint writes them as no tenant's.
+  given out in this life (`_blocked`; another engine's tenant given one while our index loaded
+  moves to a new id, `_move_off`): the next checkpoint writes them as no tenant's.
 
 Threading contract: the owner's (the Store's thread), except `at_open` (the loader thread
 reads it: never changed after opening), the file's `ensure_io` (the I/O thread: tenantsfile.py)
@@ -105,6 +106,7 @@ class Tenants:
         if not orphans:
             return
         self._blocked.update(orphans)
+        self._move_off([t for t in orphans if t in self._tag])
         mask = (table.tag != 0) & np.isin(table.tenant, orphans)
         table.tenant[mask] = fmt.OVERFLOW_TENANT
         table.recount()
@@ -114,6 +116,30 @@ class Tenants:
             int(mask.sum()),
             fmt.tenants_name(self.dirs.engine),
         )
+
+    def _move_off(self, ids: list[int]) -> None:
+        """Other engines' tenants given these ids in this life (`remap`, while our index loaded)
+        that our journals name for blocks of no tenant (own_loaded): given new ids, the other
+        engines' blocks here and their mappings with them (none free: no tenant's for now)."""
+        if not ids:
+            return
+        to = np.arange(fmt.OVERFLOW_TENANT + 1, dtype=np.int64)
+        for tid in ids:
+            tag, name = self._tag.pop(tid), self._name.pop(tid, None)
+            del self._id[tag]
+            new = self._new_id(reclaim=False)
+            if new is not None:
+                self._set(new, tag, name)
+            to[tid] = fmt.OVERFLOW_TENANT if new is None else new
+        for r in self._remaps.values():
+            hit = np.isin(r, ids)
+            r[hit] = np.where(to[r[hit]] == fmt.OVERFLOW_TENANT, -1, to[r[hit]])  # (-1: resolved again)
+        for ns in self.index.namespaces.values():
+            for t in ns.tables.values():
+                t.tenant[:] = to[t.tenant]
+                t.recount()
+                t.forget_order()
+        self.epoch += 1
 
     def _set(self, tid: int, tag: bytes, name: str | None) -> None:
         self._id[tag], self._tag[tid], self._name[tid] = tid, tag, name
