@@ -288,6 +288,61 @@ class HugePages:
                 f.write(str(self.orig))
 
 
+# ------------------------------------------------------------------ LMCache's raw_block side
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEER_DIR = os.path.join(ROOT, ".bench-peer")  # ignored by git: the benchmark's own install of the peer
+RAW_BLOCK_PKG = "lmcache-rust-raw-block-io==0.5.7rc2"
+
+
+def raw_block_available(install: bool = True) -> str:
+    """'' if LMCache's RawBlockDevice (lmcache_rust_raw_block_io) imports, from PEER_DIR
+    (installed there with pip --target when missing), else why not."""
+    if PEER_DIR not in sys.path:
+        sys.path.append(PEER_DIR)
+    try:
+        import lmcache_rust_raw_block_io  # noqa: F401
+
+        return ""
+    except ImportError:
+        pass
+    if not install:
+        return f"lmcache_rust_raw_block_io missing (pip install --target {PEER_DIR} {RAW_BLOCK_PKG})"
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", PEER_DIR, RAW_BLOCK_PKG]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        return f"{' '.join(cmd[2:])} failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}"
+    import importlib
+
+    importlib.invalidate_caches()
+    try:
+        import lmcache_rust_raw_block_io  # noqa: F401, F811
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def raw_block_round(path: str, payload: int, n: int, depth: int) -> dict:
+    """RawBlockDevice (tools/peers.py: depth-sized batches, each waited for whole) writing
+    then reading n slot images, a staging buffer per block as aiokv's batch mode has
+    (one arena, filled with a random payload the same way): the same I/Os, no checksum."""
+    slot = fmt.slot_bytes(payload)
+    pool = BufferPool(slot, n)
+    try:
+        rand = os.urandom(payload)
+        for s in range(pool.count):
+            ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, payload)
+        got = _rbd_peer(path, slot, n, depth, pool, 0.0)
+    finally:
+        pool.close()
+    out = {}
+    for rw in ("write", "read"):
+        out[f"{rw}_gbps"] = n * slot / got[f"{rw}_s"] / 1e9
+        out[f"{rw}_cpu_us"] = got[f"{rw}_cpu_s"] / n * 1e6
+        out[f"{rw}_s"] = got[f"{rw}_s"]
+    return out
+
+
 # ------------------------------------------------------------------ vLLM fs tier side
 
 
@@ -733,6 +788,65 @@ def _sizes(text: str) -> list[int]:
     return [parse_size(x) for x in text.split(",") if x]
 
 
+def _rounds(args, work, size, n, depth, workers, mem, arena, peers, log) -> dict:
+    """One size and depth: args.rounds rounds of every contender (`peers`: aiokv, fio,
+    raw_block, vllm_fs, fio_fixedbufs, those run), each round in another order."""
+    slot = fmt.slot_bytes(size)
+    rounds: dict[str, list] = {w: [] for w in peers}
+    for r in range(args.rounds):
+        for who in peers[r % len(peers) :] + peers[: r % len(peers)]:
+            if who == "aiokv":
+                got = aiokv_round(
+                    os.path.join(work, "store"), size, n, depth, workers, r, mode=args.mode, secret=args.secret
+                )
+            elif who == "fio":
+                got = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem)
+            elif who == "fio_fixedbufs":
+                got = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem, fixedbufs=True)
+            elif who == "raw_block":
+                got = raw_block_round(os.path.join(work, "rbd.dat"), size, n, depth)
+            else:
+                got = vllm_fs_round(os.path.join(work, "vllmfs"), size, n, depth, arena)
+            rounds[who].append(got)
+        log(
+            f"{size >> 10:>5} KiB depth {depth:>2} round {r + 1}: "
+            + " | ".join(f"{w} W {rs[-1]['write_gbps']:.2f} R {rs[-1]['read_gbps']:.2f}" for w, rs in rounds.items())
+            + " GB/s"
+        )
+    return rounds
+
+
+def _row(size: int, n: int, depth: int, workers: int, rounds: dict) -> dict:
+    """The medians of one size and depth, and aiokv's ratios to the others: the median of
+    each round's ratio (the disk's speed drifts between rounds by more than the differences)."""
+    slot = fmt.slot_bytes(size)
+    med = {
+        who: {
+            k: statistics.median(x[k] for x in rs)
+            for k in rs[0]
+            if isinstance(rs[0][k], (int, float)) and not isinstance(rs[0][k], bool)
+        }
+        for who, rs in rounds.items()
+    }
+    for who, m in med.items():
+        for rw in ("write", "read"):
+            if who == "vllm_fs":  # moves payloads only; its CPU per GB comes with it
+                m[f"{rw}_payload_gbps"] = m[f"{rw}_gbps"]
+                continue
+            m[f"{rw}_payload_gbps"] = m[f"{rw}_gbps"] * size / slot  # disk bytes are slots
+            m[f"{rw}_cpu_s_per_gb"] = m[f"{rw}_cpu_us"] * 1e-6 / (size / 1e9)  # per GB of payload
+    row = {"size": size, "slot_bytes": slot, "depth": depth, "blocks": n, "workers": workers, **med, "rounds": rounds}
+    for who in rounds.keys() - {"aiokv"} if "aiokv" in rounds else ():
+        scale = size / slot if who == "vllm_fs" else 1.0  # aiokv's payload bytes against vLLM's
+        row[f"ratio_{who}"] = {
+            rw: statistics.median(
+                a[f"{rw}_gbps"] * scale / b[f"{rw}_gbps"] for a, b in zip(rounds["aiokv"], rounds[who])
+            )
+            for rw in ("write", "read")
+        }
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
@@ -761,6 +875,13 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--no-null", action="store_true", help="skip the null-I/O overhead runs")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's fs tier")
+    ap.add_argument(
+        "--no-raw-block",
+        action="store_true",
+        help=f"skip LMCache's RawBlockDevice (by default installed with pip --target into {PEER_DIR} if missing)",
+    )
+    ap.add_argument("--only", default=None, help="run only these contenders: aiokv,fio,raw_block,vllm_fs (for tracing)")
+    ap.add_argument("--secret", default=None, help="aiokv: a secret, so every slot carries the MAC and is checked")
     ap.add_argument(
         "--submit-group",
         type=int,
@@ -818,8 +939,15 @@ def main() -> int:
         ap.error("--workers must be between 1 and the smallest --depth")
     if shutil.which("fio") is None:
         ap.error("fio is not installed")
-    vllm_note = "skipped (--no-vllm)" if args.no_vllm else vllm_fs_available()
+    only = [w for w in args.only.split(",") if w] if args.only else None
+    vllm_note = "skipped" if args.no_vllm or (only and "vllm_fs" not in only) else vllm_fs_available()
     use_vllm = not vllm_note
+    want_rb = not args.no_raw_block and (only is None or "raw_block" in only)
+    rb_note = raw_block_available() if want_rb else "skipped"
+    peers = ["aiokv", "fio"] + (["raw_block"] if not rb_note else []) + (["vllm_fs"] if use_vllm else [])
+    peers += ["fio_fixedbufs"] if args.fixedbufs else []
+    if only is not None:
+        peers = [w for w in peers if w in only]
     base = args.dir or tempfile.mkdtemp(prefix="aiokv-bench-")
     os.makedirs(base, exist_ok=True)
     work = tempfile.mkdtemp(prefix="run-", dir=base)
@@ -847,65 +975,8 @@ def main() -> int:
                 try:
                     for depth in depths:
                         workers = args.workers or depth
-                        rounds = {"aiokv": [], "fio": []}
-                        if use_vllm:
-                            rounds["vllm_fs"] = []
-                        if args.fixedbufs:
-                            rounds["fio_fixedbufs"] = []
-                        for r in range(args.rounds):
-                            a = aiokv_round(os.path.join(work, "store"), size, n, depth, workers, r, mode=args.mode)
-                            rounds["aiokv"].append(a)
-                            f = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem)
-                            rounds["fio"].append(f)
-                            msg = (
-                                f"{size >> 10:>5} KiB depth {depth:>2} round {r + 1}: aiokv W "
-                                f"{a['write_gbps']:.2f} R {a['read_gbps']:.2f} | fio W {f['write_gbps']:.2f} "
-                                f"R {f['read_gbps']:.2f}"
-                            )
-                            if use_vllm:
-                                v = vllm_fs_round(os.path.join(work, "vllmfs"), size, n, depth, arena)
-                                rounds["vllm_fs"].append(v)
-                                msg += f" | vllm-fs W {v['write_gbps']:.2f} R {v['read_gbps']:.2f}"
-                            if args.fixedbufs:
-                                fx = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem, fixedbufs=True)
-                                rounds["fio_fixedbufs"].append(fx)
-                                msg += f" | fio fixedbufs W {fx['write_gbps']:.2f} R {fx['read_gbps']:.2f}"
-                            log(msg + " GB/s")
-                        med = {
-                            who: {
-                                k: statistics.median(x[k] for x in rs)
-                                for k in rs[0]
-                                if isinstance(rs[0][k], (int, float)) and not isinstance(rs[0][k], bool)
-                            }
-                            for who, rs in rounds.items()
-                        }
-                        for who in ("aiokv", "fio", "fio_fixedbufs"):
-                            if who in med:  # disk bytes are slots; CPU per GB of payload
-                                for rw in ("write", "read"):
-                                    m = med[who]
-                                    m[f"{rw}_payload_gbps"] = m[f"{rw}_gbps"] * size / slot
-                                    m[f"{rw}_cpu_s_per_gb"] = m[f"{rw}_cpu_us"] * 1e-6 / (size / 1e9)
-                        if use_vllm:
-                            for rw in ("write", "read"):
-                                med["vllm_fs"][f"{rw}_payload_gbps"] = med["vllm_fs"][f"{rw}_gbps"]
-                        row = {
-                            "size": size,
-                            "slot_bytes": slot,
-                            "depth": depth,
-                            "blocks": n,
-                            "workers": workers,
-                            **med,
-                            "rounds": rounds,
-                            "ratio_fio": {
-                                rw: med["aiokv"][f"{rw}_gbps"] / med["fio"][f"{rw}_gbps"] for rw in ("write", "read")
-                            },
-                        }
-                        if use_vllm:
-                            row["ratio_vllm_fs"] = {
-                                rw: med["aiokv"][f"{rw}_payload_gbps"] / med["vllm_fs"][f"{rw}_payload_gbps"]
-                                for rw in ("write", "read")
-                            }
-                        results.append(row)
+                        rounds = _rounds(args, work, size, n, depth, workers, mem, arena, peers, log)
+                        results.append(_row(size, n, depth, workers, rounds))
                 finally:
                     if arena is not None:
                         arena.close()
@@ -943,6 +1014,9 @@ def main() -> int:
         "fio_mem": mem,
         "fio_mem_note": hp.note or (f"nr_hugepages raised by {pages} for the run and set back" if hp.ok else ""),
         "vllm_fs": vllm_note or "vllm.fs_io_C (C helper), DualQueueThreadPool",
+        "raw_block": rb_note or f"{RAW_BLOCK_PKG}: RawBlockDevice, batches of depth waited for whole",
+        "contenders": peers,
+        "secret": bool(args.secret),
         "machine": mach,
         "seconds": round(time.monotonic() - t_start, 1),
         "results": results,
@@ -959,54 +1033,38 @@ async def _backend_name() -> str:
         b.close()
 
 
+NAMES = {"fio": "fio", "raw_block": "raw_block", "vllm_fs": "vLLM fs", "fio_fixedbufs": "fio --fixedbufs"}
+
+
 def render(doc: dict) -> str:
     p = doc["params"]
-    vl = any("vllm_fs" in r for r in doc["results"])
+    res = doc["results"]
+    others = [w for w in doc.get("contenders", ["aiokv", "fio"]) if w != "aiokv"]
+    has_aiokv = "aiokv" in doc.get("contenders", ["aiokv"])
+    q2 = lambda x, k: f"{x[f'write_{k}']:.2f} / {x[f'read_{k}']:.2f}"  # noqa: E731
     lines = [
-        f"aiokv {doc['aiokv_backend']} vs fio io_uring direct vs vLLM fs tier ({doc['vllm_fs']}); "
-        f"aiokv mode {p.get('mode', 'calls')}, {p['mib']} MiB per phase, median of {p['rounds']} rounds; fio buffers: {doc['fio_mem']}"
-        f"{' (' + doc['fio_mem_note'] + ')' if doc['fio_mem_note'] else ''}",
+        f"aiokv {doc['aiokv_backend']} (mode {p.get('mode', 'calls')}"
+        f"{', with a secret: CRC32C and MAC' if doc.get('secret') else ', CRC32C'}) against "
+        + ", ".join(NAMES[w] for w in others)
+        + f"; {p['mib']} MiB per phase, median of {p['rounds']} interleaved rounds; fio buffers: {doc['fio_mem']}"
+        f"{' (' + doc['fio_mem_note'] + ')' if doc['fio_mem_note'] else ''}; raw_block: {doc.get('raw_block', '-')}",
         "",
-        "| payload | depth | aiokv W/R GB/s | fio W/R GB/s | aiokv/fio W/R |"
-        + (" vLLM fs W/R GB/s | aiokv/vLLM W/R (payload) |" if vl else "")
-        + " CPU s/GB W/R aiokv | fio |"
-        + (" vLLM fs |" if vl else ""),
-        "|---|---|---|---|---|" + ("---|---|" if vl else "") + "---|---|" + ("---|" if vl else ""),
     ]
-    for r in doc["results"]:
-        a, f = r["aiokv"], r["fio"]
-        line = (
-            f"| {r['size'] >> 10} KiB | {r['depth']} | {a['write_gbps']:.2f} / {a['read_gbps']:.2f} "
-            f"| {f['write_gbps']:.2f} / {f['read_gbps']:.2f} "
-            f"| {r['ratio_fio']['write']:.2f} / {r['ratio_fio']['read']:.2f} |"
-        )
-        if vl:
-            v = r["vllm_fs"]
-            line += (
-                f" {v['write_gbps']:.2f} / {v['read_gbps']:.2f} "
-                f"| {r['ratio_vllm_fs']['write']:.2f} / {r['ratio_vllm_fs']['read']:.2f} |"
+    head = "| payload | depth |" + (" aiokv W/R GB/s |" if has_aiokv else "")
+    for w in others:
+        head += f" {NAMES[w]} W/R GB/s |" + (f" aiokv/{NAMES[w]} W/R |" if has_aiokv else "")
+    head += " CPU s/GB W/R:" + "".join(f" {w} |" for w in (["aiokv"] if has_aiokv else []) + others if w != "vllm_fs")
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in res:
+        line = f"| {r['size'] >> 10} KiB | {r['depth']} |" + (f" {q2(r['aiokv'], 'gbps')} |" if has_aiokv else "")
+        for w in others:
+            line += f" {q2(r[w], 'gbps')} |" + (
+                f" {r[f'ratio_{w}']['write']:.2f} / {r[f'ratio_{w}']['read']:.2f} |" if has_aiokv else ""
             )
-        line += (
-            f" {a['write_cpu_s_per_gb']:.3f} / {a['read_cpu_s_per_gb']:.3f} "
-            f"| {f['write_cpu_s_per_gb']:.3f} / {f['read_cpu_s_per_gb']:.3f} |"
-        )
-        if vl:
-            line += f" {r['vllm_fs']['write_cpu_s_per_gb']:.3f} / {r['vllm_fs']['read_cpu_s_per_gb']:.3f} |"
+        for w in (["aiokv"] if has_aiokv else []) + others:
+            if w != "vllm_fs":
+                line += f" {r[w]['write_cpu_s_per_gb']:.3f} / {r[w]['read_cpu_s_per_gb']:.3f} |"
         lines.append(line)
-    if any("fio_fixedbufs" in r for r in doc["results"]):
-        lines += [
-            "",
-            "| payload | depth | fio W/R GB/s | fio --fixedbufs W/R GB/s | fio CPU s/GB W/R | fixedbufs |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in doc["results"]:
-            f, x = r["fio"], r["fio_fixedbufs"]
-            lines.append(
-                f"| {r['size'] >> 10} KiB | {r['depth']} | {f['write_gbps']:.2f} / {f['read_gbps']:.2f} "
-                f"| {x['write_gbps']:.2f} / {x['read_gbps']:.2f} "
-                f"| {f['write_cpu_s_per_gb']:.3f} / {f['read_cpu_s_per_gb']:.3f} "
-                f"| {x['write_cpu_s_per_gb']:.3f} / {x['read_cpu_s_per_gb']:.3f} |"
-            )
     if doc.get("overhead"):
         lines += ["", "| payload | null-I/O CPU µs/block W/R (depth 16) | CRC32C µs |", "|---|---|---|"]
         for o in doc["overhead"]:
@@ -1015,9 +1073,9 @@ def render(doc: dict) -> str:
             )
     lines.append("")
     lines.append(
-        "GB/s: bytes each contender moved to/from the disk (aiokv and fio: slots of payload + 4 KiB "
-        "header, the same I/Os; vLLM fs: the payload). aiokv/vLLM compares payload GB/s. "
-        "CPU s/GB: process CPU seconds per GB of payload."
+        "GB/s: bytes each contender moved to/from the disk (aiokv, fio, raw_block: slots of payload + 4 KiB "
+        "header, the same I/Os; vLLM fs: the payload). aiokv/X: the median of each round's ratio (aiokv/vLLM "
+        "compares payload GB/s). CPU s/GB: process CPU seconds per GB of payload."
     )
     return "\n".join(lines)
 
@@ -1031,7 +1089,12 @@ def plot(doc: dict, outdir: str) -> list[str]:
     os.makedirs(outdir, exist_ok=True)
     res = doc["results"]
     depths = sorted({r["depth"] for r in res})
-    who = [("aiokv", "aiokv", "o-"), ("fio", "fio io_uring", "s--"), ("vllm_fs", "vLLM fs tier", "^:")]
+    who = [
+        ("aiokv", "aiokv", "o-"),
+        ("fio", "fio io_uring", "s--"),
+        ("raw_block", "LMCache raw_block", "d-."),
+        ("vllm_fs", "vLLM fs tier", "^:"),
+    ]
     fig, axes = plt.subplots(2, len(depths), figsize=(3.2 * len(depths), 6), sharey="row", squeeze=False)
     for col, d in enumerate(depths):
         rows = sorted((r for r in res if r["depth"] == d), key=lambda r: r["size"])
