@@ -1,30 +1,38 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """What the kernel saw of a command's direct I/O: the requests the block layer was
-handed (sizes, merges, offsets), how many were at the device at once, and how long
-each completion waited for the next submission. For docs/benchmarks.md, "Where the
-time goes"; needs root and perf (the kernel's io_uring and block tracepoints).
+handed (sizes, merges, offsets), how many were at the device at once, how long
+each completion waited for the next submission, and (--cpu) where the command's
+CPU went, by stage. For docs/benchmarks.md, "Where the time goes"; needs root and
+perf (the kernel's io_uring and block tracepoints).
 
-    tools/trace_io.py [--json] [--comm python,fio] [--dev 254:0] -- CMD [ARG ...]
+    tools/trace_io.py [--json] [--cpu HZ] [--dev 254:0] [--min-kib 256] -- CMD [ARG ...]
 
 CMD runs under `perf record -a` with the tracepoints io_uring:io_uring_submit_req,
 io_uring:io_uring_complete, block:block_rq_issue, block:block_rq_complete,
 block:block_bio_backmerge and block:block_bio_frontmerge, and
-syscalls:sys_enter_io_uring_enter. Per direction (reads, writes; from the requests'
-rwbs) of the processes named --comm:
+syscalls:sys_enter_io_uring_enter. Only the command's processes count (it and what
+it forks: fio under tools/bench_store.py, say); the machine is shared. Per
+direction (reads, writes; from the requests' rwbs), over the phase (its first
+request's issue to its last one's completion; requests under --min-kib, a
+journal's, left out):
 
 - requests: block requests issued (one per request the device got), their sizes
   (KiB: median, and the share of each distinct size), bios merged into them, and
   the share issued right after the previous one's last sector (sequential);
 - device: mean requests at the device at once (time-weighted from issue to
-  completion, while any is) and the share of the phase with none;
-- completion to submission: for each completion posted to the process's ring (a
-  CQE), the time until the ring's next submitted operation (median, p90, µs);
-  enters: io_uring_enter calls per operation submitted.
+  completion, while any is), the share of the phase with none, and the median
+  time a request spent there (service);
+- completions: from a request's completion at the device to the next completion
+  posted to a ring, and from each posted completion (CQE) to the next operation
+  submitted (median, p90, µs); io_uring_enter calls per operation submitted;
+- --cpu HZ: the command's CPU samples (cpu-clock, with call chains) in the phase,
+  in core-seconds per GB moved, by the first stage a sample's stack matches
+  (STAGES: checksum, MAC, header, submission, reaping), the rest as "user, other"
+  (Python and the event loop; fio's own code) or "kernel, other".
 
-Other processes' I/O on the same disk (the machine is shared) is left out by
---comm; a request completes in interrupt context, so completions are matched to
-issues by (sector, size).
+A request completes in interrupt context, so completions are matched to issues by
+(sector, size).
 """
 
 from __future__ import annotations
@@ -68,11 +76,11 @@ RQ = re.compile(r"(\d+),(\d+) (\S+) (?:(\d+) )?\(.*?\) (\d+) \+ (\d+)")
 BIO = re.compile(r"(\d+),(\d+) (\S+) (\d+) \+ (\d+)")
 
 
-def record(cmd: list[str], data: str, cpu_hz: int = 0) -> int:
+def record(cmd: list[str], data: str, cpu_hz: int = 0, out=None) -> int:
     ev = ",".join(EVENTS + ((f"cpu-clock/freq={cpu_hz}/",) if cpu_hz else ()))  # tracepoints: every one
     extra = ["-g"] if cpu_hz else []
     extra += ["-m", "8192"]  # a large ring buffer: no event lost (perf says how many if it does)
-    return subprocess.call(["perf", "record", "-a", *extra, "-e", ev, "-o", data, "--", *cmd])
+    return subprocess.call(["perf", "record", "-a", *extra, "-e", ev, "-o", data, "--", *cmd], stdout=out)
 
 
 def parse(data: str):
@@ -108,7 +116,7 @@ def stage(stack: str) -> str:
     for name, pat in STAGES:
         if pat.search(stack):
             return name
-    return "kernel, other" if "[kernel" in stack or stack.startswith(("0xffff", "ffff")) else "python and loop"
+    return "kernel, other" if "[kernel" in stack or stack.startswith(("0xffff", "ffff")) else "user, other"
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -239,7 +247,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="trace-io-") as tmp:
         data = os.path.join(tmp, "perf.data")
         pidfile = os.path.join(tmp, "pid")
-        rc = record(["sh", "-c", 'echo $$ > "$0"; exec "$@"', pidfile, *cmd], data, args.cpu)
+        rc = record(
+            ["sh", "-c", 'echo $$ > "$0"; exec "$@"', pidfile, *cmd], data, args.cpu, sys.stderr if args.json else None
+        )
         if rc != 0:
             print(f"trace_io: the command (or perf) exited {rc}", file=sys.stderr)
             return rc
