@@ -73,6 +73,10 @@ NSID = bytes.fromhex("be0c" * 8)
 HUGE = 2 << 20
 NR_HUGE = "/proc/sys/vm/nr_hugepages"
 SUBMIT_GROUP = None  # --submit-group (None: the ring's default)
+# --settle: before every timed phase of every contender the file system is synced (on a file system mounted
+# with `discard` a delete's discards are issued when the journal commits: a previous round's files, freed
+# just before, otherwise land in the next phase), then this many seconds of quiet
+SETTLE = 0.0
 # the optional extra `peers` (pyproject.toml), installed without its dependencies (tools/peers.py)
 PEERS_INSTALL = "pip install --no-deps 'lmcache-rust-raw-block-io==0.5.7rc2' 'lmcache==0.5.7rc2'"
 
@@ -159,6 +163,7 @@ async def _aiokv_round(
             ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, payload)
         keys = _keys(n, salt)
         thp = _anon_huge_kb()
+        spent = _time_data_path(st.blockio(ns)) if batch else None  # BlockIO's own calls, timed
 
         async def phase(call) -> tuple[float, float]:
             it = iter(range(0, n, per))
@@ -173,6 +178,7 @@ async def _aiokv_round(
                     if any(res):
                         raise RuntimeError(f"aiokv: {call.__name__} failed: {res}")
 
+            _phase_sync(SETTLE)
             p0, s0, t0 = time.process_time(), _sys_s(), time.perf_counter()
             await asyncio.gather(*(loop(w) for w in range(workers)))
             return time.perf_counter() - t0, time.process_time() - p0, _sys_s() - s0
@@ -190,11 +196,46 @@ async def _aiokv_round(
             "write_s": wt,
             "read_s": rt,
             "staging_anon_huge_kb": thp,
+            **(
+                {
+                    f"io_{rw}_{k}": v
+                    for rw in ("write", "read")
+                    for k, v in (
+                        ("gbps", nbytes / spent[rw][0] / 1e9),
+                        ("cpu_us", spent[rw][1] / n * 1e6),
+                        ("s", spent[rw][0]),
+                    )
+                }
+                if spent
+                else {}
+            ),
         }
     finally:
         st.close()
         pool.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _time_data_path(io) -> dict:
+    """Wraps BlockIO `io`'s write and read (the data path a worker runs: stamp, write; read,
+    verify) so each call adds its wall and process CPU seconds to the returned
+    {"write": [s, cpu_s], "read": [...]}: with one call per phase (batch mode), the data
+    path's share of the store's save and load (which add reserve and commit, pin and unpin)."""
+    spent = {"write": [0.0, 0.0], "read": [0.0, 0.0]}
+
+    def timed(rw: str, fn):
+        async def call(items, crc_in_copy: bool = False):
+            p0, t0 = time.process_time(), time.perf_counter()
+            try:
+                return await fn(items, crc_in_copy)
+            finally:
+                spent[rw][0] += time.perf_counter() - t0
+                spent[rw][1] += time.process_time() - p0
+
+        return call
+
+    io.write, io.read = timed("write", io.write), timed("read", io.read)
+    return spent
 
 
 def aiokv_round(*a, **kw) -> dict:
@@ -242,6 +283,7 @@ def fio_round(path: str, slot: int, n: int, depth: int, mem: str, fixedbufs: boo
                 cmd += ["--mem=mmaphuge", "--hugepage-size=2M"]
             if fixedbufs:
                 cmd += ["--fixedbufs"]
+            _phase_sync(SETTLE)
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 raise RuntimeError(f"fio failed: {p.stderr.strip() or p.stdout.strip()}")
@@ -332,7 +374,7 @@ def raw_block_round(path: str, payload: int, n: int, depth: int) -> dict:
         rand = os.urandom(payload)
         for s in range(pool.count):
             ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, payload)
-        got = _rbd_peer(path, slot, n, depth, pool, 0.0)
+        got = _rbd_peer(path, slot, n, depth, pool, SETTLE)
     finally:
         pool.close()
     out = {}
@@ -833,17 +875,21 @@ def _row(size: int, n: int, depth: int, workers: int, rounds: dict) -> dict:
             if who == "vllm_fs":  # moves payloads only; its CPU per GB comes with it
                 m[f"{rw}_payload_gbps"] = m[f"{rw}_gbps"]
                 continue
-            m[f"{rw}_payload_gbps"] = m[f"{rw}_gbps"] * size / slot  # disk bytes are slots
-            m[f"{rw}_cpu_s_per_gb"] = m[f"{rw}_cpu_us"] * 1e-6 / (size / 1e9)  # per GB of payload
+            for pre in ("", "io_") if f"io_{rw}_gbps" in m else ("",):  # io_: aiokv's data path alone
+                m[f"{pre}{rw}_payload_gbps"] = m[f"{pre}{rw}_gbps"] * size / slot  # disk bytes are slots
+                m[f"{pre}{rw}_cpu_s_per_gb"] = m[f"{pre}{rw}_cpu_us"] * 1e-6 / (size / 1e9)  # per GB of payload
     row = {"size": size, "slot_bytes": slot, "depth": depth, "blocks": n, "workers": workers, **med, "rounds": rounds}
     for who in rounds.keys() - {"aiokv"} if "aiokv" in rounds else ():
         scale = size / slot if who == "vllm_fs" else 1.0  # aiokv's payload bytes against vLLM's
-        row[f"ratio_{who}"] = {
-            rw: statistics.median(
-                a[f"{rw}_gbps"] * scale / b[f"{rw}_gbps"] for a, b in zip(rounds["aiokv"], rounds[who])
-            )
-            for rw in ("write", "read")
-        }
+        for pre, suffix in (("", ""), ("io_", "_data_path")):
+            if f"{pre}write_gbps" not in rounds["aiokv"][0]:
+                continue
+            row[f"ratio_{who}{suffix}"] = {
+                rw: statistics.median(
+                    a[f"{pre}{rw}_gbps"] * scale / b[f"{rw}_gbps"] for a, b in zip(rounds["aiokv"], rounds[who])
+                )
+                for rw in ("write", "read")
+            }
     return row
 
 
@@ -907,9 +953,7 @@ def main() -> int:
         help="--peers: aiokv's runs, where the payload CRC32C is computed: threads (2 checksum threads, "
         "a CUDA worker), copy (in the device copy, the CPU build), loop (on the loop thread)",
     )
-    ap.add_argument(
-        "--settle", type=float, default=0.0, help="--peers: seconds of quiet after a sync before each phase"
-    )
+    ap.add_argument("--settle", type=float, default=0.0, help="seconds of quiet after the sync before each phase")
     ap.add_argument(
         "--peer-keys", type=int, default=None, help="--peers: RawBlockCore keys per call (default: the depth)"
     )
@@ -929,8 +973,9 @@ def main() -> int:
         log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
         doc = peers_main(args, _sizes(args.sizes), depths[0], log)
         return emit(doc, args, render_peers)
-    global SUBMIT_GROUP
+    global SUBMIT_GROUP, SETTLE
     SUBMIT_GROUP = args.submit_group
+    SETTLE = args.settle
     sizes = _sizes(args.sizes)
     depths = [int(x) for x in args.depth.split(",") if x]
     if any(s % 4096 for s in sizes):
@@ -1050,20 +1095,24 @@ def render(doc: dict) -> str:
         f"{' (' + doc['fio_mem_note'] + ')' if doc['fio_mem_note'] else ''}; raw_block: {doc.get('raw_block', '-')}",
         "",
     ]
-    head = "| payload | depth |" + (" aiokv W/R GB/s |" if has_aiokv else "")
+    dp = has_aiokv and "io_write_gbps" in res[0]["aiokv"]  # aiokv's data path timed alone (batch mode)
+    rq = lambda q: f"{q['write']:.2f} / {q['read']:.2f}"  # noqa: E731
+    head = "| payload | depth |" + (" aiokv store W/R GB/s |" if has_aiokv else "") + (" data path |" if dp else "")
     for w in others:
-        head += f" {NAMES[w]} W/R GB/s |" + (f" aiokv/{NAMES[w]} W/R |" if has_aiokv else "")
-    head += " CPU s/GB W/R:" + "".join(f" {w} |" for w in (["aiokv"] if has_aiokv else []) + others if w != "vllm_fs")
+        head += f" {NAMES[w]} W/R GB/s |" + (f" store/{NAMES[w]} |" if has_aiokv else "")
+        head += f" data path/{NAMES[w]} |" if dp else ""
+    cpus = (["aiokv"] if has_aiokv else []) + (["io"] if dp else []) + [w for w in others if w != "vllm_fs"]
+    head += " CPU s/GB W/R:" + "".join(f" {'data path' if w == 'io' else w} |" for w in cpus)
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for r in res:
         line = f"| {r['size'] >> 10} KiB | {r['depth']} |" + (f" {q2(r['aiokv'], 'gbps')} |" if has_aiokv else "")
+        line += f" {r['aiokv']['io_write_gbps']:.2f} / {r['aiokv']['io_read_gbps']:.2f} |" if dp else ""
         for w in others:
-            line += f" {q2(r[w], 'gbps')} |" + (
-                f" {r[f'ratio_{w}']['write']:.2f} / {r[f'ratio_{w}']['read']:.2f} |" if has_aiokv else ""
-            )
-        for w in (["aiokv"] if has_aiokv else []) + others:
-            if w != "vllm_fs":
-                line += f" {r[w]['write_cpu_s_per_gb']:.3f} / {r[w]['read_cpu_s_per_gb']:.3f} |"
+            line += f" {q2(r[w], 'gbps')} |" + (f" {rq(r[f'ratio_{w}'])} |" if has_aiokv else "")
+            line += f" {rq(r[f'ratio_{w}_data_path'])} |" if dp else ""
+        for w in cpus:
+            x, pre = (r["aiokv"], "io_") if w == "io" else (r[w], "")
+            line += f" {x[pre + 'write_cpu_s_per_gb']:.3f} / {x[pre + 'read_cpu_s_per_gb']:.3f} |"
         lines.append(line)
     if doc.get("overhead"):
         lines += ["", "| payload | null-I/O CPU µs/block W/R (depth 16) | CRC32C µs |", "|---|---|---|"]
@@ -1074,8 +1123,9 @@ def render(doc: dict) -> str:
     lines.append("")
     lines.append(
         "GB/s: bytes each contender moved to/from the disk (aiokv, fio, raw_block: slots of payload + 4 KiB "
-        "header, the same I/Os; vLLM fs: the payload). aiokv/X: the median of each round's ratio (aiokv/vLLM "
-        "compares payload GB/s). CPU s/GB: process CPU seconds per GB of payload."
+        "header, the same I/Os; vLLM fs: the payload). store: aiokv's save and load (reserve, BlockIO, commit; pin, "
+        "BlockIO, unpin); data path: its BlockIO calls alone (what a worker runs). A/X: the median of each round's "
+        "ratio (aiokv/vLLM compares payload GB/s). CPU s/GB: process CPU seconds per GB of payload."
     )
     return "\n".join(lines)
 
