@@ -833,13 +833,24 @@ def _sizes(text: str) -> list[int]:
 def _rounds(args, work, size, n, depth, workers, mem, arena, peers, log) -> dict:
     """One size and depth: args.rounds rounds of every contender (`peers`: aiokv, fio,
     raw_block, vllm_fs, fio_fixedbufs, those run), each round in another order."""
-    slot = fmt.slot_bytes(size)
     rounds: dict[str, list] = {w: [] for w in peers}
+    # a CUDA worker's checksum threads (worker/device.py: 2), or None: every checksum on the loop thread
+    cpu = concurrent.futures.ThreadPoolExecutor(args.checksum_threads, "bench-crc") if args.checksum_threads else None
+    try:
+        return _rounds_run(args, work, size, n, depth, workers, mem, arena, peers, log, rounds, cpu)
+    finally:
+        if cpu is not None:
+            cpu.shutdown()
+
+
+def _rounds_run(args, work, size, n, depth, workers, mem, arena, peers, log, rounds, cpu) -> dict:
+    """_rounds' rounds, aiokv with the checksum threads `cpu`."""
+    slot = fmt.slot_bytes(size)
     for r in range(args.rounds):
         for who in peers[r % len(peers) :] + peers[: r % len(peers)]:
             if who == "aiokv":
                 got = aiokv_round(
-                    os.path.join(work, "store"), size, n, depth, workers, r, mode=args.mode, secret=args.secret
+                    os.path.join(work, "store"), size, n, depth, workers, r, mode=args.mode, secret=args.secret, cpu=cpu
                 )
             elif who == "fio":
                 got = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem)
@@ -928,6 +939,12 @@ def main() -> int:
     )
     ap.add_argument("--only", default=None, help="run only these contenders: aiokv,fio,raw_block,vllm_fs (for tracing)")
     ap.add_argument("--secret", default=None, help="aiokv: a secret, so every slot carries the MAC and is checked")
+    ap.add_argument(
+        "--checksum-threads",
+        type=int,
+        default=0,
+        help="aiokv: checksum (and MAC) threads, as a CUDA worker's checksum_threads (2); 0: on the loop thread",
+    )
     ap.add_argument(
         "--submit-group",
         type=int,
@@ -1062,6 +1079,7 @@ def main() -> int:
         "raw_block": rb_note or f"{RAW_BLOCK_PKG}: RawBlockDevice, batches of depth waited for whole",
         "contenders": peers,
         "secret": bool(args.secret),
+        "checksum_threads": args.checksum_threads,
         "machine": mach,
         "seconds": round(time.monotonic() - t_start, 1),
         "results": results,
@@ -1089,7 +1107,8 @@ def render(doc: dict) -> str:
     q2 = lambda x, k: f"{x[f'write_{k}']:.2f} / {x[f'read_{k}']:.2f}"  # noqa: E731
     lines = [
         f"aiokv {doc['aiokv_backend']} (mode {p.get('mode', 'calls')}"
-        f"{', with a secret: CRC32C and MAC' if doc.get('secret') else ', CRC32C'}) against "
+        f"{', with a secret: CRC32C and MAC' if doc.get('secret') else ', CRC32C'}"
+        f" on {doc.get('checksum_threads') or 'no'} checksum threads) against "
         + ", ".join(NAMES[w] for w in others)
         + f"; {p['mib']} MiB per phase, median of {p['rounds']} interleaved rounds; fio buffers: {doc['fio_mem']}"
         f"{' (' + doc['fio_mem_note'] + ')' if doc['fio_mem_note'] else ''}; raw_block: {doc.get('raw_block', '-')}",
