@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Store save/load bandwidth against fio and against vLLM's own file-system
-tier I/O, on the same directory, same block size, same queue depth, same bytes.
+"""Store save/load bandwidth against fio, LMCache's raw_block device and vLLM's own
+file-system tier I/O, on the same directory, same block size, same queue depth, same bytes.
 
     PYTHONPATH=. .venv/bin/python tools/bench_store.py [--json] [--out FILE] [--plot DIR]
         [--sizes 64K,256K,1M,2M] [--depth 1,4,16,64] [--mib 64] [--rounds 3] [--dir PATH]
@@ -13,8 +13,16 @@ directory (medians of the rounds are reported):
   index's calls around BlockIO's writes and reads; headers stamped, CRC32C
   computed on save and verified on load, index committed to the journal), on
   uvloop. Staging buffers come from one BufferPool (a huge-page-advised arena).
-  D blocks are kept in flight as W concurrent save()/load() loops (default
-  W = D, one block per call). N = --mib MiB / slot.
+  --mode batch (default, a worker's pattern): one call of all N blocks, a buffer
+  each, D operations in the kernel; its BlockIO calls are timed alone too (the
+  data path, io_*: ratio_<peer>_data_path). --mode calls: D blocks in flight as
+  W concurrent save()/load() loops (default W = D, one block per call).
+  N = --mib MiB / slot. Checksums on the loop thread, or on --checksum-threads;
+  --secret adds the MAC.
+- raw_block: LMCache's RawBlockDevice (lmcache-rust-raw-block-io, installed by
+  this tool with pip --target into .bench-peer/ when missing; --no-raw-block):
+  the same slot images from a buffer per block, D per batch, each batch waited
+  for whole (tools/peers.py).
 - fio: io_uring, direct=1, bs = the slot size (B + 4096 header), iodepth=D,
   a fresh file of N slots written then read: the same I/Os as aiokv. Buffers
   are huge pages (--mem=mmaphuge) when /proc/sys/vm/nr_hugepages can be raised
@@ -28,7 +36,10 @@ directory (medians of the rounds are reported):
   primary KV view it copies from in vLLM). It moves B bytes per block (no
   header), so the vLLM ratio compares payload (KV) bytes per second.
 
-GB/s columns are bytes moved to/from the disk by each contender; payload GB/s
+Every timed phase starts after os.sync() (and --settle seconds): on a file system
+mounted with `discard` a previous round's deletes are otherwise discarded inside
+the next phase. Ratios (ratio_fio, ratio_raw_block, ...) are the median of each
+round's aiokv / peer ratio. GB/s columns are bytes moved to/from the disk by each contender; payload GB/s
 is that x B / bytes per block (B / slot for aiokv and fio, 1 for vllm-fs).
 CPU is process CPU time (user + system, all threads: core-seconds) per GB
 (1e9 bytes) of payload moved, per direction (aiokv's JSON also has the system
