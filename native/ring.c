@@ -81,16 +81,14 @@ typedef struct {
 } RingObject;
 
 /* Default operations per io_uring_enter. Linux plugs the block layer while one
- * enter submits more than two requests, and requests for adjacent offsets (a
- * save's new slots, a load of blocks saved together) are merged in the plug into
- * fewer, larger ones. Whether that helps depends on the device: one virtual
- * disk served merged requests 10-25 % slower (docs/benchmarks.md, "Submission and
- * request merging"; two per enter then), while on the machine of docs/benchmarks.md
- * section 11.2 four per enter moved 0.88-1.17 x fio's bytes where two moved
- * 0.71-1.11 x, on its virtual disk and on file systems over loop devices, 64 KiB
- * to 1 MiB, reads and writes (four as good or better in all cells but one):
- * fewer system calls per operation, and larger requests. Four. */
-#define SUBMIT_GROUP 4
+ * enter submits more than two, and merges requests for adjacent offsets in the
+ * plug. The virtual disk of docs/benchmarks.md ("Where the time goes") serves a
+ * merged request whole: four 256 KiB reads at depth 4 became one 1 MiB request,
+ * one in flight at the device instead of four; reads ran at 0.64-0.78 x fio,
+ * and at 0.70-0.85 x with two per enter (no plug: the requests fio's one per
+ * enter gives, at half its system calls). Four measured best on earlier machines
+ * (docs/benchmarks-history.md section 11.2); submit_group sets it per ring. */
+#define SUBMIT_GROUP 2
 
 /* user_data of operation i of the batch in slot s, and the batch id Python sees */
 static inline uint64_t op_ud(RingObject *self, int32_t s, uint32_t i) {

@@ -223,10 +223,10 @@ def test_bad_operations_are_refused_whole(data, ops, exc):
 @pytest.mark.parametrize("group", [0, 1, 2, 3, 8])
 def test_any_submit_group_gives_the_same_results(data, group):
     """The ring hands the kernel at most `submit_group` operations per
-    io_uring_enter (default 4, docs/benchmarks-history.md section 11.2); however the
+    io_uring_enter (default 2, native/ring.c SUBMIT_GROUP); however the
     operations are grouped, a batch larger than the ring completes whole, in
     order, within its depth."""
-    assert _native.Ring(8).submit_group == 4
+    assert _native.Ring(8).submit_group == 2
     fd, bufs = data
     ring = _native.Ring(16, depth=8, max_ops=16, submit_group=group)
     assert ring.submit_group == group

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Store save/load bandwidth against fio and against vLLM's own file-system
-tier I/O, on the same directory, same block size, same queue depth, same bytes.
+"""Store save/load bandwidth against fio, LMCache's raw_block device and vLLM's own
+file-system tier I/O, on the same directory, same block size, same queue depth, same bytes.
 
     PYTHONPATH=. .venv/bin/python tools/bench_store.py [--json] [--out FILE] [--plot DIR]
         [--sizes 64K,256K,1M,2M] [--depth 1,4,16,64] [--mib 64] [--rounds 3] [--dir PATH]
@@ -13,8 +13,16 @@ directory (medians of the rounds are reported):
   index's calls around BlockIO's writes and reads; headers stamped, CRC32C
   computed on save and verified on load, index committed to the journal), on
   uvloop. Staging buffers come from one BufferPool (a huge-page-advised arena).
-  D blocks are kept in flight as W concurrent save()/load() loops (default
-  W = D, one block per call). N = --mib MiB / slot.
+  --mode batch (default, a worker's pattern): one call of all N blocks, a buffer
+  each, D operations in the kernel; its BlockIO calls are timed alone too (the
+  data path, io_*: ratio_<peer>_data_path). --mode calls: D blocks in flight as
+  W concurrent save()/load() loops (default W = D, one block per call).
+  N = --mib MiB / slot. Checksums on the loop thread, or on --checksum-threads;
+  --secret adds the MAC.
+- raw_block: LMCache's RawBlockDevice (lmcache-rust-raw-block-io, installed by
+  this tool with pip --target into .bench-peer/ when missing; --no-raw-block):
+  the same slot images from a buffer per block, D per batch, each batch waited
+  for whole (tools/peers.py).
 - fio: io_uring, direct=1, bs = the slot size (B + 4096 header), iodepth=D,
   a fresh file of N slots written then read: the same I/Os as aiokv. Buffers
   are huge pages (--mem=mmaphuge) when /proc/sys/vm/nr_hugepages can be raised
@@ -28,7 +36,10 @@ directory (medians of the rounds are reported):
   primary KV view it copies from in vLLM). It moves B bytes per block (no
   header), so the vLLM ratio compares payload (KV) bytes per second.
 
-GB/s columns are bytes moved to/from the disk by each contender; payload GB/s
+Every timed phase starts after os.sync() (and --settle seconds): on a file system
+mounted with `discard` a previous round's deletes are otherwise discarded inside
+the next phase. Ratios (ratio_fio, ratio_raw_block, ...) are the median of each
+round's aiokv / peer ratio. GB/s columns are bytes moved to/from the disk by each contender; payload GB/s
 is that x B / bytes per block (B / slot for aiokv and fio, 1 for vllm-fs).
 CPU is process CPU time (user + system, all threads: core-seconds) per GB
 (1e9 bytes) of payload moved, per direction (aiokv's JSON also has the system
@@ -73,6 +84,10 @@ NSID = bytes.fromhex("be0c" * 8)
 HUGE = 2 << 20
 NR_HUGE = "/proc/sys/vm/nr_hugepages"
 SUBMIT_GROUP = None  # --submit-group (None: the ring's default)
+# --settle: before every timed phase of every contender the file system is synced (on a file system mounted
+# with `discard` a delete's discards are issued when the journal commits: a previous round's files, freed
+# just before, otherwise land in the next phase), then this many seconds of quiet
+SETTLE = 0.0
 # the optional extra `peers` (pyproject.toml), installed without its dependencies (tools/peers.py)
 PEERS_INSTALL = "pip install --no-deps 'lmcache-rust-raw-block-io==0.5.7rc2' 'lmcache==0.5.7rc2'"
 
@@ -159,6 +174,7 @@ async def _aiokv_round(
             ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, payload)
         keys = _keys(n, salt)
         thp = _anon_huge_kb()
+        spent = _time_data_path(st.blockio(ns)) if batch else None  # BlockIO's own calls, timed
 
         async def phase(call) -> tuple[float, float]:
             it = iter(range(0, n, per))
@@ -173,6 +189,7 @@ async def _aiokv_round(
                     if any(res):
                         raise RuntimeError(f"aiokv: {call.__name__} failed: {res}")
 
+            _phase_sync(SETTLE)
             p0, s0, t0 = time.process_time(), _sys_s(), time.perf_counter()
             await asyncio.gather(*(loop(w) for w in range(workers)))
             return time.perf_counter() - t0, time.process_time() - p0, _sys_s() - s0
@@ -190,11 +207,46 @@ async def _aiokv_round(
             "write_s": wt,
             "read_s": rt,
             "staging_anon_huge_kb": thp,
+            **(
+                {
+                    f"io_{rw}_{k}": v
+                    for rw in ("write", "read")
+                    for k, v in (
+                        ("gbps", nbytes / spent[rw][0] / 1e9),
+                        ("cpu_us", spent[rw][1] / n * 1e6),
+                        ("s", spent[rw][0]),
+                    )
+                }
+                if spent
+                else {}
+            ),
         }
     finally:
         st.close()
         pool.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _time_data_path(io) -> dict:
+    """Wraps BlockIO `io`'s write and read (the data path a worker runs: stamp, write; read,
+    verify) so each call adds its wall and process CPU seconds to the returned
+    {"write": [s, cpu_s], "read": [...]}: with one call per phase (batch mode), the data
+    path's share of the store's save and load (which add reserve and commit, pin and unpin)."""
+    spent = {"write": [0.0, 0.0], "read": [0.0, 0.0]}
+
+    def timed(rw: str, fn):
+        async def call(items, crc_in_copy: bool = False):
+            p0, t0 = time.process_time(), time.perf_counter()
+            try:
+                return await fn(items, crc_in_copy)
+            finally:
+                spent[rw][0] += time.perf_counter() - t0
+                spent[rw][1] += time.process_time() - p0
+
+        return call
+
+    io.write, io.read = timed("write", io.write), timed("read", io.read)
+    return spent
 
 
 def aiokv_round(*a, **kw) -> dict:
@@ -242,6 +294,7 @@ def fio_round(path: str, slot: int, n: int, depth: int, mem: str, fixedbufs: boo
                 cmd += ["--mem=mmaphuge", "--hugepage-size=2M"]
             if fixedbufs:
                 cmd += ["--fixedbufs"]
+            _phase_sync(SETTLE)
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 raise RuntimeError(f"fio failed: {p.stderr.strip() or p.stdout.strip()}")
@@ -286,6 +339,61 @@ class HugePages:
         if self.orig is not None:
             with open(NR_HUGE, "w") as f:
                 f.write(str(self.orig))
+
+
+# ------------------------------------------------------------------ LMCache's raw_block side
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEER_DIR = os.path.join(ROOT, ".bench-peer")  # ignored by git: the benchmark's own install of the peer
+RAW_BLOCK_PKG = "lmcache-rust-raw-block-io==0.5.7rc2"
+
+
+def raw_block_available(install: bool = True) -> str:
+    """'' if LMCache's RawBlockDevice (lmcache_rust_raw_block_io) imports, from PEER_DIR
+    (installed there with pip --target when missing), else why not."""
+    if PEER_DIR not in sys.path:
+        sys.path.append(PEER_DIR)
+    try:
+        import lmcache_rust_raw_block_io  # noqa: F401
+
+        return ""
+    except ImportError:
+        pass
+    if not install:
+        return f"lmcache_rust_raw_block_io missing (pip install --target {PEER_DIR} {RAW_BLOCK_PKG})"
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", PEER_DIR, RAW_BLOCK_PKG]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        return f"{' '.join(cmd[2:])} failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}"
+    import importlib
+
+    importlib.invalidate_caches()
+    try:
+        import lmcache_rust_raw_block_io  # noqa: F401, F811
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def raw_block_round(path: str, payload: int, n: int, depth: int) -> dict:
+    """RawBlockDevice (tools/peers.py: depth-sized batches, each waited for whole) writing
+    then reading n slot images, a staging buffer per block as aiokv's batch mode has
+    (one arena, filled with a random payload the same way): the same I/Os, no checksum."""
+    slot = fmt.slot_bytes(payload)
+    pool = BufferPool(slot, n)
+    try:
+        rand = os.urandom(payload)
+        for s in range(pool.count):
+            ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, payload)
+        got = _rbd_peer(path, slot, n, depth, pool, SETTLE)
+    finally:
+        pool.close()
+    out = {}
+    for rw in ("write", "read"):
+        out[f"{rw}_gbps"] = n * slot / got[f"{rw}_s"] / 1e9
+        out[f"{rw}_cpu_us"] = got[f"{rw}_cpu_s"] / n * 1e6
+        out[f"{rw}_s"] = got[f"{rw}_s"]
+    return out
 
 
 # ------------------------------------------------------------------ vLLM fs tier side
@@ -733,6 +841,80 @@ def _sizes(text: str) -> list[int]:
     return [parse_size(x) for x in text.split(",") if x]
 
 
+def _rounds(args, work, size, n, depth, workers, mem, arena, peers, log) -> dict:
+    """One size and depth: args.rounds rounds of every contender (`peers`: aiokv, fio,
+    raw_block, vllm_fs, fio_fixedbufs, those run), each round in another order."""
+    rounds: dict[str, list] = {w: [] for w in peers}
+    # a CUDA worker's checksum threads (worker/device.py: 2), or None: every checksum on the loop thread
+    cpu = concurrent.futures.ThreadPoolExecutor(args.checksum_threads, "bench-crc") if args.checksum_threads else None
+    try:
+        return _rounds_run(args, work, size, n, depth, workers, mem, arena, peers, log, rounds, cpu)
+    finally:
+        if cpu is not None:
+            cpu.shutdown()
+
+
+def _rounds_run(args, work, size, n, depth, workers, mem, arena, peers, log, rounds, cpu) -> dict:
+    """_rounds' rounds, aiokv with the checksum threads `cpu`."""
+    slot = fmt.slot_bytes(size)
+    for r in range(args.rounds):
+        for who in peers[r % len(peers) :] + peers[: r % len(peers)]:
+            if who == "aiokv":
+                got = aiokv_round(
+                    os.path.join(work, "store"), size, n, depth, workers, r, mode=args.mode, secret=args.secret, cpu=cpu
+                )
+            elif who == "fio":
+                got = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem)
+            elif who == "fio_fixedbufs":
+                got = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem, fixedbufs=True)
+            elif who == "raw_block":
+                got = raw_block_round(os.path.join(work, "rbd.dat"), size, n, depth)
+            else:
+                got = vllm_fs_round(os.path.join(work, "vllmfs"), size, n, depth, arena)
+            rounds[who].append(got)
+        log(
+            f"{size >> 10:>5} KiB depth {depth:>2} round {r + 1}: "
+            + " | ".join(f"{w} W {rs[-1]['write_gbps']:.2f} R {rs[-1]['read_gbps']:.2f}" for w, rs in rounds.items())
+            + " GB/s"
+        )
+    return rounds
+
+
+def _row(size: int, n: int, depth: int, workers: int, rounds: dict) -> dict:
+    """The medians of one size and depth, and aiokv's ratios to the others: the median of
+    each round's ratio (the disk's speed drifts between rounds by more than the differences)."""
+    slot = fmt.slot_bytes(size)
+    med = {
+        who: {
+            k: statistics.median(x[k] for x in rs)
+            for k in rs[0]
+            if isinstance(rs[0][k], (int, float)) and not isinstance(rs[0][k], bool)
+        }
+        for who, rs in rounds.items()
+    }
+    for who, m in med.items():
+        for rw in ("write", "read"):
+            if who == "vllm_fs":  # moves payloads only; its CPU per GB comes with it
+                m[f"{rw}_payload_gbps"] = m[f"{rw}_gbps"]
+                continue
+            for pre in ("", "io_") if f"io_{rw}_gbps" in m else ("",):  # io_: aiokv's data path alone
+                m[f"{pre}{rw}_payload_gbps"] = m[f"{pre}{rw}_gbps"] * size / slot  # disk bytes are slots
+                m[f"{pre}{rw}_cpu_s_per_gb"] = m[f"{pre}{rw}_cpu_us"] * 1e-6 / (size / 1e9)  # per GB of payload
+    row = {"size": size, "slot_bytes": slot, "depth": depth, "blocks": n, "workers": workers, **med, "rounds": rounds}
+    for who in rounds.keys() - {"aiokv"} if "aiokv" in rounds else ():
+        scale = size / slot if who == "vllm_fs" else 1.0  # aiokv's payload bytes against vLLM's
+        for pre, suffix in (("", ""), ("io_", "_data_path")):
+            if f"{pre}write_gbps" not in rounds["aiokv"][0]:
+                continue
+            row[f"ratio_{who}{suffix}"] = {
+                rw: statistics.median(
+                    a[f"{pre}{rw}_gbps"] * scale / b[f"{rw}_gbps"] for a, b in zip(rounds["aiokv"], rounds[who])
+                )
+                for rw in ("write", "read")
+            }
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
@@ -762,6 +944,19 @@ def main() -> int:
     ap.add_argument("--no-null", action="store_true", help="skip the null-I/O overhead runs")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's fs tier")
     ap.add_argument(
+        "--no-raw-block",
+        action="store_true",
+        help=f"skip LMCache's RawBlockDevice (by default installed with pip --target into {PEER_DIR} if missing)",
+    )
+    ap.add_argument("--only", default=None, help="run only these contenders: aiokv,fio,raw_block,vllm_fs (for tracing)")
+    ap.add_argument("--secret", default=None, help="aiokv: a secret, so every slot carries the MAC and is checked")
+    ap.add_argument(
+        "--checksum-threads",
+        type=int,
+        default=0,
+        help="aiokv: checksum (and MAC) threads, as a CUDA worker's checksum_threads (2); 0: on the loop thread",
+    )
+    ap.add_argument(
         "--submit-group",
         type=int,
         default=None,
@@ -786,9 +981,7 @@ def main() -> int:
         help="--peers: aiokv's runs, where the payload CRC32C is computed: threads (2 checksum threads, "
         "a CUDA worker), copy (in the device copy, the CPU build), loop (on the loop thread)",
     )
-    ap.add_argument(
-        "--settle", type=float, default=0.0, help="--peers: seconds of quiet after a sync before each phase"
-    )
+    ap.add_argument("--settle", type=float, default=0.0, help="seconds of quiet after the sync before each phase")
     ap.add_argument(
         "--peer-keys", type=int, default=None, help="--peers: RawBlockCore keys per call (default: the depth)"
     )
@@ -808,8 +1001,9 @@ def main() -> int:
         log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
         doc = peers_main(args, _sizes(args.sizes), depths[0], log)
         return emit(doc, args, render_peers)
-    global SUBMIT_GROUP
+    global SUBMIT_GROUP, SETTLE
     SUBMIT_GROUP = args.submit_group
+    SETTLE = args.settle
     sizes = _sizes(args.sizes)
     depths = [int(x) for x in args.depth.split(",") if x]
     if any(s % 4096 for s in sizes):
@@ -818,8 +1012,15 @@ def main() -> int:
         ap.error("--workers must be between 1 and the smallest --depth")
     if shutil.which("fio") is None:
         ap.error("fio is not installed")
-    vllm_note = "skipped (--no-vllm)" if args.no_vllm else vllm_fs_available()
+    only = [w for w in args.only.split(",") if w] if args.only else None
+    vllm_note = "skipped" if args.no_vllm or (only and "vllm_fs" not in only) else vllm_fs_available()
     use_vllm = not vllm_note
+    want_rb = not args.no_raw_block and (only is None or "raw_block" in only)
+    rb_note = raw_block_available() if want_rb else "skipped"
+    peers = ["aiokv", "fio"] + (["raw_block"] if not rb_note else []) + (["vllm_fs"] if use_vllm else [])
+    peers += ["fio_fixedbufs"] if args.fixedbufs else []
+    if only is not None:
+        peers = [w for w in peers if w in only]
     base = args.dir or tempfile.mkdtemp(prefix="aiokv-bench-")
     os.makedirs(base, exist_ok=True)
     work = tempfile.mkdtemp(prefix="run-", dir=base)
@@ -847,65 +1048,8 @@ def main() -> int:
                 try:
                     for depth in depths:
                         workers = args.workers or depth
-                        rounds = {"aiokv": [], "fio": []}
-                        if use_vllm:
-                            rounds["vllm_fs"] = []
-                        if args.fixedbufs:
-                            rounds["fio_fixedbufs"] = []
-                        for r in range(args.rounds):
-                            a = aiokv_round(os.path.join(work, "store"), size, n, depth, workers, r, mode=args.mode)
-                            rounds["aiokv"].append(a)
-                            f = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem)
-                            rounds["fio"].append(f)
-                            msg = (
-                                f"{size >> 10:>5} KiB depth {depth:>2} round {r + 1}: aiokv W "
-                                f"{a['write_gbps']:.2f} R {a['read_gbps']:.2f} | fio W {f['write_gbps']:.2f} "
-                                f"R {f['read_gbps']:.2f}"
-                            )
-                            if use_vllm:
-                                v = vllm_fs_round(os.path.join(work, "vllmfs"), size, n, depth, arena)
-                                rounds["vllm_fs"].append(v)
-                                msg += f" | vllm-fs W {v['write_gbps']:.2f} R {v['read_gbps']:.2f}"
-                            if args.fixedbufs:
-                                fx = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem, fixedbufs=True)
-                                rounds["fio_fixedbufs"].append(fx)
-                                msg += f" | fio fixedbufs W {fx['write_gbps']:.2f} R {fx['read_gbps']:.2f}"
-                            log(msg + " GB/s")
-                        med = {
-                            who: {
-                                k: statistics.median(x[k] for x in rs)
-                                for k in rs[0]
-                                if isinstance(rs[0][k], (int, float)) and not isinstance(rs[0][k], bool)
-                            }
-                            for who, rs in rounds.items()
-                        }
-                        for who in ("aiokv", "fio", "fio_fixedbufs"):
-                            if who in med:  # disk bytes are slots; CPU per GB of payload
-                                for rw in ("write", "read"):
-                                    m = med[who]
-                                    m[f"{rw}_payload_gbps"] = m[f"{rw}_gbps"] * size / slot
-                                    m[f"{rw}_cpu_s_per_gb"] = m[f"{rw}_cpu_us"] * 1e-6 / (size / 1e9)
-                        if use_vllm:
-                            for rw in ("write", "read"):
-                                med["vllm_fs"][f"{rw}_payload_gbps"] = med["vllm_fs"][f"{rw}_gbps"]
-                        row = {
-                            "size": size,
-                            "slot_bytes": slot,
-                            "depth": depth,
-                            "blocks": n,
-                            "workers": workers,
-                            **med,
-                            "rounds": rounds,
-                            "ratio_fio": {
-                                rw: med["aiokv"][f"{rw}_gbps"] / med["fio"][f"{rw}_gbps"] for rw in ("write", "read")
-                            },
-                        }
-                        if use_vllm:
-                            row["ratio_vllm_fs"] = {
-                                rw: med["aiokv"][f"{rw}_payload_gbps"] / med["vllm_fs"][f"{rw}_payload_gbps"]
-                                for rw in ("write", "read")
-                            }
-                        results.append(row)
+                        rounds = _rounds(args, work, size, n, depth, workers, mem, arena, peers, log)
+                        results.append(_row(size, n, depth, workers, rounds))
                 finally:
                     if arena is not None:
                         arena.close()
@@ -943,6 +1087,10 @@ def main() -> int:
         "fio_mem": mem,
         "fio_mem_note": hp.note or (f"nr_hugepages raised by {pages} for the run and set back" if hp.ok else ""),
         "vllm_fs": vllm_note or "vllm.fs_io_C (C helper), DualQueueThreadPool",
+        "raw_block": rb_note or f"{RAW_BLOCK_PKG}: RawBlockDevice, batches of depth waited for whole",
+        "contenders": peers,
+        "secret": bool(args.secret),
+        "checksum_threads": args.checksum_threads,
         "machine": mach,
         "seconds": round(time.monotonic() - t_start, 1),
         "results": results,
@@ -959,54 +1107,43 @@ async def _backend_name() -> str:
         b.close()
 
 
+NAMES = {"fio": "fio", "raw_block": "raw_block", "vllm_fs": "vLLM fs", "fio_fixedbufs": "fio --fixedbufs"}
+
+
 def render(doc: dict) -> str:
     p = doc["params"]
-    vl = any("vllm_fs" in r for r in doc["results"])
+    res = doc["results"]
+    others = [w for w in doc.get("contenders", ["aiokv", "fio"]) if w != "aiokv"]
+    has_aiokv = "aiokv" in doc.get("contenders", ["aiokv"])
+    q2 = lambda x, k: f"{x[f'write_{k}']:.2f} / {x[f'read_{k}']:.2f}"  # noqa: E731
     lines = [
-        f"aiokv {doc['aiokv_backend']} vs fio io_uring direct vs vLLM fs tier ({doc['vllm_fs']}); "
-        f"aiokv mode {p.get('mode', 'calls')}, {p['mib']} MiB per phase, median of {p['rounds']} rounds; fio buffers: {doc['fio_mem']}"
-        f"{' (' + doc['fio_mem_note'] + ')' if doc['fio_mem_note'] else ''}",
+        f"aiokv {doc['aiokv_backend']} (mode {p.get('mode', 'calls')}"
+        f"{', with a secret: CRC32C and MAC' if doc.get('secret') else ', CRC32C'}"
+        f" on {doc.get('checksum_threads') or 'no'} checksum threads) against "
+        + ", ".join(NAMES[w] for w in others)
+        + f"; {p['mib']} MiB per phase, median of {p['rounds']} interleaved rounds; fio buffers: {doc['fio_mem']}"
+        f"{' (' + doc['fio_mem_note'] + ')' if doc['fio_mem_note'] else ''}; raw_block: {doc.get('raw_block', '-')}",
         "",
-        "| payload | depth | aiokv W/R GB/s | fio W/R GB/s | aiokv/fio W/R |"
-        + (" vLLM fs W/R GB/s | aiokv/vLLM W/R (payload) |" if vl else "")
-        + " CPU s/GB W/R aiokv | fio |"
-        + (" vLLM fs |" if vl else ""),
-        "|---|---|---|---|---|" + ("---|---|" if vl else "") + "---|---|" + ("---|" if vl else ""),
     ]
-    for r in doc["results"]:
-        a, f = r["aiokv"], r["fio"]
-        line = (
-            f"| {r['size'] >> 10} KiB | {r['depth']} | {a['write_gbps']:.2f} / {a['read_gbps']:.2f} "
-            f"| {f['write_gbps']:.2f} / {f['read_gbps']:.2f} "
-            f"| {r['ratio_fio']['write']:.2f} / {r['ratio_fio']['read']:.2f} |"
-        )
-        if vl:
-            v = r["vllm_fs"]
-            line += (
-                f" {v['write_gbps']:.2f} / {v['read_gbps']:.2f} "
-                f"| {r['ratio_vllm_fs']['write']:.2f} / {r['ratio_vllm_fs']['read']:.2f} |"
-            )
-        line += (
-            f" {a['write_cpu_s_per_gb']:.3f} / {a['read_cpu_s_per_gb']:.3f} "
-            f"| {f['write_cpu_s_per_gb']:.3f} / {f['read_cpu_s_per_gb']:.3f} |"
-        )
-        if vl:
-            line += f" {r['vllm_fs']['write_cpu_s_per_gb']:.3f} / {r['vllm_fs']['read_cpu_s_per_gb']:.3f} |"
+    dp = has_aiokv and "io_write_gbps" in res[0]["aiokv"]  # aiokv's data path timed alone (batch mode)
+    rq = lambda q: f"{q['write']:.2f} / {q['read']:.2f}"  # noqa: E731
+    head = "| payload | depth |" + (" aiokv store W/R GB/s |" if has_aiokv else "") + (" data path |" if dp else "")
+    for w in others:
+        head += f" {NAMES[w]} W/R GB/s |" + (f" store/{NAMES[w]} |" if has_aiokv else "")
+        head += f" data path/{NAMES[w]} |" if dp else ""
+    cpus = (["aiokv"] if has_aiokv else []) + (["io"] if dp else []) + [w for w in others if w != "vllm_fs"]
+    head += " CPU s/GB W/R:" + "".join(f" {'data path' if w == 'io' else w} |" for w in cpus)
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in res:
+        line = f"| {r['size'] >> 10} KiB | {r['depth']} |" + (f" {q2(r['aiokv'], 'gbps')} |" if has_aiokv else "")
+        line += f" {r['aiokv']['io_write_gbps']:.2f} / {r['aiokv']['io_read_gbps']:.2f} |" if dp else ""
+        for w in others:
+            line += f" {q2(r[w], 'gbps')} |" + (f" {rq(r[f'ratio_{w}'])} |" if has_aiokv else "")
+            line += f" {rq(r[f'ratio_{w}_data_path'])} |" if dp else ""
+        for w in cpus:
+            x, pre = (r["aiokv"], "io_") if w == "io" else (r[w], "")
+            line += f" {x[pre + 'write_cpu_s_per_gb']:.3f} / {x[pre + 'read_cpu_s_per_gb']:.3f} |"
         lines.append(line)
-    if any("fio_fixedbufs" in r for r in doc["results"]):
-        lines += [
-            "",
-            "| payload | depth | fio W/R GB/s | fio --fixedbufs W/R GB/s | fio CPU s/GB W/R | fixedbufs |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in doc["results"]:
-            f, x = r["fio"], r["fio_fixedbufs"]
-            lines.append(
-                f"| {r['size'] >> 10} KiB | {r['depth']} | {f['write_gbps']:.2f} / {f['read_gbps']:.2f} "
-                f"| {x['write_gbps']:.2f} / {x['read_gbps']:.2f} "
-                f"| {f['write_cpu_s_per_gb']:.3f} / {f['read_cpu_s_per_gb']:.3f} "
-                f"| {x['write_cpu_s_per_gb']:.3f} / {x['read_cpu_s_per_gb']:.3f} |"
-            )
     if doc.get("overhead"):
         lines += ["", "| payload | null-I/O CPU µs/block W/R (depth 16) | CRC32C µs |", "|---|---|---|"]
         for o in doc["overhead"]:
@@ -1015,9 +1152,10 @@ def render(doc: dict) -> str:
             )
     lines.append("")
     lines.append(
-        "GB/s: bytes each contender moved to/from the disk (aiokv and fio: slots of payload + 4 KiB "
-        "header, the same I/Os; vLLM fs: the payload). aiokv/vLLM compares payload GB/s. "
-        "CPU s/GB: process CPU seconds per GB of payload."
+        "GB/s: bytes each contender moved to/from the disk (aiokv, fio, raw_block: slots of payload + 4 KiB "
+        "header, the same I/Os; vLLM fs: the payload). store: aiokv's save and load (reserve, BlockIO, commit; pin, "
+        "BlockIO, unpin); data path: its BlockIO calls alone (what a worker runs). A/X: the median of each round's "
+        "ratio (aiokv/vLLM compares payload GB/s). CPU s/GB: process CPU seconds per GB of payload."
     )
     return "\n".join(lines)
 
@@ -1031,7 +1169,12 @@ def plot(doc: dict, outdir: str) -> list[str]:
     os.makedirs(outdir, exist_ok=True)
     res = doc["results"]
     depths = sorted({r["depth"] for r in res})
-    who = [("aiokv", "aiokv", "o-"), ("fio", "fio io_uring", "s--"), ("vllm_fs", "vLLM fs tier", "^:")]
+    who = [
+        ("aiokv", "aiokv", "o-"),
+        ("fio", "fio io_uring", "s--"),
+        ("raw_block", "LMCache raw_block", "d-."),
+        ("vllm_fs", "vLLM fs tier", "^:"),
+    ]
     fig, axes = plt.subplots(2, len(depths), figsize=(3.2 * len(depths), 6), sharey="row", squeeze=False)
     for col, d in enumerate(depths):
         rows = sorted((r for r in res if r["depth"] == d), key=lambda r: r["size"])

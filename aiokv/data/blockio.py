@@ -75,7 +75,7 @@ PIPELINE_MIN = 4  # up to this many items: one backend batch
 # payload bytes from which a stamp/verify call goes to the checksum threads: a hand-off
 # costs tens of microseconds, as much as checking about half a MiB that is not in cache
 SPREAD_MIN_BYTES = 1 << 20
-CHUNK_MIN_BYTES = 1 << 20  # see BlockIO._chunk
+CHUNK_MIN_BYTES = 4 << 20  # see BlockIO._chunk
 # a call's chunks checked on the checksum threads: at least this much payload each (see BlockIO._chunk;
 # 0: CHUNK_MIN_BYTES, as before issue 36), and stamped up to this many queue depths ahead of the
 # kernel (0: stamped-or-written within one queue depth, as before); docs/benchmarks.md, "Beside LMCache's NVMe tier"
@@ -268,8 +268,8 @@ class BlockIO:
         """Items per backend batch of a pipelined call: a quarter of the queue depth,
         but at least CHUNK_MIN_BYTES of payload (up to the depth): each batch costs a
         task and a wake-up, which at small blocks cost more than the finer overlap
-        saved (measured: 12-16 % of the CPU per GB at 64 KiB, depths 4 and 16, the
-        same GB/s; docs/benchmarks-history.md, round three). Where the chunks go to the
+        saved (4 MiB, not 1: 3-9 % less CPU per block at 256 KiB depth 16 and 1 MiB
+        depth 4, the same GB/s; docs/benchmarks.md "Where the time goes"). Where the chunks go to the
         checksum threads (spread), at least SPREAD_CHUNK_BYTES (up to the depth):
         each is also a hand-off to a thread and back (25-50 µs of CPU on this VM),
         and the threads, at over 10 GB/s each, keep ahead of a disk anyway (writes:

@@ -34,11 +34,11 @@ and submitted at the end of the loop iteration, together with every other
 batch started in that iteration (the disk is busy meanwhile, so nothing waits
 for it). Completions reaped in one wake-up refill the ring at once too
 (Ring.reap pumps). Each io_uring_enter carries at most `Ring.submit_group`
-operations (4): with more than two, Linux plugs the block layer and merges
-requests for adjacent offsets into larger ones; four per call measured best
-of 1, 2, 4 and 8 on file systems over loop devices and on a virtual disk
-(docs/benchmarks-history.md section 11.2), where an earlier virtual disk had served
-merged requests 10-25 % slower ("Submission and request merging").
+operations (2): with more than two, Linux plugs the block layer and merges
+requests for adjacent offsets into larger ones, which the virtual disk of
+docs/benchmarks.md ("Where the time goes") serves one at a time (a depth of four
+256 KiB reads became one 1 MiB request in flight); two per call leave the
+requests as they are, at half the system calls of one per call.
 
 Threading contract: loop thread only.
 """
