@@ -8,7 +8,11 @@ exists, what it holds hangs (the handler waits until CONTROL is removed; the
 kernel keeps the caller in the system call meanwhile, as a hung device does):
 - "r" (or empty): reads of files whose name ends in `.data` do not answer;
 - "w": nor do writes of them;
-- "a": no operation on the mount answers (a hung NFS server, a frozen queue).
+- "a": no operation on the mount answers (a hung NFS server, a frozen queue);
+- "t": reads of files whose name ends in `.safetensors` do not answer (a LoRA adapter's
+  weights held while its files are hashed: the walk and stat calls still answer); while
+  one such read waits, the file CONTROL.held exists (a test waits for it: the reader is
+  inside that read, not merely about to make it).
 THREADS (default 200) is the daemon's thread pool. With a small pool (4) and
 "r", the hung reads take every daemon thread and everything else on the mount
 hangs behind them (a stat, an open, a journal write): what a real FUSE daemon
@@ -123,6 +127,13 @@ def serve(source: str, mountpoint: str, control: str, threads: int = 200) -> Non
             if path.endswith(".data"):
                 while _says(control, "r"):  # the hung disk
                     time.sleep(0.02)
+            elif path.endswith(".safetensors") and _says(control, "t"):
+                with contextlib.suppress(OSError):
+                    open(control + ".held", "w").close()
+                while _says(control, "t"):  # an adapter's weights held
+                    time.sleep(0.02)
+                with contextlib.suppress(OSError):
+                    os.unlink(control + ".held")
             return self._os(os.pread, fh, size, offset)
 
         def write(self, path, data, offset, fh):
