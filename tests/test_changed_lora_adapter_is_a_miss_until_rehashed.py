@@ -210,8 +210,9 @@ def _step(role, groups: int, new=(), cached=()) -> dict:
 @pytest.mark.parametrize("hybrid", [False, True], ids=["full_attention", "with_a_window_group"])
 def test_a_request_allocated_before_its_adapter_was_fingerprinted_saves_once_it_is(tmp_path, hybrid):
     """Its root comes at the first step after the fingerprint is known, and it saves nothing
-    before: then every block it computed so far (only full-attention groups: vLLM frees none of
-    them while it runs), or with a sliding-window group the blocks it completes from then on."""
+    before: then every block this life computed so far (only full-attention groups: vLLM frees
+    none of them while it runs; never a block vLLM's own prefix cache gave it), or with a
+    sliding-window group the blocks it completes from then on."""
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -238,7 +239,8 @@ def test_a_request_allocated_before_its_adapter_was_fingerprinted_saves_once_it_
             role.update_state_after_alloc(req, blocks, 0)
             assert role.counters()["lora_fingerprint_misses"] == 1
             _wait(lambda: os.path.exists(control + ".held"), "the first look never read the weights")
-            assert _step(role, groups, new=[("L", [1, 2, 3], 0, 10)]) == {}, "saved with no root"
+            # vLLM's own prefix cache gave it block 0 (id 1): this life computes tokens 4..9
+            assert _step(role, groups, new=[("L", [1, 2, 3], 4, 6)]) == {}, "saved with no root"
             req.append_output_token_ids(50)
             assert _step(role, groups, cached=[("L", None, 10, 1)]) == {}
             os.unlink(control)
@@ -247,8 +249,10 @@ def test_a_request_allocated_before_its_adapter_was_fingerprinted_saves_once_it_
             got = _step(role, groups, cached=[("L", None, 11, 1)])
             root = request_root(role.nsid, [["lora", "ad", path, _fp(str(tmp_path / "src" / "ad"))]])
             if not hybrid:
-                keys = extend_keys([], root, req.all_token_ids, BS, 3)
-                assert got == {"L": [(0, k, b) for k, b in zip(keys, [1, 2, 3])]}, got
+                keys = extend_keys(
+                    [], root, req.all_token_ids, BS, 3
+                )  # blocks 1 and 2: this life's, not vLLM's block 0
+                assert got == {"L": [(0, k, b) for k, b in zip(keys[1:], [2, 3])]}, got
                 return
             assert got == {}, "a block computed before its root, with a window group: not saved"
             for t in (52, 53, 54, 55):

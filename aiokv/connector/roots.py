@@ -8,8 +8,9 @@ kept for its life, and the requests whose LoRA adapter has no fingerprint yet.
 - A request allocated with no root (`wait`) is a miss that saves nothing yet; at each
   step (`rooted`, before the step is planned) it is given its root once the fingerprint
   is known: its state is made then (SchedulerSide.on_alloc, no hit), so it saves nothing
-  before. Where every KV-cache group is full attention, the blocks it computed before
-  (still its own in vLLM's cache: full attention frees none while a request runs) are
+  before. Where every KV-cache group is full attention, the blocks it computed before in
+  this life (still its own in vLLM's cache: full attention frees none while a request
+  runs; not those vLLM's own prefix cache gave it, which aiokv never saves unasked) are
   saved at that step too, else only those it computes from then on (a sliding window may
   have freed earlier ones).
 - When a look sees an adapter's files change (`poll`), the requests keyed by its old
@@ -61,7 +62,7 @@ class Roots:
         """An allocation with no root: it waits for its adapter's fingerprint (True), unless retired."""
         if request.request_id in self.retired:
             return False
-        self.waiting[request.request_id] = [request, [list(ids) for ids in block_ids]]
+        self.waiting[request.request_id] = [request, [list(ids) for ids in block_ids], None]
         return True
 
     def allocated(self, req_id: str) -> None:
@@ -96,8 +97,8 @@ class Roots:
             if w is None:
                 out.append(s)
                 continue
-            if s.replace:  # new or resumed: the whole tables
-                w[1] = [list(ids) for ids in s.block_ids or ()]
+            if s.replace:  # new or resumed: the whole tables, and what vLLM's own cache gave this life
+                w[1], w[2] = [list(ids) for ids in s.block_ids or ()], s.num_computed
             elif s.block_ids:
                 for ids, new in zip(w[1], s.block_ids):
                     ids.extend(new)
@@ -111,8 +112,9 @@ class Roots:
             st = side.requests.get(s.req_id)  # (made now: its tokens already hold some output)
             if st is not None:
                 st.prompt = min(st.prompt, w[0].num_prompt_tokens)
-            if every_full:  # the life so far counts as this step's: its blocks are saved now
-                out.append(Scheduled(s.req_id, 0, s.num_computed + s.num_scheduled, tables, True))
+            if every_full:  # what this life computed so far counts as this step's: saved now
+                first = s.num_computed if w[2] is None else w[2]  # (never vLLM's own cached blocks)
+                out.append(Scheduled(s.req_id, first, s.num_computed + s.num_scheduled - first, tables, True))
             else:
                 out.append(Scheduled(s.req_id, s.num_computed, s.num_scheduled, tables, True))
         return out
