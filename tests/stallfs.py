@@ -17,6 +17,10 @@ hung device does):
 - "j": writes of journal files (journal.<gen>) whose path contains CONTROL's second line
   (all of them without one) do not answer: a command stopped at a point the test chooses;
 - "x": those writes fail with EIO (after any "j" ends): a held write that never lands.
+- "t": reads of files whose name ends in `.safetensors` do not answer (a LoRA adapter's
+  weights held while its files are hashed: the walk and stat calls still answer); while
+  one such read waits, the file CONTROL.held exists (a test waits for it: the reader is
+  inside that read, not merely about to make it).
 While the file CONTROL.eio exists, reads of files whose path contains the text it holds
 fail with EIO (a bad sector under one engine's journal), answered at once.
 THREADS (default 200) is the daemon's thread pool. With a small pool (4) and
@@ -156,6 +160,13 @@ def serve(source: str, mountpoint: str, control: str, threads: int = 200) -> Non
                     time.sleep(0.02)
                 if _says(control, "e"):
                     raise fuse.FuseOSError(errno.EIO)
+            elif path.endswith(".safetensors") and _says(control, "t"):
+                with contextlib.suppress(OSError):
+                    open(control + ".held", "w").close()
+                while _says(control, "t"):  # an adapter's weights held
+                    time.sleep(0.02)
+                with contextlib.suppress(OSError):
+                    os.unlink(control + ".held")
             if _eio(control, path):
                 raise fuse.FuseOSError(errno.EIO)
             return self._os(os.pread, fh, size, offset)

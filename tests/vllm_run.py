@@ -25,9 +25,13 @@ phase's prompt, its reply and these ids), salts?, loras? ([name, id, path] or nu
 index_gate? ({path, then}: a tests/stallfs.py control file holding aiokv's index loader,
 rewritten with `then` (null: removed) at the start of the first step at which every request of
 the phase has waited for the index (counter index_waited); "index_gate_step" gets that step),
-add_lora? ([[name, id, path]]: loaded into the workers before the phase), stall? (a
-tests/stallfs.py control file written, with stall_mode ("a" unless given), before the phase's
-requests and removed once they are done; "seconds" gets each phase's time), abort_after?: {index: steps}, abort_preempted?: n (abort
+resave? ([[source dir, adapter dir]]: each file of the source written over the adapter's, in
+place, before add_lora: an adapter re-saved), add_lora? ([[name, id, path, load_inplace?]]: loaded into the
+workers before the phase; load_inplace: loaded again over the one of that id), stall? (a tests/stallfs.py control file written, with stall_mode ("a" unless
+given), before the phase's requests and removed once they are done, unless stall_keep; "seconds"
+gets each phase's time), unstall_at_step? ([step, control file]: removed at the start of that step
+of the phase, then the step waits until aiokv's LoRA adapters' I/O thread has nothing queued or
+running), hold_at_step? ([step, path]: that step waits until the file exists), abort_after?: {index: steps}, abort_preempted?: n (abort
 the first n requests seen preempted, in the step they are; where each abort landed: "aborted_while"),
 abort_loading?: n (abort requests seen waiting for their load, WAITING_FOR_REMOTE_KVS, in the step
 they are, until n aborts landed there),
@@ -137,6 +141,7 @@ def main(spec: dict) -> dict:
     if sub is not None:
         time.sleep(0.5)  # the subscription reaches the publisher before anything is published
         result["events"] = []
+    aio = None
     if not MP:  # the engine core lives in this process: look inside
         core = engine.engine_core.engine_core
         sched = core.scheduler
@@ -183,10 +188,16 @@ def main(spec: dict) -> dict:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": phase["reload_weights"]})
         if phase.get("reset_prefix_cache") is not None:
             result.setdefault("reset", []).append(llm.reset_prefix_cache(**phase["reset_prefix_cache"]))
-        for name, lid, path in phase.get("add_lora") or ():  # loaded by the workers before any request names it
+        if phase.get("resave") and aio is not None:  # no look of aiokv's at the adapters sees a half-written one
+            _adapters_idle(aio, time.monotonic() + spec.get("phase_timeout", 300))
+        for src, dst in phase.get("resave") or ():  # an adapter re-saved in place (new modification times)
+            for f in sorted(os.listdir(src)):
+                with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
+                    b.write(a.read())
+        for name, lid, path, *inplace in phase.get("add_lora") or ():  # loaded before any request names it
             from vllm.lora.request import LoRARequest
 
-            engine.add_lora(LoRARequest(name, lid, path))
+            engine.add_lora(LoRARequest(name, lid, path, load_inplace=bool(inplace and inplace[0])))
         if phase.get("stall"):  # tests/stallfs.py's control file: the mount hangs until the phase ends
             with open(phase["stall"], "w") as f:
                 f.write(phase.get("stall_mode", "a"))
@@ -281,6 +292,7 @@ def main(spec: dict) -> dict:
 
                 os.killpg(killer, signal.SIGKILL)
                 result["killed_at_step"] = step
+            _hold(phase, step, aio, time.monotonic() + spec.get("phase_timeout", 300))
             if sub is not None:
                 _take_events(sub, result["events"], 0)
             for o in engine.step():
@@ -303,7 +315,7 @@ def main(spec: dict) -> dict:
         result["cached"].append(cached)
         result["finish"].append(fin)
         result.setdefault("seconds", []).append(round(time.monotonic() - t_phase, 3))
-        if phase.get("stall") and os.path.exists(phase["stall"]):  # (the test may have ended the hang itself)
+        if phase.get("stall") and not phase.get("stall_keep") and os.path.exists(phase["stall"]):
             os.unlink(phase["stall"])
         if gate:  # never opened: the loader must not stay held (the test sees no index_gate_step)
             _open_gate(gate)
@@ -366,6 +378,29 @@ def _open_gate(gate: dict) -> None:
     else:
         with open(gate["path"], "w") as f:
             f.write(gate["then"])
+
+
+def _hold(phase: dict, step: int, aio, deadline: float) -> None:
+    """A phase's unstall_at_step and hold_at_step, at the start of that step."""
+    k, control = phase.get("unstall_at_step") or (None, None)
+    if k == step:
+        if os.path.exists(control):
+            os.unlink(control)
+        _adapters_idle(aio, deadline)  # the looks held by the stall end
+    k, path = phase.get("hold_at_step") or (None, None)
+    while k == step and not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path} did not appear")
+        time.sleep(0.01)
+
+
+def _adapters_idle(aio, deadline: float) -> None:
+    """Wait until aiokv's LoRA adapters' I/O thread has no look queued or running."""
+    fs = aio.scheduler_role.adapters.fs
+    while fs is not None and fs.pending:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the LoRA adapters' looks did not end")
+        time.sleep(0.01)
 
 
 def _reset_due(when: str, aio) -> bool:

@@ -24,24 +24,34 @@ one line, exit status 2.
 docs/inspect-schema.json describe them. Adding a field keeps SCHEMA; renaming,
 removing or changing the meaning of one raises it.
 
+At node scale (tens of millions of blocks) nothing holds a Python object per
+block: the figures are counted over the replayed index a slot range at a time,
+--keys and --verify take the keys from the engines' files a batch at a time, and
+their lists (every key, every corrupt block) are Rows, written as they are made
+(tools/bench_inspect.py measures it).
+
 The parts, one job each: opening.py (opening read-only, retried; InspectError),
-summary.py (the summary and --keys documents), slots.py (reading and checking
-slots), verify.py (the --verify document and --repair), render.py (the text
-output). This module is the interface main.py and other callers use.
+summary.py (the summary document), keylist.py (the --keys document),
+blockkeys.py (keys from an engine's files by slot), slots.py (reading and
+checking slots), verify.py (the --verify document and --repair), rows.py (long
+lists made and written a batch at a time), render.py (the text output). This
+module is the interface main.py and other callers use.
 
 Threading: one thread (the CLI's); --verify runs its own event loop.
 """
 
+from aiokv.cli.keylist import keys
 from aiokv.cli.opening import SCHEMA, InspectError, open_readonly
 from aiokv.cli.render import human, human_age, render_keys, render_summary, render_verify
-from aiokv.cli.slots import Bad, check_slot
-from aiokv.cli.summary import keys, summary
+from aiokv.cli.rows import Rows, write_json, write_text
+from aiokv.cli.slots import check_slot
+from aiokv.cli.summary import summary
 from aiokv.cli.verify import verify
 
 __all__ = [
     "SCHEMA",
-    "Bad",
     "InspectError",
+    "Rows",
     "check_slot",
     "human",
     "human_age",
@@ -52,4 +62,6 @@ __all__ = [
     "render_verify",
     "summary",
     "verify",
+    "write_json",
+    "write_text",
 ]

@@ -176,12 +176,16 @@ def _operate(args) -> int:
     return 0
 
 
-def _emit(doc: dict, text: str, fmt: str) -> None:
+def _emit(doc: dict, text, fmt: str, indent: int = 0) -> None:
+    """A document, or its text (a string or lines), on stdout as it is made (rows.py)."""
+    from aiokv.cli.rows import write_json, write_text
+
     if fmt == "json":
-        json.dump(doc, sys.stdout, indent=1, sort_keys=True)
-        sys.stdout.write("\n")
+        write_json(doc, sys.stdout, indent)
+        if not indent:
+            sys.stdout.write("\n")
     else:
-        sys.stdout.write(text + "\n")
+        write_text(text, sys.stdout)
     sys.stdout.flush()
 
 
@@ -193,40 +197,59 @@ def _inspect(args) -> int:
     if args.verify and args.keys:
         raise ins.InspectError("aiokv: --keys and --verify are separate runs; give one of them")
     if len(args.dir) == 1:
-        doc, text, code = _inspect_dir(args, args.dir[0])
-        _emit(doc, text, args.format)
-        return code
-    docs, texts, worst = [], [], 0
-    for d in args.dir:  # several drives: each in turn; one that cannot be read does not hide the others
+        return _inspect_dir(args, args.dir[0], lambda doc, text: _emit(doc, text, args.format))
+    # several drives: each in turn, written as it is read; one that cannot be read does not hide the others
+    worst, first = 0, True
+    if args.format == "json":
+        sys.stdout.write('{\n "drives": [\n')
+    for i, d in enumerate(args.dir):
+        if args.format == "json":
+            sys.stdout.write("" if first else ",\n")
+            emit = lambda doc, text, d=d: _emit({"path": d, **doc}, text, "json", indent=2)  # noqa: E731
+            sys.stdout.write("  ")
+        else:
+            sys.stdout.write("" if first else "\n\n")
+            sys.stdout.write(f"== drive {i}: {d}\n")
+            emit = lambda doc, text: _joined(text)  # noqa: E731
+        first = False
         try:
-            doc, text, code = _inspect_dir(args, d)
+            code = _inspect_dir(args, d, emit)
         except Exception as e:
             if not isinstance(e, (ins.InspectError, OSError, ValueError, RuntimeError)):
                 raise
             line = f"aiokv: {e.filename}: {e.strerror or e}" if isinstance(e, OSError) and e.filename else _one_line(e)
             print(line, file=sys.stderr)
-            doc, text, code = {"error": line}, line, getattr(e, "code", 2)
-        docs.append({"path": d, **doc})
-        texts.append(f"== drive {len(texts)}: {d}\n{text}")
+            emit({"error": line}, line)
+            code = getattr(e, "code", 2)
         worst = max(worst, code)
-    _emit({"schema": ins.SCHEMA, "drives": docs}, "\n\n".join(texts), args.format)
+    if args.format == "json":
+        sys.stdout.write(f'\n ],\n "schema": {json.dumps(ins.SCHEMA)}\n}}\n')
+    else:
+        sys.stdout.write("\n")
+    sys.stdout.flush()
     return worst
 
 
-def _inspect_dir(args, path: str) -> tuple[dict, str, int]:
-    """(document, text, exit status) of one directory."""
+def _joined(text) -> None:
+    """A rendering's lines joined by newlines, none after the last (the drives' texts are
+    joined by a blank line)."""
+    for i, line in enumerate([text] if isinstance(text, str) else text):
+        sys.stdout.write(("\n" if i else "") + line)
+
+
+def _inspect_dir(args, path: str, emit) -> int:
+    """One directory's document, written by emit(doc, text) while it is open; its exit status."""
     from aiokv.cli import inspect as ins
 
     if args.verify:
         doc = ins.verify(path, repair=args.repair, progress=False if args.no_progress else None)
-        return doc, ins.render_verify(doc), 0 if doc["ok"] else 1
+        emit(doc, ins.render_verify(doc))
+        return 0 if doc["ok"] else 1
     st = ins.open_readonly(path)
     try:
-        if args.keys:
-            doc = ins.keys(st)
-            return doc, ins.render_keys(doc), 0
-        doc = ins.summary(st)
-        return doc, ins.render_summary(doc), 0
+        doc = ins.keys(st) if args.keys else ins.summary(st)
+        emit(doc, ins.render_keys(doc) if args.keys else ins.render_summary(doc))
+        return 0
     finally:
         st.close()
 

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """`aiokv inspect`'s text output: the summary, the keys and the verify documents
-rendered for people (the JSON documents are printed as they are, main.py).
+rendered for people (the JSON documents are printed as they are, rows.py
+write_json). The keys and verify renderings are iterators of lines: their lists
+may hold tens of millions of items, written as they are made.
 
 Threading: plain functions, any thread.
 """
@@ -9,7 +11,10 @@ from __future__ import annotations
 
 import json
 
+from aiokv.cli.rows import Rows
 from aiokv.cli.summary import AGE_WINDOWS
+
+_KEY_FIELDS = ("key", "engine", "slot", "bytes", "last_access")
 
 
 def human(n: int | None) -> str:
@@ -108,46 +113,49 @@ def _tenant_text(r: dict) -> str:
     return f"{r['tenant'] or '(none)'}: {r['blocks']} block(s), {human(r['bytes'])}{pins}"
 
 
-def render_keys(d: dict) -> str:
-    lines = []
+def render_keys(d: dict):
+    """The --keys document's lines (made as they are written: its lists are Rows)."""
+    lines = 0
+    w = 2 * 32  # (keys are at most 32 bytes)
     for n in d["namespaces"]:
         if lines:
-            lines.append("")
-        lines.append(f"namespace {n['nsid']}: {len(n['keys'])} key(s), least recently used first")
-        if n["keys"]:
-            w = max(len(k["key"]) for k in n["keys"])
-            lines.append(f"  {'KEY':<{w}}  {'ENGINE':>6}  {'SLOT':>8}  {'SIZE':>10}  LAST ACCESS")
-            for k in n["keys"]:
-                lines.append(
-                    f"  {k['key']:<{w}}  {k['engine']:>6}  {k['slot']:>8}  {human(k['bytes']):>10}  "
-                    f"{k['last_access'] or '-'}"
-                )
-    return "\n".join(lines) if lines else "(no namespaces)"
+            yield ""
+        lines += 1
+        yield f"namespace {n['nsid']}: {len(n['keys'])} key(s), least recently used first"
+        head = True
+        keys = n["keys"]
+        for c in keys.batches() if isinstance(keys, Rows) else [{f: [k[f] for k in keys] for f in _KEY_FIELDS}]:
+            if head and c["key"]:
+                yield f"  {'KEY':<{w}}  {'ENGINE':>6}  {'SLOT':>8}  {'SIZE':>10}  LAST ACCESS"
+                head = False
+            size = {b: human(b) for b in set(c["bytes"])}
+            for k, e, s, b, a in zip(c["key"], c["engine"], c["slot"], c["bytes"], c["last_access"]):
+                yield f"  {k:<{w}}  {e:>6}  {s:>8}  {size[b]:>10}  {a or '-'}"
+    if not lines:
+        yield "(no namespaces)"
 
 
-def render_verify(d: dict) -> str:
-    lines = []
+def render_verify(d: dict):
+    """The --verify document's lines."""
     for e in d["index_errors"]:
-        lines.append(f"index: {e}")
+        yield f"index: {e}"
     if d.get("index_rebuilt"):
-        lines.append("index: rebuilt from the slot headers (--repair)")
+        yield "index: rebuilt from the slot headers (--repair)"
     nbad = len(d["corrupt"])
-    lines.append(
+    yield (
         f"verified {d['checked_blocks']} block(s), {human(d['checked_bytes'])} in {d['seconds']:.2f} s: "
         + (f"{nbad} corrupt" if nbad else "all intact" if not d["index_errors"] else "index damaged")
     )
     for b in d["corrupt"]:
-        lines.append(
+        yield (
             f"corrupt: namespace {b['nsid']} key {b['key']} engine {b['engine']} rank {b['rank']} "
-            f"slot {b['slot']}: "
-            f"{b['reason']}"
+            f"slot {b['slot']}: {b['reason']}"
         )
     if d["repaired"] is not None and nbad:
         keys_dropped = {(b["nsid"], b["key"]) for b in d["repaired"]}
-        lines.append(f"repaired: dropped {len(keys_dropped)} key(s) from the index")
+        yield f"repaired: dropped {len(keys_dropped)} key(s) from the index"
     elif nbad:
-        lines.append("run again with --repair to drop them from the index (needs the engine stopped)")
-    return "\n".join(lines)
+        yield "run again with --repair to drop them from the index (needs the engine stopped)"
 
 
 def _when(since: float) -> str:

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`aiokv inspect` and `--keys`: what a cache directory holds, as a JSON-ready
-document (docs/inspect-json.md): engines, namespaces, blocks, bytes, ages;
-or every key, least recently used first.
+"""`aiokv inspect`: what a cache directory holds, as a JSON-ready document
+(docs/inspect-json.md): engines, namespaces, blocks, bytes, ages. Every figure is
+counted a slot range of the replayed index at a time (no array of all blocks beside
+the index, no Python object per block).
 
 Threading: one thread (the CLI's), over a Store opened read-only (opening.py).
 """
@@ -23,6 +24,8 @@ from aiokv.store.table import PINNED
 from aiokv.store.wear import read_all
 
 AGE_WINDOWS = (("hour", 3600), ("day", 86400), ("week", 7 * 86400))
+CHUNK = 1 << 20  # slots looked at a time
+COLLECT = 1 << 20  # access times kept at once to pick the median from
 
 
 def iso(ns_time: int | None) -> str | None:
@@ -42,29 +45,72 @@ def _disk_bytes(root: str, ns, engine: int) -> int:
     return total
 
 
-def _ages(atimes, now_ns: int) -> dict:
-    """How recently the blocks were last used (loaded or saved): the index keeps one
-    access time per block, not a hit count. atimes: a numpy array (ns)."""
-    ages = np.sort((now_ns - atimes.astype(np.int64)) / 1e9)
-    out = {f"used_last_{name}": int(np.searchsorted(ages, s, side="right")) for name, s in AGE_WINDOWS}
-    out["median_age_seconds"] = round(float(ages[len(ages) // 2]), 3) if len(ages) else None
-    return out
+def _atimes(tables):
+    """The access times of the tables' blocks, a slot range at a time (0, never used: left out)."""
+    for t in tables:
+        for lo in range(0, len(t.tag), CHUNK):
+            a = t.atime[lo : lo + CHUNK][t.tag[lo : lo + CHUNK] != 0]
+            a = a[a != 0]
+            if len(a):
+                yield a
+
+
+def _access(tables, now_ns: int) -> tuple[dict, int | None, int | None]:
+    """How recently the blocks were last used (loaded or saved), and the oldest and newest
+    access: the index keeps one access time per block, not a hit count."""
+    n, lo, hi, within = 0, None, None, [0] * len(AGE_WINDOWS)
+    for a in _atimes(tables):
+        n += len(a)
+        lo = int(a.min()) if lo is None else min(lo, int(a.min()))
+        hi = int(a.max()) if hi is None else max(hi, int(a.max()))
+        age = np.int64(now_ns) - a.astype(np.int64)
+        for i, (_, s) in enumerate(AGE_WINDOWS):
+            within[i] += int(np.count_nonzero(age <= s * 10**9))
+    out = {f"used_last_{name}": within[i] for i, (name, _) in enumerate(AGE_WINDOWS)}
+    # the median age: ages ascending, the one at n // 2 (the access time of rank n - 1 - n // 2)
+    out["median_age_seconds"] = round((now_ns - _kth(tables, n - 1 - n // 2, n, lo, hi)) / 1e9, 3) if n else None
+    return out, lo, hi
+
+
+def _kth(tables, k: int, n: int, lo: int, hi: int) -> int:
+    """The k-th smallest (from 0) of the n access times of the tables' blocks, all in [lo, hi]:
+    counted in at most 65,536 ranges a pass over them, until the range holding it holds few
+    enough to keep (memory: one slot range and those few)."""
+    while n > COLLECT:
+        shift = max(0, (hi - lo).bit_length() - 16)
+        counts = np.zeros(((hi - lo) >> shift) + 1, np.int64)
+        for a in _atimes(tables):
+            a = a[(a >= lo) & (a <= hi)]
+            counts += np.bincount(((a - np.uint64(lo)) >> np.uint64(shift)).astype(np.intp), minlength=len(counts))
+        upto = np.cumsum(counts)
+        b = int(np.searchsorted(upto, k, side="right"))
+        k -= int(upto[b - 1]) if b else 0
+        n = int(counts[b])
+        lo, hi = lo + (b << shift), min(hi, lo + ((b + 1) << shift) - 1)
+        if shift == 0:
+            return lo
+    got = np.concatenate([a[(a >= lo) & (a <= hi)] for a in _atimes(tables)])
+    return int(np.partition(got, k)[k])
 
 
 def _tenants(st: Store, ns, into: dict) -> list[dict]:
     """Blocks, bytes and pinned blocks per tenant of a namespace (every engine's), largest
     first; added into `into` (tenant id -> the directory's row)."""
-    rows: dict[int, dict] = {}
+    blocks, pinned = np.zeros(1 << 16, np.int64), np.zeros(1 << 16, np.int64)
     for t in ns.tables.values():
-        live = t.live()
-        tids, n = np.unique(t.tenant[live], return_counts=True)
-        pinned = dict(zip(*np.unique(t.tenant[live][(t.flags[live] & PINNED) != 0], return_counts=True)))
-        for tid, c in zip(tids.tolist(), n.tolist()):
-            for d in (rows, into):
-                r = d.setdefault(tid, _tenant_row(st, tid))
-                r["blocks"] += c
-                r["bytes"] += c * ns.slot_bytes * ns.ranks
-                r["pinned_blocks"] += int(pinned.get(tid, 0))
+        for lo in range(0, len(t.tag), CHUNK):
+            live = t.tag[lo : lo + CHUNK] != 0
+            tids = t.tenant[lo : lo + CHUNK][live]
+            blocks += np.bincount(tids, minlength=1 << 16)
+            pinned += np.bincount(tids[(t.flags[lo : lo + CHUNK][live] & PINNED) != 0], minlength=1 << 16)
+    rows: dict[int, dict] = {}
+    for tid in np.flatnonzero(blocks).tolist():
+        c, p = int(blocks[tid]), int(pinned[tid])
+        for d in (rows, into):
+            r = d.setdefault(tid, _tenant_row(st, tid))
+            r["blocks"] += c
+            r["bytes"] += c * ns.slot_bytes * ns.ranks
+            r["pinned_blocks"] += p
     return sorted(rows.values(), key=lambda r: (-r["bytes"], r["tenant"]))
 
 
@@ -91,8 +137,7 @@ def summary(st: Store) -> dict:
     }
     for nsid, ns in sorted(st.index.namespaces.items()):
         tables = [ns.tables[e] for e in sorted(ns.tables)]
-        atimes = np.concatenate([t.atime[t.live()] for t in tables]) if tables else np.zeros(0, np.uint64)
-        atimes = atimes[atimes != 0]
+        access, oldest, newest = _access(tables, now)
         held = {e: t.count for e, t in sorted(ns.tables.items())}
         blocks = sum(held.values())
         journals = {}
@@ -125,9 +170,9 @@ def summary(st: Store) -> dict:
                 "slot_bytes": ns.slot_bytes,
                 "ranks": ns.ranks,
                 "disk_bytes": disk,
-                "oldest_access": iso(int(atimes.min())) if len(atimes) else None,
-                "newest_access": iso(int(atimes.max())) if len(atimes) else None,
-                "access": _ages(atimes, now),
+                "oldest_access": iso(oldest),
+                "newest_access": iso(newest),
+                "access": access,
                 "journals": journals,
                 "tenants": _tenants(st, ns, per_tenant),
             }
@@ -154,26 +199,3 @@ def summary(st: Store) -> dict:
             "disk_bytes": sum(n["disk_bytes"] for n in out_ns),
         },
     }
-
-
-def keys(st: Store) -> dict:
-    out = []
-    for _nsid, ns in sorted(st.index.namespaces.items()):
-        items = sorted(((a, k, e, s) for e, d in ns.peers.items() for k, (s, a) in d.items()))
-        out.append(
-            {
-                "nsid": ns.hex,
-                "keys": [
-                    {
-                        "key": k.hex(),
-                        "engine": e,
-                        "slot": s,
-                        "bytes": ns.slot_bytes * ns.ranks,
-                        "payload_bytes": ns.payload_bytes * ns.ranks,
-                        "last_access": iso(a),
-                    }
-                    for a, k, e, s in items
-                ],
-            }
-        )
-    return {"schema": SCHEMA, "root": st.root, "order": "least recently used first", "namespaces": out}

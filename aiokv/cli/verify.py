@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import time
 
+from aiokv.cli.bads import Bads
 from aiokv.cli.opening import SCHEMA, InspectError, check_root, engines_running, open_readonly
-from aiokv.cli.slots import Bad, Progress, recheck, run_loop, still_bad, verify_items, work_of
+from aiokv.cli.slots import Progress, recheck, run_loop, still_bad, verify_store
 from aiokv.data import format as fmt
 from aiokv.store.lock import StoreLocked
 from aiokv.store.store import Store
@@ -49,31 +50,32 @@ def verify(root: str, repair: bool = False, progress: bool | None = None) -> dic
             _open_owner(root, engine).close()
         st = open_readonly(root)
     try:
-        work = work_of(st)
-        total_blocks = sum(len(v) for v in work.values())
-        total_bytes = sum(len(v) * st.index.namespaces[n].slot_bytes for n, v in work.items())
+        spaces = st.index.namespaces.values()
+        total_blocks = sum(ns.count() * ns.ranks for ns in spaces)
+        total_bytes = sum(ns.count() * ns.ranks * ns.slot_bytes for ns in spaces)
         bar = Progress(total_blocks, total_bytes, progress)
+        bad = Bads()
         try:
-            bad = run_loop(verify_items(root, st.index.namespaces, work, bar))
+            run_loop(verify_store(st, bar, bad))
         finally:
             bar.end()
     finally:
         st.close()
-    if bad:
+    bad = bad.done()
+    if len(bad):
         bad = recheck(root, bad)
-    bad.sort(key=lambda b: (b.nsid, b.rank, b.slot))
     repaired = None
     if repair:
-        repaired = _repair(root, bad) if bad else []
+        repaired = _repair(root, bad) if len(bad) else Bads()
     return {
         "schema": SCHEMA,
         "root": root,
-        "ok": not bad and not index_problems,
+        "ok": not len(bad) and not index_problems,
         "index_errors": index_problems,
         "checked_blocks": total_blocks,
         "checked_bytes": total_bytes,
-        "corrupt": [b.as_dict() for b in bad],
-        "repaired": None if repaired is None else [b.as_dict() for b in repaired],
+        "corrupt": bad.rows(),  # (written as they are made: rows.py)
+        "repaired": None if repaired is None else repaired.rows(),
         "index_rebuilt": bool(index_problems) if repair else None,
         "seconds": round(time.monotonic() - t0, 3),
     }
@@ -112,14 +114,11 @@ def _open_owner(root: str, engine: int) -> Store:
         raise InspectError(f"{e}; then run --repair again") from None
 
 
-def _repair(root: str, bad: list[Bad]) -> list[Bad]:
+def _repair(root: str, bad: Bads) -> Bads:
     """As the owner of each engine's files in turn: drop the keys whose blocks are
     still bad now that nobody writes."""
     still = still_bad(root, bad)
-    by_engine: dict = {}
-    for b in still:
-        by_engine.setdefault(b.engine, {}).setdefault(b.nsid, set()).add(b.key)
-    for engine, by_ns in sorted(by_engine.items()):
+    for engine, by_ns in sorted(still.keys_by_engine().items()):
         owner = _open_owner(root, engine)
         try:
             for nsid, ks in by_ns.items():

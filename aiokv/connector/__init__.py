@@ -7,6 +7,8 @@
     metadata.py     the step's plan and the workers' report as vLLM carries them
     namespace.py    the namespace description: model, weights, adapters, layout
     fingerprint.py  what the namespace is keyed by: weights, adapters
+    adapters.py     LoRA adapters' fingerprints, on an I/O thread of their own
+    roots.py        requests' key roots; those waiting for their adapter's fingerprint
     metrics.py      the counters as vLLM's stats and `vllm:aiokv_*` Prometheus series
     plugin.py       vLLM's general-plugin entry point: registers the connector, logging
 

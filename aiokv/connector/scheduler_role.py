@@ -13,7 +13,6 @@ thread is the store's; the bucket's prober runs on its own loop thread).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -21,10 +20,9 @@ from aiokv import __version__
 from aiokv.connector.adapters import Adapters
 from aiokv.connector.metadata import AioKVMetadata, AioKVWorkerMetadata
 from aiokv.connector.metrics import AioKVStats, StatsDelta
-from aiokv.connector.namespace import request_extras
+from aiokv.connector.roots import Roots
 from aiokv.jobs import StepPlan
 from aiokv.scheduler.index_wait import still_loading
-from aiokv.scheduler.keys import request_root
 from aiokv.util.counters import TOP_TENANTS, merge, store_counters
 
 log = logging.getLogger("aiokv")
@@ -69,13 +67,10 @@ class SchedulerRole:
         self.offer_hits = offer_hits
         self.kv_role = kv_role
         self.sched = None
-        self._roots: dict[str, tuple[int, bytes]] = {}  # request id -> (multimodal inputs seen, key root)
-        # LoRA adapters' fingerprints, looked at on their own I/O thread (adapters.py)
+        # LoRA adapters' fingerprints, looked at on their own I/O thread (adapters.py); requests' roots
         self.adapters = Adapters(cfg.fs_timeout)
+        self.roots = Roots(self.nsid, self.adapters)
         self._lora_misses = 0  # requests allocated with no key root: their adapter was not fingerprinted yet
-        # set by reset_cache (the weights may have changed in place): bound into every key's root,
-        # random, so never the epoch of another life or reset (None: the weight files' own blocks)
-        self.epoch: str | None = None
         self._delta = StatsDelta(self.ranks)  # what vLLM's stats have not been handed yet
         self._totals: dict[str, int] = {}  # worker counters since start
         self._queried: dict[str, int] = {}  # request -> tokens asked of us at its last lookup
@@ -268,20 +263,10 @@ class SchedulerRole:
         out = {CacheHitSource.DISK: num_external_tokens - bucket, CacheHitSource.EXTERNAL_UNSPECIFIED: bucket}
         return {k: v for k, v in out.items() if v > 0}
 
-    def _root(self, request) -> bytes | None:
-        """The request's key root; None while its LoRA adapter is not fingerprinted yet (then it
-        is a miss and saves nothing: it gets no state on the scheduler side)."""
-        # a streaming-input session keeps its id but may gain multimodal inputs: a new root then
-        n = len(request.mm_features or ())
-        got = self._roots.get(request.request_id)
-        if got is None or got[0] != n:
-            extras = request_extras(request, self.adapters)
-            if extras is None:
-                return None
-            if self.epoch is not None:
-                extras.append(["epoch", self.epoch])
-            got = self._roots[request.request_id] = (n, request_root(self.nsid, extras))
-        return got[1]
+    @property
+    def epoch(self) -> str | None:
+        """The key epoch reset_cache set (None: the weight files' own blocks); roots.py."""
+        return self.roots.epoch
 
     def reset_cache(self) -> bool:
         """vLLM's reset_prefix_cache(reset_connector=True), and a pause or sleep that
@@ -297,8 +282,7 @@ class SchedulerRole:
         if self.sched is None:
             return True  # nothing is served
         try:
-            self.epoch = os.urandom(16).hex()
-            self._roots.clear()
+            self.roots.reset()
             self.sched.new_epoch()
             if self.events is not None:
                 self.events.reset()
@@ -334,7 +318,7 @@ class SchedulerRole:
         if self.sched is None or not self.offer_hits or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         try:
-            root = self._root(request)  # None: its adapter is not fingerprinted yet, a miss
+            root = self.roots.of(request)  # None: its adapter is not fingerprinted yet, a miss
             n = (
                 0
                 if root is None
@@ -354,10 +338,11 @@ class SchedulerRole:
             self._bucket_tokens[request.request_id] = self.sched.bucket_hit_tokens(
                 request.request_id, num_external_tokens
             )
-            root = self._root(request)
-            if root is None:  # its adapter is not fingerprinted yet: no state, so nothing saved
-                self._lora_misses += 1
+            root = self.roots.of(request)
+            if root is None:  # its adapter is not fingerprinted yet: no state, nothing saved until it is
+                self._lora_misses += self.roots.wait(request, blocks.get_block_ids())
                 return
+            self.roots.allocated(request.request_id)
             self.sched.on_alloc(
                 request.request_id,
                 request.all_token_ids,
@@ -382,12 +367,13 @@ class SchedulerRole:
         if self.sched is None:
             return AioKVMetadata(StepPlan(), idle=idle)
         try:
-            self.adapters.poll()  # adapters fingerprinted since the last step: their requests hit from the next
+            self.roots.poll(self.sched)  # adapters fingerprinted (or seen changed) since the last step
         except Exception:
             self._error("build_connector_meta (LoRA adapters' fingerprints: applied at a later step)")
         decode_like = False
         try:
             items, boundary, decode_like = self._scheduled(scheduler_output)
+            items = self.roots.rooted(items, self.sched)  # requests whose adapter is fingerprinted now
             plan = self.sched.plan(items, boundary)  # plan() contains its own failures
         except Exception:
             # the step's saves are dropped, the loads queued for it fail (vLLM recomputes them)
@@ -455,7 +441,7 @@ class SchedulerRole:
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         try:
-            self._roots.pop(request.request_id, None)
+            self.roots.finished(request.request_id)
             self._queried.pop(request.request_id, None)
             self._bucket_tokens.pop(request.request_id, None)
             if self.events is not None:

@@ -383,13 +383,21 @@ class SchedulerSide:
         alive now computed some of its KV before the reset: it is never offered a hit
         or saved again, and its load in flight is cancelled (reported with its blocks
         failed: recomputed). The workers drop their memory tier at the next step."""
-        loading = self.jobs.loading
-        alive = set(self._reqs) | set(loading)
-        self._stale |= alive
-        self._no_hits |= alive
-        self._cancel += [r for r in loading if r not in self._cancel]
+        self.retire(set(self._reqs) | set(self.jobs.loading))
         self._from_bucket.clear()
         self._reset_workers = True
+
+    def retire(self, req_ids) -> None:
+        """Requests whose KV can no longer be trusted to match their keys (a cache reset; their
+        LoRA adapter's files changed while they ran): never offered a hit or saved again, their
+        loads in flight cancelled (reported with their blocks failed: recomputed)."""
+        loading = self.jobs.loading
+        for r in req_ids:
+            self._stale.add(r)
+            self._no_hits.add(r)
+            self._from_bucket.pop(r, None)
+            if r in loading and r not in self._cancel:
+                self._cancel.append(r)
 
     def finished(self, req_id: str) -> bool:
         """The request is gone from vLLM. Returns whether to delay freeing its blocks: never.
