@@ -85,11 +85,12 @@ def build(root: str, n: int, tenants: int = 4) -> None:
     ns = st.namespace(NSID, PAYLOAD)
     tids = [st.tenant("")]
     for t in range(tenants):  # one block each through the store: the tenants file names them
-        tid = st.tenant(f"tenant-{t}")
+        name = f"tenant-{t}"
+        arg = name if hasattr(st.tenants, "register") else st.tenant(name)  # (ids given at a first commit)
         key = (n + t).to_bytes(8, "little") * 4
-        where = st.reserve(ns, key, tid)
-        st.commit(ns, [(key, where)], tid)
-        tids.append(tid)
+        where = st.reserve(ns, key, arg)
+        st.commit(ns, [(key, where)], arg)
+        tids.append(st.tenant(name))
     slot_bytes = ns.slot_bytes
     st.close()
     d = ns_dir(root, NSID)
