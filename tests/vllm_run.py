@@ -11,9 +11,10 @@ return aiokv's Prometheus series as `metrics`),
 num_gpu_blocks (small: forces preemption), extra (kv_connector_extra_config), kv_role (aiokv's,
 kv_both unless given), with_connector (another connector's kv_transfer_config: aiokv and it run
 under vLLM's MultiConnector, aiokv first unless aiokv_first is false),
-ready_file (created once the engine is up), index_wait (true unless given: before the phases,
+ready_file (created once the engine is up, holding the KV events' endpoint with kv_events "tcp"), index_wait (true unless given: before the phases,
 wait until aiokv's index has loaded in the background, "index_wait_s" the seconds waited),
-kv_events (a socket path: vLLM publishes its KV events there over ZMQ (ipc://) and a subscriber
+kv_events (a socket path: vLLM publishes its KV events there over ZMQ (ipc://), or "tcp": on
+a port of VLLM_HOST_IP the kernel picks ("kv_events_endpoint"); a subscriber
 here collects them in "events": [type, medium, group, hashes,
 parent, token ids] each, in order), audit_fs (RESULT lists the file-system
 calls aiokv made on vLLM's thread while the phases ran), audit_saves (RESULT's "save_violations":
@@ -25,7 +26,8 @@ add_lora? ([[name, id, path]]: loaded into the workers before the phase), stall?
 tests/stallfs.py control file written, with stall_mode ("a" unless given), before the phase's
 requests and removed once they are done; "seconds" gets each phase's time), abort_after?: {index: steps}, abort_preempted?: n (abort
 the first n requests seen preempted, in the step they are; where each abort landed: "aborted_while"),
-wait_for?: path, peer_blocks?: n, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
+wait_for?: path, announce?: bool (after the phase, step until aiokv's start announcement is all
+published), done_file?: path (created once the phase, and its announce, is over), peer_blocks?: n, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
 reset_prefix_cache?: {kwargs}, kill_when_loading?: process group (killed -9 at the first step
 that starts with one of aiokv's loads in flight; "killed_at_step"), resets?: [{when, kwargs}]
 (LLM.reset_prefix_cache(**kwargs) in the middle of the phase, one after the other, each at the
@@ -111,11 +113,13 @@ def main(spec: dict) -> dict:
     if spec.get("kv_events"):  # vLLM's ZMQ publisher, and a subscriber connected before the first request
         import zmq
 
-        where = f"ipc://{spec['kv_events']}"
+        # "tcp": a port the kernel picks on 127.0.0.1 (VLLM_HOST_IP; for subscribers that speak TCP only)
+        where = "tcp://*:0" if spec["kv_events"] == "tcp" else f"ipc://{spec['kv_events']}"
         kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": where, "topic": "kv"}
         sub = zmq.Context.instance().socket(zmq.SUB)
-        sub.connect(where)
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        if where.startswith("ipc://"):
+            sub.connect(where)
     llm = LLM(**kw)
     engine = llm.llm_engine
     result: dict = {
@@ -127,6 +131,10 @@ def main(spec: dict) -> dict:
         "pending_saves_at_finish": 0,
     }
     if sub is not None:
+        if spec["kv_events"] == "tcp":  # (in this process: the engine core's publisher, bound now)
+            where = engine.engine_core.engine_core.scheduler.kv_event_publisher.get_publisher_config().endpoint
+            result["kv_events_endpoint"] = where
+            sub.connect(where)
         time.sleep(0.5)  # the subscription reaches the publisher before anything is published
         result["events"] = []
     if not MP:  # the engine core lives in this process: look inside
@@ -144,8 +152,10 @@ def main(spec: dict) -> dict:
             # a restart's hits begin once the index has loaded (in the background): the first
             # phase's requests wait for that, as an operator's readiness check would
             result["index_wait_s"] = _wait_for_index(aio.sched.store, time.monotonic() + 120)
-    if spec.get("ready_file"):  # tests waiting for the engine to be up (its index loaded)
-        open(spec["ready_file"], "w").close()
+    if spec.get("ready_file"):  # tests waiting for the engine to be up (its index loaded): the events' endpoint
+        with open(spec["ready_file"] + ".tmp", "w") as f:
+            f.write(result.get("kv_events_endpoint", ""))
+        os.replace(spec["ready_file"] + ".tmp", spec["ready_file"])
     audit = _audit_fs() if spec.get("audit_fs") else None
     if spec.get("audit_saves") and not MP:
         result["save_violations"] = _audit_saves(aio)
@@ -274,6 +284,10 @@ def main(spec: dict) -> dict:
         result["cached"].append(cached)
         result["finish"].append(fin)
         result.setdefault("seconds", []).append(round(time.monotonic() - t_phase, 3))
+        if phase.get("announce"):  # until aiokv's start announcement is all published (KV events)
+            _announce(engine, aio, deadline)
+        if phase.get("done_file"):
+            open(phase["done_file"], "w").close()
         if phase.get("stall") and os.path.exists(phase["stall"]):  # (the test may have ended the hang itself)
             os.unlink(phase["stall"])
     if audit is not None:
@@ -323,6 +337,23 @@ def main(spec: dict) -> dict:
     result["requests_left"] = len(sched.requests)
     core.shutdown()
     return result
+
+
+def _announce(engine, aio, deadline: float) -> None:
+    """Step with one-token requests (no block, nothing saved, no output kept) until every block of
+    aiokv's start announcement was handed to vLLM: the labels are read on the store's I/O thread
+    and published a batch a step, and vLLM publishes only at steps that have work."""
+    from vllm import SamplingParams
+
+    n = 0
+    while not aio.scheduler_role.events.announced:
+        if time.monotonic() > deadline:
+            raise RuntimeError("aiokv's start announcement was not published")
+        engine.add_request(f"announce-{n}", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=1))
+        n += 1
+        while engine.has_unfinished_requests():
+            engine.step()
+        time.sleep(0.01)
 
 
 def _reset_due(when: str, aio) -> bool:
