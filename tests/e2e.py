@@ -20,6 +20,10 @@ def run(spec: dict, env: dict | None = None, timeout: int = 600) -> dict:
     """One engine life in a new process (forked from tools/forkserver.py's server where its
     environment allows; AIOKV_TEST_NO_FORK=1: always `python -m tests.vllm_run`); returns its RESULT."""
     e = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
+    # a multiprocess life (engine core and worker apart): the cores vLLM's CPU build reserves for the
+    # engine core are those of a run without a connector (it reserves one more for any connector;
+    # docs/operations.md, "Start"); a life with TP > 1 binds its workers' threads itself
+    e.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     e.update(env or {})
     argv = ["-m", "tests.vllm_run", json.dumps(spec)]
     if spec.get("tp", 1) == 1:  # one process: it may fork

@@ -224,6 +224,7 @@ def test_what_the_connector_hands_out_are_rows_of_the_table(tmp_path):
     import types
 
     from aiokv.connector.adapters import Adapters
+    from aiokv.connector.figures import SchedulerFigures
     from aiokv.connector.scheduler_role import SchedulerRole
     from aiokv.connector.worker_role import WorkerRole
     from aiokv.scheduler.side import SchedulerSide
@@ -233,12 +234,10 @@ def test_what_the_connector_hands_out_are_rows_of_the_table(tmp_path):
     st = Store(str(tmp_path / "s"), capacity="1GiB")
     role = object.__new__(SchedulerRole)  # the real methods over a real store, without vLLM's configs
     role.sched = SchedulerSide(st, st.namespace(NS, PAYLOAD, fields={"model": "t"}), 16)
-    role._totals, role._queried_tokens, role.offer_hits, role._delta = {}, 0, True, StatsDelta(1)
-    role._lora_misses, role.adapters = 0, Adapters(1.0)
+    role.figures, role.offer_hits, role.adapters = SchedulerFigures(1), True, Adapters(1.0)
     try:
-        role._delta.add_worker({k: 1 for k in transfer.COUNTERS})
-        merge_into = metrics.merge(role._totals, {k: 1 for k in transfer.COUNTERS})
-        assert set(merge_into) <= set(table.ROWS)
+        role.figures.add_worker({k: 1 for k in transfer.COUNTERS})
+        assert set(role.figures.totals) <= set(table.ROWS)
         got = set(role.counters()) | set(role.get_kv_connector_stats().data)
         assert got and got <= set(table.ROWS), got - set(table.ROWS)
     finally:

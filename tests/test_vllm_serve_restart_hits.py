@@ -105,6 +105,9 @@ class Server:
             str(STOP_TIMEOUT // 2),
         ]
         env = dict(os.environ, PYTHONPATH=ROOT, VLLM_LOGGING_LEVEL="INFO", PYTHONUNBUFFERED="1")
+        # the cores vLLM's CPU build reserves for the engine core and this server: those of a run
+        # without a connector (it reserves one more for any connector; docs/operations.md, "Start")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the production shape: engine core in its own process
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(

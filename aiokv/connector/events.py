@@ -253,6 +253,11 @@ class KVEvents:
             self._next_start.append((gi, st, part))
 
     @property
+    def announced(self) -> bool:
+        """The start announcement is all handed to vLLM (or cut short by a cache reset)."""
+        return self._started and not self._reading and not self._next_start and not self._backlog
+
+    @property
     def announcing(self) -> int:
         """Stored blocks of the start announcement not yet handed to vLLM."""
         return len(self._backlog)

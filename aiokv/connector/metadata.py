@@ -16,10 +16,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from aiokv.jobs import StepPlan, WorkerReport
 
+QUIET = StepPlan()  # the plan of a step with nothing to do (shared: never changed)
+
 
 class AioKVMetadata(KVConnectorMetadata):
     def __init__(self, plan: StepPlan, decode_like: bool = False, idle: bool = False):
-        self.plan = plan
+        # a step with nothing to do carries no plan: most decode steps, pickled for every step
+        self._plan = None if plan.empty() else plan
         # every request of the step computes one token (plus its speculative ones): vLLM may
         # replay a full CUDA graph, in which attention does not call wait_for_layer_load
         self.decode_like = decode_like
@@ -27,6 +30,10 @@ class AioKVMetadata(KVConnectorMetadata):
         # Told by the scheduler side because the worker cannot tell: Model Runner V2 calls
         # start_load_kv without attention metadata on every step.
         self.idle = idle
+
+    @property
+    def plan(self) -> StepPlan:
+        return QUIET if self._plan is None else self._plan
 
 
 class AioKVWorkerMetadata(KVConnectorWorkerMetadata):

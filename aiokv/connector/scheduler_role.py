@@ -13,17 +13,15 @@ thread is the store's; the bucket's prober runs on its own loop thread).
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from aiokv import __version__
 from aiokv.connector.adapters import Adapters
+from aiokv.connector.figures import SchedulerFigures
 from aiokv.connector.metadata import AioKVMetadata, AioKVWorkerMetadata
-from aiokv.connector.metrics import AioKVStats, StatsDelta
+from aiokv.connector.metrics import AioKVStats
 from aiokv.connector.roots import Roots
 from aiokv.jobs import StepPlan
-from aiokv.scheduler.index_wait import still_loading
-from aiokv.util.counters import TOP_TENANTS, merge, store_counters
 
 log = logging.getLogger("aiokv")
 
@@ -56,8 +54,6 @@ def wants_pin(request) -> bool:
 
 
 class SchedulerRole:
-    _started = 0.0  # time.monotonic() at construction (the wear gauge's rate)
-
     def __init__(self, cfg, ns, ranks: int, layerwise: bool, offer_hits: bool, kv_role: str):
         self.cfg = cfg
         self.fields, self.groups, self.group_nsids = ns.fields, ns.groups, ns.group_nsids
@@ -70,13 +66,9 @@ class SchedulerRole:
         # LoRA adapters' fingerprints, looked at on their own I/O thread (adapters.py); requests' roots
         self.adapters = Adapters(cfg.fs_timeout)
         self.roots = Roots(self.nsid, self.adapters)
-        self._lora_misses = 0  # requests allocated with no key root: their adapter was not fingerprinted yet
-        self._delta = StatsDelta(self.ranks)  # what vLLM's stats have not been handed yet
-        self._totals: dict[str, int] = {}  # worker counters since start
+        self.figures = SchedulerFigures(self.ranks)  # what vLLM's stats are handed (figures.py)
         self._queried: dict[str, int] = {}  # request -> tokens asked of us at its last lookup
-        self._queried_tokens = 0
         self._bucket_tokens: dict[str, int] = {}  # request -> hit tokens from the bucket (hit sources)
-        self._started = time.monotonic()
         self.events = None  # KV events for routers (events.py); None: vLLM publishes none, or kv_events is off
         self._drives = None  # several drives: the Drives store, told the workers' per-drive verdicts
 
@@ -334,13 +326,13 @@ class SchedulerRole:
         if self.sched is None:
             return
         try:
-            self._queried_tokens += self._queried.pop(request.request_id, 0)
+            self.figures.queried_tokens += self._queried.pop(request.request_id, 0)
             self._bucket_tokens[request.request_id] = self.sched.bucket_hit_tokens(
                 request.request_id, num_external_tokens
             )
             root = self.roots.of(request)
             if root is None:  # its adapter is not fingerprinted yet: no state, nothing saved until it is
-                self._lora_misses += self.roots.wait(request, blocks.get_block_ids())
+                self.figures.lora_misses += self.roots.wait(request, blocks.get_block_ids())
                 return
             self.roots.allocated(request.request_id)
             self.sched.on_alloc(
@@ -372,7 +364,7 @@ class SchedulerRole:
             self._error("build_connector_meta (LoRA adapters' fingerprints: applied at a later step)")
         decode_like = False
         try:
-            items, boundary, decode_like = self._scheduled(scheduler_output)
+            items, boundary, decode_like = self._scheduled(scheduler_output, self.sched.requests)
             items = self.roots.rooted(items, self.sched)  # requests whose adapter is fingerprinted now
             plan = self.sched.plan(items, boundary)  # plan() contains its own failures
         except Exception:
@@ -387,29 +379,45 @@ class SchedulerRole:
         return AioKVMetadata(plan, decode_like, idle)
 
     @staticmethod
-    def _scheduled(scheduler_output) -> tuple[list, dict | None, bool]:
+    def _scheduled(scheduler_output, reqs: dict) -> tuple[list, dict | None, bool]:
         """vLLM's SchedulerOutput as plain data: (Scheduled items, the recurrent-state
-        checkpoints written this step, whether every request computes one token)."""
+        checkpoints written this step, whether every request computes one token). A running
+        request with no new block whose computed tokens stay below its Req.due (`reqs`: the
+        side's requests; due: where its next block fills) has nothing to track and is left out:
+        a decode step costs a comparison per request, and nothing more, until a block fills."""
         from aiokv.scheduler.side import Scheduled
 
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
         n_sched = scheduler_output.num_scheduled_tokens
-
-        def count(req_id: str) -> int:
-            return n_sched.get(req_id, 0) - len(spec.get(req_id, ()))
-
         items = [
-            Scheduled(r.req_id, r.num_computed_tokens, count(r.req_id), r.block_ids, True)
+            Scheduled(
+                r.req_id,
+                r.num_computed_tokens,
+                n_sched.get(r.req_id, 0) - len(spec.get(r.req_id, ())),
+                r.block_ids,
+                True,
+            )
             for r in scheduler_output.scheduled_new_reqs
         ]
         c = scheduler_output.scheduled_cached_reqs
-        resumed = c.resumed_req_ids or set()
+        resumed = c.resumed_req_ids or ()
+        computed, new_ids = c.num_computed_tokens, c.new_block_ids
         for i, req_id in enumerate(c.req_ids):
-            new = c.new_block_ids[i]
-            items.append(Scheduled(req_id, c.num_computed_tokens[i], count(req_id), new, req_id in resumed))
+            n = n_sched.get(req_id, 0)
+            if spec:
+                n -= len(spec.get(req_id, ()))
+            new = new_ids[i]
+            if new is None and req_id not in resumed:
+                st = reqs.get(req_id)
+                if st is not None and computed[i] + n < st.due:
+                    continue
+            items.append(Scheduled(req_id, computed[i], n, new, req_id in resumed))
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         boundary = state.boundary_state_offloads if state is not None else None
-        decode_like = all(n <= 1 + len(spec.get(r, ())) for r, n in n_sched.items())
+        if spec:
+            decode_like = all(n <= 1 + len(spec.get(r, ())) for r, n in n_sched.items())
+        else:
+            decode_like = max(n_sched.values(), default=0) <= 1
         return items, boundary, decode_like
 
     def update_connector_output(self, connector_output) -> None:
@@ -420,9 +428,10 @@ class SchedulerRole:
             finished = connector_output.finished_recving
             meta = connector_output.kv_connector_worker_meta
             report = meta.report if isinstance(meta, AioKVWorkerMetadata) else None
+            if report is None and not finished:
+                return  # the workers reported nothing this step (most decode steps)
             if report is not None:
-                self._delta.add_worker(report.counters)
-                merge(self._totals, report.counters)
+                self.figures.add_worker(report.counters)
                 if self._drives is not None:
                     self._drives.record(report.drives)
             self.sched.on_report(report, finished)
@@ -461,45 +470,20 @@ class SchedulerRole:
         if self.sched is None:
             return None
         try:
-            data = self._delta.take(self._scheduler_counters())
+            data = self.figures.take(self.sched, self._scheduler_counters)  # None: nothing moved (O(1))
         except Exception:
             self._error("get_kv_connector_stats (this step's stats are lost)")
             return None
         return AioKVStats(data=data) if data else None
 
     def _scheduler_counters(self) -> dict[str, int]:
-        """Scheduler and store counters since start, and the store's gauges."""
-        st = self.sched.store
-        out = dict(vars(self.sched.counters))
-        out.update(store_counters(st.stats))
-        out.update(
-            queried_tokens=self._queried_tokens,
-            lora_fingerprint_misses=self._lora_misses,
-            disk_bytes=st.space.used(),
-            capacity_bytes=st.limit or 0,
-            pending_saves=self.sched.pending_saves,
-            breaker_open=int(self.sched.breaker.is_open),
-            stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()),
-            pinned_bytes=st.pinned_bytes(),
-            tenant_bytes=st.tenant_bytes(TOP_TENANTS),
-            index_loading=sum(map(still_loading, st.index.namespaces.values())),
-            drive_writes_per_day=self._writes_per_day(st),
-        )
-        if self.sched.bucket is not None:
-            out.update(self.sched.bucket.counters)
-        return out
-
-    def _writes_per_day(self, store) -> float:
-        """This life's bytes written per day over the drives' size (an estimate: the rate since start)."""
-        stores = getattr(store, "stores", None)  # several drives (store/drives.py)
-        size = sum(s.dirs.fs_bytes for s in stores.values()) if stores is not None else store.dirs.fs_bytes
-        up = max(time.monotonic() - self._started, 60.0)
-        return round(self._totals.get("bytes_written", 0) / up * 86400 / size, 6) if size else 0.0
+        """Scheduler and store counters since start, and the store's gauges (figures.py)."""
+        return self.figures.scheduler_counters(self.sched)
 
     def counters(self) -> dict[str, int]:
         out: dict[str, int] = {}
         if self.sched is not None:
-            out.update(self._totals)
+            out.update(self.figures.totals)
             out.update(self._scheduler_counters())
             out["pinned"] = len(self.sched.store.index.pins)
             out["hits_offered"] = int(self.offer_hits)

@@ -254,6 +254,8 @@ class WorkerRole:
         return None, finished or None
 
     def _take_load_failures(self, errors: set[int], failed: set[str]) -> None:
+        if not errors and not failed:
+            return  # (most steps)
         blocks, reqs = load_failures(self.per_block_errors, errors, failed)
         self._errors |= blocks  # per block: vLLM keeps the blocks that did load
         self._failed_now |= reqs  # whole requests: vLLM recomputes them from the start

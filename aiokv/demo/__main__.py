@@ -20,6 +20,10 @@ from aiokv.demo.tiny_model import build
 
 def life(model: str, cache: str, label: str) -> dict:
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", TQDM_DISABLE="1")
+    # vLLM's CPU build keeps one more core from the worker for any KV connector; on a small
+    # machine that leaves none for the engine core (docs/operations.md, "Start"): reserve what
+    # it reserves without a connector (one, for one worker)
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     p = subprocess.run(
         [sys.executable, "-m", "aiokv.demo.run_once", model, cache, label], env=env, capture_output=True, text=True
     )

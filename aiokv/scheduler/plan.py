@@ -113,6 +113,9 @@ def reserve_from_bucket(
     return out
 
 
+NEVER = 1 << 62  # Req.due of a request with nothing more to track but new blocks (states only, prompt saved)
+
+
 def track(
     st: Req, s: Scheduled, groups: list[Group], bs: int, wanted: dict, generated: bool = True, own_cache: bool = False
 ) -> None:
@@ -156,6 +159,9 @@ def track(
         st.next_save[gi] = upto
         if idx:
             wanted.setdefault(s.req_id, []).append((gi, [st.keys[i] for i in idx], [ids[i] for i in idx]))
+    # below st.due, with no new block, a next call changes nothing (the connector skips it)
+    nexts = [n for n, g in zip(st.next_save, groups) if g.spec.kind != STATE]
+    st.due = (min(nexts) + 1) * bs if nexts and (generated or min(nexts) < st.prompt // bs) else NEVER
 
 
 def track_states(

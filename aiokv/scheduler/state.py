@@ -55,6 +55,10 @@ class Req:
     prompt: int = 0  # prompt tokens (the list's length when vLLM first asked about the request)
     tenant: str = ""  # its tenant: its cache_salt ("": none); the store registers it at its first commit
     pin: bool = False  # its blocks are pinned (kv_transfer_params {"aiokv": {"pin": true}})
+    # tokens computed at which plan.track next has work without a new block: its first unsaved
+    # block fills (0: not tracked yet). The connector leaves a running request below it out of
+    # the step's plan, so that a decode step costs a comparison per request
+    due: int = 0
 
 
 # what the scheduler side counts: one int per SCHEDULER row of the table of counters

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 
 from aiokv.jobs import Transfer, WorkerReport
+from aiokv.worker.results import NOTHING
 
 log = logging.getLogger("aiokv")
 
@@ -85,12 +86,15 @@ class GroupedWorker:
             w.drop_memory()
 
     def poll(self) -> tuple[set[str], set[int], set[str], WorkerReport]:
-        """(requests finished loading, block ids that failed, requests whose load failed, report)."""
+        """(requests finished loading, block ids that failed, requests whose load failed, report).
+        With nothing to report the three sets are NOTHING (shared: never change them)."""
+        polled = [(g, *w.poll()) for g, w in self.workers.items()]
+        if all(done is NOTHING and rep.empty() for _, done, _, rep in polled):
+            return NOTHING, NOTHING, NOTHING, polled[0][3]  # (most decode steps: nothing finished or counted)
         finished: set[str] = set()
         errors: set[int] = set()
         report = WorkerReport()
-        for g, w in self.workers.items():
-            done, errs, rep = w.poll()
+        for g, done, errs, rep in polled:
             errors |= errs
             self._failed.update(r.req_id for r in rep.loads if r.failed)
             report = report.merge(rep)

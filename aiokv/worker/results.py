@@ -27,6 +27,7 @@ from aiokv.jobs import Transfer, WorkerReport, add_drives
 
 # message kinds
 _COUNT, _REPORT, _LOAD_DONE, _SAVE_DONE, _SAVE_STARTED = range(5)
+NOTHING: frozenset = frozenset()  # what a poll with nothing to report hands back (shared: never changed)
 
 
 class Results:
@@ -121,6 +122,11 @@ class Results:
             for i, (req, failed, t) in enumerate(self._done_loads):
                 if req == r and t is not None:
                     self._done_loads[i] = (req, _fail_whole(t, failed, self._report.loads, self._counts), t)
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing arrived since the last take and nothing waits to be taken (a look at O(1))."""
+        return self._q.empty() and not self._done_loads and not self._counts and self._report.empty()
 
     @property
     def in_flight(self) -> int:

