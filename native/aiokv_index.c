@@ -872,6 +872,8 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "aiokv._index",
                                        "the compact index's hot loops (aiokv/store/table.py)", -1, module_methods};
 
+int bulk_add(PyObject *m); /* native/bulk.c: an order's bulk changes */
+
 PyMODINIT_FUNC PyInit__index(void) {
     crc_init();
 #if defined(__x86_64__)
@@ -884,6 +886,10 @@ PyMODINIT_FUNC PyInit__index(void) {
     Py_INCREF(&ProbeType);
     if (PyModule_AddObject(m, "Probe", (PyObject *)&ProbeType) < 0) {
         Py_DECREF(&ProbeType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (bulk_add(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

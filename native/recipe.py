@@ -19,8 +19,9 @@ UNITS = ("module.c", "ring.c", "crc32c.c", "slots.c", "copies.c")
 ISAL_HEADER = os.path.join("isa-l", "crc.h")
 ISAL_MACRO = ("AIOKV_HAVE_ISAL", "1")
 ISAL_LIB = "isal"
-# aiokv._index, the compact index's hot loops (aiokv/store/table.py): one unit, a module of its own
-INDEX_UNITS = [os.path.join("native", "aiokv_index.c")]
+# aiokv._index, the compact index's hot loops (aiokv/store/table.py) and an order's bulk changes
+# (bulk.c: aiokv/store/bulk.py): a module of its own
+INDEX_UNITS = [os.path.join("native", "aiokv_index.c"), os.path.join("native", "bulk.c")]
 
 
 def units() -> tuple[list[str], list[tuple[str, str]]]:

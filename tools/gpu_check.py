@@ -139,7 +139,7 @@ def ns_dir(root: str, nsid: bytes) -> str:
 
 
 def build_index_extension(timeout: float) -> None:
-    """Import aiokv._index (the compact index's loops), or compile its one unit into aiokv/."""
+    """Import aiokv._index (the compact index's loops), or compile its units into aiokv/."""
     try:
         import aiokv._index  # noqa: F401
 

@@ -94,6 +94,16 @@ class SlotAllocator:
         self.in_use -= 1
         self.holes.append(slot)
 
+    def release_many(self, slots: np.ndarray) -> None:
+        """release, for many (a clear's: applying.py)."""
+        self.in_use -= len(slots)
+        self.free.frombytes(np.asarray(slots, np.int64).tobytes())
+
+    def punch_many(self, slots: np.ndarray) -> None:
+        """punch, for many (a clear's: applying.py)."""
+        self.in_use -= len(slots)
+        self.holes.frombytes(np.asarray(slots, np.int64).tobytes())
+
 
 class Namespace:
     """One namespace as one engine sees it: its own blocks (`table`), pending

@@ -184,8 +184,12 @@ class Store:
         self.reclaim = Reclaim(self.dirs, self.index, fs, self.stats, self.following, self.space, sync_interval)
         self.opener = Opener(self.dirs, self.index, replay, self.following, self.space, fs)
         # the operators' orders (aiokv clear, pin, unpin), read at each look at the other engines
-        self.control = Control(self.dirs, self.index, self.tenants, self.space, self.persist, self.stats, self._may_pin)
+        self.control = Control(
+            self.dirs, self.index, self.tenants, self.space, self.persist, self.stats, fs, self._pin_room, self._may_pin
+        )
         self.following.control = self.control
+        replay.orders = self.control.apply_loaded  # (applied to our index as it is read, before it serves)
+        self.control.dead = self.reclaim.orders  # (and to the files of the dead engines we hold)
         self._replay = replay
         self._loader: threading.Thread | None = None
         self._closing = False
@@ -245,7 +249,7 @@ class Store:
         # the slots being given back are neither holes nor free until the punch ran (as in
         # Space._unback): a grow planned meanwhile must not take them, or, where the punch is
         # refused, they would become free twice (once here, once by the grow): one slot, two saves
-        holes, hwm = list(ns.alloc.holes), ns.alloc.hwm
+        holes, hwm = ns.alloc.holes, ns.alloc.hwm  # (an array of 8 bytes a slot, replaced below: ours now)
         ns.alloc.holes = array("q")
 
         def unbacked(ok, e):
@@ -380,10 +384,12 @@ class Store:
         evict, like reserve). Cheap: without the I/O thread follows at most every
         follow_interval seconds; with it, applies the I/O thread's last finished look.
         Errors are logged, never raised (a stale view is only misses)."""
+        self.control.new_step()
         self.fs.poll()
         self.fs.new_step(WAIT_PER_STEP)
         if self.fs.inline:
             self.following.follow_all()
+        self.control.step()  # the operators' orders: a bounded share per step
         space = self.space
         if not self.readonly and space.limit is not None and space.used() > space.limit:
             try:
@@ -451,6 +457,8 @@ class Store:
         now = time.time_ns()
         done, slots = [], []
         pending = ns.pending
+        if self.control.doomed:  # reserved before a clear we have taken: computed before it, given back
+            items = self.control.admit(ns, items, self.tenant_tag(tenant))
         for key, where in items:
             if pending.get(key) != where:
                 continue  # aborted meanwhile
@@ -535,6 +543,17 @@ class Store:
         if self.pin_capacity is not None:
             return self.pin_capacity
         return None if self.space.capacity is None else self.space.capacity // PIN_SHARE
+
+    def _pin_room(self, ns: Namespace) -> int | None:
+        """Blocks of ns that may still be pinned (None: no bound; any thread may ask)."""
+        limit = self.pin_limit
+        if limit is None:
+            return None
+        pinned = sum(
+            n.slot_cost * (n.table.pinned + sum(t.pinned for t in list(n.tables.values())))
+            for n in list(self.index.namespaces.values())
+        )
+        return max(0, (limit - pinned) // ns.slot_cost)
 
     def _may_pin(self, ns: Namespace, n: int, tenant: int = 0) -> bool:
         """Whether n more blocks of ns may be pinned (within pin_capacity); a refusal is said

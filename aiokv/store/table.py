@@ -26,6 +26,9 @@ Counts: blocks per tenant (`tenant_blocks`) and pinned blocks (`pinned`), kept a
 blocks come and go (put, put_many, clear, journal.apply_records) or counted again
 after a bulk build (`recount`).
 
+An order applied over several steps (applying.py) watches which slots get a new block
+meanwhile (`fresh`: sets the puts add to): those blocks came after the order, and stay.
+
 Threading contract: a Table is changed by one thread (the store's owner, or the
 thread that builds it before handing it over). A checkpoint on the store's I/O
 thread reads `tag` and `atime` while the owner changes them (journal.py says why
@@ -79,6 +82,7 @@ class Table:
         self.count = 0
         self.tenant_blocks = np.zeros(1, np.int64)  # blocks per tenant id
         self.pinned = 0  # blocks with PINNED
+        self.fresh: list[set] = []  # the watchers of new blocks (applying.py): each put adds its slot
         self._bind()
 
     def _bind(self) -> None:
@@ -208,6 +212,8 @@ class Table:
         self._atimes[slot] = atime
         self.tenant[slot] = tenant
         self.flags[slot] = flags
+        for f in self.fresh:
+            f.add(slot)
         self._count1(tenant, flags, 1)
         self.probe.insert(slot)
         self.count += 1
@@ -230,6 +236,8 @@ class Table:
         self.count += self.probe.put_many(slots, tags, ats, self.atime)
         self.tenant[slots] = tenant
         self.flags[slots] = flags
+        for f in self.fresh:
+            f.update(slots.tolist())
         self.count_blocks(np.full(len(slots), tenant), np.full(len(slots), flags, np.uint8), 1)
 
     def clear(self, slot: int) -> int:
