@@ -7,7 +7,8 @@
  * - select: the slots of a window holding a block the order is for;
  * - erase: blocks forgotten: each slot's hash entry removed (the same backward shift as
  *   aiokv_index.c's probe_erase, so the hash stays as if they never were) and its columns
- *   zeroed.
+ *   zeroed;
+ * - records: the FREE or FLAGS records that say so (sealed by aiokv_index.c's seal).
  *
  * Threading contract: the caller's table is changed by one thread (table.py); the loops
  * release the GIL (a checkpoint on the store's I/O thread may read tag and atime meanwhile,
@@ -16,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 static int view(PyObject *o, Py_buffer *b, Py_ssize_t item, int writable, const char *what) {
     if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
@@ -142,7 +144,51 @@ static PyObject *py_erase(PyObject *mod, PyObject *args) {
     return PyLong_FromSize_t(done);
 }
 
+/* records(kind, klen, slots int64, tags uint64, flags uint8 (empty: 0), out) -> n: FREE or FLAGS
+ * records (format.py's layout, REC_FIELDS: kind, key length, slot, the tag in the key's first 8
+ * bytes, flags at byte 58; the rest zero) into out, n * 64 bytes; their CRCs are left to seal. */
+static PyObject *py_records(PyObject *mod, PyObject *args) {
+    int kind, klen;
+    PyObject *o[4];
+    if (!PyArg_ParseTuple(args, "iiOOOO", &kind, &klen, &o[0], &o[1], &o[2], &o[3])) return NULL;
+    Py_buffer v[4];
+    Py_ssize_t items[] = {8, 8, 1, 64};
+    int got = 0;
+    for (; got < 4; got++)
+        if (view(o[got], &v[got], items[got], got == 3, "records: a column") < 0) break;
+    if (got < 4) {
+        release(v, got);
+        return NULL;
+    }
+    size_t n = (size_t)v[0].len / 8;
+    if ((size_t)v[1].len / 8 != n || (v[2].len && (size_t)v[2].len != n) || (size_t)v[3].len / 64 != n) {
+        release(v, 4);
+        PyErr_SetString(PyExc_ValueError, "records: columns of other lengths");
+        return NULL;
+    }
+    const int64_t *slots = v[0].buf;
+    const uint64_t *tags = v[1].buf;
+    const uint8_t *fl = v[2].len ? v[2].buf : NULL;
+    uint8_t *out = v[3].buf;
+    Py_BEGIN_ALLOW_THREADS;
+    memset(out, 0, n * 64);
+    for (size_t i = 0; i < n; i++) {
+        uint8_t *r = out + 64 * i;
+        uint32_t s = (uint32_t)slots[i];
+        r[0] = (uint8_t)kind;
+        r[1] = (uint8_t)klen;
+        memcpy(r + 4, &s, 4);
+        memcpy(r + 16, &tags[i], 8);
+        if (fl) r[58] = fl[i];
+    }
+    Py_END_ALLOW_THREADS;
+    release(v, 4);
+    return PyLong_FromSize_t(n);
+}
+
 static PyMethodDef bulk_methods[] = {
+    {"records", py_records, METH_VARARGS,
+     "records(kind, klen, slots, tags, flags, out) -> n: FREE or FLAGS records, unsealed (format.py)"},
     {"select", py_select, METH_VARARGS,
      "select(tag, atime, tenant, flags, lo, hi, tenants, below, fmask, fwant, out) -> (n, next): the slots of "
      "[lo, hi) an order is for"},

@@ -40,8 +40,8 @@ from aiokv.store.reclaim import PUNCH
 SCAN = 1 << 20  # slots the jobs look at per step (aiokv._index.select: about 1 ms a million)
 BLOCKS = 1 << 15  # blocks the jobs forget per step (a hash erase each: 50-200 ns)
 FLAGS = 1 << 17  # blocks the jobs pin or unpin per step
-STEP_S = 0.003  # seconds of a step after which no further window starts
-SUB = 1 << 13  # blocks one window changes at most (the time is checked between windows)
+STEP_S = 0.002  # seconds of a step after which no further window starts
+SUB = 1 << 12  # blocks one window changes at most (the time is checked between windows)
 IN_FLIGHT = 8  # chunks queued to the I/O thread at once
 log = logging.getLogger("aiokv")
 
@@ -79,8 +79,8 @@ class Jobs:
         self.new_step()
 
     def new_step(self) -> None:
-        """A scheduler step begins: its budget."""
-        self.scan, self.blocks, self.flags = SCAN, BLOCKS, FLAGS
+        """A scheduler step begins: its budget (spent by every `step` until the next)."""
+        self.scan, self.blocks, self.flags, self.time_left = SCAN, BLOCKS, FLAGS, STEP_S
 
     def add(self, job: Job) -> None:
         self.queue.append(job)
@@ -93,10 +93,13 @@ class Jobs:
     def step(self) -> None:
         """Go on with the jobs within what is left of this step's budget."""
         start = time.monotonic()
-        while self.queue:
-            if not self._advance(self.queue[0], start):
-                return
-            self.queue.popleft().done()
+        try:
+            while self.queue:
+                if not self._advance(self.queue[0], start):
+                    return
+                self.queue.popleft().done()
+        finally:
+            self.time_left -= time.monotonic() - start
 
     def _advance(self, job: Job, start: float) -> bool:
         """True once the job is done."""
@@ -125,14 +128,15 @@ class Jobs:
         t = job.table
         if job.lo == 0 and job.old is None and not job.fresh and bulk.covers(t, f) and t.count * 2 >= t.slots:
             n = t.count
-            job.old = bulk.empty(t)  # every block at once (dense: the old tags are 8 bytes a block)
+            job.old, rest = bulk.empty(t)  # every block at once (dense: the old tags are 8 bytes a block)
+            self.fs.submit(rest.clear)  # (the other old columns freed on the I/O thread: tens of MB)
             job.end, job.changed = len(job.old), n
             self.stats.cleared += n
             self._gone(job.ns, job.old)
             if job.engine is not None:
                 return True  # (another engine's: it writes its own records)
         while job.lo < job.end:
-            if self.scan <= 0 or time.monotonic() - start > STEP_S:
+            if self.scan <= 0 or time.monotonic() - start > self.time_left:
                 return False
             if job.engine is None and self.in_flight >= IN_FLIGHT:
                 return False  # (the I/O thread is behind: what is queued stays bounded)
@@ -222,7 +226,7 @@ class Jobs:
         try:
             for rank in range(ns.ranks):
                 fd = self.space.rank_fd(ns, rank)
-                for first, count in runs:
+                for first, count in zip(*runs):
                     _native.fallocate(fd, PUNCH, first * sb, count * sb)
         except OSError:
             return False

@@ -28,11 +28,9 @@ import numpy as np
 
 from aiokv import _index
 from aiokv.data import format as fmt
-from aiokv.store.journal import REC
 from aiokv.store.table import PINNED, Table
 
 CHUNK = 1 << 16  # records made and written at a time (4 MiB)
-_KEY0 = np.dtype({"names": ["k0"], "formats": ["<u8"], "offsets": [fmt.REC_KEY_AT], "itemsize": fmt.REC_BYTES})
 ALL = np.zeros(0, np.uint8)  # a tenant mask naming every tenant
 
 
@@ -107,10 +105,12 @@ def flag_slots(table: Table, slots: np.ndarray, pin: bool) -> np.ndarray:
     return flags
 
 
-def empty(table: Table) -> np.ndarray:
+def empty(table: Table) -> tuple[np.ndarray, list]:
     """Forget every block at once (new zeroed columns: the old ones are never changed again, so
-    a reader keeps what it took); returns the old tags (0 where no block was)."""
+    a reader keeps what it took); returns the old tags (0 where no block was) and the other old
+    columns (for the caller to let go where freeing tens of MB does not stall it)."""
     old = table.tag
+    rest = [table.atime, table.tenant, table.flags, table.hash]
     n = len(old)
     table.tag, table.atime = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
     table.tenant, table.flags = np.zeros(n, np.uint16), np.zeros(n, np.uint8)
@@ -118,38 +118,39 @@ def empty(table: Table) -> np.ndarray:
     table.count, table.pinned = 0, 0
     table.tenant_blocks = np.zeros(len(table.tenant_blocks), np.int64)
     table._bind()
-    return old
+    return old, rest
 
 
-def _records(kind: int, slots: np.ndarray, tags: np.ndarray, flags=None) -> bytes:
-    r = np.zeros(len(slots), REC)
-    r["kind"], r["klen"], r["slot"] = kind, fmt.MIN_KEY, slots
-    r.view(_KEY0)["k0"] = tags
-    if flags is not None:
-        r["flags"] = flags
-    raw = r.view(np.uint8).reshape(-1)
-    _index.seal(raw, fmt.REC_BYTES)
-    return raw.tobytes()
+def _records(kind: int, slots: np.ndarray, tags: np.ndarray, flags=None) -> bytearray:
+    """Records made and sealed in C, the GIL released (the I/O thread makes them while the
+    scheduler's thread steps)."""
+    out = bytearray(len(slots) * fmt.REC_BYTES)
+    flags = b"" if flags is None else np.ascontiguousarray(flags, np.uint8)
+    _index.records(
+        kind, fmt.MIN_KEY, np.ascontiguousarray(slots, np.int64), np.ascontiguousarray(tags, np.uint64), flags, out
+    )
+    _index.seal(out, fmt.REC_BYTES)
+    return out
 
 
-def free_records(slots: np.ndarray, tags: np.ndarray) -> bytes:
+def free_records(slots: np.ndarray, tags: np.ndarray) -> bytearray:
     """FREE records (format.pack_free) of these blocks, end to end."""
     return _records(fmt.REC_FREE, slots, tags)
 
 
-def flags_records(slots: np.ndarray, tags: np.ndarray, flags: np.ndarray) -> bytes:
+def flags_records(slots: np.ndarray, tags: np.ndarray, flags: np.ndarray) -> bytearray:
     """FLAGS records (format.pack_flags) of these blocks, end to end."""
     return _records(fmt.REC_FLAGS, slots, tags, flags)
 
 
-def runs(slots: np.ndarray) -> list[tuple[int, int]]:
-    """(first, count) of each run of consecutive slots (ascending slots): one punch each."""
+def runs(slots: np.ndarray) -> tuple[list[int], list[int]]:
+    """(firsts, counts) of the runs of consecutive slots (ascending slots): one punch each."""
     if not len(slots):
-        return []
+        return [], []
     cut = np.flatnonzero(np.diff(slots) != 1) + 1
     firsts = np.concatenate([slots[:1], slots[cut]])
     lasts = np.concatenate([slots[cut - 1], slots[-1:]])
-    return list(zip(firsts.tolist(), (lasts - firsts + 1).tolist()))
+    return firsts.tolist(), (lasts - firsts + 1).tolist()
 
 
 def apply_to_files(nsid: bytes, table: Table, log, orders, mask_of, written_before=False, room=None, punch=None) -> int:

@@ -578,7 +578,7 @@ class IndexLog:
         append leaves whole records of it: each applies alone)."""
         if not records:
             return
-        data = records if isinstance(records, bytes) else b"".join(records)
+        data = records if isinstance(records, (bytes, bytearray)) else b"".join(records)
         count = len(data) // fmt.REC_BYTES
         try:
             view, done = memoryview(data), 0

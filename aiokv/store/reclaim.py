@@ -133,7 +133,7 @@ class Reclaim:
 
         def punch(slots):
             for fd in fds:
-                for first, count in bulk.runs(slots):
+                for first, count in zip(*bulk.runs(slots)):
                     _native.fallocate(fd, PUNCH, first * sb, count * sb)
 
         bulk.apply_to_files(ns.nsid, table, jlog, orders, mask_of, punch=punch)

@@ -76,7 +76,7 @@ class Replay:
         try:
             for rank in range(ns.ranks):
                 fd = self.space.rank_fd(ns, rank)
-                for first, count in runs:
+                for first, count in zip(*runs):
                     _native.fallocate(fd, PUNCH, first * sb, count * sb)
         except OSError:
             ok = False
