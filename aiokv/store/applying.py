@@ -11,7 +11,7 @@ clear for every block of a dense table empties it at once and writes the old blo
 
 Per step (`new_step`, at each Store.refresh: once per vLLM step) the jobs look at most at SCAN
 slots, forget at most BLOCKS blocks, pin or unpin at most FLAGS, start no window after STEP_S
-seconds, and keep at most IN_FLIGHT chunks queued to the I/O thread, where each chunk's records
+seconds, and keep chunks of at most IN_FLIGHT blocks queued to the I/O thread, where each chunk's records
 are made (12-16 bytes a block queued, 64 bytes a record only while it is written) and written
 in one bounded write, then its slots punched, coalesced into runs. Journal commits and saves go
 on between the chunks: the I/O thread runs them in order. The MARK follows the last chunk, and
@@ -42,7 +42,7 @@ BLOCKS = 1 << 15  # blocks the jobs forget per step (a hash erase each: 50-200 n
 FLAGS = 1 << 17  # blocks the jobs pin or unpin per step
 STEP_S = 0.002  # seconds of a step after which no further window starts
 SUB = 1 << 12  # blocks one window changes at most (the time is checked between windows)
-IN_FLIGHT = 8  # chunks queued to the I/O thread at once
+IN_FLIGHT = 1 << 18  # blocks of chunks queued to the I/O thread at once (their completions are applied in steps too)
 log = logging.getLogger("aiokv")
 
 
@@ -195,7 +195,7 @@ class Jobs:
         ns, space = job.ns, self.space
         cost = ns.slot_cost * len(slots) if flags is None else 0
         space._punching += cost  # (not counted as used meanwhile, as Space._unback does)
-        self.in_flight += 1
+        self.in_flight += len(slots)
 
         def io(jlog):
             try:
@@ -206,7 +206,7 @@ class Jobs:
             return self._punch(ns, slots) if cost else True
 
         def done(ok, e):
-            self.in_flight -= 1
+            self.in_flight -= len(slots)
             space._punching -= cost
             if cost:  # given back (punched), or kept backed and reused where that failed
                 (ns.alloc.punch_many if e is None and ok else ns.alloc.release_many)(slots)
