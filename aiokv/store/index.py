@@ -28,7 +28,7 @@ from aiokv.data.format import loc
 from aiokv.store.journal import KeyMap, apply_records, record_key, record_tags
 from aiokv.store.table import Table, tag_of
 
-HOLES_INLINE = 1 << 20  # holes in the array (8 MiB) past which a bulk punch parks more
+HOLES_INLINE = 1 << 18  # holes in the array (2 MiB) past which a bulk punch parks more
 
 
 class SlotAllocator:
