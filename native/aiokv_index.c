@@ -873,6 +873,7 @@ static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "aiokv._index",
                                        "the compact index's hot loops (aiokv/store/table.py)", -1, module_methods};
 
 int aiokv_order_register(PyObject *m); /* native/order.c: aiokv._index.Order */
+int bulk_add(PyObject *m); /* native/bulk.c: an order's bulk changes */
 
 PyMODINIT_FUNC PyInit__index(void) {
     crc_init();
@@ -889,7 +890,7 @@ PyMODINIT_FUNC PyInit__index(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (aiokv_order_register(m) < 0) {
+    if (aiokv_order_register(m) < 0 || bulk_add(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -63,14 +63,20 @@ typedef struct {
     unsigned long long examined, ordered;
 } Order;
 
+/* prv is stored XOR OUT, so that zeroed memory (calloc: pages the kernel maps on first touch)
+ * reads OUT: a table emptied or built anew needs no pass over its slots */
+#define PRV(o, s) ((o)->prv[s] ^ OUT)
+#define SET_PRV(o, s, v) ((o)->prv[s] = (uint32_t)(v) ^ OUT)
+
 static inline int before(uint64_t a, uint32_t s, uint64_t b, uint32_t t) { return a < b || (a == b && s < t); }
 static inline int eligible(const Order *o, uint32_t s) { return s < o->n && o->tag[s] && !(o->fl[s] & PINNED); }
 
 /* ---- per-slot and per-tenant storage ---- */
 static int grow_slots(Order *o, Py_ssize_t n) {
     if (n <= o->cap) return 0;
-    uint32_t *p = realloc(o->prv, (size_t)n * 4), *q;
+    uint32_t *p = o->prv ? realloc(o->prv, (size_t)n * 4) : calloc((size_t)n, 4), *q;
     if (!p) return -1;
+    if (o->prv) memset(p + o->cap, 0, (size_t)(n - o->cap) * 4); /* (OUT) */
     o->prv = p;
     q = realloc(o->nxt, (size_t)n * 4);
     if (!q) return -1;
@@ -78,7 +84,6 @@ static int grow_slots(Order *o, Py_ssize_t n) {
     uint16_t *w = realloc(o->own, (size_t)n * 2);
     if (!w) return -1;
     o->own = w;
-    for (Py_ssize_t s = o->cap; s < n; s++) o->prv[s] = OUT;
     o->cap = n;
     return 0;
 }
@@ -134,7 +139,7 @@ static int heap_push(Order *o, Ten *t, uint32_t s) {
         t->hcap = cap;
     }
     t->h[t->hn] = (Hent){o->at[s], s, 0};
-    o->prv[s] = IN_HEAP;
+    SET_PRV(o, s, IN_HEAP);
     sift_up(o, t, t->hn++);
     return 0;
 }
@@ -152,19 +157,19 @@ static void heap_del(Order *o, Ten *t, uint32_t i) {
 
 /* ---- a slot in and out of its tenant's order ---- */
 static void detach(Order *o, uint32_t s) {
-    if (s >= o->cap || o->prv[s] == OUT) return;
+    if (s >= o->cap || PRV(o, s) == OUT) return;
     Ten *t = &o->ten[o->own[s]];
-    if (o->prv[s] == IN_HEAP) {
+    if (PRV(o, s) == IN_HEAP) {
         heap_del(o, t, o->nxt[s]);
     } else {
-        uint32_t p = o->prv[s], q = o->nxt[s];
+        uint32_t p = PRV(o, s), q = o->nxt[s];
         if (p == NIL) t->head = q;
         else o->nxt[p] = q;
         if (q == NIL) t->tail = p;
-        else o->prv[q] = p;
+        else SET_PRV(o, q, p);
         t->n--;
     }
-    o->prv[s] = OUT;
+    SET_PRV(o, s, OUT);
     o->ordered--;
 }
 
@@ -177,7 +182,7 @@ static int attach(Order *o, uint32_t s) {
     if (t->tail != NIL && before(o->at[s], s, o->at[t->tail], t->tail)) {
         if (heap_push(o, t, s) < 0) return -1;
     } else {
-        o->prv[s] = t->tail;
+        SET_PRV(o, s, t->tail);
         o->nxt[s] = NIL;
         if (t->tail == NIL) t->head = s;
         else o->nxt[t->tail] = s;
@@ -261,8 +266,9 @@ static int64_t search(Order *o, int only, uint16_t one, const uint8_t *ex, Py_ss
 }
 
 /* ---- building it all at once ---- */
-static void reset(Order *o) {
-    for (Py_ssize_t s = 0; s < o->cap; s++) o->prv[s] = OUT;
+static void reset(Order *o) { /* (the per-slot arrays let go: made anew, zeroed, as needed) */
+    free(o->prv), free(o->nxt), free(o->own);
+    o->prv = o->nxt = NULL, o->own = NULL, o->cap = 0;
     for (Py_ssize_t i = 0; i < o->nten; i++) {
         free(o->ten[i].h);
         o->ten[i] = (Ten){NIL, NIL, 0, 0, 0, NULL};
@@ -310,8 +316,8 @@ static uint32_t *sorted_slots(const Order *o, size_t *count) {
 }
 
 static int build(Order *o) {
-    if (grow_slots(o, o->n) < 0) return -1;
     reset(o);
+    if (grow_slots(o, o->n) < 0) return -1;
     size_t m;
     uint32_t *a = sorted_slots(o, &m);
     if (!a) return -1;
@@ -324,7 +330,7 @@ static int build(Order *o) {
         }
         if (p == NIL) t->head = s;
         else o->nxt[p] = s;
-        o->prv[s] = p, o->nxt[s] = NIL, o->own[s] = o->tn[s];
+        SET_PRV(o, s, p), o->nxt[s] = NIL, o->own[s] = o->tn[s];
         t->tail = s, t->n++;
     }
     o->ordered = m;
@@ -376,8 +382,8 @@ static int Order_init(Order *o, PyObject *args, PyObject *kw) {
 
 static void Order_dealloc(Order *o) {
     unbind(o);
-    reset(o); /* (the heaps) */
-    free(o->ten), free(o->prv), free(o->nxt), free(o->own);
+    reset(o); /* (the heaps, the per-slot arrays) */
+    free(o->ten);
     Py_TYPE(o)->tp_free((PyObject *)o);
 }
 
@@ -385,6 +391,11 @@ static PyObject *Order_bind(Order *o, PyObject *args) {
     Py_ssize_t n = o->n;
     if (bind_arrays(o, args) < 0) return NULL;
     for (Py_ssize_t s = o->n; s < n && s < o->cap; s++) detach(o, (uint32_t)s); /* (fewer slots: out) */
+    Py_RETURN_NONE;
+}
+
+static PyObject *Order_clear(Order *o, PyObject *unused) {
+    reset(o); /* (no pass over the slots: a table emptied at once keeps its step bounded) */
     Py_RETURN_NONE;
 }
 
@@ -512,7 +523,7 @@ static int relabel(Order *o) {
         nn = to + 1 > nn ? to + 1 : nn;
     }
     for (Py_ssize_t s = 0; s < o->cap; s++)
-        if (o->prv[s] != OUT) o->own[s] = o->tn[s];
+        if (PRV(o, s) != OUT) o->own[s] = o->tn[s];
     for (Py_ssize_t i = 0; i < o->nten; i++)
         if (!o->ten[i].n && !o->ten[i].hn) free(o->ten[i].h); /* (the others' moved) */
     free(o->ten);
@@ -530,7 +541,7 @@ static PyObject *Order_check(Order *o, PyObject *unused) {
         Ten *t = &o->ten[i];
         uint32_t p = NIL, n = 0;
         for (uint32_t s = t->head; s != NIL; p = s, s = o->nxt[s], n++) {
-            if (o->prv[s] != p || o->own[s] != i || !eligible(o, s) || o->tn[s] != i)
+            if (PRV(o, s) != p || o->own[s] != i || !eligible(o, s) || o->tn[s] != i)
                 return PyErr_Format(PyExc_AssertionError, "order: list of tenant %zd broken at slot %u", i, s);
             if (p != NIL && !before(o->at[p], p, o->at[s], s))
                 return PyErr_Format(PyExc_AssertionError, "order: slot %u before %u out of order", p, s);
@@ -538,7 +549,7 @@ static PyObject *Order_check(Order *o, PyObject *unused) {
         if (p != t->tail || n != t->n) return PyErr_Format(PyExc_AssertionError, "order: tenant %zd's tail", i);
         for (uint32_t j = 0; j < t->hn; j++) {
             uint32_t s = t->h[j].slot;
-            if (o->prv[s] != IN_HEAP || o->nxt[s] != j || o->own[s] != i || !eligible(o, s) || o->tn[s] != i ||
+            if (PRV(o, s) != IN_HEAP || o->nxt[s] != j || o->own[s] != i || !eligible(o, s) || o->tn[s] != i ||
                 o->at[s] != t->h[j].at)
                 return PyErr_Format(PyExc_AssertionError, "order: heap of tenant %zd broken at slot %u", i, s);
             if (j && before(t->h[j].at, s, t->h[(j - 1) / 2].at, t->h[(j - 1) / 2].slot))
@@ -549,7 +560,7 @@ static PyObject *Order_check(Order *o, PyObject *unused) {
     unsigned long long want = 0;
     for (Py_ssize_t s = 0; s < o->n; s++) {
         want += eligible(o, (uint32_t)s);
-        if (!eligible(o, (uint32_t)s) && s < o->cap && o->prv[s] != OUT)
+        if (!eligible(o, (uint32_t)s) && s < o->cap && PRV(o, s) != OUT)
             return PyErr_Format(PyExc_AssertionError, "order: slot %zd is ordered but may not be a victim", s);
     }
     if (seen != want || seen != o->ordered)
@@ -560,6 +571,7 @@ static PyObject *Order_check(Order *o, PyObject *unused) {
 static PyMethodDef Order_methods[] = {
     {"bind", (PyCFunction)Order_bind, METH_VARARGS, "bind(tag, atime, tenant, flags): the table's arrays, replaced"},
     {"build", (PyCFunction)Order_build, METH_NOARGS, "build(): order every block anew (the GIL released)"},
+    {"clear", (PyCFunction)Order_clear, METH_NOARGS, "clear(): no block in the order (the table was emptied)"},
     {"sync", (PyCFunction)Order_sync, METH_O, "sync(slot): its block changed: to its place, or out"},
     {"changed", (PyCFunction)Order_changed, METH_O, "changed(slots int64 array): sync, for many"},
     {"relabel", (PyCFunction)Order_relabel, METH_NOARGS, "relabel(): the tenant ids were renamed"},

@@ -20,8 +20,9 @@ ISAL_HEADER = os.path.join("isa-l", "crc.h")
 ISAL_MACRO = ("AIOKV_HAVE_ISAL", "1")
 ISAL_LIB = "isal"
 # aiokv._index, the compact index's hot loops (aiokv/store/table.py), a module of its own: the
-# hash and journal loops, and the eviction order (order.c)
-INDEX_UNITS = [os.path.join("native", "aiokv_index.c"), os.path.join("native", "order.c")]
+# hash and journal loops, the eviction order (order.c) and an order's bulk changes (bulk.c:
+# aiokv/store/bulk.py)
+INDEX_UNITS = [os.path.join("native", n) for n in ("aiokv_index.c", "order.c", "bulk.c")]
 
 
 def units() -> tuple[list[str], list[tuple[str, str]]]:

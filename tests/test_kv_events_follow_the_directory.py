@@ -151,6 +151,35 @@ def test_a_cache_reset_removes_what_was_announced(tmp_path):
     st.close()
 
 
+def test_a_clear_is_announced_removed_in_bounded_batches(tmp_path, monkeypatch):
+    """An `aiokv clear` of 300 announced blocks: each step hands vLLM one BlockRemoved of at
+    most a batch (here 64) of hashes, not one event per block at once (issue 40, item 2), and
+    every announced block is removed in the end."""
+    from aiokv.connector import events as events_mod
+    from aiokv.store.control import append_order
+
+    monkeypatch.setattr(events_mod, "REMOVE_BATCH", 64, raising=False)
+    monkeypatch.setattr(events_mod, "REMOVE_S", 0.0, raising=False)
+    st, ns = _open(str(tmp_path), 0)
+    ev = _events(st, ns)
+    for r in range(10):
+        _save(st, ns, ev, f"r{r}", 30, first=r)
+    announced = [e.block_hashes[0] for e in _stored(ev.take())]
+    assert len(announced) == 300
+    fd = os.open(tmp_path, os.O_RDONLY)
+    append_order(fd, "clear")
+    os.close(fd)
+    got, takes = [], 0
+    while len(got) < 300 and takes < 100:
+        st.refresh()
+        out = [e for e in ev.take() if type(e).__name__ == "BlockRemoved"]
+        assert len(out) <= 1 and all(len(e.block_hashes) <= 64 for e in out), [len(e.block_hashes) for e in out]
+        got += _removed(out)
+        takes += 1
+    assert sorted(got) == sorted(announced) and takes >= 300 // 64
+    st.close()
+
+
 def test_several_drives_announce_and_remove_each_drives_blocks(tmp_path):
     from tools.storeio import DrivesIO
 

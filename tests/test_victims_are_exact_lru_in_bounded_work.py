@@ -25,7 +25,7 @@ from hypothesis import strategies as hst
 
 from aiokv.cli import operate
 from aiokv.data import format as fmt
-from aiokv.store import Store
+from aiokv.store import Store, bulk
 from aiokv.store.journal import apply_records, parse_records, record_tags
 from aiokv.store.table import PINNED, Table, tag_of
 from tests.conftest import NS, key
@@ -195,6 +195,11 @@ op_ = hst.one_of(
     ),
     hst.tuples(hst.just("rename"), hst.permutations(list(range(TENANTS + 1))), hst.booleans()),
     hst.tuples(hst.just("bulk"), slot_, hst.integers(1, 80), atime_),
+    # an operator's order applied in bulk (store/bulk.py): blocks erased, pinned or unpinned, all emptied
+    hst.tuples(
+        hst.just("order"), hst.sampled_from(["clear", "pin", "unpin"]), hst.lists(slot_, max_size=8, unique=True)
+    ),
+    hst.tuples(hst.just("empty")),
 )
 
 
@@ -228,6 +233,20 @@ def test_the_order_agrees_with_a_sort_after_any_changes(ops, held):
         elif op[0] == "bulk" and op[1] < t.slots and t.tag_at(op[1]):  # arrays written directly, then said
             t.atime[op[1]] = op[3]
             t.changed(np.array([op[1]]))
+        elif op[0] == "order":  # the slots holding a block the order is for, as bulk.select finds them
+            live = [x for x in sorted(op[2]) if x < t.slots and t.tag_at(x)]
+            want = {"clear": None, "pin": 0, "unpin": PINNED}[op[1]]
+            slots = np.array([x for x in live if want is None or int(t.flags[x]) & PINNED == want], np.int64)
+            if op[1] == "clear":
+                bulk.clear_slots(t, slots)
+            else:
+                bulk.flag_slots(t, slots, op[1] == "pin")
+        elif op[0] == "empty":
+            bulk.empty(t)
+        live = t.tag != 0
+        pinned = live & (t.flags & PINNED != 0)
+        assert t.count == int(live.sum()) and t.pinned == int(pinned.sum()), op
+        assert list(np.trim_zeros(t.tenant_pinned, "b")) == list(np.trim_zeros(np.bincount(t.tenant[pinned]), "b")), op
         t._order.check() if t._ordered else None
         for filt in (None, ("only", 1), ("except", np.array([1, 0, 1], np.uint8))):
             got = t.oldest(skip=lambda s: s in held, filt=filt)

@@ -1,29 +1,33 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Operating a node-sized directory (issue 40): what the scheduler thread pays for victims.
+"""The operators' orders at node scale: what `aiokv clear`, `pin` and `unpin` cost an engine's
+scheduler thread, its memory and the wall clock, on a directory of N blocks (issue 40).
 
-    PYTHONPATH=. .venv/bin/python tools/bench_ops.py --dir /work/ops --n 10000000 --tenants 100 --json \\
-        [--against /tmp/quota-base]
+    PYTHONPATH=. .venv/bin/python tools/bench_ops.py --dir /work/ops --n 10000000 --json
 
-Builds, in a fresh process, a directory of --n blocks (default 10M) of --tenants tenants (five
-tiny ones of 8 blocks each, the others alike), 1% of the blocks pinned, through the owner's API
-(data files sparse: this measures the index, not the disk); each phase then runs in a fresh
-process on it, and with --against once more with PYTHONPATH naming another tree (its extensions
-built in place: `git archive main | tar -x -C DIR`, then setup.py build_ext --inplace there),
-whose figures come out prefixed `base_`, with the ratios (`victim_us_max_ratio`: base / this).
+The directory is built in bulk (`build`: its checkpoint written directly, N blocks of `--tenants`
+tenants in turn, every 1/--pinned-th pinned, the data file sparse: this measures the index, the
+journal and the punches, not the disk), then each phase runs in a fresh process on a fresh build,
+as an engine's scheduler side does (a Store with its I/O thread, the index loaded in the
+background): the order is appended to DIR/control, and every `--step-ms` (the time a vLLM step
+waits on the device, the GIL released) the process makes a step's calls: `refresh` (timed: the
+order's share of the step is in it), then a commit of --commits new blocks (saves go on). Done
+when the order is applied, its MARK queued and every chunk and punch written.
 
-victims: the engine opens the directory (the index loaded at once: `open_s`), quotas on half the
-tenants (within them for most, past them for some), 64 blocks held by loads (Store.pin); then
---calls rounds, each for the next tenant in turn (a tiny one and one holding no block here among
-them): its own least recently used block (Quotas.own_victim: what a save past its quota asks), a
-save's victim in a full directory (Quotas.victim: every tenant but those within their quota),
-and the capacity's (Index.victim); the tenant's own block found (else the capacity's) is evicted
-and the tenant commits a new one, so the order keeps changing. Each call timed:
-`victim_us_median`, `victim_us_max` (the worst call, the scheduler's pause), `victim_calls`, and
-the median of each kind (`victim_us_median_own`, `_quota`, `_capacity`); the most entries one
-call read: `victim_examined_max` (Table.examined; -1 in a tree without it).
+- clear: every block (`aiokv clear DIR`); clear_tenant: one tenant's (every --tenants-th slot:
+  the scattered case); pin: every tenant's blocks pinned; unpin: the same unpinned (after pin,
+  same process).
+- `<op>_step_max_ms`: the longest refresh of a step while it ran (wall clock: waits for the GIL
+  and for a CPU included); `<op>_step_max_cpu_ms`: the most CPU time the scheduler's thread
+  spent in one (its own work); `<op>_steps`: steps it took;
+  `<op>_wall_s`: from the order's append until done (the I/O thread reads orders every 0.1 s);
+  `<op>_bytes_per_block`: the process's peak RSS growth while it ran (VmHWM, reset first) per
+  block it changed; `<op>_blocks`: blocks it changed.
+- victims: tools/bench_victims.py's figures (`victim_us_median`, `victim_us_max`, ...: choosing a
+  victim for a quota or the capacity on the scheduler thread) on a directory of its own build.
 
-One JSON line with --json. Run it under /work/bin/heavy -x (both slots: timings).
+Prints one JSON line with --json. Runs against any tree with the same Store API: PYTHONPATH
+names the one measured (docs/benchmarks.md, "Clears, pins and unpins at node scale").
 """
 
 from __future__ import annotations
@@ -35,195 +39,238 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 NSID = b"o" * 16
 PAYLOAD = 4096
-BATCH = 1000
-TINY, TINY_BLOCKS = 5, 8
-HELD = 64
-PIN_SHARE = 100  # one block in this many is pinned
+CHUNK = 1 << 20  # records written at a time by the build
 
 
-def key(i: int) -> bytes:
-    return i.to_bytes(8, "little") * 4
+def tenant_name(i: int) -> str:
+    return f"tenant{i}"
 
 
-def tenant_names(tenants: int) -> list[str]:
-    return [f"tenant-{i}" for i in range(tenants)]
+# ---- the directory, in bulk ----
+def build(root: str, n: int, tenants: int, pin_every: int) -> None:
+    """N blocks in slots 0..N-1 (key i: i eight bytes four times; tenant 1 + i % tenants; pinned
+    where i % pin_every == 0; last used in slot order), as a checkpoint of generation 1."""
+    import numpy as np
+
+    from aiokv import _index, _native
+    from aiokv.data import format as fmt
+    from aiokv.store import Store
+    from aiokv.store.journal import REC
+
+    shutil.rmtree(root, ignore_errors=True)
+    st = Store(root)
+    ns = st.namespace(NSID, PAYLOAD)
+    for t in range(tenants):  # a block each through the store: the tenants file names them (ids at a first commit)
+        key = (1 << 63 | t).to_bytes(8, "little") * 4
+        st.commit(ns, [(key, st.reserve(ns, key, tenant_name(t)))], tenant_name(t))
+    ids = [st.tenant(tenant_name(t)) for t in range(tenants)]
+    st.close(checkpoint=False)
+    d = os.path.join(root, "ns", NSID.hex())
+    for name in os.listdir(d):
+        if name.startswith("journal.") or name in ("checkpoint", fmt.INDEX_NAME):
+            os.unlink(os.path.join(d, name))
+    with open(os.path.join(d, fmt.data_file(0)), "wb") as f:
+        f.truncate(n * ns.slot_bytes)  # sparse
+    base = time.time_ns() - 10**12
+    ids = np.array(ids, np.uint16)
+    crc = 0
+    with open(os.path.join(d, "checkpoint"), "wb") as f:
+        f.write(bytes(fmt.FILE_HDR_BYTES))
+        for lo in range(0, n, CHUNK):
+            i = np.arange(lo, min(lo + CHUNK, n), dtype=np.uint64)
+            r = np.zeros(len(i), REC)
+            r["kind"], r["klen"], r["slot"], r["atime"] = fmt.REC_COMMIT, 32, i, base + i
+            r["key"] = np.repeat(i, 4).view("V32")
+            r["tenant"] = ids[(i % tenants).astype(np.int64)]
+            r["flags"] = np.where(i % pin_every == 0, fmt.FLAG_PINNED, 0) if pin_every else 0
+            raw = r.view(np.uint8).reshape(-1)
+            tags = np.zeros(len(r), np.uint64)
+            _index.record_tags(raw, fmt.REC_BYTES, fmt.REC_KLEN_AT, fmt.REC_KEY_AT, tags)
+            r["tag"] = tags
+            _index.seal(raw, fmt.REC_BYTES)
+            crc = _native.crc32c_bytes(raw, crc)
+            f.write(raw.tobytes())
+        f.seek(0)
+        f.write(fmt.pack_file_header(fmt.CKPT_MAGIC, 1, n, crc))
 
 
-def owners(n: int, tenants: int) -> list[tuple[str, int, int]]:
-    """(tenant, first block, end) runs: the tiny tenants first, then the others alike, in
-    runs of BATCH blocks dealt round the tenants (so every tenant has old and new blocks)."""
-    names = tenant_names(tenants)
-    runs, i = [], 0
-    for t in names[:TINY]:
-        runs.append((t, i, i + TINY_BLOCKS))
-        i += TINY_BLOCKS
-    rest, j = names[TINY:], 0
-    while i < n and rest:
-        end = min(i + BATCH, n)
-        runs.append((rest[j % len(rest)], i, end))
-        i, j = end, j + 1
-    return runs
+# ---- one engine's scheduler side ----
+def rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process, bytes."""
+    got = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                got[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return got["VmRSS"], got["VmHWM"]
 
 
-def tenant_arg(st, name: str):
-    """What Store.commit takes for a tenant: its name (ids given at a first commit), or in a tree
-    from before that (--against), its id."""
-    return name if hasattr(st.tenants, "register") else st.tenant(name)
+def reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+    except OSError:
+        pass
 
 
-def tenant_id(st, name: str) -> int:
-    """A tenant's id, registered if it holds nothing yet."""
-    return st.tenants.register(name)[1] if hasattr(st.tenants, "register") else st.tenant(name)
-
-
-def commit_run(st, ns, tid, lo: int, hi: int, pinned: bool = False) -> None:
-    """Keys lo..hi-1 of tenant tid (tenant_arg) committed into free slots (disk space by fiat)."""
-    batch = []
-    for k in map(key, range(lo, hi)):
-        s = ns.alloc.take()
-        if s is None:
-            ns.alloc.grow(range(ns.alloc.hwm, ns.alloc.hwm + max(BATCH, hi - lo)))
-            s = ns.alloc.take()
-        ns.pending[k] = s
-        batch.append((k, s))
-    st.commit(ns, batch, tid, pinned)
-
-
-def phase_build(root: str, n: int, tenants: int) -> dict:
+def open_engine(root: str):
     from aiokv.store import Store
 
-    st = Store(root, checkpoint_every=10**12)  # (one checkpoint, at close)
+    st = Store(root, io_thread=True, checkpoint_every=10**12)
+    st.pin_capacity = 1 << 62
     ns = st.namespace(NSID, PAYLOAD)
-    t = time.perf_counter()
-    for name, lo, hi in owners(n, tenants):
-        pin = hi - lo == BATCH and (lo // BATCH) % PIN_SHARE == 0
-        commit_run(st, ns, tenant_arg(st, name), lo, hi, pin)
-    took = time.perf_counter() - t
-    st.close()  # (a checkpoint: the next opening reads it)
-    return {"build_s": took}
+    t = time.monotonic()
+    while not ns.ready:
+        st.refresh()
+        time.sleep(0.01)
+        if time.monotonic() - t > 600:
+            raise SystemExit("bench_ops: the index did not load")
+    return st, ns
 
 
-def _examined(st) -> int:
-    return sum(
-        getattr(t, "examined", -1) for ns in st.index.namespaces.values() for t in (ns.table, *ns.tables.values())
-    )
+def applying(st) -> bool:
+    """Whether the store is still applying an order (a tree before issue 40 applies it whole)."""
+    jobs = getattr(st.control, "jobs", None)
+    return jobs is not None and jobs.busy
 
 
-def phase_victims(root: str, n: int, tenants: int, calls: int) -> dict:
-    from aiokv.store import Store
+def run_order(st, ns, op: str, tenants, step_s: float, commits: int, next_key: list) -> dict:
+    """One order through the steps of a live engine; its figures."""
+    from aiokv.store.control import append_order
 
+    commit_some(st, ns, commits, next_key)  # (a commit past the loaded table grows its columns: not the order's)
+    st.fs.wait(st.fs.submit(lambda: None), 600)
     gc.collect()
-    t = time.perf_counter()
-    st = Store(root, checkpoint_every=10**12)
-    ns = st.namespace(NSID, PAYLOAD)
-    open_s = time.perf_counter() - t
-    names = tenant_names(tenants)
-    every = [*names, "holds-nothing-here"]
-    tids = [tenant_id(st, name) for name in every]
-    cost = ns.slot_cost
-    # quotas: within them for most of the tenants named, past them for every fourth
-    sizes = {}
-    for i, name in enumerate(names[::2]):
-        held = ns.table.blocks_of(tenant_id(st, name)) * cost
-        sizes[name] = held + 64 * cost if i % 4 else max(cost, held - 64 * cost)
-    st.set_quotas(sizes)
-    st.pin(ns, [key(i) for i in range(TINY * TINY_BLOCKS, n, max(1, n // HELD))][:HELD])  # held by loads
-    q, took, worst_examined = st.quotas, [], 0
-    kinds = {"own": [], "quota": [], "capacity": []}
-    nxt = n
-    gc.collect()
-    for r in range(calls):
-        tid, name = tids[r % len(tids)], every[r % len(tids)]
-        got = []
-        for kind, call, arg in (
-            ("own", q.own_victim, tid),
-            ("quota", q.victim, tid),
-            ("capacity", st.index.victim, None),
-        ):
-            e = _examined(st)
-            a = time.perf_counter_ns()
-            v = call(arg)
-            took.append(time.perf_counter_ns() - a)
-            kinds[kind].append(took[-1])
-            worst_examined = max(worst_examined, _examined(st) - e)
-            got.append(v)
-        victim = got[0] or got[2]
-        if victim is not None:
-            st.space.evict(*victim, punch=False)
-        commit_run(st, ns, tenant_arg(st, name), nxt, nxt + 1)
-        nxt += 1
-    took.sort()
-    out = {
-        "open_s": round(open_s, 3),
-        "victim_calls": len(took),
-        "victim_us_median": round(took[len(took) // 2] / 1e3, 2),
-        "victim_us_max": round(took[-1] / 1e3, 2),
-        "victim_examined_max": worst_examined if _examined(st) >= 0 else -1,
+    before_rss, _ = rss()
+    reset_peak()
+    count0, pinned0 = ns.table.count, ns.table.pinned
+    t0 = time.monotonic()
+    order = append_order(st.dirs.root_fd, op, None, tenants)
+    worst, worst_cpu, steps = 0.0, 0.0, 0
+    while True:
+        a, c = time.perf_counter(), time.thread_time()
+        st.refresh()
+        worst = max(worst, time.perf_counter() - a)
+        worst_cpu = max(worst_cpu, time.thread_time() - c)
+        steps += 1
+        commit_some(st, ns, commits, next_key)
+        if ns.mark >= order.number and not applying(st):
+            break
+        time.sleep(step_s)
+        if time.monotonic() - t0 > 3600:
+            raise SystemExit(f"bench_ops: {op} did not finish")
+    st.fs.wait(st.fs.submit(lambda: None), 600)  # what it queued (records, punches, MARK) written
+    wall = time.monotonic() - t0
+    _, peak = rss()
+    changed = abs(ns.table.pinned - pinned0) if op != "clear" else count0 + steps * commits - ns.table.count
+    return {
+        "step_max_ms": worst * 1e3,
+        "step_max_cpu_ms": worst_cpu * 1e3,
+        "steps": steps,
+        "wall_s": wall,
+        "blocks": changed,
+        "bytes_per_block": max(0, peak - before_rss) / max(changed, 1),
     }
-    for kind, ts in kinds.items():
-        out[f"victim_us_median_{kind}"] = round(sorted(ts)[len(ts) // 2] / 1e3, 2)
-    os._exit(print(json.dumps(out), flush=True) or 0)  # (no checkpoint: the directory stays as built)
 
 
-def run_phase(name: str, args, tree: str = ROOT) -> dict:
-    env = dict(os.environ, PYTHONPATH=tree)
-    argv = [sys.executable, os.path.abspath(__file__), "--phase", name, "--dir", args.dir, "--n", str(args.n)]
-    argv += ["--tenants", str(args.tenants), "--calls", str(args.calls)]
-    p = subprocess.run(argv, capture_output=True, text=True, env=env)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        raise SystemExit(f"bench_ops: phase {name} ({tree}) failed (rc {p.returncode}):\n{p.stderr[-4000:]}")
-    return json.loads(lines[-1])
+def commit_some(st, ns, k: int, next_key: list) -> None:
+    """k new blocks committed (slots given disk space by fiat), as a step's saves."""
+    if not k:
+        return
+    lo = next_key[0]
+    next_key[0] += k
+    ns.alloc.grow(range(ns.alloc.hwm, ns.alloc.hwm + k))
+    items = []
+    for i in range(lo, lo + k):
+        key = (i | 1 << 62).to_bytes(8, "little") * 4
+        where = ns.alloc.take()
+        ns.pending[key] = where
+        items.append((key, where))
+    st.commit(ns, items, tenant_name(0))
 
 
-def parse_args(argv=None):
-    """The options every part of this benchmark shares (--dir --n --tenants --json), and the victims'."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    ap.add_argument("--dir", default=None, help="where the directory is built (room for its journal: ~130 B a block)")
-    ap.add_argument("--n", type=int, default=10_000_000, help="blocks in the directory")
-    ap.add_argument("--tenants", type=int, default=100, help="tenants holding them (five of them tiny)")
-    ap.add_argument("--json", action="store_true", help="one JSON line")
-    ap.add_argument("--calls", type=int, default=300, help="victims: rounds of three calls")
-    ap.add_argument("--against", default=None, help="another tree measured the same way (figures: base_*)")
-    ap.add_argument("--phase", choices=["build", "victims"], help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+def phase(args) -> dict:
+    from aiokv.data import format as fmt
+
+    st, ns = open_engine(args.dir)
+    out = {}
+    every = frozenset(fmt.tenant_tag(tenant_name(t)) for t in range(args.tenants))
+    nk, step_s = [0], args.step_ms / 1e3
+    try:
+        if args.phase == "clear":
+            out.update({f"clear_{k}": v for k, v in run_order(st, ns, "clear", None, step_s, args.commits, nk).items()})
+        elif args.phase == "clear_tenant":
+            one = frozenset([fmt.tenant_tag(tenant_name(1))])
+            got = run_order(st, ns, "clear", one, step_s, args.commits, nk)
+            out.update({f"clear_tenant_{k}": v for k, v in got.items()})
+        else:
+            for op in ("pin", "unpin"):
+                out.update({f"{op}_{k}": v for k, v in run_order(st, ns, op, every, step_s, args.commits, nk).items()})
+    finally:
+        st.close(checkpoint=False)
+    return out
 
 
 def main() -> None:
-    args = parse_args()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default="/tmp/aiokv-bench-ops")
+    ap.add_argument("--n", type=int, default=10_000_000)
+    ap.add_argument("--tenants", type=int, default=10)
+    ap.add_argument("--pinned", type=int, default=100, help="every PINNED-th block is pinned (0: none)")
+    ap.add_argument("--step-ms", type=float, default=10.0, help="a vLLM step's wait on the device")
+    ap.add_argument("--commits", type=int, default=32, help="blocks committed per step meanwhile")
+    ap.add_argument(
+        "--phases",
+        default="clear,clear_tenant,pin,victims",
+        help="clear, clear_tenant, pin (pin and unpin), victims (tools/bench_victims.py)",
+    )
+    ap.add_argument("--phase", help=argparse.SUPPRESS)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
     if args.phase == "build":
-        print(json.dumps(phase_build(os.path.join(args.dir, "store"), args.n, args.tenants)), flush=True)
+        build(args.dir, args.n, args.tenants, args.pinned)
         return
-    if args.phase == "victims":
-        phase_victims(os.path.join(args.dir, "store"), args.n, args.tenants, args.calls)
+    if args.phase:
+        print(json.dumps(phase(args)), flush=True)
         return
-    own = args.dir is None
-    args.dir = args.dir or tempfile.mkdtemp(prefix="aiokv-ops-")
-    shutil.rmtree(os.path.join(args.dir, "store"), ignore_errors=True)
-    try:
-        out = {"n": args.n, "tenants": args.tenants}
-        out.update(run_phase("build", args))
-        out.update(run_phase("victims", args))
-        if args.against:
-            base = run_phase("victims", args, os.path.abspath(args.against))
-            out.update({f"base_{k}": v for k, v in base.items()})
-            for k in ("victim_us_median", "victim_us_max"):
-                out[f"{k}_ratio"] = round(base[k] / max(out[k], 1e-9), 1)
-    finally:
-        shutil.rmtree(os.path.join(args.dir, "store"), ignore_errors=True)
-        if own:
-            shutil.rmtree(args.dir, ignore_errors=True)
+    out = {"n": args.n, "tenants": args.tenants, "pinned_every": args.pinned, "step_ms": args.step_ms}
+    me = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--dir",
+        args.dir,
+        "--n",
+        str(args.n),
+        "--tenants",
+        str(args.tenants),
+        "--pinned",
+        str(args.pinned),
+        "--step-ms",
+        str(args.step_ms),
+        "--commits",
+        str(args.commits),
+    ]
+    for ph in args.phases.split(","):
+        if ph == "victims":
+            victims = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_victims.py")
+            cmd = [sys.executable, victims, "--dir", args.dir, "--n", str(args.n), "--tenants", str(args.tenants)]
+            got = subprocess.run([*cmd, "--json"], check=True, capture_output=True, text=True)
+        else:
+            subprocess.run(me + ["--phase", "build"], check=True)
+            got = subprocess.run(me + ["--phase", ph], check=True, capture_output=True, text=True)
+        out.update({k: v for k, v in json.loads(got.stdout.strip().splitlines()[-1]).items() if k not in out})
+    shutil.rmtree(args.dir, ignore_errors=True)
     if args.json:
         print(json.dumps(out))
     else:
         for k, v in out.items():
-            print(f"{k}: {v}")
+            print(f"{k:28s} {v:.4g}" if isinstance(v, float) else f"{k:28s} {v}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ published by vLLM from the scheduler's connector.take_events()).
 - BlockStored, medium STORAGE, once a block becomes a hit here: committed by this engine
   (every rank wrote it), or committed by another engine on the same directory and followed.
 - BlockRemoved when it stops being one: evicted (by this engine, or by the other engine
-  whose copy it was), dropped as damaged, or no longer served after a cache reset.
+  whose copy it was), dropped as damaged, or no longer served after a cache reset. The blocks
+  an `aiokv clear` removes come as arrays of tags (store/applying.py) and go out as one
+  BlockRemoved of many hashes per batch, at most REMOVE_S seconds of them per step.
 - At start, the blocks already stored for this engine's namespace (once its index has
   loaded), read from the labels a part of START_READ bytes at a time and announced in
   batches of at most ANNOUNCE_BATCH per step (vLLM publishes what take_events returns once per engine step,
@@ -42,12 +44,16 @@ import struct
 import time
 from array import array
 
+import numpy as np
+
 from aiokv.store.labels import START_READ
 from aiokv.store.table import tag_of
 
 log = logging.getLogger("aiokv")
 
 ANNOUNCE_BATCH = 1024  # stored blocks announced per step at start
+REMOVE_BATCH = 2048  # removed blocks of a clear looked at a time (one BlockRemoved at most)
+REMOVE_S = 0.002  # seconds per step after which no further batch of a clear's removals starts
 HELD = 1 << 16  # labels held for blocks not yet committed here (saves in flight, other engines')
 READ_EVERY = 1.0  # seconds between reads of the other engines' labels while some are missing
 _LABEL = struct.Struct("<8sBBHqI")  # fingerprint, hash len, parent len, LoRA name len, LoRA id, tokens
@@ -124,6 +130,7 @@ class KVEvents:
         self._announced: dict[tuple[int, int], bytes] = {}  # (group, tag) -> the raw hash announced
         self._unknown: dict[tuple[int, int], None] = {}  # hits here (other engines') whose label is unread
         self._backlog: collections.deque = collections.deque()  # the start announcement: (group, key, label)
+        self._removing: collections.deque = collections.deque()  # a clear's removals: [group, tags, next index]
         self._out: list = []
         self._write: dict[tuple, list] = {}  # (group, drive part) -> [(key, label)] for its labels file
         self._reset = False  # after a cache reset: what was stored before is not announced
@@ -184,6 +191,7 @@ class KVEvents:
         """The cache was reset (the weights may have changed): nothing announced is served now."""
         self._reset = True
         self._backlog.clear()
+        self._removing.clear()
         self._unknown.clear()
         self._held.clear()
         self._book.clear()
@@ -218,8 +226,12 @@ class KVEvents:
                 for added, tag, key in changes:
                     if added:
                         self._hit(gi, pi, tag, key)
+                    elif isinstance(tag, np.ndarray):
+                        self._removing.append([gi, tag, 0])  # a clear's: in batches (_remove)
                     else:
                         self._gone(gi, tag)
+        if self._removing:
+            self._remove()
         if self._unknown and time.monotonic() >= self._next_read:
             self._next_read = time.monotonic() + READ_EVERY
             for gi, parts in self._parts.items():
@@ -311,6 +323,33 @@ class KVEvents:
         h = self._announced.pop(k, None)
         if h is not None:
             self._out.append(self._removed(gi, [h]))
+
+    def _remove(self) -> None:
+        """The removals of a clear, REMOVE_BATCH tags at a time, a batch and then more for at
+        most REMOVE_S seconds: one BlockRemoved per batch, for those announced and no longer
+        held here."""
+        end, first = time.monotonic() + REMOVE_S, True
+        while self._removing and (first or time.monotonic() < end):
+            first = False
+            item = self._removing[0]
+            gi, tags, pos = item
+            part = tags[pos : pos + REMOVE_BATCH]
+            item[2] = pos + len(part)
+            if item[2] >= len(tags):
+                self._removing.popleft()
+            part = part[part != 0]
+            if not len(part) or not (self._announced or self._unknown):
+                continue
+            hs = []
+            for tag in part.tolist():
+                k = (gi, tag)
+                if (k in self._announced or k in self._unknown) and not self.groups[gi][1].held(tag):
+                    self._unknown.pop(k, None)
+                    h = self._announced.pop(k, None)
+                    if h is not None:
+                        hs.append(h)
+            if hs:
+                self._out.append(self._removed(gi, hs))
 
     def _read(self, gi: int, found: dict, start: bool) -> None:
         """Labels read from the files: at start the announcement, later other engines' blocks."""

@@ -449,7 +449,8 @@ REC_FREE = 4
 REC_FLAGS = 5
 # MARK (journal version 3): the writer applied the directory's control records (clear, pin,
 # unpin: aiokv/store/control.py) up to number `slot` to this namespace, in the records before
-# it (written in the same write(2): all of them or none). Key of length 16, zero; atime: when.
+# it (written before it, in chunks: after a crash an order's records may be there without its
+# MARK, and the order is applied again). Key of length 16, zero; atime: when.
 REC_MARK = 6
 REC_KINDS = (REC_COMMIT, REC_DROP, REC_TOUCH, REC_FREE, REC_FLAGS, REC_MARK)
 FLAG_PINNED = 1  # flags bit 0: pinned (by an operator's pin, or a request's)

@@ -1,31 +1,37 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The operators' orders to a live directory: clear, pin, unpin (issue 34).
+"""The operators' orders to a live directory: clear, pin, unpin (issues 34, 40).
 
 `aiokv clear`, `aiokv pin` and `aiokv unpin` (aiokv/cli/operate.py) do not touch an engine's
 files while it runs (each engine writes only its own): they append an **order** to DIR/control
 (format.py: numbered records, written and synced under an flock of the file), and every engine
-applies it at its next look at the other engines (following.py: every 0.1 s, on the I/O thread;
-the owner applies it at its next refresh or lookup):
+takes it at its next look at the other engines (following.py: every 0.1 s, on the I/O thread;
+the owner takes it at its next refresh or lookup) and applies it, a bounded share per scheduler
+step (applying.py: no Python object per block, the file-system work on the I/O thread):
 
-- to its own blocks of each namespace the order names: a clear forgets them (FREE records), a
-  pin or unpin changes their flags (FLAGS records); then a MARK record says the order is
-  applied to that namespace. All of a namespace's records of one order and its MARK go in one
-  journal write: after a kill -9 either all of them are in the journal or none is, and an order
-  past a namespace's MARK is applied (again) when the index is next installed. A clear's slots
-  are punched (their space is given back) once the records are queued;
-- to its view of the other engines' blocks: a clear stops serving them at once (as if their
-  owner had freed them, which it does at its own next look), and, when an engine's files are
-  replayed whole, its blocks that its MARK says it has not cleared yet are left out again;
+- to its own blocks of each namespace the order names: a clear forgets them (FREE records, then
+  their slots punched: their space given back), a pin or unpin changes their flags (FLAGS
+  records), in chunks of bounded writes; then a MARK record says the order is applied to that
+  namespace. After a kill -9 each block is cleared or whole (a slot is punched only after its
+  FREE is written), and an order past a namespace's MARK is applied again when the index is next
+  read, before it serves (`apply_loaded`, on the loader's thread). Blocks committed after the
+  order was taken stay; so saves go on meanwhile. A save reserved before a clear was taken
+  and committed after it was computed before it: given back, never committed (`admit`);
+- to its view of the other engines' blocks: a clear stops serving them (as if their owner had
+  freed them, which it does itself), and, when an engine's files are replayed whole, its blocks
+  that its MARK says it has not cleared yet are left out (`filter_peer`);
 - pins last: new blocks of a pinned tenant are committed pinned (`pinned`).
 
 An engine that is not running applies nothing: `aiokv clear` opens such an engine's files as
 their owner (taking its lock, as reclaim.py does) and applies the order there, so a dead
-engine's blocks go too; an engine that adopts those files later applies what its MARK has not.
-A namespace whose index was rebuilt from the slot headers (its MARK lost with it) is given the
-clears again, to the blocks written before each (their access time is then their write time).
+engine's blocks go too; an engine that holds a dead engine's files for reclaim applies the
+orders to them itself (reclaim.py); an engine that adopts those files later applies what their
+MARK has not. A namespace whose index was rebuilt from the slot headers (its MARK lost with it)
+is given the clears again, to the blocks written before each (their access time is then their
+write time).
 
-`Control` is the owner's (the Store's thread): the orders read so far and the pins they leave;
-`read_io` runs on the I/O thread (where there is one) and keeps its own read position.
+`Control` is the owner's (the Store's thread): the orders read so far, the pins they leave, the
+jobs applying them; `read_io` runs on the I/O thread (where there is one) and keeps its own read
+position; `apply_loaded` runs on the thread that reads an index, before the owner sees it.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ import time
 import numpy as np
 
 from aiokv.data import format as fmt
-from aiokv.store.table import PINNED
+from aiokv.store import bulk
+from aiokv.store.applying import Job, Jobs
 
 log = logging.getLogger("aiokv")
 O_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW
@@ -196,9 +203,11 @@ def append_order(root_fd: int, op: str, nsids=None, tenants=None, before: int | 
 
 
 class Control:
-    def __init__(self, dirs, index, tenants, space, persist, stats, may_pin):
+    def __init__(self, dirs, index, tenants, space, persist, stats, fs, pin_room, may_pin):
+        """pin_room(ns): blocks of ns that may still be pinned (None: no bound); may_pin(ns, n,
+        tenant): whether n more may, a refusal said and counted (the store's)."""
         self.dirs, self.index, self.tenants, self.space = dirs, index, tenants, space
-        self.persist, self.stats, self.may_pin = persist, stats, may_pin
+        self.persist, self.stats, self.pin_room, self.may_pin = persist, stats, pin_room, may_pin
         self.orders: list[Order] = []
         self.last = 0  # the number of the last order read
         self._off, self._seen = 0, 0  # the I/O thread's read position (bytes, last number)
@@ -206,6 +215,11 @@ class Control:
         self.opened = time.time_ns()  # orders older than this were in the file when the store opened
         self.blind = False  # the file did not read at opening: the orders in it then are not known yet (take)
         self._pins: dict[tuple[bytes, bytes], bool] = {}  # (nsid, tenant tag) -> pinned (memo)
+        self.jobs = Jobs(fs, persist, space, stats, pin_room, may_pin)  # the owner's share, step by step
+        self._queued: dict[bytes, int] = {}  # nsid -> the last order queued for our blocks of it
+        # nsid -> key -> (location, the clears taken while it was reserved): saves computed before them
+        self.doomed: dict[bytes, dict[bytes, tuple[int, tuple]]] = {}
+        self.dead = None  # reclaim.py's orders(list): orders reach the dead engines' files we hold
 
     # ---- reading (the I/O thread's, or the opener's) ----
     def read_io(self) -> list[Order] | None:
@@ -228,7 +242,8 @@ class Control:
 
     # ---- the owner's ----
     def take(self, orders: list[Order] | None) -> None:
-        """New orders: kept, and applied to every namespace whose index is in place."""
+        """New orders: kept, and applied (step by step: applying.py) to every namespace: our
+        view of the other engines' blocks, and our own where the index is in place."""
         if not orders:
             return
         # the first orders read after an opening that could not read the file: those older than the
@@ -242,10 +257,24 @@ class Control:
         self.last = max(self.last, orders[-1].number)
         self._pins.clear()
         new = [o for o in orders if o.number not in old]
+        clears = [o for o in new if o.op == "clear"]
         for ns in list(self.index.namespaces.values()):
-            self.view(ns, new)
+            if clears:
+                self._doom(ns, clears)
+                self.view(ns, clears)
             if ns.engine is not None and ns.ready:
                 self.catch_up(ns, old)
+        if self.dead is not None:
+            self.dead(list(self.orders))
+        self.jobs.step()
+
+    def new_step(self) -> None:
+        self.jobs.new_step()
+
+    def step(self) -> None:
+        """The orders' share of this scheduler step (bounded: applying.py)."""
+        if self.jobs.queue:
+            self.jobs.step()
 
     def pending(self, mark: int) -> list[Order]:
         return [o for o in self.orders if o.number > mark]
@@ -263,86 +292,106 @@ class Control:
             self._pins[k] = got
         return got
 
-    def _ids(self, order: Order) -> np.ndarray | None:
-        """The store's ids of the order's tenants (None: every tenant; a tenant without an id
-        here holds no block here: registered by nothing)."""
+    def _mask(self, order: Order) -> np.ndarray:
+        """The order's tenants as a mask over the store's tenant ids (a tenant without an id here
+        holds no block here; read only: any thread)."""
         if order.tenants is None:
-            return None
-        return np.array(sorted({self.tenants.lookup(t) for t in order.tenants} - {None}), np.uint16)
+            return bulk.ALL
+        return bulk.tenant_mask({i for i in map(self.tenants.lookup, order.tenants) if i is not None})
+
+    def _filter(self, ns, order: Order, written_before: bool = False):
+        return bulk.filter_of(order, self._mask(order), written_before) if order.for_ns(ns.nsid) else None
 
     def _matching(self, table, order: Order, written_before: bool = False) -> np.ndarray:
-        """The slots of a table's blocks an order is for."""
-        live = table.live()
-        ok = np.ones(len(live), bool)
-        ids = self._ids(order)
-        if ids is not None:
-            ok &= np.isin(table.tenant[live], ids)
-        if order.before is not None:
-            ok &= table.atime[live] < order.before
-        if written_before:
-            ok &= table.atime[live] <= order.time
-        if order.op == "pin":
-            ok &= (table.flags[live] & PINNED) == 0
-        elif order.op == "unpin":
-            ok &= (table.flags[live] & PINNED) != 0
-        return live[ok]
+        """The slots of a table's blocks an order is for (at once: tools, a dry run)."""
+        slots, _ = bulk.select(
+            table, bulk.filter_of(order, self._mask(order), written_before), 0, table.slots, table.slots
+        )
+        return slots
 
     def catch_up(self, ns, old=frozenset()) -> None:
-        """Our own blocks of ns given the orders past its MARK (at install, and as orders come;
-        old: numbers of orders applied to the blocks written before each only, as `take` says)."""
-        todo = [o for o in self.orders if o.number > ns.mark]
+        """Our own blocks of ns given the orders past its MARK (as orders come, at install of
+        what the loader had not read yet, for a new namespace): queued, applied step by step.
+        old: numbers of orders applied to the blocks written before each only, as `take` says
+        (an old pin excepted: as if read at opening, our blocks since would have been pinned)."""
+        todo = [o for o in self.orders if o.number > max(ns.mark, self._queued.get(ns.nsid, 0))]
         if not todo or self.dirs.readonly:
             return
-        recs, punch = [], []
-        for order in todo:
-            if not order.for_ns(ns.nsid):
-                continue
-            t = ns.table
-            # (an old pin: as if read at opening, our blocks since would have been committed pinned)
-            late = order.number in old and order.op != "pin"
-            slots = self._matching(t, order, written_before=ns.rebuilt or late)
-            if order.op == "clear":
-                for s in slots.tolist():
-                    tag = self.index.remove_slot(ns, s)
-                    recs.append(fmt.pack_free(s, tag))
-                    punch.append(s)
-                self.stats.cleared += len(slots)
-                if len(slots):
-                    log.info(
-                        "aiokv: control order %d cleared %d block(s) of namespace %s",
-                        order.number,
-                        len(slots),
-                        ns.hex[:12],
-                    )
-            else:
-                for s in slots.tolist():
-                    if order.op == "pin" and not self.may_pin(ns, 1, int(t.tenant[s])):
-                        break
-                    t.set_flags(s, int(t.flags[s]) ^ PINNED)
-                    recs.append(fmt.pack_flags(s, t.tag_at(s), int(t.flags[s])))
-        mark = todo[-1].number
-        recs.append(fmt.pack_mark(mark, time.time_ns()))
-        ns.mark = mark
-        self.persist.append(ns, b"".join(recs), mark=mark)
-        for s in punch:
-            self.space._unback(ns, s)  # (its space given back; the slot is reused once punched)
+        self._queued[ns.nsid] = todo[-1].number
+        late = [ns.rebuilt or (o.number in old and o.op != "pin") for o in todo]
+        self.jobs.add(Job(ns, None, [(o, self._filter(ns, o, w)) for o, w in zip(todo, late)]))
 
-    def view(self, ns, orders: list[Order]) -> None:
+    def view(self, ns, clears: list[Order]) -> None:
         """The other engines' blocks these clears are for stop being served here (their owners
-        free them at their next look)."""
-        for order in orders:
-            if order.op != "clear" or not order.for_ns(ns.nsid):
+        free them at their next look), step by step."""
+        for order in clears:
+            if order.for_ns(ns.nsid):
+                for e in list(ns.tables):
+                    self.jobs.add(Job(ns, e, [(order, self._filter(ns, order))]))
+
+    def _doom(self, ns, clears: list[Order]) -> None:
+        """Saves reserved now were computed before these clears: never committed (admit)."""
+        mine = tuple(o for o in clears if o.for_ns(ns.nsid) and o.before is None)
+        if not mine or not ns.pending:
+            return
+        d = self.doomed.setdefault(ns.nsid, {})
+        for k in [k for k, v in d.items() if ns.pending.get(k) != v[0]]:
+            del d[k]  # (committed or given back since)
+        for k, where in ns.pending.items():
+            d[k] = (where, d[k][1] + mine if k in d else mine)
+
+    def admit(self, ns, items, tag: bytes) -> list:
+        """The (key, location) pairs of a commit of tenant `tag`, less the saves a clear taken
+        since their reservation is for: computed before it, they are given back, never served."""
+        d = self.doomed.get(ns.nsid)
+        if not d:
+            return items
+        out = []
+        for key, where in items:
+            got = d.pop(key, None)
+            if got is not None and got[0] == where and any(o.tenants is None or tag in o.tenants for o in got[1]):
+                if ns.pending.get(key) == where:
+                    del ns.pending[key]
+                    ns.alloc.release(where & fmt.SLOT_MASK)
+                    self.stats.cleared += 1
                 continue
-            for e in list(ns.tables):
-                slots = self._matching(ns.tables[e], order)
-                for s in slots.tolist():
-                    ns.peer_free(e, s)
-                self.stats.cleared += len(slots)
+            out.append((key, where))
+        if not d:
+            self.doomed.pop(ns.nsid, None)
+        return out
 
     def filter_peer(self, ns, table, mark: int) -> None:
         """Another engine's blocks replayed whole from its files (a Table whose tenant ids are
-        ours): those that the clears past its MARK are for, left out."""
+        ours, no other thread's yet): those that the clears past its MARK are for, left out."""
         for order in self.orders:
             if order.number > mark and order.op == "clear" and order.for_ns(ns.nsid):
-                for s in self._matching(table, order).tolist():
-                    table.clear(s)
+                f = self._filter(ns, order)
+                lo = 0
+                while lo < table.slots:
+                    slots, lo = bulk.select(table, f, lo, table.slots, bulk.CHUNK)
+                    bulk.clear_slots(table, slots)
+
+    def apply_loaded(self, ns, table, jlog) -> None:
+        """Our own index of ns just replayed (the loader's thread, or the opener's; no other
+        thread sees the table yet): the orders past its MARK applied to it and its journal at
+        once (bulk.apply_to_files), before it serves a hit; its cleared slots are holes, given
+        back at install. A write that fails leaves the rest to the next opening, said."""
+        if self.dirs.readonly or ns.engine is None:
+            return
+        room = self.pin_room(ns)
+        try:
+            bulk.apply_to_files(
+                ns.nsid,
+                table,
+                jlog,
+                list(self.orders),
+                self._mask,
+                ns.rebuilt,
+                None if room is None else max(0, room - table.pinned),
+            )
+        except OSError as e:
+            log.warning(
+                "aiokv: applying the control orders to namespace %s failed (%s); they are applied at the next start",
+                ns.hex[:12],
+                os.strerror(e.errno or 0),
+            )

@@ -28,6 +28,8 @@ from aiokv.data.format import loc
 from aiokv.store.journal import KeyMap, apply_records, record_key, record_tags
 from aiokv.store.table import Table, tag_of
 
+HOLES_INLINE = 1 << 18  # holes in the array (2 MiB) past which a bulk punch parks more
+
 
 class SlotAllocator:
     """Slots of one namespace: free (backed by disk space), holes (punched), and a high-water mark.
@@ -35,7 +37,10 @@ class SlotAllocator:
     Every slot below `hwm` is exactly one of: in use (given out), free, or a hole
     (but while the owner punches a slot it is none: space.py `_unback`, store.py `_loaded`).
     `backed` counts slots that hold disk space (in use + free). `free` and `holes`
-    are arrays of slot numbers (8 bytes each), taken from their ends.
+    are arrays of slot numbers (8 bytes each), taken from their ends. Holes a clear
+    punches in bulk past HOLES_INLINE wait in `parked` (numpy arrays) and move into
+    `holes` as grows need them: growing a large array copies it, and the clear's
+    steps stay short (applying.py).
     """
 
     def __init__(self, hwm: int = 0, in_use=None):
@@ -43,6 +48,7 @@ class SlotAllocator:
         self.hwm = max([hwm, *(s + 1 for s in in_use)])
         self.free = array("q")
         self.holes = array("q", (s for s in range(self.hwm - 1, -1, -1) if s not in in_use))
+        self.parked: list[np.ndarray] = []
         self.in_use = len(in_use)
 
     @classmethod
@@ -65,8 +71,14 @@ class SlotAllocator:
         self.in_use += 1
         return self.free.pop()
 
+    @property
+    def hole_count(self) -> int:
+        return len(self.holes) + sum(len(p) for p in self.parked)
+
     def plan_grow(self, n: int) -> list[int]:
         """Slots that would become backed by growing n: holes first, then new ones."""
+        while len(self.holes) < n and self.parked:
+            self.holes.frombytes(self.parked.pop().tobytes())
         out = list(self.holes[-n:][::-1]) if n > 0 else []
         return out + list(range(self.hwm, self.hwm + n - len(out)))
 
@@ -93,6 +105,19 @@ class SlotAllocator:
         """An in-use slot loses its disk space."""
         self.in_use -= 1
         self.holes.append(slot)
+
+    def release_many(self, slots: np.ndarray) -> None:
+        """release, for many (a clear's: applying.py)."""
+        self.in_use -= len(slots)
+        self.free.frombytes(memoryview(np.ascontiguousarray(slots, np.int64)).cast("B"))
+
+    def punch_many(self, slots: np.ndarray) -> None:
+        """punch, for many (a clear's: applying.py)."""
+        self.in_use -= len(slots)
+        if len(self.holes) + len(slots) <= HOLES_INLINE:
+            self.holes.frombytes(memoryview(np.ascontiguousarray(slots, np.int64)).cast("B"))
+        else:
+            self.parked.append(np.asarray(slots, np.int64))
 
 
 class Namespace:

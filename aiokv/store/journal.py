@@ -41,6 +41,9 @@ _KEY0 = np.dtype({"names": ["k0"], "formats": ["<u8"], "offsets": [fmt.REC_KEY_A
 _KINDS = bytes(fmt.REC_KINDS)
 _KLENS = bytes([fmt.MIN_KEY, fmt.MAX_KEY] * len(fmt.REC_KINDS))
 CHUNK = 1 << 20  # records read, merged and written at a time by a checkpoint (64 MiB)
+# bytes one write(2) of an append takes at most: Linux writes at most 0x7ffff000 bytes a call
+# and says so with a short count; an append of more goes in several writes
+WRITE_MAX = 1 << 24
 
 O_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW
 
@@ -161,6 +164,8 @@ def _apply_run(table: Table, recs, tags, rt, max_slot: int, watch: bool):
     ok[ok] = table.tag[cs[ok]] == tags[commit][ok]
     table.tenant[cs[ok]] = rt[commit][ok]
     table.flags[cs[ok]] = recs["flags"][commit][ok]
+    for f in table.fresh:  # (an order being applied leaves these: they came after it)
+        f.update(cs[ok].tolist())
     gone = aff[table.tag[aff] == 0]
     table.tenant[gone] = 0
     table.flags[gone] = 0
@@ -572,15 +577,20 @@ class IndexLog:
             os.fsync(dfd)  # the new journal's name (and the old one's removal) survive a power cut
 
     def append(self, records, mark: int = 0) -> None:
-        """Append records (a list, or bytes of records end to end), all or none: a failed or short write is cut off again,
-        so a later append never lands behind a torn record."""
+        """Append records (a list, or bytes of records end to end), all or none: a failed write is cut off again,
+        so a later append never lands behind a torn record (a kill -9 between two writes of a large
+        append leaves whole records of it: each applies alone)."""
         if not records:
             return
-        data = records if isinstance(records, bytes) else b"".join(records)
+        data = records if isinstance(records, (bytes, bytearray)) else b"".join(records)
         count = len(data) // fmt.REC_BYTES
         try:
-            if os.write(self.fd, data) != len(data):
-                raise OSError(errno.ENOSPC, "short journal write")
+            view, done = memoryview(data), 0
+            while done < len(view):  # (in writes of at most WRITE_MAX bytes)
+                w = os.write(self.fd, view[done : done + WRITE_MAX])
+                if w <= 0:
+                    raise OSError(errno.ENOSPC, "short journal write")
+                done += w
         except OSError:
             self.diverged = True
             try:

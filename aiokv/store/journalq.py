@@ -82,6 +82,28 @@ class JournalQueue:
 
         self.fs.submit(write, done)
 
+    def run(self, n: int, fn, done=None) -> None:
+        """Queue fn(log), which appends n records it makes on the I/O thread (an order's, in
+        chunks: applying.py); done(result, error) on the owner's thread (an error: nothing was
+        appended)."""
+        nbytes, log = n * fmt.REC_BYTES, self.log
+        self.records += n
+        self._queued += nbytes
+        self._dirty = True
+
+        def finish(r, e):
+            self._queued -= nbytes
+            if e is None:
+                r, self._written = r
+            else:
+                self.records -= n
+            if done is not None:
+                done(r, e)
+            elif e is not None and not isinstance(e, OSError):
+                raise e
+
+        self.fs.submit(lambda: (fn(log), log.disk_bytes), finish)
+
     def sync_if_due(self, now: float, failed) -> None:
         """Queue a fdatasync if records were queued more than sync_interval after the last one."""
         key = ("sync", id(self))

@@ -55,6 +55,19 @@ class Pins:
             for ns in self.index.namespaces.values()
         )
 
+    def free_blocks(self, ns) -> int | None:
+        """Blocks of ns that may still be pinned within pin_capacity (None: no bound): an
+        operator's order (aiokv pin) applied to files as they are read or held (control.py), on
+        the loader's or the I/O thread too; the namespaces read through copies of their lists."""
+        limit = self.limit
+        if limit is None:
+            return None
+        pinned = sum(
+            n.slot_cost * (n.table.pinned + sum(t.pinned for t in list(n.tables.values())))
+            for n in list(self.index.namespaces.values())
+        )
+        return max(0, (limit - pinned) // ns.slot_cost)
+
     def pinned_of(self, tid: int) -> int:
         """Bytes of a tenant's pinned blocks in the directory (every engine's, as followed)."""
         return sum(

@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import logging
 import os
+from array import array
 
 import numpy as np
 
 from aiokv import _native
 from aiokv.data import format as fmt
+from aiokv.store import bulk
 from aiokv.store.index import Namespace
 from aiokv.store.journal import IndexLog
 from aiokv.store.meta import ns_dir
+from aiokv.store.reclaim import PUNCH
 from aiokv.store.table import Table, give_back_scratch, tag_of
 
 _log = logging.getLogger("aiokv")  # (`log` names a journal here)
@@ -40,6 +43,7 @@ class Replay:
         owner's, at install (tenants.py: ids the file does not name)."""
         self.dirs, self.index, self.space, self.persist, self.scan = dirs, index, space, persist, scan
         self.tenant_of, self.own_loaded = tenant_of, own_loaded
+        self.orders = None  # orders(ns, table, log): the control orders applied as it is read (store.py)
 
     def load_own(self, ns: Namespace) -> None:
         """Replay our own engine's files of a namespace as their owner (at once: read_own,
@@ -59,17 +63,23 @@ class Replay:
     def give_back(self, ns: Namespace) -> None:
         """After install, at once: space the index does not account for (free slots of the
         last life, a tail past the last used slot) is given back to the file system."""
-        holes = list(ns.alloc.holes)
+        holes = array("q", ns.alloc.holes)
         if not self.give_back_io(ns, holes, ns.alloc.hwm):
             ns.alloc.grow(holes)  # they may still hold space: counted, and reused first
 
-    def give_back_io(self, ns: Namespace, holes: list[int], hwm: int) -> bool:
+    def give_back_io(self, ns: Namespace, holes, hwm: int) -> bool:
         """The file-system half of give_back (the I/O thread's, where there is one: queued
         at install, so before any grow of the namespace); False if the holes could not be
-        punched. holes and hwm are the owner's, at install."""
-        ok = True
+        punched. holes (slot numbers: an array) and hwm are the owner's, at install; they
+        are punched a run of consecutive slots a call (a clear applied at opening leaves
+        millions: no Python object each)."""
+        ok, sb = True, ns.slot_bytes
+        runs = bulk.runs(np.sort(np.asarray(holes, np.int64)))
         try:
-            self.space.fallocate(ns, _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE, holes, punch=True)
+            for rank in range(ns.ranks):
+                fd = self.space.rank_fd(ns, rank)
+                for first, count in zip(*runs):
+                    _native.fallocate(fd, PUNCH, first * sb, count * sb)
         except OSError:
             ok = False
         for rank in range(ns.ranks):
@@ -111,5 +121,7 @@ class Replay:
             _log.warning(
                 "aiokv: %s", f"{d}: {log.beyond} index record(s) name slots beyond the file system's size; dropped"
             )
+        if self.orders is not None:
+            self.orders(ns, table, log)
         table.build_order()  # (here, before the owner installs it: O(blocks))
         return table, log

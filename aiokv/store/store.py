@@ -189,9 +189,19 @@ class Store:
         self.opener = Opener(self.dirs, self.index, replay, self.following, self.space, fs)
         # the operators' orders (aiokv clear, pin, unpin), read at each look at the other engines
         self.control = Control(
-            self.dirs, self.index, self.tenants, self.space, self.persist, self.stats, self.pins.may_pin
+            self.dirs,
+            self.index,
+            self.tenants,
+            self.space,
+            self.persist,
+            self.stats,
+            fs,
+            self.pins.free_blocks,
+            self.pins.may_pin,
         )
         self.following.control = self.control
+        replay.orders = self.control.apply_loaded  # (applied to our index as it is read, before it serves)
+        self.control.dead = self.reclaim.orders  # (and to the files of the dead engines we hold)
         self._replay = replay
         self._loader: threading.Thread | None = None
         self._closing = False
@@ -263,7 +273,7 @@ class Store:
         # the slots being given back are neither holes nor free until the punch ran (as in
         # Space._unback): a grow planned meanwhile must not take them, or, where the punch is
         # refused, they would become free twice (once here, once by the grow): one slot, two saves
-        holes, hwm = list(ns.alloc.holes), ns.alloc.hwm
+        holes, hwm = ns.alloc.holes, ns.alloc.hwm  # (an array of 8 bytes a slot, replaced below: ours now)
         ns.alloc.holes = array("q")
 
         def unbacked(ok, e):
@@ -365,10 +375,12 @@ class Store:
         evict, like reserve). Cheap: without the I/O thread follows at most every
         follow_interval seconds; with it, applies the I/O thread's last finished look.
         Errors are logged, never raised (a stale view is only misses)."""
+        self.control.new_step()
         self.fs.poll()
         self.fs.new_step(WAIT_PER_STEP)
         if self.fs.inline:
             self.following.follow_all()
+        self.control.step()  # the operators' orders: a bounded share per step
         space = self.space
         if not self.readonly and space.limit is not None and space.used() > space.limit:
             try:
@@ -444,7 +456,13 @@ class Store:
         visible to lookups, durably; pinned: never evicted (bounded by pin_capacity; `request`:
         a request's pin, bounded by request_pins too: pins.py). A new tenant is registered here
         (tenants.py); without an id free its blocks are given back."""
-        tag, tid = self.tenants.register(tenant)
+        if self.control.doomed:  # reserved before a clear we have taken: computed before it, given back
+            kept = self.control.admit(ns, items, self.tenants.of(tenant)[0])
+            if self.quotas is not None and len(kept) < len(items):
+                for key in {k for k, _ in items} - {k for k, _ in kept}:
+                    self.quotas.settled(ns.nsid, key)
+            items = kept
+        tag, tid = self.tenants.register(tenant) if items else (None, None)
         if tid is None:  # no id free (tenants.py): given back
             self.stats.skipped_tenants += sum(ns.pending.get(k) == w for k, w in items)
             return self.abort(ns, items, failed=False)

@@ -29,6 +29,9 @@ tenant (`tenant_pinned`: the bound on a tenant's request pins, aiokv/store/pins.
 blocks come and go (put, put_many, clear, journal.apply_records) or counted again
 after a bulk build (`recount`).
 
+An order applied over several steps (applying.py) watches which slots get a new block
+meanwhile (`fresh`: sets the puts add to): those blocks came after the order, and stay.
+
 Threading contract: a Table is changed by one thread (the store's owner, or the
 thread that builds it before handing it over). A checkpoint on the store's I/O
 thread reads `tag` and `atime` while the owner changes them (journal.py says why
@@ -83,6 +86,7 @@ class Table:
         self.tenant_pinned = np.zeros(1, np.int64)  # blocks with PINNED per tenant id (request pins' bound)
         self._order = None
         self._ordered = slots == 0  # the order is kept (an empty table's from the start); else built when needed
+        self.fresh: list[set] = []  # the watchers of new blocks (applying.py): each put adds its slot
         self._bind()
 
     def _bind(self) -> None:
@@ -139,6 +143,13 @@ class Table:
         self.pinned += sign * len(pinned)
         if len(pinned):
             self._count_pinned(pinned, sign)
+
+    def count_pins(self, tenants, sign: int) -> None:
+        """Blocks of these tenants (ids) were pinned (sign 1) or unpinned (-1) in bulk (bulk.py;
+        the flags and `pinned` are the caller's)."""
+        tenants = np.asarray(tenants, np.int64)
+        if len(tenants):
+            self._count_pinned(tenants, sign)
 
     def _count_pinned(self, tenants: np.ndarray, sign: int) -> None:
         n = int(tenants.max()) + 1
@@ -233,6 +244,8 @@ class Table:
         self._atimes[slot] = atime
         self.tenant[slot] = tenant
         self.flags[slot] = flags
+        for f in self.fresh:
+            f.add(slot)
         self._count1(tenant, flags, 1)
         self.probe.insert(slot)
         self.count += 1
@@ -256,6 +269,8 @@ class Table:
         self.count += self.probe.put_many(slots, tags, ats, self.atime)
         self.tenant[slots] = tenant
         self.flags[slots] = flags
+        for f in self.fresh:
+            f.update(slots.tolist())
         self.count_blocks(np.full(len(slots), tenant), np.full(len(slots), flags, np.uint8), 1)
         self.changed(np.concatenate([gone, slots.astype(np.int64)]))
 
@@ -312,6 +327,12 @@ class Table:
         tenant or flags): each goes to its place in the eviction order, or out of it."""
         if self._ordered and len(slots):
             self._order.changed(np.ascontiguousarray(slots, np.int64))
+
+    def emptied(self) -> None:
+        """Every block was forgotten at once (new zeroed columns: bulk.empty): the order holds
+        none, without a pass over the slots."""
+        self._order.clear()
+        self._ordered = True
 
     def build_order(self) -> None:
         """Order every block now (after a bulk build; the thread building the table, before it
