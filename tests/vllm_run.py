@@ -667,7 +667,20 @@ def _settle(engine, deadline: float) -> None:
             raise RuntimeError("aiokv's saves and uploads did not settle")
         engine.step()
         time.sleep(0.01)
-    _step_while_busy(engine, engine.engine_core.engine_core.scheduler, deadline)  # its report too
+    core = engine.engine_core.engine_core
+    _step_while_busy(engine, core.scheduler, deadline)  # its report too
+    # uploads that ended after the last step: their counts wait in the worker until a step takes
+    # them; vLLM steps an idle engine only while its connector has push work, so step as it does
+    # then (an empty schedule, the connector's no-forward path) until the worker has handed all over
+    while any(not w.results.quiet for w in workers):
+        if time.monotonic() > deadline:
+            raise RuntimeError("aiokv's worker did not hand over its counts")
+        core.scheduler.has_requests = lambda: True  # (an instance attribute over the method, one step)
+        try:
+            core.step()
+        finally:
+            del core.scheduler.has_requests
+        time.sleep(0.005)
 
 
 def _step_while_busy(engine, sched, deadline: float) -> None:
