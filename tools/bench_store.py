@@ -152,6 +152,7 @@ async def _aiokv_round(
     secret: str | None = None,
     cpu=None,
     reads: str = "window",
+    crc: bool = True,
 ) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     batch = mode == "batch" and not null_io
@@ -180,9 +181,13 @@ async def _aiokv_round(
         keys = _keys(n, salt)
         thp = _anon_huge_kb()
         # BlockIO's own calls, timed (reads through a window: timed whole, by _load_through)
-        spent = _time_data_path(st.blockio(ns), reads=reads != "window") if batch else None
+        io = st.blockio(ns)
+        if not crc:  # bench only: no payload CRC pass (each header holds its payload's CRC already)
+            for i, k in enumerate(keys[: pool.count]):
+                io.stamp(k, pool.addr(i))
+        spent = _time_data_path(io, reads=reads != "window", crc=crc) if batch else None
         if batch and reads == "window":
-            st.load = functools.partial(_load_through, st, pool, spent)  # bench only: a worker's load
+            st.load = functools.partial(_load_through, st, pool, spent, crc)  # bench only: a worker's load
 
         async def phase(call) -> tuple[float, float]:
             it = iter(range(0, n, per))
@@ -247,7 +252,7 @@ def _fill(pool: BufferPool, payload: int) -> None:
         ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, payload)
 
 
-async def _load_through(st, pool: BufferPool, spent: dict, ns, items) -> list[int]:
+async def _load_through(st, pool: BufferPool, spent: dict, crc: bool, ns, items) -> list[int]:
     """StoreIO.load as a worker loads (worker/loads.py): pin, then read through a window of
     the pool's buffers (data/window.py: each chunk read, verified and its buffers given back;
     nothing to copy out here), unpin. The reads through the window are the data path (`spent`)."""
@@ -269,7 +274,7 @@ async def _load_through(st, pool: BufferPool, spent: dict, ns, items) -> list[in
 
     async def run(part, bufs) -> None:
         try:
-            res = await io.read([(s, k, pool.addr(b)) for (_, s, k), b in zip(part, bufs)])
+            res = await io.read([(s, k, pool.addr(b)) for (_, s, k), b in zip(part, bufs)], not crc)
             for (i, _, _), r in zip(part, res):
                 out[i] = r
         finally:
@@ -286,7 +291,7 @@ async def _load_through(st, pool: BufferPool, spent: dict, ns, items) -> list[in
     return out
 
 
-def _time_data_path(io, reads: bool = True) -> dict:
+def _time_data_path(io, reads: bool = True, crc: bool = True) -> dict:
     """Wraps BlockIO `io`'s write and read (the data path a worker runs: stamp, write; read,
     verify) so each call adds its wall and process CPU seconds to the returned
     {"write": [s, cpu_s], "read": [...]}: with one call per phase (batch mode), the data
@@ -297,7 +302,7 @@ def _time_data_path(io, reads: bool = True) -> dict:
         async def call(items, crc_in_copy: bool = False):
             p0, t0 = time.process_time(), time.perf_counter()
             try:
-                return await fn(items, crc_in_copy)
+                return await fn(items, crc_in_copy or not crc)  # not crc: as if a device copy had made it
             finally:
                 spent[rw][0] += time.perf_counter() - t0
                 spent[rw][1] += time.process_time() - p0
@@ -921,7 +926,7 @@ def _rounds_run(args, work, size, n, depth, workers, mem, arena, peers, log, rou
     slot = fmt.slot_bytes(size)
     for r in range(args.rounds):
         for who in peers[r % len(peers) :] + peers[: r % len(peers)]:
-            if who in ("aiokv", "aiokv_blocks"):
+            if who in ("aiokv", "aiokv_blocks", "aiokv_nocrc"):
                 got = aiokv_round(
                     os.path.join(work, "store"),
                     size,
@@ -933,6 +938,7 @@ def _rounds_run(args, work, size, n, depth, workers, mem, arena, peers, log, rou
                     secret=args.secret,
                     cpu=cpu,
                     reads="block" if who == "aiokv_blocks" else "window",
+                    crc=who != "aiokv_nocrc",
                 )
             elif who == "fio":
                 got = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem)
@@ -949,6 +955,10 @@ def _rounds_run(args, work, size, n, depth, workers, mem, arena, peers, log, rou
             + " GB/s"
         )
     return rounds
+
+
+# aiokv and its variants (--per-block-reads, --no-crc-too), and the prefix of their ratios in a row
+MINE = {"aiokv": "", "aiokv_blocks": "blocks_", "aiokv_nocrc": "nocrc_"}
 
 
 def _row(size: int, n: int, depth: int, workers: int, rounds: dict) -> dict:
@@ -972,9 +982,9 @@ def _row(size: int, n: int, depth: int, workers: int, rounds: dict) -> dict:
                 m[f"{pre}{rw}_payload_gbps"] = m[f"{pre}{rw}_gbps"] * size / slot  # disk bytes are slots
                 m[f"{pre}{rw}_cpu_s_per_gb"] = m[f"{pre}{rw}_cpu_us"] * 1e-6 / (size / 1e9)  # per GB of payload
     row = {"size": size, "slot_bytes": slot, "depth": depth, "blocks": n, "workers": workers, **med, "rounds": rounds}
-    # aiokv's ratios (ratio_<peer>, ratio_<peer>_data_path), and aiokv_blocks' (blocks_ratio_<peer>...)
-    for mine, head in (("aiokv", ""), ("aiokv_blocks", "blocks_")):
-        for who in rounds.keys() - {"aiokv", "aiokv_blocks"} if mine in rounds else ():
+    # aiokv's ratios (ratio_<peer>, ratio_<peer>_data_path), and its variants' (blocks_ratio_<peer>, ...)
+    for mine, head in MINE.items():
+        for who in rounds.keys() - MINE.keys() if mine in rounds else ():
             scale = size / slot if who == "vllm_fs" else 1.0  # aiokv's payload bytes against vLLM's
             for pre, suffix in (("", ""), ("io_", "_data_path")):
                 if f"{pre}write_gbps" not in rounds[mine][0]:
@@ -1042,6 +1052,12 @@ def main() -> int:
         "aiokv_blocks) beside its reads through a window of a few buffers (a worker with memory 0)",
     )
     ap.add_argument(
+        "--no-crc-too",
+        action="store_true",
+        help="also run aiokv without its payload CRC32C pass (aiokv_nocrc; benchmark only: each header "
+        "holds its payload's CRC already, as the CPU build's device copy leaves it): what the checksum costs",
+    )
+    ap.add_argument(
         "--fixedbufs",
         action="store_true",
         help="also run fio with registered buffers (--fixedbufs): what registering would gain",
@@ -1098,6 +1114,7 @@ def main() -> int:
     rb_note = raw_block_available() if want_rb else "skipped"
     peers = ["aiokv", "fio"] + (["raw_block"] if not rb_note else []) + (["vllm_fs"] if use_vllm else [])
     peers += ["aiokv_blocks"] if args.per_block_reads else []
+    peers += ["aiokv_nocrc"] if args.no_crc_too else []
     peers += ["fio_fixedbufs"] if args.fixedbufs else []
     if only is not None:
         peers = [w for w in peers if w in only]
@@ -1198,13 +1215,14 @@ NAMES = {
     "vllm_fs": "vLLM fs",
     "fio_fixedbufs": "fio --fixedbufs",
     "aiokv_blocks": "aiokv, a buffer per block",
+    "aiokv_nocrc": "aiokv without the CRC",
 }
 
 
 def render(doc: dict) -> str:
     p = doc["params"]
     res = doc["results"]
-    others = [w for w in doc.get("contenders", ["aiokv", "fio"]) if w not in ("aiokv", "aiokv_blocks")]
+    others = [w for w in doc.get("contenders", ["aiokv", "fio"]) if w not in MINE]
     has_aiokv = "aiokv" in doc.get("contenders", ["aiokv"])
     q2 = lambda x, k: f"{x[f'write_{k}']:.2f} / {x[f'read_{k}']:.2f}"  # noqa: E731
     lines = [
@@ -1247,6 +1265,19 @@ def render(doc: dict) -> str:
             line += "".join(f" {r[f'blocks_ratio_{w}']['read']:.2f} |" for w in peers)
             line += "".join(f" {r[f'blocks_ratio_{w}_data_path']['read']:.2f} |" for w in peers)
             lines.append(line + f" {b['io_read_cpu_s_per_gb']:.3f} |")
+    if "aiokv_nocrc" in res[0]:
+        lines += ["", "aiokv without its payload CRC32C pass (aiokv_nocrc; benchmark only), data path:", ""]
+        peers = [w for w in others if f"nocrc_ratio_{w}_data_path" in res[0]]
+        head = "| payload | depth | W/R GB/s |" + "".join(f" /{NAMES[w]} W/R |" for w in peers)
+        head += " CPU s/GB W/R | with the CRC | CRC's share |"
+        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        for r in res:
+            b, a = r["aiokv_nocrc"], r["aiokv"]
+            line = f"| {r['size'] >> 10} KiB | {r['depth']} | {b['io_write_gbps']:.2f} / {b['io_read_gbps']:.2f} |"
+            line += "".join(f" {rq(r[f'nocrc_ratio_{w}_data_path'])} |" for w in peers)
+            cpu = [(b[f"io_{rw}_cpu_s_per_gb"], a[f"io_{rw}_cpu_s_per_gb"]) for rw in ("write", "read")]
+            line += f" {cpu[0][0]:.3f} / {cpu[1][0]:.3f} | {cpu[0][1]:.3f} / {cpu[1][1]:.3f} |"
+            lines.append(line + f" {cpu[0][1] - cpu[0][0]:.3f} / {cpu[1][1] - cpu[1][0]:.3f} |")
     if doc.get("overhead"):
         lines += ["", "| payload | null-I/O CPU µs/block W/R (depth 16) | CRC32C µs |", "|---|---|---|"]
         for o in doc["overhead"]:
