@@ -58,6 +58,8 @@ import asyncio
 import concurrent.futures
 import ctypes
 import datetime
+import errno
+import functools
 import json
 import os
 import platform
@@ -78,6 +80,7 @@ from aiokv.data import format as fmt  # noqa: E402
 from aiokv.data.backend import IOBackend  # noqa: E402
 from aiokv.data.buffers import BufferPool  # noqa: E402
 from aiokv.data.choice import open_backend  # noqa: E402
+from aiokv.data.window import read_through, shape  # noqa: E402
 from tools.storeio import StoreIO  # noqa: E402
 
 NSID = bytes.fromhex("be0c" * 8)
@@ -148,6 +151,8 @@ async def _aiokv_round(
     mode: str = "calls",
     secret: str | None = None,
     cpu=None,
+    reads: str = "window",
+    crc: bool = True,
 ) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     batch = mode == "batch" and not null_io
@@ -156,7 +161,10 @@ async def _aiokv_round(
         workers = 1
     if null_io:  # one staging buffer per key, so a "load" finds the header its save stamped
         n = min(n, 128)
-    pool = BufferPool(fmt.slot_bytes(payload), n if (null_io or batch) else per * workers)
+    slot = fmt.slot_bytes(payload)
+    # batch mode: the size's pool, made once and held for every round, as a worker holds its arena
+    held = batch and slot in POOLS
+    pool = POOLS[slot] if held else BufferPool(slot, n if (null_io or batch) else per * workers)
     st = StoreIO(root, secret=secret, cpu=cpu)
     try:
         if null_io:
@@ -168,13 +176,18 @@ async def _aiokv_round(
             if SUBMIT_GROUP is not None and hasattr(st._backend, "ring"):
                 st._backend.ring.submit_group = SUBMIT_GROUP  # --submit-group: operations per io_uring_enter
         ns = st.namespace(NSID, payload, fields={"bench": "bench_store"})
-        # random payloads (written once; save stamps only the header of each slot)
-        rand = os.urandom(payload)
-        for s in range(pool.count):
-            ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, payload)
+        if not held:  # random payloads (written once; save stamps only the header of each slot)
+            _fill(pool, payload)
         keys = _keys(n, salt)
         thp = _anon_huge_kb()
-        spent = _time_data_path(st.blockio(ns)) if batch else None  # BlockIO's own calls, timed
+        # BlockIO's own calls, timed (reads through a window: timed whole, by _load_through)
+        io = st.blockio(ns)
+        if not crc:  # bench only: no payload CRC pass (each header holds its payload's CRC already)
+            for i, k in enumerate(keys[: pool.count]):
+                io.stamp(k, pool.addr(i))
+        spent = _time_data_path(io, reads=reads != "window", crc=crc) if batch else None
+        if batch and reads == "window":
+            st.load = functools.partial(_load_through, st, pool, spent, crc)  # bench only: a worker's load
 
         async def phase(call) -> tuple[float, float]:
             it = iter(range(0, n, per))
@@ -187,7 +200,7 @@ async def _aiokv_round(
                         addrs = [pool.addr(start + j) for j in range(len(ks))]
                     res = await call(ns, list(zip(ks, addrs)))
                     if any(res):
-                        raise RuntimeError(f"aiokv: {call.__name__} failed: {res}")
+                        raise RuntimeError(f"aiokv: {getattr(call, '__name__', 'load')} failed: {res}")
 
             _phase_sync(SETTLE)
             p0, s0, t0 = time.process_time(), _sys_s(), time.perf_counter()
@@ -223,11 +236,62 @@ async def _aiokv_round(
         }
     finally:
         st.close()
-        pool.close()
+        if not held:
+            pool.close()
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _time_data_path(io) -> dict:
+# batch mode's staging pools, by slot size: made (populated, a random payload in each) once per size
+# and held for all its rounds and contenders, as a worker holds its arena (docs/benchmarks-history.md 11.4)
+POOLS: dict[int, BufferPool] = {}
+
+
+def _fill(pool: BufferPool, payload: int) -> None:
+    rand = os.urandom(payload)
+    for s in range(pool.count):
+        ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, payload)
+
+
+async def _load_through(st, pool: BufferPool, spent: dict, crc: bool, ns, items) -> list[int]:
+    """StoreIO.load as a worker loads (worker/loads.py): pin, then read through a window of
+    the pool's buffers (data/window.py: each chunk read, verified and its buffers given back;
+    nothing to copy out here), unpin. The reads through the window are the data path (`spent`)."""
+    keys = [k for k, _ in items]
+    slots = st.pin(ns, keys)
+    io = st.blockio(ns)
+    out = [-errno.ENOENT] * len(keys)
+    freed = asyncio.Event()
+
+    async def take(k: int) -> list[int]:
+        while not pool.available:
+            freed.clear()
+            await freed.wait()
+        return pool.acquire(min(k, pool.available))
+
+    def give(bufs) -> None:
+        pool.release(bufs)
+        freed.set()
+
+    async def run(part, bufs) -> None:
+        try:
+            res = await io.read([(s, k, pool.addr(b)) for (_, s, k), b in zip(part, bufs)], not crc)
+            for (i, _, _), r in zip(part, res):
+                out[i] = r
+        finally:
+            give(bufs)
+
+    try:
+        todo = [(i, s, k) for i, (s, k) in enumerate(zip(slots, keys)) if s is not None]
+        p0, t0 = time.process_time(), time.perf_counter()
+        await read_through(todo, take, give, run, *shape(io))
+        spent["read"][0] += time.perf_counter() - t0
+        spent["read"][1] += time.process_time() - p0
+    finally:
+        st.unpin(ns, [k for k, s in zip(keys, slots) if s is not None])
+    return out
+
+
+def _time_data_path(io, reads: bool = True, crc: bool = True) -> dict:
     """Wraps BlockIO `io`'s write and read (the data path a worker runs: stamp, write; read,
     verify) so each call adds its wall and process CPU seconds to the returned
     {"write": [s, cpu_s], "read": [...]}: with one call per phase (batch mode), the data
@@ -238,14 +302,16 @@ def _time_data_path(io) -> dict:
         async def call(items, crc_in_copy: bool = False):
             p0, t0 = time.process_time(), time.perf_counter()
             try:
-                return await fn(items, crc_in_copy)
+                return await fn(items, crc_in_copy or not crc)  # not crc: as if a device copy had made it
             finally:
                 spent[rw][0] += time.perf_counter() - t0
                 spent[rw][1] += time.process_time() - p0
 
         return call
 
-    io.write, io.read = timed("write", io.write), timed("read", io.read)
+    io.write = timed("write", io.write)
+    if reads:
+        io.read = timed("read", io.read)
     return spent
 
 
@@ -380,14 +446,15 @@ def raw_block_round(path: str, payload: int, n: int, depth: int) -> dict:
     then reading n slot images, a staging buffer per block as aiokv's batch mode has
     (one arena, filled with a random payload the same way): the same I/Os, no checksum."""
     slot = fmt.slot_bytes(payload)
-    pool = BufferPool(slot, n)
+    held = slot in POOLS  # the size's pool, aiokv's (main)
+    pool = POOLS[slot] if held else BufferPool(slot, n)
     try:
-        rand = os.urandom(payload)
-        for s in range(pool.count):
-            ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, rand, payload)
+        if not held:
+            _fill(pool, payload)
         got = _rbd_peer(path, slot, n, depth, pool, SETTLE)
     finally:
-        pool.close()
+        if not held:
+            pool.close()
     out = {}
     for rw in ("write", "read"):
         out[f"{rw}_gbps"] = n * slot / got[f"{rw}_s"] / 1e9
@@ -859,9 +926,19 @@ def _rounds_run(args, work, size, n, depth, workers, mem, arena, peers, log, rou
     slot = fmt.slot_bytes(size)
     for r in range(args.rounds):
         for who in peers[r % len(peers) :] + peers[: r % len(peers)]:
-            if who == "aiokv":
+            if who in ("aiokv", "aiokv_blocks", "aiokv_nocrc"):
                 got = aiokv_round(
-                    os.path.join(work, "store"), size, n, depth, workers, r, mode=args.mode, secret=args.secret, cpu=cpu
+                    os.path.join(work, "store"),
+                    size,
+                    n,
+                    depth,
+                    workers,
+                    r,
+                    mode=args.mode,
+                    secret=args.secret,
+                    cpu=cpu,
+                    reads="block" if who == "aiokv_blocks" else "window",
+                    crc=who != "aiokv_nocrc",
                 )
             elif who == "fio":
                 got = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem)
@@ -878,6 +955,10 @@ def _rounds_run(args, work, size, n, depth, workers, mem, arena, peers, log, rou
             + " GB/s"
         )
     return rounds
+
+
+# aiokv and its variants (--per-block-reads, --no-crc-too), and the prefix of their ratios in a row
+MINE = {"aiokv": "", "aiokv_blocks": "blocks_", "aiokv_nocrc": "nocrc_"}
 
 
 def _row(size: int, n: int, depth: int, workers: int, rounds: dict) -> dict:
@@ -901,17 +982,19 @@ def _row(size: int, n: int, depth: int, workers: int, rounds: dict) -> dict:
                 m[f"{pre}{rw}_payload_gbps"] = m[f"{pre}{rw}_gbps"] * size / slot  # disk bytes are slots
                 m[f"{pre}{rw}_cpu_s_per_gb"] = m[f"{pre}{rw}_cpu_us"] * 1e-6 / (size / 1e9)  # per GB of payload
     row = {"size": size, "slot_bytes": slot, "depth": depth, "blocks": n, "workers": workers, **med, "rounds": rounds}
-    for who in rounds.keys() - {"aiokv"} if "aiokv" in rounds else ():
-        scale = size / slot if who == "vllm_fs" else 1.0  # aiokv's payload bytes against vLLM's
-        for pre, suffix in (("", ""), ("io_", "_data_path")):
-            if f"{pre}write_gbps" not in rounds["aiokv"][0]:
-                continue
-            row[f"ratio_{who}{suffix}"] = {
-                rw: statistics.median(
-                    a[f"{pre}{rw}_gbps"] * scale / b[f"{rw}_gbps"] for a, b in zip(rounds["aiokv"], rounds[who])
-                )
-                for rw in ("write", "read")
-            }
+    # aiokv's ratios (ratio_<peer>, ratio_<peer>_data_path), and its variants' (blocks_ratio_<peer>, ...)
+    for mine, head in MINE.items():
+        for who in rounds.keys() - MINE.keys() if mine in rounds else ():
+            scale = size / slot if who == "vllm_fs" else 1.0  # aiokv's payload bytes against vLLM's
+            for pre, suffix in (("", ""), ("io_", "_data_path")):
+                if f"{pre}write_gbps" not in rounds[mine][0]:
+                    continue
+                row[f"{head}ratio_{who}{suffix}"] = {
+                    rw: statistics.median(
+                        a[f"{pre}{rw}_gbps"] * scale / b[f"{rw}_gbps"] for a, b in zip(rounds[mine], rounds[who])
+                    )
+                    for rw in ("write", "read")
+                }
     return row
 
 
@@ -961,6 +1044,18 @@ def main() -> int:
         type=int,
         default=None,
         help="aiokv's operations per io_uring_enter (0: all at once; default: the ring's, 2)",
+    )
+    ap.add_argument(
+        "--per-block-reads",
+        action="store_true",
+        help="also run aiokv reading each block into a buffer of its own (the memory tier's pattern: "
+        "aiokv_blocks) beside its reads through a window of a few buffers (a worker with memory 0)",
+    )
+    ap.add_argument(
+        "--no-crc-too",
+        action="store_true",
+        help="also run aiokv without its payload CRC32C pass (aiokv_nocrc; benchmark only: each header "
+        "holds its payload's CRC already, as the CPU build's device copy leaves it): what the checksum costs",
     )
     ap.add_argument(
         "--fixedbufs",
@@ -1018,6 +1113,8 @@ def main() -> int:
     want_rb = not args.no_raw_block and (only is None or "raw_block" in only)
     rb_note = raw_block_available() if want_rb else "skipped"
     peers = ["aiokv", "fio"] + (["raw_block"] if not rb_note else []) + (["vllm_fs"] if use_vllm else [])
+    peers += ["aiokv_blocks"] if args.per_block_reads else []
+    peers += ["aiokv_nocrc"] if args.no_crc_too else []
     peers += ["fio_fixedbufs"] if args.fixedbufs else []
     if only is not None:
         peers = [w for w in peers if w in only]
@@ -1045,6 +1142,9 @@ def main() -> int:
                     ctypes.memset(arena.addr, 0x5A, n * size)
                     k = min(n * size, 1 << 20)
                     ctypes.memmove(arena.addr, os.urandom(k), k)
+                if args.mode == "batch":  # aiokv's and raw_block's staging, held for the size's rounds
+                    POOLS[slot] = BufferPool(slot, n, populate=True)
+                    _fill(POOLS[slot], size)
                 try:
                     for depth in depths:
                         workers = args.workers or depth
@@ -1053,6 +1153,8 @@ def main() -> int:
                 finally:
                     if arena is not None:
                         arena.close()
+                    if slot in POOLS:
+                        POOLS.pop(slot).close()
             if not args.no_null:
                 for size in sizes:
                     d = 16
@@ -1107,13 +1209,20 @@ async def _backend_name() -> str:
         b.close()
 
 
-NAMES = {"fio": "fio", "raw_block": "raw_block", "vllm_fs": "vLLM fs", "fio_fixedbufs": "fio --fixedbufs"}
+NAMES = {
+    "fio": "fio",
+    "raw_block": "raw_block",
+    "vllm_fs": "vLLM fs",
+    "fio_fixedbufs": "fio --fixedbufs",
+    "aiokv_blocks": "aiokv, a buffer per block",
+    "aiokv_nocrc": "aiokv without the CRC",
+}
 
 
 def render(doc: dict) -> str:
     p = doc["params"]
     res = doc["results"]
-    others = [w for w in doc.get("contenders", ["aiokv", "fio"]) if w != "aiokv"]
+    others = [w for w in doc.get("contenders", ["aiokv", "fio"]) if w not in MINE]
     has_aiokv = "aiokv" in doc.get("contenders", ["aiokv"])
     q2 = lambda x, k: f"{x[f'write_{k}']:.2f} / {x[f'read_{k}']:.2f}"  # noqa: E731
     lines = [
@@ -1144,6 +1253,31 @@ def render(doc: dict) -> str:
             x, pre = (r["aiokv"], "io_") if w == "io" else (r[w], "")
             line += f" {x[pre + 'write_cpu_s_per_gb']:.3f} / {x[pre + 'read_cpu_s_per_gb']:.3f} |"
         lines.append(line)
+    if "aiokv_blocks" in res[0]:
+        lines += ["", "aiokv reading each block into a buffer of its own (aiokv_blocks), reads:", ""]
+        peers = [w for w in others if f"blocks_ratio_{w}" in res[0]]
+        head = "| payload | depth | store R GB/s | data path |" + "".join(f" store/{NAMES[w]} |" for w in peers)
+        head += "".join(f" data path/{NAMES[w]} |" for w in peers) + " data path CPU s/GB |"
+        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        for r in res:
+            b = r["aiokv_blocks"]
+            line = f"| {r['size'] >> 10} KiB | {r['depth']} | {b['read_gbps']:.2f} | {b['io_read_gbps']:.2f} |"
+            line += "".join(f" {r[f'blocks_ratio_{w}']['read']:.2f} |" for w in peers)
+            line += "".join(f" {r[f'blocks_ratio_{w}_data_path']['read']:.2f} |" for w in peers)
+            lines.append(line + f" {b['io_read_cpu_s_per_gb']:.3f} |")
+    if "aiokv_nocrc" in res[0]:
+        lines += ["", "aiokv without its payload CRC32C pass (aiokv_nocrc; benchmark only), data path:", ""]
+        peers = [w for w in others if f"nocrc_ratio_{w}_data_path" in res[0]]
+        head = "| payload | depth | W/R GB/s |" + "".join(f" /{NAMES[w]} W/R |" for w in peers)
+        head += " CPU s/GB W/R | with the CRC | CRC's share |"
+        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        for r in res:
+            b, a = r["aiokv_nocrc"], r["aiokv"]
+            line = f"| {r['size'] >> 10} KiB | {r['depth']} | {b['io_write_gbps']:.2f} / {b['io_read_gbps']:.2f} |"
+            line += "".join(f" {rq(r[f'nocrc_ratio_{w}_data_path'])} |" for w in peers)
+            cpu = [(b[f"io_{rw}_cpu_s_per_gb"], a[f"io_{rw}_cpu_s_per_gb"]) for rw in ("write", "read")]
+            line += f" {cpu[0][0]:.3f} / {cpu[1][0]:.3f} | {cpu[0][1]:.3f} / {cpu[1][1]:.3f} |"
+            lines.append(line + f" {cpu[0][1] - cpu[0][0]:.3f} / {cpu[1][1] - cpu[1][0]:.3f} |")
     if doc.get("overhead"):
         lines += ["", "| payload | null-I/O CPU µs/block W/R (depth 16) | CRC32C µs |", "|---|---|---|"]
         for o in doc["overhead"]:

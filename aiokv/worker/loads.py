@@ -30,6 +30,7 @@ import time
 
 from aiokv.data.backend import ABANDON
 from aiokv.data.drives import WAITING
+from aiokv.data.window import read_through
 from aiokv.jobs import LoadResult, SaveResult, Transfer, WorkerReport
 from aiokv.worker.latency import latency_counts
 from aiokv.worker.staging import StagingStuck
@@ -139,36 +140,43 @@ class Loads:
             todo = [item for item, buf in zip(todo, held) if buf is None]
         if self.layers is not None and self.layers.fits(len(todo)):
             return await self.layers.read(t, todo, failed, bad_keys)
-        i = 0
-        while i < len(todo):
-            bufs = await self.staging.wait(len(todo) - i)
-            chunk = todo[i : i + len(bufs)]
-            keep: list[tuple[bytes, int]] = []
-            try:
-                res = await self.reads.read(
-                    [(s, k, b) for (k, s, _), b in zip(chunk, bufs)], crc_in_copy=self.crc_in_copy
-                )
-                good = [(k, s, blk, st) for (k, s, blk), st, r in zip(chunk, bufs, res) if r == 0]
-                bad_keys += [(k, s, t.group) for (k, s, _), r in zip(chunk, res) if r != 0]
-                if good:
-                    ok = await self.reads.copy_in([g[2] for g in good], [g[3] for g in good], self.crc_in_copy)
-                    # CRC in the copy: a payload that did not match its CRC was copied into its KV block
-                    # anyway. Safe because whole-request loads are asynchronous (the connector
-                    # says load_async=True): vLLM uses the loaded blocks only up to the first
-                    # failed one and recomputes the rest in place. So that block stays in
-                    # `failed`, its key goes to bad_keys, and its buffer goes back to the pool
-                    # (not to the memory tier), exactly as a block the separate check rejects.
-                    if not all(ok):
-                        bad_keys += [(k, s, t.group) for (k, s, _, _), v in zip(good, ok) if not v]
-                        good = [g for g, v in zip(good, ok) if v]
-                    failed.difference_update(g[2] for g in good)
-                    keep = [(k, st) for k, _, _, st in good]
-                self.results.count(bytes_read=len(good) * self.slot_bytes)
-            finally:
-                self.staging.keep(keep, self.reads.ns)
-                kept_bufs = {st for _, st in keep}
-                self.staging.release([st for st in bufs if st not in kept_bufs])
-            i += len(chunk)
+        if todo:
+            step, ahead = self.reads.window()
+            await read_through(
+                todo,
+                self.staging.wait,
+                self.staging.release,
+                lambda part, bufs: self._read_chunk(t, part, bufs, failed, bad_keys),
+                step,
+                ahead,
+            )
+
+    async def _read_chunk(self, t: Transfer, chunk: list, bufs: list[int], failed: set, bad_keys: list) -> None:
+        """One chunk of a load's disk reads (data/window.py): read into `bufs`, verified,
+        copied into the KV cache; then its buffers are kept (the memory tier) or given back."""
+        keep: list[tuple[bytes, int]] = []
+        try:
+            res = await self.reads.read([(s, k, b) for (k, s, _), b in zip(chunk, bufs)], crc_in_copy=self.crc_in_copy)
+            good = [(k, s, blk, st) for (k, s, blk), st, r in zip(chunk, bufs, res) if r == 0]
+            bad_keys += [(k, s, t.group) for (k, s, _), r in zip(chunk, res) if r != 0]
+            if good:
+                ok = await self.reads.copy_in([g[2] for g in good], [g[3] for g in good], self.crc_in_copy)
+                # CRC in the copy: a payload that did not match its CRC was copied into its KV block
+                # anyway. Safe because whole-request loads are asynchronous (the connector
+                # says load_async=True): vLLM uses the loaded blocks only up to the first
+                # failed one and recomputes the rest in place. So that block stays in
+                # `failed`, its key goes to bad_keys, and its buffer goes back to the pool
+                # (not to the memory tier), exactly as a block the separate check rejects.
+                if not all(ok):
+                    bad_keys += [(k, s, t.group) for (k, s, _, _), v in zip(good, ok) if not v]
+                    good = [g for g, v in zip(good, ok) if v]
+                failed.difference_update(g[2] for g in good)
+                keep = [(k, st) for k, _, _, st in good]
+            self.results.count(bytes_read=len(good) * self.slot_bytes)
+        finally:
+            self.staging.keep(keep, self.reads.ns)
+            kept_bufs = {st for _, st in keep}
+            self.staging.release([st for st in bufs if st not in kept_bufs])
 
     async def _load_from_bucket(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
         """Blocks from the bucket tier: GET → verify → device; then, without holding up

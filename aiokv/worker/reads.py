@@ -12,6 +12,7 @@ Threading contract: `read` and `copy_in` run on the worker's event-loop thread
 from __future__ import annotations
 
 from aiokv.data.backend import NOT_IO_ERRORS  # noqa: F401  (saves.py reads it here)
+from aiokv.data.window import shape
 
 
 class Reads:
@@ -29,6 +30,10 @@ class Reads:
         res = await self._blockio().read([(s, k, addr(b)) for s, k, b in items], crc_in_copy=crc_in_copy)
         self.count(read_errors=sum(r not in NOT_IO_ERRORS for r in res))
         return res
+
+    def window(self) -> tuple[int, int]:
+        """(items per chunk, chunks at once) of a load's reads through a window (data/window.py)."""
+        return shape(self._blockio())
 
     async def copy_in(self, block_ids, bufs, crc_in_copy: bool = False) -> list[bool]:
         """Per block whether it may count as loaded: always, unless `crc_in_copy` (the
