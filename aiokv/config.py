@@ -1,16 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""aiokv's settings, read from vLLM's kv_connector_extra_config.
+"""aiokv's settings, read from vLLM's kv_connector_extra_config, and the syntax of their values.
 
 Every wrong or missing setting fails at start with one line that names the fix. Each
-setting's bounds (README's settings table, "accepted") are checked here: sizes finite and
-positive (memory: 0 too), staging + memory within the machine's memory; whole numbers
-without a fraction (queue_depth 1 to MAX_QUEUE_DEPTH, admit_window 1 to 2^30,
-checksum_threads 0 to 64, breaker_failures 0 and up); timeouts from TIMEOUTS' least value
-to MAX_SECONDS, finite. Every value inside them works on real vLLM
+setting's bounds (README's settings table, "accepted") are checked here (_SIZES and
+_SETTINGS say how each is read): sizes finite and positive (memory: 0 too), staging +
+memory within the machine's memory; whole numbers without a fraction (queue_depth 1 to
+MAX_QUEUE_DEPTH, admit_window 1 to 2^30, checksum_threads 0 to 64, breaker_failures 0 and
+up); timeouts from TIMEOUTS' least value to MAX_SECONDS, finite; the bucket's s3:// URL
+(parse_bucket_url). Every value inside them works on real vLLM
 (tests/test_every_setting_at_its_bounds.py; tools/fuzz.py --random-settings draws them).
-The bucket tier's setting is `bucket`; its old name `shared` is still accepted,
-with one deprecation line per process; so is `remote_timeout`, the old name of
-`bucket_timeout`.
+Old names (RENAMED: `shared` for `bucket`, `remote_timeout` for `bucket_timeout`) still
+work, with one deprecation line per process. This module imports nothing of aiokv: every
+layer reads it. (Whether the secret's MAC can be made, the blake3 package, is asked where
+the secret is used: aiokv/data/mac.py's require_mac.)
 
 Threading contract: from_extra runs in the connector's __init__ (either role);
 the config is read only afterwards.
@@ -23,12 +25,14 @@ import json
 import logging
 import math
 import os
+import re
+from functools import partial
 
 log = logging.getLogger("aiokv")
 
 
 class ConfigError(ValueError):
-    pass
+    """A setting aiokv refuses; the message is one line naming the fix."""
 
 
 DEFAULT_PATH = "~/.cache/aiokv"
@@ -84,20 +88,7 @@ class AioKVConfig:
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "AioKVConfig":
-        extra = dict(extra or {})
-        if "shared" in extra:
-            if "bucket" in extra:
-                raise ConfigError("aiokv: bucket and shared are one setting (shared is its old name); give bucket only")
-            extra["bucket"] = extra.pop("shared")
-            _say_renamed("shared", "bucket")
-        if "remote_timeout" in extra:
-            if "bucket_timeout" in extra:
-                raise ConfigError(
-                    "aiokv: bucket_timeout and remote_timeout are one setting (remote_timeout is its "
-                    "old name); give bucket_timeout only"
-                )
-            extra["bucket_timeout"] = extra.pop("remote_timeout")
-            _say_renamed("remote_timeout", "bucket_timeout")
+        extra = _old_names(dict(extra or {}))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -107,15 +98,7 @@ class AioKVConfig:
             )
         paths = parse_paths(extra.pop("path", None))
         cfg = cls(path=paths[0], paths=paths)
-        for name in ("capacity", "staging", "upload_queue"):
-            if name in extra:
-                setattr(cfg, name, _size(name, extra.pop(name)))
-                if getattr(cfg, name) <= 0:
-                    raise ConfigError(f"aiokv: {name} must be positive: a size such as 4GiB")
-        if "memory" in extra:  # 0 turns the memory tier off
-            cfg.memory = _size("memory", extra.pop("memory"))
-            if cfg.memory < 0:
-                raise ConfigError("aiokv: memory must be 0 (off) or a size such as 4GiB")
+        _read(cfg, extra, _SIZES)
         ram = physical_memory()
         if ram and cfg.staging + cfg.memory > ram:
             # every worker populates both at start: beyond the machine's memory the kernel kills the engine
@@ -123,100 +106,82 @@ class AioKVConfig:
                 f"aiokv: staging + memory ({_gib(cfg.staging + cfg.memory)}) exceed this machine's memory "
                 f"({_gib(ram)}); each worker holds both from its start: lower memory (or staging)"
             )
-        if "quota" in extra:
-            cfg.quota = parse_quota(extra.pop("quota"))
-        if "request_pins" in extra:
-            cfg.request_pins = parse_quota(extra.pop("request_pins"), "request_pins", sizes_only=False)
-        if "pin_capacity" in extra:
-            cfg.pin_capacity = _size("pin_capacity", extra.pop("pin_capacity"))
-            if cfg.pin_capacity < 0:
-                raise ConfigError("aiokv: pin_capacity must be 0 (no pins) or a size such as 4GiB")
-        if "admit" in extra:
-            cfg.admit = extra.pop("admit")
-            if cfg.admit not in ("all", "reused"):
-                raise ConfigError(
-                    f"aiokv: admit must be all (every block to disk) or reused (blocks seen twice), not {cfg.admit!r}"
-                )
-        if "admit_window" in extra:
-            cfg.admit_window = _whole(
-                "admit_window",
-                extra.pop("admit_window"),
-                1,
-                1 << 30,
-                "a whole number of sightings from 1 to 2^30",
-                strings=False,
-            )
-        if "io" in extra:
-            cfg.io = extra.pop("io")
-            if cfg.io not in ("auto", "uring", "threads"):
-                raise ConfigError(f"aiokv: io must be auto, uring or threads, not {cfg.io!r}")
-        if "queue_depth" in extra:
-            cfg.queue_depth = _whole(
-                "queue_depth",
-                extra.pop("queue_depth"),
-                1,
-                MAX_QUEUE_DEPTH,
-                f"a whole number from 1 to {MAX_QUEUE_DEPTH} (I/O operations in flight per worker and drive)",
-            )
-        if "breaker_failures" in extra:  # 0 turns the breaker off
-            cfg.breaker_failures = _whole(
-                "breaker_failures", extra.pop("breaker_failures"), 0, None, "a whole number: 0 (off) or more"
-            )
-        for name, least in TIMEOUTS.items():
-            if name in extra:
-                setattr(cfg, name, _seconds(name, extra.pop(name), least))
-        if "checksum_threads" in extra:
-            cfg.checksum_threads = _whole(
-                "checksum_threads",
-                extra.pop("checksum_threads"),
-                0,
-                64,
-                "a whole number from 0 (on the loop thread) to 64",
-                strings=False,
-            )
-        for name in ("strict_load_failures", "layerwise", "bucket_unsigned", "kv_events", "save_generated"):
-            if name in extra:
-                v = extra.pop(name)
-                if not isinstance(v, bool):
-                    raise ConfigError(f"aiokv: {name} must be true or false")
-                setattr(cfg, name, v)
-        secret = extra.pop("secret", None) or os.environ.get("AIOKV_SECRET") or None
-        if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
-            raise ConfigError("aiokv: secret (or AIOKV_SECRET) must be a string of at least 16 characters")
-        if secret is not None:
-            from aiokv.data import mac
-
-            if not mac.available():  # a tree copied or installed without its dependencies
-                raise ConfigError(mac.MISSING)
-        cfg.secret = secret
+        _read(cfg, extra, _SETTINGS)
+        cfg.secret = _secret(extra.pop("secret", None))
         if "bucket" in extra:
-            from aiokv.bucket.naming import parse_url
-
-            cfg.bucket = extra.pop("bucket") or None
-            if cfg.bucket is not None:
-                try:
-                    parse_url(cfg.bucket)
-                except ValueError as e:
-                    raise ConfigError(str(e)) from None
-                try:
-                    import obstore  # noqa: F401
-                except ImportError:
-                    raise ConfigError("aiokv: bucket needs the obstore package: pip install 'aiokv[bucket]'") from None
-                if cfg.secret is None and not cfg.bucket_unsigned:
-                    raise ConfigError(UNSIGNED)
-                if cfg.secret is None:
-                    _say_once(
-                        "unsigned",
-                        "aiokv: the bucket's blocks carry no MAC (bucket_unsigned): whoever can "
-                        "write the bucket can plant KV this engine serves",
-                    )
+            cfg.bucket = _bucket(extra.pop("bucket"), cfg)
         return cfg
+
+
+def _old_names(extra: dict) -> dict:
+    """An old name's value moved to the setting's name now (said once); both given is refused."""
+    for old, new in RENAMED.items():
+        if old not in extra:
+            continue
+        if new in extra:
+            raise ConfigError(f"aiokv: {new} and {old} are one setting ({old} is its old name); give {new} only")
+        extra[new] = extra.pop(old)
+        _say_renamed(old, new)
+    return extra
+
+
+def _read(cfg: AioKVConfig, extra: dict, table: dict) -> None:
+    """Each setting of `table` given in `extra`, in the table's order, read by its parser into cfg."""
+    for name, parse in table.items():
+        if name in extra:
+            setattr(cfg, name, parse(name, extra.pop(name)))
+
+
+def _secret(v) -> str | None:
+    """The secret: the setting, else AIOKV_SECRET; a string of 16+ characters."""
+    secret = v or os.environ.get("AIOKV_SECRET") or None
+    if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
+        raise ConfigError("aiokv: secret (or AIOKV_SECRET) must be a string of at least 16 characters")
+    return secret
+
+
+def _bucket(v, cfg: AioKVConfig) -> str | None:
+    """The bucket tier's URL (None: off): its syntax, the obstore package, and a secret or
+    bucket_unsigned (said once)."""
+    if not v:
+        return None
+    parse_bucket_url(v)
+    try:
+        import obstore  # noqa: F401
+    except ImportError:
+        raise ConfigError("aiokv: bucket needs the obstore package: pip install 'aiokv[bucket]'") from None
+    if cfg.secret is None and not cfg.bucket_unsigned:
+        raise ConfigError(UNSIGNED)
+    if cfg.secret is None:
+        _say_once("unsigned", UNSIGNED_SAID)
+    return v
+
+
+_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+def parse_bucket_url(url) -> tuple[str, str]:
+    """(bucket, prefix without slashes at either end) of "s3://BUCKET/PREFIX"; raises ConfigError
+    (a ValueError) naming the fix. The one place the URL's syntax is checked (bucket/client.py
+    reads it through here)."""
+    if not isinstance(url, str) or not url.startswith("s3://"):
+        raise ConfigError(f"aiokv: bucket must look like s3://BUCKET/PREFIX, got {url!r}")
+    bucket, _, prefix = url[5:].partition("/")
+    if not _BUCKET_NAME.match(bucket):
+        raise ConfigError(
+            f"aiokv: bucket: {bucket!r} is not a valid S3 bucket name (3-63 lowercase letters, digits, dots or hyphens)"
+        )
+    return bucket, prefix.strip("/")
 
 
 UNSIGNED = (
     "aiokv: a bucket tier without a secret lets whoever can write the bucket plant KV that every engine "
     "serves; set secret (or AIOKV_SECRET: the same string of 16+ characters on every engine), or "
     "bucket_unsigned: true to accept that"
+)
+UNSIGNED_SAID = (
+    "aiokv: the bucket's blocks carry no MAC (bucket_unsigned): whoever can write the bucket can plant KV "
+    "this engine serves"
 )
 
 
@@ -249,7 +214,7 @@ def parse_paths(v) -> list[str]:
     return out
 
 
-MAX_DRIVES = 64  # the drives a location can name (aiokv/data/format.py, DRIVE_SHIFT)
+MAX_DRIVES = 64  # the drives a location can name (aiokv/data/format/paths.py, DRIVE_SHIFT)
 # io_uring rings hold at most 32768 entries (IORING_MAX_ENTRIES) and aiokv's are 2 x the depth;
 # a deeper ring was refused by the kernel and aiokv fell back to threads, saying io_uring was unavailable
 MAX_QUEUE_DEPTH = 16384
@@ -260,17 +225,10 @@ MAX_SECONDS = 86400.0
 # each timeout's least value (0: any positive time): below it the operation it bounds cannot finish
 # on a healthy local drive (a request's load or save, a journal append with its fdatasync, a bucket
 # request) or, for start_timeout, opening a cache directory (its files, lock and index image) may not
-TIMEOUTS = {
-    "load_timeout": 0.01,
-    "save_timeout": 0.01,
-    "fs_timeout": 0.01,
-    "start_timeout": 1.0,
-    "breaker_cooldown": 0.0,
-    "bucket_timeout": 0.01,
-    "probe_timeout": 0.01,
-    "flush_timeout": 0.0,
-    "index_wait": 0.0,
-}
+TIMEOUTS = dict(load_timeout=0.01, save_timeout=0.01, fs_timeout=0.01, start_timeout=1.0, breaker_cooldown=0.0)
+TIMEOUTS.update(bucket_timeout=0.01, probe_timeout=0.01, flush_timeout=0.0, index_wait=0.0)
+DEPTH = f"a whole number from 1 to {MAX_QUEUE_DEPTH} (I/O operations in flight per worker and drive)"
+RENAMED = {"shared": "bucket", "remote_timeout": "bucket_timeout"}  # old name -> the setting's name now
 
 
 def _size(name: str, v) -> int:
@@ -280,7 +238,7 @@ def _size(name: str, v) -> int:
         raise ConfigError(f"aiokv: {name}: {e}") from None
 
 
-def _whole(name: str, v, least: int, most: int | None, what: str, strings: bool = True) -> int:
+def _whole(name: str, v, *, least: int, most: int | None, what: str, strings: bool = True) -> int:
     """A whole number in [least, most] (most None: no upper bound); a string of one too (strings)."""
     n = v
     if strings and isinstance(v, str):
@@ -293,7 +251,7 @@ def _whole(name: str, v, least: int, most: int | None, what: str, strings: bool 
     return n
 
 
-def _seconds(name: str, v, least: float) -> float:
+def _seconds(name: str, v, *, least: float) -> float:
     """A number of seconds in [least, MAX_SECONDS] (least 0: above 0)."""
     try:
         t = float(v) if not isinstance(v, bool) else math.nan
@@ -304,6 +262,51 @@ def _seconds(name: str, v, least: float) -> float:
         must = "must be positive:" if not t > 0 else "must be"
         raise ConfigError(f"aiokv: {name} {must} a number of seconds {lo} to {MAX_SECONDS:g} (a day), not {v!r}")
     return t
+
+
+def _sized(name: str, v, *, zero: str | None = None) -> int:
+    """A size: positive or, where `zero` says what 0 means, 0 too."""
+    n = _size(name, v)
+    if n < 0 or (n == 0 and zero is None):
+        must = "positive:" if zero is None else f"0 ({zero}) or"
+        raise ConfigError(f"aiokv: {name} must be {must} a size such as 4GiB")
+    return n
+
+
+def _one_of(name: str, v, *, allowed: tuple, text: str):
+    if v not in allowed:
+        raise ConfigError(f"aiokv: {name} must be {text}, not {v!r}")
+    return v
+
+
+def _flag(name: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"aiokv: {name} must be true or false")
+    return v
+
+
+# How each setting is read, in the order they are checked: the sizes (then staging + memory
+# against the machine's memory), then the rest; path, secret and bucket apart (from_extra).
+_SIZES = {**dict.fromkeys(("capacity", "staging", "upload_queue"), _sized), "memory": partial(_sized, zero="off")}
+_SETTINGS = {
+    "quota": lambda name, v: parse_quota(v),
+    "request_pins": lambda name, v: parse_quota(v, name, sizes_only=False),
+    "pin_capacity": partial(_sized, zero="no pins"),
+    "admit": partial(
+        _one_of, allowed=("all", "reused"), text="all (every block to disk) or reused (blocks seen twice)"
+    ),
+    "admit_window": partial(
+        _whole, least=1, most=1 << 30, what="a whole number of sightings from 1 to 2^30", strings=False
+    ),
+    "io": partial(_one_of, allowed=("auto", "uring", "threads"), text="auto, uring or threads"),
+    "queue_depth": partial(_whole, least=1, most=MAX_QUEUE_DEPTH, what=DEPTH),
+    "breaker_failures": partial(_whole, least=0, most=None, what="a whole number: 0 (off) or more"),
+    **{name: partial(_seconds, least=least) for name, least in TIMEOUTS.items()},
+    "checksum_threads": partial(
+        _whole, least=0, most=64, what="a whole number from 0 (on the loop thread) to 64", strings=False
+    ),
+    **dict.fromkeys(("strict_load_failures", "layerwise", "bucket_unsigned", "kv_events", "save_generated"), _flag),
+}
 
 
 def physical_memory() -> int:
@@ -350,6 +353,12 @@ def parse_quota(v, setting: str = "quota", sizes_only: bool = True) -> dict:
     return out
 
 
+# a size's units: k, m, g, t alone or with "ib" powers of 1024; with "b" powers of 1000
+_UNITS = {"": 1, "b": 1}
+for _i, _u in enumerate("kmgt", 1):
+    _UNITS.update({_u: 1 << 10 * _i, _u + "ib": 1 << 10 * _i, _u + "b": 10 ** (3 * _i)})
+
+
 def parse_size(v) -> int:
     """Bytes from an int or a string like '200GiB', '1.5 TB', '512M'."""
     if isinstance(v, bool):
@@ -359,27 +368,11 @@ def parse_size(v) -> int:
     if isinstance(v, float):
         return _finite(v, v)
     s = str(v).strip().replace(" ", "")
-    units = {
-        "": 1,
-        "b": 1,
-        "k": 1 << 10,
-        "kb": 10**3,
-        "kib": 1 << 10,
-        "m": 1 << 20,
-        "mb": 10**6,
-        "mib": 1 << 20,
-        "g": 1 << 30,
-        "gb": 10**9,
-        "gib": 1 << 30,
-        "t": 1 << 40,
-        "tb": 10**12,
-        "tib": 1 << 40,
-    }
     num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
     unit = s[len(num) :].lower()
-    if unit not in units or not num:
+    if unit not in _UNITS or not num:
         raise ValueError(f"not a size: {v!r} (use bytes or a unit like 200GiB)")
-    return _finite(float(num) * units[unit], v)
+    return _finite(float(num) * _UNITS[unit], v)
 
 
 def _finite(x: float, v) -> int:

@@ -19,9 +19,10 @@ import time
 
 from aiokv.bucket.client import BucketClient
 from aiokv.bucket.loader import BAD, MISSING, OK, BucketLoader
-from aiokv.bucket.naming import object_name, parse_url
+from aiokv.bucket.naming import object_name
 from aiokv.bucket.prober import Prober
 from aiokv.bucket.uploader import Uploader
+from aiokv.config import parse_bucket_url as parse_url
 from aiokv.data import format as fmt
 from tests.conftest import NS, PAYLOAD, key
 from tools.storeio import StoreIO

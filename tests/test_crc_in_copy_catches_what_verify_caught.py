@@ -66,7 +66,7 @@ def _payload(addr: int, plen: int) -> bytes:
 
 def _refix_pcrc(addr: int) -> None:
     """A well-formed header (its own CRC right) that names another payload CRC."""
-    body = bytearray(ctypes.string_at(addr, fmt._HDR.size))
+    body = bytearray(ctypes.string_at(addr, fmt.HDR.size))
     body[36] ^= 1  # the payload CRC field (format._HDR)
     body += _native.crc32c_bytes(bytes(body)).to_bytes(4, "little")
     ctypes.memmove(addr, bytes(body), len(body))
@@ -95,7 +95,7 @@ def test_crc_in_copy_save_copies_memcpys_bytes_and_stamps_their_crc(seg, layers)
         for f, p in zip(in_copy, plain):
             hf, hp = ctypes.string_at(f, fmt.HEADER_BYTES), ctypes.string_at(p, fmt.HEADER_BYTES)
             seq = slice(80, 88)  # the stamp time differs
-            assert hf[: seq.start] == hp[: seq.start] and hf[seq.stop : fmt._HDR.size] == hp[seq.stop : fmt._HDR.size]
+            assert hf[: seq.start] == hp[: seq.start] and hf[seq.stop : fmt.HDR.size] == hp[seq.stop : fmt.HDR.size]
             assert hf[fmt.HDR_USED :] == bytes(fmt.HEADER_BYTES - fmt.HDR_USED)
     finally:
         pool.close()

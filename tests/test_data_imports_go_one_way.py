@@ -8,7 +8,7 @@ the other half of the I/O layer came with it, and moving an import to the top
 of either file would break `import aiokv`.
 Invariant: the graph of imports between the modules of aiokv/data (every
 `import` and `from ... import` anywhere in a module, deferred ones included;
-the package's __init__ aside) has no cycle, and backend.py, the interface,
+the package's __init__ aside; a subpackage such as format/ one node) has no cycle, and backend.py, the interface,
 imports none of them.
 Fix: open_backend and the choice it makes moved to choice.py, which imports
 the backends; the backends import backend.py; backend.py imports neither.
@@ -22,14 +22,25 @@ import os
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "aiokv", "data")
 
 
+def _sources(m: str) -> list[str]:
+    """A module's file, or every file of a subpackage (format/: one node of the graph)."""
+    path = os.path.join(DATA, m)
+    if os.path.isdir(path):
+        return [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".py")]
+    return [path + ".py"]
+
+
 def _graph() -> dict[str, set[str]]:
     mods = {f[:-3] for f in os.listdir(DATA) if f.endswith(".py") and f != "__init__.py"}
+    mods |= {d for d in os.listdir(DATA) if os.path.isfile(os.path.join(DATA, d, "__init__.py"))}
     graph: dict[str, set[str]] = {}
     for m in mods:
-        with open(os.path.join(DATA, m + ".py")) as f:
-            tree = ast.parse(f.read())
+        trees = []
+        for src in _sources(m):
+            with open(src) as f:
+                trees.append(ast.parse(f.read()))
         deps = set()
-        for node in ast.walk(tree):
+        for node in (n for tree in trees for n in ast.walk(tree)):
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):

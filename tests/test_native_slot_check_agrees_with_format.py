@@ -17,7 +17,7 @@ crc_in_copy (the payload CRC checked in the device copy instead) the verdict
 is format.check_header's; a reader that leaves the key or layout out (None)
 has it not checked, and a buffer too short is a verdict, never a read past it.
 Fix: one check, slot_verdict in native/slots.c, behind both entries
-(_native.check_slot, _native.verify_slots); one layout (format._HDR, mirrored
+(_native.check_slot, _native.verify_slots); one layout (format.HDR, mirrored
 by HDR_OFF_*); its verdicts named once (format.SLOT_REASONS).
 """
 
@@ -91,9 +91,9 @@ def test_stamp_writes_format_headers_byte_for_byte(pool):
 def _refix(addr: int, **fields) -> None:
     """Rewrite header fields and recompute the header CRC: a well-formed header that says something else."""
     names = ("magic", "version", "hbytes", "rank", "nsid", "klen", "macs", "pcrc", "plen", "key", "seq", "layout")
-    vals = dict(zip(names, fmt._HDR.unpack(ctypes.string_at(addr, fmt._HDR.size))))
+    vals = dict(zip(names, fmt.HDR.unpack(ctypes.string_at(addr, fmt.HDR.size))))
     vals.update(fields)
-    body = fmt._HDR.pack(*(vals[n] for n in names))
+    body = fmt.HDR.pack(*(vals[n] for n in names))
     ctypes.memmove(addr, body + struct.pack("<I", _native.crc32c_bytes(body)), fmt.HDR_USED)
 
 

@@ -90,7 +90,7 @@ def _slot(addr: int, plen: int) -> bytes:
 
 def _refix(addr: int, offset: int, xor: int) -> None:
     """Flip header byte `offset` (< 96) and fix the header CRC: a well-formed header that says something else."""
-    body = bytearray(ctypes.string_at(addr, fmt._HDR.size))
+    body = bytearray(ctypes.string_at(addr, fmt.HDR.size))
     body[offset] ^= xor
     ctypes.memmove(addr, bytes(body) + _native.crc32c_bytes(bytes(body)).to_bytes(4, "little"), fmt.HDR_USED)
 
@@ -121,7 +121,7 @@ def test_stamped_mac_is_keyed_blake3_of_payload_then_header_fields(slots, crc_in
         raw = _slot(a, plen)
         h = fmt.check_slot(raw, NS, RANK, plen, key(i), LAYOUT)  # the CRC path still holds
         assert h["mac_scheme"] == fmt.MAC_SCHEME == 1
-        want = blake3.blake3(raw[fmt.HEADER_BYTES :] + raw[: fmt._HDR.size], key=mk).digest()
+        want = blake3.blake3(raw[fmt.HEADER_BYTES :] + raw[: fmt.HDR.size], key=mk).digest()
         assert raw[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] == want
         assert raw[fmt.MAC_OFFSET + fmt.MAC_BYTES : fmt.HEADER_BYTES] == bytes(fmt.HEADER_BYTES - 132)
         assert fmt.check_slot(raw, NS, RANK, plen, key(i), LAYOUT, mk)["key"] == key(i)

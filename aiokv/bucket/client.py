@@ -32,7 +32,7 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionError
 from obstore.store import S3Store
 
-from aiokv.bucket.naming import parse_url
+from aiokv.config import parse_bucket_url
 from aiokv.util.breaker import Breaker
 
 
@@ -47,7 +47,7 @@ class BucketError(Exception):
 
 class BucketClient:
     def __init__(self, url: str, timeout: float = 5.0, breaker: Breaker | None = None):
-        self.bucket, self.prefix = parse_url(url)
+        self.bucket, self.prefix = parse_bucket_url(url)
         self.url = url
         self.timeout = timeout
         self.breaker = breaker or bucket_breaker()

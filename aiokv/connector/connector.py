@@ -38,6 +38,7 @@ from aiokv.connector.namespace import ModelNamespace, cannot_use_cached_prefix
 from aiokv.connector.plugin import use_vllm_logging
 from aiokv.connector.scheduler_role import SchedulerRole
 from aiokv.connector.worker_role import WorkerRole
+from aiokv.data.mac import require_mac
 from aiokv.scheduler.layout import FULL, STATE
 
 log = logging.getLogger("aiokv")
@@ -48,6 +49,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         use_vllm_logging()
         self.cfg = AioKVConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        require_mac(self.cfg.secret)  # a secret whose MAC cannot be made here is refused at start
         self.namespace = ns = ModelNamespace(vllm_config, kv_cache_config)
         self.fields, self.groups, self.nsid = ns.fields, ns.groups, ns.nsid
         self.block_size = ns.block_size

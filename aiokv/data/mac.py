@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The hash behind the slot MAC (docs/format.md, "The MAC"): keyed BLAKE3 from the blake3 package.
 
-format.py builds the MAC of a slot from these (scheme 1: keyed BLAKE3-256 of
+aiokv/data/format/ builds the MAC of a slot from these (scheme 1: keyed BLAKE3-256 of
 the payload, then of the header fields the header CRC covers) and stamps and
 checks it around the native slot calls; this module only hashes.
 
@@ -12,13 +12,16 @@ slots hashed on a checksum thread leaves the loop thread and the other
 checksum threads running.
 
 blake3 is imported at the first use of a secret: a tree without it (a bare GPU
-machine's copy, tools/gpu_check.py) runs without one, and config.py refuses the
-`secret` setting at start in one line where it is missing.
+machine's copy, tools/gpu_check.py) runs without one, and require_mac refuses the
+`secret` setting in one line where it is missing (the connector calls it at start, where
+the secret is first used; config.py imports nothing of aiokv).
 
 Threading contract: no state; any thread.
 """
 
 from __future__ import annotations
+
+from aiokv.config import ConfigError
 
 KEY_BYTES = MAC_BYTES = 32
 # BLAKE3 derive_key's context for the MAC key: pinned (every engine of a fleet must derive
@@ -49,6 +52,13 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def require_mac(secret: str | None) -> None:
+    """Refuse a secret whose MAC cannot be made here (no blake3 package): ConfigError, one line
+    naming the fix. Nothing without a secret."""
+    if secret is not None and not available():  # a tree copied or installed without its dependencies
+        raise ConfigError(MISSING)
 
 
 def derive_key(secret: bytes, context: str = CONTEXT) -> bytes:
