@@ -5,7 +5,7 @@
  *   module.c  the module: its init, fallocate
  *   ring.c    Ring, the io_uring ring that runs batches (aiokv/data/uring.py)
  *   crc32c.c  CRC32C, the checksum of every slot, header and journal record
- *   slots.c   slot headers: stamp_slots, verify_slots, check_slot (aiokv/data/format.py)
+ *   slots.c   slot headers: stamp_slots, verify_slots, check_slot (aiokv/data/format/slot.py)
  *   copies.c  block copies on the CPU device, the payload CRC taken inside them
  *
  * Every unit is built with hidden visibility and the link keeps only
@@ -37,7 +37,7 @@ int slots_add(PyObject *m);
 int copies_add(PyObject *m);
 
 /* ---- the slot header (slots.c writes and checks it; copies.c puts and checks its payload CRC) ----
- * The layout of aiokv/data/format.py's _HDR ("<8sHHI16sBB2xIQ32sQQ") and the
+ * The layout of aiokv/data/format/slot.py's HDR ("<8sHHI16sBB2xIQ32sQQ") and the
  * header CRC after it, byte for byte (tests/test_native_slot_check_agrees_with_format.py
  * pins the two together): magic, version, header bytes, rank, nsid, key length,
  * MAC scheme, payload CRC, payload length, key, sequence, layout tag, CRC of the

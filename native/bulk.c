@@ -145,7 +145,7 @@ static PyObject *py_erase(PyObject *mod, PyObject *args) {
 }
 
 /* records(kind, klen, slots int64, tags uint64, flags uint8 (empty: 0), out) -> n: FREE or FLAGS
- * records (format.py's layout, REC_FIELDS: kind, key length, slot, the tag in the key's first 8
+ * records (data/format/records.py's layout, REC_FIELDS: kind, key length, slot, the tag in the key's first 8
  * bytes, flags at byte 58; the rest zero) into out, n * 64 bytes; their CRCs are left to seal. */
 static PyObject *py_records(PyObject *mod, PyObject *args) {
     int kind, klen;
@@ -188,7 +188,7 @@ static PyObject *py_records(PyObject *mod, PyObject *args) {
 
 static PyMethodDef bulk_methods[] = {
     {"records", py_records, METH_VARARGS,
-     "records(kind, klen, slots, tags, flags, out) -> n: FREE or FLAGS records, unsealed (format.py)"},
+     "records(kind, klen, slots, tags, flags, out) -> n: FREE or FLAGS records, unsealed (data/format/records.py)"},
     {"select", py_select, METH_VARARGS,
      "select(tag, atime, tenant, flags, lo, hi, tenants, below, fmask, fwant, out) -> (n, next): the slots of "
      "[lo, hi) an order is for"},

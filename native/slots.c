@@ -2,7 +2,7 @@
 /*
  * Slot headers, many slots per call (docs/format.md): stamp_slots writes them,
  * verify_slots checks a batch of staging buffers, check_slot one slot in any
- * buffer (what aiokv/data/format.py's check_slot, check_header and
+ * buffer (what aiokv/data/format/slot.py's check_slot, check_header and
  * unpack_header call). The slot MAC, with a secret, is aiokv/data/mac.py's.
  */
 #include "aiokv.h"

@@ -47,7 +47,7 @@ LAYERS = {  # folder (or top-level module) -> the folders it may import besides 
     "__init__": set(),
 }
 VLLM_OK = ("aiokv/connector/", "aiokv/demo/run_once.py")
-SPLIT, MAP = "split it, a module per job", "issue 42: its layer names it in docs/design.md"
+SPLIT = "split it, a module per job"
 SR, STORE, JOURNAL = "the wiring leaves SchedulerRole", "pins, quotas and loading leave Store", "journal.py splits"
 KNOWN: dict[str, dict[str, str]] = {  # rule -> {path or path::name: what removes it}; it only shrinks
     "small": {  # sizes: "N lines today", and a known one may not grow past its N either
@@ -90,12 +90,7 @@ KNOWN: dict[str, dict[str, str]] = {  # rule -> {path or path::name: what remove
         "native/crc32c.c": "issue 42: one CRC32C; its leading comment says its threading contract",
         "native/slots.c": "issue 42: its leading comment says its threading contract",
     },
-    "on_the_map": {
-        **{f"aiokv/data/format/{m}.py": MAP for m in ("keys", "paths", "records", "sidefiles", "slot", "stamp")},
-        **{f"aiokv/{m}.py": MAP for m in ("cli/bads", "data/drives", "data/mac", "scheduler/admission")},
-        **{f"aiokv/{m}.py": MAP for m in ("store/drives", "store/labels", "store/wear")},
-        **{f"aiokv/demo/{m}.py": MAP for m in ("run_once", "tiny_model")},
-    },
+    "on_the_map": {},
     "imports_down": {},
 }
 

@@ -2,7 +2,7 @@
 """The persistent block store (no vLLM imports below this line).
 
 Store (store.py) owns the index; the data path below it (aiokv/data/: BlockIO) moves
-slot bytes; the on-disk format is in aiokv/data/format.py and docs/format.md.
+slot bytes; the on-disk format is in aiokv/data/format/ and docs/format.md.
 """
 
 from aiokv.store.index import Namespace

@@ -3,7 +3,7 @@
 
 `aiokv clear`, `aiokv pin` and `aiokv unpin` (aiokv/cli/operate.py) do not touch an engine's
 files while it runs (each engine writes only its own): they append an **order** to DIR/control
-(format.py: numbered records, written and synced under an flock of the file), and every engine
+(data/format/sidefiles.py: numbered records, written and synced under an flock of the file), and every engine
 takes it at its next look at the other engines (following.py: every 0.1 s, on the I/O thread;
 the owner takes it at its next refresh or lookup) and applies it, a bounded share per scheduler
 step (applying.py: no Python object per block, the file-system work on the I/O thread):

@@ -3,7 +3,7 @@
 layers above the store (the connector's KV events keep each block's vLLM hashes and
 tokens there, so a restarted engine can tell routers what its disk holds).
 
-Each engine appends to its own `labels` file in each namespace (data/format.py:
+Each engine appends to its own `labels` file in each namespace (data/format/sidefiles.py:
 a file header, then CRC-checked records; a later record of a key replaces an earlier
 one); `read` returns what every engine's file of a namespace says that the last read
 had not seen yet, so the first read is everything and later ones are the other

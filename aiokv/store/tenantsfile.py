@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""An engine's tenants file, DIR/tenants.<E> (format.py, "tenants"): read, and written by its owner.
+"""An engine's tenants file, DIR/tenants.<E> (data/format/sidefiles.py, "tenants"): read, and written by its owner.
 
 `read_file` reads any engine's file (the owner's at open, the other engines' as they follow
 it, `aiokv inspect`). `TenantsFile` is the owner's writer: what the file holds (`_recs`, as

@@ -180,7 +180,7 @@ SLOT_REASONS = (
     "MAC",
 )
 if len(SLOT_REASONS) != _native.SLOT_VERDICTS:
-    raise ImportError("aiokv: aiokv._native was built from another format.py; rebuild it (pip install -e .)")
+    raise ImportError("aiokv: aiokv._native was built from another format; rebuild it (pip install -e .)")
 _NO_NSID = bytes(NSID_BYTES)
 _PAYLOAD_CRC, _MAC = SLOT_REASONS.index("payload checksum"), SLOT_REASONS.index("MAC")
 
