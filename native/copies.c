@@ -3,6 +3,9 @@
  * Block copies on the CPU device (aiokv/worker/device.py): memcpy_many, and
  * memcpy_crc_out / memcpy_crc_in, which take the payload's CRC32C inside the
  * copy. GIL released for all of each call.
+ *
+ * Threading: any thread, several at once; a call reads and writes only the
+ * buffers it is handed, which the caller keeps alive and unshared for the call.
  */
 #include "aiokv.h"
 

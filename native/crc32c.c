@@ -42,6 +42,10 @@
  * Gopal et al., "Fast CRC Computation for iSCSI Polynomial Using CRC32
  * Instruction", Intel, 2011). Its constants are powers of x mod P, computed
  * once at start by xpow.
+ *
+ * Threading: every function runs on any thread, several at once; `have` and
+ * `default_path` are set at import (crc_init) and by crc32c_use, which only
+ * tests and benchmarks call, under the GIL.
  */
 #include "aiokv.h"
 

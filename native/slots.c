@@ -4,6 +4,9 @@
  * verify_slots checks a batch of staging buffers, check_slot one slot in any
  * buffer (what aiokv/data/format/slot.py's check_slot, check_header and
  * unpack_header call). The slot MAC, with a secret, is aiokv/data/mac.py's.
+ *
+ * Threading: any thread, several at once; a call reads and writes only the
+ * buffers it is handed (the GIL released over a batch).
  */
 #include "aiokv.h"
 

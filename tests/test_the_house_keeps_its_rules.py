@@ -82,14 +82,7 @@ KNOWN: dict[str, dict[str, str]] = {  # rule -> {path or path::name: what remove
     "c_functions_small": {
         "native/aiokv_index.c::py_apply": "issue 42: py_apply splits by record kind; 128 lines today",
     },
-    "says_its_job": {
-        "aiokv/cli/main.py": "issue 42: the CLI parses and renders; its docstring says on which thread",
-        "aiokv/demo/run_once.py": "issue 42: its docstring says its threading contract",
-        "aiokv/demo/tiny_model.py": "issue 42: its docstring says its threading contract",
-        "native/copies.c": "issue 42: its leading comment says its threading contract",
-        "native/crc32c.c": "issue 42: one CRC32C; its leading comment says its threading contract",
-        "native/slots.c": "issue 42: its leading comment says its threading contract",
-    },
+    "says_its_job": {},
     "on_the_map": {},
     "imports_down": {},
 }

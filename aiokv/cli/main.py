@@ -21,6 +21,9 @@ Exit status: 0 fine, 1 corruption found (also when --repair dropped it), 130 int
 directories each is shown in turn (JSON: {"schema", "drives": [{"path", and its
 document or "error"}]}); one that cannot be read is its one line on stderr and
 the others are still shown; the status is the worst of them.
+
+Threading contract: parsing and dispatch on the process's main thread; a subcommand's module
+says what it runs elsewhere (a Store opened underneath has its own I/O thread, closed before exit).
 """
 
 from __future__ import annotations

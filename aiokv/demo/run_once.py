@@ -1,6 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """One engine life for the demo: vLLM (default multiprocess mode) with aiokv,
-prompts sharing long prefixes, time to first token per prompt."""
+prompts sharing long prefixes, time to first token per prompt.
+
+Threading contract: the demo's main thread drives vLLM's offline `LLM`; the threads and
+processes behind it are vLLM's and aiokv's own."""
 
 from __future__ import annotations
 

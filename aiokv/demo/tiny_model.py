@@ -5,6 +5,9 @@ tokenizer trained on the spot, saved as a local model directory vLLM can load.
 Nothing is downloaded. A large initializer_range keeps greedy decoding from
 collapsing to one repeated token, so token comparisons mean something.
 build_lora writes a LoRA adapter for such a model (vLLM's CPU build serves LoRA).
+
+Threading contract: each call builds on the caller's thread into the directory it is given;
+nothing is shared between calls.
 """
 
 from __future__ import annotations
