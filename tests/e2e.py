@@ -196,7 +196,7 @@ def assert_clean(res: dict, *, allow_load_errors: bool = False, allow_save_error
         assert c.get("load_bad_blocks", 0) == 0, c
     if not allow_save_errors:
         assert c.get("save_failed_blocks", 0) == 0 and c.get("save_failures", 0) == 0, c
-    assert c["pending_saves"] == 0, c
+    assert c["pending_saves"] == 0, (c, "steps and seconds waited after the last phase:", res.get("end_wait"))
     assert c["pinned"] == 0, c
     if "worker_in_flight" in c:  # (TP > 1: the worker sides live in the workers' processes)
         assert c["worker_in_flight"] == 0 and c["staging_in_use"] == 0, c
