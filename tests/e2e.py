@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ UNCHECKED: list[dict] = []  # this test's lives with aiokv not yet passed to hap
 def run(spec: dict, env: dict | None = None, timeout: int = 600) -> dict:
     """One engine life in a new process (forked from tools/forkserver.py's server where its
     environment allows; AIOKV_TEST_NO_FORK=1: always `python -m tests.vllm_run`); returns its RESULT."""
-    e = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
+    e = _env()
     # a multiprocess life (engine core and worker apart): the cores vLLM's CPU build reserves for the
     # engine core are those of a run without a connector (it reserves one more for any connector;
     # docs/operations.md, "Start"); a life with TP > 1 binds its workers' threads itself
@@ -35,6 +36,39 @@ def run(spec: dict, env: dict | None = None, timeout: int = 600) -> dict:
             return _result(got[2], got[0], got[1])
     p = subprocess.run([sys.executable] + argv, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
     return _result(p.returncode, p.stdout, p.stderr)
+
+
+def _env(extra: dict | None = None) -> dict:
+    e = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
+    e.update(extra or {})
+    return e
+
+
+def start(spec: dict, env: dict | None = None) -> subprocess.Popen:
+    """One engine life in the background (`python -m tests.vllm_run`), in a session of its own so
+    that kill() reaches everything it started; result() waits for its RESULT."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.vllm_run", json.dumps(spec)],
+        cwd=ROOT,
+        env=_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def result(p: subprocess.Popen, timeout: float = 600) -> dict:
+    """The RESULT of a life start() began (like run()'s: happened() must see it)."""
+    out, err = p.communicate(timeout=timeout)
+    return _result(p.returncode, out, err)
+
+
+def kill(p: subprocess.Popen) -> None:
+    """A life start() began, killed -9 with what it started, if it still runs."""
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
 
 
 def _result(rc: int, stdout: str, stderr: str) -> dict:

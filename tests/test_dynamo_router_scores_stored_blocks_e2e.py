@@ -19,16 +19,14 @@ tests/vllm_run.py's kv_events "tcp" (Dynamo's relay speaks TCP) and `announce`.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.e2e import ROOT, events_socket, happened, part, prompts, run
+from tests.e2e import ROOT, events_socket, happened, kill, part, prompts, result, run, start
 
 pytestmark = pytest.mark.vllm
 
@@ -36,41 +34,8 @@ BLOCK = 32
 PER = (264 - 1) // BLOCK  # 8 full blocks per prompt, each stored and announced
 PS = prompts(3, 264, seed=571)
 TAIL = prompts(1, 20, seed=572)  # under a block: steps the engine, stores nothing
-ENV = dict(
-    os.environ,
-    PYTHONPATH=ROOT,
-    VLLM_ENABLE_V1_MULTIPROCESSING="0",
-    VLLM_LOGGING_LEVEL="WARNING",
-    VLLM_HOST_IP="127.0.0.1",  # the events' tcp://*:0 binds here
-)
-
-
-def _start(spec: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.vllm_run", json.dumps(spec)],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _result(p: subprocess.Popen, timeout: float = 600) -> dict:
-    out, err = p.communicate(timeout=timeout)
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            res = json.loads(line[7:])
-            res["log"] = err[-4000:]
-            return res
-    raise AssertionError(f"vLLM run failed (rc {p.returncode}):\n{err[-6000:]}")
-
-
-def _kill(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+HOST = {"VLLM_HOST_IP": "127.0.0.1"}  # the events' tcp://*:0 binds here
+ENV = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING", **HOST)
 
 
 def _wait(cond, what: str, procs=(), timeout: float = 300, seen=None) -> None:
@@ -122,7 +87,7 @@ def test_a_fresh_router_scores_the_disk_after_a_restart_and_forgets_it_after_a_c
     go = [str(tmp_path / f"go-{i}") for i in (0, 1)]
     done = str(tmp_path / "announced-{}")
     lives = [
-        _start(
+        start(
             dict(
                 spec,
                 kv_events="tcp",
@@ -131,7 +96,8 @@ def test_a_fresh_router_scores_the_disk_after_a_restart_and_forgets_it_after_a_c
                     dict(prompts=TAIL, wait_for=go[0], announce=True, done_file=done.format(i)),
                     dict(prompts=TAIL, wait_for=go[1]),
                 ],
-            )
+            ),
+            env=HOST,
         )
         for i in (0, 1)
     ]
@@ -174,7 +140,7 @@ def test_a_fresh_router_scores_the_disk_after_a_restart_and_forgets_it_after_a_c
             assert c.returncode == 0, c.stderr
         time.sleep(1.0)  # the engines' I/O threads read the order at their next look (every 0.1 s)
         open(go[1], "w").close()
-        res = [_result(p) for p in lives]
+        res = [result(p) for p in lives]
         for r in (router, weighted):
             _wait(
                 lambda r=r: all(v == (0, 0) for s in scores(r) for v in s.values()),
@@ -184,7 +150,7 @@ def test_a_fresh_router_scores_the_disk_after_a_restart_and_forgets_it_after_a_c
             )
     finally:
         for p in lives:
-            _kill(p)
+            kill(p)
         dyn.close()
 
     blocks = {tuple(p[j * BLOCK : (j + 1) * BLOCK]) for p in PS for j in range(PER)}

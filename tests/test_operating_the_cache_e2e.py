@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ import pytest
 
 from aiokv.data import format as fmt
 from aiokv.store import Store
-from tests.e2e import ROOT, events_socket, happened, prompts, run
+from tests.e2e import ROOT, events_socket, happened, kill, prompts, result, run, start
 
 pytestmark = pytest.mark.vllm
 
@@ -41,34 +40,6 @@ PER = (200 - 1) // 32  # full blocks a 200-token prompt stores (its last token i
 
 ALICE, BOB = prompts(2, 200, seed=341), prompts(2, 200, seed=342)
 TWO = dict(prompts=ALICE + BOB, salts=["alice", "alice", "bob", "bob"], max_tokens=4)
-
-
-def _start(spec: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.vllm_run", json.dumps(spec)],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _result(p: subprocess.Popen, timeout: float = 600) -> dict:
-    out, err = p.communicate(timeout=timeout)
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            res = json.loads(line[7:])
-            res["log"] = err[-4000:]
-            return res
-    raise AssertionError(f"vLLM run failed (rc {p.returncode}):\n{err[-6000:]}")
-
-
-def _kill(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
 
 
 def _aiokv(*args: str) -> subprocess.CompletedProcess:
@@ -122,7 +93,7 @@ def base_two(tiny_model):
 
 def test_a_clear_of_one_tenant_while_an_engine_serves_both(tiny_model, tmp_path, base_two):
     cache, go = str(tmp_path / "c"), str(tmp_path / "go")
-    eng = _start(
+    eng = start(
         dict(
             model=tiny_model,
             prefix_caching=False,
@@ -148,9 +119,9 @@ def test_a_clear_of_one_tenant_while_an_engine_serves_both(tiny_model, tmp_path,
         # starts once the engine has applied it (orders=1), not after a second that hopes it did
         # (a first run touched go at once and, on a loaded machine, the look had not run yet)
         open(go, "w").close()
-        res = _result(eng)
+        res = result(eng)
     finally:
-        _kill(eng)
+        kill(eng)
     # alice's prompts were computed again (no hit on a cleared block), bob's all hit
     why = (res["cached"], {k: v for k, v in res["counters"].items() if "clear" in k or "hit" in k}, res["log"][-3000:])
     assert res["cached"][0] == [0, 0, 0, 0] and res["cached"][1] == [0, 0, 32 * PER, 32 * PER], why
@@ -170,7 +141,7 @@ def test_an_engine_killed_while_a_clear_is_applied_leaves_it_done(tiny_model, tm
     happened(first, base_two, hit_blocks=4 * PER)
     # an engine busy with bob's prompts (over and over) when the order comes; killed as it applies it
     busy = dict(prompts=BOB * 4, salts=["bob"] * 8, max_tokens=200)
-    eng = _start(dict(model=tiny_model, prefix_caching=False, cache=cache, ready_file=ready, phases=[busy] * 6))
+    eng = start(dict(model=tiny_model, prefix_caching=False, cache=cache, ready_file=ready, phases=[busy] * 6))
     try:
         _wait(lambda: os.path.exists(ready), eng, "the engine")
         time.sleep(1.0)  # (its first steps)
@@ -186,11 +157,11 @@ def test_an_engine_killed_while_a_clear_is_applied_leaves_it_done(tiny_model, tm
         end = time.monotonic() + 60
         while not os.path.exists(control) and time.monotonic() < end:
             time.sleep(0.001)
-        _kill(eng)
+        kill(eng)
         out, err = clear.communicate(timeout=120)
         assert clear.returncode == 0, err
     finally:
-        _kill(eng)
+        kill(eng)
     # the next life adopts the killed engine's files: the order is applied where its MARK is not
     after = run(dict(model=tiny_model, prefix_caching=False, cache=cache, phases=settled))
     assert after["cached"] == [[0, 0, 32 * PER, 32 * PER], [32 * PER] * 4], after["cached"]

@@ -32,10 +32,8 @@ import time
 
 import numpy as np
 
-from aiokv import _native
 from aiokv.data import format as fmt
 from aiokv.store import bulk
-from aiokv.store.reclaim import PUNCH
 
 SCAN = 1 << 20  # slots the jobs look at per step (aiokv._index.select: about 1 ms a million)
 BLOCKS = 1 << 15  # blocks the jobs forget per step (a hash erase each: 50-200 ns)
@@ -203,7 +201,7 @@ class Jobs:
             except OSError:
                 job.failed = True
                 raise
-            return self._punch(ns, slots) if cost else True
+            return self.space.punch_runs(ns, slots) if cost else True
 
         def done(ok, e):
             self.in_flight -= len(slots)
@@ -219,18 +217,6 @@ class Jobs:
                 )
 
         self.persist.journals[ns.nsid].run(len(slots), io, done)
-
-    def _punch(self, ns, slots: np.ndarray) -> bool:
-        """Punch the slots on every rank, a call per run of consecutive ones; False if refused."""
-        sb, runs = ns.slot_bytes, bulk.runs(slots)
-        try:
-            for rank in range(ns.ranks):
-                fd = self.space.rank_fd(ns, rank)
-                for first, count in zip(*runs):
-                    _native.fallocate(fd, PUNCH, first * sb, count * sb)
-        except OSError:
-            return False
-        return True
 
     def _mark(self, job: Job, number: int) -> None:
         """The MARK after the job's chunks: left out if any of them was not written."""

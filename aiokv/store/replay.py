@@ -24,13 +24,10 @@ from array import array
 
 import numpy as np
 
-from aiokv import _native
 from aiokv.data import format as fmt
-from aiokv.store import bulk
 from aiokv.store.index import Namespace
 from aiokv.store.journal import IndexLog
 from aiokv.store.meta import ns_dir
-from aiokv.store.reclaim import PUNCH
 from aiokv.store.table import Table, give_back_scratch, tag_of
 
 _log = logging.getLogger("aiokv")  # (`log` names a journal here)
@@ -73,15 +70,7 @@ class Replay:
         punched. holes (slot numbers: an array) and hwm are the owner's, at install; they
         are punched a run of consecutive slots a call (a clear applied at opening leaves
         millions: no Python object each)."""
-        ok, sb = True, ns.slot_bytes
-        runs = bulk.runs(np.sort(np.asarray(holes, np.int64)))
-        try:
-            for rank in range(ns.ranks):
-                fd = self.space.rank_fd(ns, rank)
-                for first, count in zip(*runs):
-                    _native.fallocate(fd, PUNCH, first * sb, count * sb)
-        except OSError:
-            ok = False
+        ok = self.space.punch_runs(ns, np.sort(np.asarray(holes, np.int64)))
         for rank in range(ns.ranks):
             os.ftruncate(self.space.rank_fd(ns, rank), hwm * ns.slot_bytes)
         return ok

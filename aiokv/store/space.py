@@ -32,6 +32,7 @@ import time
 from aiokv import _native
 from aiokv.data import format as fmt
 from aiokv.data.slotfile import open_data_file
+from aiokv.store import bulk
 from aiokv.store.index import Namespace
 from aiokv.store.reclaim import PUNCH
 
@@ -178,6 +179,19 @@ class Space:
                         raise
                     if not mode:  # no fallocate here: extend the file sparsely
                         os.ftruncate(fd, max(os.fstat(fd).st_size, (first + count) * sb))
+
+    def punch_runs(self, ns: Namespace, slots) -> bool:
+        """Punch `slots` (sorted slot numbers, an array: millions after a clear, no Python object
+        each) on every rank, a call per run of consecutive ones; False if any was refused."""
+        sb, runs = ns.slot_bytes, bulk.runs(slots)
+        try:
+            for rank in range(ns.ranks):
+                fd = self.rank_fd(ns, rank)
+                for first, count in zip(*runs):
+                    _native.fallocate(fd, PUNCH, first * sb, count * sb)
+        except OSError:
+            return False
+        return True
 
     def _punch(self, ns: Namespace, slot: int) -> bool:
         """Punch one slot on every rank; False if any rank refused."""
