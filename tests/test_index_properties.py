@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from aiokv.data import format as fmt
 from aiokv.store import Store
-from aiokv.store.index import SlotAllocator
+from aiokv.store.allocator import SlotAllocator
 
 PAYLOAD = 4096
 SLOT = fmt.slot_bytes(PAYLOAD)

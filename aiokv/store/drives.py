@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Several drives: one Store per drive's cache directory, seen by the scheduler side
-as one store (`Drives`, with one `DriveNamespace` per namespace).
+as one store (`Drives`, with one `DriveNamespace` per namespace: driveviews.py).
 
 Placement: a key is saved on the drive of highest rendezvous weight (BLAKE2b of the
 key, keyed by a seed from the drive's configured path string) among the drives
@@ -53,6 +53,7 @@ import threading
 
 from aiokv.data import format as fmt
 from aiokv.store import persist
+from aiokv.store.driveviews import DriveNamespace, Indexes, KeyUnion, SpaceUsed
 from aiokv.store.fsthread import at_once, bounded
 from aiokv.store.store import StoreStats
 from aiokv.util import counters
@@ -77,82 +78,6 @@ def place(key: bytes, seeds: list[bytes], live: list[int]) -> int:
     return best
 
 
-class _Union:
-    """Read-only key -> location view over the drives' dicts (entries, pending):
-    the first drive holding a key answers, with its index in the location."""
-
-    def __init__(self, parts: list[tuple[int, dict]]):
-        self.parts = parts
-
-    def get(self, key, default=None):
-        for d, m in self.parts:
-            w = m.get(key)
-            if w is not None:
-                return fmt.on_drive(d, w)
-        return default
-
-    def __contains__(self, key) -> bool:
-        return any(key in m for _, m in self.parts)
-
-    def __getitem__(self, key):
-        w = self.get(key)
-        if w is None:
-            raise KeyError(key)
-        return w
-
-    def __len__(self) -> int:
-        return sum(len(m) for _, m in self.parts)
-
-    def __iter__(self):
-        for _, m in self.parts:
-            yield from m
-
-
-class DriveNamespace:
-    """One namespace on every drive present: (drive, that drive's Namespace) each."""
-
-    def __init__(self, parts: list):
-        first = parts[0][1]
-        self.nsid, self.payload_bytes, self.slot_bytes = first.nsid, first.payload_bytes, first.slot_bytes
-        self.ranks, self.fields = first.ranks, first.fields
-        self.parts = parts
-        self.on = dict(parts)  # drive -> its Namespace
-        self.entries = _Union([(d, ns.entries) for d, ns in parts])
-        self.pending = _Union([(d, ns.pending) for d, ns in parts])
-
-    def held(self, tag: int) -> bool:
-        """Whether any drive holds a block of this key tag (the KV events' removals)."""
-        return any(ns.held(tag) for _, ns in self.parts)
-
-    @property
-    def ready(self) -> bool:
-        """Every drive's index has loaded."""
-        return all(ns.ready for _, ns in self.parts)
-
-
-class _Indexes:
-    """What the connector reads of `store.index`: every drive's namespaces and pins."""
-
-    def __init__(self, stores: dict):
-        self._stores = stores
-
-    @property
-    def namespaces(self) -> dict:
-        return {(d, nsid): ns for d, s in self._stores.items() for nsid, ns in s.index.namespaces.items()}
-
-    @property
-    def pins(self) -> dict:
-        return {(d, pk): n for d, s in self._stores.items() for pk, n in s.index.pins.items() if n}
-
-
-class _Space:
-    def __init__(self, stores: dict):
-        self._stores = stores
-
-    def used(self) -> int:
-        return sum(s.space.used() for s in self._stores.values())
-
-
 class Drives:
     def __init__(self, paths: list[str], stores: dict, failures: int = 3, cooldown: float = 30.0):
         """stores: drive index (in `paths`) -> its open Store, for the drives present."""
@@ -162,8 +87,8 @@ class Drives:
         self.seeds = [seed(p) for p in self.paths]
         self.breakers = {d: Breaker(failures, cooldown, where=self.paths[d]) for d in self.live}
         self.skipped_drive_down = 0
-        self.index = _Indexes(self.stores)
-        self.space = _Space(self.stores)
+        self.index = Indexes(self.stores)
+        self.space = SpaceUsed(self.stores)
 
     # ---- what the connector reads ----
     @property
@@ -245,14 +170,14 @@ class Drives:
             n += 1
         return n
 
-    def serving(self, ns: DriveNamespace) -> _Union:
+    def serving(self, ns: DriveNamespace) -> KeyUnion:
         """The blocks of ns that are hits now: those of the drives serving hits (as lookup and
         pin see them), the first of them holding a key answering for it."""
         serving = self._serving()
         parts = [(d, n) for d, n in ns.parts if d in serving]
         for d, n in parts:
             self.stores[d].lookup(n, (), 0)  # applies the last look at the other engines (store.py)
-        return _Union([(d, n.entries) for d, n in parts])
+        return KeyUnion([(d, n.entries) for d, n in parts])
 
     def holds(self, ns: DriveNamespace, key: bytes, where: int) -> bool:
         """Whether key's committed copy on the drive `where` names is the one at `where`."""

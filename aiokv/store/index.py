@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The in-memory index: which key sits in which slot, LRU order, slot allocation.
+"""The in-memory index: which key sits in which slot, LRU order (slot allocation:
+allocator.py).
 
 Pure bookkeeping, no files: the Store persists what this decides (journal.py)
 and does the I/O. Kept apart so property tests can drive it fast.
@@ -9,7 +10,7 @@ block, tags not keys). Lookups, commits and drops take keys and work on their
 tags; what only a slot names (an eviction) is said by slot and tag. The keys
 of the blocks are in the files, and the views that hand out keys (iterating
 `entries`, `own`, a peer's blocks, `Index.lru`: tools and tests) read them
-there through the namespace's `keys_of` (set by the store).
+there through the namespace's `keys_of` (set by the store; the views: indexviews.py).
 
 Threading contract: one thread (the Store's owner) calls everything here.
 """
@@ -18,106 +19,15 @@ from __future__ import annotations
 
 import collections
 import time
-from array import array
-from collections.abc import Mapping
 
 import numpy as np
 
 from aiokv import _index
 from aiokv.data.format import loc
+from aiokv.store.allocator import SlotAllocator
+from aiokv.store.indexviews import Entries, Own, Peers
 from aiokv.store.journal import KeyMap, apply_records, record_key, record_tags
 from aiokv.store.table import Table, tag_of
-
-HOLES_INLINE = 1 << 18  # holes in the array (2 MiB) past which a bulk punch parks more
-
-
-class SlotAllocator:
-    """Slots of one namespace: free (backed by disk space), holes (punched), and a high-water mark.
-
-    Every slot below `hwm` is exactly one of: in use (given out), free, or a hole
-    (but while the owner punches a slot it is none: space.py `_unback`, store.py `_loaded`).
-    `backed` counts slots that hold disk space (in use + free). `free` and `holes`
-    are arrays of slot numbers (8 bytes each), taken from their ends. Holes a clear
-    punches in bulk past HOLES_INLINE wait in `parked` (numpy arrays) and move into
-    `holes` as grows need them: growing a large array copies it, and the clear's
-    steps stay short (applying.py).
-    """
-
-    def __init__(self, hwm: int = 0, in_use=None):
-        in_use = set(in_use or ())
-        self.hwm = max([hwm, *(s + 1 for s in in_use)])
-        self.free = array("q")
-        self.holes = array("q", (s for s in range(self.hwm - 1, -1, -1) if s not in in_use))
-        self.parked: list[np.ndarray] = []
-        self.in_use = len(in_use)
-
-    @classmethod
-    def of_mask(cls, used: np.ndarray) -> SlotAllocator:
-        """Slots in use where `used` (a bool array over 0..hwm-1) is true; the rest are holes."""
-        a = cls()
-        a.hwm = len(used)
-        a.holes = array("q", np.flatnonzero(~used)[::-1].astype(np.int64).tobytes())
-        a.in_use = int(used.sum())
-        return a
-
-    @property
-    def backed(self) -> int:
-        return self.in_use + len(self.free)
-
-    def take(self) -> int | None:
-        """A backed free slot, or None."""
-        if not self.free:
-            return None
-        self.in_use += 1
-        return self.free.pop()
-
-    @property
-    def hole_count(self) -> int:
-        return len(self.holes) + sum(len(p) for p in self.parked)
-
-    def plan_grow(self, n: int) -> list[int]:
-        """Slots that would become backed by growing n: holes first, then new ones."""
-        while len(self.holes) < n and self.parked:
-            self.holes.frombytes(self.parked.pop().tobytes())
-        out = list(self.holes[-n:][::-1]) if n > 0 else []
-        return out + list(range(self.hwm, self.hwm + n - len(out)))
-
-    def grow(self, slots) -> None:
-        """The planned slots now have disk space: they become free."""
-        slots = list(slots)
-        k = len(self.holes)
-        tail = [s for s in slots if s < self.hwm]
-        if tail and list(self.holes[k - len(tail) :][::-1]) == tail:
-            del self.holes[k - len(tail) :]  # plan_grow's holes: the end of the array
-        elif tail:
-            gone = set(tail)
-            self.holes = array("q", (h for h in self.holes if h not in gone))
-        if slots:
-            self.hwm = max(self.hwm, max(slots) + 1)
-        self.free.extend(sorted(slots, reverse=True))
-
-    def release(self, slot: int) -> None:
-        """An in-use slot goes back to the free list (keeps its disk space)."""
-        self.in_use -= 1
-        self.free.append(slot)
-
-    def punch(self, slot: int) -> None:
-        """An in-use slot loses its disk space."""
-        self.in_use -= 1
-        self.holes.append(slot)
-
-    def release_many(self, slots: np.ndarray) -> None:
-        """release, for many (a clear's: applying.py)."""
-        self.in_use -= len(slots)
-        self.free.frombytes(memoryview(np.ascontiguousarray(slots, np.int64)).cast("B"))
-
-    def punch_many(self, slots: np.ndarray) -> None:
-        """punch, for many (a clear's: applying.py)."""
-        self.in_use -= len(slots)
-        if len(self.holes) + len(slots) <= HOLES_INLINE:
-            self.holes.frombytes(memoryview(np.ascontiguousarray(slots, np.int64)).cast("B"))
-        else:
-            self.parked.append(np.asarray(slots, np.int64))
 
 
 class Namespace:
@@ -439,110 +349,3 @@ class Index:
                     items.append((t.atime_at(s), s, ns.nsid, k))
         items.sort(key=lambda x: (x[0], x[1]))
         return [(n, k) for _, _, n, k in items]
-
-
-# ---- views that read like the dicts they replaced (tools, tests): lookups by key are
-# the tables'; iterating reads the keys from the files (Namespace.keys_of) ----
-def _keys(ns: Namespace, engine: int) -> list[bytes]:
-    t = ns.table_of(engine)
-    live = t.live()
-    return [k for k in ns.keys_of(engine).keys_of(live, t.tag[live]) if k is not None]
-
-
-class Entries(Mapping):
-    """key -> location of every engine's blocks (ours first)."""
-
-    def __init__(self, ns: Namespace):
-        self._ns = ns
-
-    def __contains__(self, key) -> bool:
-        return isinstance(key, bytes) and _index.locate(self._ns._probes, key) is not None
-
-    def get(self, key, default=None):
-        w = self._ns.where(key) if isinstance(key, bytes) else None
-        return default if w is None else w
-
-    def __getitem__(self, key):
-        w = self.get(key)
-        if w is None:
-            raise KeyError(key)
-        return w
-
-    def __len__(self) -> int:
-        return self._ns.count()
-
-    def __iter__(self):
-        seen = set()
-        for e in self._ns._order:
-            for k in _keys(self._ns, e):
-                if k not in seen:
-                    seen.add(k)
-                    yield k
-
-
-class Own(Mapping):
-    """key -> slot of our own blocks."""
-
-    def __init__(self, ns: Namespace):
-        self._ns = ns
-
-    def __contains__(self, key) -> bool:
-        return isinstance(key, bytes) and self._ns.table.find(key) >= 0
-
-    def __getitem__(self, key):
-        s = self._ns.table.find(key) if isinstance(key, bytes) else -1
-        if s < 0:
-            raise KeyError(key)
-        return s
-
-    def __len__(self) -> int:
-        return self._ns.table.count
-
-    def __iter__(self):
-        if self._ns.engine is None:
-            return iter(())
-        return iter(_keys(self._ns, self._ns.engine))
-
-
-class PeerBlocks(Mapping):
-    """key -> (slot, atime) of another engine's blocks."""
-
-    def __init__(self, ns: Namespace, engine: int):
-        self._ns, self._e = ns, engine
-
-    def _t(self) -> Table:
-        return self._ns.tables.get(self._e) or Table()
-
-    def __getitem__(self, key):
-        t = self._t()
-        s = t.find(key) if isinstance(key, bytes) else -1
-        if s < 0:
-            raise KeyError(key)
-        return s, t.atime_at(s)
-
-    def __contains__(self, key) -> bool:
-        return isinstance(key, bytes) and self._t().find(key) >= 0
-
-    def __len__(self) -> int:
-        return self._t().count
-
-    def __iter__(self):
-        return iter(_keys(self._ns, self._e)) if self._e in self._ns.tables else iter(())
-
-
-class Peers(Mapping):
-    """engine -> its blocks (PeerBlocks), for the other engines holding any."""
-
-    def __init__(self, ns: Namespace):
-        self._ns = ns
-
-    def __getitem__(self, engine):
-        if engine not in self._ns.tables:
-            raise KeyError(engine)
-        return PeerBlocks(self._ns, engine)
-
-    def __len__(self) -> int:
-        return len(self._ns.tables)
-
-    def __iter__(self):
-        return iter(sorted(self._ns.tables))
