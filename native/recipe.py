@@ -20,9 +20,12 @@ ISAL_HEADER = os.path.join("isa-l", "crc.h")
 ISAL_MACRO = ("AIOKV_HAVE_ISAL", "1")
 ISAL_LIB = "isal"
 # aiokv._index, the compact index's hot loops (aiokv/store/table.py), a module of its own: the
-# hash and journal loops, the eviction order (order.c) and an order's bulk changes (bulk.c:
-# aiokv/store/bulk.py)
-INDEX_UNITS = [os.path.join("native", n) for n in ("aiokv_index.c", "order.c", "bulk.c")]
+# hash and journal loops, the eviction order (order.c and its units: native/order.h) and an
+# order's bulk changes (bulk.c: aiokv/store/bulk.py)
+INDEX_UNITS = [
+    os.path.join("native", n)
+    for n in ("aiokv_index.c", "order.c", "order_place.c", "order_search.c", "order_build.c", "bulk.c")
+]
 
 
 def units() -> tuple[list[str], list[tuple[str, str]]]:
