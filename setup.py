@@ -75,6 +75,6 @@ index_ext = Extension(
     "aiokv._index",
     sources=recipe.INDEX_UNITS,
     extra_compile_args=recipe.CFLAGS,
-    depends=[os.path.join("native", "order.h"), "native/recipe.py"],
+    depends=[os.path.join("native", h) for h in ("index.h", "order.h")] + ["native/recipe.py"],
 )
 setup(ext_modules=[ext, index_ext], cmdclass={"build_ext": BuildExt})
