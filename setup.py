@@ -71,5 +71,10 @@ ext = Extension(
     libraries=([] if WITHOUT or static else ["uring"]) + ([] if WITHOUT_ISAL else [recipe.ISAL_LIB]),
 )
 # the compact index's hot loops (aiokv/store/table.py): a module of its own, no library
-index_ext = Extension("aiokv._index", sources=recipe.INDEX_UNITS, extra_compile_args=recipe.CFLAGS)
+index_ext = Extension(
+    "aiokv._index",
+    sources=recipe.INDEX_UNITS,
+    extra_compile_args=recipe.CFLAGS,
+    depends=[os.path.join("native", h) for h in ("index.h", "order.h")] + ["native/recipe.py"],
+)
 setup(ext_modules=[ext, index_ext], cmdclass={"build_ext": BuildExt})

@@ -3,7 +3,8 @@
  * aiokv._native: what its units share (native/recipe.py lists the units).
  *
  *   module.c  the module: its init, fallocate
- *   ring.c    Ring, the io_uring ring that runs batches (aiokv/data/uring.py)
+ *   ring.c    Ring, the io_uring ring that runs batches (aiokv/data/uring.py); its
+ *             batches in ring_batches.c, its submissions in ring_submit.c (ring.h)
  *   crc32c.c  CRC32C, the checksum of every slot, header and journal record
  *   slots.c   slot headers: stamp_slots, verify_slots, check_slot (aiokv/data/format/slot.py)
  *   copies.c  block copies on the CPU device, the payload CRC taken inside them

@@ -6,9 +6,9 @@
  *
  * - select: the slots of a window holding a block the order is for;
  * - erase: blocks forgotten: each slot's hash entry removed (the same backward shift as
- *   aiokv_index.c's probe_erase, so the hash stays as if they never were) and its columns
+ *   index.h's probe_erase, so the hash stays as if they never were) and its columns
  *   zeroed;
- * - records: the FREE or FLAGS records that say so (sealed by aiokv_index.c's seal).
+ * - records: the FREE or FLAGS records that say so (sealed by records.c's seal).
  *
  * Threading contract: the caller's table is changed by one thread (table.py); the loops
  * release the GIL (a checkpoint on the store's I/O thread may read tag and atime meanwhile,

@@ -24,319 +24,14 @@
  * build() orders every block at once (after a bulk load: a stable radix sort, the GIL
  * released: the thread that built the table does it before handing it over).
  *
+ * This unit is the Python type (the arrays bound, the methods, check); native/order.h lists
+ * the others: the places, the searches, the build.
+ *
  * Threading: an Order is used by one thread at a time, its table's.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "order.h"
+
 #include <structmember.h>
-
-#define NIL 0xffffffffu
-#define IN_HEAP 0xfffffffeu
-#define OUT 0xfffffffdu /* not in the order */
-#define PINNED 1
-
-typedef struct {
-    uint64_t at;
-    uint32_t slot, pad;
-} Hent; /* a heap entry: the key it came with */
-
-typedef struct {
-    uint32_t head, tail, n, hn, hcap; /* the list (n blocks), the heap (hn) */
-    Hent *h;
-} Ten;
-
-typedef struct {
-    PyObject_HEAD Py_buffer b[4];
-    int bound;
-    const uint64_t *tag, *at;
-    const uint16_t *tn;
-    const uint8_t *fl;
-    Py_ssize_t n; /* slots the table's arrays cover */
-    uint32_t *prv, *nxt;
-    uint16_t *own;
-    Py_ssize_t cap; /* slots the per-slot arrays cover */
-    Ten *ten;
-    Py_ssize_t nten;
-    unsigned long long examined, ordered;
-} Order;
-
-/* prv is stored XOR OUT, so that zeroed memory (calloc: pages the kernel maps on first touch)
- * reads OUT: a table emptied or built anew needs no pass over its slots */
-#define PRV(o, s) ((o)->prv[s] ^ OUT)
-#define SET_PRV(o, s, v) ((o)->prv[s] = (uint32_t)(v) ^ OUT)
-
-static inline int before(uint64_t a, uint32_t s, uint64_t b, uint32_t t) { return a < b || (a == b && s < t); }
-static inline int eligible(const Order *o, uint32_t s) { return s < o->n && o->tag[s] && !(o->fl[s] & PINNED); }
-
-/* ---- per-slot and per-tenant storage ---- */
-static int grow_slots(Order *o, Py_ssize_t n) {
-    if (n <= o->cap) return 0;
-    uint32_t *p = o->prv ? realloc(o->prv, (size_t)n * 4) : calloc((size_t)n, 4), *q;
-    if (!p) return -1;
-    if (o->prv) memset(p + o->cap, 0, (size_t)(n - o->cap) * 4); /* (OUT) */
-    o->prv = p;
-    q = realloc(o->nxt, (size_t)n * 4);
-    if (!q) return -1;
-    o->nxt = q;
-    uint16_t *w = realloc(o->own, (size_t)n * 2);
-    if (!w) return -1;
-    o->own = w;
-    o->cap = n;
-    return 0;
-}
-
-static Ten *tenant(Order *o, uint16_t t) {
-    if (t >= o->nten) {
-        Py_ssize_t n = (Py_ssize_t)t + 1 > 2 * o->nten ? (Py_ssize_t)t + 1 : 2 * o->nten;
-        Ten *p = realloc(o->ten, (size_t)n * sizeof(Ten));
-        if (!p) return NULL;
-        for (Py_ssize_t i = o->nten; i < n; i++) p[i] = (Ten){NIL, NIL, 0, 0, 0, NULL};
-        o->ten = p;
-        o->nten = n;
-    }
-    return &o->ten[t];
-}
-
-/* ---- the heap of a tenant (positions in nxt) ---- */
-static inline void hput(Order *o, Ten *t, uint32_t i, Hent e) {
-    t->h[i] = e;
-    o->nxt[e.slot] = i;
-}
-
-static void sift_up(Order *o, Ten *t, uint32_t i) {
-    Hent e = t->h[i];
-    while (i) {
-        uint32_t p = (i - 1) / 2;
-        if (!before(e.at, e.slot, t->h[p].at, t->h[p].slot)) break;
-        hput(o, t, i, t->h[p]);
-        i = p;
-    }
-    hput(o, t, i, e);
-}
-
-static void sift_down(Order *o, Ten *t, uint32_t i) {
-    Hent e = t->h[i];
-    for (;;) {
-        uint32_t c = 2 * i + 1;
-        if (c >= t->hn) break;
-        if (c + 1 < t->hn && before(t->h[c + 1].at, t->h[c + 1].slot, t->h[c].at, t->h[c].slot)) c++;
-        if (!before(t->h[c].at, t->h[c].slot, e.at, e.slot)) break;
-        hput(o, t, i, t->h[c]);
-        i = c;
-    }
-    hput(o, t, i, e);
-}
-
-static int heap_push(Order *o, Ten *t, uint32_t s) {
-    if (t->hn == t->hcap) {
-        uint32_t cap = t->hcap ? 2 * t->hcap : 16;
-        Hent *h = realloc(t->h, (size_t)cap * sizeof(Hent));
-        if (!h) return -1;
-        t->h = h;
-        t->hcap = cap;
-    }
-    t->h[t->hn] = (Hent){o->at[s], s, 0};
-    SET_PRV(o, s, IN_HEAP);
-    sift_up(o, t, t->hn++);
-    return 0;
-}
-
-static void heap_del(Order *o, Ten *t, uint32_t i) {
-    uint32_t last = --t->hn;
-    if (i == last) return;
-    Hent e = t->h[last];
-    hput(o, t, i, e);
-    if (i && before(e.at, e.slot, t->h[(i - 1) / 2].at, t->h[(i - 1) / 2].slot))
-        sift_up(o, t, i);
-    else
-        sift_down(o, t, i);
-}
-
-/* ---- a slot in and out of its tenant's order ---- */
-static void detach(Order *o, uint32_t s) {
-    if (s >= o->cap || PRV(o, s) == OUT) return;
-    Ten *t = &o->ten[o->own[s]];
-    if (PRV(o, s) == IN_HEAP) {
-        heap_del(o, t, o->nxt[s]);
-    } else {
-        uint32_t p = PRV(o, s), q = o->nxt[s];
-        if (p == NIL) t->head = q;
-        else o->nxt[p] = q;
-        if (q == NIL) t->tail = p;
-        else SET_PRV(o, q, p);
-        t->n--;
-    }
-    SET_PRV(o, s, OUT);
-    o->ordered--;
-}
-
-/* put an eligible slot, not in the order, at its place; -1: out of memory */
-static int attach(Order *o, uint32_t s) {
-    if (grow_slots(o, o->n) < 0) return -1;
-    Ten *t = tenant(o, o->tn[s]);
-    if (!t) return -1;
-    o->own[s] = o->tn[s];
-    if (t->tail != NIL && before(o->at[s], s, o->at[t->tail], t->tail)) {
-        if (heap_push(o, t, s) < 0) return -1;
-    } else {
-        SET_PRV(o, s, t->tail);
-        o->nxt[s] = NIL;
-        if (t->tail == NIL) t->head = s;
-        else o->nxt[t->tail] = s;
-        t->tail = s;
-        t->n++;
-    }
-    o->ordered++;
-    return 0;
-}
-
-static int sync1(Order *o, uint32_t s) {
-    detach(o, s);
-    return eligible(o, s) ? attach(o, s) : 0;
-}
-
-/* ---- searches ---- */
-static int skipped(const uint32_t *skip, Py_ssize_t ns, uint32_t s) {
-    Py_ssize_t lo = 0, hi = ns;
-    while (lo < hi) {
-        Py_ssize_t m = (lo + hi) / 2;
-        if (skip[m] < s) lo = m + 1;
-        else hi = m;
-    }
-    return lo < ns && skip[lo] == s;
-}
-
-/* the least recently used slot of tenant t not in skip (NIL: none), its key in *at */
-static uint32_t front_of(Order *o, Ten *t, const uint32_t *skip, Py_ssize_t ns, uint64_t *at) {
-    uint32_t best = NIL, s = t->head;
-    uint64_t bat = 0;
-    while (s != NIL) {
-        o->examined++;
-        if (!ns || !skipped(skip, ns, s)) break;
-        s = o->nxt[s];
-    }
-    if (s != NIL) best = s, bat = o->at[s];
-    if (t->hn) { /* the heap's least not skipped: best first from the top (each entry passed
-                    is a skipped slot, so the frontier holds at most ns + 2 positions) */
-        uint32_t local[64], *fr = ns + 2 <= 64 ? local : malloc((size_t)(ns + 2) * 4), k = 0;
-        if (!fr) return NIL; /* out of memory: nothing found this time */
-        fr[k++] = 0;
-        while (k) {
-            uint32_t m = 0;
-            for (uint32_t j = 1; j < k; j++)
-                if (before(t->h[fr[j]].at, t->h[fr[j]].slot, t->h[fr[m]].at, t->h[fr[m]].slot)) m = j;
-            uint32_t pos = fr[m];
-            fr[m] = fr[--k];
-            o->examined++;
-            if (!ns || !skipped(skip, ns, t->h[pos].slot)) {
-                if (best == NIL || before(t->h[pos].at, t->h[pos].slot, bat, best)) best = t->h[pos].slot, bat = t->h[pos].at;
-                break;
-            }
-            for (uint32_t c = 2 * pos + 1; c <= 2 * pos + 2 && c < t->hn; c++) fr[k++] = c;
-        }
-        if (fr != local) free(fr);
-    }
-    *at = bat;
-    return best;
-}
-
-/* the least recently used slot of tenant `one` (only), or of those `ex` does not leave out; a
- * slot that may not be a victim (changed without a sync) is synced and the search goes on */
-static int64_t search(Order *o, int only, uint16_t one, const uint8_t *ex, Py_ssize_t nx, const uint32_t *skip,
-                      Py_ssize_t ns) {
-    for (;;) {
-        uint32_t best = NIL;
-        uint64_t bat = 0;
-        Py_ssize_t lo = only ? one : 0, hi = only ? (one < o->nten ? one + 1 : 0) : o->nten;
-        for (Py_ssize_t i = lo; i < hi; i++) {
-            Ten *t = &o->ten[i];
-            if (!t->n && !t->hn) continue;
-            if (i < nx && ex[i]) continue;
-            uint64_t at;
-            uint32_t s = front_of(o, t, skip, ns, &at);
-            if (s != NIL && (best == NIL || before(at, s, bat, best))) best = s, bat = at;
-        }
-        if (best == NIL) return -1;
-        if (eligible(o, best) && o->tn[best] == o->own[best] && o->at[best] == bat) return best;
-        if (sync1(o, best) < 0) return -2;
-    }
-}
-
-/* ---- building it all at once ---- */
-static void reset(Order *o) { /* (the per-slot arrays let go: made anew, zeroed, as needed) */
-    free(o->prv), free(o->nxt), free(o->own);
-    o->prv = o->nxt = NULL, o->own = NULL, o->cap = 0;
-    for (Py_ssize_t i = 0; i < o->nten; i++) {
-        free(o->ten[i].h);
-        o->ten[i] = (Ten){NIL, NIL, 0, 0, 0, NULL};
-    }
-    o->ordered = 0;
-}
-
-/* the eligible slots in (tenant, atime, slot) order: a stable LSD radix sort, 16 bits a pass,
- * every digit's counts from one sequential pass (passes whose digit every key shares are left
- * out; the keys read ahead of the scatter); NULL: out of memory */
-#define DIGIT(o, s, p) ((p) < 4 ? ((o)->at[s] >> (16 * (p))) & 0xffff : (o)->tn[s])
-static uint32_t *sorted_slots(const Order *o, size_t *count) {
-    size_t m = 0, *hist = calloc(5 * 65536, sizeof(size_t));
-    for (Py_ssize_t s = 0; s < o->n; s++) m += eligible(o, (uint32_t)s);
-    uint32_t *a = malloc((m ? m : 1) * 4), *b = malloc((m ? m : 1) * 4);
-    if (!a || !b || !hist) {
-        free(a), free(b), free(hist);
-        return NULL;
-    }
-    m = 0;
-    for (Py_ssize_t s = 0; s < o->n; s++)
-        if (eligible(o, (uint32_t)s)) {
-            a[m++] = (uint32_t)s;
-            for (int p = 0; p < 5; p++) hist[p * 65536 + DIGIT(o, s, p)]++;
-        }
-    for (int p = 0; p < 5; p++) { /* 4 passes of the atime, then the tenant */
-        size_t *h = hist + p * 65536, sum = 0;
-        int one = 0;
-        for (size_t d = 0; d < 65536; d++) one |= h[d] == m;
-        if (one) continue; /* every key has the same digit */
-        for (size_t d = 0; d < 65536; d++) {
-            size_t c = h[d];
-            h[d] = sum, sum += c;
-        }
-        for (size_t i = 0; i < m; i++) {
-            if (i + 16 < m) __builtin_prefetch(p < 4 ? (const void *)&o->at[a[i + 16]] : (const void *)&o->tn[a[i + 16]]);
-            b[h[DIGIT(o, a[i], p)]++] = a[i];
-        }
-        uint32_t *t = a;
-        a = b, b = t;
-    }
-    free(b), free(hist);
-    *count = m;
-    return a;
-}
-
-static int build(Order *o) {
-    reset(o);
-    if (grow_slots(o, o->n) < 0) return -1;
-    size_t m;
-    uint32_t *a = sorted_slots(o, &m);
-    if (!a) return -1;
-    for (size_t i = 0; i < m; i++) { /* each tenant's run, linked in order */
-        uint32_t s = a[i], p = i && o->tn[a[i - 1]] == o->tn[s] ? a[i - 1] : NIL;
-        Ten *t = tenant(o, o->tn[s]);
-        if (!t) {
-            free(a);
-            return -1;
-        }
-        if (p == NIL) t->head = s;
-        else o->nxt[p] = s;
-        SET_PRV(o, s, p), o->nxt[s] = NIL, o->own[s] = o->tn[s];
-        t->tail = s, t->n++;
-    }
-    o->ordered = m;
-    free(a);
-    return 0;
-}
 
 /* ---- the Python type ---- */
 static void unbind(Order *o) {
@@ -376,13 +71,13 @@ static int bind_arrays(Order *o, PyObject *args) {
 
 static int Order_init(Order *o, PyObject *args, PyObject *kw) {
     if (bind_arrays(o, args) < 0) return -1;
-    reset(o);
+    order_reset(o);
     return 0;
 }
 
 static void Order_dealloc(Order *o) {
     unbind(o);
-    reset(o); /* (the heaps, the per-slot arrays) */
+    order_reset(o); /* (the heaps, the per-slot arrays) */
     free(o->ten);
     Py_TYPE(o)->tp_free((PyObject *)o);
 }
@@ -390,19 +85,19 @@ static void Order_dealloc(Order *o) {
 static PyObject *Order_bind(Order *o, PyObject *args) {
     Py_ssize_t n = o->n;
     if (bind_arrays(o, args) < 0) return NULL;
-    for (Py_ssize_t s = o->n; s < n && s < o->cap; s++) detach(o, (uint32_t)s); /* (fewer slots: out) */
+    for (Py_ssize_t s = o->n; s < n && s < o->cap; s++) order_detach(o, (uint32_t)s); /* (fewer slots: out) */
     Py_RETURN_NONE;
 }
 
 static PyObject *Order_clear(Order *o, PyObject *unused) {
-    reset(o); /* (no pass over the slots: a table emptied at once keeps its step bounded) */
+    order_reset(o); /* (no pass over the slots: a table emptied at once keeps its step bounded) */
     Py_RETURN_NONE;
 }
 
 static PyObject *Order_build(Order *o, PyObject *unused) {
     int r;
     Py_BEGIN_ALLOW_THREADS;
-    r = build(o);
+    r = order_build(o);
     Py_END_ALLOW_THREADS;
     return r < 0 ? PyErr_NoMemory() : Py_NewRef(Py_None);
 }
@@ -411,7 +106,7 @@ static PyObject *Order_sync(Order *o, PyObject *arg) {
     Py_ssize_t s = PyLong_AsSsize_t(arg);
     if (s == -1 && PyErr_Occurred()) return NULL;
     if (s < 0 || s >= (Py_ssize_t)OUT) return PyErr_Format(PyExc_IndexError, "slot out of range");
-    if (sync1(o, (uint32_t)s) < 0) return PyErr_NoMemory();
+    if (order_sync1(o, (uint32_t)s) < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -435,7 +130,7 @@ static PyObject *Order_changed(Order *o, PyObject *arg) {
     }
     for (size_t i = 0; i < n; i++) {
         if (sl[i] < 0 || sl[i] >= (int64_t)OUT) continue;
-        detach(o, (uint32_t)sl[i]);
+        order_detach(o, (uint32_t)sl[i]);
         if (eligible(o, (uint32_t)sl[i])) back[m++] = (uint32_t)sl[i];
     }
     PyBuffer_Release(&v);
@@ -443,7 +138,7 @@ static PyObject *Order_changed(Order *o, PyObject *arg) {
     qsort(back, m, 4, by_key);
     int r = 0;
     for (size_t i = 0; i < m && r == 0; i++)
-        if (!i || back[i] != back[i - 1]) r = attach(o, back[i]);
+        if (!i || back[i] != back[i - 1]) r = order_attach(o, back[i]);
     free(back);
     return r < 0 ? PyErr_NoMemory() : Py_NewRef(Py_None);
 }
@@ -472,7 +167,7 @@ static PyObject *Order_front(Order *o, PyObject *args) {
     Py_ssize_t ns;
     int held = skip_arg(so, &v, &skip, &ns);
     if (held < 0) return NULL;
-    int64_t s = t < 0 || t > 0xffff ? -1 : search(o, 1, (uint16_t)t, NULL, 0, skip, ns);
+    int64_t s = t < 0 || t > 0xffff ? -1 : order_search(o, 1, (uint16_t)t, NULL, 0, skip, ns);
     if (held) PyBuffer_Release(&v);
     return answer(s);
 }
@@ -495,44 +190,13 @@ static PyObject *Order_first(Order *o, PyObject *args) {
         if (ex) PyBuffer_Release(&x);
         return NULL;
     }
-    int64_t s = search(o, 0, 0, ex, nx, skip, ns);
+    int64_t s = order_search(o, 0, 0, ex, nx, skip, ns);
     if (held) PyBuffer_Release(&v);
     if (ex) PyBuffer_Release(&x);
     return answer(s);
 }
 
-/* relabel(): the table's tenant ids were renamed (each old id to one new one): the orders
- * follow; two ids renamed to one, or blocks of one id renamed apart, order it all again */
-static int relabel(Order *o) {
-    Ten *nt = malloc(65536 * sizeof(Ten));
-    if (!nt) return -1;
-    Py_ssize_t nn = 0;
-    for (Py_ssize_t i = 0; i < 65536; i++) nt[i] = (Ten){NIL, NIL, 0, 0, 0, NULL};
-    for (Py_ssize_t i = 0; i < o->nten; i++) {
-        Ten *t = &o->ten[i];
-        if (!t->n && !t->hn) continue;
-        uint16_t to = o->tn[t->n ? t->head : t->h[0].slot];
-        int apart = nt[to].n || nt[to].hn; /* two ids renamed to one */
-        for (uint32_t s = t->head; s != NIL && !apart; s = o->nxt[s]) apart = o->tn[s] != to;
-        for (uint32_t j = 0; j < t->hn && !apart; j++) apart = o->tn[t->h[j].slot] != to;
-        if (apart) {
-            free(nt);
-            return build(o);
-        }
-        nt[to] = *t; /* (a copy: o->ten is left as it was until all are placed) */
-        nn = to + 1 > nn ? to + 1 : nn;
-    }
-    for (Py_ssize_t s = 0; s < o->cap; s++)
-        if (PRV(o, s) != OUT) o->own[s] = o->tn[s];
-    for (Py_ssize_t i = 0; i < o->nten; i++)
-        if (!o->ten[i].n && !o->ten[i].hn) free(o->ten[i].h); /* (the others' moved) */
-    free(o->ten);
-    o->ten = realloc(nt, (size_t)(nn ? nn : 1) * sizeof(Ten)), o->nten = nn;
-    if (!o->ten) o->ten = nt; /* (a smaller realloc failing: keep the larger block) */
-    return 0;
-}
-
-static PyObject *Order_relabel(Order *o, PyObject *unused) { return relabel(o) < 0 ? PyErr_NoMemory() : Py_NewRef(Py_None); }
+static PyObject *Order_relabel(Order *o, PyObject *unused) { return order_relabel(o) < 0 ? PyErr_NoMemory() : Py_NewRef(Py_None); }
 
 /* check(): every invariant, for tests (AssertionError naming the first one broken) */
 static PyObject *Order_check(Order *o, PyObject *unused) {

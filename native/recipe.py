@@ -15,14 +15,28 @@ import os
 
 CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-fvisibility=hidden"]
 EXPORTS = os.path.join("native", "exports.map")
-UNITS = ("module.c", "ring.c", "crc32c.c", "slots.c", "copies.c")
+UNITS = ("module.c", "ring.c", "ring_batches.c", "ring_submit.c", "crc32c.c", "slots.c", "copies.c")
 ISAL_HEADER = os.path.join("isa-l", "crc.h")
 ISAL_MACRO = ("AIOKV_HAVE_ISAL", "1")
 ISAL_LIB = "isal"
-# aiokv._index, the compact index's hot loops (aiokv/store/table.py), a module of its own: the
-# hash and journal loops, the eviction order (order.c) and an order's bulk changes (bulk.c:
-# aiokv/store/bulk.py)
-INDEX_UNITS = [os.path.join("native", n) for n in ("aiokv_index.c", "order.c", "bulk.c")]
+# aiokv._index, the compact index's hot loops (aiokv/store/table.py), a module of its own
+# (native/index.h says what each unit does): the hash (probe.c), the journal records made and
+# checked (records.c) and applied (apply.c), the eviction order (order.c and its units:
+# native/order.h) and an operator's order's bulk changes (bulk.c: aiokv/store/bulk.py)
+INDEX_UNITS = [
+    os.path.join("native", n)
+    for n in (
+        "aiokv_index.c",
+        "probe.c",
+        "records.c",
+        "apply.c",
+        "order.c",
+        "order_place.c",
+        "order_search.c",
+        "order_build.c",
+        "bulk.c",
+    )
+]
 
 
 def units() -> tuple[list[str], list[tuple[str, str]]]:

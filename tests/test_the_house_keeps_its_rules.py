@@ -60,9 +60,6 @@ KNOWN: dict[str, dict[str, str]] = {  # rule -> {path or path::name: what remove
         "aiokv/store/store.py": f"issue 42: {STORE}; 700 lines today",
         "aiokv/store/journal.py": f"issue 42: {JOURNAL}; 989 lines today",
         "aiokv/cli/warm.py": "issue 42: warming moves into the ops layer; 482 lines today",
-        "native/ring.c": "issue 42: ring.c gets one completion path; 639 lines today",
-        "native/aiokv_index.c": "issue 42: the index links crc32c.c, splits by concern; 898 lines today",
-        "native/order.c": f"issue 42: {SPLIT}; 609 lines today",
     },
     "parts_small": {
         "aiokv/connector/scheduler_role.py::SchedulerRole": f"issue 42: {SR}; 447 lines today",
@@ -76,9 +73,7 @@ KNOWN: dict[str, dict[str, str]] = {  # rule -> {path or path::name: what remove
         "aiokv/connector/worker_role.py::WorkerRole.register_kv_caches": f"issue 42: {SPLIT}; 86 lines today",
         "aiokv/worker/transfer.py::TransferWorker.__init__": f"issue 42: {SPLIT}; 83 lines today",
     },
-    "c_functions_small": {
-        "native/aiokv_index.c::py_apply": "issue 42: py_apply splits by record kind; 128 lines today",
-    },
+    "c_functions_small": {},
     "says_its_job": {},
     "on_the_map": {},
     "imports_down": {},
