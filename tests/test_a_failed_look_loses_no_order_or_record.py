@@ -11,7 +11,7 @@ The invariant: a position moves only with what was handed over and applied; one 
 files never stop following the others (nor the orders); once they read again, nothing they said
 is missing.
 The fix: following.py follows each engine apart: a poll that fails reads again from where it
-was (journal.py's Follower puts its position back, or replays the files whole if it was
+was (follower.py's Follower puts its position back, or replays the files whole if it was
 replacing its view); a failure after a poll, or in applying one engine's records, replays that
 engine's files whole at a later look (waiting longer while it keeps failing); the control file's
 position moves only with a read that succeeded; the owner takes the orders and applies each

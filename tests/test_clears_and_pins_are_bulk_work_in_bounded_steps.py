@@ -36,7 +36,7 @@ import numpy as np
 
 from aiokv.cli import operate
 from aiokv.data import format as fmt
-from aiokv.store import Store, applying, bulk, journal
+from aiokv.store import Store, applying, bulk, journal, logrecords
 from aiokv.store import reclaim as reclaim_mod
 from aiokv.store.control import append_order
 from aiokv.store.journal import IndexLog
@@ -81,7 +81,7 @@ def _journal_recs(root: str, engine: int = 0):
     d = os.path.join(root, "ns", NS.hex(), fmt.engine_dir(engine)).rstrip("/")
     names = [n for n in os.listdir(d) if n.startswith("journal.")]
     with open(os.path.join(d, names[0]), "rb") as f:
-        return journal.parse_records(f.read()[fmt.FILE_HDR_BYTES :])[0]
+        return logrecords.parse_records(f.read()[fmt.FILE_HDR_BYTES :])[0]
 
 
 def test_a_clear_of_a_million_blocks_takes_a_bounded_share_of_each_step_while_commits_go_on(tmp_path, monkeypatch):
@@ -136,7 +136,7 @@ def test_a_clear_of_a_million_blocks_takes_a_bounded_share_of_each_step_while_co
         assert ns.alloc.hole_count >= old_alice  # their space given back
         assert st.stats.cleared == old_alice + taken  # (those committed before it was taken: cleared too)
         recs = _journal_recs(root)
-        assert int((recs["kind"] == fmt.REC_FREE).sum()) == old_alice + taken and journal.marks(recs) == 1
+        assert int((recs["kind"] == fmt.REC_FREE).sum()) == old_alice + taken and logrecords.marks(recs) == 1
     finally:
         st.close()
     st = Store(root)  # what the files say after a restart
@@ -201,7 +201,7 @@ def test_every_journal_write_of_a_clear_is_bounded(tmp_path, monkeypatch):
     st.close(checkpoint=False)  # (the journal as the clear left it)
     assert sizes and max(sizes) <= 4096 * fmt.REC_BYTES, max(sizes)
     recs = _journal_recs(root)
-    assert int((recs["kind"] == fmt.REC_FREE).sum()) == 100_000 and journal.marks(recs) == 1
+    assert int((recs["kind"] == fmt.REC_FREE).sum()) == 100_000 and logrecords.marks(recs) == 1
     # an append past WRITE_MAX
     monkeypatch.setattr(journal, "WRITE_MAX", 4096, raising=False)
     d = tmp_path / "j"

@@ -32,7 +32,7 @@ from aiokv import _native
 from aiokv.data import format as fmt
 from aiokv.store import Store
 from aiokv.store import replay as replay_mod
-from aiokv.store.journal import parse_records
+from aiokv.store.logrecords import parse_records
 from aiokv.store.table import Table, tag_of
 
 NS = b"c" * 16

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 
 from aiokv.store import Store, following
-from aiokv.store.journal import Follower
+from aiokv.store.follower import Follower
 from tests.conftest import NS, PAYLOAD, key
 
 

@@ -10,7 +10,7 @@ it), pinned blocks stay pinned; files written before (journals of versions 1 and
 headers without a tenant) read as the tenant "" and unpinned; with a `secret` the tenant's
 name is nowhere on disk. The fix: format.py (journal version 3: COMMIT records carry a tenant
 id and flags, FLAGS and MARK records; DIR/tenants.<E>; the header's tenant field),
-aiokv/store/tenants.py, table.py's counts, journal.apply_records.
+aiokv/store/tenants.py, table.py's counts, logreplay.apply_records.
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ def test_the_slot_header_carries_the_tenant_and_a_rebuild_keeps_it(tmp_path, blo
 def test_counts_follow_every_change_of_the_table():
     """The per-tenant and pinned counts equal a recount after puts, bulk puts, clears, flag
     changes and journal records applied (the way followers and replays change a table)."""
-    from aiokv.store.journal import apply_records, parse_records, record_tags
+    from aiokv.store.logrecords import parse_records, record_tags
+    from aiokv.store.logreplay import apply_records
     from aiokv.store.table import Table, tag_of
 
     rng = np.random.default_rng(7)

@@ -26,7 +26,8 @@ from hypothesis import strategies as hst
 from aiokv.cli import operate
 from aiokv.data import format as fmt
 from aiokv.store import Store, bulk
-from aiokv.store.journal import apply_records, parse_records, record_tags
+from aiokv.store.logrecords import parse_records, record_tags
+from aiokv.store.logreplay import apply_records
 from aiokv.store.table import PINNED, Table, tag_of
 from tests.conftest import NS, key
 

@@ -53,7 +53,7 @@ def _records(lo: int, hi: int, tids: list[int], now: int) -> np.ndarray:
     """Sealed COMMIT records of keys lo..hi-1 into slots lo..hi-1."""
     from aiokv import _index
     from aiokv.data import format as fmt
-    from aiokv.store.journal import REC
+    from aiokv.store.logrecords import REC
 
     n = hi - lo
     i = np.arange(lo, hi, dtype=np.uint64)
@@ -75,7 +75,8 @@ def build(root: str, n: int, tenants: int = 4) -> None:
     from aiokv.data import format as fmt
     from aiokv.data.slotfile import data_path
     from aiokv.store import Store
-    from aiokv.store.journal import IndexLog, record_tags
+    from aiokv.store.journal import IndexLog
+    from aiokv.store.logrecords import record_tags
     from aiokv.store.store import ns_dir
     from aiokv.store.table import Table
 

@@ -61,7 +61,7 @@ def build(root: str, n: int, tenants: int, pin_every: int) -> None:
     from aiokv import _index, _native
     from aiokv.data import format as fmt
     from aiokv.store import Store
-    from aiokv.store.journal import REC
+    from aiokv.store.logrecords import REC
 
     shutil.rmtree(root, ignore_errors=True)
     st = Store(root)

@@ -3,13 +3,13 @@
 
 The index in memory holds tags, not keys (aiokv/store/table.py); the keys are in the engine's
 checkpoint (records sorted by slot) and journal (the newest COMMIT of a slot wins, as a
-checkpoint merges them: journal.py). `--keys` hands them out in LRU order and `--verify` checks
+checkpoint merges them: aiokv/store/checkpoint.py). `--keys` hands them out in LRU order and `--verify` checks
 each slot's header against its key, for tens of millions of blocks: the files are mapped
 read-only, what is kept is each checkpoint record's slot (4 bytes) and each journal COMMIT's slot
 and position (12 bytes), and the pages a batch touched are let go after it (MADV_DONTNEED), so
 the keys never sit in memory all at once. A key is handed out only where the record's tag is the
 one the replayed index holds for that slot (a block the engine replaced since is left out, as
-IndexLog._merged leaves it out).
+checkpoint.merged leaves it out).
 
 Threading: one thread (the CLI's).
 """
@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from aiokv.data import format as fmt
-from aiokv.store.journal import O_FLAGS, REC, parse_records, record_tags
+from aiokv.store.logrecords import O_FLAGS, REC, parse_records, record_tags
 
 PASS = 1 << 20  # records read at a time while their slots are taken
 

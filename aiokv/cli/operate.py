@@ -32,8 +32,8 @@ from aiokv.cli.owner import as_owner
 from aiokv.data import format as fmt
 from aiokv.data.dirs import open_dir
 from aiokv.store.control import Order, append_order
-from aiokv.store.journal import marks, parse_records
 from aiokv.store.lock import StoreLocked, engines
+from aiokv.store.logrecords import marks, parse_records
 from aiokv.store.store import Store, ns_dir
 from aiokv.store.tenants import read_file
 

@@ -2,7 +2,7 @@
 """Following the other engines on the directory.
 
 Each other engine's checkpoint and journal of a namespace is read by a
-Follower (journal.py) as it grows; what it says is applied to the in-memory
+Follower (follower.py) as it grows; what it says is applied to the in-memory
 index (their new blocks become hits here, their evicted ones misses), and the
 bytes their files take are counted against the directory's capacity.
 
@@ -48,8 +48,8 @@ import time
 
 from aiokv.data import format as fmt
 from aiokv.data.dirs import NotAStore, open_dir
+from aiokv.store.follower import Follower
 from aiokv.store.index import Namespace
-from aiokv.store.journal import Follower
 
 log = logging.getLogger("aiokv")
 FOLLOW_INTERVAL = 0.1  # seconds between looks at the other engines' journals

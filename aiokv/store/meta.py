@@ -237,10 +237,11 @@ class Opener:
         return ns
 
     def keys_of(self, ns: Namespace, engine: int):
-        """slot -> key of an engine's blocks, read from its files (journal.read_keys; for the
+        """slot -> key of an engine's blocks, read from its files (readkeys.read_keys; for the
         views that hand out keys: tools and tests). Ours are read once what is queued for
         the I/O thread is written (waited for at most NAMESPACE_WAIT)."""
-        from aiokv.store.journal import KeyMap, read_keys
+        from aiokv.store.logrecords import KeyMap
+        from aiokv.store.readkeys import read_keys
 
         try:
             if engine == self.dirs.engine:

@@ -58,7 +58,7 @@ class Persist:
     @staticmethod
     def _snapshot(ns: Namespace):
         """What a checkpoint of ns writes: its table, read where the checkpoint runs, the keys
-        taken from the files it replaces (journal.py, IndexLog._merged)."""
+        taken from the files it replaces (checkpoint.py, `merged`)."""
         return ns.table
 
     def checkpoint_if_due(self, ns: Namespace) -> None:

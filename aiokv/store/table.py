@@ -10,7 +10,7 @@ of tags to slots (a uint32 a position, slot + 1, at most 3/4 full: 5.3-10.7 byte
 block). No Python object per block, and no key: the slot header on disk holds the
 whole key, and every read checks it, so a tag that two keys share is a miss after
 that check, never a wrong block; the files (checkpoint, journal) hold the keys for
-whoever needs them (aiokv/store/journal.py, `read_keys`).
+whoever needs them (aiokv/store/readkeys.py, `read_keys`).
 
 Eviction order: exact LRU on (atime, then slot), per tenant: aiokv._index.Order
 (native/order.c) keeps, for each tenant, its blocks that may be victims (not PINNED) in that
