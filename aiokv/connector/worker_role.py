@@ -50,7 +50,7 @@ def load_failures(per_block: bool, errors: set[int], failed: set[str]) -> tuple[
 def block_dims(kv_cache_config, index: int, tensors) -> list[int | None]:
     """Per KV tensor of group `index` ([(layer name, tensor)], as kv_tensors gives them): the
     dimension that counts blocks, as vLLM lays the layer's tensor out; None where vLLM does not
-    describe it (the worker then goes by sizes: worker/device.py Layer).
+    describe it (the worker then goes by sizes: worker/kv_layout.py Layer).
 
     Asked of vLLM, not guessed from sizes (a block count equal to another dimension's size
     would be ambiguous): both model runners allocate each layer's tensor by
@@ -147,7 +147,8 @@ class WorkerRole:
     def _devices(self, kv_caches: dict[str, Any]) -> list:
         """One device per KV-cache group, over its layers' tensors; refused (ValueError) where
         the tensors' bytes per block are not what the KV cache spec says."""
-        from aiokv.worker.device import kv_tensors, make_device
+        from aiokv.worker.device import make_device
+        from aiokv.worker.kv_layout import kv_tensors
 
         devices = []
         for g in self.groups:
