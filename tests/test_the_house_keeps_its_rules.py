@@ -75,7 +75,6 @@ KNOWN: dict[str, dict[str, str]] = {  # rule -> {path or path::name: what remove
         "aiokv/store/store.py::Store.__init__": f"issue 42: {STORE}; 95 lines today",
         "aiokv/store/journal.py::IndexLog": f"issue 42: {JOURNAL}; 503 lines today",
         "aiokv/cli/main.py::_parser": "issue 42: a parser per command; 100 lines today",
-        "aiokv/worker/transfer.py::TransferWorker.__init__": f"issue 42: {SPLIT}; 83 lines today",
     },
     "c_functions_small": {
         "native/aiokv_index.c::py_apply": "issue 42: py_apply splits by record kind; 128 lines today",
