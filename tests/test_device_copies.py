@@ -15,7 +15,8 @@ import torch
 
 from aiokv.data import format as fmt
 from aiokv.data.buffers import BufferPool
-from aiokv.worker.device import CpuDevice, LayoutError
+from aiokv.worker.device import CpuDevice
+from aiokv.worker.kv_layout import LayoutError
 
 NB = 12
 
@@ -64,7 +65,8 @@ def test_vllm_033_registrations_become_layers():
     """What Model Runner V2 registers (vLLM 0.33 init_kv_cache): per-layer views whose first
     dimension may count kernel blocks (a block split in r), lists of tensors per layer;
     anything else is refused with a line naming the layer."""
-    from aiokv.worker.device import LayoutError, kv_tensors, make_device
+    from aiokv.worker.device import make_device
+    from aiokv.worker.kv_layout import LayoutError, kv_tensors
 
     kv = {
         "a": torch.arange(NB * 2 * 4 * 8, dtype=torch.float32).view(NB * 2, 4, 8),

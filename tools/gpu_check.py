@@ -293,8 +293,8 @@ def layouts(device: str, nb: int):
 
 def _tensors(items) -> list:
     """(layer name, tensor) pairs as the connector takes them from what vLLM registers
-    ({layer: tensor or list of tensors}: aiokv.worker.device.kv_tensors)."""
-    from aiokv.worker.device import kv_tensors
+    ({layer: tensor or list of tensors}: aiokv.worker.kv_layout.kv_tensors)."""
+    from aiokv.worker.kv_layout import kv_tensors
 
     return kv_tensors(items, list(items)) if isinstance(items, dict) else items
 

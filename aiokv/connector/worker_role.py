@@ -50,7 +50,7 @@ def load_failures(per_block: bool, errors: set[int], failed: set[str]) -> tuple[
 def block_dims(kv_cache_config, index: int, tensors) -> list[int | None]:
     """Per KV tensor of group `index` ([(layer name, tensor)], as kv_tensors gives them): the
     dimension that counts blocks, as vLLM lays the layer's tensor out; None where vLLM does not
-    describe it (the worker then goes by sizes: worker/device.py Layer).
+    describe it (the worker then goes by sizes: worker/kv_layout.py Layer).
 
     Asked of vLLM, not guessed from sizes (a block count equal to another dimension's size
     would be ambiguous): both model runners allocate each layer's tensor by
@@ -104,12 +104,7 @@ class WorkerRole:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         # vLLM's V1 runner hands dict[str, Tensor]; Model Runner V2 the dict[str, Any] of its
         # init_kv_cache (per-layer views of one buffer; other values for specs aiokv refuses)
-        from aiokv.data import format as fmt
-        from aiokv.store.store import ns_dir
-        from aiokv.worker.device import kv_tensors, make_device
         from aiokv.worker.groups import GroupedWorker
-        from aiokv.worker.host import WorkerHost
-        from aiokv.worker.transfer import TransferWorker
 
         rank = 0
         workers: dict = {}
@@ -125,49 +120,10 @@ class WorkerRole:
                 from aiokv.bucket.client import BucketClient
 
                 bucket = BucketClient(self.cfg.bucket, self.cfg.bucket_timeout)
-            devices = []
-            for g in self.groups:
-                tensors = kv_tensors(kv_caches, g.layer_names)
-                dims = block_dims(self.kv_cache_config, g.index, tensors)
-                device = make_device(tensors, self.kv_cache_config.num_blocks, dims)
-                if device.payload_bytes != g.payload_bytes:
-                    raise ValueError(
-                        f"aiokv: the KV tensors of group {g.index} hold {device.payload_bytes} bytes "
-                        f"per block, the KV cache spec says {g.payload_bytes}; this layout is not "
-                        "supported"
-                    )
-                devices.append(device)
-            # one event loop and one staging arena for every group (slots of the largest group's size)
-            threads = devices[0].checksum_threads if self.cfg.checksum_threads is None else self.cfg.checksum_threads
-            host = WorkerHost(
-                max(fmt.slot_bytes(d.payload_bytes) for d in devices),
-                max(1, self.cfg.staging),
-                self.cfg.memory,
-                threads,
-                rank,
-            )
+            devices = self._devices(kv_caches)
+            host = self._host(devices, rank)
             for g, nsid, device in zip(self.groups, self.group_nsids, devices):
-                # replicated KV (MLA) is stored once, as rank 0's, and read by every rank
-                # several drives: the namespace's directory on each, in the configured order (data/drives.py)
-                dirs = [ns_dir(p, nsid) for p in self.cfg.paths]
-                workers[g.index] = TransferWorker(
-                    device,
-                    dirs[0] if len(dirs) == 1 else dirs,
-                    nsid,
-                    0 if g.replicated else rank,
-                    self.cfg.staging,
-                    self.cfg.io,
-                    self.cfg.queue_depth,
-                    self.cfg.load_timeout,
-                    self.cfg.save_timeout,
-                    bucket,
-                    self.cfg.upload_queue,
-                    self.cfg.flush_timeout,
-                    self.cfg.secret,
-                    self.cfg.memory,
-                    layerwise=self.layerwise,
-                    host=host,
-                )
+                workers[g.index] = self._transfer_worker(g, nsid, device, rank, bucket, host)
             self._layers = workers[self.groups[0].index].layers
             self.worker = GroupedWorker(workers, {g.index for g in self.groups if rank == 0 or not g.replicated}, host)
         except Exception as e:
@@ -187,6 +143,67 @@ class WorkerRole:
             self.worker = None
             self._layers = None
             self._report = WorkerReport(disabled=True)
+
+    def _devices(self, kv_caches: dict[str, Any]) -> list:
+        """One device per KV-cache group, over its layers' tensors; refused (ValueError) where
+        the tensors' bytes per block are not what the KV cache spec says."""
+        from aiokv.worker.device import make_device
+        from aiokv.worker.kv_layout import kv_tensors
+
+        devices = []
+        for g in self.groups:
+            tensors = kv_tensors(kv_caches, g.layer_names)
+            dims = block_dims(self.kv_cache_config, g.index, tensors)
+            device = make_device(tensors, self.kv_cache_config.num_blocks, dims)
+            if device.payload_bytes != g.payload_bytes:
+                raise ValueError(
+                    f"aiokv: the KV tensors of group {g.index} hold {device.payload_bytes} bytes "
+                    f"per block, the KV cache spec says {g.payload_bytes}; this layout is not "
+                    "supported"
+                )
+            devices.append(device)
+        return devices
+
+    def _host(self, devices: list, rank: int):
+        """One event loop and one staging arena for every group (slots of the largest group's size)."""
+        from aiokv.data import format as fmt
+        from aiokv.worker.host import WorkerHost
+
+        threads = devices[0].checksum_threads if self.cfg.checksum_threads is None else self.cfg.checksum_threads
+        return WorkerHost(
+            max(fmt.slot_bytes(d.payload_bytes) for d in devices),
+            max(1, self.cfg.staging),
+            self.cfg.memory,
+            threads,
+            rank,
+        )
+
+    def _transfer_worker(self, g: GroupSpec, nsid: bytes, device, rank: int, bucket, host):
+        """Group `g`'s TransferWorker, on the shared host, as the configuration says."""
+        from aiokv.store.store import ns_dir
+        from aiokv.worker.transfer import TransferWorker
+
+        # replicated KV (MLA) is stored once, as rank 0's, and read by every rank
+        # several drives: the namespace's directory on each, in the configured order (data/drives.py)
+        dirs = [ns_dir(p, nsid) for p in self.cfg.paths]
+        return TransferWorker(
+            device,
+            dirs[0] if len(dirs) == 1 else dirs,
+            nsid,
+            0 if g.replicated else rank,
+            self.cfg.staging,
+            self.cfg.io,
+            self.cfg.queue_depth,
+            self.cfg.load_timeout,
+            self.cfg.save_timeout,
+            bucket,
+            self.cfg.upload_queue,
+            self.cfg.flush_timeout,
+            self.cfg.secret,
+            self.cfg.memory,
+            layerwise=self.layerwise,
+            host=host,
+        )
 
     def start_load_kv(self, meta) -> None:
         # forward_context says nothing about the step (V2 passes an empty one on every step)

@@ -118,8 +118,6 @@ class TransferWorker:
         self._dead = False
         try:
             host.attach(device)
-            # payload CRCs inside the device copies (with a secret, the MAC's pass is the stamp's and check's)
-            crc_in_copy = self.device.crc_in_copy
             self.life = Lifecycle(
                 host,
                 device,
@@ -142,6 +140,14 @@ class TransferWorker:
             if self._owns_host:
                 host.close()
             raise
+        self._pipelines(nsid, rank, slot_bytes, layerwise, load_timeout, save_timeout)
+
+    def _pipelines(self, nsid: bytes, rank: int, slot_bytes: int, layerwise: bool, load_timeout, save_timeout) -> None:
+        """The save and load pipelines (and the reads and layer-by-layer copies they share) over
+        the started lifecycle; the device is attached, so its crc_in_copy is settled."""
+        device = self.device
+        # payload CRCs inside the device copies (with a secret, the MAC's pass is the stamp's and check's)
+        crc_in_copy = device.crc_in_copy
         self.reads = Reads(device, self.staging, self.life.blockio, self._count, slot_bytes)
         # verified loads copied in layer by layer during the next forward (worker/layerwise.py)
         self.layers = LayerwiseLoads(device, self.staging, self.reads, rank) if layerwise else None
