@@ -74,7 +74,6 @@ KNOWN: dict[str, dict[str, str]] = {  # rule -> {path or path::name: what remove
         "aiokv/store/store.py::Store": f"issue 42: {STORE}; 567 lines today",
         "aiokv/store/store.py::Store.__init__": f"issue 42: {STORE}; 95 lines today",
         "aiokv/store/journal.py::IndexLog": f"issue 42: {JOURNAL}; 503 lines today",
-        "aiokv/cli/main.py::_parser": "issue 42: a parser per command; 100 lines today",
         "aiokv/connector/worker_role.py::WorkerRole.register_kv_caches": f"issue 42: {SPLIT}; 86 lines today",
         "aiokv/worker/transfer.py::TransferWorker.__init__": f"issue 42: {SPLIT}; 83 lines today",
     },
