@@ -60,7 +60,6 @@ KNOWN: dict[str, dict[str, str]] = {  # rule -> {path or path::name: what remove
         "aiokv/store/index.py": "issue 42: the dict-like views go; 548 lines today",
         "aiokv/store/store.py": f"issue 42: {STORE}; 700 lines today",
         "aiokv/store/journal.py": f"issue 42: {JOURNAL}; 989 lines today",
-        "aiokv/cli/warm.py": "issue 42: warming moves into the ops layer; 482 lines today",
         "native/ring.c": "issue 42: ring.c gets one completion path; 639 lines today",
         "native/aiokv_index.c": "issue 42: the index links crc32c.c, splits by concern; 898 lines today",
         "native/order.c": f"issue 42: {SPLIT}; 609 lines today",
