@@ -33,6 +33,7 @@ from aiokv.connector.metrics import SERIES, AioKVPromMetrics, AioKVStats, StatsD
 from aiokv.scheduler.side import SchedulerCounters
 from aiokv.store.store import StoreStats
 from aiokv.util import counters as table
+from aiokv.util import counting
 from aiokv.worker import transfer
 from aiokv.worker.latency import LATENCY_BUCKETS, bucket_key, latency_counts
 
@@ -96,9 +97,9 @@ def test_every_counter_has_a_series_or_a_reason():
     assert not rows & set(metrics.NOT_EXPORTED)
     assert len(table.ROWS) == len(table.TABLE), "a counter with two rows"
     # the table says where each is counted: the same names as the mechanisms that count them (the
-    # scheduler side's and the store's records are built from its rows: counters.record)
-    assert set(table.names(table.SCHEDULER)) == {f.name for f in dataclasses.fields(SchedulerCounters)}
-    assert set(table.names(table.STORE)) == {f"store_{f.name}" for f in dataclasses.fields(StoreStats)}
+    # scheduler side's and the store's records are built from its rows: counting.record)
+    assert set(counting.names(table.SCHEDULER)) == {f.name for f in dataclasses.fields(SchedulerCounters)}
+    assert set(counting.names(table.STORE)) == {f"store_{f.name}" for f in dataclasses.fields(StoreStats)}
     assert set(transfer.COUNTERS) >= {k for k in _counted_in_code() if not k.startswith(("layerwise_", "bucket_"))}
     assert all(r.kind in (metrics.COUNTER, metrics.GAUGE, metrics.LEVEL, metrics.HISTOGRAM) for r in table.TABLE)
     # one help text, kind and label set per series

@@ -40,6 +40,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"aiokv {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    _inspect_parser(sub)
+    _warm_parser(sub)
+    for op, text in (
+        ("clear", "remove blocks (by model or namespace, tenant, age), also while engines serve from the directory"),
+        ("pin", "keep a tenant's blocks: never evicted (within each engine's pin_capacity)"),
+        ("unpin", "let a tenant's pinned blocks be evicted again"),
+    ):
+        _operate_parser(sub, op, text)
+    return p
+
+
+def _inspect_parser(sub) -> None:
+    """`aiokv inspect`'s arguments."""
     ins = sub.add_parser(
         "inspect",
         help="show, list or verify what a cache directory holds",
@@ -63,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     ins.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     ins.add_argument("--no-progress", action="store_true", help="no progress bar on stderr during --verify")
+
+
+def _warm_parser(sub) -> None:
+    """`aiokv warm`'s arguments."""
     w = sub.add_parser(
         "warm",
         help="copy blocks from the fleet's bucket to this node's cache directories",
@@ -94,45 +111,43 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no progress on stderr (a bar on a terminal, else a line every 10 s)",
     )
-    for op, text in (
-        ("clear", "remove blocks (by model or namespace, tenant, age), also while engines serve from the directory"),
-        ("pin", "keep a tenant's blocks: never evicted (within each engine's pin_capacity)"),
-        ("unpin", "let a tenant's pinned blocks be evicted again"),
-    ):
-        c = sub.add_parser(
-            op,
-            help=text,
-            description=f"{text[0].upper()}{text[1:]}. The order is written to DIR/control; running engines apply "
-            "it within about 0.1 s of their next step, and the files of stopped engines are changed here. "
-            "Where the engines have a `secret`, give it in AIOKV_SECRET. docs/operations.md, "
-            '"Operating the cache".',
-        )
-        c.add_argument("dir", metavar="DIR", help="the cache directory")
-        which = c.add_mutually_exclusive_group()
-        which.add_argument(
-            "--model", help="only the namespaces of this model (as vLLM was given it, or its last path part)"
-        )
-        which.add_argument("--namespace", metavar="ID", help="only this namespace (a prefix of its id: aiokv inspect)")
+
+
+def _operate_parser(sub, op: str, text: str) -> None:
+    """The arguments of `aiokv clear`, `pin` or `unpin` (op), described by text."""
+    c = sub.add_parser(
+        op,
+        help=text,
+        description=f"{text[0].upper()}{text[1:]}. The order is written to DIR/control; running engines apply "
+        "it within about 0.1 s of their next step, and the files of stopped engines are changed here. "
+        "Where the engines have a `secret`, give it in AIOKV_SECRET. docs/operations.md, "
+        '"Operating the cache".',
+    )
+    c.add_argument("dir", metavar="DIR", help="the cache directory")
+    which = c.add_mutually_exclusive_group()
+    which.add_argument(
+        "--model", help="only the namespaces of this model (as vLLM was given it, or its last path part)"
+    )
+    which.add_argument("--namespace", metavar="ID", help="only this namespace (a prefix of its id: aiokv inspect)")
+    c.add_argument(
+        "--tenant",
+        metavar="SALT",
+        required=op != "clear",
+        help='only this tenant: a request\'s cache_salt ("" for requests without one)',
+    )
+    if op == "clear":
         c.add_argument(
-            "--tenant",
-            metavar="SALT",
-            required=op != "clear",
-            help='only this tenant: a request\'s cache_salt ("" for requests without one)',
+            "--older-than", metavar="DURATION", help="only blocks last used longer ago (90s, 30m, 12h, 7d, 2w)"
         )
-        if op == "clear":
-            c.add_argument(
-                "--older-than", metavar="DURATION", help="only blocks last used longer ago (90s, 30m, 12h, 7d, 2w)"
-            )
-            c.add_argument("--dry-run", action="store_true", help="say what would be removed; change nothing")
-        c.add_argument(
-            "--wait",
-            type=float,
-            default=5.0,
-            metavar="SECONDS",
-            help="how long to wait for the running engines to apply it (default 5)",
-        )
-        c.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
-    return p
+        c.add_argument("--dry-run", action="store_true", help="say what would be removed; change nothing")
+    c.add_argument(
+        "--wait",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long to wait for the running engines to apply it (default 5)",
+    )
+    c.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
 
 
 def _warm(args) -> int:

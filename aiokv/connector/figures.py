@@ -19,7 +19,8 @@ from typing import Any
 
 from aiokv.connector.metrics import StatsDelta
 from aiokv.scheduler.index_wait import still_loading
-from aiokv.util.counters import TOP_TENANTS, merge, store_counters
+from aiokv.util.counters import TOP_TENANTS
+from aiokv.util.counting import merge, store_counters
 
 REFRESH_S = 1.0  # the figures are gathered at least this often while vLLM steps
 

@@ -42,8 +42,8 @@ from aiokv.util.counters import (  # noqa: F401 (SERIES, NOT_EXPORTED and the ki
     PER_RANK,
     SERIES,
     Row,
-    merge,
 )
+from aiokv.util.counting import merge
 from aiokv.worker.latency import LATENCY_BUCKETS, bucket_key
 
 log = logging.getLogger("aiokv")

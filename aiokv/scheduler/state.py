@@ -12,7 +12,7 @@ import dataclasses
 
 from aiokv.scheduler.layout import GroupSpec
 from aiokv.store.index import Namespace
-from aiokv.util import counters
+from aiokv.util import counters, counting
 
 
 @dataclasses.dataclass
@@ -62,4 +62,4 @@ class Req:
 
 
 # what the scheduler side counts: one int per SCHEDULER row of the table of counters
-SchedulerCounters = counters.record("SchedulerCounters", counters.SCHEDULER, __name__)
+SchedulerCounters = counting.record("SchedulerCounters", counters.SCHEDULER, __name__)

@@ -56,7 +56,7 @@ from aiokv.store import persist
 from aiokv.store.driveviews import DriveNamespace, Indexes, KeyUnion, SpaceUsed
 from aiokv.store.fsthread import at_once, bounded
 from aiokv.store.store import StoreStats
-from aiokv.util import counters
+from aiokv.util import counting
 from aiokv.util.breaker import Breaker
 
 log = logging.getLogger("aiokv")
@@ -226,7 +226,7 @@ class Drives:
         for s in self.stores.values():
             for label, n in s.tenant_bytes(None).items():
                 out[label] = out.get(label, 0) + n
-        return out if top is None else counters.top_and_other(out, top)
+        return out if top is None else counting.top_and_other(out, top)
 
     def reserve(self, ns: DriveNamespace, key: bytes, tenant: str | bytes = "") -> int | None:
         if key in ns.entries or key in ns.pending:

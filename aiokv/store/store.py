@@ -110,7 +110,7 @@ from aiokv.store.table import PINNED, give_back_scratch, tag_of
 from aiokv.store.tenants import Tenants
 from aiokv.store.tenantsfile import TenantsNotWritten
 from aiokv.store.wear import Wear
-from aiokv.util import counters
+from aiokv.util import counters, counting
 
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
 WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight (io_thread)
@@ -121,7 +121,7 @@ _log = log  # (`log` names a journal in some methods)
 # what the store counts: one int per STORE row of the table of counters, named
 # less "store_". Loads are counted where they happen: the workers' reports (the
 # Store is not on the load path).
-StoreStats = counters.record("StoreStats", counters.STORE, __name__, prefix=counters.STORE_PREFIX)
+StoreStats = counting.record("StoreStats", counters.STORE, __name__, prefix=counting.STORE_PREFIX)
 
 
 def _part(part: str, name: str) -> property:
@@ -343,7 +343,7 @@ class Store:
             out[label] = out.get(label, 0) + int(held[t])
         if top is None:
             return out
-        out = counters.top_and_other(out, top)
+        out = counting.top_and_other(out, top)
         if rest:
             out["other"] = out.get("other", 0) + rest
         return out

@@ -8,7 +8,8 @@ labels: aiokv/connector/metrics.py builds the series from this table) or why
 it is not one. A counter added anywhere gets a row here;
 tests/test_metrics_series_table.py holds every mechanism that counts to it. The
 records the scheduler side and the store count into (SchedulerCounters,
-StoreStats) are built from the rows (`record`): adding one of theirs is a row.
+StoreStats) are built from the rows (aiokv/util/counting.py's `record`): adding
+one of theirs is a row.
 
 Kinds: COUNTER (adds up), GAUGE (the last value), LEVEL (a figure that goes up
 and down, reported by workers as its changes, which add up across ranks,
@@ -27,14 +28,15 @@ same block or request (each rank loads its shard of every block); its sum over
 ranks is divided by the TP size, so a block loaded on every rank counts once.
 Byte counters are true sums over ranks.
 
-Threading contract: constant data, read by any thread; merge() works on the
-caller's dicts; record() runs at import.
+What is done with the figures (records built from the rows, reports added
+up, the store's stats named, a label's values bounded) is aiokv/util/counting.py.
+
+Threading contract: constant data, read by any thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 COUNTER, GAUGE, HISTOGRAM, LEVEL = "counter", "gauge", "histogram", "level"
 # a label whose values come with the figure: the figure is then {label value: number}
@@ -392,48 +394,3 @@ SERIES: tuple[Row, ...] = tuple(r for r in TABLE if r.series is not None)
 NOT_EXPORTED: dict[str, str] = {r.key: r.help for r in TABLE if r.series is None}
 GAUGES = frozenset(r.key for r in SERIES if r.kind == GAUGE)
 PER_RANK = frozenset(r.key for r in SERIES if r.per_rank)
-
-
-def names(source: str) -> tuple[str, ...]:
-    """The counters counted at `source` (histograms aside), in the table's order."""
-    return tuple(r.key for r in TABLE if source in r.sources and r.kind != HISTOGRAM)
-
-
-def top_and_other(figures: dict[str, int], top: int) -> dict[str, int]:
-    """The `top` largest of {label: number} by name, every other one added up as "other" (a
-    label cardinality of at most top + 1: tenant_bytes)."""
-    best = sorted(figures, key=lambda k: (-figures[k], k))[:top]
-    out = {k: figures[k] for k in best}
-    if len(figures) > top:
-        out["other"] = out.get("other", 0) + sum(v for k, v in figures.items() if k not in out)
-    return out
-
-
-def merge(into: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """Adds `new` to `into` (counters add up, gauges take the newer value); returns `into`."""
-    for k, v in new.items():
-        into[k] = v if k in GAUGES else into.get(k, 0) + v
-    return into
-
-
-def record(cls_name: str, source: str, module: str, prefix: str = "") -> type:
-    """The dataclass a place counts into (SchedulerCounters, StoreStats): one int
-    field, 0 at first, per counter the table says is counted at `source`, named
-    by its key less `prefix`; so a counter added there is one row here. Built
-    once, at import of `module` (the defining module's name, for repr and pickle)."""
-    keys = names(source)
-    if not all(k.startswith(prefix) for k in keys):
-        raise ValueError(f"aiokv: every counter at {source} is named {prefix}<name>: {keys}")
-    fields = [(k.removeprefix(prefix), int, dataclasses.field(default=0)) for k in keys]
-    cls = dataclasses.make_dataclass(cls_name, fields)
-    cls.__module__ = module
-    cls.__doc__ = f"The counters counted at {source}: built from the table of counters (aiokv/util/counters.py)."
-    return cls
-
-
-STORE_PREFIX = "store_"  # the store's counters are keyed store_<its StoreStats field>
-
-
-def store_counters(stats) -> dict[str, int]:
-    """The store's stats (StoreStats) under their table names, `store_<name>`."""
-    return {STORE_PREFIX + k: v for k, v in vars(stats).items()}

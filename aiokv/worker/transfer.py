@@ -58,7 +58,7 @@ import logging
 from aiokv.data import format as fmt
 from aiokv.jobs import Transfer, WorkerReport
 from aiokv.util.counters import WORKER
-from aiokv.util.counters import names as counter_names
+from aiokv.util.counting import names as counter_names
 from aiokv.worker.host import WorkerHost
 from aiokv.worker.layerwise import LayerwiseLoads
 from aiokv.worker.lifecycle import CLOSE_DRAIN_S, START_TIMEOUT, Lifecycle  # noqa: F401 (START_TIMEOUT: here too)
