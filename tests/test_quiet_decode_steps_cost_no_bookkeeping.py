@@ -13,7 +13,7 @@ step after a counter, a gauge's input, or REFRESH_S of time moved hands on exact
 next block does not fill this step and that got no new block is not planned; a worker poll
 with nothing arrived hands back nothing, with no report to merge.
 The fix: aiokv/connector/figures.py (SchedulerFigures: one look at what every figure follows),
-Req.due (aiokv/scheduler/plan.py) and the connector's _scheduled, Results.quiet
+Req.due (aiokv/scheduler/plan.py) and the connector's scheduled_items (connector/scheduled.py), Results.quiet
 (aiokv/worker/results.py) and the polls of TransferWorker and GroupedWorker.
 """
 
@@ -24,6 +24,7 @@ import types
 from aiokv.connector import figures
 from aiokv.connector.adapters import Adapters
 from aiokv.connector.figures import SchedulerFigures
+from aiokv.connector.scheduled import scheduled_items
 from aiokv.connector.scheduler_role import SchedulerRole
 from aiokv.scheduler.side import SchedulerSide
 from aiokv.scheduler.state import Req
@@ -122,11 +123,11 @@ def test_a_running_request_is_planned_only_when_a_block_fills_or_comes(tmp_path)
             ("f", 40, None, False),  # unknown to the side: planned (the side decides)
         ]
     )
-    items, _, decode_like = SchedulerRole._scheduled(out, reqs)
+    items, _, decode_like = scheduled_items(out, reqs)
     assert [s.req_id for s in items] == ["b", "c", "d", "e", "f"]
     assert decode_like
     # a speculative token is not computed before it is accepted: its block does not fill yet
-    items, _, decode_like = SchedulerRole._scheduled(_output(cached=[("b", 63, None, False)], spec={"b": [5]}), reqs)
+    items, _, decode_like = scheduled_items(_output(cached=[("b", 63, None, False)], spec={"b": [5]}), reqs)
     assert items == [] and decode_like
 
 

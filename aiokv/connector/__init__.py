@@ -3,6 +3,8 @@
 
     connector.py    AioKVConnector, the class vLLM instantiates: forwards to its role
     scheduler_role.py  the scheduler-role glue (SchedulerSide, the store, vLLM's stats)
+    opening.py      what the scheduler role opens at start: the store, the side, KV events
+    scheduled.py    a step's SchedulerOutput as plain Scheduled items
     worker_role.py  the worker-role glue (the TransferWorkers of each KV-cache group)
     metadata.py     the step's plan and the workers' report as vLLM carries them
     namespace.py    the namespace description: model, weights, adapters, layout

@@ -38,14 +38,12 @@ the labels' file calls run on the store's I/O thread.
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
-import struct
 import time
-from array import array
 
 import numpy as np
 
+from aiokv.connector.event_labels import hash_fingerprint, pack_label, unpack_label
 from aiokv.store.labels import START_READ
 from aiokv.store.table import tag_of
 
@@ -56,7 +54,6 @@ REMOVE_BATCH = 2048  # removed blocks of a clear looked at a time (one BlockRemo
 REMOVE_S = 0.002  # seconds per step after which no further batch of a clear's removals starts
 HELD = 1 << 16  # labels held for blocks not yet committed here (saves in flight, other engines')
 READ_EVERY = 1.0  # seconds between reads of the other engines' labels while some are missing
-_LABEL = struct.Struct("<8sBBHqI")  # fingerprint, hash len, parent len, LoRA name len, LoRA id, tokens
 
 
 _VLLM: tuple = ()
@@ -71,42 +68,6 @@ def _vllm() -> tuple:
 
         _VLLM = (BlockStored, BlockRemoved, MEDIUM_STORAGE, maybe_convert_block_hash)
     return _VLLM
-
-
-def pack_label(fp: bytes, h: bytes, parent: bytes | None, lora_name: str | None, lora_id: int | None, tokens) -> bytes:
-    parent, name = parent or b"", (lora_name or "").encode()
-    toks = array("I", tokens).tobytes()
-    return (
-        _LABEL.pack(fp, len(h), len(parent), len(name), -1 if lora_id is None else lora_id, len(toks) // 4)
-        + h
-        + parent
-        + name
-        + toks
-    )
-
-
-def unpack_label(raw: bytes):
-    """(fingerprint, hash, parent or None, LoRA name or None, LoRA id or None, tokens); None if damaged."""
-    if len(raw) < _LABEL.size:
-        return None
-    fp, hl, pl, nl, lid, nt = _LABEL.unpack_from(raw)
-    off = _LABEL.size
-    if len(raw) != off + hl + pl + nl + 4 * nt or not hl:
-        return None
-    h, parent = raw[off : off + hl], raw[off + hl : off + hl + pl] or None
-    off += hl + pl
-    try:
-        name = raw[off : off + nl].decode() or None
-    except UnicodeDecodeError:
-        return None
-    return fp, h, parent, name, None if lid < 0 else lid, array("I", raw[off + nl :]).tolist()
-
-
-def hash_fingerprint(algo: str, none_hash: bytes, hash_block_size: int, block_size: int) -> bytes:
-    """8 bytes naming how vLLM hashes blocks in this engine."""
-    return hashlib.blake2b(
-        repr((algo, bytes(none_hash), hash_block_size, block_size)).encode(), digest_size=8, person=b"aiokv-vllmhash"
-    ).digest()
 
 
 class KVEvents:

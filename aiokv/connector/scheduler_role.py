@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The scheduler-role glue: vLLM's scheduler-side connector calls on SchedulerSide.
 
-Opens the store (bounded by start_timeout) and the SchedulerSide over it;
-turns vLLM's requests and SchedulerOutput into plain data (keys' roots,
-Scheduled items) and the side's plan into AioKVMetadata; feeds the workers'
+Opens the store and the SchedulerSide over it (opening.py); turns vLLM's
+requests and SchedulerOutput into plain data (keys' roots; Scheduled items,
+scheduled.py) and the side's plan into AioKVMetadata; feeds the workers'
 reports back; hands vLLM its stats (counter deltas, gauges).
 
 Threading contract: the EngineCore scheduler thread only (the store's I/O
@@ -15,34 +15,23 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from aiokv import __version__
 from aiokv.connector.adapters import Adapters
 from aiokv.connector.figures import SchedulerFigures
 from aiokv.connector.metadata import AioKVMetadata, AioKVWorkerMetadata
 from aiokv.connector.metrics import AioKVStats
+from aiokv.connector.opening import (
+    engine_transfer_config,
+    kv_events,
+    log_opened,
+    open_side,
+    open_stores,
+    recompute_failed_loads,
+)
 from aiokv.connector.roots import Roots
+from aiokv.connector.scheduled import scheduled_items
 from aiokv.jobs import StepPlan
 
 log = logging.getLogger("aiokv")
-
-
-def engine_transfer_config(own, depth: int = 8):
-    """The kv_transfer_config vLLM's scheduler reads kv_load_failure_policy from: our own,
-    or, under vLLM's MultiConnector (which builds each of its connectors with a copy of the
-    config holding only that connector's entry), the MultiConnector's. Called from our
-    __init__, while MultiConnector.__init__ (its `vllm_config`) is on the stack
-    (tests/test_prefill_decode_roles_e2e.py fails requests if it is not found)."""
-    import sys
-
-    f = sys._getframe(1)
-    for _ in range(depth):
-        f = f.f_back
-        if f is None:
-            break
-        if type(f.f_locals.get("self")).__name__ == "MultiConnector":
-            cfg = f.f_locals.get("vllm_config")
-            return getattr(cfg, "kv_transfer_config", None) or own
-    return own
 
 
 def wants_pin(request) -> bool:
@@ -62,6 +51,7 @@ class SchedulerRole:
         self.layerwise = layerwise
         self.offer_hits = offer_hits
         self.kv_role = kv_role
+        self.ns = ns  # (what opening.py opens the namespaces by)
         self.sched = None
         # LoRA adapters' fingerprints, looked at on their own I/O thread (adapters.py); requests' roots
         self.adapters = Adapters(cfg.fs_timeout)
@@ -73,130 +63,15 @@ class SchedulerRole:
         self._drives = None  # several drives: the Drives store, told the workers' per-drive verdicts
 
     def open(self, kv_transfer_config) -> None:
-        from aiokv.scheduler.side import SchedulerSide
-        from aiokv.store import Store, StoreLocked
-        from aiokv.store.fsthread import bounded
-        from aiokv.util.breaker import Breaker
-
-        ktc = engine_transfer_config(kv_transfer_config)
-        if ktc.kv_load_failure_policy == "fail" and not self.cfg.strict_load_failures:
-            # A cache miss must never fail a request: a failed load is recomputed.
-            ktc.kv_load_failure_policy = "recompute"
-            log.info(
-                "aiokv: kv_load_failure_policy set to 'recompute' (a failed cache load is recomputed%s); "
-                "set strict_load_failures=true in kv_connector_extra_config to keep 'fail'",
-                ""
-                if ktc is kv_transfer_config
-                else "; under MultiConnector the policy is the engine's, for every connector",
-            )
-
-        def open_store(path=self.cfg.path, drives=1):  # drives: capacity is shared by that many
-            store = Store(
-                path,
-                capacity=self.cfg.capacity // drives,
-                io_thread=True,
-                fs_timeout=self.cfg.fs_timeout,
-                secret=self.cfg.secret,  # (tenants are named on disk by tags keyed by it)
-            )
-            # a drive's share of the quotas and of pin_capacity, as of the capacity
-            store.set_quotas({t: max(1, q // drives) for t, q in self.cfg.quota.items()})
-            store.pin_capacity = None if self.cfg.pin_capacity is None else self.cfg.pin_capacity // drives
-            store.set_request_pins(
-                {t: None if b is None else max(1, b // drives) for t, b in self.cfg.request_pins.items()}
-            )
-            try:
-                spaces = []
-                for g, nsid in zip(self.groups, self.group_nsids):
-                    fields = self.fields if len(self.groups) == 1 else {**self.fields, "group": g.index}
-                    spaces.append(
-                        (
-                            g,
-                            store.namespace(
-                                nsid, g.payload_bytes, ranks=1 if g.replicated else self.ranks, fields=fields
-                            ),
-                        )
-                    )
-            except BaseException:
-                store.close(checkpoint=False)
-                raise
-            return store, spaces
-
-        several = len(self.cfg.paths) > 1
-        try:
-            # a file system that does not answer must not hang vLLM's start: past start_timeout
-            # aiokv is off (as for a directory it cannot use), and the store, if it opens later, closes
-            if several:  # one Store per drive (aiokv/store/drives.py); a drive missing is left out
-                from aiokv.store.drives import open_drives
-
-                def open_drive(path, drives):
-                    store, spaces = open_store(path, drives)
-                    return store, [ns for _, ns in spaces]
-
-                store, parts = open_drives(
-                    self.cfg.paths,
-                    open_drive,
-                    self.cfg.start_timeout,
-                    self.cfg.breaker_failures,
-                    self.cfg.breaker_cooldown,
-                )
-                spaces = list(zip(self.groups, parts))
-                self._drives = store
-            else:
-                store, spaces = bounded(
-                    open_store,
-                    self.cfg.start_timeout,
-                    f"the cache directory {self.cfg.path}",
-                    late=lambda got: got[0].close(checkpoint=False),
-                )
-        except StoreLocked:
-            raise
-        except OSError as e:
-            log.error(
-                "aiokv: cannot use cache director%s %s (%s); aiokv is disabled and vLLM runs without it",
-                "ies" if several else "y",
-                ", ".join(self.cfg.paths),
-                e.strerror or e,
-            )
+        """The store and the SchedulerSide over it (opening.py); on a cache directory it cannot
+        use, aiokv stays off (self.sched None) and vLLM runs without it."""
+        recompute_failed_loads(engine_transfer_config(kv_transfer_config), kv_transfer_config, self.cfg)
+        opened = open_stores(self.cfg, self.ns, self.ranks)
+        if opened is None:
             return
-        # several drives: each judges its own failures (store/drives.py); this one, only a stall of all
-        self.sched = SchedulerSide(
-            store,
-            spaces,
-            self.block_size,
-            Breaker(0 if several else self.cfg.breaker_failures, self.cfg.breaker_cooldown),
-            index_wait=self.cfg.index_wait,
-        )
-        self.sched.layerwise = self.layerwise
-        self.sched.saves = self.kv_role != "kv_consumer"
-        self.sched.save_generated = self.cfg.save_generated
-        if self.cfg.admit != "all":
-            from aiokv.scheduler.admission import Admission
-
-            self.sched.admission = Admission(self.cfg.admit, self.cfg.admit_window)
-        if self.cfg.bucket:
-            from aiokv.bucket.lookup import BucketLookup
-            from aiokv.data.format import slot_bytes
-
-            self.sched.bucket = bucket = BucketLookup(
-                self.cfg.bucket,
-                self.cfg.bucket_timeout,
-                self.cfg.probe_timeout,
-                [(ns.nsid, ns.ranks, slot_bytes(ns.payload_bytes)) for _, ns in spaces],
-                self.cfg.secret,
-            )
-            # for nodes warmed from the bucket (aiokv warm): what each namespace holds, and the
-            # labels the KV events write for our blocks (bucket/publisher.py)
-            bucket.publisher.namespaces((ns.nsid, ns.payload_bytes, ns.ranks, ns.fields) for _, ns in spaces)
-            for st in getattr(store, "stores", {0: store}).values():
-                st.labels.sink = bucket.publisher.labels
-        log.info(
-            "aiokv %s: cache %s, namespace %s (%s), %d blocks stored",
-            __version__,
-            ", ".join(self.cfg.paths[d] for d in getattr(store, "live", [0])),
-            self.nsid.hex(),
-            ", ".join(g.kind for g in self.groups),
-            sum(len(ns.entries) for _, ns in spaces),
-        )
+        store, spaces, self._drives = opened
+        self.sched = open_side(self.cfg, store, spaces, self.block_size, self.layerwise, self.kv_role)
+        log_opened(self.cfg, store, self.ns, spaces)
 
     def use_events(self, vllm_config, kv_cache_config) -> None:
         """Emit KV events (events.py) if vLLM publishes them and the kv_events setting is on; an
@@ -211,25 +86,7 @@ class SchedulerRole:
             or not self.offer_hits
         ):
             return
-        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
-
-        from aiokv.connector.events import KVEvents
-
-        hbs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1]
-        specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-        groups = [
-            (
-                g.spec.index,
-                g.ns,
-                str(get_kv_cache_spec_kind(specs[g.spec.index]).value),
-                get_kv_cache_spec_sliding_window(specs[g.spec.index]),
-            )
-            for g in self.sched.groups
-        ]
-        self.events = KVEvents(
-            self.sched.store, groups, self.block_size, hbs, str(vllm_config.cache_config.prefix_caching_hash_algo)
-        )
+        self.events = kv_events(self.sched, vllm_config, kv_cache_config, self.block_size)
 
     def take_events(self):
         if self.events is None:
@@ -364,7 +221,7 @@ class SchedulerRole:
             self._error("build_connector_meta (LoRA adapters' fingerprints: applied at a later step)")
         decode_like = False
         try:
-            items, boundary, decode_like = self._scheduled(scheduler_output, self.sched.requests)
+            items, boundary, decode_like = scheduled_items(scheduler_output, self.sched.requests)
             items = self.roots.rooted(items, self.sched)  # requests whose adapter is fingerprinted now
             plan = self.sched.plan(items, boundary)  # plan() contains its own failures
         except Exception:
@@ -377,48 +234,6 @@ class SchedulerRole:
             except Exception:
                 self._error("build_connector_meta (KV events: this step's saves are not announced)")
         return AioKVMetadata(plan, decode_like, idle)
-
-    @staticmethod
-    def _scheduled(scheduler_output, reqs: dict) -> tuple[list, dict | None, bool]:
-        """vLLM's SchedulerOutput as plain data: (Scheduled items, the recurrent-state
-        checkpoints written this step, whether every request computes one token). A running
-        request with no new block whose computed tokens stay below its Req.due (`reqs`: the
-        side's requests; due: where its next block fills) has nothing to track and is left out:
-        a decode step costs a comparison per request, and nothing more, until a block fills."""
-        from aiokv.scheduler.side import Scheduled
-
-        spec = scheduler_output.scheduled_spec_decode_tokens or {}
-        n_sched = scheduler_output.num_scheduled_tokens
-        items = [
-            Scheduled(
-                r.req_id,
-                r.num_computed_tokens,
-                n_sched.get(r.req_id, 0) - len(spec.get(r.req_id, ())),
-                r.block_ids,
-                True,
-            )
-            for r in scheduler_output.scheduled_new_reqs
-        ]
-        c = scheduler_output.scheduled_cached_reqs
-        resumed = c.resumed_req_ids or ()
-        computed, new_ids = c.num_computed_tokens, c.new_block_ids
-        for i, req_id in enumerate(c.req_ids):
-            n = n_sched.get(req_id, 0)
-            if spec:
-                n -= len(spec.get(req_id, ()))
-            new = new_ids[i]
-            if new is None and req_id not in resumed:
-                st = reqs.get(req_id)
-                if st is not None and computed[i] + n < st.due:
-                    continue
-            items.append(Scheduled(req_id, computed[i], n, new, req_id in resumed))
-        state = getattr(scheduler_output, "kv_connector_block_state", None)
-        boundary = state.boundary_state_offloads if state is not None else None
-        if spec:
-            decode_like = all(n <= 1 + len(spec.get(r, ())) for r, n in n_sched.items())
-        else:
-            decode_like = max(n_sched.values(), default=0) <= 1
-        return items, boundary, decode_like
 
     def update_connector_output(self, connector_output) -> None:
         if self.sched is None:
