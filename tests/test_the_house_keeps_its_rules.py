@@ -55,7 +55,6 @@ KNOWN: dict[str, dict[str, str]] = {  # rule -> {path or path::name: what remove
         "aiokv/worker/device.py": f"issue 42: {SPLIT}; 404 lines today",
         "aiokv/connector/events.py": f"issue 42: {SPLIT}; 401 lines today",
         "aiokv/connector/scheduler_role.py": f"issue 42: {SR}; 502 lines today",
-        "aiokv/data/blockio.py": f"issue 42: {SPLIT}; 403 lines today",
         "aiokv/store/drives.py": "issue 42: Store and Drives share one interface, no forwarding; 449 lines today",
         "aiokv/store/index.py": "issue 42: the dict-like views go; 548 lines today",
         "aiokv/store/store.py": f"issue 42: {STORE}; 700 lines today",
@@ -68,7 +67,6 @@ KNOWN: dict[str, dict[str, str]] = {  # rule -> {path or path::name: what remove
     "parts_small": {
         "aiokv/connector/scheduler_role.py::SchedulerRole": f"issue 42: {SR}; 447 lines today",
         "aiokv/connector/scheduler_role.py::SchedulerRole.open": f"issue 42: {SR}; 125 lines today",
-        "aiokv/data/blockio.py::BlockIO": f"issue 42: {SPLIT}; 317 lines today",
         "aiokv/store/table.py::Table": f"issue 42: {SPLIT}; 302 lines today",
         "aiokv/store/store.py::Store": f"issue 42: {STORE}; 567 lines today",
         "aiokv/store/store.py::Store.__init__": f"issue 42: {STORE}; 95 lines today",
