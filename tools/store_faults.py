@@ -69,7 +69,7 @@ def install(conn, wc, managers, rate: float, seed: int, violations: list[str]) -
     orig_save, orig_load = w.save, w.load
 
     def where(t, key) -> int | None:
-        st = side._reqs.get(t.req_id)
+        st = side.requests.get(t.req_id)
         return st.keys.index(key) if st is not None and key in st.keys else None
 
     def check(t, what: str, pairs) -> None:

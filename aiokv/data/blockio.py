@@ -15,10 +15,10 @@ Several engines: items name locations (format.loc: engine << 32 | slot), so a
 BlockIO reads any engine's data file of its (namespace, rank), opened at first
 use, and writes where it is told (its own engine's, by the Store's design).
 Another engine's file is opened read-only and never created; a missing one
-makes its items -ENOENT (a miss). Files are opened on a short-lived thread of
-their own, awaited (`_ensure_open`): on a mount that hangs, an `open` must not
-hold the loop thread (a load's timeout runs there); a missing file is looked
-for again at most every MISSING_RETRY seconds.
+makes its items -ENOENT (a miss). The files are datafiles.py's: opened on a
+short-lived thread of their own, awaited, so that on a mount that hangs an
+`open` never holds the loop thread (a load's timeout runs there); a missing
+file is looked for again at most every MISSING_RETRY seconds.
 
 Threading contract: one asyncio loop thread (the one that owns the backend).
 Buffers are staging buffers (data/buffers.py): 4096-aligned, `slot_bytes` long (one slot image),
@@ -57,14 +57,11 @@ import asyncio
 import contextvars
 import ctypes
 import errno
-import functools
-import os
-import threading
-import time
 
 from aiokv.data import format as fmt
 from aiokv.data.backend import OP_READ, OP_WRITE, settle
-from aiokv.data.slotfile import check_slot, open_data_file, open_engine_dir
+from aiokv.data.datafiles import DataFiles
+from aiokv.data.slotfile import check_slot
 
 # the tenant tag (format.tenant_tag) a save's stamps write into its slots' headers: set by the
 # save's task (aiokv/worker/saves.py) around its write, read where the slots are stamped
@@ -81,7 +78,6 @@ CHUNK_MIN_BYTES = 4 << 20  # see BlockIO._chunk
 # kernel (0: stamped-or-written within one queue depth, as before); docs/benchmarks.md, "Beside LMCache's NVMe tier"
 SPREAD_CHUNK_BYTES = 4 << 20
 STAMP_AHEAD_DEPTHS = 1
-MISSING_RETRY = 0.5  # seconds before another engine's missing data file is looked for again
 
 
 class BlockIO:
@@ -106,82 +102,11 @@ class BlockIO:
         self.payload_bytes = payload_bytes
         self.slot_bytes = fmt.slot_bytes(payload_bytes)
         self.ns_dir = ns_dir
-        self._open: tuple[dict[int, int], dict[int, int]] = ({}, {})  # [writable][engine] -> open fd
-        self._opening: dict[tuple[bool, int], asyncio.Future] = {}  # an open in flight on its thread
-        self._missing: dict[int, float] = {}  # engine -> when its file was found missing (read-only)
+        self.files = DataFiles(ns_dir, rank)  # the data files, by engine (datafiles.py)
 
     def fds(self) -> list[int]:
         """Every data file this BlockIO has open."""
-        return [fd for fds in self._open for fd in fds.values()]
-
-    async def _ensure_open(self, write: bool, items) -> None:
-        """Open the files items need that are not open yet, each on a thread of its own
-        (awaited; a cancelled wait leaves the open to finish there and keeps its fd)."""
-        fds = self._open[write]
-        need = {where >> fmt.ENGINE_SHIFT for where, _, _ in items} - fds.keys()
-        if not need:
-            return
-        now = time.monotonic()
-        loop = asyncio.get_running_loop()
-        waits = []
-        for e in need:
-            if not write and now - self._missing.get(e, -MISSING_RETRY) < MISSING_RETRY:
-                continue  # missing a moment ago: _fd says -1
-            fut = self._opening.get((write, e))
-            if fut is None:
-                fut = self._opening[(write, e)] = loop.create_future()
-
-                def opened(e=e, fut=fut, got=None, err=None):
-                    self._opening.pop((write, e), None)
-                    if err is None and e not in fds:
-                        fds[e] = got
-                    elif err is None:
-                        os.close(got)  # opened twice meanwhile
-                    if isinstance(err, FileNotFoundError) and not write:
-                        self._missing[e] = time.monotonic()
-                    if not fut.done():
-                        fut.set_result(None)
-
-                def target(e=e, opened=opened):
-                    try:
-                        got = self._open_file(e, write)
-                    except BaseException as err:  # reported on the loop; _fd raises it again if it must
-                        try:
-                            loop.call_soon_threadsafe(functools.partial(opened, err=err))  # err dies with the except
-                        except RuntimeError:
-                            pass  # the loop is closed
-                        return
-                    try:
-                        loop.call_soon_threadsafe(functools.partial(opened, got=got))
-                    except RuntimeError:
-                        os.close(got)
-
-                threading.Thread(target=target, name="aiokv-open", daemon=True).start()
-            waits.append(fut)
-        for fut in waits:
-            await asyncio.shield(fut)
-
-    def _open_file(self, engine: int, write: bool) -> int:
-        """Engine's data file of our rank: ours to write (created if missing), or read-only."""
-        dfd = open_engine_dir(self.ns_dir, engine)
-        try:
-            return open_data_file(dfd, self.rank, write=write, create=write, direct=True, where=self.ns_dir)[0]
-        finally:
-            os.close(dfd)
-
-    def _fd(self, engine: int, write: bool) -> int:
-        fd = self._open[write].get(engine)
-        if fd is None and not write and time.monotonic() - self._missing.get(engine, -MISSING_RETRY) < MISSING_RETRY:
-            return -1
-        if fd is None:
-            try:
-                fd = self._open_file(engine, write)
-            except FileNotFoundError:
-                if write:
-                    raise
-                return -1  # not there (yet): a miss, and looked for again next time
-            self._open[write][engine] = fd
-        return fd
+        return self.files.fds()
 
     def _ops(self, op: int, items) -> tuple[list[tuple], bool]:
         """Backend operations of items (where, key, addr), in order, and whether
@@ -190,11 +115,11 @@ class BlockIO:
         found missing) once per engine, not per item."""
         sb, mask, shift = self.slot_bytes, fmt.SLOT_MASK, fmt.ENGINE_SHIFT
         write = op == OP_WRITE
-        fds = self._open[write]
+        fds = self.files.open[write]
         try:
             return [(op, fds[where >> shift], addr, sb, (where & mask) * sb) for where, _, addr in items], True
         except KeyError:  # a file not opened yet, or missing
-            fds = {e: self._fd(e, write) for e in {where >> shift for where, _, _ in items}}
+            fds = {e: self.files.fd(e, write) for e in {where >> shift for where, _, _ in items}}
         ops = [(op, fds[where >> shift], addr, sb, (where & mask) * sb) for where, _, addr in items]
         return ops, min(fds.values()) >= 0
 
@@ -284,7 +209,7 @@ class BlockIO:
         crc_in_copy: each payload's CRC32C is already at its header's payload-CRC
         field (Device.copy_out(..., crc_in_copy=True)); the payloads are not read."""
         sb = self.slot_bytes
-        await self._ensure_open(True, items)
+        await self.files.ensure_open(True, items)
         if len(items) <= PIPELINE_MIN:
             await self._stamp_many([key for _, key, _ in items], [addr for _, _, addr in items], crc_in_copy)
             res = await self.backend.run(self._ops(OP_WRITE, items)[0])
@@ -299,7 +224,7 @@ class BlockIO:
         crc_in_copy=True: everything but the payload CRC is checked (the
         header, and the MAC with a secret); the caller must check that CRC
         before it trusts the payload (Device.copy_in(..., crc_in_copy=True))."""
-        await self._ensure_open(False, items)
+        await self.files.ensure_open(False, items)
         if len(items) <= PIPELINE_MIN:
             res = await self._run_reads(items)
             return await self._checked(items, res, crc_in_copy)
@@ -397,7 +322,4 @@ class BlockIO:
         return await self._checked(part, await self._run_reads(part), crc_in_copy)
 
     def close(self) -> None:
-        for fd in self.fds():
-            os.close(fd)
-        for fds in self._open:
-            fds.clear()
+        self.files.close()

@@ -221,6 +221,19 @@ class Ledger:
                 self.give_back(("abort", rec.group, items, False))
             self._settle(r.job)
 
+    def lost(self, report: WorkerReport | None, finished) -> None:
+        """A report on_report could not process, given up whole (SchedulerSide.lost_report): its
+        saves' slots go back, and the requests in `finished` give back their pins. Never raises."""
+        try:
+            self.give_up(report)
+        except Exception:
+            log.warning("aiokv: giving back the slots of an unprocessed report failed", exc_info=True)
+        for req_id in finished or ():
+            try:
+                self.loads_done(req_id)
+            except Exception:
+                log.warning("aiokv: unpinning the load of request %s failed", req_id, exc_info=True)
+
     def close(self) -> None:
         """Commit saves whose reports can no longer arrive (the workers are gone) if
         their blocks verify on disk; give the other reservations back. Never raises."""

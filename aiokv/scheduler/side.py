@@ -3,9 +3,11 @@
 load/save jobs. Runs in vLLM's EngineCore process; imports no vLLM.
 
 SchedulerSide is the facade the connector calls; the work is done by:
+    bookkeeping.py  what is known of each request alive; a step's first phase
     match.py    hits (every group serves them; the bucket tier may extend one)
     index_wait.py  requests wait ("not yet") while the index still loads at start
     plan.py     load jobs at allocation, save jobs per step, their reservations
+    saving.py   a step's second phase: the store's upkeep, the breaker, admission, reservations
     commits.py  the ledger of jobs in flight: reports -> commits, give-backs
     state.py    the plain data (scheduled requests, groups, requests, counters)
 
@@ -37,10 +39,12 @@ from aiokv.jobs import StepPlan, Transfer, WorkerReport
 from aiokv.scheduler import match as matching
 from aiokv.scheduler import plan as planning
 from aiokv.scheduler.admission import Admission
+from aiokv.scheduler.bookkeeping import Requests
 from aiokv.scheduler.commits import Job, Ledger
 from aiokv.scheduler.index_wait import IndexWait
 from aiokv.scheduler.keys import extend_keys
 from aiokv.scheduler.layout import FULL, GroupSpec
+from aiokv.scheduler.saving import Saving
 from aiokv.scheduler.state import Group, Req, Scheduled, SchedulerCounters
 from aiokv.store import Store
 from aiokv.store.index import Namespace
@@ -71,30 +75,18 @@ class SchedulerSide:
         self.counters = SchedulerCounters()
         self.jobs = Ledger(store, self.groups, self.counters)  # jobs in flight: pins, reservations; the store
         self.index_wait = IndexWait([g.ns for g in self.groups], index_wait, self.counters)  # (the setting)
-        self._reqs: dict[str, Req] = {}
-        self._local_blocks: dict[str, int] = {}  # from the last match, used by on_alloc
+        self.known = Requests(self.groups, block_size)  # each request alive: keys, tables, marks
+        self.saving = Saving(self.jobs, self.groups, self.counters, self.known)  # a step's saves
         self._new_loads: list[Transfer] = []
         self._cancel: list[str] = []
-        # requests whose load failed: vLLM recomputes them, and must not be offered
-        # the same hit again (a slow disk would make it wait and fail forever)
-        self._no_hits: set[str] = set()
-        # requests alive at a cache reset (new_epoch): some of their KV is the old weights'; never saved
-        self._stale: set[str] = set()
         self._reset_workers = False  # the next plan tells the workers to drop their memory tier
         self.disabled = False  # a worker could not start: no hits, no saves from now on
-        self._saves_allowed = True  # the breaker's word for this step's saves
         self.saves = True  # False: this engine saves nothing (kv_role kv_consumer; set by the connector)
         self.save_generated = True  # False: only blocks of the prompt are saved (set by the connector)
         self.admission = Admission()  # which planned saves go to disk (admission.py; set by the connector)
         # the bucket tier's lookups (aiokv/bucket/lookup.py), set by the connector; None: no bucket tier
         self.bucket = None
-        self._from_bucket: dict[str, tuple[int, int]] = {}  # req -> blocks [start, end) from the bucket tier
-        # layerwise loads (worker/layerwise.py): a load reported finished may still sit in
-        # staging, copied in at the workers' next step; until the request ends, its end
-        # is sent as a cancel so that its blocks, once vLLM frees them, are never written
-        self.layerwise = False
-        self._staged: set[str] = set()
-        self._described: dict[str, tuple[str, bool]] = {}  # req -> (tenant, pin): describe()
+        self.layerwise = False  # layerwise loads: a request's end is a cancel (bookkeeping.py: staged)
         self._logged: set[str] = set()  # the hooks whose failure was logged (error)
 
     @property
@@ -109,34 +101,14 @@ class SchedulerSide:
     def describe(self, req_id: str, tenant: str = "", pin: bool = False) -> None:
         """What a request is beyond its tokens: its tenant (its cache_salt, "" for none), and
         whether its blocks are pinned; before its first match. Never raises."""
-        try:
-            self._described[req_id] = (str(tenant or ""), bool(pin))  # (registered at its first commit)
-        except Exception:
-            log.exception('aiokv: naming request %s\'s tenant failed; its blocks count as the tenant ""', req_id)
-
-    def _state(self, req_id: str, tokens, root: bytes) -> Req:
-        st = self._reqs.get(req_id)
-        if st is None or st.root != root:
-            n = len(self.groups)
-            tenant, pin = self._described.get(req_id, ("", False))
-            st = self._reqs[req_id] = Req(
-                tokens,
-                root,
-                block_ids=[[] for _ in range(n)],
-                next_save=[0] * n,
-                prompt=len(tokens),
-                tenant=tenant,
-                pin=pin,
-            )
-        st.tokens = tokens
-        return st
+        self.known.describe(req_id, tenant, pin)
 
     def match(self, req_id: str, tokens, root: bytes, num_computed: int) -> int | None:
         """External hit tokens beyond the num_computed local ones (block multiple); None: the
         index is still loading or the bucket tier has not answered yet (vLLM asks again next step)."""
-        if req_id in self._no_hits or self.disabled or not self.breaker.allow_hit(len(self.jobs.loading)):
+        if req_id in self.known.no_hits or self.disabled or not self.breaker.allow_hit(len(self.jobs.loading)):
             return 0
-        st = self._state(req_id, tokens, root)
+        st = self.known.state(req_id, tokens, root)
         usable = (len(tokens) - 1) // self.bs
         extend_keys(st.keys, root, tokens, self.bs, usable)
         self.admission.looked_up(st, usable)
@@ -150,33 +122,33 @@ class SchedulerSide:
                 return None
             hit, span = got
             if span is None:
-                self._from_bucket.pop(req_id, None)
+                self.known.from_bucket.pop(req_id, None)
             else:
-                self._from_bucket[req_id] = span
-        self._local_blocks[req_id] = local
+                self.known.from_bucket[req_id] = span
+        self.known.local_blocks[req_id] = local
         return (hit - local) * self.bs if hit > local else 0
 
     def bucket_hit_tokens(self, req_id: str, num_external: int) -> int:
         """Tokens of the hit just matched (num_external beyond the local ones) that the bucket
         tier serves; call before on_alloc (which consumes the match)."""
         return matching.span_tokens(
-            self._from_bucket.get(req_id), self._local_blocks.get(req_id, 0), num_external, self.bs
+            self.known.from_bucket.get(req_id), self.known.local_blocks.get(req_id, 0), num_external, self.bs
         )
 
     def on_alloc(self, req_id: str, tokens, root: bytes, block_ids: tuple[list[int], ...], num_external: int) -> None:
         """One load job per group for the hit vLLM allocated, queued with its pins all
         together; if anything raises, nothing of it stays (pins and reservations are given
         back) and the exception goes to the caller (the connector then calls fail_load)."""
-        st = self._state(req_id, tokens, root)
+        st = self.known.state(req_id, tokens, root)
         # before a hit, the computed tokens are vLLM's own cache's; without one, all of them are (once
         # a load is done vLLM allocates again with no external tokens: the first call of the life counts)
         if st.own_cache < 0:
-            st.own_cache = self._local_blocks.get(req_id, 0) if num_external > 0 else 1 << 62
+            st.own_cache = self.known.local_blocks.get(req_id, 0) if num_external > 0 else 1 << 62
         if num_external <= 0:
             return
-        local = self._local_blocks.get(req_id, 0)
+        local = self.known.local_blocks.get(req_id, 0)
         n = num_external // self.bs
-        from_bucket = self._from_bucket.pop(req_id, None)
+        from_bucket = self.known.from_bucket.pop(req_id, None)
         transfers, jobs, reserved = planning.alloc(
             self.store, self.jobs, self.groups, st, req_id, block_ids, local, n, from_bucket
         )
@@ -204,7 +176,7 @@ class SchedulerSide:
         except Exception:
             log.warning("aiokv: giving back what a failed load of %s held failed", req_id, exc_info=True)
         try:
-            local = self._local_blocks.get(req_id, 0)
+            local = self.known.local_blocks.get(req_id, 0)
             n = num_external // self.bs
             blocks = [b for b in block_ids[0][local : local + n] if b != 0]
         except Exception:
@@ -231,7 +203,11 @@ class SchedulerSide:
         if self.disabled:
             return plan
         try:
-            self._plan_saves(plan, scheduled, boundary)
+            wanted = {}
+            if self.saves:  # (kv_consumer: nothing is saved, so nothing to track)
+                own_cache = self.admission.sketch is not None
+                wanted = self.known.track(scheduled, boundary, self.save_generated, own_cache)
+            self.saving.reserve(plan, wanted, self.breaker, self.admission)
         except Exception:
             self.error("planning a step (its saves are dropped, its loads recomputed)")
             self.step_failed(plan)
@@ -264,7 +240,7 @@ class SchedulerSide:
         failed = []
         for t in plan.loads:
             failed.append(Transfer(t.req_id, [], [], list(t.block_ids), t.group, job=t.job))
-            self._no_hits.add(t.req_id)
+            self.known.no_hits.add(t.req_id)
             try:
                 self.jobs.forget(t.job)  # (its pins: until vLLM reports the request finished)
             except Exception:
@@ -284,73 +260,13 @@ class SchedulerSide:
                 what,
             )
 
-    def _plan_saves(self, plan: StepPlan, scheduled: list[Scheduled], boundary: dict | None) -> None:
-        wanted: dict[str, list[tuple[int, list[bytes], list[int]]]] = {}
-        if self.saves:  # (kv_consumer: nothing is saved, so nothing to track)
-            for s in scheduled:
-                self._track(s, wanted)
-            for req_id, items in (boundary or {}).items():
-                self._track_states(req_id, items, wanted)
-        self.jobs.retry()
-        for call in (self.store.flush_if_due, self.store.refresh):  # refresh: other engines' blocks become hits
-            try:
-                call()
-            except Exception:
-                log.exception("aiokv: the store's %s failed; trying again at the next step", call.__name__)
-        self.breaker.file_system(self.store.stalled)  # a hung file system: no hits, no saves
-        self.counters.breaker_opens = self.breaker.opens
-        self._saves_allowed = self.breaker.allow_saves()
-        for req_id, parts in wanted.items():
-            if not self._saves_allowed:  # the breaker is open: the disk is failing
-                self.counters.saves_skipped_breaker += sum(len(keys) for _, keys, _ in parts)
-                continue
-            if self.admission.sketch is not None:
-                parts = self._admit(req_id, parts)
-            st = self._reqs[req_id]
-            plan.saves += planning.reserve(
-                self.store, self.jobs, self.groups, self.counters, req_id, parts, st.tenant, st.pin
-            )
-
-    def _admit(self, req_id: str, parts: list) -> list:
-        """The planned saves admission lets through (admit: reused); the others are counted."""
-        st, out = self._reqs[req_id], []
-        for gi, keys, blocks in parts:
-            ok = self.admission.admitted(st, keys)
-            self.counters.saves_not_admitted += ok.count(False)
-            if any(ok):
-                out.append((gi, [k for k, y in zip(keys, ok) if y], [b for b, y in zip(blocks, ok) if y]))
-        return out
-
-    def _track(self, s: Scheduled, wanted: dict) -> None:
-        st = self._reqs.get(s.req_id)
-        if st is None or s.req_id in self._stale:  # alive at a cache reset: never saved again
-            return
-        try:
-            planning.track(
-                st, s, self.groups, self.bs, wanted, self.save_generated, own_cache=self.admission.sketch is not None
-            )
-        except Exception:
-            # its tables can no longer be trusted: never saved from them (a resumed life starts anew)
-            log.exception("aiokv: tracking request %s failed; its blocks are not saved", s.req_id)
-            self._reqs.pop(s.req_id, None)
-            wanted.pop(s.req_id, None)
-
-    def _track_states(self, req_id: str, items, wanted: dict) -> None:
-        st = self._reqs.get(req_id)
-        if st is None or req_id in self._stale:
-            return
-        try:
-            planning.track_states(st, req_id, items, self.groups, self.bs, wanted, self.save_generated)
-        except Exception:
-            log.exception("aiokv: reading the state checkpoints of request %s failed; they are not saved", req_id)
-
     def on_report(self, report: WorkerReport | None, finished_recving) -> None:
         """The workers' report: its bookkeeping whole first, then the store calls, each on
         its own (one that raises loses only its own blocks: a commit that fails gives its
         slots back)."""
         for req_id in finished_recving or ():
-            if self.layerwise and req_id in self._reqs:
-                self._staged.add(req_id)
+            if self.layerwise and req_id in self.known.reqs:
+                self.known.staged.add(req_id)
         if report is not None:
             self.breaker.record(report.counters)
             self.counters.breaker_opens = self.breaker.opens
@@ -358,7 +274,7 @@ class SchedulerSide:
                 self.disabled = True
                 log.error("aiokv: a worker is disabled; aiokv stops offering hits and saving")
         failed, missing = self.jobs.on_report(report, finished_recving)
-        self._no_hits.update(r for r in failed if r in self._reqs)
+        self.known.no_hits.update(r for r in failed if r in self.known.reqs)
         if self.bucket is not None:
             for gi, key in missing:
                 self.bucket.missing(gi, key)  # a bucket block that failed: not offered for a while
@@ -367,15 +283,7 @@ class SchedulerSide:
         """on_report raised (the caller counted it): what the report held is given up, so
         nothing waits for it for ever. Its saves' slots go back (dropped saves), and the
         requests vLLM reported finished loading give back their pins. Never raises."""
-        try:
-            self.jobs.give_up(report)
-        except Exception:
-            log.warning("aiokv: giving back the slots of an unprocessed report failed", exc_info=True)
-        for req_id in finished_recving or ():
-            try:
-                self.jobs.loads_done(req_id)
-            except Exception:
-                log.warning("aiokv: unpinning the load of request %s failed", req_id, exc_info=True)
+        self.jobs.lost(report, finished_recving)
 
     def new_epoch(self) -> None:
         """The cache was reset (connector.reset_cache: the weights may have changed in
@@ -383,8 +291,8 @@ class SchedulerSide:
         alive now computed some of its KV before the reset: it is never offered a hit
         or saved again, and its load in flight is cancelled (reported with its blocks
         failed: recomputed). The workers drop their memory tier at the next step."""
-        self.retire(set(self._reqs) | set(self.jobs.loading))
-        self._from_bucket.clear()
+        self.retire(set(self.known.reqs) | set(self.jobs.loading))
+        self.known.from_bucket.clear()
         self._reset_workers = True
 
     def retire(self, req_ids) -> None:
@@ -393,9 +301,7 @@ class SchedulerSide:
         loads in flight cancelled (reported with their blocks failed: recomputed)."""
         loading = self.jobs.loading
         for r in req_ids:
-            self._stale.add(r)
-            self._no_hits.add(r)
-            self._from_bucket.pop(r, None)
+            self.known.retire(r)
             if r in loading and r not in self._cancel:
                 self._cancel.append(r)
 
@@ -405,15 +311,9 @@ class SchedulerSide:
         if req_id in self.jobs.loading:
             self._cancel.append(req_id)  # vLLM keeps its blocks until we report the load
             self.counters.loads_cancelled += 1
-        elif req_id in self._staged:
+        elif req_id in self.known.staged:
             self._cancel.append(req_id)  # its blocks are vLLM's to reuse: never copy into them
-        self._staged.discard(req_id)
-        self._reqs.pop(req_id, None)
-        self._described.pop(req_id, None)
-        self._local_blocks.pop(req_id, None)
-        self._no_hits.discard(req_id)
-        self._stale.discard(req_id)
-        self._from_bucket.pop(req_id, None)
+        self.known.forget(req_id)
         self.index_wait.finished(req_id)
         if self.bucket is not None:
             self.bucket.forget(req_id)
@@ -447,8 +347,8 @@ class SchedulerSide:
     @property
     def requests(self) -> dict[str, Req]:
         """What is known of each request alive (read-only for callers: the KV events' labels)."""
-        return self._reqs
+        return self.known.reqs
 
     @property
     def active_requests(self) -> int:
-        return len(self._reqs)
+        return len(self.known.reqs)
