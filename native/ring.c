@@ -193,13 +193,7 @@ static PyObject *Ring_reap(RingObject *self, PyObject *unused) {
         uint64_t ud = (uint64_t)(uintptr_t)io_uring_cqe_get_data(cqe);
         int res = cqe->res;
         io_uring_cqe_seen(&self->ring, cqe);
-        if (ud == INTERNAL_TAG) continue;
-        int32_t s = batch_find(self, (ud >> 32) & 0xffff, ud >> 48);
-        if (s < 0) continue;
-        uint32_t i = (uint32_t)ud;
-        self->in_flight--;
-        self->bytes -= self->b[s].ops[i].len;
-        if (op_done(self, s, i, res, done) < 0) rc = -1;
+        if (op_left_kernel(self, ud, res, done) < 0) rc = -1;
     }
     if (rc == 0) rc = ring_pump(self, done);
     if (rc < 0) Py_CLEAR(done);

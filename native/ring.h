@@ -86,6 +86,7 @@ void queue_push(RingObject *self, int32_t s);   /* batch s to the submission que
 void queue_remove(RingObject *self, int32_t s); /* batch s out of the submission queue */
 int batch_report(RingObject *self, int32_t s, PyObject *done);
 int op_done(RingObject *self, int32_t s, uint32_t i, int32_t res, PyObject *done);
+int op_left_kernel(RingObject *self, uint64_t ud, int32_t res, PyObject *done);
 
 /* ring_submit.c */
 int ring_enter_nogil(RingObject *self);               /* prepared entries to the kernel: 0 or -errno */

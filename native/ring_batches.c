@@ -100,6 +100,20 @@ int batch_report(RingObject *self, int32_t s, PyObject *done) {
     return rc;
 }
 
+/* The operation a kernel entry's user_data names has left the kernel with `res` (a
+ * completion reaped, or an entry a refused submission voided: the one path both take):
+ * it is no longer in flight, and its batch is reported if it was the last. Internal
+ * no-ops and entries of batches already gone are skipped. 0, or -1 on a Python error. */
+int op_left_kernel(RingObject *self, uint64_t ud, int32_t res, PyObject *done) {
+    if (ud == INTERNAL_TAG) return 0;
+    int32_t s = batch_find(self, (ud >> 32) & 0xffff, ud >> 48);
+    if (s < 0) return 0;
+    uint32_t i = (uint32_t)ud;
+    self->in_flight--;
+    self->bytes -= self->b[s].ops[i].len;
+    return op_done(self, s, i, res, done);
+}
+
 /* Operation i of batch s has its result; the batch is reported if it was the last. */
 int op_done(RingObject *self, int32_t s, uint32_t i, int32_t res, PyObject *done) {
     ring_batch *b = &self->b[s];

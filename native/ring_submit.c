@@ -69,13 +69,7 @@ int ring_refused(RingObject *self, int err, PyObject *done) {
         uint64_t ud = sqe->user_data;
         io_uring_prep_nop(sqe);
         io_uring_sqe_set_data(sqe, (void *)(uintptr_t)INTERNAL_TAG);
-        if (ud == INTERNAL_TAG) continue;
-        int32_t s = batch_find(self, (ud >> 32) & 0xffff, ud >> 48);
-        if (s < 0) continue;
-        uint32_t i = (uint32_t)ud;
-        self->in_flight--;
-        self->bytes -= self->b[s].ops[i].len;
-        if (op_done(self, s, i, -err, done) < 0) rc = -1;
+        if (op_left_kernel(self, ud, -err, done) < 0) rc = -1;
     }
     while (self->in_flight == 0 && self->qhead >= 0) {
         int32_t s = self->qhead;

@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,6 +70,19 @@ def kill(p: subprocess.Popen) -> None:
     if p.poll() is None:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+
+
+def wait_until(cond, what: str, procs=(), timeout: float = 300, seen=None) -> None:
+    """Until cond(), polling; fails at once if one of `procs` (lives start() began) exits, and
+    after `timeout` s; seen(): what the failure message shows of the state."""
+    end = time.monotonic() + timeout
+    while not cond():
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"an engine exited while waiting for {what}:\n{p.stderr.read()[-4000:]}")
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}" + (f"; now {seen()}" if seen else ""))
+        time.sleep(0.2)
 
 
 def _result(rc: int, stdout: str, stderr: str) -> dict:

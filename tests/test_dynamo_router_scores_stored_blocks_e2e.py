@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from tests.e2e import ROOT, events_socket, happened, kill, part, prompts, result, run, start
+from tests.e2e import ROOT, events_socket, happened, kill, part, prompts, result, run, start, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -36,18 +36,6 @@ PS = prompts(3, 264, seed=571)
 TAIL = prompts(1, 20, seed=572)  # under a block: steps the engine, stores nothing
 HOST = {"VLLM_HOST_IP": "127.0.0.1"}  # the events' tcp://*:0 binds here
 ENV = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING", **HOST)
-
-
-def _wait(cond, what: str, procs=(), timeout: float = 300, seen=None) -> None:
-    """Until cond(); seen(): what the failure message shows of the state."""
-    end = time.monotonic() + timeout
-    while not cond():
-        for p in procs:
-            if p.poll() is not None:
-                raise AssertionError(f"an engine exited while waiting for {what}:\n{p.stderr.read()[-4000:]}")
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}" + (f"; now {seen()}" if seen else ""))
-        time.sleep(0.2)
 
 
 def _subscribers(endpoint: str) -> int:
@@ -105,23 +93,25 @@ def test_a_fresh_router_scores_the_disk_after_a_restart_and_forgets_it_after_a_c
     os.makedirs(str(tmp_path / "discovery"))
     dyn = DynamoRouters(str(tmp_path / "discovery"), tiny_model, BLOCK)
     try:
-        _wait(lambda: all(os.path.exists(r) for r in ready), "both engines up", lives)
+        wait_until(lambda: all(os.path.exists(r) for r in ready), "both engines up", lives)
         endpoints = [open(r).read() for r in ready]
         workers = [dyn.worker(e) for e in endpoints]
         router = dyn.router()  # fresh: it knows only what the events tell it from now on
         weighted = dyn.router(disk_cache_hit_weight=1.0)
         # our subscriber and Dynamo's relay on each engine, before anything is published
-        _wait(lambda: all(_subscribers(e) >= 2 for e in endpoints), "Dynamo's relays to connect", lives)
+        wait_until(lambda: all(_subscribers(e) >= 2 for e in endpoints), "Dynamo's relays to connect", lives)
         time.sleep(0.5)  # (their subscriptions reach the publishers)
         open(go[0], "w").close()
-        _wait(lambda: all(os.path.exists(done.format(i)) for i in (0, 1)), "the start announcements", lives)
+        wait_until(lambda: all(os.path.exists(done.format(i)) for i in (0, 1)), "the start announcements", lives)
 
         def scores(r=router) -> list[dict]:
             return [dyn.overlap(r, p) for p in PS]
 
         want = {w: (0, PER) for w in workers}  # every stored block, on disk, for both engines
         for r in (router, weighted):  # (each subscribes on its own; the workers' indexers fill it in)
-            _wait(lambda r=r: scores(r) == [want] * len(PS), f"the routers to score {want}", timeout=120, seen=scores)
+            wait_until(
+                lambda r=r: scores(r) == [want] * len(PS), f"the routers to score {want}", timeout=120, seen=scores
+            )
         for p in PS:
             picked, credit = dyn.best(router, p)
             assert picked in workers and credit == PER * 0.25, (picked, credit)  # disk_cache_hit_weight 0.25
@@ -142,7 +132,7 @@ def test_a_fresh_router_scores_the_disk_after_a_restart_and_forgets_it_after_a_c
         open(go[1], "w").close()
         res = [result(p) for p in lives]
         for r in (router, weighted):
-            _wait(
+            wait_until(
                 lambda r=r: all(v == (0, 0) for s in scores(r) for v in s.values()),
                 "the routers to forget the disk",
                 timeout=120,

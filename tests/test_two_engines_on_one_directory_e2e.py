@@ -19,12 +19,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from aiokv.store import Store
-from tests.e2e import ROOT, happened, prompts, run
+from tests.e2e import ROOT, happened, prompts, run, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -66,17 +65,6 @@ def _blocks_of(cache: str) -> dict[int, int]:
         st.close()
 
 
-def _wait(cond, procs, what: str, timeout: float = 300) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        for p in procs:
-            if p.poll() is not None:
-                raise AssertionError(f"an engine exited while waiting for {what}:\n{p.stderr.read()[-4000:]}")
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 def _kill(*procs) -> None:
     for p in procs:
         if p.poll() is None:
@@ -105,7 +93,7 @@ def test_two_live_engines_hit_each_others_blocks(tiny_model, tmp_path):
     )
     b = None
     try:
-        _wait(lambda: _blocks_of(cache).get(0, 0) >= full, [a], "engine A's saves")
+        wait_until(lambda: _blocks_of(cache).get(0, 0) >= full, "engine A's saves", [a])
         # B starts while A lives: a_prompts hit A's blocks; it computes b_prompts, then waits alive.
         # B's writes end 3 s late, so its last saves finish after its last output, as they did on
         # a loaded machine: an engine waiting idle must still step until they are reported and
@@ -125,7 +113,7 @@ def test_two_live_engines_hit_each_others_blocks(tiny_model, tmp_path):
                 ENV, AIOKV_FAULTS='[{"op": "write", "kind": "late", "delay": 3}]', AIOKV_FAULTS_ACK="inject I/O faults"
             ),
         )
-        _wait(lambda: _blocks_of(cache).get(1, 0) >= full, [a, b], "engine B's saves")
+        wait_until(lambda: _blocks_of(cache).get(1, 0) >= full, "engine B's saves", [a, b])
         open(go_a, "w").close()
         ra = _result(a)
         open(go_b, "w").close()
@@ -152,7 +140,7 @@ def test_kill9_of_one_engine_mid_save_leaves_the_other_unaffected(tiny_model, tm
     )
     a = None
     try:
-        _wait(lambda: os.path.exists(os.path.join(cache, "lock")), [b], "engine B's start")
+        wait_until(lambda: os.path.exists(os.path.join(cache, "lock")), "engine B's start", [b])
         burst = dict(prompts=ps, stagger=True, max_tokens=30)
         never = dict(prompts=[], wait_for=str(tmp_path / "never"))
         held = [{"op": "write", "kind": "late", "delay": 3600, "skip": 40}]
@@ -160,7 +148,7 @@ def test_kill9_of_one_engine_mid_save_leaves_the_other_unaffected(tiny_model, tm
             dict(model=tiny_model, cache=cache, extra={"save_timeout": 86400}, phases=[burst, never]),
             env=dict(ENV, AIOKV_FAULTS=json.dumps(held), AIOKV_FAULTS_ACK="inject I/O faults"),
         )
-        _wait(lambda: _blocks_of(cache).get(1, 0) >= 28, [a, b], "engine A's saves")  # (40 writes: ~5 prompts)
+        wait_until(lambda: _blocks_of(cache).get(1, 0) >= 28, "engine A's saves", [a, b])  # (40 writes: ~5 prompts)
         os.kill(a.pid, signal.SIGKILL)
         a.wait()
         assert a.returncode == -signal.SIGKILL, "engine A exited before the kill"

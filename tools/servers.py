@@ -30,10 +30,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` and every descendant alive now."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
+def proc_stats():
+    """(pid, command name, the fields after it) of every process alive now (/proc/PID/stat)."""
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -42,9 +40,16 @@ def tree_cpu_s(pid: int) -> float:
                 raw = f.read()
         except OSError:
             continue
-        rest = raw[raw.rindex(")") + 2 :].split()  # fields after the command name
-        parents[int(d)] = int(rest[1])
-        times[int(d)] = (int(rest[11]) + int(rest[12])) / TICK
+        yield int(d), raw[raw.index("(") + 1 : raw.rindex(")")], raw[raw.rindex(")") + 2 :].split()
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and every descendant alive now."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for p, _, rest in proc_stats():
+        parents[p] = int(rest[1])
+        times[p] = (int(rest[11]) + int(rest[12])) / TICK
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
@@ -122,17 +127,9 @@ class Server:
     def pids(self) -> dict[str, int]:
         """The server's processes by role: api (this process), engine (EngineCore), workers."""
         out = {"api": self.proc.pid}
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    raw = f.read()
-            except OSError:
-                continue
-            name = raw[raw.index("(") + 1 : raw.rindex(")")]
-            if int(d) != self.proc.pid and self._descends(int(d)):
-                out[name if name not in out else f"{name}-{d}"] = int(d)
+        for d, name, _ in proc_stats():
+            if d != self.proc.pid and self._descends(d):
+                out[name if name not in out else f"{name}-{d}"] = d
         return out
 
     def _descends(self, pid: int) -> bool:

@@ -20,7 +20,7 @@ class SlotAllocator:
     """Slots of one namespace: free (backed by disk space), holes (punched), and a high-water mark.
 
     Every slot below `hwm` is exactly one of: in use (given out), free, or a hole
-    (but while the owner punches a slot it is none: space.py `_unback`, store.py `_loaded`).
+    (but while the owner punches a slot it is none: space.py `_unback`, loading.py `Loader.loaded`).
     `backed` counts slots that hold disk space (in use + free). `free` and `holes`
     are arrays of slot numbers (8 bytes each), taken from their ends. Holes a clear
     punches in bulk past HOLES_INLINE wait in `parked` (numpy arrays) and move into

@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from aiokv.data import format as fmt
+from aiokv.util import counting
 
 SLACK = 16  # a tenant's blocks may pass its quota by quota / SLACK while another engine holds its oldest
 SHED_MAX = 4096  # blocks of tenants past their quota one refresh evicts at most
@@ -191,3 +192,31 @@ class Quotas:
                 self.stats.evictions -= 1
                 self.stats.quota_evictions += 1
                 n += 1
+
+
+def capacity_victim(quotas: Quotas | None, index):
+    """The block the directory's capacity gives up first: of a tenant not protected by its quota."""
+    return quotas.victim(None) or index.victim() if quotas is not None else index.victim()
+
+
+def tenant_bytes(index, tenants, top: int | None) -> dict[str, int]:
+    """Bytes per tenant in the directory (every engine's blocks, as followed): the `top`
+    tenants holding most by their label (tenants.py), the others together as "other"
+    (top None: every tenant)."""
+    held = index.tenant_bytes()
+    ids = np.flatnonzero(held)
+    rest = 0  # the bytes of tenants that cannot be among the top: never labelled (a step's metrics)
+    if top is not None and len(ids) > top:
+        vals = held[ids]
+        keep = vals >= np.partition(vals, len(vals) - top)[len(vals) - top]  # the top, ties included
+        rest, ids = int(vals[~keep].sum()), ids[keep]
+    out: dict[str, int] = {}
+    for t in ids.tolist():
+        label = tenants.label(t)
+        out[label] = out.get(label, 0) + int(held[t])
+    if top is None:
+        return out
+    out = counting.top_and_other(out, top)
+    if rest:
+        out["other"] = out.get("other", 0) + rest
+    return out
