@@ -10,7 +10,7 @@ or cancelled); the staging buffers the kernel still owns are set aside, never
 handed out, and come back exactly when the I/O ends; with every buffer stuck a
 load fails at once instead of waiting; `close()` returns within its bound.
 
-Fix: the backend's abandon mode (aiokv/data/backend.py, ABANDON) and the
+Fix: the backend's abandon mode (aiokv/data/backend.py, `run(..., abandon=)`) and the
 worker's stuck-buffer bookkeeping and bounded close (aiokv/worker/transfer.py).
 """
 
@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from aiokv.data.backend import ABANDON, OP_READ
+from aiokv.data.backend import OP_READ
 from aiokv.data.buffers import BufferPool
 from aiokv.data.choice import open_backend
 from aiokv.jobs import SaveResult, Transfer
@@ -70,8 +70,8 @@ async def test_abandoned_read_returns_at_once_and_hands_back_later(stallfs, back
     handed: list = []
 
     async def load():
-        ABANDON.set(lambda addrs, done: handed.append((addrs, done)))
-        return await backend.run([(OP_READ, fd, pool.addr(s), 8192, 0)])
+        abandon = lambda addrs, done: handed.append((addrs, done))  # noqa: E731
+        return await backend.run([(OP_READ, fd, pool.addr(s), 8192, 0)], abandon=abandon)
 
     stall()
     task = asyncio.ensure_future(load())

@@ -38,7 +38,6 @@ import pytest
 
 from aiokv.config import AioKVConfig, ConfigError
 from aiokv.data import format as fmt
-from aiokv.data.drives import WAITING
 from aiokv.data.faults import ACK
 from aiokv.store.drives import place
 from tests.conftest import NS, PAYLOAD, key
@@ -171,10 +170,10 @@ async def test_a_timed_out_read_names_only_the_drive_it_waited_on(tmp_path, bloc
     ns = st.namespace(NS, PAYLOAD)
     where = st.pin(ns, keys)
     waiting: set = set()
-    WAITING.set(waiting)
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(
-            st.blockio(ns).read([(w, k, blocks.addr(i)) for i, (k, w) in enumerate(zip(keys, where))]), 0.5
+            st.blockio(ns).read([(w, k, blocks.addr(i)) for i, (k, w) in enumerate(zip(keys, where))], waiting=waiting),
+            0.5,
         )
     assert waiting == {2}
     st.unpin(ns, keys)

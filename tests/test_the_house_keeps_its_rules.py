@@ -13,7 +13,9 @@ Invariant (docs/design.md, "Rules that hold"): every product module (aiokv/**.py
     its folder's name), by file name (a subpackage's module by its path in the folder: `format/keys.py`);
   - imports (deferred imports too) only its own folder and what LAYERS allows, which points down the
     table; nothing but aiokv/connector and aiokv/demo/run_once.py imports vllm; config.py, jobs.py and
-    util/ import nothing of aiokv.
+    util/ import nothing of aiokv;
+  - imports no `contextvars`: what a call needs (a save's tenant, a job's abandon callback, the drives
+    it waited on) is an argument of the call, never state its task's context carries.
 KNOWN holds today's violations, each with what removes it: its case is xfail(strict=True), so a fix
 that leaves its entry fails, a violation not in it fails, and a known size that grows past its
 "N lines today" fails. KNOWN only shrinks: never add to it.
@@ -58,6 +60,7 @@ KNOWN: dict[str, dict[str, str]] = {  # rule -> {path or path::name: what remove
     "says_its_job": {},
     "on_the_map": {},
     "imports_down": {},
+    "no_context_vars": {},
 }
 
 
@@ -218,12 +221,23 @@ def imports_down(root: str, path: str) -> dict[str, str]:
     return out
 
 
+def no_context_vars(root: str, path: str) -> dict[str, str]:
+    for node in ast.walk(_tree(root, path)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(n.split(".")[0] == "contextvars" for n in names):
+            return {
+                path: f"line {node.lineno} imports contextvars: pass what the call needs as an argument of the call"
+            }
+    return {}
+
+
 # -- the rules on today's tree ----------------------------------------------------------------------
 
 
 PY, C = _py_modules(), _c_units()
 PATHS = {"small": PY + C, "parts_small": PY, "c_functions_small": [p for p in C if p.endswith(".c")]}
-PATHS.update(says_its_job=PY + C, on_the_map=PY + C, imports_down=PY)
+PATHS.update(says_its_job=PY + C, on_the_map=PY + C, imports_down=PY, no_context_vars=PY)
 
 
 def _cases(rule: str) -> list:
@@ -284,6 +298,11 @@ def test_imports_go_down(key):
     _check("imports_down", key)
 
 
+@pytest.mark.parametrize("key", _cases("no_context_vars"))
+def test_no_module_imports_contextvars(key):
+    _check("no_context_vars", key)
+
+
 def test_config_imports_nothing_of_aiokv():
     tree = ast.parse(_read(ROOT, "aiokv/config.py"))
     mods = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
@@ -326,6 +345,7 @@ def test_the_checkers_catch_a_synthetic_house(tmp_path):
         doc + "def f():\n    from aiokv.store import x\n    import vllm\n"
     )
     (tmp_path / "aiokv" / "store" / "ok.py").write_text(doc + "from ..data import up\n")
+    (tmp_path / "aiokv" / "data" / "ctx.py").write_text(doc + "def f():\n    from contextvars import ContextVar\n")
     (tmp_path / "aiokv" / "store" / "nodoc.py").write_text("x = 1\n")
     c_func = "static int\nf(int a,\n  int b) {\n" + "    a++;\n" * 76 + "}\n"  # 80 lines
     (tmp_path / "native" / "x.c").write_text(
@@ -342,6 +362,8 @@ def test_the_checkers_catch_a_synthetic_house(tmp_path):
     assert list(c_functions_small(root, "native/x.c")) == ["native/x.c::g"]
     assert list(imports_down(root, "aiokv/data/up.py")) == ["aiokv/data/up.py::store", "aiokv/data/up.py::vllm"]
     assert imports_down(root, "aiokv/store/ok.py") == {}  # a relative import, resolved: store -> data
+    assert list(no_context_vars(root, "aiokv/data/ctx.py")) == ["aiokv/data/ctx.py"]  # a deferred import too
+    assert no_context_vars(root, "aiokv/data/up.py") == {} and no_context_vars(root, "aiokv/store/ok.py") == {}
     assert list(says_its_job(root, "aiokv/store/nodoc.py")) == ["aiokv/store/nodoc.py"]
     assert list(says_its_job(root, "native/x.c")) == ["native/x.c"]  # no threading contract
     assert says_its_job(root, "aiokv/data/big.py") == {}

@@ -121,12 +121,12 @@ class TornWrites:
     def __init__(self, real, half: str):
         self.real, self.half, self.depth = real, half, 16
 
-    async def run(self, ops):
+    async def run(self, ops, abandon=None):
         for op, fd, addr, length, off in ops:
             if op == OP_WRITE:
                 land_half(os.readlink(f"/proc/self/fd/{fd}"), off, ctypes.string_at(addr, length), self.half)
                 os.kill(os.getpid(), signal.SIGKILL)
-        return await self.real.run(ops)
+        return await self.real.run(ops, abandon)
 
     def close(self) -> None:
         self.real.close()

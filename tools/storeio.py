@@ -22,7 +22,7 @@ import errno
 
 from aiokv.config import parse_size
 from aiokv.data import format as fmt
-from aiokv.data.blockio import TENANT, BlockIO
+from aiokv.data.blockio import BlockIO
 from aiokv.data.choice import open_backend
 from aiokv.data.drives import DriveIO
 from aiokv.store import Namespace, Store
@@ -72,7 +72,7 @@ class StoreIO(Store):
             raise ValueError("aiokv: StoreIO.save is for one-rank namespaces; ranks commit through the owner")
         res = [0] * len(items)
         todo = []
-        TENANT.set(self.tag(tenant))  # (this task's: stamped into each slot's header)
+        tag = self.tag(tenant)  # (stamped into each slot's header)
         for i, (key, addr) in enumerate(items):
             fmt.check_key(key)
             slot = self.reserve(ns, key, tenant)
@@ -81,7 +81,7 @@ class StoreIO(Store):
             else:
                 todo.append((i, slot, key, addr))
         try:
-            out = await self.blockio(ns, rank).write([(s, k, a) for _, s, k, a in todo])
+            out = await self.blockio(ns, rank).write([(s, k, a) for _, s, k, a in todo], tenant=tag)
         except BaseException:
             self.abort(ns, [(k, s) for _, s, k, _ in todo], failed=False)
             raise

@@ -13,8 +13,8 @@ Failure contract (both backends):
   cancelled through the kernel (io_uring) or waited for (threads). Then the
   CancelledError propagates. So the caller may reuse or free its buffers as soon
   as `run` has returned or raised.
-- Abandon mode (a hung disk must not hang the caller): where the task has set
-  ABANDON to a callback, a cancelled `run` drops and cancels as above but does
+- Abandon mode (a hung disk must not hang the caller): where the caller passes
+  `run(ops, abandon=callback)`, a cancelled `run` drops and cancels as above but does
   not wait for the operations the kernel or a thread still holds (a read stuck
   in a FUSE daemon or a dead device cannot be interrupted). It calls
   `callback(addrs, done)` with the buffer addresses of the batch and a future
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextvars
 import errno
 import logging
 
@@ -42,11 +41,8 @@ OP_WRITE = 1
 log = logging.getLogger("aiokv")
 _said: set[str] = set()
 
-# Set by a task (its child tasks inherit it) that would rather set its buffers
-# aside than wait for I/O the kernel will not give back; see the module docstring.
 # results of an operation that say nothing about the disk's health (breakers ignore them)
 NOT_IO_ERRORS = (0, -errno.EBADMSG, -errno.ECANCELED, -errno.ENOBUFS)
-ABANDON: contextvars.ContextVar = contextvars.ContextVar("aiokv_abandon", default=None)
 
 
 def say_once(msg: str) -> None:
@@ -109,7 +105,9 @@ class IOBackend(abc.ABC):
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
 
-    async def run(self, ops) -> list[int]:
+    async def run(self, ops, abandon=None) -> list[int]:
+        """abandon: None (wait for the kernel when cancelled), or the callback of abandon mode
+        (the module docstring): a caller that would rather set its buffers aside."""
         if not ops:
             return []
         batch = _Batch(len(ops), self.loop.create_future())
@@ -125,7 +123,6 @@ class IOBackend(abc.ABC):
             if batch.remaining == 0:
                 raise
             batch.ended = self.loop.create_future()
-            abandon = ABANDON.get()
             if abandon is not None:
                 abandon([op[2] for op in ops], batch.ended)
                 raise

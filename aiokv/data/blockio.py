@@ -54,7 +54,6 @@ with them, like the I/O above.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import ctypes
 import errno
 
@@ -62,10 +61,6 @@ from aiokv.data import format as fmt
 from aiokv.data.backend import OP_READ, OP_WRITE, settle
 from aiokv.data.datafiles import DataFiles
 from aiokv.data.slotfile import check_slot
-
-# the tenant tag (format.tenant_tag) a save's stamps write into its slots' headers: set by the
-# save's task (aiokv/worker/saves.py) around its write, read where the slots are stamped
-TENANT: contextvars.ContextVar[bytes] = contextvars.ContextVar("aiokv_tenant", default=fmt.NO_TENANT)
 
 EBADMSG = -errno.EBADMSG
 PIPELINE_MIN = 4  # up to this many items: one backend batch
@@ -132,10 +127,10 @@ class BlockIO:
         copy's and there is no MAC to compute."""
         return 0 if crc_in_copy and self.mac_key is None else n
 
-    async def _stamp_many(self, keys: list, addrs: list, crc_in_copy: bool = False) -> None:
+    async def _stamp_many(self, keys: list, addrs: list, crc_in_copy: bool, tenant: bytes) -> None:
         """Stamp many slots: one call (format.stamp_slots: CRC32C and header of each,
         and the MAC where a secret is set, GIL released; crc_in_copy: the payload
-        CRC is already in each header)."""
+        CRC is already in each header; tenant: the tag each header carries)."""
         await self._slot_call(
             self._reads_payload(crc_in_copy, len(addrs)),
             fmt.stamp_slots,
@@ -147,7 +142,7 @@ class BlockIO:
             self.layout,
             crc_in_copy,
             self.mac_key,
-            TENANT.get(),
+            tenant,
         )
 
     def _spreads(self, payloads: int) -> bool:
@@ -204,39 +199,45 @@ class BlockIO:
         least = (SPREAD_CHUNK_BYTES or CHUNK_MIN_BYTES) if spread else CHUNK_MIN_BYTES
         return max(2, depth // 4, min(depth, -(-least // self.payload_bytes)))
 
-    async def write(self, items, crc_in_copy: bool = False) -> list[int]:
+    async def write(
+        self, items, crc_in_copy: bool = False, *, tenant: bytes = fmt.NO_TENANT, abandon=None, waiting=None
+    ) -> list[int]:
         """items: (slot, key, addr). Stamps headers, writes, returns per-item 0/-errno.
         crc_in_copy: each payload's CRC32C is already at its header's payload-CRC
-        field (Device.copy_out(..., crc_in_copy=True)); the payloads are not read."""
+        field (Device.copy_out(..., crc_in_copy=True)); the payloads are not read.
+        tenant: the tag (format.tenant_tag) stamped into each slot's header (a save's,
+        worker/saves.py). abandon: the backend's abandon-mode callback (data/backend.py)
+        or None. waiting: DriveIO's (data/drives.py); one drive adds nothing to it."""
         sb = self.slot_bytes
         await self.files.ensure_open(True, items)
         if len(items) <= PIPELINE_MIN:
-            await self._stamp_many([key for _, key, _ in items], [addr for _, _, addr in items], crc_in_copy)
-            res = await self.backend.run(self._ops(OP_WRITE, items)[0])
+            await self._stamp_many([key for _, key, _ in items], [addr for _, _, addr in items], crc_in_copy, tenant)
+            res = await self.backend.run(self._ops(OP_WRITE, items)[0], abandon)
         else:
-            res = await self._pipelined(OP_WRITE, items, crc_in_copy=crc_in_copy)
+            res = await self._pipelined(OP_WRITE, items, crc_in_copy, tenant, abandon)
         if res.count(sb) == len(res):  # the common case, without a Python step per item
             return [0] * len(res)
         return [0 if r == sb else (r if r < 0 else -errno.EIO) for r in res]
 
-    async def read(self, items, crc_in_copy: bool = False) -> list[int]:
+    async def read(self, items, crc_in_copy: bool = False, *, abandon=None, waiting=None) -> list[int]:
         """items: (slot, key, addr). Reads and verifies; per-item 0/-errno/-EBADMSG.
         crc_in_copy=True: everything but the payload CRC is checked (the
         header, and the MAC with a secret); the caller must check that CRC
-        before it trusts the payload (Device.copy_in(..., crc_in_copy=True))."""
+        before it trusts the payload (Device.copy_in(..., crc_in_copy=True)).
+        abandon, waiting: as for `write`."""
         await self.files.ensure_open(False, items)
         if len(items) <= PIPELINE_MIN:
-            res = await self._run_reads(items)
+            res = await self._run_reads(items, abandon)
             return await self._checked(items, res, crc_in_copy)
-        return await self._pipelined(OP_READ, items, crc_in_copy=crc_in_copy)
+        return await self._pipelined(OP_READ, items, crc_in_copy, fmt.NO_TENANT, abandon)
 
-    async def _run_reads(self, items) -> list[int]:
+    async def _run_reads(self, items, abandon) -> list[int]:
         """Backend reads of items; an item whose engine's file is missing: -ENOENT."""
         ops, all_there = self._ops(OP_READ, items)
         if all_there:
-            return await self.backend.run(ops)
+            return await self.backend.run(ops, abandon)
         todo = [op for op in ops if op[1] >= 0]
-        res = iter(await self.backend.run(todo) if todo else [])
+        res = iter(await self.backend.run(todo, abandon) if todo else [])
         return [next(res) if op[1] >= 0 else -errno.ENOENT for op in ops]
 
     async def _checked(self, items, res, crc_in_copy: bool = False) -> list[int]:
@@ -268,7 +269,7 @@ class BlockIO:
             out[i] = 0 if v == 0 else EBADMSG
         return out
 
-    async def _pipelined(self, op: int, items, crc_in_copy: bool = False) -> list:
+    async def _pipelined(self, op: int, items, crc_in_copy: bool, tenant: bytes, abandon) -> list:
         """Several backend batches: writes stamped chunk by chunk just before their
         batch starts; reads verified chunk by chunk as their batch ends. Returns
         raw byte counts (writes) or per-item results (reads)."""
@@ -282,8 +283,10 @@ class BlockIO:
             if op == OP_WRITE and not spread:
                 # stamped here, on the loop thread: each batch reaches the kernel before the next is stamped
                 for k, part in enumerate(parts):
-                    await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part], crc_in_copy)
-                    futs.append(asyncio.ensure_future(run(self._ops(OP_WRITE, part)[0])))
+                    await self._stamp_many(
+                        [key for _, key, _ in part], [addr for _, _, addr in part], crc_in_copy, tenant
+                    )
+                    futs.append(asyncio.ensure_future(run(self._ops(OP_WRITE, part)[0], abandon)))
                     if k + 1 < len(parts):
                         await asyncio.sleep(0)
             elif op == OP_WRITE:
@@ -296,10 +299,13 @@ class BlockIO:
                 # Bounded, so that stamping runs at the disk's pace and leaves the cores to the loop.
                 depth = getattr(self.backend, "depth", 16)
                 room = asyncio.Semaphore(max(2, -(-depth * (1 + STAMP_AHEAD_DEPTHS) // step)))
-                futs = [asyncio.ensure_future(self._stamp_and_write(part, crc_in_copy, room)) for part in parts]
+                futs = [
+                    asyncio.ensure_future(self._stamp_and_write(part, crc_in_copy, room, tenant, abandon))
+                    for part in parts
+                ]
             else:
                 # each chunk verified as soon as it has arrived (on the checksum threads when big enough)
-                futs = [asyncio.ensure_future(self._read_and_check(part, crc_in_copy)) for part in parts]
+                futs = [asyncio.ensure_future(self._read_and_check(part, crc_in_copy, abandon)) for part in parts]
             for f in futs:
                 out += await f
         except BaseException:
@@ -313,13 +319,15 @@ class BlockIO:
             raise
         return out
 
-    async def _stamp_and_write(self, part, crc_in_copy: bool, room: asyncio.Semaphore) -> list[int]:
+    async def _stamp_and_write(
+        self, part, crc_in_copy: bool, room: asyncio.Semaphore, tenant: bytes, abandon
+    ) -> list[int]:
         async with room:
-            await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part], crc_in_copy)
-            return await self.backend.run(self._ops(OP_WRITE, part)[0])
+            await self._stamp_many([key for _, key, _ in part], [addr for _, _, addr in part], crc_in_copy, tenant)
+            return await self.backend.run(self._ops(OP_WRITE, part)[0], abandon)
 
-    async def _read_and_check(self, part, crc_in_copy: bool) -> list[int]:
-        return await self._checked(part, await self._run_reads(part), crc_in_copy)
+    async def _read_and_check(self, part, crc_in_copy: bool, abandon) -> list[int]:
+        return await self._checked(part, await self._run_reads(part, abandon), crc_in_copy)
 
     def close(self) -> None:
         self.files.close()

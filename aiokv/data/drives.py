@@ -14,11 +14,11 @@ not got is -ENOENT (a miss). A call that ends by an exception (cancelled, or a
 part's error that is no OSError) first cancels and waits for every drive's part:
 none of its I/O is left in the kernel once it has ended.
 
-Which drives a timed-out call was still waiting on: a caller that sets
-WAITING to a set before the call (worker/loads.py, worker/saves.py: the job's
-own context) finds there, once the call was cancelled, the drives whose part
-had not ended; it judges whether that was a timeout (a failure of those drives)
-or an abort (nothing).
+Which drives a timed-out call was still waiting on: a caller that passes a set
+as `waiting` (worker/loads.py, worker/saves.py: the job's own) finds there, once
+the call was cancelled, the drives whose part had not ended; it judges whether
+that was a timeout (a failure of those drives) or an abort (nothing). A call's
+`tenant` and `abandon` go to each drive's BlockIO as they are.
 
 Threading contract: BlockIO's (one asyncio loop thread).
 """
@@ -26,14 +26,10 @@ Threading contract: BlockIO's (one asyncio loop thread).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import errno
 
 from aiokv.data import format as fmt
 from aiokv.data.backend import NOT_IO_ERRORS, settle
-
-# the set a job's calls add the drives they were still waiting on when cancelled (see above)
-WAITING: contextvars.ContextVar = contextvars.ContextVar("aiokv_waiting_drives", default=None)
 
 
 class DriveIO:
@@ -54,13 +50,18 @@ class DriveIO:
     def stamp(self, key: bytes, addr: int) -> None:
         next(iter(self.ios.values())).stamp(key, addr)
 
-    async def read(self, items, crc_in_copy: bool = False) -> list[int]:
-        return await self._split(False, items, crc_in_copy)
+    async def read(self, items, crc_in_copy: bool = False, *, abandon=None, waiting=None) -> list[int]:
+        """As BlockIO.read; waiting: None, or the set that gets the drives a cancelled call waited on."""
+        return await self._split(False, items, (crc_in_copy, fmt.NO_TENANT, abandon), waiting)
 
-    async def write(self, items, crc_in_copy: bool = False) -> list[int]:
-        return await self._split(True, items, crc_in_copy)
+    async def write(
+        self, items, crc_in_copy: bool = False, *, tenant: bytes = fmt.NO_TENANT, abandon=None, waiting=None
+    ) -> list[int]:
+        """As BlockIO.write; waiting: as for `read`."""
+        return await self._split(True, items, (crc_in_copy, tenant, abandon), waiting)
 
-    async def _split(self, write: bool, items, crc_in_copy: bool) -> list[int]:
+    async def _split(self, write: bool, items, how: tuple, waiting: set | None) -> list[int]:
+        """how: (crc_in_copy, tenant, abandon), for each drive's part."""
         out = [-errno.ENOENT] * len(items)
         parts: dict[int, tuple[list[int], list]] = {}
         for i, (where, key, addr) in enumerate(items):
@@ -69,16 +70,13 @@ class DriveIO:
                 idx, sub = parts.setdefault(d, ([], []))
                 idx.append(i)
                 sub.append((w, key, addr))
-        tasks = {
-            d: asyncio.ensure_future(self._part(self.ios[d], write, sub, crc_in_copy)) for d, (_, sub) in parts.items()
-        }
+        tasks = {d: asyncio.ensure_future(self._part(self.ios[d], write, sub, how)) for d, (_, sub) in parts.items()}
         try:
             await asyncio.gather(*tasks.values())
         except BaseException as e:
             # however the call ends (cancelled, or one drive's part raised an error that is no
             # OSError), no part of it may still be running: the caller gives the buffers back
             if isinstance(e, asyncio.CancelledError):
-                waiting = WAITING.get()
                 if waiting is not None:
                     # (gather has cancelled its parts by now: those that had not ended are the cancelled ones)
                     waiting.update(d for d, t in tasks.items() if not t.done() or t.cancelled())
@@ -100,9 +98,12 @@ class DriveIO:
         return out
 
     @staticmethod
-    async def _part(io, write: bool, sub, crc_in_copy: bool) -> list[int]:
+    async def _part(io, write: bool, sub, how: tuple) -> list[int]:
+        crc_in_copy, tenant, abandon = how
         try:
-            return await (io.write if write else io.read)(sub, crc_in_copy=crc_in_copy)
+            if write:
+                return await io.write(sub, crc_in_copy, tenant=tenant, abandon=abandon)
+            return await io.read(sub, crc_in_copy, abandon=abandon)
         except OSError as e:  # this drive's file cannot be opened or created: its items only
             return [-(e.errno or errno.EIO)] * len(sub)
 

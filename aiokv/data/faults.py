@@ -103,7 +103,7 @@ class FaultyBackend(IOBackend):
     def in_flight(self) -> int:
         return self.inner.in_flight
 
-    async def run(self, ops) -> list[int]:
+    async def run(self, ops, abandon=None) -> list[int]:
         rules = [next((r for r in self.rules if r.hits(op)), None) for op in ops]
         plan = [r.kind if r is not None else None for r in rules]
         if "raise" in plan:
@@ -116,7 +116,7 @@ class FaultyBackend(IOBackend):
         for i in real:
             o = ops[i]
             sent.append((o[0], o[1], o[2], o[3] - 4096, o[4]) if plan[i] == "short" and o[3] > 4096 else o)
-        res = await self.inner.run(sent)
+        res = await self.inner.run(sent, abandon)
         out = [-errno.EIO if k == "eio" else -errno.ENOSPC for k in plan]
         delay = 0.0
         for i, r in zip(real, res):

@@ -99,13 +99,13 @@ class LayerwiseLoads:
         """At most half the staging buffers (the pool less the memory tier's share)."""
         return 0 < n <= (self.staging.count - self.staging.limit) // 2
 
-    async def read(self, t: Transfer, todo: list, failed: set, bad_keys: list) -> None:
+    async def read(self, t: Transfer, todo: list, failed: set, bad_keys: list, waiting: set | None = None) -> None:
         """Read and verify `todo` [(key, location, block id)] into staging buffers taken
-        all at once; stage the verified blocks before the first failed one."""
+        all at once; stage the verified blocks before the first failed one (waiting: Reads.read's)."""
         bufs = await self.staging.wait(len(todo), whole=True)
         keep, picked = 0, []
         try:
-            res = await self.reads.read([(s, k, b) for (k, s, _), b in zip(todo, bufs)])
+            res = await self.reads.read([(s, k, b) for (k, s, _), b in zip(todo, bufs)], waiting=waiting)
             bad_keys += [(k, s, t.group) for (k, s, _), r in zip(todo, res) if r != 0]
             nb = self.device.num_blocks
             good = {b: (buf, k) for (k, _, b), buf, r in zip(todo, bufs, res) if r == 0 and 0 < b < nb}

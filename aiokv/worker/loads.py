@@ -28,8 +28,6 @@ import asyncio
 import logging
 import time
 
-from aiokv.data.backend import ABANDON
-from aiokv.data.drives import WAITING
 from aiokv.data.window import read_through
 from aiokv.jobs import LoadResult, SaveResult, Transfer, WorkerReport
 from aiokv.worker.latency import latency_counts
@@ -92,10 +90,11 @@ class Loads:
         failed = set(t.block_ids)  # until proven loaded
         bad_keys: list[bytes] = []
         cancelled = False
-        ABANDON.set(self.staging.abandon)  # a timed-out or cancelled load never waits for the disk
-        WAITING.set(waiting := set())  # several drives: those its reads still waited on (data/drives.py)
+        # a timed-out or cancelled load never waits for the disk (its reads: worker/reads.py);
+        # several drives: `waiting` gets those its reads still waited on (data/drives.py)
+        waiting: set[int] = set()
         try:
-            await asyncio.wait_for(self._load_body(t, failed, bad_keys), self.load_timeout)
+            await asyncio.wait_for(self._load_body(t, failed, bad_keys, waiting), self.load_timeout)
         except asyncio.TimeoutError:
             self.results.count(load_timeouts=1)
             if waiting:  # the drives it waited on failed it, not the others
@@ -119,7 +118,7 @@ class Loads:
             # requests that live on, and vLLM keeps a load's blocks before its first failed one)
             self._load_done(t, sorted(t.block_ids if cancelled else failed), cancelled, [k for k, _, _ in bad_keys])
 
-    async def _load_body(self, t: Transfer, failed: set, bad_keys: list) -> None:
+    async def _load_body(self, t: Transfer, failed: set, bad_keys: list, waiting: set) -> None:
         # no location: nothing to read; block 0 is vLLM's null block and is never written
         flags = t.from_bucket or [False] * len(t.keys)
         todo = [(k, s, b) for k, s, b, r in zip(t.keys, t.locations, t.block_ids, flags) if s >= 0 and b > 0 and not r]
@@ -139,24 +138,27 @@ class Loads:
                 self.staging.keep([(k, buf) for k, _, buf in mem], self.reads.ns)  # back, as the most recent
             todo = [item for item, buf in zip(todo, held) if buf is None]
         if self.layers is not None and self.layers.fits(len(todo)):
-            return await self.layers.read(t, todo, failed, bad_keys)
+            return await self.layers.read(t, todo, failed, bad_keys, waiting)
         if todo:
             step, ahead = self.reads.window()
             await read_through(
                 todo,
                 self.staging.wait,
                 self.staging.release,
-                lambda part, bufs: self._read_chunk(t, part, bufs, failed, bad_keys),
+                lambda part, bufs: self._read_chunk(t, part, bufs, failed, bad_keys, waiting),
                 step,
                 ahead,
             )
 
-    async def _read_chunk(self, t: Transfer, chunk: list, bufs: list[int], failed: set, bad_keys: list) -> None:
+    async def _read_chunk(
+        self, t: Transfer, chunk: list, bufs: list[int], failed: set, bad_keys: list, waiting: set
+    ) -> None:
         """One chunk of a load's disk reads (data/window.py): read into `bufs`, verified,
         copied into the KV cache; then its buffers are kept (the memory tier) or given back."""
         keep: list[tuple[bytes, int]] = []
         try:
-            res = await self.reads.read([(s, k, b) for (k, s, _), b in zip(chunk, bufs)], crc_in_copy=self.crc_in_copy)
+            items = [(s, k, b) for (k, s, _), b in zip(chunk, bufs)]
+            res = await self.reads.read(items, self.crc_in_copy, waiting)
             good = [(k, s, blk, st) for (k, s, blk), st, r in zip(chunk, bufs, res) if r == 0]
             bad_keys += [(k, s, t.group) for (k, s, _), r in zip(chunk, res) if r != 0]
             if good:

@@ -24,10 +24,17 @@ class Reads:
         self._blockio = blockio  # () -> BlockIO (opened at the first job)
         self.count = count  # count(**increments) into the worker's counters
 
-    async def read(self, items: list[tuple[int, bytes, int]], crc_in_copy: bool = False) -> list[int]:
-        """Read [(store location, key, staging buffer)]; per item 0 or -errno (read errors counted)."""
+    async def read(
+        self, items: list[tuple[int, bytes, int]], crc_in_copy: bool = False, waiting: set | None = None
+    ) -> list[int]:
+        """Read [(store location, key, staging buffer)]; per item 0 or -errno (read errors counted).
+        A cancelled read never waits for the disk: its buffers are set aside while the kernel
+        still holds them (staging.abandon, data/backend.py's abandon mode). waiting: the load's
+        set of the drives a cancelled read still waited on (data/drives.py), or None."""
         addr = self.staging.addr
-        res = await self._blockio().read([(s, k, addr(b)) for s, k, b in items], crc_in_copy=crc_in_copy)
+        res = await self._blockio().read(
+            [(s, k, addr(b)) for s, k, b in items], crc_in_copy, abandon=self.staging.abandon, waiting=waiting
+        )
         self.count(read_errors=sum(r not in NOT_IO_ERRORS for r in res))
         return res
 

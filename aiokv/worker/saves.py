@@ -22,9 +22,6 @@ import errno
 import logging
 import time
 
-from aiokv.data.backend import ABANDON
-from aiokv.data.blockio import TENANT
-from aiokv.data.drives import WAITING
 from aiokv.data.format import NO_TENANT
 from aiokv.jobs import SaveResult, Transfer, WorkerReport
 from aiokv.worker.latency import latency_counts
@@ -100,16 +97,19 @@ class Saves:
         """Write a save job's staging buffers (crc_in_copy: their payload CRCs came with the device copy)."""
         t0 = time.monotonic()
         res = [-errno.EIO] * len(t.keys)
-        ABANDON.set(self.staging.abandon)
-        WAITING.set(waiting := set())  # several drives: those its writes still waited on (data/drives.py)
-        TENANT.set(t.tenant or NO_TENANT)  # stamped into each slot's header (data/blockio.py)
+        waiting: set[int] = set()  # several drives: those its writes still waited on (data/drives.py)
         uploader = self.life.uploader
         try:
             if self.device.asynchronous:  # the device copy may still be landing
                 await asyncio.get_running_loop().run_in_executor(None, self.device.wait_out)
             addr = self.staging.addr
             items = [(s, k, addr(b)) for s, k, b in zip(t.locations, t.keys, bufs)]
-            res = await asyncio.wait_for(self.life.blockio().write(items, crc_in_copy), self.save_timeout)
+            # the tenant is stamped into each slot's header (data/blockio.py); a timed-out save
+            # never waits for the disk: its buffers are set aside while the kernel still holds them
+            write = self.life.blockio().write(
+                items, crc_in_copy, tenant=t.tenant or NO_TENANT, abandon=self.staging.abandon, waiting=waiting
+            )
+            res = await asyncio.wait_for(write, self.save_timeout)
             if upload and uploader is not None:  # write-behind: a copy of each block written, queued (or dropped)
                 for k, b, r in zip(t.keys, bufs, res):
                     if r == 0:
