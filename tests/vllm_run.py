@@ -139,6 +139,7 @@ def main(spec: dict) -> dict:
     result: dict = {
         "tokens": [],
         "cached": [],
+        "prompt_ids": [],
         "finish": [],
         "preemptions": 0,
         "aborted_while": {},
@@ -317,14 +318,16 @@ def main(spec: dict) -> dict:
             step += 1
             if time.monotonic() > deadline:
                 raise RuntimeError("engine did not finish")
-        toks, cached, fin = [], [], []
+        toks, cached, fin, pids = [], [], [], []
         for _i, rid, _ in sorted(ids):
             o = outs.get(rid)
             toks.append(list(o.outputs[0].token_ids) if o is not None else None)
             cached.append(o.num_cached_tokens if o is not None else None)
+            pids.append(list(o.prompt_token_ids) if o is not None else None)
             fin.append(o.outputs[0].finish_reason if o is not None else "aborted")
         result["tokens"].append(toks)
         result["cached"].append(cached)
+        result["prompt_ids"].append(pids)
         result["finish"].append(fin)
         result.setdefault("seconds", []).append(round(time.monotonic() - t_phase, 3))
         if phase.get("announce"):  # until aiokv's start announcement is all published (KV events)
