@@ -24,6 +24,10 @@
 #include <stdint.h>
 #include <string.h>
 
+/* calls over more bytes than this release the GIL (crc32c_py.c, slots.c): below it, giving the
+ * GIL up and taking it back costs more than the work */
+#define GIL_FREE_BYTES 65536
+
 /* ---- crc32c.c (crc32c.h: crc_init, once from PyInit__native; crc32c) ---- */
 #include "crc32c.h"
 

@@ -18,7 +18,7 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     unsigned int seed = 0;
     if (!PyArg_ParseTuple(args, "KK|I", &addr, &length, &seed)) return NULL;
     uint32_t r;
-    if (length > 65536) {
+    if (length > GIL_FREE_BYTES) {
         Py_BEGIN_ALLOW_THREADS
         r = crc32c(seed, (const uint8_t *)(uintptr_t)addr, (size_t)length);
         Py_END_ALLOW_THREADS
@@ -81,13 +81,13 @@ static PyObject *py_crc32c_use(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(crc_path_names[was]);
 }
 
-/* crc32c_bytes(buffer, seed=0) -> int, for Python-side buffers (GIL released above 64 KiB). */
+/* crc32c_bytes(buffer, seed=0) -> int, for Python-side buffers (GIL released above GIL_FREE_BYTES, 64 KiB). */
 static PyObject *py_crc32c_bytes(PyObject *self, PyObject *args) {
     Py_buffer view;
     unsigned int seed = 0;
     if (!PyArg_ParseTuple(args, "y*|I", &view, &seed)) return NULL;
     uint32_t r;
-    if (view.len > 65536) {
+    if (view.len > GIL_FREE_BYTES) {
         Py_BEGIN_ALLOW_THREADS
         r = crc32c(seed, view.buf, (size_t)view.len);
         Py_END_ALLOW_THREADS
