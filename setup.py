@@ -70,11 +70,14 @@ ext = Extension(
     extra_objects=static[:1],
     libraries=([] if WITHOUT or static else ["uring"]) + ([] if WITHOUT_ISAL else [recipe.ISAL_LIB]),
 )
-# the compact index's hot loops (aiokv/store/table.py): a module of its own, no library
+# the compact index's hot loops (aiokv/store/table.py): a module of its own, whose journal
+# records take native/crc32c.c's CRC32C by the same path as aiokv._native (ISA-L's where built with it)
 index_ext = Extension(
     "aiokv._index",
     sources=recipe.INDEX_UNITS,
     extra_compile_args=recipe.CFLAGS,
-    depends=[os.path.join("native", h) for h in ("index.h", "order.h")] + ["native/recipe.py"],
+    define_macros=[] if WITHOUT_ISAL else [recipe.ISAL_MACRO],
+    depends=[os.path.join("native", h) for h in ("index.h", "order.h", "crc32c.h")] + ["native/recipe.py"],
+    libraries=[] if WITHOUT_ISAL else [recipe.ISAL_LIB],
 )
 setup(ext_modules=[ext, index_ext], cmdclass={"build_ext": BuildExt})

@@ -5,7 +5,8 @@
  *   module.c  the module: its init, fallocate
  *   ring.c    Ring, the io_uring ring that runs batches (aiokv/data/uring.py); its
  *             batches in ring_batches.c, its submissions in ring_submit.c (ring.h)
- *   crc32c.c  CRC32C, the checksum of every slot, header and journal record
+ *   crc32c.c  CRC32C, the checksum of every slot, header and journal record (crc32c.h;
+ *             aiokv._index links it too); crc32c_py.c its Python functions
  *   slots.c   slot headers: stamp_slots, verify_slots, check_slot (aiokv/data/format/slot.py)
  *   copies.c  block copies on the CPU device, the payload CRC taken inside them
  *
@@ -23,10 +24,15 @@
 #include <stdint.h>
 #include <string.h>
 
-/* ---- crc32c.c ---- */
-void crc_init(void);                                         /* once, from PyInit__native */
-uint32_t crc32c(uint32_t seed, const uint8_t *p, size_t n); /* seed: a previous result, 0 to start */
-int crc_add(PyObject *m);                                    /* its functions and constants; 0 or -1 */
+/* calls over more bytes than this release the GIL (crc32c_py.c, slots.c): below it, giving the
+ * GIL up and taking it back costs more than the work */
+#define GIL_FREE_BYTES 65536
+
+/* ---- crc32c.c (crc32c.h: crc_init, once from PyInit__native; crc32c) ---- */
+#include "crc32c.h"
+
+/* ---- crc32c_py.c ---- */
+int crc_add(PyObject *m); /* CRC32C's functions and constants; 0 or -1 */
 
 /* ---- ring.c ---- */
 int ring_add(PyObject *m); /* Ring (where built with liburing) and HAVE_URING; 0 or -1 */

@@ -1,10 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * CRC32C (Castagnoli), the checksum of every slot's header and payload and of
- * the journal's records: crc32c() for the other units, and crc32c, crc32c_bytes,
- * crc32c_path, crc32c_sw for Python (GIL released over large buffers).
+ * the journal's records: crc32c() and crc32c_by() for the other units of both
+ * modules (native/crc32c.h), plain C; crc32c_py.c gives aiokv._native's Python
+ * its crc32c, crc32c_bytes, crc32c_path, crc32c_sw and crc32c_use.
  *
- * The paths (crc32c_path takes each by name; CRC_PATHS lists those this
+ * The paths (Python's crc32c_path takes each by name; CRC_PATHS lists those this
  * machine runs, slowest first; CRC_PATH is the one crc32c() takes):
  *   "isal"    Intel ISA-L's crc32_iscsi (a maintained library, which picks its
  *             own code for the CPU: AVX-512 folding, crc32 streams, aarch64's
@@ -44,10 +45,13 @@
  * once at start by xpow.
  *
  * Threading: every function runs on any thread, several at once; `have` and
- * `default_path` are set at import (crc_init) and by crc32c_use, which only
- * tests and benchmarks call, under the GIL.
+ * `default_path` (one pair per module that links this unit) are set at import
+ * (crc_init) and by crc_use, which only tests and benchmarks call (Python's
+ * crc32c_use), under the GIL.
  */
-#include "aiokv.h"
+#include "crc32c.h"
+
+#include <string.h>
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -79,10 +83,9 @@ static uint32_t crc_table(uint32_t r, const uint8_t *p, size_t n) {
     return r;
 }
 
-enum { CRC_TABLE, CRC_CRC32Q, CRC_ISAL, CRC_NPATHS }; /* slowest first */
-static const char *const crc_path_names[CRC_NPATHS] = {"table", "crc32q", "isal"};
+const char *const crc_path_names[CRC_NPATHS] = {"table", "crc32q", "isal"};
 static int have[CRC_NPATHS] = {1, 0, 0}; /* crc_init: which paths this machine runs */
-static int default_path = CRC_TABLE;       /* crc_init: the fastest of them (crc32c_use changes it) */
+static int default_path = CRC_TABLE;       /* crc_init: the fastest of them (crc_use changes it) */
 
 #if defined(__x86_64__)
 /* The CRC loops start on a cache line, wherever other code moves them: left to
@@ -166,8 +169,8 @@ void crc_init(void) {
 }
 
 /* CRC32C (seed: a previous result, 0 to start) by the given path, which this
- * machine has. */
-static uint32_t crc32c_by(int path, uint32_t seed, const uint8_t *p, size_t n) {
+ * machine has (crc_has). */
+uint32_t crc32c_by(int path, uint32_t seed, const uint8_t *p, size_t n) {
     uint32_t r = ~seed;
 #if defined(__x86_64__)
     if (path == CRC_CRC32Q) return ~crc_crc32q(r, p, n);
@@ -180,115 +183,8 @@ static uint32_t crc32c_by(int path, uint32_t seed, const uint8_t *p, size_t n) {
 
 uint32_t crc32c(uint32_t seed, const uint8_t *p, size_t n) { return crc32c_by(default_path, seed, p, n); }
 
-/* crc32c(addr, length, seed=0) -> int */
-static PyObject *py_crc32c(PyObject *self, PyObject *args) {
-    unsigned long long addr, length;
-    unsigned int seed = 0;
-    if (!PyArg_ParseTuple(args, "KK|I", &addr, &length, &seed)) return NULL;
-    uint32_t r;
-    if (length > 65536) {
-        Py_BEGIN_ALLOW_THREADS
-        r = crc32c(seed, (const uint8_t *)(uintptr_t)addr, (size_t)length);
-        Py_END_ALLOW_THREADS
-    } else {
-        r = crc32c(seed, (const uint8_t *)(uintptr_t)addr, (size_t)length);
-    }
-    return PyLong_FromUnsignedLong(r);
-}
+int crc_has(int path) { return path >= 0 && path < CRC_NPATHS && have[path]; }
 
-/* crc32c_sw(buffer, seed=0) -> int: the table path whatever the CPU has
- * (tests check the others against it). */
-static PyObject *py_crc32c_sw(PyObject *self, PyObject *args) {
-    Py_buffer view;
-    unsigned int seed = 0;
-    if (!PyArg_ParseTuple(args, "y*|I", &view, &seed)) return NULL;
-    uint32_t r = ~crc_table(~seed, view.buf, (size_t)view.len);
-    PyBuffer_Release(&view);
-    return PyLong_FromUnsignedLong(r);
-}
+int crc_default(void) { return default_path; }
 
-/* A path's index by name, or -1 with ValueError where this machine lacks it. */
-static int path_arg(const char *name) {
-    for (int i = 0; i < CRC_NPATHS; i++)
-        if (have[i] && !strcmp(name, crc_path_names[i])) return i;
-    char list[64] = "";
-    for (int i = 0; i < CRC_NPATHS; i++)
-        if (have[i]) snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", *list ? ", " : "",
-                              crc_path_names[i]);
-    PyErr_Format(PyExc_ValueError, "aiokv: CRC32C path %s is not one this CPU has (%s)", name, list);
-    return -1;
-}
-
-/* crc32c_path(path, addr, length, seed=0) -> int: CRC32C by one named path,
- * GIL released; ValueError where this machine lacks it. For tests (every path
- * against the table) and benchmarks. */
-static PyObject *py_crc32c_path(PyObject *self, PyObject *args) {
-    const char *name;
-    unsigned long long addr, length;
-    unsigned int seed = 0;
-    if (!PyArg_ParseTuple(args, "sKK|I", &name, &addr, &length, &seed)) return NULL;
-    int path = path_arg(name);
-    if (path < 0) return NULL;
-    uint32_t r;
-    Py_BEGIN_ALLOW_THREADS
-    r = crc32c_by(path, seed, (const uint8_t *)(uintptr_t)addr, (size_t)length);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromUnsignedLong(r);
-}
-
-/* crc32c_use(path) -> the path crc32c() took until now: every CRC32C of the
- * module (the copies', the slots') by that path from now on. For benchmarks
- * that compare paths in one process; not thread-safe against calls running. */
-static PyObject *py_crc32c_use(PyObject *self, PyObject *args) {
-    const char *name;
-    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
-    int path = path_arg(name);
-    if (path < 0) return NULL;
-    int was = default_path;
-    default_path = path;
-    return PyUnicode_FromString(crc_path_names[was]);
-}
-
-/* crc32c_bytes(buffer, seed=0) -> int, for Python-side buffers (GIL released above 64 KiB). */
-static PyObject *py_crc32c_bytes(PyObject *self, PyObject *args) {
-    Py_buffer view;
-    unsigned int seed = 0;
-    if (!PyArg_ParseTuple(args, "y*|I", &view, &seed)) return NULL;
-    uint32_t r;
-    if (view.len > 65536) {
-        Py_BEGIN_ALLOW_THREADS
-        r = crc32c(seed, view.buf, (size_t)view.len);
-        Py_END_ALLOW_THREADS
-    } else {
-        r = crc32c(seed, view.buf, (size_t)view.len);
-    }
-    PyBuffer_Release(&view);
-    return PyLong_FromUnsignedLong(r);
-}
-
-static PyMethodDef crc_methods[] = {
-    {"crc32c", py_crc32c, METH_VARARGS, "crc32c(addr, length, seed=0) -> int"},
-    {"crc32c_bytes", py_crc32c_bytes, METH_VARARGS, "crc32c_bytes(buffer, seed=0) -> int"},
-    {"crc32c_path", py_crc32c_path, METH_VARARGS, "crc32c_path(path, addr, length, seed=0) -> int (tests, benchmarks)"},
-    {"crc32c_use", py_crc32c_use, METH_VARARGS, "crc32c_use(path) -> the path used until now (benchmarks)"},
-    {"crc32c_sw", py_crc32c_sw, METH_VARARGS, "crc32c_sw(buffer, seed=0) -> int (table path, for tests)"},
-    {NULL}};
-
-int crc_add(PyObject *m) {
-    if (PyModule_AddFunctions(m, crc_methods) < 0 ||
-        PyModule_AddIntConstant(m, "HAVE_HW_CRC", default_path != CRC_TABLE) < 0 ||
-        PyModule_AddStringConstant(m, "CRC_PATH", crc_path_names[default_path]) < 0)
-        return -1;
-    /* every path this machine runs, slowest first, the default last */
-    PyObject *list = PyList_New(0), *paths = NULL;
-    for (int i = 0; list && i <= CRC_NPATHS; i++) {
-        int p = i < CRC_NPATHS ? i : default_path;
-        if (i < CRC_NPATHS && (!have[i] || i == default_path)) continue;
-        PyObject *name = PyUnicode_FromString(crc_path_names[p]);
-        if (!name || PyList_Append(list, name) < 0) Py_CLEAR(list);
-        Py_XDECREF(name);
-    }
-    if (list) paths = PyList_AsTuple(list);
-    Py_XDECREF(list);
-    return paths ? PyModule_AddObject(m, "CRC_PATHS", paths) : -1;
-}
+void crc_use(int path) { default_path = path; }

@@ -5,8 +5,9 @@
  *   aiokv_index.c  the module: its init, key tags, lookups over several probes, victims by age
  *   probe.c        Probe: a table's open-addressing hash of tags to slots (lookups, inserts,
  *                  erases, bulk builds, bulk puts)
- *   records.c      journal records: their CRC32C, COMMIT records made, records checked, sealed
- *                  and their keys' tags
+ *   records.c      journal records: COMMIT records made, records checked and sealed by their
+ *                  CRC32C, and their keys' tags
+ *   crc32c.c       CRC32C (crc32c.h), the one aiokv._native links too
  *   apply.c        journal records applied to a table, a helper per record kind
  *   order.c        Order, the eviction order (order.h: its units)
  *   bulk.c         an operator's order applied to a window of slots
@@ -105,12 +106,9 @@ static inline int probe_erase(Probe *p, Py_ssize_t s) {
 int get_buf(PyObject *o, Py_buffer *b, Py_ssize_t item, const char *what); /* writable, whole items */
 int key_arg(PyObject *key, const uint8_t **k, Py_ssize_t *n);               /* a bytes key */
 
-/* ---- records.c ---- */
-uint32_t record_crc(const uint8_t *p, size_t n); /* CRC32C (Castagnoli, reflected) */
-
 /* ---- each unit's part of the module; 0 or -1 ---- */
 int probe_add(PyObject *m);           /* probe.c: Probe */
-int records_add(PyObject *m);         /* records.c: its functions; fills the CRC tables first */
+int records_add(PyObject *m);         /* records.c: its functions; crc_init first */
 int apply_add(PyObject *m);           /* apply.c: apply */
 int aiokv_order_register(PyObject *m); /* order.c: Order */
 int bulk_add(PyObject *m);            /* bulk.c: an order's bulk changes */

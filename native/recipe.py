@@ -15,13 +15,14 @@ import os
 
 CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-fvisibility=hidden"]
 EXPORTS = os.path.join("native", "exports.map")
-UNITS = ("module.c", "ring.c", "ring_batches.c", "ring_submit.c", "crc32c.c", "slots.c", "copies.c")
+UNITS = ("module.c", "ring.c", "ring_batches.c", "ring_submit.c", "crc32c.c", "crc32c_py.c", "slots.c", "copies.c")
 ISAL_HEADER = os.path.join("isa-l", "crc.h")
 ISAL_MACRO = ("AIOKV_HAVE_ISAL", "1")
 ISAL_LIB = "isal"
 # aiokv._index, the compact index's hot loops (aiokv/store/table.py), a module of its own
 # (native/index.h says what each unit does): the hash (probe.c), the journal records made and
-# checked (records.c) and applied (apply.c), the eviction order (order.c and its units:
+# checked (records.c, by crc32c.c's CRC32C, the one of aiokv._native, built with the same
+# ISA-L macro and library) and applied (apply.c), the eviction order (order.c and its units:
 # native/order.h) and an operator's order's bulk changes (bulk.c: aiokv/store/bulk.py)
 INDEX_UNITS = [
     os.path.join("native", n)
@@ -35,6 +36,7 @@ INDEX_UNITS = [
         "order_search.c",
         "order_build.c",
         "bulk.c",
+        "crc32c.c",
     )
 ]
 

@@ -1,48 +1,18 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* aiokv._index's journal records (a unit of aiokv._index: native/index.h): their CRC32C (the
- * Castagnoli polynomial, reflected; "crc32q" where SSE4.2 has it), COMMIT records made for many
- * keys, a buffer's leading valid records counted, records sealed with their CRC, and the tags
- * of their keys (aiokv/store/journal.py, docs/format.md).
+/* aiokv._index's journal records (a unit of aiokv._index: native/index.h): COMMIT records made
+ * for many keys, a buffer's leading valid records counted, records sealed with their CRC, and the
+ * tags of their keys (aiokv/store/journal.py, docs/format.md). A record's CRC is CRC32C from a
+ * zero seed over all but its last 4 bytes (record_crc), by native/crc32c.c, the one aiokv._native
+ * checks slots with.
  *
- * Threading: the CRC tables are filled once by the module's init, before any call; every call
+ * Threading: crc_init runs once in the module's init (records_add), before any call; every call
  * works on the caller's buffers only, and the loops over many records release the GIL.
  */
+#include "crc32c.h"
 #include "index.h"
 
-static uint32_t crc_table[256];
-
-static void crc_init(void) {
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (int j = 0; j < 8; j++) c = (c >> 1) ^ (0x82f63b78u & (0u - (c & 1u)));
-        crc_table[i] = c;
-    }
-}
-
-static uint32_t crc_sw(const uint8_t *p, size_t n) {
-    uint32_t c = 0xffffffffu;
-    while (n--) c = (c >> 8) ^ crc_table[(c ^ *p++) & 0xff];
-    return ~c;
-}
-
-#if defined(__x86_64__)
-__attribute__((target("sse4.2"))) static uint32_t crc_hw(const uint8_t *p, size_t n) {
-    uint64_t c = 0xffffffffu;
-    for (; n >= 8; p += 8, n -= 8) c = __builtin_ia32_crc32di(c, load64(p));
-    uint32_t c32 = (uint32_t)c;
-    while (n--) c32 = __builtin_ia32_crc32qi(c32, *p++);
-    return ~c32;
-}
-static int have_sse42;
-#endif
-
-
-uint32_t record_crc(const uint8_t *p, size_t n) {
-#if defined(__x86_64__)
-    if (have_sse42) return crc_hw(p, n);
-#endif
-    return crc_sw(p, n);
-}
+/* a record's CRC32C: over its first n bytes, from a zero seed */
+static inline uint32_t record_crc(const uint8_t *p, size_t n) { return crc32c(0, p, n); }
 
 /* commit_records(keys, slots, atime, tenant=0, flags=0) -> bytes: a COMMIT record per key
  * (format.pack_record), each naming the tenant (bytes 56..57) and flags (byte 58) */
@@ -197,12 +167,8 @@ static PyMethodDef records_methods[] = {
     {"seal", py_seal, METH_VARARGS, "seal(records, recbytes): each record's CRC32C into its last 4 bytes"},
     {NULL}};
 
-/* the CRC tables (and whether the CPU has SSE4.2), then the functions into the module */
+/* CRC32C's paths (crc_init: the fastest this machine runs), then the functions into the module */
 int records_add(PyObject *m) {
     crc_init();
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    have_sse42 = __builtin_cpu_supports("sse4.2");
-#endif
     return PyModule_AddFunctions(m, records_methods);
 }

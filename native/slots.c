@@ -222,7 +222,7 @@ static PyObject *py_verify_slots(PyObject *self, PyObject *args) {
  * verdict of slot_verdict for one slot in any buffer (bytes, ctypes memory
  * over a staging slot), as verify_slots gives it; key or layout None: any;
  * upto: CHECK_*. What format.check_slot, check_header and unpack_header call.
- * GIL released over a payload of more than 64 KiB. */
+ * GIL released over a payload of more than GIL_FREE_BYTES (64 KiB). */
 static PyObject *py_check_slot(PyObject *self, PyObject *args) {
     Py_buffer buf, nsid;
     unsigned int rank;
@@ -255,7 +255,7 @@ static PyObject *py_check_slot(PyObject *self, PyObject *args) {
         if (PyErr_Occurred()) goto done;
         lp = &lay;
     }
-    if (upto == CHECK_SLOT && plen > 65536) {
+    if (upto == CHECK_SLOT && plen > GIL_FREE_BYTES) {
         Py_BEGIN_ALLOW_THREADS
         verdict = slot_verdict(buf.buf, (uint64_t)buf.len, nsid.buf, rank, plen, kp, lp, upto);
         Py_END_ALLOW_THREADS

@@ -185,13 +185,17 @@ PYTHONS = {"3.11": sys.executable if sys.version_info[:2] == (3, 11) else None, 
 GLIBC = ("linux-vdso.so", "libc.so", "libm.so", "libpthread.so", "libdl.so", "librt.so", "ld-linux")
 
 # Run in the fresh venv, under a mount namespace that hides liburing and ISA-L: prints what
-# the extension links (ldd), and what a read of a file through aiokv's io_uring backend gave.
+# the extensions link (ldd; aiokv._index links native/crc32c.c, ISA-L's CRC32C too), whether a
+# journal record the index sealed checks, and what a read of a file through aiokv's io_uring
+# backend gave.
 RING_READ = """
 import asyncio, ctypes, json, mmap, os, subprocess, sys
-import aiokv, aiokv._native as n
+import aiokv, aiokv._native as n, aiokv._index as ix
 from aiokv.data.choice import open_backend
 assert aiokv.__file__.startswith(sys.prefix), aiokv.__file__
 ldd = subprocess.run(["ldd", n.__file__], capture_output=True, text=True, check=True).stdout.splitlines()
+index_ldd = subprocess.run(["ldd", ix.__file__], capture_output=True, text=True, check=True).stdout.splitlines()
+index_ok = ix.records_valid(ix.commit_records([bytes(16)], [0], 1), 64, bytes([1]), bytes([16, 32]))
 want = open(sys.argv[1], "rb").read()
 
 async def read():
@@ -205,7 +209,7 @@ async def read():
         os.close(fd)
         backend.close()
 
-print(json.dumps({"ldd": ldd, "have_uring": n.HAVE_URING, "crc_path": n.CRC_PATH, **asyncio.run(read())}))
+print(json.dumps({"ldd": ldd, "index_ldd": index_ldd, "index_ok": index_ok, "have_uring": n.HAVE_URING, "crc_path": n.CRC_PATH, **asyncio.run(read())}))
 """
 
 
@@ -285,12 +289,14 @@ def test_manylinux_wheel_runs_io_uring_without_liburing(wheelhouse, tmp_path, ve
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    for line in got["ldd"]:  # glibc's, or the wheel's own copies (aiokv.libs, inside the venv)
-        name, _, where = line.strip().partition(" => ")
-        assert "not found" not in line, got["ldd"]
-        assert os.path.basename(name).startswith(GLIBC) or where.startswith(str(venv)) and "/aiokv.libs/" in where, got[
-            "ldd"
-        ]
-    assert any("/aiokv.libs/libisal" in line for line in got["ldd"]), got["ldd"]  # ISA-L came with the wheel
+    for ldd in (got["ldd"], got["index_ldd"]):
+        for line in ldd:  # glibc's, or the wheel's own copies (aiokv.libs, inside the venv)
+            name, _, where = line.strip().partition(" => ")
+            assert "not found" not in line, ldd
+            assert (
+                os.path.basename(name).startswith(GLIBC) or where.startswith(str(venv)) and "/aiokv.libs/" in where
+            ), ldd
+        assert any("/aiokv.libs/libisal" in line for line in ldd), ldd  # ISA-L came with the wheel
+    assert got["index_ok"] == 1
     assert got["have_uring"] == 1 and got["crc_path"] == "isal"
     assert got["backend"] == "io_uring" and got["results"] == [data.stat().st_size] and got["same"], got

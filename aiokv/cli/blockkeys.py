@@ -22,7 +22,8 @@ import os
 import numpy as np
 
 from aiokv.data import format as fmt
-from aiokv.store.logrecords import O_FLAGS, REC, parse_records, record_tags
+from aiokv.data.dirs import FILE_FLAGS
+from aiokv.store.logrecords import REC, parse_records, record_tags
 
 PASS = 1 << 20  # records read at a time while their slots are taken
 
@@ -33,7 +34,7 @@ class _Mapped:
     def __init__(self, dir_fd: int, name: str):
         self.mm, self.recs = None, np.zeros(0, REC)
         try:
-            fd = os.open(name, os.O_RDONLY | O_FLAGS, dir_fd=dir_fd)
+            fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
         except FileNotFoundError:
             return
         try:

@@ -20,10 +20,25 @@ log = logging.getLogger("aiokv")
 
 def engine_transfer_config(own, depth: int = 8):
     """The kv_transfer_config vLLM's scheduler reads kv_load_failure_policy from: our own,
-    or, under vLLM's MultiConnector (which builds each of its connectors with a copy of the
-    config holding only that connector's entry), the MultiConnector's. Called from our
-    __init__, while MultiConnector.__init__ (its `vllm_config`) is on the stack
-    (tests/test_prefill_decode_roles_e2e.py fails requests if it is not found)."""
+    or, under vLLM's MultiConnector, the MultiConnector's. Called from our __init__, while
+    MultiConnector.__init__ (its `vllm_config`) is on the stack
+    (tests/test_prefill_decode_roles_e2e.py fails requests if it is not found).
+
+    Why the caller's frames, in vLLM 0.32 (issue 42 looked for another way and found none):
+    - MultiConnector._get_connector_classes_and_configs (vllm/distributed/kv_transfer/
+      kv_connector/v1/multi_connector.py, lines 236-240) hands each child
+      `copy.copy(vllm_config)` with `kv_transfer_config` replaced by a new
+      KVTransferConfig(**entry): nothing a child is given refers back to the engine's
+      config or to its kv_transfer_config;
+    - Scheduler.__init__ (vllm/v1/core/sched/scheduler.py, lines 171-184) reads the
+      engine's `kv_transfer_config.kv_load_failure_policy` once, right after
+      KVConnectorFactory.create_connector returns, into `recompute_kv_load_failures`:
+      the policy must be changed during our __init__, never later (no connector call
+      after it hands us the engine's config);
+    - get_current_vllm_config() is no help: the engine core creates its Scheduler outside
+      any set_current_vllm_config() (vllm/v1/engine/core.py, line 174; only workers and
+      model loading set it), so it holds no config then.
+    """
     import sys
 
     f = sys._getframe(1)

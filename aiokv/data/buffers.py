@@ -17,8 +17,9 @@ import ctypes
 import errno
 import mmap
 
+from aiokv.data.format.slot import ALIGN  # O_DIRECT's alignment, which slots are rounded to
+
 HUGE = 2 << 20
-ALIGN = 4096
 MADV_POPULATE_WRITE = 23  # Linux 5.14+ (not in Python's mmap module)
 
 

@@ -19,6 +19,9 @@ import json
 import os
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# every file under the cache directory is opened with these (and its access mode): the one
+# definition the data path, the store's index, control, tenants and labels files and the CLI use
+FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class NotAStore(ValueError):
@@ -76,9 +79,6 @@ def check_private(fd: int, path: str) -> None:
 
 def fsync_dir(fd: int) -> None:
     os.fsync(fd)
-
-
-FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _exists(name: str, dir_fd: int) -> bool:

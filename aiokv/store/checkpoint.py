@@ -16,8 +16,9 @@ import numpy as np
 
 from aiokv import _index, _native
 from aiokv.data import format as fmt
+from aiokv.data.dirs import FILE_FLAGS
 from aiokv.store.indeximage import IndexImage
-from aiokv.store.logrecords import O_FLAGS, REC, cat, parse_records, record_tags, word_tags, words
+from aiokv.store.logrecords import REC, cat, parse_records, record_tags, word_tags, words
 from aiokv.store.table import Table, hash_size
 
 CHUNK = 1 << 20  # records read, merged and written at a time by a checkpoint (64 MiB)
@@ -51,7 +52,7 @@ def write(dfd: int, gen: int, mark: int, chunks, image_slots: int | None) -> tup
     (None: no image; an old one is removed); (records written, the image's bytes). The
     directory is not synced here (the caller does)."""
     image = IndexImage(dfd, image_slots) if image_slots is not None else None
-    fd = os.open("checkpoint.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FLAGS, 0o600, dir_fd=dfd)
+    fd = os.open("checkpoint.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dfd)
     try:
         count, crc, off = 0, 0, fmt.FILE_HDR_BYTES
         for recs in chunks:
@@ -151,7 +152,7 @@ def old_checkpoint(dir_fd: int):
     """The current checkpoint's records in chunks sorted by slot (one chunk if the
     file is not sorted: an older writer's), then None; nothing at all if there is none."""
     try:
-        fd = os.open("checkpoint", os.O_RDONLY | O_FLAGS, dir_fd=dir_fd)
+        fd = os.open("checkpoint", os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         yield None
         return

@@ -48,11 +48,11 @@ import time
 import numpy as np
 
 from aiokv.data import format as fmt
+from aiokv.data.dirs import FILE_FLAGS
 from aiokv.store import bulk
 from aiokv.store.applying import Job, Jobs
 
 log = logging.getLogger("aiokv")
-O_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW
 OPS = ("clear", "pin", "unpin")
 LOCK_WAIT = 30.0  # seconds a writer waits for another one appending
 
@@ -103,7 +103,7 @@ def read_orders(root_fd: int, start: int = 0, after: int = 0) -> tuple[list[Orde
     """(orders past number `after` read from byte `start` of DIR/control (0: from its header),
     the byte offset read to, the last number seen); none if there is no file."""
     try:
-        fd = os.open(fmt.CONTROL_NAME, os.O_RDONLY | O_FLAGS, dir_fd=root_fd)
+        fd = os.open(fmt.CONTROL_NAME, os.O_RDONLY | FILE_FLAGS, dir_fd=root_fd)
     except FileNotFoundError:
         return [], start, after
     try:
@@ -150,7 +150,7 @@ def unreadable(root: str, e: OSError) -> str:
 def append_order(root_fd: int, op: str, nsids=None, tenants=None, before: int | None = None) -> Order:
     """Append an order to DIR/control (created if missing) and sync it: under an flock of the
     file, a torn tail (a writer killed mid-append) cut off first. Returns the order written."""
-    fd = os.open(fmt.CONTROL_NAME, os.O_RDWR | os.O_CREAT | O_FLAGS, 0o600, dir_fd=root_fd)
+    fd = os.open(fmt.CONTROL_NAME, os.O_RDWR | os.O_CREAT | FILE_FLAGS, 0o600, dir_fd=root_fd)
     try:
         end = time.monotonic() + LOCK_WAIT
         while True:

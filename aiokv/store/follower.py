@@ -18,9 +18,10 @@ import os
 import numpy as np
 
 from aiokv.data import format as fmt
+from aiokv.data.dirs import FILE_FLAGS
 from aiokv.store.indeximage import index_image_bytes
 from aiokv.store.journal import IndexLog
-from aiokv.store.logrecords import O_FLAGS, REC, cat, parse_records
+from aiokv.store.logrecords import REC, cat, parse_records
 
 
 class Follower:
@@ -105,7 +106,7 @@ class Follower:
     def _roll(self, ident):
         recs = self._tail()  # the rest of the old journal, still readable through our descriptor
         try:
-            fd = os.open("checkpoint", os.O_RDONLY | O_FLAGS, dir_fd=self.dir_fd)
+            fd = os.open("checkpoint", os.O_RDONLY | FILE_FLAGS, dir_fd=self.dir_fd)
         except FileNotFoundError:
             return None
         try:
@@ -143,7 +144,7 @@ class Follower:
 
     def _open(self, gen: int) -> None:
         try:
-            self.fd = os.open(IndexLog._journal_name(gen), os.O_RDONLY | O_FLAGS, dir_fd=self.dir_fd)
+            self.fd = os.open(IndexLog._journal_name(gen), os.O_RDONLY | FILE_FLAGS, dir_fd=self.dir_fd)
         except FileNotFoundError:
             self.fd = None
             return

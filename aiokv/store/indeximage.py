@@ -15,7 +15,7 @@ import numpy as np
 
 from aiokv import _native
 from aiokv.data import format as fmt
-from aiokv.store.logrecords import O_FLAGS
+from aiokv.data.dirs import FILE_FLAGS
 from aiokv.store.table import Table, hash_size
 
 
@@ -40,7 +40,9 @@ class IndexImage:
         self.size = self.offs[-1] + slots
         self.crcs = [0] * len(fmt.INDEX_COLUMNS)
         self.at = 0  # columns written (and CRC'd) up to this slot
-        self.fd = os.open(fmt.INDEX_NAME + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FLAGS, 0o600, dir_fd=dfd)
+        self.fd = os.open(
+            fmt.INDEX_NAME + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dfd
+        )
         os.ftruncate(self.fd, self.offs[-1] + slots)
 
     def _zeros(self, upto: int) -> None:
@@ -100,7 +102,7 @@ def read_image(fd: int, dir_fd: int, max_slot: int):
     try:
         head = os.pread(fd, fmt.FILE_HDR_BYTES, 0)
         gen, count, _ = fmt.unpack_file_header(head, fmt.CKPT_MAGIC)
-        ifd = os.open(fmt.INDEX_NAME, os.O_RDONLY | O_FLAGS, dir_fd=dir_fd)
+        ifd = os.open(fmt.INDEX_NAME, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
     except (OSError, fmt.BadBlock):
         return None
     try:

@@ -34,9 +34,10 @@ import time
 import numpy as np
 
 from aiokv.data import format as fmt
+from aiokv.data.dirs import FILE_FLAGS
 from aiokv.store import checkpoint as ckpt_file
 from aiokv.store.indeximage import index_image_bytes, read_image
-from aiokv.store.logrecords import O_FLAGS, REC, marks, parse_records, read_file, record_key, record_tags
+from aiokv.store.logrecords import REC, marks, parse_records, read_file, record_key, record_tags
 from aiokv.store.logrecords import KeyMap as KeyMap  # (index.py reads it here)
 from aiokv.store.logreplay import apply_records, entries_of, table_of
 from aiokv.store.table import Table
@@ -115,7 +116,7 @@ class IndexLog:
         ckpt = np.zeros(0, REC)
         fd = None
         try:
-            fd = os.open("checkpoint", os.O_RDONLY | O_FLAGS, dir_fd=self.dir_fd)
+            fd = os.open("checkpoint", os.O_RDONLY | FILE_FLAGS, dir_fd=self.dir_fd)
         except FileNotFoundError:
             pass
         if fd is not None:
@@ -180,7 +181,7 @@ class IndexLog:
     def _open_journal(self, valid: int, exists: bool) -> None:
         name, dfd = self._journal_name(self.gen), self.dir_fd
         if exists:
-            self.fd = os.open(name, os.O_RDWR | O_FLAGS, dir_fd=dfd)
+            self.fd = os.open(name, os.O_RDWR | FILE_FLAGS, dir_fd=dfd)
             os.ftruncate(self.fd, fmt.FILE_HDR_BYTES + valid)  # cut a torn tail
             self.size = os.lseek(self.fd, 0, os.SEEK_END)
             head = os.pread(self.fd, fmt.FILE_HDR_BYTES, 0)
@@ -191,7 +192,7 @@ class IndexLog:
                 os.pwrite(self.fd, fmt.JOURNAL_VERSION.to_bytes(2, "little"), 8)
                 os.fsync(self.fd)
         else:
-            self.fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC | O_FLAGS, 0o600, dir_fd=dfd)
+            self.fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dfd)
             os.write(self.fd, fmt.pack_file_header(fmt.JOURNAL_MAGIC, self.gen))
             os.fsync(self.fd)
             self.size = fmt.FILE_HDR_BYTES

@@ -31,10 +31,9 @@ import logging
 import os
 
 from aiokv.data import format as fmt
-from aiokv.data.dirs import NotAStore, open_dir
+from aiokv.data.dirs import FILE_FLAGS, NotAStore, open_dir
 
 log = logging.getLogger("aiokv")
-O_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW
 MAX_READ = 256 << 20  # bytes read of one labels file at once (a hostile file stays bounded)
 START_READ = 16 << 20  # bytes a start announcement reads of each file at once (tens of millions of labels: in turns)
 
@@ -100,7 +99,7 @@ class Labels:
         fd = self._fds.get(nsid)
         if fd is None:
             dfd = self.dirs.own_dir_fd(nsid)
-            fd = os.open(fmt.LABELS_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | O_FLAGS, 0o600, dir_fd=dfd)
+            fd = os.open(fmt.LABELS_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | FILE_FLAGS, 0o600, dir_fd=dfd)
             try:
                 if os.fstat(fd).st_size < fmt.FILE_HDR_BYTES:
                     os.ftruncate(fd, 0)
@@ -144,7 +143,7 @@ class Labels:
 
     def _read_file(self, nsid: bytes, name: str, dfd: int, limit: int = MAX_READ):
         try:
-            fd = os.open(fmt.LABELS_NAME, os.O_RDONLY | O_FLAGS, dir_fd=dfd)
+            fd = os.open(fmt.LABELS_NAME, os.O_RDONLY | FILE_FLAGS, dir_fd=dfd)
         except FileNotFoundError:
             return None
         try:
@@ -176,7 +175,7 @@ class Labels:
     def _compact(self, nsid: bytes, dfd: int, live: dict[bytes, bytes]) -> None:
         """Our labels file rewritten with only `live` (tmp file, fsync, rename over)."""
         tmp = fmt.LABELS_NAME + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FLAGS, 0o600, dir_fd=dfd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dfd)
         try:
             os.write(
                 fd, fmt.pack_file_header(fmt.LABEL_MAGIC, 0) + b"".join(fmt.pack_label(k, v) for k, v in live.items())

@@ -19,6 +19,7 @@ import fcntl
 import os
 import time
 
+from aiokv.data.dirs import FILE_FLAGS
 from aiokv.data.format import MAX_ENGINES
 
 RETRIES = 10
@@ -52,7 +53,7 @@ class DirLock:
             name = lock_name(e)
             fd = os.open(
                 name if dir_fd is not None else os.path.join(root, name),
-                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                os.O_RDWR | os.O_CREAT | FILE_FLAGS,
                 0o600,
                 dir_fd=dir_fd,
             )
@@ -118,7 +119,7 @@ def holder_pid(root: str, engine: int = 0) -> int | None:
     """The pid of the engine holding the lock of `engine`, or None when nobody holds it."""
     path = os.path.join(root, lock_name(engine))
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | FILE_FLAGS)
     except FileNotFoundError:
         return None
     try:

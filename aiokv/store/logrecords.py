@@ -17,13 +17,12 @@ import numpy as np
 
 from aiokv import _index
 from aiokv.data import format as fmt
+from aiokv.data.dirs import FILE_FLAGS
 
 REC = np.dtype(fmt.REC_FIELDS)
 _KEY0 = np.dtype({"names": ["k0"], "formats": ["<u8"], "offsets": [fmt.REC_KEY_AT], "itemsize": fmt.REC_BYTES})
 _KINDS = bytes(fmt.REC_KINDS)
 _KLENS = bytes([fmt.MIN_KEY, fmt.MAX_KEY] * len(fmt.REC_KINDS))
-
-O_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 def parse_records(buf, verify: bool = True):
@@ -89,7 +88,7 @@ def marks(recs) -> int:
 
 def read_file(name: str, dir_fd: int) -> bytes | None:
     try:
-        fd = os.open(name, os.O_RDONLY | O_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     try:

@@ -27,9 +27,9 @@ import logging
 import os
 
 from aiokv.data import format as fmt
+from aiokv.data.dirs import FILE_FLAGS
 
 log = logging.getLogger("aiokv")
-O_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW
 MAX_FILE = 16 << 20  # bytes read of one tenants file (a hostile file stays bounded; 65,534 records fit)
 
 
@@ -45,7 +45,7 @@ def read_file(root_fd: int, engine: int, cut: bool = False) -> list[tuple[bytes,
     tail is cut off (a header that is not ours: the file is emptied), so that the next record
     is read after the last good one."""
     try:
-        fd = os.open(fmt.tenants_name(engine), (os.O_RDWR if cut else os.O_RDONLY) | O_FLAGS, dir_fd=root_fd)
+        fd = os.open(fmt.tenants_name(engine), (os.O_RDWR if cut else os.O_RDONLY) | FILE_FLAGS, dir_fd=root_fd)
     except FileNotFoundError:
         return []
     try:
@@ -143,7 +143,7 @@ class TenantsFile:
             ) from e
 
     def _append(self, tid: int, tag: bytes, rec: bytes) -> None:
-        fd = os.open(self.name, os.O_WRONLY | os.O_CREAT | O_FLAGS, 0o600, dir_fd=self.root_fd)
+        fd = os.open(self.name, os.O_WRONLY | os.O_CREAT | FILE_FLAGS, 0o600, dir_fd=self.root_fd)
         try:
             start = self._size
             try:
@@ -170,7 +170,7 @@ class TenantsFile:
     def _replace(self, recs: dict[int, tuple[bytes, bytes]]) -> None:
         """The file replaced by one of these records (beside it, synced, renamed over)."""
         tmp = self.name + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FLAGS, 0o600, dir_fd=self.root_fd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=self.root_fd)
         try:
             body = b"".join(r for _, r in recs.values())
             _write_all(fd, fmt.pack_file_header(fmt.TENANTS_MAGIC, 0, version=fmt.TENANTS_VERSION) + body, 0)

@@ -39,7 +39,6 @@ __all__ = [
     "split",
     "DRIVE_SHIFT",
     "DRIVE_MASK",
-    "MAX_DRIVES",
     "on_drive",
     "drive_of",
     "engine_dir",
@@ -80,7 +79,8 @@ def split(location: int) -> tuple[int, int]:
 # locations are its store's, so a single drive's are exactly what they always were
 DRIVE_SHIFT = 40
 DRIVE_MASK = (1 << DRIVE_SHIFT) - 1
-MAX_DRIVES = 64
+# the drives a location can name: aiokv/config.py's MAX_DRIVES (config checks `path` against it
+# and imports nothing from the layers)
 
 
 def on_drive(drive: int, location: int) -> int:
