@@ -342,7 +342,8 @@ def _check(eng: Engine, store: Store, what: str) -> None:
     assert not store.index.pins, (what, dict(store.index.pins))
     for gi, g in enumerate(side.groups):
         assert not g.ns.pending, (what, "reservations never given back", len(g.ns.pending))
-        for key, slot in g.ns.entries.items():
+        for key in g.ns.keys():
+            slot = g.ns.where(key)
             assert eng.disk.get((gi, slot)) == key, (what, "a stored block holds other tokens' KV")
     assert len(eng.free) == 400, (what, "blocks not given back to the engine")
     try:

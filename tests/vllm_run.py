@@ -583,7 +583,7 @@ def _audit_saves(conn) -> list:
     build = conn.build_connector_meta
 
     def audited(so):
-        before = set(ns.entries) | set(ns.pending)
+        before = set(ns.keys()) | set(ns.pending)
         meta = build(so)
         saved = {(t.req_id, k): b for t in meta.plan.saves for k, b in zip(t.keys, t.block_ids)}
         spec = so.scheduled_spec_decode_tokens or {}
@@ -655,7 +655,7 @@ def _wait_for_peer_blocks(store, n: int, deadline: float) -> None:
     """Until the store sees n blocks of the other engines (it looks every FOLLOW_INTERVAL)."""
     _refresh_until(
         store,
-        lambda: sum(len(d) for ns in store.index.namespaces.values() for d in ns.peers.values()) >= n,
+        lambda: sum(ns.count(e) for ns in store.index.namespaces.values() for e in ns.peers()) >= n,
         deadline,
         f"this engine did not see {n} blocks of the other engines",
     )

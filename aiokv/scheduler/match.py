@@ -32,9 +32,10 @@ def hit(store, full: list[Group], partial: list[Group], keys: list[bytes], usabl
 
 
 def serves(g: Group, held, keys: list[bytes], h: int, local: int, bs: int) -> bool:
-    """Whether `held` (the keys the store serves now) has every block group g loads for a hit of h."""
+    """Whether `held` (what the store serves now: store.serving) has every block group g loads
+    for a hit of h."""
     first = max(g.spec.first_needed_block(h, bs), local)
-    return all(keys[i] in held for i in range(first, h))
+    return all(held.has(keys[i]) for i in range(first, h))
 
 
 def bucket_extend(
@@ -46,7 +47,7 @@ def bucket_extend(
     if more is None:
         return None
     for i in range(start, start + more):  # a block on its way in for another request: stop before it
-        if any(keys[i] in g.ns.pending for g in groups):
+        if any(g.ns.reserved(keys[i]) for g in groups):
             more = i - start
             break
     return start + more, ((start, start + more) if more else None)
