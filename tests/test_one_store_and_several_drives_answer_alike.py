@@ -87,7 +87,7 @@ def test_the_same_calls_give_the_same_answers_on_one_store_and_on_drives(both):
         assert [ns.where(k) for k in keys[:3]] == got[:3] and ns.where(keys[3]) is None
         assert not any(ns.reserved(k) for k in keys) and all(st.holds(ns, k, w) for k, w in zip(keys, got[:3]))
         assert ns.count() == st.blocks() == 3 and sorted(ns.keys()) == sorted(keys[:3])
-        assert st.serving(ns).has(keys[0]) and not st.serving(ns).has(keys[4])
+        assert st.served(ns, keys) == [True] * 3 + [False] * 3
         assert sum(n.count() for _, _, n in st.parts(ns)) == 3 and len(st.namespaces()) == len(st.drives())
         assert st.pin(ns, keys[:2]) == got[:2] and st.load_pinned() == 2
         st.unpin(ns, keys[:2])

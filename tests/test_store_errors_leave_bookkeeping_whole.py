@@ -50,7 +50,7 @@ METHODS = (
     "abort",
     "drop",
     "drop_at",
-    "serving",
+    "served",
     "refresh",
     "flush_if_due",
     "verify_slot",
@@ -356,7 +356,7 @@ def test_the_scenario_exercises_every_store_call(tmp_path):
     eng, faulty, store = scenario(str(tmp_path / "c"))
     _check(eng, store, "no fault")
     calls = set(faulty.calls)
-    assert {"lookup", "serving", "reserve", "pin", "unpin", "commit", "drop_at", "refresh", "flush_if_due"} <= calls, (
+    assert {"lookup", "served", "reserve", "pin", "unpin", "commit", "drop_at", "refresh", "flush_if_due"} <= calls, (
         calls
     )
     assert eng.loads > 0 and eng.saves > 0

@@ -114,9 +114,16 @@ class StoreApi(Protocol):
             The length of the run of committed keys from the first.
         """
 
-    def serving(self, ns: Any) -> Any:
-        """The blocks of ns that are hits now (drives whose breaker is open left out), as a
-        SpaceApi to ask `has` of; the other engines' last look applied, as by lookup."""
+    def served(self, ns: Any, keys) -> list[bool]:
+        """Which blocks are hits now (a drive whose breaker is open serves none), the other
+        engines' last look applied, as by lookup.
+
+        Args:
+            ns: the namespace.
+            keys: block keys.
+        Returns:
+            For each key, whether a committed block of it is served now (one probe per key).
+        """
 
     def holds(self, ns: Any, key: bytes, where: int) -> bool:
         """Whether key's committed copy is the one at location `where`."""

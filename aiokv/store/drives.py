@@ -26,7 +26,7 @@ Breakers: each drive has its own (aiokv/util/breaker.py). Its failures (I/O erro
 on its files, loads that timed out waiting on it: counted per drive by the
 workers, WorkerReport.drives, handed in by `record`) and its file system's stalls
 (its Store's I/O thread past fs_timeout) open it; while open, its blocks are no
-hits (lookup, pin, serving: for every kind of group) and saves placed on it are dropped (store_skipped_drive_down);
+hits (lookup, pin, served: for every kind of group) and saves placed on it are dropped (store_skipped_drive_down);
 half-open, it is probed by hits while none of its blocks is pinned. The other
 drives go on. The scheduler side's own breaker then judges only a stall of every
 drive (`stalled`).
@@ -196,14 +196,15 @@ class Drives:
             n += 1
         return n
 
-    def serving(self, ns: DriveNamespace) -> DriveNamespace:
-        """The blocks of ns that are hits now: ns on the drives serving hits (as lookup and
-        pin see them), the first of them holding a key answering for it."""
+    def served(self, ns: DriveNamespace, keys) -> list[bool]:
+        """Whether each key's block is a hit now on a drive serving hits (as lookup and pin see
+        them)."""
         serving = self._serving()
+        parts = [n for d, n in ns.parts if d in serving]
         for d, n in ns.parts:
             if d in serving:
                 self.stores[d].lookup(n, (), 0)  # applies the last look at the other engines (store.py)
-        return ns.only(serving)
+        return [any(n.has(k) for n in parts) for k in keys]
 
     def holds(self, ns: DriveNamespace, key: bytes, where: int) -> bool:
         """Whether key's committed copy on the drive `where` names is the one at `where`."""

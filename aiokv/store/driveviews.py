@@ -17,10 +17,9 @@ class DriveNamespace:
     """One namespace on every drive present: (drive, that drive's Namespace) each; a key's
     location is the first drive's holding it."""
 
-    def __init__(self, parts: list, like=None):
-        """parts: [(drive, Namespace)]; like: the namespace whose fields these have (default:
-        the first part's; given where parts may be none)."""
-        first = like if like is not None else parts[0][1]
+    def __init__(self, parts: list):
+        """parts: [(drive, Namespace)], at least one."""
+        first = parts[0][1]
         self.nsid, self.payload_bytes, self.slot_bytes = first.nsid, first.payload_bytes, first.slot_bytes
         self.ranks, self.fields = first.ranks, first.fields
         self.parts = parts
@@ -29,10 +28,6 @@ class DriveNamespace:
     # the old dict-like reads, until the callers on other branches ask the calls below (legacy.py)
     entries = property(legacy.entries)
     pending = property(legacy.pending)
-
-    def only(self, drives) -> DriveNamespace:
-        """This namespace on the given drives only (those serving hits: Drives.serving)."""
-        return DriveNamespace([(d, n) for d, n in self.parts if d in drives], like=self)
 
     def has(self, key: bytes) -> bool:
         """Whether any drive's part holds a committed block of key."""

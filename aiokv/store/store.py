@@ -236,11 +236,11 @@ class Store:
             following.follow_all()
         return self.index.lookup(ns, keys, limit)
 
-    def serving(self, ns: Namespace) -> Namespace:
-        """The blocks of ns that are hits now: ns itself, to ask `has` of (the other engines'
-        last look applied, as by lookup)."""
+    def served(self, ns: Namespace, keys) -> list[bool]:
+        """Whether each key's block is a hit now (the other engines' last look applied, as by
+        lookup): one probe per key."""
         self.lookup(ns, (), 0)
-        return ns
+        return [ns.has(k) for k in keys]
 
     def holds(self, ns: Namespace, key: bytes, where: int) -> bool:
         """Whether key's committed copy is the one at location `where`."""
