@@ -35,7 +35,7 @@ class StoredBlocks:
                 f = ns.fields
                 gi = f.get("group", 0)
                 kind = f["groups"][gi]["kind"] if "groups" in f else "full"
-                self.groups[gi] = (kind, ns.nsid, ns.slot_bytes, dict(ns.entries))
+                self.groups[gi] = (kind, ns.nsid, ns.slot_bytes, {k: ns.where(k) for k in ns.keys()})
             any_ns = next(iter(st.index.namespaces.values()))
             model = {k: v for k, v in any_ns.fields.items() if k != "group"}
             self.root = request_root(namespace_id(model) if "groups" in any_ns.fields else any_ns.nsid, [])

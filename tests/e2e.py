@@ -104,7 +104,7 @@ def stored_blocks(cache: str) -> int:
 
     st = Store(cache, readonly=True)
     try:
-        return sum(len(ns.entries) for ns in st.index.namespaces.values())
+        return sum(ns.count() for ns in st.index.namespaces.values())
     finally:
         st.close()
 

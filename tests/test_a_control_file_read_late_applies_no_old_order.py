@@ -54,7 +54,7 @@ def _start_unreadable_then_fixed(root, say):
     say("clear alice, chown")  # the parent does what engine 0's log line says
     for _ in range(5):
         e0.refresh()  # (each reads the control file: follow_interval 0)
-    got = [before] + [sum(k in n0.entries for k in keys) for keys in (mine, alices, theirs)]
+    got = [before] + [sum(n0.has(k) for k in keys) for keys in (mine, alices, theirs)]
     e1.close()
     e0.close()
     return got

@@ -41,7 +41,7 @@ async def _fill(st, ns, blocks, ids, tenant):
 def _hits(st, ns, ids) -> list[bool]:
     st.refresh()
     st.lookup(ns, [], 0)
-    return [key(i) in ns.entries for i in ids]
+    return [ns.has(key(i)) for i in ids]
 
 
 async def _three_engines(root, blocks, io_thread):

@@ -34,7 +34,7 @@ async def _save(st, ns, blocks, ids, tenant):
 
 
 def _held(ns, ids) -> list[int]:
-    return [i for i in ids if key(i) in ns.entries]
+    return [i for i in ids if ns.has(key(i))]
 
 
 async def _flood(tmp_path, blocks, quota) -> tuple[list[int], list[int]]:

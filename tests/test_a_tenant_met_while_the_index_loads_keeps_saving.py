@@ -53,7 +53,7 @@ def test_a_tenant_followed_while_our_index_loads_saves_once_it_is_in(tmp_path):
 
             def seen():
                 st.refresh()
-                return all(k in ns.entries for k in bobs)
+                return all(ns.has(k) for k in bobs)
 
             assert until(seen, 10), "engine 0's blocks were not followed while our index loaded"
             os.unlink(control)  # our index reads answer now

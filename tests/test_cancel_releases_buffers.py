@@ -71,7 +71,7 @@ async def test_cancelled_save_and_load_own_nothing(tmp_path, backend_kind, delay
     assert not ns.pending, "a cancelled save must give its reservations back"
     assert st.stats.save_failures == 0
     # whatever was not committed is invisible; whatever is committed verifies
-    committed = [k for k, _ in items if k in ns.entries]
+    committed = [k for k, _ in items if ns.has(k)]
     assert committed == []
 
     res = await st.save(ns, items)

@@ -58,7 +58,7 @@ async def _fill(st, ns, blocks, ids, tenant):
 
 def _live(st: Store, ns, ids) -> list[bool]:
     st.lookup(ns, [], 0)
-    return [key(i) in ns.entries for i in ids]
+    return [ns.has(key(i)) for i in ids]
 
 
 def _removed(changes) -> set[int]:
@@ -117,7 +117,7 @@ async def test_a_clear_reaches_every_running_engine_and_only_its_tenant(tmp_path
     e1.close()
     st = Store(root, readonly=True)
     ns = st.index.namespaces[NS]
-    assert sorted(k for k in ns.entries) == sorted(key(i) for i in range(6, 10))
+    assert sorted(ns.keys()) == sorted(key(i) for i in range(6, 10))
     st.close()
 
 
@@ -226,7 +226,7 @@ def _state(root: str, namespaces: int, per: int) -> list[int]:
     if st.control.orders:  # (the order written whole: a kill may land between the file and its record)
         for n in range(namespaces):
             ns = st.index.namespaces[bytes([n]) * 16]
-            assert [key(i, n) in ns.entries for i in range(per)] == [i % 2 == 0 for i in range(per)], n
+            assert [ns.has(key(i, n)) for i in range(per)] == [i % 2 == 0 for i in range(per)], n
     st.close()
     return out
 
@@ -325,7 +325,7 @@ async def test_a_load_reading_a_cleared_block_completes_or_fails_verification(tm
     assert await read(held[:2], keys[:2]) == [0, 0]  # read before the order: whole
     operate.run("clear", st.root, "acme", wait=0)
     st.refresh()  # the order applied: forgotten, punched
-    assert not any(k in ns.entries for k in keys)
+    assert not any(ns.has(k) for k in keys)
     assert await read(held[2:3], keys[2:3]) == [-errno.EBADMSG]  # a hole: fails verification
     # the slots go to other blocks; the late read of the last one meets another key
     others = range(100, 100 + 2 * len(ns.alloc.free) + 64)  # past the free slots: the holes are grown again
@@ -334,5 +334,5 @@ async def test_a_load_reading_a_cleared_block_completes_or_fails_verification(tm
     assert reused, "no slot was reused (the test would prove nothing)"
     assert await read([reused[0]], [keys[held.index(reused[0])]]) == [-errno.EBADMSG]
     st.unpin(ns, keys)  # the load reports: its pins go, nothing else does
-    assert all(key(i) in ns.entries for i in others)
+    assert all(ns.has(key(i)) for i in others)
     st.close()

@@ -125,10 +125,10 @@ def test_a_clear_of_a_million_blocks_takes_a_bounded_share_of_each_step_while_co
         assert max(per_step) <= 40_000 + 100, max(per_step)
         assert sum(1 for g in per_step if g > 0) >= old_alice // 40_000
         st.lookup(ns, [], 0)
-        own = ns.own
-        assert not any(k in own for k in _keys(0, 4096)), "an old alice block survived"
-        assert all(k in own for k in _keys(4096, 8192))
-        assert all(k in own for k in _keys(n + taken, n + new)), "a block committed during the clear was cleared"
+        own = ns.table.find  # (our own blocks: a slot, -1 for none)
+        assert not any(own(k) >= 0 for k in _keys(0, 4096)), "an old alice block survived"
+        assert all(own(k) >= 0 for k in _keys(4096, 8192))
+        assert all(own(k) >= 0 for k in _keys(n + taken, n + new)), "a block committed during the clear was cleared"
         assert (
             ns.table.blocks_of(st.tenant(alice)) == new - taken and ns.table.blocks_of(st.tenant(bob)) == n // 2 + new
         )
@@ -238,12 +238,12 @@ async def test_a_save_reserved_before_a_clear_and_committed_after_it_is_not_kept
     st.commit(ns, [(key(1), early)], alice)
     st.commit(ns, [(key(2), other)], bob)
     st.commit(ns, [(key(3), late)], alice)
-    assert key(1) not in ns.entries, "a save computed before the clear was kept"
-    assert key(2) in ns.entries and key(3) in ns.entries
+    assert not ns.has(key(1)), "a save computed before the clear was kept"
+    assert ns.has(key(2)) and ns.has(key(3))
     assert len(ns.alloc.free) == free_before + 1  # its slot given back
     st.close()
     st = Store(root)
-    assert {k for k in st.index.namespaces[NS].own} == {key(2), key(3)}
+    assert set(st.index.namespaces[NS].keys(0)) == {key(2), key(3)}
     st.close()
 
 
@@ -277,10 +277,10 @@ async def test_a_clear_reaches_a_dead_engines_files_another_engine_holds(tmp_pat
     ).load()
     assert left and not any(key(i) in left for i in range(1, 16, 2)), "alice's blocks stayed in the dead engine's files"
     assert operate._mark_of(root, NS, 0) == 1
-    assert not any(key(i) in nb.entries for i in range(1, 16, 2))
+    assert not any(nb.has(key(i)) for i in range(1, 16, 2))
     b.close()
     st = Store(root)  # the engine adopting number 0 next serves none of them
-    assert not any(key(i) in st.index.namespaces[NS].entries for i in range(1, 16, 2))
+    assert not any(st.index.namespaces[NS].has(key(i)) for i in range(1, 16, 2))
     st.close()
 
 
@@ -368,7 +368,7 @@ async def test_an_engine_killed_mid_clear_leaves_each_block_cleared_or_whole(tmp
         left = len(alice & set(entries))
         seen.add("none" if left == len(alice) else "all" if not left else "part")
         st = Store(root)  # the next opening finishes it before it serves
-        own = set(st.index.namespaces[NS].own)
+        own = set(st.index.namespaces[NS].keys(0))
         st.close()
         assert not own & alice and len(own) == n - len(alice), trial
         assert operate._mark_of(root, NS, 0) == 1

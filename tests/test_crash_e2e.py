@@ -42,7 +42,7 @@ def _entries(cache: str) -> set[bytes]:
     except Exception:
         return set()
     try:
-        return {k for ns in st.index.namespaces.values() for k in ns.entries}
+        return {k for ns in st.index.namespaces.values() for k in ns.keys()}
     finally:
         st.close()
 

@@ -40,7 +40,7 @@ async def test_kill9_mid_burst_then_reopen(tmp_path, backend_kind):
 
     st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD)
-    present = set(ns.entries)
+    present = set(ns.keys())
     missing = [k for k in committed if k not in present]
     assert not missing, f"{len(missing)} keys committed before the kill are gone"
     blocks = Blocks(PAYLOAD, 64)

@@ -103,7 +103,7 @@ def test_dead_or_read_only_disk_never_raises(ext4, kind, caplog, monkeypatch):
     store, ns = side.store, side.groups[0].ns
     saves = _step(side, "a", 8)
     side.on_report(_report(saves, True), set())
-    before = set(ns.entries)
+    before = set(ns.keys())
     assert len(before) == 8 and not ns.alloc.free
     journal = store.logs[ns.nsid]
     assert journal._dirty, "the commits wait for their fdatasync"
@@ -113,14 +113,14 @@ def test_dead_or_read_only_disk_never_raises(ext4, kind, caplog, monkeypatch):
     fail(kind)
     caplog.clear()
     side.on_report(_report(late, True), set())  # the commit's journal write fails
-    assert not (set(ns.entries) - before) and side.pending_saves == 0, "nothing is committed on a dead disk"
+    assert not (set(ns.keys()) - before) and side.pending_saves == 0, "nothing is committed on a dead disk"
     journal.sync_interval = 0
     for _ in range(20):  # engine steps: the journal's fdatasync is due at each
         store.flush_if_due()
     for i in range(6):  # more requests: new space is needed (fallocate); the workers' writes fail
         saves = _step(side, f"c{i}", 10)
         side.on_report(_report(saves, False), set())
-    assert not (set(ns.entries) - before) and side.pending_saves == 0
+    assert not (set(ns.keys()) - before) and side.pending_saves == 0
     assert side.counters.saves_skipped_breaker > 0, "the breaker stopped the saves"
     side.close()  # the checkpoint and the journal's last fdatasync fail
     assert store.lock is None or store.lock.fd is None, "the close left the engine's lock held"

@@ -45,7 +45,7 @@ async def test_enospc_skips_and_evicts(small_fs, blocks, backend_kind):
     assert du <= ns.alloc.backed * ns.slot_bytes + (64 << 10), (du, ns.alloc.backed * ns.slot_bytes)
     # the newest batch got in after eviction
     assert st.lookup(ns, [key(11 * 32)]) == 1
-    present = [k for k in stored if k in ns.entries]
+    present = [k for k in stored if ns.has(k)]
     for i in range(0, len(present), 64):
         chunk = present[i : i + 64]
         for j in range(len(chunk)):
@@ -55,7 +55,7 @@ async def test_enospc_skips_and_evicts(small_fs, blocks, backend_kind):
     st.close()
     st = StoreIO(root)  # a later open still hits what stayed
     ns = st.namespace(NS, PAYLOAD)
-    assert set(present) <= set(ns.entries)
+    assert set(present) <= set(ns.keys())
     st.close()
 
 
@@ -71,14 +71,14 @@ async def test_capacity_bound_is_kept(tmp_path, blocks):
         assert st.index.physical_bytes <= cap
         du = os.stat(os.path.join(st.root, "ns", NS.hex(), "rank0.data")).st_blocks * 512
         assert du <= cap
-    assert len(ns.entries) == 40 and st.stats.evictions == 5 * 32 - 40
+    assert ns.count() == 40 and st.stats.evictions == 5 * 32 - 40
     # LRU: the newest 40 survive, and a hit refreshes a key
     assert st.lookup(ns, [key(159)]) == 1 and st.lookup(ns, [key(119)]) == 0
     st.pin(ns, [key(120)])
     st.unpin(ns, [key(120)])
     blocks.fill(0, key(500))
     await st.save(ns, [(key(500), blocks.addr(0))])
-    assert key(120) in ns.entries and key(121) not in ns.entries
+    assert ns.has(key(120)) and not ns.has(key(121))
     st.close()
     st = StoreIO(tmp_path / "s", capacity=cap // 2)  # a smaller bound at reopen evicts down to it
     assert st.index.physical_bytes <= cap // 2

@@ -73,7 +73,7 @@ async def test_two_engines_share_hits_both_ways(tmp_path, blocks, backend_kind):
     assert await _save(a, na, blocks, range(16)) == [0] * 16
     assert b.lookup(nb, [key(i) for i in range(16)]) == 16  # A's blocks are B's hits
     assert await _loads_intact(b, nb, blocks, range(16))  # read from A's file
-    assert all(fmt.split(nb.entries[key(i)])[0] == 0 for i in range(16))
+    assert all(fmt.split(nb.where(key(i)))[0] == 0 for i in range(16))
     # B does not store again what A holds; what B adds is A's hit in turn
     assert await _save(b, nb, blocks, range(12, 24)) == [-17] * 4 + [0] * 8  # -EEXIST for 12..15
     assert a.lookup(na, [key(i) for i in range(24)]) == 24
@@ -100,10 +100,10 @@ async def test_a_block_dropped_by_its_engine_is_a_miss_for_the_other(tmp_path, b
     b.follow_interval = 3600
     a.drop(na, [key(1)], corrupt=False)
     assert await _save(a, na, blocks, [50]) == [0]  # reuses key(1)'s slot
-    assert na.own[key(50)] == fmt.split(nb.entries[key(1)])[1]
+    assert na.block(key(50))[0] == fmt.split(nb.where(key(1)))[1]
     blocks.clear(0)
     assert await b.load(nb, [(key(1), blocks.addr(0))]) == [-74]  # -EBADMSG: header names another key
-    assert key(1) not in nb.entries and b.stats.corrupt_dropped == 1
+    assert not nb.has(key(1)) and b.stats.corrupt_dropped == 1
     a.close()
     b.close()
 
@@ -122,7 +122,7 @@ async def test_capacity_and_lru_are_the_directorys(tmp_path, blocks):
     a.refresh()
     # every block of B is kept; A gave back its oldest ones
     assert b.lookup(nb, [key(i) for i in range(100, 116)]) == 16
-    assert 0 < len(na.own) <= 8 and set(na.own) == {key(i) for i in range(16 - len(na.own), 16)}
+    assert 0 < na.table.count <= 8 and set(na.keys(na.engine)) == {key(i) for i in range(16 - na.table.count, 16)}
     disk = sum(
         os.stat(os.path.join(dp, f)).st_blocks * 512 for dp, _, fs in os.walk(root) for f in fs if f.endswith(".data")
     )
@@ -173,7 +173,7 @@ async def test_engine_killed_mid_save_leaves_the_other_unaffected(tmp_path, bloc
     b.refresh()
     # everything the dead engine committed is served, byte for byte; nothing else is
     assert b.lookup(nb, committed) == len(committed)
-    dead = {k for k, w in nb.entries.items() if fmt.split(w)[0] == 1}
+    dead = set(nb.keys(1))
     assert set(committed) <= dead
     ids_of = {key(i): i for i in range(len(dead) + 64)}
     assert dead <= set(ids_of)  # only keys the writer saved, no garbage
@@ -186,7 +186,7 @@ async def test_engine_killed_mid_save_leaves_the_other_unaffected(tmp_path, bloc
     # a new engine adopts the dead one's number and files (replaying its journal as owner)
     c = StoreIO(root)
     nc = c.namespace(NS, PAYLOAD)
-    assert c.engine == 1 and set(committed) <= set(nc.own)
+    assert c.engine == 1 and set(committed) <= set(nc.keys(nc.engine))
     c.close()
     b.close()
 
@@ -217,7 +217,7 @@ async def test_format_1_directory_is_migrated_and_unknown_formats_refused(tmp_pa
     with open(os.path.join(root, "aiokv.json"), "w") as f:
         json.dump({"format": 1, "magic": "aiokv"}, f)
     ro = StoreIO(root, readonly=True)  # read-only openers read it as it is
-    assert len(ro.index.namespaces[NS].entries) == 8
+    assert ro.index.namespaces[NS].count() == 8
     ro.close()
     st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD)
@@ -274,7 +274,7 @@ def test_a_symlink_posing_as_an_engine_is_not_followed(tmp_path):
     elsewhere.mkdir()
     os.symlink(elsewhere, os.path.join(root, "ns", NS.hex(), "e7"))
     a.refresh()
-    assert 7 not in ns.peers and (NS, 7) not in a.followers
+    assert 7 not in ns.peers() and (NS, 7) not in a.followers
     a.close()
 
 
@@ -291,7 +291,7 @@ async def test_following_survives_half_written_records_and_checkpoints(tmp_path,
     os.write(log.fd, rec[:40])
     assert b.lookup(nb, [key(i) for i in range(6)]) == 4
     os.write(log.fd, rec[40:])
-    assert b.lookup(nb, [key(i) for i in range(6)]) == 5 and nb.entries[key(4)] == fmt.loc(0, slot)
+    assert b.lookup(nb, [key(i) for i in range(6)]) == 5 and nb.where(key(4)) == fmt.loc(0, slot)
     log.size += fmt.REC_BYTES
     # A checkpoints (a new generation, the old journal deleted): B replays and keeps following
     a.drop(na, [key(0)], corrupt=False)
@@ -308,7 +308,7 @@ async def test_following_survives_half_written_records_and_checkpoints(tmp_path,
     a.checkpoint()
     await _save(a, na, blocks, [9])
     assert b.lookup(nb, [key(i) for i in (1, 2, 3, 7, 9)]) == 5
-    assert fl.log is replay and fl.gen == log.gen and len(nb.peers[0]) == len(na.own) == 5
+    assert fl.log is replay and fl.gen == log.gen and nb.count(0) == na.table.count == 5
     a.close()
     b.close()
 
@@ -351,8 +351,8 @@ async def test_hits_from_another_engine_keep_a_block_young(tmp_path, blocks, mon
         assert await _save(b, nb, blocks, [i]) == [0]
         a.refresh()
     # A shed the blocks nobody used; the ones B hits stay
-    assert set(range(4)) <= {i for i in range(8) if key(i) in na.own} and len(na.own) < 8
-    assert not any(key(i) in na.own for i in range(4, 4 + 8 - len(na.own)))
+    assert set(range(4)) <= {i for i in range(8) if na.block(key(i)) is not None} and na.table.count < 8
+    assert not any(na.block(key(i)) is not None for i in range(4, 4 + 8 - na.table.count))
     # a reopened A keeps that order (touches reach its checkpoint)
     a.close()
     a = StoreIO(root, capacity=cap)
@@ -378,16 +378,16 @@ async def test_a_dead_engines_oldest_blocks_are_reclaimed_by_a_live_one(tmp_path
         b.refresh()
     # B evicted the dead engine's oldest blocks, as its owner would, and kept all of its own
     assert b.lookup(nb, [key(i) for i in range(100, 112)]) == 12
-    left = [i for i in range(12) if key(i) in nb.entries]
+    left = [i for i in range(12) if nb.has(key(i))]
     assert left == list(range(12 - len(left), 12)) and 0 < len(left) < 12
     assert b.space.used() <= cap
     c = StoreIO(root)  # engine 0's number is held by B while it evicts there
-    assert c.engine == 2 and set(c.namespace(NS, PAYLOAD).peers[0]) == {key(i) for i in left}
+    assert c.engine == 2 and set(c.namespace(NS, PAYLOAD).keys(0)) == {key(i) for i in left}
     c.close()
     b.close()
     # what B dropped stays dropped for the engine that adopts number 0 next
     d = StoreIO(root)
-    assert d.engine == 0 and {k for k in d.index.namespaces[NS].own} == {key(i) for i in left}
+    assert d.engine == 0 and set(d.index.namespaces[NS].keys(0)) == {key(i) for i in left}
     d.close()
 
 

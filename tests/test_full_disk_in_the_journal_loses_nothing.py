@@ -97,14 +97,14 @@ async def test_enospc_in_the_journal_undoes_the_batch_and_keeps_the_rest(tmpfs, 
     blocks.fill(0, key(1000))
     res = await st.save(ns, [(key(1000), blocks.addr(0))])  # the slot is written; its record is not
     assert res == [-errno.EIO], "written but not committed"
-    assert key(1000) not in ns.entries and key(1000) not in ns.pending
+    assert not ns.has(key(1000)) and key(1000) not in ns.pending
     assert st.stats.enospc == enospc + 1
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
     # the journal holds whole records only (the failed one cut off; the evictions' DROPs after it)
     assert os.fstat(log.fd).st_size == log.size and (log.size - fmt.FILE_HDR_BYTES) % fmt.REC_BYTES == 0
     assert log.size >= size
     # room was made by evicting the oldest blocks: the newest survive, and load intact
-    kept = [k for k in saved if k in ns.entries]
+    kept = [k for k in saved if ns.has(k)]
     assert 0 < len(kept) < len(saved) and st.stats.evictions == len(saved) - len(kept)
     assert kept == saved[-len(kept) :], "not the oldest blocks were evicted"
     assert await _loads_intact(st, ns, blocks, kept)
@@ -114,13 +114,13 @@ async def test_enospc_in_the_journal_undoes_the_batch_and_keeps_the_rest(tmpfs, 
     for k in later:
         blocks.fill(0, k)
         assert await st.save(ns, [(k, blocks.addr(0))]) == [0]
-    assert all(k in ns.entries for k in later)
-    expect = set(ns.entries)
+    assert all(ns.has(k) for k in later)
+    expect = set(ns.keys())
     assert set(later) <= expect and expect - set(later) <= set(kept)
     st.close()
 
     st = StoreIO(root, capacity=cap)  # a reopen replays to exactly these blocks
     ns = st.namespace(NS, PAYLOAD)
-    assert set(ns.entries) == expect
+    assert set(ns.keys()) == expect
     assert await _loads_intact(st, ns, blocks, sorted(expect))
     st.close()

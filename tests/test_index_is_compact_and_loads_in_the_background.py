@@ -139,7 +139,11 @@ def test_an_older_writers_checkpoint_is_read_and_rewritten_sorted_with_tags(tmp_
     st = Store(root)
     ns = st.namespace(NS, PAYLOAD)
     want = {key(i): i for i in (5, 1, 0, 3, 9)}
-    assert dict(ns.entries) == want and st.lookup(ns, [key(0), key(1)]) == 2 and st.lookup(ns, [key(7)]) == 0
+    assert (
+        {k: ns.where(k) for k in ns.keys()} == want
+        and st.lookup(ns, [key(0), key(1)]) == 2
+        and st.lookup(ns, [key(7)]) == 0
+    )
     st.close()  # a checkpoint: sorted by slot, each record carrying its key's tag
     with open(os.path.join(d, "checkpoint"), "rb") as f:
         raw = f.read()
@@ -147,7 +151,8 @@ def test_an_older_writers_checkpoint_is_read_and_rewritten_sorted_with_tags(tmp_
     assert recs["slot"].tolist() == sorted(want.values())
     assert recs["tag"].tolist() == [tag_of(key(s)) for s in sorted(want.values())]
     st = Store(root)
-    assert dict(st.namespace(NS, PAYLOAD).entries) == want
+    again = st.namespace(NS, PAYLOAD)
+    assert {k: again.where(k) for k in again.keys()} == want
     st.close()
 
 
@@ -159,7 +164,7 @@ def test_an_eviction_is_a_free_record_that_survives_a_restart(tmp_path):
         where = st.reserve(ns, key(i))
         assert where is not None
         st.commit(ns, [(key(i), where)])
-    kept = [i for i in range(8) if key(i) in ns.entries]
+    kept = [i for i in range(8) if ns.has(key(i))]
     assert 0 < len(kept) < 8 and kept == list(range(8 - len(kept), 8)), "the oldest went first"
     jname = [n for n in os.listdir(os.path.join(root, "ns", NS.hex())) if n.startswith("journal.")][0]
     with open(os.path.join(root, "ns", NS.hex(), jname), "rb") as f:
@@ -168,7 +173,7 @@ def test_an_eviction_is_a_free_record_that_survives_a_restart(tmp_path):
     st.lock.release()  # as a crash: no checkpoint, the journal replayed
     st = Store(root, capacity=4 * SB + 4096)
     ns = st.namespace(NS, PAYLOAD)
-    assert [i for i in range(8) if key(i) in ns.entries] == kept
+    assert [i for i in range(8) if ns.has(key(i))] == kept
     st.close()
 
 

@@ -64,7 +64,7 @@ class StoreMachine(RuleBasedStateMachine):
     def reserve(self, k):
         slot = self.store.reserve(self.ns, k)
         if slot is not None:
-            assert k not in self.ns.entries
+            assert not self.ns.has(k)
             self.pending[k] = slot
 
     @rule(data=st.data())
@@ -107,20 +107,20 @@ class StoreMachine(RuleBasedStateMachine):
         for k in self.pinned:
             self.store.unpin(self.ns, [k])
         self.pinned.clear()
-        before = dict(self.ns.entries)
+        before = {k: self.ns.where(k) for k in self.ns.keys()}
         self.store.close()
         self.store = Store(self.dir, capacity=self.cap)
         self.ns = self.store.namespace(b"n" * 16, PAYLOAD)
-        assert self.ns.entries == before
+        assert {k: self.ns.where(k) for k in self.ns.keys()} == before
 
     @invariant()
     def slots_unique_and_bounded(self):
-        used = list(self.ns.entries.values()) + list(self.ns.pending.values())
+        used = [self.ns.where(k) for k in self.ns.keys()] + list(self.ns.pending.values())
         assert len(used) == len(set(used))
         assert self.ns.pending == self.pending
         assert self.store.index.physical_bytes <= self.cap
         for k in self.pinned:
-            assert k in self.ns.entries, "a pinned key was evicted"
+            assert self.ns.has(k), "a pinned key was evicted"
 
     def teardown(self):
         self.store.close()

@@ -77,7 +77,7 @@ async def _make(root: str, blocks: Blocks, close: bool = True):
     small = Blocks(PAYLOAD2, 3)
     await _save(st, ns2, [key(i, 2) for i in range(3)], small)
     small.pool.close()
-    slots = dict(ns.entries)
+    slots = {k: ns.where(k) for k in ns.keys()}
     if close:
         st.close()
         return slots
@@ -174,7 +174,7 @@ async def test_verify_finds_a_flipped_byte_and_repair_drops_it(tmp_path, blocks)
     ]
     assert d["repaired"] is None
     st = StoreIO(root, readonly=True)  # --verify alone changed nothing
-    assert key(5) in st.index.namespaces[NS].entries
+    assert st.index.namespaces[NS].has(key(5))
     st.close()
 
     rc, d = cli_json(root, "--verify", "--repair")
@@ -182,9 +182,9 @@ async def test_verify_finds_a_flipped_byte_and_repair_drops_it(tmp_path, blocks)
 
     st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD)
-    assert key(5) not in ns.entries
-    assert set(ns.entries) == set(slots) - {key(5)}
-    assert len(st.namespace(NS2, PAYLOAD2).entries) == 3
+    assert not ns.has(key(5))
+    assert set(ns.keys()) == set(slots) - {key(5)}
+    assert st.namespace(NS2, PAYLOAD2).count() == 3
     for i in range(N):
         blocks.clear(i)
     res = await st.load(ns, [(key(i), blocks.addr(i)) for i in range(N)])
@@ -251,14 +251,14 @@ async def test_repair_refused_while_an_owner_holds_the_lock(tmp_path, blocks):
     try:
         err = _single_line_error(cli(root, "--verify", "--repair"))
         assert f"pid {os.getpid()}" in err
-        assert key(1) in owner.namespace(NS, PAYLOAD).entries
+        assert owner.namespace(NS, PAYLOAD).has(key(1))
         # read-only verify still works beside the owner and finds the block
         p = cli(root, "--verify")
         assert p.returncode == 1 and key(1).hex() in p.stdout
     finally:
         owner.close()
     st = StoreIO(root, readonly=True)
-    assert key(1) in st.index.namespaces[NS].entries  # nothing was dropped
+    assert st.index.namespaces[NS].has(key(1))  # nothing was dropped
     st.close()
 
 
@@ -285,7 +285,7 @@ async def test_inspect_beside_an_open_owner(tmp_path, blocks):
     finally:
         st.close()
     st = StoreIO(root, readonly=True)
-    assert len(st.index.namespaces[NS].entries) == N + 1
+    assert st.index.namespaces[NS].count() == N + 1
     st.close()
 
 

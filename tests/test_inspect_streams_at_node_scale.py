@@ -231,7 +231,7 @@ def test_keys_from_the_files_are_the_stores_own(tmp_path):
             ns = st.namespace(nsid, payload)
             for i in range(life * 150, life * 150 + 150):
                 st.commit(ns, [(key(e, i), st.reserve(ns, key(e, i)))])
-                if i % 7 == 6 and key(e, i - 3) in ns.own:
+                if i % 7 == 6 and ns.block(key(e, i - 3)) is not None:
                     st.drop(ns, [key(e, i - 3)], corrupt=False)
             evicted += st.stats.evictions
             st.close(checkpoint=life == 0)

@@ -58,7 +58,7 @@ async def test_non_enospc_journal_error_keeps_the_capacity(tmp_path, blocks):
     ro = os.open(tmp_path / "s" / "aiokv.json", os.O_RDONLY)
     saved = _swap_journal_fd(st, ns, ro)  # writes now fail with EBADF
     res = await _save(st, ns, blocks, [key(10)])
-    assert res[0] < 0 and key(10) not in ns.entries  # not durable, so not committed
+    assert res[0] < 0 and not ns.has(key(10))  # not durable, so not committed
     assert st.limit == cap, "a journal error that is not ENOSPC lowered the capacity"
     assert st.stats.enospc == 0
     os.dup2(saved, st.logs[ns.nsid].fd)
@@ -74,7 +74,7 @@ async def test_failed_fdatasync_does_not_undo_a_written_commit(tmp_path, blocks)
     r, w = os.pipe()  # write(2) works, fdatasync(2) fails with EINVAL
     saved = _swap_journal_fd(st, ns, w)
     assert await _save(st, ns, blocks, [key(1)]) == [0]
-    assert key(1) in ns.entries and st.limit == 64 * SB
+    assert ns.has(key(1)) and st.limit == 64 * SB
     os.dup2(saved, st.logs[ns.nsid].fd)
     st.close()
     for fd in (r, w, saved):
@@ -100,7 +100,7 @@ async def test_lowered_capacity_comes_back_when_space_returns(small_fs, blocks):
     for m in range(n, n + 12):
         await _save(st, ns, blocks, [key(m * 8 + j) for j in range(8)])
     assert st.limit is None or st.limit > lowered + (8 << 20), "the capacity stayed lowered after space returned"
-    assert len(ns.entries) * SB > lowered, "saves never grew past the lowered capacity"
+    assert ns.count() * SB > lowered, "saves never grew past the lowered capacity"
     st.close()
 
 
@@ -120,7 +120,7 @@ async def test_damaged_journal_header_loses_no_verifiable_block(tmp_path, blocks
         f.write(b"XXXXXXXX")  # the header's magic
     st = StoreIO(root)
     ns = st.namespace(NS, PAYLOAD)
-    assert set(keys) <= set(ns.entries), "blocks whose headers verify were lost with the journal header"
+    assert set(keys) <= set(ns.keys()), "blocks whose headers verify were lost with the journal header"
     for j in range(12):
         blocks.clear(j)
     assert await st.load(ns, [(k, blocks.addr(j)) for j, k in enumerate(keys)]) == [0] * 12
@@ -144,7 +144,7 @@ async def test_capacity_counts_journal_and_checkpoint(tmp_path, blocks):
     for rnd in range(8):
         await _save(st, ns, blocks, [key(rnd * 16 + j) for j in range(16)])
         assert _files_bytes(st.root) <= cap, "data + journal + checkpoint exceed the capacity"
-    assert 0 < len(ns.entries) < 16
+    assert 0 < ns.count() < 16
     st.close()
 
 

@@ -76,7 +76,7 @@ def test_another_engines_blocks_are_announced_and_removed_here(tmp_path):
     assert len(mine) == 3 and [e.token_ids for e in mine] == [list(range(i * BS, (i + 1) * BS)) for i in range(3)]
     assert mine[0].parent_block_hash is None and mine[1].parent_block_hash == mine[0].block_hashes[0]
     a.refresh()  # a follows b's journal: the blocks are hits here
-    assert all(k in nsa.entries for k in keys)
+    assert all(nsa.has(k) for k in keys)
     got = _stored(ea.take()) + _stored(ea.take())
     assert sorted(e.block_hashes[0] for e in got) == sorted(e.block_hashes[0] for e in mine)
     assert all(e.medium == "STORAGE" and e.group_idx == 0 for e in got)
@@ -192,7 +192,7 @@ def test_several_drives_announce_and_remove_each_drives_blocks(tmp_path):
     keys = _save(st, ns, ev, "r", 12)
     got = _stored(ev.take())
     assert len(got) == 12 and len({e.block_hashes[0] for e in got}) == 12
-    assert sum(1 for d in st.live if ns.on[d].own) >= 2, "the blocks sit on one drive only"
+    assert sum(1 for _, _, part in st.parts(ns) if part.table.count) >= 2, "the blocks sit on one drive only"
     st.drop(ns, [keys[3]], corrupt=False)
     gone = _removed(ev.take())
     assert len(gone) == 1 and gone[0] in {e.block_hashes[0] for e in got}
@@ -237,7 +237,7 @@ def test_after_a_reset_other_engines_commits_are_neither_kept_nor_read_for(tmp_p
         assert len(_stored(eb.take())) == 3
         a.refresh()
         assert not _stored(ea.take())
-    assert len(nsa.entries) == 2 + 3 + 15  # on disk, committed and followed here
+    assert nsa.count() == 2 + 3 + 15  # on disk, committed and followed here
     assert not ea._unknown, f"{len(ea._unknown)} blocks kept waiting for a label after the reset"
     assert reads == [], f"the labels files were read {len(reads)} times after the reset"
     # this engine's own saves after the reset are still announced

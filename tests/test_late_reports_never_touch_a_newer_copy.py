@@ -69,13 +69,13 @@ def test_a_late_failure_of_another_rank_keeps_the_newer_reservation(tmp_path):
     side.on_report(_failed(first, 1), set())  # rank 1's late failure
     if second is not None:  # (planned again at once: its reports must count for it alone)
         side.on_report(_written(second, 0, 1), set())
-        assert first.keys[0] in ns.entries, "the late failure report dropped the newer reservation"
+        assert ns.has(first.keys[0]), "the late failure report dropped the newer reservation"
     assert side.pending_saves == 0 and not ns.pending
     # once every rank has reported the first try, the key is saved again like any other
     third = second or _plan(side, "r3", tokens, [6, 7])
     if second is None:
         side.on_report(_written(third, 0, 1), set())
-    assert first.keys[0] in ns.entries and side.pending_saves == 0
+    assert ns.has(first.keys[0]) and side.pending_saves == 0
     side.store.close()
 
 
@@ -90,13 +90,13 @@ def test_a_late_success_of_another_rank_does_not_count_for_the_newer_reservation
     side.on_report(_written(first, 1), set())  # rank 1 wrote the first try
     if second is not None:
         side.on_report(_written(second, 0), set())  # rank 0 wrote the second
-        assert first.keys[0] not in ns.entries, "committed before rank 1 wrote the newer try"
+        assert not ns.has(first.keys[0]), "committed before rank 1 wrote the newer try"
         side.on_report(_written(second, 1), set())
     else:
-        assert first.keys[0] not in ns.entries, "the failed first try was committed"
+        assert not ns.has(first.keys[0]), "the failed first try was committed"
         second = _plan(side, "r3", tokens, [6, 7])
         side.on_report(_written(second, 0, 1), set())
-    assert first.keys[0] in ns.entries and side.pending_saves == 0
+    assert ns.has(first.keys[0]) and side.pending_saves == 0
     side.store.close()
 
 
@@ -115,13 +115,13 @@ def test_a_late_bad_block_report_keeps_the_newer_copy(tmp_path):
     loads = {t.req_id: t for t in side.plan([]).loads}
     assert len(loads) == 2
     side.on_report(_bad(loads["r0"], [k]), {"r0"})  # r0's report
-    assert k not in ns.entries
+    assert not ns.has(k)
     # a third request computes the block and saves it again, before r1's report arrives
     t2 = _plan(side, "r2", tokens, [7, 8])
     side.on_report(_written(t2, 0), set())
-    assert k in ns.entries
+    assert ns.has(k)
     side.on_report(_bad(loads["r1"], [k]), {"r1"})  # r1's, late
-    assert k in ns.entries, "the late bad-block report dropped the newer copy"
+    assert ns.has(k), "the late bad-block report dropped the newer copy"
     assert not store.index.pins and side.counters.reports_ignored == 0
     store.close()
 
@@ -137,8 +137,8 @@ def test_a_bad_block_report_drops_the_copy_it_read(tmp_path):
     side.on_alloc("r", tokens, root, ([4, 5, 6],), 2 * BS)
     (load,) = side.plan([]).loads
     side.on_report(_bad(load, [t.keys[1]]), {"r"})
-    assert t.keys[0] in ns.entries and t.keys[1] not in ns.entries
+    assert ns.has(t.keys[0]) and not ns.has(t.keys[1])
     side.on_report(_bad(load, [t.keys[0]]), set())  # a report of a job no longer held
-    assert t.keys[0] in ns.entries and side.counters.reports_ignored == 1
+    assert ns.has(t.keys[0]) and side.counters.reports_ignored == 1
     assert not side.store.index.pins
     side.store.close()

@@ -189,7 +189,7 @@ def test_whole_store_opens_or_says_why(ns_json, ckpt, journal):
             return
         try:
             for ns in s.index.namespaces.values():
-                assert all(0 <= slot < s.dirs.max_slots(ns) for slot in ns.entries.values())
+                assert all(0 <= slot < s.dirs.max_slots(ns) for slot in map(ns.where, ns.keys()))
                 assert ns.alloc.hwm <= s.dirs.max_slots(ns)
         finally:
             s.close()

@@ -36,7 +36,7 @@ async def _fill(st, ns, blocks, ids, tenant, pin=False):
 
 
 def _held(st, ns, ids) -> list[int]:
-    return [i for i in ids if key(i) in ns.entries]
+    return [i for i in ids if ns.has(key(i))]
 
 
 async def test_a_tenant_past_its_quota_gives_up_its_own_oldest(tmp_path, blocks):

@@ -54,7 +54,7 @@ async def test_reclaim_keeps_blocks_the_view_had_not_seen(tmp_path, blocks, monk
     assert b.reclaim._reclaimed, "B took over engine 0 to evict its blocks"
     b.follow_interval = 0
     b.refresh()
-    theirs = [i for i in range(12) if key(i) in nb.entries]
+    theirs = [i for i in range(12) if nb.has(key(i))]
     assert theirs and set(theirs) <= set(range(6, 12)), theirs  # the oldest went first
     assert await _intact(b, nb, blocks, theirs) == theirs  # each block its journal names is intact
     assert b.stats.corrupt_dropped == 0
@@ -63,6 +63,6 @@ async def test_reclaim_keeps_blocks_the_view_had_not_seen(tmp_path, blocks, monk
     # the engine that adopts number 0 next finds the same blocks, intact
     c = StoreIO(root, engine=0)
     nc = c.namespace(NS, PAYLOAD)
-    assert sorted(nc.own) == sorted(key(i) for i in theirs)
+    assert sorted(nc.keys(nc.engine)) == sorted(key(i) for i in theirs)
     assert await _intact(c, nc, blocks, theirs) == theirs
     c.close()

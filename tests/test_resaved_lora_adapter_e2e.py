@@ -79,7 +79,7 @@ def _stored(cache: str, path: str, fp: str, ps: list[list[int]], blocks: int) ->
     try:
         (ns,) = st.index.namespaces.values()
         root = request_root(ns.nsid, [["lora", "ad", path, fp]])
-        return [[k in ns.entries for k in extend_keys([], root, p, 32, blocks)] for p in ps]
+        return [[ns.has(k) for k in extend_keys([], root, p, 32, blocks)] for p in ps]
     finally:
         st.close()
 

@@ -95,9 +95,9 @@ def test_a_reader_that_never_polls_holds_a_bounded_backlog(tmp_path, monkeypatch
     assert reader.following._handed <= 320, f"{reader.following._handed} records held for a reader that never polled"
     # once it polls, everything arrives (the Followers kept their place)
     end = time.monotonic() + 5
-    while len(rns.peers.get(writer.engine, ())) < 640 and time.monotonic() < end:
+    while rns.count(writer.engine) < 640 and time.monotonic() < end:
         reader.refresh()
         time.sleep(0.02)
-    assert len(rns.peers.get(writer.engine, ())) == 640
+    assert rns.count(writer.engine) == 640
     writer.close()
     reader.close()

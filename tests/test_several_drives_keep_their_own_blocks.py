@@ -68,7 +68,7 @@ async def _load(st, ns, blocks, keys):
 
 
 def _drive(st, ns, k) -> int:
-    return fmt.drive_of(ns.entries.get(k))[0]
+    return fmt.drive_of(ns.where(k))[0]
 
 
 @pytest.mark.asyncio
@@ -83,7 +83,7 @@ async def test_blocks_are_placed_by_key_and_found_again_after_a_restart_in_any_o
     assert all(on.count(d) >= N // 6 for d in range(3)), f"spread over every drive: {on}"
     for d, p in enumerate(paths):  # each drive has its own files and journal
         assert os.path.exists(os.path.join(p, "ns", NS.hex(), "rank0.data")), p
-        assert len(st.stores[d].index.namespaces[NS].own) == on.count(d)
+        assert st.stores[d].index.namespaces[NS].table.count == on.count(d)
     st.close()
     st = DrivesIO(paths[::-1], capacity="1GiB")  # the same list in another order
     ns = st.namespace(NS, PAYLOAD)
@@ -109,7 +109,7 @@ async def test_a_drive_missing_at_start_is_one_line_and_a_smaller_cache(tmp_path
     assert len(lines) == 1 and paths[1] in lines[0], lines
     assert st.live == [0, 2] and st.limit == 2 << 30, "its share of the capacity is not spread"
     ns = st.namespace(NS, PAYLOAD)
-    assert [k in ns.entries for k in keys] == [d != 1 for d in on], "only its own blocks are misses"
+    assert [ns.has(k) for k in keys] == [d != 1 for d in on], "only its own blocks are misses"
     assert await _load(st, ns, blocks, [k for k, d in zip(keys, on) if d != 1]) == [True] * (N - on.count(1))
     moved = [k for k, d in zip(keys, on) if d == 1]
     assert await _save(st, ns, blocks, moved) == [0] * len(moved), "its keys are saved on the others"
@@ -362,8 +362,8 @@ def test_a_corrupt_copy_on_a_later_drive_is_dropped_there(tmp_path):
     assert fmt.drive_of(load.locations[2])[0] == 1, "drive 0 is down: drive 1's copy is read"
     # the workers found drive 1's copy of block 2 corrupt
     side.on_report(WorkerReport(loads=[LoadResult(load.job, 0, "r", failed=[3, 4], bad=[keys[2]])]), {"r"})
-    assert keys[2] not in ns.on[1].entries, "the corrupt copy is still offered"
-    assert keys[2] in ns.on[0].entries, "the other drive's copy was dropped instead"
+    assert not ns.on[1].has(keys[2]), "the corrupt copy is still offered"
+    assert ns.on[0].has(keys[2]), "the other drive's copy was dropped instead"
     assert side.counters.load_bad_blocks == 1
     assert side.match("r2", tokens, root, 0) == 2 * BS, "the next hit stops before the bad block"
     st.close()

@@ -90,5 +90,5 @@ def test_close_with_hung_index_loaders_on_several_drives_returns_within_its_boun
         # and the drives open again as engine 0, their blocks there
         for p in paths:
             st = Store(p, capacity="64MiB")
-            assert st.engine == 0 and len(st.namespace(NS, PAYLOAD).entries) == 8
+            assert st.engine == 0 and st.namespace(NS, PAYLOAD).count() == 8
             st.close()

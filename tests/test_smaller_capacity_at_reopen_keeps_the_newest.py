@@ -55,7 +55,7 @@ async def test_reopen_with_a_smaller_capacity_keeps_exactly_the_newest(tmp_path,
     small = 16 * SB + ROOM
     st = StoreIO(root, capacity=small)
     ns = st.namespace(NS, PAYLOAD)
-    kept = set(ns.entries)
+    kept = set(ns.keys())
     n = len(kept)
     assert kept == set(order[-n:]), "the survivors are not the newest blocks"
     assert set(hits) <= kept
@@ -69,5 +69,5 @@ async def test_reopen_with_a_smaller_capacity_keeps_exactly_the_newest(tmp_path,
     for cap in (small, 48 * SB + ROOM):  # what was evicted stays evicted, whatever the capacity
         st = StoreIO(root, capacity=cap)
         ns = st.namespace(NS, PAYLOAD)
-        assert set(ns.entries) == kept
+        assert set(ns.keys()) == kept
         st.close()

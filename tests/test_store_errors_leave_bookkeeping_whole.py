@@ -50,7 +50,7 @@ METHODS = (
     "abort",
     "drop",
     "drop_at",
-    "serving",
+    "served",
     "refresh",
     "flush_if_due",
     "verify_slot",
@@ -342,7 +342,8 @@ def _check(eng: Engine, store: Store, what: str) -> None:
     assert not store.index.pins, (what, dict(store.index.pins))
     for gi, g in enumerate(side.groups):
         assert not g.ns.pending, (what, "reservations never given back", len(g.ns.pending))
-        for key, slot in g.ns.entries.items():
+        for key in g.ns.keys():
+            slot = g.ns.where(key)
             assert eng.disk.get((gi, slot)) == key, (what, "a stored block holds other tokens' KV")
     assert len(eng.free) == 400, (what, "blocks not given back to the engine")
     try:
@@ -355,7 +356,7 @@ def test_the_scenario_exercises_every_store_call(tmp_path):
     eng, faulty, store = scenario(str(tmp_path / "c"))
     _check(eng, store, "no fault")
     calls = set(faulty.calls)
-    assert {"lookup", "serving", "reserve", "pin", "unpin", "commit", "drop_at", "refresh", "flush_if_due"} <= calls, (
+    assert {"lookup", "served", "reserve", "pin", "unpin", "commit", "drop_at", "refresh", "flush_if_due"} <= calls, (
         calls
     )
     assert eng.loads > 0 and eng.saves > 0

@@ -40,12 +40,12 @@ def test_commits_reach_the_journal_and_a_hung_thread_loses_only_what_it_held(tmp
     ns = st.namespace(NS, PAYLOAD)
     before = [key(i) for i in range(50)]
     _commit(st, ns, before)
-    assert all(k in ns.entries for k in before)  # in the index at once
+    assert all(ns.has(k) for k in before)  # in the index at once
     deadline = time.monotonic() + 5
     while st.fs.pending and time.monotonic() < deadline:
         time.sleep(0.01)
     peek = Store(root, readonly=True)  # another opener: only what the journal holds
-    assert all(k in peek.index.namespaces[NS].entries for k in before)
+    assert all(peek.index.namespaces[NS].has(k) for k in before)
     peek.close()
 
     # the file system hangs: the I/O thread is held inside an operation
@@ -66,15 +66,15 @@ def test_commits_reach_the_journal_and_a_hung_thread_loses_only_what_it_held(tmp
     st.refresh()
     st.flush_if_due()
     assert time.monotonic() - t < 0.5
-    assert all(k in ns.entries for k in after)
+    assert all(ns.has(k) for k in after)
     t = time.monotonic()
     st.close()
     assert time.monotonic() - t < 2, "close waited for the hung file system"
 
     again = Store(root, readonly=True)
-    got = again.index.namespaces[NS].entries
-    assert all(k in got for k in before), "a commit written before the hang was lost"
-    assert not any(k in got for k in after), "a commit that was never written is offered after a restart"
+    got = again.index.namespaces[NS]
+    assert all(got.has(k) for k in before), "a commit written before the hang was lost"
+    assert not any(got.has(k) for k in after), "a commit that was never written is offered after a restart"
     again.close()
     release.set()  # the file system answers: the abandoned thread writes nothing more after close
     breaker.file_system(False)
@@ -97,13 +97,13 @@ def test_a_journal_write_that_fails_on_the_thread_takes_the_commit_back(tmp_path
     _commit(st, ns, keys)
     op = st.fs.submit(lambda: None)
     assert st.fs.wait(op, 5)
-    assert not any(k in ns.entries for k in keys) and st.stats.save_failures == 8 and st.stats.commits == 0
+    assert not any(ns.has(k) for k in keys) and st.stats.save_failures == 8 and st.stats.commits == 0
     assert ns.alloc.in_use == 0  # the slots are back
     log.append = real
     _commit(st, ns, keys)
     st.close()
     again = Store(str(tmp_path / "s"), readonly=True)
-    assert all(k in again.index.namespaces[NS].entries for k in keys)
+    assert all(again.index.namespaces[NS].has(k) for k in keys)
     again.close()
     assert os.path.isdir(str(tmp_path / "s"))
 

@@ -71,7 +71,8 @@ def _headers(root: str, ns) -> dict[bytes, bytes]:
     """key -> the tenant tag its slot header carries, for every block of ours the index holds."""
     out = {}
     with open(os.path.join(root, "ns", NS.hex(), fmt.data_file(0)), "rb") as f:
-        for k, s in ns.own.items():
+        for k in ns.keys(ns.engine):
+            s = ns.block(k)[0]
             f.seek(s * SB)
             out[k] = fmt.header_tenant(f.read(fmt.HEADER_BYTES))
     return out
@@ -80,7 +81,7 @@ def _headers(root: str, ns) -> dict[bytes, bytes]:
 def _attributed(st, ns) -> dict[bytes, bytes | None]:
     """key -> the tenant tag the index attributes each of our blocks to (None: to no tenant)."""
     t = ns.table
-    return {k: st.tenants.tag_of(int(t.tenant[t.find(k)])) for k in ns.own}
+    return {k: st.tenants.tag_of(int(t.tenant[t.find(k)])) for k in ns.keys(ns.engine)}
 
 
 def _check_attribution(st, ns, root) -> dict[bytes, bytes]:
@@ -108,9 +109,9 @@ def _clear_leaves_the_others(st, ns, root, tenant: str) -> None:
     heads = _check_attribution(st, ns, root)
     others = {k for k, tag in heads.items() if tag != fmt.tenant_tag(tenant)}
     _clear(st, root, tenant)
-    gone = others - set(ns.own)
+    gone = others - set(ns.keys(ns.engine))
     assert not gone, f"a clear of {tenant} removed {len(gone)} block(s) of other tenants"
-    assert not [k for k, tag in heads.items() if tag == fmt.tenant_tag(tenant) and k in ns.own]
+    assert not [k for k, tag in heads.items() if tag == fmt.tenant_tag(tenant) and ns.block(k) is not None]
 
 
 @pytest.mark.parametrize("io_thread", [False, True])
@@ -125,7 +126,7 @@ async def test_a_failed_tenants_write_then_a_restart_keeps_alices_blocks_alices(
     if io_thread:  # (in the index at once; taken back when the I/O thread reports the write failed)
         st.fs.drain(st.fs.submit(lambda: None), 5.0, time.monotonic() + 5.0)
         st.refresh()
-        got = [0 if key(i) in ns.own else -errno.EIO for i in (1, 2)]
+        got = [0 if ns.block(key(i)) is not None else -errno.EIO for i in (1, 2)]
     assert got == [-errno.EIO] * 2
     os.unlink(tmpfs / "filler")
     await _save(st, ns, blocks, [3], "alice")  # room again: her record is written now
@@ -133,7 +134,7 @@ async def test_a_failed_tenants_write_then_a_restart_keeps_alices_blocks_alices(
     st = StoreIO(root, capacity=140 * SB, checkpoint_every=10**6)
     ns = st.namespace(NS, PAYLOAD)
     assert await _save(st, ns, blocks, [4], "carol") == [0]
-    assert key(3) in ns.own, "alice's save once the disk had room again"
+    assert ns.block(key(3)) is not None, "alice's save once the disk had room again"
     _clear_leaves_the_others(st, ns, root, "carol")
     st.close()
 
@@ -232,7 +233,10 @@ async def test_ids_no_block_carries_are_reclaimed_in_a_life_and_across_restarts(
     st.close()
     st = StoreIO(root, capacity="64MiB")
     ns = st.namespace(NS, PAYLOAD)
-    assert sorted(st.tenants.name_of(int(ns.table.tenant[ns.table.find(k)])) for k in ns.own) == ["t3", "t6"]
+    assert sorted(st.tenants.name_of(int(ns.table.tenant[ns.table.find(k)])) for k in ns.keys(ns.engine)) == [
+        "t3",
+        "t6",
+    ]
     assert os.path.getsize(os.path.join(root, fmt.tenants_name(0))) < 4096  # the freed ids' records went
     st.close()
 
@@ -249,7 +253,7 @@ async def test_past_the_limit_a_new_tenant_is_not_stored_and_no_clear_reaches_an
     for i in (3, 4):  # every id holds blocks: a new tenant's blocks are not stored
         await _save(st, ns, blocks, [i], f"t{i}")
     _clear_leaves_the_others(st, ns, root, "t3")
-    assert key(3) not in ns.own and key(4) not in ns.own
+    assert ns.block(key(3)) is None and ns.block(key(4)) is None
     assert st.stats.skipped_tenants == 2
     _clear_leaves_the_others(st, ns, root, "t1")
     assert await _save(st, ns, blocks, [5], "t5") == [0], "t1's id is free again"
@@ -313,7 +317,7 @@ async def test_an_id_is_given_anew_only_once_a_failed_journal_write_is_checkpoin
     os.dup2(ro, log.fd)  # journal writes fail (EBADF): a real fault, no mock
     _clear(st, root, "t1")
     os.dup2(saved, log.fd)
-    assert key(1) not in ns.own
+    assert ns.block(key(1)) is None
     await _save(st, ns, blocks, [3], "t3")  # t1's id is free, but not before a checkpoint
     assert await _save(st, ns, blocks, [4], "t3") == [0]
     st.close(checkpoint=False)  # (a kill: the journal and checkpoint as they are)

@@ -111,7 +111,7 @@ def test_files_of_earlier_versions_read_as_the_tenant_nobody(tmp_path):
     )
     st = Store(str(tmp_path / "c"), capacity="64MiB")
     ns = st.namespace(NS, PAYLOAD)
-    assert len(ns.own) == 4 and ns.table.blocks_of(0) == 4 and ns.table.pinned == 0
+    assert ns.table.count == 4 and ns.table.blocks_of(0) == 4 and ns.table.pinned == 0
     assert not ns.table.tenant.any() and not ns.table.flags.any()
     st.close(checkpoint=False)
     assert int.from_bytes((d / "journal.1").read_bytes()[8:10], "little") == fmt.JOURNAL_VERSION
@@ -145,7 +145,7 @@ def test_the_slot_header_carries_the_tenant_and_a_rebuild_keeps_it(tmp_path, blo
     st = StoreIO(root, capacity="64MiB")
     ns = st.namespace(NS, PAYLOAD)
     _save(st, ns, blocks, ([0, 1], "carol"), ([2], ""))
-    slots = {i: ns.own[key(i)] for i in range(3)}
+    slots = {i: ns.block(key(i))[0] for i in range(3)}
     st.close()
     d = os.path.join(root, "ns", NS.hex())
     sb = fmt.slot_bytes(PAYLOAD)

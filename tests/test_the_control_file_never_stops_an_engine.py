@@ -120,7 +120,7 @@ def _seen(st, ns, keys, within: float) -> int:
     end = time.monotonic() + within
     while True:
         st.refresh()
-        n = sum(k in ns.entries for k in keys)
+        n = sum(ns.has(k) for k in keys)
         if n == len(keys) or time.monotonic() > end:
             return n
         time.sleep(0.02)
@@ -141,7 +141,7 @@ def _hits(root, say):
     """(In the child.) Which of engine 0's blocks of `_fill` are there (opened as their owner)."""
     st = Store(root, capacity="64MiB")
     ns = st.namespace(NS, PAYLOAD)
-    got = [k in ns.entries for k in OWN]
+    got = [ns.has(k) for k in OWN]
     st.close()
     return got
 

@@ -116,15 +116,15 @@ def test_a_block_one_rank_failed_to_write_is_never_committed(tmpfs):
         side.on_report(_only(rep0, keys[:3]).merge(_only(rep1, {keys[0], keys[1], keys[3]})), set())
         side.on_report(_only(rep0, {keys[3]}).merge(_only(rep1, {keys[2]})), set())
         assert side.pending_saves == 0, "every reservation is committed or given back"
-        assert keys[0] in ns.entries, "a block both ranks wrote is committed"
+        assert ns.has(keys[0]), "a block both ranks wrote is committed"
         for k in keys[1:]:
-            assert k not in ns.entries and k not in ns.pending, "a block rank 1 never wrote was committed"
+            assert not ns.has(k) and k not in ns.pending, "a block rank 1 never wrote was committed"
         assert side.counters.saves_committed == 1 and side.counters.save_failures == 3
         assert side.match("r2", tokens, proot, 0) == BS  # a hit of block 0 only
 
         # and block 0 loads back on both ranks, each its own shard
         for r, (w, kv) in enumerate(zip(workers, kvs)):
-            w.load([Transfer(f"l{r}", [keys[0]], [ns.entries[keys[0]]], [9])])
+            w.load([Transfer(f"l{r}", [keys[0]], [ns.where(keys[0])], [9])])
             end = time.monotonic() + 20
             while True:
                 done, errors, _ = w.poll()
@@ -152,7 +152,7 @@ def test_one_rank_short_of_its_report_keeps_the_block_uncommitted(tmp_path):
     rank0 = WorkerReport(saves=[SaveResult(t.job, 0, list(t.keys))])
     for _ in range(3):  # a duplicate of rank 0's report is not rank 1's
         side.on_report(rank0, set())
-        assert not any(k in ns.entries for k in t.keys) and side.pending_saves == 2
+        assert not any(ns.has(k) for k in t.keys) and side.pending_saves == 2
     side.on_report(WorkerReport(saves=[SaveResult(t.job, 1, list(t.keys))]), set())
-    assert all(k in ns.entries for k in t.keys) and side.pending_saves == 0
+    assert all(ns.has(k) for k in t.keys) and side.pending_saves == 0
     store.close()

@@ -42,7 +42,7 @@ def _commit(st, ns, keys, tenant, pinned=False):
 
 def _victims(st, ns, n) -> list[bytes]:
     """The next n victims, each taken out of the index as an eviction would (no file touched)."""
-    by_slot = {ns.table.find(k): k for k in ns.own}
+    by_slot = {ns.table.find(k): k for k in ns.keys(ns.engine)}
     out = []
     for _ in range(n):
         got = st.index.victim()

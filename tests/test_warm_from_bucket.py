@@ -113,7 +113,7 @@ def held(path, nsid: bytes = NS) -> set[bytes]:
     st = Store(str(path), readonly=True)
     try:
         ns = st.index.namespaces.get(nsid)
-        return set() if ns is None else set(ns.entries)
+        return set() if ns is None else set(ns.keys())
     finally:
         st.close()
 

@@ -76,7 +76,7 @@ def test_a_warmed_node_hits_locally_at_once_and_announces_the_warmed_blocks(tiny
     st = Store(str(tmp_path / "c"), readonly=True, secret=SECRET)
     (ns,) = st.index.namespaces.values()
     (t,) = ns.tables.values()
-    tags = collections.Counter(st.tenant_tag(int(t.tenant[t.find(k)])) for k in ns.entries)
+    tags = collections.Counter(st.tenant_tag(int(t.tenant[t.find(k)])) for k in ns.keys())
     st.close()
     tk = fmt.tenant_key(SECRET)
     assert tags == {fmt.tenant_tag("", tk): 4 * FULL, fmt.tenant_tag("alice", tk): 2 * FULL}, tags

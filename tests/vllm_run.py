@@ -586,7 +586,7 @@ def _audit_saves(conn) -> list:
     build = conn.build_connector_meta
 
     def audited(so):
-        before = set(ns.entries) | set(ns.pending)
+        before = set(ns.keys()) | set(ns.pending)
         meta = build(so)
         saved = {(t.req_id, k): b for t in meta.plan.saves for k, b in zip(t.keys, t.block_ids)}
         spec = so.scheduled_spec_decode_tokens or {}
@@ -642,11 +642,11 @@ def _refresh_until(store, holds, deadline: float, failure: str) -> float:
 def _wait_for_index(store, deadline: float) -> float:
     """Until every namespace's index has loaded, or its loader thread ended (a load that
     failed) before the last refresh; returns the seconds waited."""
-    stores = list(getattr(store, "stores", {}).values()) or [store]  # several drives: a Store each
+    stores = [s for _, _, s in store.drives()]  # several drives: a Store each
     ended = [False]  # the loaders had ended before the last refresh (it applied what they handed over)
 
     def holds() -> bool:
-        if ended[0] or all(ns.ready for ns in store.index.namespaces.values()):
+        if ended[0] or all(ns.ready for ns in store.namespaces()):
             return True
         ended[0] = not any(s._loader is not None and s._loader.is_alive() for s in stores)
         return False
@@ -658,7 +658,7 @@ def _wait_for_peer_blocks(store, n: int, deadline: float) -> None:
     """Until the store sees n blocks of the other engines (it looks every FOLLOW_INTERVAL)."""
     _refresh_until(
         store,
-        lambda: sum(len(d) for ns in store.index.namespaces.values() for d in ns.peers.values()) >= n,
+        lambda: sum(ns.count(e) for ns in store.namespaces() for e in ns.peers()) >= n,
         deadline,
         f"this engine did not see {n} blocks of the other engines",
     )

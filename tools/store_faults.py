@@ -26,7 +26,7 @@ METHODS = (
     "abort",
     "drop",
     "drop_at",
-    "serving",
+    "served",
     "refresh",
     "flush_if_due",
     "verify_slot",

@@ -163,7 +163,7 @@ def summary(st: Store) -> dict:
                 "nsid": ns.hex,
                 "fields": ns.fields,
                 "blocks": blocks,
-                "keys": len(ns.entries),  # blocks (a block two engines hold counts twice)
+                "keys": ns.count(),  # blocks (a block two engines hold counts twice)
                 "engines": {str(e): n for e, n in held.items()},
                 "bytes": blocks * ns.slot_bytes * ns.ranks,
                 "payload_bytes": ns.payload_bytes,

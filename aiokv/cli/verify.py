@@ -123,7 +123,7 @@ def _repair(root: str, bad: Bads) -> Bads:
         try:
             for nsid, ks in by_ns.items():
                 ns = owner.index.namespaces[nsid]
-                owner.drop(ns, sorted(k for k in ks if k in ns.own))
+                owner.drop(ns, sorted(k for k in ks if ns.block(k) is not None))
         finally:
             owner.close()
     return still

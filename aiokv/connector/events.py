@@ -76,11 +76,8 @@ class KVEvents:
         may be several drives' (store/drives.py): each drive's part is watched and labelled."""
         self.store = store
         self.groups = groups
-        # group -> [(the Store, its Namespace)]: one per drive
-        self._parts = {
-            gi: [(store.stores[d], part) for d, part in ns.parts] if hasattr(ns, "parts") else [(store, ns)]
-            for gi, ns, _, _ in groups
-        }
+        # group -> [(the Store, its Namespace)]: one per drive (one Store: itself)
+        self._parts = {gi: [(st, part) for _, st, part in store.parts(ns)] for gi, ns, _, _ in groups}
         self.bs, self.hbs, self.algo = block_size, hash_block_size or block_size, algo
         self.fp: bytes | None = None  # vLLM's NONE_HASH exists only once the engine is up
         self._reqs: dict[str, tuple] = {}  # request -> (its live block_hashes, LoRA name, LoRA id)
@@ -212,7 +209,7 @@ class KVEvents:
             )
         for _ in range(min(len(self._backlog), ANNOUNCE_BATCH)):
             gi, key, label = self._backlog.popleft()
-            if key in self.groups[gi][1].entries:
+            if self.groups[gi][1].has(key):
                 self._stored(gi, tag_of(key), label)
         out, self._out = self._out, []
         return out
@@ -316,18 +313,18 @@ class KVEvents:
         """Labels read from the files: at start the announcement, later other engines' blocks."""
         if self._reset:
             return
-        entries = self.groups[gi][1].entries
+        ns = self.groups[gi][1]
         for key, label in found.items():
             k = (gi, tag_of(key))
             if k in self._announced:
                 continue
             if start:
-                if key in entries:
+                if ns.has(key):
                     self._backlog.append((gi, key, label))
             elif k in self._unknown:
                 del self._unknown[k]
                 self._stored(gi, k[1], label)
-            elif key not in entries:
+            elif not ns.has(key):
                 self._hold(self._book, k, label)  # its commit is followed later
 
     def _stored(self, gi: int, tag: int, label: bytes) -> None:

@@ -18,7 +18,6 @@ import time
 from typing import Any
 
 from aiokv.connector.metrics import StatsDelta
-from aiokv.scheduler.index_wait import still_loading
 from aiokv.util.counters import TOP_TENANTS
 from aiokv.util.counting import merge, store_counters
 
@@ -52,21 +51,15 @@ class SchedulerFigures:
     def look(self, sched) -> tuple:
         """What every figure of scheduler_counters follows; equal between two steps, none moved."""
         st = sched.store
-        stores = getattr(st, "stores", None)  # several drives (store/drives.py): each drive's stats
-        stats = (
-            tuple(tuple(vars(s.stats).values()) for s in stores.values()) if stores else tuple(vars(st.stats).values())
-        )
-        namespaces = st.index.namespaces.values()
         return (
             tuple(vars(sched.counters).values()),
-            stats,
-            getattr(st, "skipped_drive_down", 0),
+            tuple(vars(st.stats).values()),  # (several drives: every drive's added up, and their own)
             self.queried_tokens,
             self.lora_misses,
             sched.pending_saves,
             sched.breaker.is_open,
-            sum(len(ns.entries) for ns in namespaces),
-            sum(map(still_loading, namespaces)),
+            st.blocks(),
+            st.loading,
             tuple(sched.bucket.counters.values()) if sched.bucket is not None else (),
             int(time.monotonic() // REFRESH_S),
         )
@@ -79,14 +72,14 @@ class SchedulerFigures:
         out.update(
             queried_tokens=self.queried_tokens,
             lora_fingerprint_misses=self.lora_misses,
-            disk_bytes=st.space.used(),
+            disk_bytes=st.used(),
             capacity_bytes=st.limit or 0,
             pending_saves=sched.pending_saves,
             breaker_open=int(sched.breaker.is_open),
-            stored_blocks=sum(len(ns.entries) for ns in st.index.namespaces.values()),
+            stored_blocks=st.blocks(),
             pinned_bytes=st.pinned_bytes(),
             tenant_bytes=st.tenant_bytes(TOP_TENANTS),
-            index_loading=sum(map(still_loading, st.index.namespaces.values())),
+            index_loading=st.loading,
             drive_writes_per_day=self.writes_per_day(st),
         )
         if sched.bucket is not None:
@@ -95,7 +88,6 @@ class SchedulerFigures:
 
     def writes_per_day(self, store) -> float:
         """This life's bytes written per day over the drives' size (an estimate: the rate since start)."""
-        stores = getattr(store, "stores", None)  # several drives (store/drives.py)
-        size = sum(s.dirs.fs_bytes for s in stores.values()) if stores is not None else store.dirs.fs_bytes
+        size = store.fs_bytes  # (several drives: every drive's)
         up = max(time.monotonic() - self.started, 60.0)
         return round(self.totals.get("bytes_written", 0) / up * 86400 / size, 6) if size else 0.0

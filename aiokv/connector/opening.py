@@ -94,8 +94,9 @@ def open_store(cfg, ns, ranks: int, path: str, drives: int = 1):
 
 
 def open_stores(cfg, ns, ranks: int):
-    """(store, [(group, Namespace)], the Drives store or None); None if the cache directories
-    cannot be used (logged: aiokv is off, vLLM runs without it). StoreLocked goes through."""
+    """(store, [(group, Namespace)]): a Store, or a Drives for several paths (either an
+    api.StoreApi); None if the cache directories cannot be used (logged: aiokv is off, vLLM
+    runs without it). StoreLocked goes through."""
     from aiokv.store import StoreLocked
     from aiokv.store.fsthread import bounded
 
@@ -113,14 +114,14 @@ def open_stores(cfg, ns, ranks: int):
             store, parts = open_drives(
                 cfg.paths, open_drive, cfg.start_timeout, cfg.breaker_failures, cfg.breaker_cooldown
             )
-            return store, list(zip(ns.groups, parts)), store
+            return store, list(zip(ns.groups, parts))
         store, spaces = bounded(
             lambda: open_store(cfg, ns, ranks, cfg.path),
             cfg.start_timeout,
             f"the cache directory {cfg.path}",
             late=lambda got: got[0].close(checkpoint=False),
         )
-        return store, spaces, None
+        return store, spaces
     except StoreLocked:
         raise
     except OSError as e:
@@ -175,7 +176,7 @@ def use_bucket(cfg, side, store, spaces) -> None:
     # for nodes warmed from the bucket (aiokv warm): what each namespace holds, and the
     # labels the KV events write for our blocks (bucket/publisher.py)
     bucket.publisher.namespaces((ns.nsid, ns.payload_bytes, ns.ranks, ns.fields) for _, ns in spaces)
-    for st in getattr(store, "stores", {0: store}).values():
+    for _, _, st in store.drives():
         st.labels.sink = bucket.publisher.labels
 
 
@@ -183,10 +184,10 @@ def log_opened(cfg, store, ns, spaces) -> None:
     log.info(
         "aiokv %s: cache %s, namespace %s (%s), %d blocks stored",
         __version__,
-        ", ".join(cfg.paths[d] for d in getattr(store, "live", [0])),
+        ", ".join(cfg.paths[d] for d, _, _ in store.drives()),
         ns.nsid.hex(),
         ", ".join(g.kind for g in ns.groups),
-        sum(len(part.entries) for _, part in spaces),
+        sum(part.count() for _, part in spaces),
     )
 
 

@@ -60,7 +60,6 @@ class SchedulerRole:
         self._queried: dict[str, int] = {}  # request -> tokens asked of us at its last lookup
         self._bucket_tokens: dict[str, int] = {}  # request -> hit tokens from the bucket (hit sources)
         self.events = None  # KV events for routers (events.py); None: vLLM publishes none, or kv_events is off
-        self._drives = None  # several drives: the Drives store, told the workers' per-drive verdicts
 
     def open(self, kv_transfer_config) -> None:
         """The store and the SchedulerSide over it (opening.py); on a cache directory it cannot
@@ -69,7 +68,7 @@ class SchedulerRole:
         opened = open_stores(self.cfg, self.ns, self.ranks)
         if opened is None:
             return
-        store, spaces, self._drives = opened
+        store, spaces = opened
         self.sched = open_side(self.cfg, store, spaces, self.block_size, self.layerwise, self.kv_role)
         log_opened(self.cfg, store, self.ns, spaces)
 
@@ -247,8 +246,7 @@ class SchedulerRole:
                 return  # the workers reported nothing this step (most decode steps)
             if report is not None:
                 self.figures.add_worker(report.counters)
-                if self._drives is not None:
-                    self._drives.record(report.drives)
+                self.sched.store.record(report.drives)  # (several drives: each judges its own)
             self.sched.on_report(report, finished)
         except Exception:
             # its saves are not committed (their slots go back); finished loads give back their pins
@@ -300,7 +298,7 @@ class SchedulerRole:
         if self.sched is not None:
             out.update(self.figures.totals)
             out.update(self._scheduler_counters())
-            out["pinned"] = len(self.sched.store.index.pins)
+            out["pinned"] = self.sched.store.load_pinned()
             out["hits_offered"] = int(self.offer_hits)
         return out
 

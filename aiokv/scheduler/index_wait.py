@@ -31,10 +31,7 @@ log = logging.getLogger("aiokv")
 
 def still_loading(ns) -> bool:
     """Whether ns's index is on its way: not in and not failed (several drives: on any drive)."""
-    parts = getattr(ns, "parts", None)  # store/drives.py: (drive, Namespace) each
-    if parts is not None:
-        return any(still_loading(p) for _, p in parts)
-    return not ns.ready and not ns.load_failed
+    return ns.still_loading()
 
 
 class IndexWait:

@@ -23,18 +23,20 @@ def hit(store, full: list[Group], partial: list[Group], keys: list[bytes], usabl
         hi = store.lookup(g.ns, keys, hi)
     if not partial:
         return hi
-    # only blocks the store serves now (several drives: none from a drive whose breaker is open)
-    views = [(g, store.serving(g.ns)) for g in partial]
+    # only blocks the store serves now (several drives: none from a drive whose breaker is open),
+    # asked once per group for the blocks past `local`
+    views = [(g, store.served(g.ns, keys[local:hi])) for g in partial]
     for h in range(hi, local, -1):  # the hit falls back to an earlier window end / checkpoint
-        if all(serves(g, held, keys, h, local, bs) for g, held in views):
+        if all(serves(g, held, h, local, bs) for g, held in views):
             return h
     return 0
 
 
-def serves(g: Group, held, keys: list[bytes], h: int, local: int, bs: int) -> bool:
-    """Whether `held` (the keys the store serves now) has every block group g loads for a hit of h."""
+def serves(g: Group, held: list[bool], h: int, local: int, bs: int) -> bool:
+    """Whether `held` (whether each block from `local` on is served now: store.served) has every
+    block group g loads for a hit of h."""
     first = max(g.spec.first_needed_block(h, bs), local)
-    return all(keys[i] in held for i in range(first, h))
+    return all(held[first - local : h - local])
 
 
 def bucket_extend(
@@ -46,7 +48,7 @@ def bucket_extend(
     if more is None:
         return None
     for i in range(start, start + more):  # a block on its way in for another request: stop before it
-        if any(keys[i] in g.ns.pending for g in groups):
+        if any(g.ns.reserved(keys[i]) for g in groups):
             more = i - start
             break
     return start + more, ((start, start + more) if more else None)

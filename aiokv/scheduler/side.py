@@ -46,8 +46,7 @@ from aiokv.scheduler.keys import extend_keys
 from aiokv.scheduler.layout import FULL, GroupSpec
 from aiokv.scheduler.saving import Saving
 from aiokv.scheduler.state import Group, Req, Scheduled, SchedulerCounters
-from aiokv.store import Store
-from aiokv.store.index import Namespace
+from aiokv.store.api import SpaceApi, StoreApi
 from aiokv.util.breaker import Breaker
 
 __all__ = ["Scheduled", "SchedulerCounters", "SchedulerSide"]
@@ -58,13 +57,13 @@ log = logging.getLogger("aiokv")
 class SchedulerSide:
     def __init__(
         self,
-        store: Store,
-        groups: "list[tuple[GroupSpec, Namespace]] | Namespace",
+        store: StoreApi,
+        groups: "list[tuple[GroupSpec, SpaceApi]] | SpaceApi",
         block_size: int,
         breaker: Breaker | None = None,
         index_wait: float = 0.0,
     ):
-        if isinstance(groups, Namespace):  # one full-attention group
+        if isinstance(groups, SpaceApi):  # one full-attention group
             groups = [(GroupSpec(0, FULL, groups.payload_bytes, ()), groups)]
         self.breaker = breaker or Breaker()  # a sick disk: no hits or saves for a while (breaker.py)
         self.groups = [Group(spec, ns) for spec, ns in groups]
@@ -90,11 +89,11 @@ class SchedulerSide:
         self._logged: set[str] = set()  # the hooks whose failure was logged (error)
 
     @property
-    def store(self) -> Store:
+    def store(self) -> StoreApi:
         return self.jobs.store
 
     @store.setter
-    def store(self, store: Store) -> None:  # (tests and tools/store_faults.py wrap it)
+    def store(self, store: StoreApi) -> None:  # (tests and tools/store_faults.py wrap it)
         self.jobs.store = store
 
     # ---- matching and allocation ----

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from aiokv.scheduler.layout import GroupSpec
-from aiokv.store.index import Namespace
+from aiokv.store.api import SpaceApi
 from aiokv.util import counters, counting
 
 
@@ -29,7 +29,7 @@ class Scheduled:
 @dataclasses.dataclass
 class Group:
     spec: GroupSpec
-    ns: Namespace
+    ns: SpaceApi  # (a Namespace, or a DriveNamespace over several drives)
 
 
 @dataclasses.dataclass

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Several drives: one Store per drive's cache directory, seen by the scheduler side
-as one store (`Drives`, with one `DriveNamespace` per namespace: driveviews.py).
+as one store (`Drives`, with one `DriveNamespace` per namespace: driveviews.py); the
+same interface as one Store's (api.StoreApi), so no caller asks which it has.
 
 Placement: a key is saved on the drive of highest rendezvous weight (BLAKE2b of the
 key, keyed by a seed from the drive's configured path string) among the drives
@@ -25,7 +26,7 @@ Breakers: each drive has its own (aiokv/util/breaker.py). Its failures (I/O erro
 on its files, loads that timed out waiting on it: counted per drive by the
 workers, WorkerReport.drives, handed in by `record`) and its file system's stalls
 (its Store's I/O thread past fs_timeout) open it; while open, its blocks are no
-hits (lookup, pin, serving: for every kind of group) and saves placed on it are dropped (store_skipped_drive_down);
+hits (lookup, pin, served: for every kind of group) and saves placed on it are dropped (store_skipped_drive_down);
 half-open, it is probed by hits while none of its blocks is pinned. The other
 drives go on. The scheduler side's own breaker then judges only a stall of every
 drive (`stalled`).
@@ -50,10 +51,11 @@ import hashlib
 import logging
 import os
 import threading
+from typing import Any
 
 from aiokv.data import format as fmt
 from aiokv.store import persist
-from aiokv.store.driveviews import DriveNamespace, Indexes, KeyUnion, SpaceUsed
+from aiokv.store.driveviews import DriveNamespace
 from aiokv.store.fsthread import at_once, bounded
 from aiokv.store.store import StoreStats
 from aiokv.util import counting
@@ -87,8 +89,6 @@ class Drives:
         self.seeds = [seed(p) for p in self.paths]
         self.breakers = {d: Breaker(failures, cooldown, where=self.paths[d]) for d in self.live}
         self.skipped_drive_down = 0
-        self.index = Indexes(self.stores)
-        self.space = SpaceUsed(self.stores)
 
     # ---- what the connector reads ----
     @property
@@ -112,13 +112,40 @@ class Drives:
         """Every drive's file system has stopped answering (one drive's stall is its breaker's)."""
         return all(s.stalled for s in self.stores.values())
 
+    @property
+    def loading(self) -> int:
+        return sum(s.loading for s in self.stores.values())
+
+    @property
+    def fs_bytes(self) -> int:
+        return sum(s.fs_bytes for s in self.stores.values())
+
+    def namespaces(self) -> list:
+        return [ns for s in self.stores.values() for ns in s.namespaces()]
+
+    def blocks(self) -> int:
+        return sum(s.blocks() for s in self.stores.values())
+
+    def used(self) -> int:
+        return sum(s.used() for s in self.stores.values())
+
+    def load_pinned(self) -> int:
+        return sum(s.load_pinned() for s in self.stores.values())
+
+    def drives(self) -> list[tuple[int, str, Any]]:
+        """(index in the configured list, its path as configured, its Store) of each drive present."""
+        return [(d, self.paths[d], s) for d, s in self.stores.items()]
+
+    def parts(self, ns: DriveNamespace) -> list[tuple[int, Any, Any]]:
+        return [(d, self.stores[d], n) for d, n in ns.parts]
+
     def down(self) -> list[int]:
         """Drives whose breaker is not closed."""
         return [d for d, b in self.breakers.items() if b.is_open]
 
     def _serving(self) -> set[int]:
         """Drives whose blocks are hits now: breaker closed, or half-open with none pinned (the probe)."""
-        return {d for d, b in self.breakers.items() if b.allow_hit(len(self.stores[d].index.pins))}
+        return {d for d, b in self.breakers.items() if b.allow_hit(self.stores[d].load_pinned())}
 
     # ---- the scheduler side's calls ----
     def namespace(self, nsid: bytes, payload_bytes: int, ranks: int = 1, fields: dict | None = None):
@@ -164,20 +191,20 @@ class Drives:
         parts = [(d, n) for d, n in ns.parts if d in serving]
         for d, n in parts:
             self.stores[d].lookup(n, (), 0)  # applies the last look at the other engines (store.py)
-        entries = [n.entries for _, n in parts]
         n, stop = 0, len(keys) if limit is None else min(limit, len(keys))
-        while n < stop and any(keys[n] in e for e in entries):
+        while n < stop and any(part.has(keys[n]) for _, part in parts):
             n += 1
         return n
 
-    def serving(self, ns: DriveNamespace) -> KeyUnion:
-        """The blocks of ns that are hits now: those of the drives serving hits (as lookup and
-        pin see them), the first of them holding a key answering for it."""
+    def served(self, ns: DriveNamespace, keys) -> list[bool]:
+        """Whether each key's block is a hit now on a drive serving hits (as lookup and pin see
+        them)."""
         serving = self._serving()
-        parts = [(d, n) for d, n in ns.parts if d in serving]
-        for d, n in parts:
-            self.stores[d].lookup(n, (), 0)  # applies the last look at the other engines (store.py)
-        return KeyUnion([(d, n.entries) for d, n in parts])
+        parts = [n for d, n in ns.parts if d in serving]
+        for d, n in ns.parts:
+            if d in serving:
+                self.stores[d].lookup(n, (), 0)  # applies the last look at the other engines (store.py)
+        return [any(n.has(k) for n in parts) for k in keys]
 
     def holds(self, ns: DriveNamespace, key: bytes, where: int) -> bool:
         """Whether key's committed copy on the drive `where` names is the one at `where`."""
@@ -190,7 +217,7 @@ class Drives:
         by: dict[int, list[int]] = {}
         for j, k in enumerate(keys):
             for d, n in ns.parts:
-                if d in serving and k in n.entries:
+                if d in serving and n.has(k):
                     by.setdefault(d, []).append(j)
                     break
         for d, idx in by.items():
@@ -229,7 +256,7 @@ class Drives:
         return out if top is None else counting.top_and_other(out, top)
 
     def reserve(self, ns: DriveNamespace, key: bytes, tenant: str | bytes = "") -> int | None:
-        if key in ns.entries or key in ns.pending:
+        if ns.has(key) or ns.reserved(key):
             return None
         d = place(key, self.seeds, self.live)
         if not self.breakers[d].allow_saves():
@@ -248,37 +275,31 @@ class Drives:
     def commit(
         self, ns: DriveNamespace, items, tenant: str | bytes = "", pinned: bool = False, request: bool = False
     ) -> None:
-        first = None
-        for d, its in self._by_drive(items).items():
-            if d not in ns.on:
-                continue  # no such drive here: nothing of ours
-            try:
-                self.stores[d].commit(ns.on[d], its, tenant, pinned, request)
-            except Exception as e:
-                first = first or e
-        if first is not None:
-            raise first
+        self._per_drive(ns, "commit", self._by_drive(items), tenant, pinned, request)
 
     def abort(self, ns: DriveNamespace, items, failed: bool = True) -> None:
         self._per_drive(ns, "abort", self._by_drive(items), failed)
 
-    def _per_drive(self, ns: DriveNamespace, name: str, by: dict, *args) -> None:
-        first = None
+    def _per_drive(self, ns: DriveNamespace, name: str, by: dict, *args) -> list:
+        """store.name(its part of ns, its items, *args) on each drive of `by` (drive -> items);
+        their results; the first error is raised once all were called."""
+        first, out = None, []
         for d, items in by.items():
             if d not in ns.on:
                 continue  # no such drive here: nothing of ours
             try:
-                getattr(self.stores[d], name)(ns.on[d], items, *args)
+                out.append(getattr(self.stores[d], name)(ns.on[d], items, *args))
             except Exception as e:
                 first = first or e
         if first is not None:
             raise first
+        return out
 
     def drop(self, ns: DriveNamespace, keys, corrupt: bool = True) -> None:
         by: dict[int, list] = {}
         for k in keys:
             for d, n in ns.parts:
-                if k in n.entries:
+                if n.has(k):
                     by.setdefault(d, []).append(k)
                     break
         first = None
@@ -293,18 +314,7 @@ class Drives:
     def drop_at(self, ns: DriveNamespace, items, corrupt: bool = True) -> int:
         """Each (key, location) dropped on the drive the location names, where the key still
         sits there (another drive's copy of it stays); returns how many were dropped."""
-        by = self._by_drive(items)
-        n, first = 0, None
-        for d, its in by.items():
-            if d not in ns.on:
-                continue
-            try:
-                n += self.stores[d].drop_at(ns.on[d], its, corrupt)
-            except Exception as e:
-                first = first or e
-        if first is not None:
-            raise first
-        return n
+        return sum(self._per_drive(ns, "drop_at", self._by_drive(items), corrupt))
 
     def verify_slot(self, ns: DriveNamespace, key: bytes, where: int) -> bool:
         d, w = fmt.drive_of(where)

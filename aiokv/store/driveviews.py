@@ -1,59 +1,57 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Several drives' parts seen as one (drives.py's Drives hands these out): a namespace on
-every drive present (`DriveNamespace`), a key -> location view over the drives' dicts with
-the drive's index in each location (`KeyUnion`: format.on_drive), every drive's namespaces and
-pins (`Indexes`), their space used (`SpaceUsed`).
+"""One namespace on every drive present, seen as one (`DriveNamespace`: drives.py's Drives
+hands these out): the same calls as a Namespace's (`has`, `where`, `count`, `keys`, ...;
+store/api.py), asked of each drive's part, a location carrying the drive's index
+(format.on_drive).
 
-Threading contract: a Store's: one owner thread (the EngineCore scheduler thread) reads them.
+Threading contract: a Store's: one owner thread (the EngineCore scheduler thread) calls it.
 """
 
 from __future__ import annotations
 
 from aiokv.data import format as fmt
-
-
-class KeyUnion:
-    """Read-only key -> location view over the drives' dicts (entries, pending):
-    the first drive holding a key answers, with its index in the location."""
-
-    def __init__(self, parts: list[tuple[int, dict]]):
-        self.parts = parts
-
-    def get(self, key, default=None):
-        for d, m in self.parts:
-            w = m.get(key)
-            if w is not None:
-                return fmt.on_drive(d, w)
-        return default
-
-    def __contains__(self, key) -> bool:
-        return any(key in m for _, m in self.parts)
-
-    def __getitem__(self, key):
-        w = self.get(key)
-        if w is None:
-            raise KeyError(key)
-        return w
-
-    def __len__(self) -> int:
-        return sum(len(m) for _, m in self.parts)
-
-    def __iter__(self):
-        for _, m in self.parts:
-            yield from m
+from aiokv.store import legacy
 
 
 class DriveNamespace:
-    """One namespace on every drive present: (drive, that drive's Namespace) each."""
+    """One namespace on every drive present: (drive, that drive's Namespace) each; a key's
+    location is the first drive's holding it."""
 
     def __init__(self, parts: list):
+        """parts: [(drive, Namespace)], at least one."""
         first = parts[0][1]
         self.nsid, self.payload_bytes, self.slot_bytes = first.nsid, first.payload_bytes, first.slot_bytes
         self.ranks, self.fields = first.ranks, first.fields
         self.parts = parts
         self.on = dict(parts)  # drive -> its Namespace
-        self.entries = KeyUnion([(d, ns.entries) for d, ns in parts])
-        self.pending = KeyUnion([(d, ns.pending) for d, ns in parts])
+
+    # the old dict-like reads, until the callers on other branches ask the calls below (legacy.py)
+    entries = property(legacy.entries)
+    pending = property(legacy.pending)
+
+    def has(self, key: bytes) -> bool:
+        """Whether any drive's part holds a committed block of key."""
+        return any(n.has(key) for _, n in self.parts)
+
+    def where(self, key: bytes) -> int | None:
+        """key's location on the first drive holding it, with that drive's index in it."""
+        for d, n in self.parts:
+            w = n.where(key)
+            if w is not None:
+                return fmt.on_drive(d, w)
+        return None
+
+    def reserved(self, key: bytes) -> bool:
+        """Whether any drive's part has a reservation of key not yet committed."""
+        return any(n.reserved(key) for _, n in self.parts)
+
+    def count(self) -> int:
+        """Blocks every drive's part holds."""
+        return sum(n.count() for _, n in self.parts)
+
+    def keys(self) -> list[bytes]:
+        """Every drive's keys, each once (read from the files: tools and tests)."""
+        return list(dict.fromkeys(k for _, n in self.parts for k in n.keys()))
 
     def held(self, tag: int) -> bool:
         """Whether any drive holds a block of this key tag (the KV events' removals)."""
@@ -64,27 +62,6 @@ class DriveNamespace:
         """Every drive's index has loaded."""
         return all(ns.ready for _, ns in self.parts)
 
-
-class Indexes:
-    """What the connector reads of `store.index`: every drive's namespaces and pins."""
-
-    def __init__(self, stores: dict):
-        self._stores = stores
-
-    @property
-    def namespaces(self) -> dict:
-        return {(d, nsid): ns for d, s in self._stores.items() for nsid, ns in s.index.namespaces.items()}
-
-    @property
-    def pins(self) -> dict:
-        return {(d, pk): n for d, s in self._stores.items() for pk, n in s.index.pins.items() if n}
-
-
-class SpaceUsed:
-    """What the connector reads of `store.space`: the bytes every drive uses."""
-
-    def __init__(self, stores: dict):
-        self._stores = stores
-
-    def used(self) -> int:
-        return sum(s.space.used() for s in self._stores.values())
+    def still_loading(self) -> bool:
+        """Whether any drive's index is on its way (not in, not failed)."""
+        return any(n.still_loading() for _, n in self.parts)

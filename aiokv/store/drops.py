@@ -42,7 +42,7 @@ class Drops:
     def drop_at(self, ns: Namespace, items, corrupt: bool = True) -> int:
         """drop() of each (key, location) whose key still sits at that location (not a newer
         copy); returns how many were dropped."""
-        keys = [k for k, where in items if ns.entries.get(k) == where]
+        keys = [k for k, where in items if ns.where(k) == where]
         if keys:
             self.drop(ns, keys, corrupt)
         return len(keys)

@@ -8,9 +8,9 @@ and does the I/O. Kept apart so property tests can drive it fast.
 Every engine's blocks of a namespace are a Table (table.py: a few bytes a
 block, tags not keys). Lookups, commits and drops take keys and work on their
 tags; what only a slot names (an eviction) is said by slot and tag. The keys
-of the blocks are in the files, and the views that hand out keys (iterating
-`entries`, `own`, a peer's blocks, `Index.lru`: tools and tests) read them
-there through the namespace's `keys_of` (set by the store; the views: indexviews.py).
+of the blocks are in the files, and the calls that hand out keys (`Namespace.keys`,
+`Index.lru`: tools and tests) read them there through the namespace's `keys_of` (set by
+the store; nskeys.py).
 
 Threading contract: one thread (the Store's owner) calls everything here.
 """
@@ -24,8 +24,8 @@ import numpy as np
 
 from aiokv import _index
 from aiokv.data.format import loc
+from aiokv.store import legacy, nskeys
 from aiokv.store.allocator import SlotAllocator
-from aiokv.store.indexviews import Entries, Own, Peers
 from aiokv.store.journal import KeyMap, apply_records, record_key, record_tags
 from aiokv.store.table import Table, tag_of
 
@@ -33,11 +33,11 @@ from aiokv.store.table import Table, tag_of
 class Namespace:
     """One namespace as one engine sees it: its own blocks (`table`), pending
     reservations and allocator, the blocks of the other engines on the directory
-    (`tables`, followed from their journals), and `entries`, the union that
-    lookups read: our own copy first, else the lowest-numbered engine's.
+    (`tables`, followed from their journals), and the union that lookups read
+    (`has`, `where`): our own copy first, else the lowest-numbered engine's.
 
     `engine` is this engine's number (None for a read-only opener, which owns
-    nothing). Own slots are plain slot numbers; `entries` and `pending` hold
+    nothing). Own slots are plain slot numbers; `where` and `pending` hold
     locations (format.loc: engine << 32 | slot), which for engine 0 are the slots.
     `ready` is False while its index loads in the background (store.py): no hits,
     no saves meanwhile; `load_failed` once that load failed (it stays not ready).
@@ -70,9 +70,10 @@ class Namespace:
         self._order: tuple = ()
         self._probes: tuple = ()
         self._reorder()
-        self.entries = Entries(self)
-        self.own = Own(self)
-        self.peers = Peers(self)
+
+    # the old dict-like reads, until the callers on other branches ask the calls below (legacy.py)
+    entries = property(legacy.entries)
+    own = property(legacy.own)
 
     def _reorder(self) -> None:
         peers = sorted(self.tables)
@@ -93,6 +94,14 @@ class Namespace:
         return self.nsid.hex()
 
     # ---- lookups ----
+    def has(self, key: bytes) -> bool:
+        """Whether any engine's committed block of key is a hit here (as `where` finds it)."""
+        return isinstance(key, bytes) and _index.locate(self._probes, key) is not None
+
+    def reserved(self, key: bytes) -> bool:
+        """Whether key has a reservation of ours not yet committed (`pending`)."""
+        return key in self.pending
+
     def where(self, key: bytes) -> int | None:
         """The location lookups should use for key: our own copy first, else another
         engine's (the lowest-numbered; a newer commit elsewhere may also take its place)."""
@@ -103,9 +112,33 @@ class Namespace:
         """Whether any engine (other than `but`) holds a block of this tag."""
         return any(e != but and self.table_of(e).find_tag(tag) >= 0 for e in self._order)
 
-    def count(self) -> int:
-        """Blocks every engine holds (a block two engines hold counts twice)."""
-        return self.table.count + sum(t.count for t in self.tables.values())
+    def count(self, engine: int | None = None) -> int:
+        """Blocks every engine holds (a block two engines hold counts twice); or, given an
+        engine's number, that engine's blocks."""
+        if engine is None:
+            return self.table.count + sum(t.count for t in self.tables.values())
+        return self.table_of(engine).count if engine in self._order else 0
+
+    def block(self, key: bytes, engine: int | None = None) -> tuple[int, int] | None:
+        """(slot, access time) of an engine's block of key (default: ours), None: it holds none."""
+        e = self.engine if engine is None else engine
+        t = self.table if e == self.engine else self.tables.get(e)
+        s = t.find(key) if t is not None and isinstance(key, bytes) else -1
+        return None if s < 0 else (s, t.atime_at(s))
+
+    def keys(self, engine: int | None = None) -> list[bytes]:
+        """The keys of the blocks here, read from the files (tools and tests: not for the
+        owner's hot paths): every engine's, ours first, each once; or, given an engine's
+        number (ours: ns.engine), that engine's (nskeys.py)."""
+        return nskeys.keys(self, engine)
+
+    def peers(self) -> list[int]:
+        """The other engines holding blocks of this namespace, by number."""
+        return sorted(self.tables)
+
+    def still_loading(self) -> bool:
+        """Whether the index is on its way: not in and not failed."""
+        return not self.ready and not self.load_failed
 
     # ---- changes, for a watcher ----
     def _added(self, tag: int, key: bytes | None, engine: int) -> None:

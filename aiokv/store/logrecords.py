@@ -103,9 +103,9 @@ def read_file(name: str, dir_fd: int) -> bytes | None:
 
 
 class KeyMap:
-    """slot -> key of the blocks an engine's files name, in arrays (sorted slots, keys):
-    records' keys by slot (readkeys.read_keys makes one). Immutable once made: any thread
-    may read it."""
+    """The keys of the blocks an engine's files name, in arrays (sorted slots, keys), asked
+    in bulk (`keys_of`; readkeys.read_keys makes one). Immutable once made: any thread may
+    read it."""
 
     def __init__(self, recs=None):
         recs = np.zeros(0, REC) if recs is None else recs
@@ -113,21 +113,6 @@ class KeyMap:
         self.keys = np.ascontiguousarray(recs["key"])
         self.klens = np.ascontiguousarray(recs["klen"])
         self.tags = np.ascontiguousarray(recs["tag"])
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    def get(self, slot: int, default=None):
-        i = int(np.searchsorted(self.slots, slot))
-        if i < len(self.slots) and self.slots[i] == slot:
-            return bytes(self.keys[i])[: self.klens[i]]
-        return default
-
-    def __getitem__(self, slot: int) -> bytes:
-        k = self.get(slot)
-        if k is None:
-            raise KeyError(slot)
-        return k
 
     def keys_of(self, slots, tags) -> list[bytes | None]:
         """The key of each slot whose key here has the tag given for it (else None)."""

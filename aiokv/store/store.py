@@ -53,7 +53,9 @@ read on a loader thread (`Loader`, loading.py), and until the owner installs it 
 namespace is not `ready`. Without io_thread everything is read at once, as before.
 
 The facade (this module): `Store` holds the parts, one job per module, and
-forwards to them; it does lookups itself. The parts, each owning its own state
+forwards to them; it does lookups itself; it implements the store's interface
+(api.StoreApi, as drives.Drives does: one Store is one drive). The parts are made,
+wired and opened by assembly.py. The parts, each owning its own state
 and handed the others it reads: `Dirs` and `Opener` (meta.py: aiokv.json, the
 setup lock, the directories, our engine's lock; namespaces opened), `Replay`
 (replay.py: our own index at opening, rebuilt from the slots if damaged), `Space`
@@ -80,28 +82,14 @@ import logging
 import os
 import time
 
-from aiokv.config import parse_size
 from aiokv.data import format as fmt
 from aiokv.data.dirs import NotAStore  # noqa: F401  (re-exported: aiokv.store)
+from aiokv.store import assembly
 from aiokv.store import quotas as quotas_mod
-from aiokv.store.control import Control
-from aiokv.store.drops import Drops
-from aiokv.store.following import Following
 from aiokv.store.fsthread import FsThread
 from aiokv.store.index import Index, Namespace
-from aiokv.store.labels import Labels
-from aiokv.store.loading import Loader
-from aiokv.store.meta import Dirs, Opener, ns_dir  # noqa: F401  (ns_dir: callers name a namespace's directory)
-from aiokv.store.persist import Persist
-from aiokv.store.pins import LoadPins, Pins
+from aiokv.store.meta import ns_dir  # noqa: F401  (callers name a namespace's directory)
 from aiokv.store.quotas import Quotas
-from aiokv.store.reclaim import Reclaim
-from aiokv.store.replay import Replay
-from aiokv.store.saves import Saves
-from aiokv.store.scan import Scan
-from aiokv.store.space import Space
-from aiokv.store.tenants import Tenants
-from aiokv.store.wear import Wear
 from aiokv.util import counters, counting
 
 WAIT_PER_STEP = 0.05  # seconds the owner may wait per step for a grow in flight (io_thread)
@@ -157,11 +145,11 @@ class Store:
         self.stats = StoreStats()
         self.index = Index()
         self.fs = FsThread(None)  # opening runs on the caller's thread
-        self._make_parts(capacity, sync_interval, checkpoint_every, secret)
-        self._make_orders(sync_interval)
+        assembly.make_parts(self, capacity, sync_interval, checkpoint_every, secret)
+        assembly.make_orders(self, sync_interval)
         background = io_thread and not readonly
         try:
-            shells = self._open(engine, background)
+            shells = assembly.open_dirs(self, engine, background)
         except BaseException:
             self.close(checkpoint=False)
             raise
@@ -170,78 +158,6 @@ class Store:
             self.following.start()
         if shells:
             self.loader.start(shells, self.engine)
-
-    def _make_parts(self, capacity, sync_interval: float, checkpoint_every: int, secret) -> None:
-        """The parts, one job each, handed the others they read (nothing opened yet)."""
-        fs = self.fs
-        self.dirs = Dirs(self.root, self.readonly)
-        self.tenants = Tenants(self.dirs, fs, fmt.tenant_key(secret), self.index)  # tenant tags <-> ids (tenants.py)
-        self.persist = Persist(fs, self.index, sync_interval, checkpoint_every)
-        self.tenants.checkpoint = self.persist.checkpoint
-        self.following = Following(self.dirs, self.index, fs, self.tenants)
-        self.space = Space(
-            parse_size(capacity) if capacity is not None else None,
-            self.dirs,
-            self.index,
-            fs,
-            self.stats,
-            self.persist,
-            self.following.peer_bytes,
-        )
-        # pin_capacity, request_pins, pin_blocks; the keys loads hold (pins.py)
-        self.pins = Pins(self.index, self.tenants, self.stats, self.space, self.persist)
-        self.load_pins = LoadPins(self.index, self.persist, self.dirs, self.readonly)
-        self.scan = Scan(self.dirs, self.space, fs, self.persist)
-        t = self.tenants
-        self._replay = Replay(self.dirs, self.index, self.space, self.persist, self.scan, t.id_at_open, t.own_loaded)
-        self.labels = Labels(self.dirs, fs)  # a description per key, for the connector's KV events
-        self.reclaim = Reclaim(self.dirs, self.index, fs, self.stats, self.following, self.space, sync_interval)
-        self.opener = Opener(self.dirs, self.index, self._replay, self.following, self.space, fs)
-
-    def _make_orders(self, sync_interval: float) -> None:
-        """The operators' orders (aiokv clear, pin, unpin), read at each look at the other
-        engines, wired to the parts that apply them; the saves and the loader, which obey them."""
-        self.control = Control(
-            self.dirs,
-            self.index,
-            self.tenants,
-            self.space,
-            self.persist,
-            self.stats,
-            self.fs,
-            self.pins.free_blocks,
-            self.pins.may_pin,
-        )
-        self.following.control = self.control
-        self._replay.orders = self.control.apply_loaded  # (applied to our index as it is read, before it serves)
-        self.control.dead = self.reclaim.orders  # (and to the files of the dead engines we hold)
-        self.drops = Drops(self.dirs, self.index, self.stats, self.persist)
-        self.saves = Saves(
-            self.dirs, self.index, self.tenants, self.stats, self.space, self.persist, self.pins, self.control
-        )
-        self.loader = Loader(
-            self.index, self.fs, self._replay, self.control, self.tenants, self.space, self._close_dirs
-        )
-
-    def _open(self, engine: int | None, background: bool) -> list[Namespace]:
-        """Open the directory and take our engine's lock; read our tenants, the wear file and the
-        orders; each namespace loaded now, or (background) returned as a shell to be loaded."""
-        found = self.dirs.open(engine)
-        self.tenants.load_own(self.persist.logs)
-        self.wear = Wear(self.dirs.root_fd, self.engine) if not self.readonly else None  # bytes committed
-        control = self.control
-        control.orders += control.read_io() or []  # (applied as each namespace is in place)
-        control.last = control.orders[-1].number if control.orders else 0
-        control.blind = control._unreadable is not None  # (its orders then: control.take)
-        shells = []
-        for nsid in found:
-            if background:  # loaded in the background (loading.py): not ready until then
-                shells.append(self.opener.shell(nsid))
-            else:
-                control.catch_up(self.opener.load(nsid))
-        if not self.readonly and not background:
-            self.space.shrink_to_limit()
-        return shells
 
     @property
     def loading(self) -> int:
@@ -320,15 +236,38 @@ class Store:
             following.follow_all()
         return self.index.lookup(ns, keys, limit)
 
-    def serving(self, ns: Namespace):
-        """The blocks of ns that are hits now, as a read-only key -> location mapping (the
-        other engines' last look applied, as by lookup)."""
+    def served(self, ns: Namespace, keys) -> list[bool]:
+        """Whether each key's block is a hit now (the other engines' last look applied, as by
+        lookup): one probe per key."""
         self.lookup(ns, (), 0)
-        return ns.entries
+        return [ns.has(k) for k in keys]
 
     def holds(self, ns: Namespace, key: bytes, where: int) -> bool:
         """Whether key's committed copy is the one at location `where`."""
-        return ns.entries.get(key) == where
+        return ns.where(key) == where
+
+    def namespaces(self) -> list[Namespace]:
+        return list(self.index.namespaces.values())
+
+    def blocks(self) -> int:
+        return sum(ns.count() for ns in self.index.namespaces.values())
+
+    def used(self) -> int:
+        return self.space.used()
+
+    @property
+    def fs_bytes(self) -> int:
+        return self.dirs.fs_bytes
+
+    def drives(self) -> list[tuple[int, str, Store]]:
+        """One drive: this directory (api.StoreApi)."""
+        return [(0, self.root, self)]
+
+    def parts(self, ns: Namespace) -> list[tuple[int, Store, Namespace]]:
+        return [(0, self, ns)]
+
+    def record(self, drives: dict) -> None:
+        """One drive: the workers' verdicts are the scheduler side's breaker's (api.StoreApi)."""
 
     def reserve(self, ns: Namespace, key: bytes, tenant: str | bytes = "") -> int | None:
         """A location (in our engine's files) for `key` of `tenant`, evicting if needed (saves.py)."""
@@ -350,6 +289,10 @@ class Store:
 
     def unpin(self, ns: Namespace, keys) -> None:
         self.load_pins.unpin(ns, keys)
+
+    def load_pinned(self) -> int:
+        """Keys loads hold pinned now (pins.py LoadPins)."""
+        return len(self.index.pins)
 
     # ---- pins that last: blocks never evicted (issue 34), bounded by pin_capacity (pins.py) ----
     def pinned_bytes(self) -> int:
