@@ -30,8 +30,6 @@ hooks when there is nothing to do.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
 import os
 import random
@@ -44,6 +42,8 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tools import harness  # noqa: E402
 
 BLOCK = 32
 
@@ -351,9 +351,7 @@ def hooks(layers: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=None)
+    ap = harness.parser(__doc__)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=96)
@@ -366,10 +364,7 @@ def main() -> int:
     base = tempfile.mkdtemp(prefix="aiokv-overhead-")
     t0 = time.monotonic()
     try:
-        doc = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        }
+        doc = harness.document()
         doc["scheduler"] = scheduler_side([int(x) for x in args.running.split(",")], base)
         doc["hooks"] = hooks(args.layers)
         if not args.skip_throughput:
@@ -381,10 +376,7 @@ def main() -> int:
         doc["seconds"] = round(time.monotonic() - t0, 1)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bench_store as bs
-
-    return bs.emit(doc, args, render)
+    return harness.emit(doc, args, render)
 
 
 def render(doc: dict) -> str:
