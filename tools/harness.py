@@ -13,8 +13,10 @@
 - `workdir(path, prefix)`: the run's directory (a temp one, removed after, unless given).
 - `fio(...)`, `HugePages`: fio's io_uring, O_DIRECT runs of the same I/Os, with huge-page buffers
   where nr_hugepages can be raised (root); `cpu_s_per_gb`.
+- `child(argv, what)`: a phase in a fresh process (the script again with --phase), its JSON line.
 - `document(**body)`: the JSON document (date, command line, machine facts, then the body);
-  `emit(doc, args, render, plot)`: --out FILE, --plot DIR, --json or the rendered table.
+  `emit(doc, args, render, plot)`: --out FILE, --plot DIR, --json or the rendered table;
+  `flat(out, args)`: a flat document as one JSON line, or a line a figure.
 - tools/ab.py runs one benchmark against two trees, interleaved (before/after a change).
 
 Threading contract: none; every function runs on the caller's thread (the benchmark's main
@@ -98,6 +100,31 @@ def emit(doc: dict, args, render: Callable[[dict], str], plot=None) -> int:
     else:
         print(render(doc))
     return 0
+
+
+def flat(out: dict, args, digits: int | None = None) -> int:
+    """A flat document's output: --json, one JSON line (floats rounded to `digits`); else a line a
+    figure; --out FILE: the JSON line written there too."""
+    line = json.dumps({k: round(v, digits) if digits and isinstance(v, float) else v for k, v in out.items()})
+    if getattr(args, "out", None):
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    if args.json:
+        print(line)
+    else:
+        for k, v in out.items():
+            print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
+    return 0
+
+
+def child(argv: list[str], what: str, env: dict | None = None) -> dict:
+    """`python argv...` in a fresh process (a phase of a benchmark: this script again, or another);
+    the last JSON line it printed. Exits naming `what` with its stderr's tail when it fails."""
+    p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        raise SystemExit(f"{what} failed (rc {p.returncode}):\n{p.stderr[-4000:]}")
+    return json.loads(lines[-1])
 
 
 @contextlib.contextmanager
