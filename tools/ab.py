@@ -11,7 +11,8 @@ working directory, each with --json (added when missing). Every number in the do
 prints is a figure, named by its path (a list's items named by their identifying fields: size,
 depth, prompt_tokens...). Printed: per figure the median before and after, the median of the
 rounds' own ratios after/before and their spread (lowest..highest); figures only one side has
-are listed apart. --json: one document of the same. Each tree runs its own script against its own
+are listed apart; --figures keeps those whose path holds one of some words (gbps,cpu).
+--json: one document of the same. Each tree runs its own script against its own
 aiokv, so the trees need not share an API; --before-args/--after-args add flags to one side.
 """
 
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=None, help="seconds one run may take")
     ap.add_argument("--before-args", default="", help="flags for the before tree's runs only")
     ap.add_argument("--after-args", default="", help="flags for the after tree's runs only")
+    ap.add_argument("--figures", default="", help="only figures whose path holds one of these (comma separated)")
     opts = ap.parse_args(argv[:cut])
     script, *args = argv[cut + 1 :] or [""]
     if not script:
@@ -149,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = harness.interleave({"before": side("before"), "after": side("after")}, opts.rounds)
     doc = harness.document(**trees, script=script, args=args, rounds=opts.rounds)
     doc["figures"] = compare(runs["before"], runs["after"])
+    want = [w for w in opts.figures.split(",") if w]
+    if want:
+        doc["figures"] = {k: v for k, v in doc["figures"].items() if any(w in k for w in want)}
     doc["only_before"] = sorted(k for k in runs["before"][0] if k not in runs["after"][0])
     doc["only_after"] = sorted(k for k in runs["after"][0] if k not in runs["before"][0])
     doc["wall_s"] = {s: statistics.median(t) for s, t in took.items()}
