@@ -57,7 +57,6 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -368,23 +367,19 @@ def main() -> None:
         args.json = True  # (one JSON line, as ever)
         harness.flat(lru_trace(), args, 6)
         return
-    base = args.dir or tempfile.mkdtemp(prefix="aiokv-index-")
-    root = os.path.join(base, "store")
-    shutil.rmtree(root, ignore_errors=True)
-    try:
-        import aiokv
+    import aiokv
 
-        out = {"n": args.n, "tree": os.path.dirname(os.path.abspath(aiokv.__file__))}
-        out.update(run_phase("build", root, args.n))
-        out.update(run_phase("replay", root, args.n))
-        out.update(run_phase("open", root, args.n))
-        out.update(run_phase("wait", root, args.n))
-        if args.engines:
-            out.update(engines(root, args.n, args.engines))
-    finally:
+    out = {"n": args.n, "tree": os.path.dirname(os.path.abspath(aiokv.__file__))}
+    with harness.workdir(args.dir, "aiokv-index-") as base:
+        root = os.path.join(base, "store")
         shutil.rmtree(root, ignore_errors=True)
-        if not args.dir:
-            shutil.rmtree(base, ignore_errors=True)
+        try:
+            for phase in ("build", "replay", "open", "wait"):
+                out.update(run_phase(phase, root, args.n))
+            if args.engines:
+                out.update(engines(root, args.n, args.engines))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     harness.flat(out, args, 4)
 
 
