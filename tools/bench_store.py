@@ -414,7 +414,7 @@ def vllm_fs_round(root: str, payload: int, n: int, depth: int, arena) -> dict:
             if bad:
                 raise RuntimeError(f"vllm-fs: {len(bad)} {rw} jobs failed")
             out[f"{rw}_gbps"] = n * payload / dt / 1e9
-            out[f"{rw}_cpu_s_per_gb"] = dc / (n * payload / 1e9)
+            out[f"{rw}_cpu_s_per_gb"] = harness.cpu_s_per_gb(dc, n * payload)
             out[f"{rw}_s"] = dt
     finally:
         pool.shutdown()

@@ -218,7 +218,7 @@ def peers_main(args, sizes: list[int], depth: int, log) -> dict:
                         if f"{pre}{rw}_s" in m:
                             m[f"{pre}{rw}_gbps"] = statistics.median(n * slot / x[f"{pre}{rw}_s"] / 1e9 for x in rs)
                             m[f"{pre}{rw}_cpu_s_per_gb"] = statistics.median(
-                                x[f"{pre}{rw}_cpu_s"] / (n * size / 1e9) for x in rs
+                                harness.cpu_s_per_gb(x[f"{pre}{rw}_cpu_s"], n * size) for x in rs
                             )
                 row[w] = m
 

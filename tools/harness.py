@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The benchmarks' one harness: what every tools/bench_*.py repeats, so each keeps only its question.
 
-- `parser(doc)`: an ArgumentParser with the common flags (--json, --out, and --plot, --rounds,
-  --dir where asked); `say(args)`: a progress printer on stderr (silent with --json).
+- `parser(doc)`: an ArgumentParser with the common flags (--json, --out, and --plot, --rounds
+  where asked); `say(args)`: a progress printer on stderr (silent with --json).
 - `interleave(contenders, rounds)`: rounds of every contender, A, B, A, B..., each round in a
   rotated order (each contender first in turn), so a drift of the machine falls on all of them.
 - `medians(runs)`, `paired(a, b, key)`, `spread(values)`: the median of each figure over the
@@ -46,11 +46,9 @@ NR_HUGE = "/proc/sys/vm/nr_hugepages"
 # ------------------------------------------------------------------ arguments and output
 
 
-def parser(
-    doc: str, *, rounds: int | None = None, plot: bool = False, workdir: bool = False
-) -> argparse.ArgumentParser:
+def parser(doc: str, *, rounds: int | None = None, plot: bool = False) -> argparse.ArgumentParser:
     """The benchmark's parser (its description: the docstring's first paragraph) with --json and
-    --out; --rounds N (default `rounds`) when given, --plot DIR and --dir PATH when asked."""
+    --out; --rounds N (default `rounds`) when given, --plot DIR when asked."""
     ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
     ap.add_argument("--out", default=None, help="also write the JSON document to this file")
@@ -58,8 +56,6 @@ def parser(
         ap.add_argument("--plot", default=None, help="write PNG plots into this directory (needs matplotlib)")
     if rounds is not None:
         ap.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (medians reported)")
-    if workdir:
-        ap.add_argument("--dir", default=None, help="where the run's files go (default: a temp dir)")
     return ap
 
 
