@@ -31,13 +31,14 @@ import asyncio
 import ctypes
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from tools import harness  # noqa: E402
 
 
 async def layer_round(url: str, slot_payload: int, n: int, conc: int, rnd: int, botocore: bool) -> dict:
@@ -174,11 +175,10 @@ def e2e(url: str, env: dict, args) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__, rounds=3)
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--slot-mib", type=float, default=2.0, help="payload per block (MiB)")
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--botocore", action="store_true")
     ap.add_argument("--e2e", action="store_true")
     ap.add_argument("--lengths", default="2048,4096")
@@ -188,7 +188,6 @@ def main() -> int:
         help="more kv_connector_extra_config settings for --e2e (JSON); a bucket needs a secret, or "
         "bucket_unsigned: true",
     )
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     srv = None
     env = {}
@@ -210,21 +209,21 @@ def main() -> int:
             "payload_bytes": payload,
             "concurrency": args.concurrency,
             "rounds": rounds,
-            "median": {k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
+            "median": harness.medians(rounds),
         }
         if args.e2e:
             result["e2e"] = e2e(url, env, args)
     finally:
         if srv is not None:
             srv.stop()
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        for k, v in result["median"].items():
-            print(f"{k:24s} {v:7.3f} GB/s")
-        if "e2e" in result:
-            print(json.dumps(result["e2e"], indent=1))
-    return 0
+    return harness.emit(result, args, render)
+
+
+def render(result: dict) -> str:
+    lines = [f"{k:24s} {v:7.3f} GB/s" for k, v in result["median"].items()]
+    if "e2e" in result:
+        lines.append(json.dumps(result["e2e"], indent=1))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

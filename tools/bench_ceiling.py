@@ -23,21 +23,16 @@ loop only submits and reaps while the threads checksum.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import ctypes
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_store as bs  # noqa: E402
 import uvloop  # noqa: E402
 
 from aiokv.config import parse_size  # noqa: E402
@@ -45,6 +40,8 @@ from aiokv.data import format as fmt  # noqa: E402
 from aiokv.data.blockio import BlockIO  # noqa: E402
 from aiokv.data.buffers import BufferPool  # noqa: E402
 from aiokv.store.store import ns_dir  # noqa: E402
+from tools import bench_store as bs  # noqa: E402
+from tools import harness  # noqa: E402
 
 
 async def one_pass(io: BlockIO, pool: BufferPool, n: int, salt: int) -> dict:
@@ -78,17 +75,15 @@ async def measure(size: int, threads: int, depth: int, gib: float, rounds: int, 
     if cpu is not None:
         cpu.shutdown()
     pool.close()
-    return {d: {k: statistics.median(r[d][k] for r in runs) for k in runs[0][d]} for d in ("write", "read")}
+    return {d: harness.medians([r[d] for r in runs]) for d in ("write", "read")}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main() -> int:
+    ap = harness.parser(__doc__, rounds=3)
     ap.add_argument("--gib", type=float, default=1.0, help="GiB of slots per pass")
     ap.add_argument("--sizes", default="256K,1M,2M")
     ap.add_argument("--threads", default="0,1,2")
     ap.add_argument("--depth", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
@@ -103,19 +98,24 @@ def main() -> None:
         import shutil
 
         shutil.rmtree(root, ignore_errors=True)
-    if args.json:
-        print(json.dumps({"cpus": os.cpu_count(), "depth": args.depth, "results": results}, indent=1))
-        return
-    print(f"one worker's ceiling, null I/O, depth {args.depth}, {os.cpu_count()} CPUs, medians of {args.rounds}")
-    print("| payload | checksum threads | write GB/s | read GB/s | CPU s/GB W/R | loop thread s/GB W/R |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
+    doc = harness.document(cpus=os.cpu_count(), depth=args.depth, rounds=args.rounds, results=results)
+    return harness.emit(doc, args, render)
+
+
+def render(doc: dict) -> str:
+    lines = [
+        f"one worker's ceiling, null I/O, depth {doc['depth']}, {doc['cpus']} CPUs, medians of {doc['rounds']}",
+        "| payload | checksum threads | write GB/s | read GB/s | CPU s/GB W/R | loop thread s/GB W/R |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in doc["results"]:
         w, rd = r["write"], r["read"]
-        print(
+        lines.append(
             f"| {r['payload'] >> 10} KiB | {r['threads']} | {w['gbps']:.1f} | {rd['gbps']:.1f} | "
             f"{w['cpu_s_per_gb']:.3f} / {rd['cpu_s_per_gb']:.3f} | {w['loop_s_per_gb']:.3f} / {rd['loop_s_per_gb']:.3f} |"
         )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -47,6 +47,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tools import harness  # noqa: E402
+
 SETUPS = {
     "none": None,
     "vllm": None,
@@ -338,7 +340,7 @@ def plot(doc: dict, outdir: str) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__, plot=True)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--family", default="dense,hybrid")
     ap.add_argument("--conversations", type=int, default=16)
@@ -352,9 +354,6 @@ def main() -> int:
         help="vLLM's KV budget in tokens (small: preemption; any block count works, aiokv asks vLLM which KV tensor dimension counts blocks)",
     )
     ap.add_argument("--dir", default=None, help="where models and caches go (default: a temp dir)")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--plot", default=None)
-    ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.child:
         print("RESULT " + json.dumps(child(json.loads(a.child))), flush=True)
@@ -371,9 +370,7 @@ def main() -> int:
     doc["seconds"] = round(time.monotonic() - t0)
     if not a.dir:
         shutil.rmtree(work, ignore_errors=True)
-    import bench_store as bs
-
-    return bs.emit(doc, a, render, plot)
+    return harness.emit(doc, a, render, plot)
 
 
 if __name__ == "__main__":

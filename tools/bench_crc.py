@@ -19,10 +19,8 @@ CPU seconds per GB are 1 / GB/s).
 
 from __future__ import annotations
 
-import argparse
 import glob
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -32,6 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aiokv import _native  # noqa: E402
+from tools import harness  # noqa: E402
 
 MIB = 1 << 20
 
@@ -75,12 +74,11 @@ def load_build(where: str):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--hot-mib", type=int, default=2)
     ap.add_argument("--cold-mib", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each is reported")
     ap.add_argument("--baseline", default=None, help="another build's aiokv/_native*.so (or its tree)")
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rng = np.random.default_rng(1)
     small = rng.integers(0, 2**63, args.hot_mib * MIB // 8, dtype=np.uint64)
@@ -117,18 +115,21 @@ def main() -> int:
             c = cold(big, fn or sum_fn(big))
             best[name] = {"hot": max(best[name]["hot"], h), "cold": max(best[name]["cold"], c)}
     out["gbps"] = best
-    if args.json:
-        print(json.dumps(out, indent=1))
-        return 0
-    print(
-        f"default path: {out['path_default']}; hot {args.hot_mib} MiB repeated, cold {args.cold_mib} MiB once; "
-        f"best of {args.rounds} rounds"
-    )
-    print("| path | hot GB/s | hot us/MiB | cold GB/s | cold us/MiB |")
-    print("|---|---|---|---|---|")
-    for p, r in out["gbps"].items():
-        print(f"| {p} | {r['hot']:.1f} | {MIB / r['hot'] / 1e3:.1f} | {r['cold']:.1f} | {MIB / r['cold'] / 1e3:.1f} |")
-    return 0
+    return harness.emit(harness.document(**out), args, render)
+
+
+def render(doc: dict) -> str:
+    lines = [
+        f"default path: {doc['path_default']}; hot {doc['hot_mib']} MiB repeated, cold {doc['cold_mib']} MiB once; "
+        f"best of {doc['rounds']} rounds",
+        "| path | hot GB/s | hot us/MiB | cold GB/s | cold us/MiB |",
+        "|---|---|---|---|---|",
+    ]
+    for p, r in doc["gbps"].items():
+        lines.append(
+            f"| {p} | {r['hot']:.1f} | {MIB / r['hot'] / 1e3:.1f} | {r['cold']:.1f} | {MIB / r['cold'] / 1e3:.1f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,6 @@ its CRC-computing calls (copies, slot stamp and check, crc32c) swapped in for ou
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -51,6 +49,7 @@ from aiokv.jobs import Transfer  # noqa: E402
 from aiokv.store.store import ns_dir  # noqa: E402
 from aiokv.worker.device import CpuDevice  # noqa: E402
 from aiokv.worker.transfer import TransferWorker  # noqa: E402
+from tools import harness  # noqa: E402
 from tools.bench_crc import load_build  # noqa: E402
 
 # the calls of aiokv._native that compute CRC32C, swapped for a baseline build's
@@ -176,44 +175,41 @@ def run(args) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__, rounds=3)
     ap.add_argument("--gib", type=int, default=1, help="payload moved each way per round (and KV cache size)")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--heads", type=int, default=4, help="KV heads")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block", type=int, default=16, help="tokens per block")
     ap.add_argument("--depth", type=int, default=32, help="io_uring queue depth")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where the data file goes (a real disk; default: the temp dir)")
     ap.add_argument("--paths", default=None, help="this build's CRC32C paths to run, comma separated")
     ap.add_argument("--baseline", default=None, help="another build's aiokv/_native*.so (or its tree)")
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    r = run(args)
-    if args.json:
-        print(json.dumps(r, indent=1))
-        return 0
-    print(
-        f"{r['blocks']} blocks of {r['payload'] / 1024:.0f} KiB ({r['gb']:.2f} GB) each way, "
-        f"median of {args.rounds} rounds"
-    )
+    return harness.emit(harness.document(rounds=args.rounds, **run(args)), args, render)
+
+
+def render(r: dict) -> str:
+    lines = [
+        f"{r['blocks']} blocks of {r['payload'] / 1024:.0f} KiB ({r['gb']:.2f} GB) each way, median of {r['rounds']} rounds"
+    ]
     res = r["results"]
     for label in r["contenders"]:
-        print(f"\n{label}")
-        print(
+        lines.append(f"\n{label}")
+        lines.append(
             f"{'':14}{'separate core-s/GB':>20}{'in copy core-s/GB':>19}{'saved':>8}{'separate GB/s':>15}"
             f"{'in copy GB/s':>14}"
         )
         for kind in ("disk save", "disk load", "memory save", "memory load", "copy in"):
             (oc, og), (fc, fg) = res[f"{kind}|{label}|separate"], res[f"{kind}|{label}|in copy"]
-            print(f"{kind:14}{oc:20.4f}{fc:19.4f}{oc - fc:8.4f}{og:15.2f}{fg:14.2f}")
+            lines.append(f"{kind:14}{oc:20.4f}{fc:19.4f}{oc - fc:8.4f}{og:15.2f}{fg:14.2f}")
         plain = res[f"copy in|{label}|separate"][0]
-        print(
+        lines.append(
             f"beyond the copy (in copy, less the plain copy {plain:.4f}): "
             f"save {res[f'disk save|{label}|in copy'][0] - plain:.4f}, "
             f"load {res[f'disk load|{label}|in copy'][0] - plain:.4f} core-s/GB"
         )
-    return 0
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

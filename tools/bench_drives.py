@@ -61,12 +61,10 @@ GB = 1e9. The ratios: aiokv's data path / fio, and the whole phase's / fio.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import ctypes
-import datetime
-import json
+import functools
 import os
 import shutil
 import statistics
@@ -81,7 +79,8 @@ from aiokv.config import parse_size  # noqa: E402
 from aiokv.data import format as fmt  # noqa: E402
 from aiokv.data.buffers import BufferPool  # noqa: E402
 from aiokv.data.choice import open_backend  # noqa: E402
-from tools.bench_store import HUGE, HugePages, _keys, machine  # noqa: E402
+from tools import harness  # noqa: E402
+from tools.bench_store import _keys  # noqa: E402
 from tools.storeio import DrivesIO  # noqa: E402
 
 NSID = bytes.fromhex("d71e" * 8)
@@ -97,8 +96,7 @@ def quiesce() -> None:
     """Before each timed phase, aiokv's and fio's alike: the file systems synced and
     SETTLE seconds of quiet, so no phase pays for the previous one's write-back."""
     if SETTLE[0] > 0:
-        os.sync()
-        time.sleep(SETTLE[0])
+        harness.phase_sync(SETTLE[0])
 
 
 def share_of(n: int, slot: int, staging: int, calls: int) -> int:
@@ -231,42 +229,18 @@ def aiokv_round(*a) -> dict:
 
 
 def fio_round(dirs: list[str], slot: int, n: int, depth: int, mem: str) -> dict:
+    """One fio job per directory, run together: writing, then reading, n slots in all."""
     per = -(-n // len(dirs))
     files = [os.path.join(d, "fio.dat") for d in dirs]
     out = {}
     try:
         for rw in ("write", "read"):
             quiesce()
-            cmd = [
-                "fio",
-                "--group_reporting",
-                "--output-format=json",
-                f"--bs={slot}",
-                f"--size={per * slot}",
-                f"--rw={rw}",
-                "--ioengine=io_uring",
-                "--direct=1",
-                f"--iodepth={depth}",
-            ]
-            if mem == "mmaphuge":
-                cmd += ["--mem=mmaphuge", "--hugepage-size=2M"]
-            for i, f in enumerate(files):
-                cmd += [f"--name=d{i}", f"--filename={f}"]
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            if p.returncode != 0:
-                raise RuntimeError(f"fio failed: {p.stderr.strip() or p.stdout.strip()}")
-            j = json.loads(p.stdout[p.stdout.index("{") :])["jobs"][0]
-            io = j[rw]
-            if io["io_bytes"] != per * slot * len(files):
-                raise RuntimeError(f"fio moved {io['io_bytes']} bytes, not {per * slot * len(files)}")
-            out[f"{rw}_gbps"] = io["io_bytes"] / (io["runtime"] / 1000) / 1e9
+            f = harness.fio(files, slot, per * slot, rw, depth, mem)
+            out[f"{rw}_gbps"] = f["bytes"] / f["s"] / 1e9
         return out
     finally:
-        for f in files:
-            try:
-                os.unlink(f)
-            except FileNotFoundError:
-                pass
+        harness.unlink(*files)
 
 
 class Mounts:
@@ -345,8 +319,58 @@ class Mounts:
         self.undo.clear()
 
 
+def render(doc: dict) -> str:
+    lines: list[str] = []
+    how = (
+        f"{doc['calls']} loops of calls sharing {doc['staging'] >> 20} MiB of staging buffers"
+        if doc["staging"]
+        else "one call of all blocks, a buffer each"
+    )
+    lines.append(
+        f"{len(doc['dirs'])} drives ({doc.get('file_systems', 'given directories')}), depth {doc['depth']} each, "
+        f"{doc['mib']} MiB per phase, median of {doc['rounds']}; aiokv {how}; fio buffers {doc['fio_mem']}"
+    )
+    lines.append(
+        f"CRC32C: {doc['crc']}; operations per io_uring_enter: {doc['submit_group'] or 'the ring default'}; "
+        f"{doc['settle']:g} s of quiet before each phase"
+    )
+    lines.append(
+        "| payload | aiokv W GB/s | fio W GB/s | W ratio | aiokv R GB/s | fio R GB/s | R ratio "
+        "| whole W / R ratio | bookkeeping W / R µs per block | blocks per drive | aiokv buffers |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in doc["rows"]:
+        io_w, io_r = r["aiokv_write_io_gbps"], r["aiokv_read_io_gbps"]
+        book = f"{r['aiokv_write_book_us']:.1f} / {r['aiokv_read_book_us']:.1f}"
+        lines.append(
+            f"| {r['payload'] >> 10} KiB | {io_w:.2f} | {r['fio_write_gbps']:.2f} | "
+            f"**{r['write_ratio']:.2f}** | {io_r:.2f} | {r['fio_read_gbps']:.2f} | "
+            f"**{r['read_ratio']:.2f}** | {r['write_ratio_whole']:.2f} / {r['read_ratio_whole']:.2f} | {book} | "
+            f"{'/'.join(map(str, r['per_drive']))} | {r['buffers']} |"
+        )
+    for r in doc["rows"]:
+        lines.append(
+            f"{r['payload'] >> 10} KiB, each round's own ratio (data path / fio), "
+            + "; ".join(
+                f"{k}: median {statistics.median(r[f'{k}_ratio_rounds']):.2f}, "
+                f"{min(r[f'{k}_ratio_rounds']):.2f}-{max(r[f'{k}_ratio_rounds']):.2f}"
+                for k in ("write", "read")
+            )
+        )
+    return "\n".join(lines)
+
+
+def _progress(log, size: int, r: int, got: dict) -> None:
+    a, f = got["aiokv"][-1], got["fio"][-1]
+    log(
+        f"{size >> 10:>5} KiB round {r + 1}: aiokv W {a['write_gbps']:.2f} R {a['read_gbps']:.2f} "
+        f"(data path W {a['write_io_gbps']:.2f} R {a['read_io_gbps']:.2f}) "
+        f"(blocks per drive {a['per_drive']}) | fio W {f['write_gbps']:.2f} R {f['read_gbps']:.2f}"
+    )
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__, rounds=3)
     ap.add_argument("--dirs", default=None, help="comma-separated directories, one per file system")
     ap.add_argument("--loop", type=int, default=0, help="make this many loop-mounted ext4 file systems (root)")
     ap.add_argument("--tmpfs", action="store_true", help="with --loop: tmpfs mounts instead of loop devices")
@@ -355,7 +379,6 @@ def main() -> int:
     ap.add_argument("--sizes", default="64K,256K,1M,4M")
     ap.add_argument("--depth", type=int, default=16, help="operations in flight per drive")
     ap.add_argument("--mib", type=int, default=384, help="MiB per phase, all drives together")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
         "--staging",
         default="1280MiB",
@@ -385,8 +408,6 @@ def main() -> int:
     ap.add_argument(
         "--submit-group", type=int, default=None, help="aiokv: operations per io_uring_enter (default: the ring's)"
     )
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if bool(args.dirs) == bool(args.loop):
         ap.error("give --dirs or --loop N")
@@ -399,16 +420,19 @@ def main() -> int:
     mounts = Mounts(args.loop, args.image_dir, parse_size(args.image_size), args.tmpfs) if args.loop else None
     t0 = time.monotonic()
     staging = parse_size(args.staging)
-    doc = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "depth": args.depth,
-        "staging": staging,
-        "calls": args.calls if staging else 1,
-        "mib": args.mib,
-        "rounds": args.rounds,
-        "loadavg_start": os.getloadavg(),
-        "rows": [],
-    }
+    doc = harness.document(
+        depth=args.depth,
+        staging=staging,
+        calls=args.calls if staging else 1,
+        mib=args.mib,
+        rounds=args.rounds,
+        crc=args.crc,
+        submit_group=args.submit_group,
+        settle=args.settle,
+        loadavg_start=os.getloadavg(),
+        rows=[],
+    )
+    doc.pop("machine", None)  # (the first drive's, below)
     try:
         if mounts is not None:
             mounts.__enter__()
@@ -417,41 +441,33 @@ def main() -> int:
         else:
             dirs = args.dirs.split(",")
         doc["dirs"] = dirs
-        doc["machine"] = machine(dirs[0])
-        pages = max(args.depth * len(dirs) * -(-fmt.slot_bytes(s) // HUGE) for s in sizes) + 4
-        with HugePages(pages) as hp:
-            mem = "mmaphuge" if hp.ok else "malloc"
+        doc["machine"] = harness.machine(dirs[0])
+        pages = max(args.depth * len(dirs) * -(-fmt.slot_bytes(s) // harness.HUGE) for s in sizes) + 4
+        with harness.HugePages(pages) as hp:
+            mem = hp.mem
             doc["fio_mem"] = mem
             for size in sizes:
                 slot = fmt.slot_bytes(size)
                 n = max(4 * len(dirs), (args.mib << 20) // slot)
-                got = {"aiokv": [], "fio": []}
                 pool = make_pool(n, size, staging, args.calls)
                 try:
                     if size == sizes[0]:  # a round not counted: fresh file systems first allocate slowly
                         aiokv_round(dirs, size, n, args.depth, 99, pool, staging, args.calls, args.crc)
                         fio_round(dirs, slot, n, args.depth, mem)
-                    for r in range(args.rounds):
-                        if r % 2:  # the order alternates between rounds
-                            f = fio_round(dirs, slot, n, args.depth, mem)
-                            a = aiokv_round(dirs, size, n, args.depth, r, pool, staging, args.calls, args.crc)
-                        else:
-                            a = aiokv_round(dirs, size, n, args.depth, r, pool, staging, args.calls, args.crc)
-                            f = fio_round(dirs, slot, n, args.depth, mem)
-                        got["aiokv"].append(a)
-                        got["fio"].append(f)
-                        log(
-                            f"{size >> 10:>5} KiB round {r + 1}: aiokv W {a['write_gbps']:.2f} R {a['read_gbps']:.2f} "
-                            f"(data path W {a['write_io_gbps']:.2f} R {a['read_io_gbps']:.2f}) "
-                            f"(blocks per drive {a['per_drive']}) | fio W {f['write_gbps']:.2f} R {f['read_gbps']:.2f}"
-                        )
+                    runs = {
+                        "aiokv": lambda r, size=size, n=n, pool=pool: aiokv_round(
+                            dirs, size, n, args.depth, r, pool, staging, args.calls, args.crc
+                        ),
+                        "fio": lambda r, slot=slot, n=n: fio_round(dirs, slot, n, args.depth, mem),
+                    }
+                    got = harness.interleave(runs, args.rounds, functools.partial(_progress, log, size))
                 finally:
                     pool.close()
                 row = {"payload": size, "slot": slot, "blocks": n, "buffers": got["aiokv"][0]["buffers"]}
                 extra = ("write_io_gbps", "read_io_gbps", "write_book_us", "read_book_us")
                 for who, rounds in got.items():
                     for k in ("write_gbps", "read_gbps") + (extra if who == "aiokv" else ()):
-                        row[f"{who}_{k}"] = statistics.median(x[k] for x in rounds)
+                        row[f"{who}_{k}"] = harness.medians(rounds)[k]
                 # the ratios: aiokv's data path (a worker's calls) against fio; with the store's
                 # bookkeeping in the same thread and phase ("whole"), where it is measured apart
                 for k in ("write", "read"):
@@ -460,58 +476,14 @@ def main() -> int:
                 row["per_drive"] = got["aiokv"][0]["per_drive"]
                 # each round's own ratio (aiokv and fio run next to each other): their spread is the noise
                 for k in ("write", "read"):
-                    own = [a[f"{k}_io_gbps"] / f[f"{k}_gbps"] for a, f in zip(got["aiokv"], got["fio"])]
-                    row[f"{k}_ratio_rounds"] = own
+                    row[f"{k}_ratio_rounds"] = harness.ratios(got["aiokv"], got["fio"], f"{k}_io_gbps", f"{k}_gbps")
                 doc["rows"].append(row)
     finally:
         if mounts is not None:
             mounts.__exit__()
     doc["seconds"] = time.monotonic() - t0
     doc["loadavg_end"] = os.getloadavg()
-    text = json.dumps(doc, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    if args.json:
-        print(text)
-    else:
-        how = (
-            f"{args.calls} loops of calls sharing {staging >> 20} MiB of staging buffers"
-            if staging
-            else "one call of all blocks, a buffer each"
-        )
-        print(
-            f"{len(dirs)} drives ({doc.get('file_systems', 'given directories')}), depth {args.depth} each, "
-            f"{args.mib} MiB per phase, median of {args.rounds}; aiokv {how}; fio buffers {doc['fio_mem']}"
-        )
-        print(
-            f"CRC32C: {args.crc}; operations per io_uring_enter: {args.submit_group or 'the ring default'}; "
-            f"{args.settle:g} s of quiet before each phase"
-        )
-        print(
-            "| payload | aiokv W GB/s | fio W GB/s | W ratio | aiokv R GB/s | fio R GB/s | R ratio "
-            "| whole W / R ratio | bookkeeping W / R µs per block | blocks per drive | aiokv buffers |"
-        )
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in doc["rows"]:
-            io_w, io_r = r["aiokv_write_io_gbps"], r["aiokv_read_io_gbps"]
-            book = f"{r['aiokv_write_book_us']:.1f} / {r['aiokv_read_book_us']:.1f}"
-            print(
-                f"| {r['payload'] >> 10} KiB | {io_w:.2f} | {r['fio_write_gbps']:.2f} | "
-                f"**{r['write_ratio']:.2f}** | {io_r:.2f} | {r['fio_read_gbps']:.2f} | "
-                f"**{r['read_ratio']:.2f}** | {r['write_ratio_whole']:.2f} / {r['read_ratio_whole']:.2f} | {book} | "
-                f"{'/'.join(map(str, r['per_drive']))} | {r['buffers']} |"
-            )
-        for r in doc["rows"]:
-            print(
-                f"{r['payload'] >> 10} KiB, each round's own ratio (data path / fio), "
-                + "; ".join(
-                    f"{k}: median {statistics.median(r[f'{k}_ratio_rounds']):.2f}, "
-                    f"{min(r[f'{k}_ratio_rounds']):.2f}-{max(r[f'{k}_ratio_rounds']):.2f}"
-                    for k in ("write", "read")
-                )
-            )
-    return 0
+    return harness.emit(doc, args, render)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ iodepth 32 = the worker's default queue_depth, huge-page buffers).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import random
@@ -51,6 +50,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tools import harness  # noqa: E402
 
 BLOCK = 32
 
@@ -222,20 +223,17 @@ def _prod(xs) -> int:
 
 
 def fio_read_gbps(d: str, slot: int, nbytes: int, depth: int = 32) -> float:
-    import bench_store as bs
+    from tools.bench_store import fio_round
 
     n = max(64, nbytes // slot)
-    with bs.HugePages(-(-depth * slot // bs.HUGE) + 4) as hp:
-        vals = [
-            bs.fio_round(os.path.join(d, "fio.dat"), slot, n, depth, "mmaphuge" if hp.ok else "malloc")["read_gbps"]
-            for _ in range(3)
-        ]
-    vals.sort()
-    return vals[1]
+    with harness.HugePages(harness.huge_pages(depth * slot)) as hp:
+        return harness.middle(
+            fio_round(os.path.join(d, "fio.dat"), slot, n, depth, hp.mem)["read_gbps"] for _ in range(3)
+        )
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__, plot=True)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
@@ -262,9 +260,6 @@ def main() -> int:
     )
     ap.add_argument("--repeat", type=int, default=3, help="--layerwise: pairs of warm lives (off, on)")
     ap.add_argument("--mp", action="store_true", help="engine core in its own process (default: in-process)")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--plot", default=None)
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
     if args.child:
@@ -341,35 +336,24 @@ def main() -> int:
                 "same_token": cold["token"] == warm["token"] == hot["token"] == mem["token"],
             }
         )
-    doc = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "model": kv,
-        "block_size": BLOCK,
-        "payload_bytes": payload,
-        "slot_bytes": slot,
-        "fio_read_gbps": fio_bw,
-        "rows": rows,
-        "counters": {k: r.get("counters") for k, r in runs.items()},
-        "process_s": {k: round(r["process_s"], 1) for k, r in runs.items()},
-        "seconds": round(time.monotonic() - t0, 1),
-    }
-    try:
-        import bench_store as bs
-
-        doc["machine"] = bs.machine(base if os.path.exists(base) else tempfile.gettempdir())
-    except Exception:  # noqa: BLE001
-        pass
-    import bench_store as bs
-
-    return bs.emit(doc, args, render, plot)
+    doc = harness.document(
+        model=kv,
+        block_size=BLOCK,
+        payload_bytes=payload,
+        slot_bytes=slot,
+        fio_read_gbps=fio_bw,
+        rows=rows,
+        counters={k: r.get("counters") for k, r in runs.items()},
+        process_s={k: round(r["process_s"], 1) for k, r in runs.items()},
+        seconds=round(time.monotonic() - t0, 1),
+        machine_path=base,
+    )
+    return harness.emit(doc, args, render, plot)
 
 
 def layerwise_compare(args, model: str, kv: dict, cache: str, base: str, log, t0: float) -> int:
     """Warm TTFT, layerwise off vs on, alternating lives on copies of one cold cache."""
     import statistics
-
-    import bench_store as bs
 
     log("bench_e2e: cold ...")
     cold = life("cold", model, cache, args)
@@ -403,22 +387,17 @@ def layerwise_compare(args, model: str, kv: dict, cache: str, base: str, log, t0
                     "same_token": len({c["token"] for m in cell for c in cell[m]}) == 1,
                 }
             )
-    doc = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "model": kv,
-        "block_size": BLOCK,
-        "engine_core": "own process" if args.mp else "in-process",
-        "repeat": args.repeat,
-        "rows": rows,
-        "counters": {"cold": cold.get("counters"), "on": lives["on"][-1].get("counters")},
-        "seconds": round(time.monotonic() - t0, 1),
-    }
-    try:
-        doc["machine"] = bs.machine(base)
-    except Exception:  # noqa: BLE001
-        pass
-    return bs.emit(doc, args, render_layerwise, None)
+    doc = harness.document(
+        model=kv,
+        block_size=BLOCK,
+        engine_core="own process" if args.mp else "in-process",
+        repeat=args.repeat,
+        rows=rows,
+        counters={"cold": cold.get("counters"), "on": lives["on"][-1].get("counters")},
+        seconds=round(time.monotonic() - t0, 1),
+        machine_path=base,
+    )
+    return harness.emit(doc, args, render_layerwise, None)
 
 
 def render_layerwise(doc: dict) -> str:

@@ -24,7 +24,6 @@ docs/benchmarks.md and docs/design.md.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import shutil
@@ -38,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aiokv.data import format as fmt  # noqa: E402
 from aiokv.store import Store  # noqa: E402
+from tools import harness  # noqa: E402
 
 NSID = b"b" * 16
 _loc = getattr(fmt, "loc", lambda engine, slot: slot)  # so --writers 0 also runs on a single-engine aiokv
@@ -230,8 +230,8 @@ def bench_roll(root: str, n: int) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main() -> int:
+    ap = harness.parser(__doc__)
     ap.add_argument("--writers", default="0,1,3")
     ap.add_argument("--blocks", type=int, default=26400)
     ap.add_argument("--seconds", type=float, default=5)
@@ -245,22 +245,31 @@ def main() -> None:
         bench_sqlite(os.path.join(base, "sqlite"))
     if args.roll:
         bench_roll(os.path.join(base, "roll"), args.roll)
+    rows = []
     for w in [int(x) for x in args.writers.split(",") if x]:
         r = bench_lookups(os.path.join(base, "store"), w, args.blocks, args.seconds, args.rate)
+        rows.append({"writers": w, "rate": args.rate, **r})
+    if not args.dir:
+        shutil.rmtree(base, ignore_errors=True)
+    return harness.emit(harness.document(rows=rows), args, render)
+
+
+def render(doc: dict) -> str:
+    lines = []
+    for r in doc["rows"]:
         rf = (
             f"mean {r['refresh_mean_us']:.1f} us, p50 {r['refresh_p50_us']:.1f}, p99 {r['refresh_p99_us']:.1f}"
             if r["refresh_mean_us"] is not None
             else "n/a"
         )
-        print(
-            f"{w} writer engine(s) at {args.rate} blocks/s each: lookup of 64 keys (32 hits) "
+        lines.append(
+            f"{r['writers']} writer engine(s) at {r['rate']} blocks/s each: lookup of 64 keys (32 hits) "
             f"mean {r['mean_us']:.2f} us, p50 {r['p50_us']:.2f}, p99 {r['p99_us']:.2f}, max {r['max_us']:.0f} "
             f"({r['lookups']} lookups); refresh per step {rf}; step (1000 lookups + refresh) mean "
             f"{r['step_mean_us']:.0f} us ({r['steps']} steps); writers' blocks seen {r['peer_blocks_seen']}"
         )
-    if not args.dir:
-        shutil.rmtree(base, ignore_errors=True)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

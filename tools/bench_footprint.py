@@ -31,7 +31,6 @@ together. Medians of the rounds.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import ctypes
 import os
@@ -42,13 +41,12 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_store as bs  # noqa: E402
-
+from aiokv.config import parse_size  # noqa: E402
 from aiokv.data.backend import OP_READ, OP_WRITE  # noqa: E402
 from aiokv.data.buffers import Arena  # noqa: E402
 from aiokv.data.choice import open_backend  # noqa: E402
+from tools import harness  # noqa: E402
+from tools.bench_store import fio_round  # noqa: E402
 
 
 def queue_dir(path: str) -> str:
@@ -111,7 +109,7 @@ async def backend_read(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__, rounds=3)
     ap.add_argument("--mib", type=int, default=384)
     ap.add_argument("--size", default="256K", help="block size (the slot: payload + 4 KiB in aiokv)")
     ap.add_argument("--depth", type=int, default=16)
@@ -121,12 +119,9 @@ def main() -> int:
     ap.add_argument(
         "--merge-control", action="store_true", help="also read with group 0 and the disk's request merging off (root)"
     )
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    block = bs.parse_size(args.size) + 4096
+    block = parse_size(args.size) + 4096
     n = (args.mib << 20) // block
     fps = [n if f == "all" else int(f) for f in args.footprints.split(",") if f]
     base = args.dir or tempfile.mkdtemp(prefix="aiokv-footprint-")
@@ -139,10 +134,10 @@ def main() -> int:
         runs += [(f"backend_{k}_g0_nomerges", k, 0, True) for k in fps]
     rounds: dict[str, list[float]] = {"fio": [], **{name: [] for name, _, _, _ in runs}}
     try:
-        with bs.HugePages(-(-args.depth * block // bs.HUGE) + 4) as hp:
-            mem = "mmaphuge" if hp.ok else "malloc"
+        with harness.HugePages(harness.huge_pages(args.depth * block)) as hp:
+            mem = hp.mem
             for _ in range(args.rounds):
-                rounds["fio"].append(bs.fio_round(path, block, n, args.depth, mem)[f"{args.op}_gbps"])
+                rounds["fio"].append(fio_round(path, block, n, args.depth, mem)[f"{args.op}_gbps"])
                 with open(path, "wb") as f:  # fio_round removed it after its run: write it again, once
                     chunk = os.urandom(1 << 20)
                     for _ in range(-(-n * block // len(chunk))):
@@ -170,7 +165,7 @@ def main() -> int:
         "rounds": rounds,
         "median": med,
         "runs": [[name, k, g, nm] for name, k, g, nm in runs],
-        "machine": bs.machine(tempfile.gettempdir()),
+        "machine": harness.machine(tempfile.gettempdir()),
     }
 
     def render(d: dict) -> str:
@@ -191,7 +186,7 @@ def main() -> int:
             )
         return "\n".join(lines)
 
-    return bs.emit(doc, args, render)
+    return harness.emit(doc, args, render)
 
 
 if __name__ == "__main__":

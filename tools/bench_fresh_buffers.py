@@ -22,7 +22,6 @@ round until docs/benchmarks-history.md 11.4.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aiokv.data import format as fmt  # noqa: E402
 from aiokv.data.buffers import BufferPool  # noqa: E402
+from tools import harness  # noqa: E402
 from tools.bench_drives import SETTLE, Mounts, aiokv_round, fill  # noqa: E402
 
 PAYLOAD = 1 << 20
@@ -47,11 +47,11 @@ def made(slot: int, n: int) -> tuple[BufferPool, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=8)
+    ap = harness.parser(__doc__, rounds=8)
     ap.add_argument("--quiet", type=float, default=8.0)
     ap.add_argument("--image-dir", default="/var/tmp")
     args = ap.parse_args()
+    log = harness.say(args)
     SETTLE[0] = 1.0
     slot = fmt.slot_bytes(PAYLOAD)
     n = (1 << 30) // slot
@@ -63,7 +63,7 @@ def main() -> int:
     def note(r, **kv):
         for k, v in kv.items():
             got.setdefault(k, []).append(v)
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in kv.items()), flush=True)
+        log(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in kv.items()))
 
     with Mounts(3, args.image_dir, 3 << 30, False) as m:
         held, _ = made(slot, n)
@@ -83,7 +83,7 @@ def main() -> int:
             made(slot, n)[0].close()
             time.sleep(args.quiet)
             young, secs = made(slot, n)
-            print(f"a pool made after {args.quiet:g} s of quiet, then held: made in {secs:.2f} s", flush=True)
+            log(f"a pool made after {args.quiet:g} s of quiet, then held: made in {secs:.2f} s")
             try:
                 for r in range(args.rounds):
                     note(r, held_again_gbps=write(m.dirs, held, r), young_held_gbps=write(m.dirs, young, r))
@@ -91,8 +91,8 @@ def main() -> int:
                 young.close()
         finally:
             held.close()
-    print("medians: " + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in got.items()))
-    return 0
+    doc = harness.document(rounds=got, medians={k: statistics.median(v) for k, v in got.items()}, young_make_s=secs)
+    return harness.emit(doc, args, lambda d: "medians: " + ", ".join(f"{k} {v:.2f}" for k, v in d["medians"].items()))
 
 
 if __name__ == "__main__":

@@ -57,10 +57,11 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools import harness  # noqa: E402
 
 NSID = b"r" * 16
 PAYLOAD = 4096
@@ -343,22 +344,14 @@ def lru_trace() -> dict:
 
 
 def run_phase(name: str, root: str, n: int) -> dict:
-    p = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--phase", name, "--n", str(n), "--dir", root],
-        capture_output=True,
-        text=True,
-    )
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        raise SystemExit(f"bench_index: phase {name} failed (rc {p.returncode}):\n{p.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    argv = [os.path.abspath(__file__), "--phase", name, "--n", str(n), "--dir", root]
+    return harness.child(argv, f"bench_index: phase {name}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--n", type=int, default=1_000_000)
     ap.add_argument("--dir", default=None, help="where the store goes (a file system with room for N slots)")
-    ap.add_argument("--json", action="store_true")
     ap.add_argument("--engines", type=int, default=0, help="K more engines opening the directory at once")
     ap.add_argument("--lru-trace", action="store_true", help="only the hit ratios on bench_chat's conversations")
     ap.add_argument("--phase", choices=["build", "replay", "open", "wait", "follow"], help=argparse.SUPPRESS)
@@ -371,31 +364,23 @@ def main() -> None:
         return
     if args.lru_trace:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        out = lru_trace()
-        print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}))
+        args.json = True  # (one JSON line, as ever)
+        harness.flat(lru_trace(), args, 6)
         return
-    base = args.dir or tempfile.mkdtemp(prefix="aiokv-index-")
-    root = os.path.join(base, "store")
-    shutil.rmtree(root, ignore_errors=True)
-    try:
-        import aiokv
+    import aiokv
 
-        out = {"n": args.n, "tree": os.path.dirname(os.path.abspath(aiokv.__file__))}
-        out.update(run_phase("build", root, args.n))
-        out.update(run_phase("replay", root, args.n))
-        out.update(run_phase("open", root, args.n))
-        out.update(run_phase("wait", root, args.n))
-        if args.engines:
-            out.update(engines(root, args.n, args.engines))
-    finally:
+    out = {"n": args.n, "tree": os.path.dirname(os.path.abspath(aiokv.__file__))}
+    with harness.workdir(args.dir, "aiokv-index-") as base:
+        root = os.path.join(base, "store")
         shutil.rmtree(root, ignore_errors=True)
-        if not args.dir:
-            shutil.rmtree(base, ignore_errors=True)
-    if args.json:
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
-    else:
-        for k, v in out.items():
-            print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
+        try:
+            for phase in ("build", "replay", "open", "wait"):
+                out.update(run_phase(phase, root, args.n))
+            if args.engines:
+                out.update(engines(root, args.n, args.engines))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    harness.flat(out, args, 4)
 
 
 if __name__ == "__main__":

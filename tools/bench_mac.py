@@ -36,7 +36,6 @@ slots, without and with the payload CRC in them (the calls alone, no BlockIO).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -269,20 +268,19 @@ def main() -> int:
         return serve()
     from aiokv.config import parse_size
     from aiokv.data import format as fmt
+    from tools import harness  # (here: a --serve process may run another tree's aiokv, without it)
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__, rounds=3)
     ap.add_argument("--sizes", default="256K,1M,2M")
     ap.add_argument("--depth", type=int, default=32)
     ap.add_argument("--mib", type=int, default=256, help="MiB written and read per contender and round")
     ap.add_argument("--threads", default="0,2", help="checksum-thread counts, comma separated")
     ap.add_argument("--modes", default="copy,pass", help="CRC modes: copy (CPU build), pass (CUDA)")
     ap.add_argument("--io", default="disk,null", help="disk (the real file system), null (no I/O), or both")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--baseline", default=None, help="another tree (its extension built in place) to run alongside")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    log = harness.say(args)
     base = tempfile.mkdtemp(prefix="aiokv-bench-mac-", dir=args.dir)
     trees = [Tree("new" if args.baseline else "this", ROOT)]
     if args.baseline:
@@ -326,8 +324,7 @@ def main() -> int:
                         row = {"payload": size, "threads": threads, "crc": mode, "io": io}
                         for (t, s), rs in got.items():
                             who = f"{t}_{'secret' if s else 'plain'}"
-                            for k in rs[0]:
-                                row[f"{who}_{k}"] = statistics.median(x[k] for x in rs)
+                            row.update({f"{who}_{k}": v for k, v in harness.medians(rs).items()})
                         for t in names:
                             for d in ("write", "read"):
                                 row[f"{t}_{d}_ratio"] = row[f"{t}_secret_{d}_gbps"] / row[f"{t}_plain_{d}_gbps"]
@@ -338,23 +335,14 @@ def main() -> int:
                             for d in ("write", "read"):
                                 row[f"{d}_cost_new_over_base"] = row[f"new_{d}_cost"] / max(row[f"base_{d}_cost"], 1e-9)
                         doc["rows"].append(row)
-                        if not args.json:
-                            print(_row_text(row, names), flush=True)
+                        log(_row_text(row, names))
             doc["core"][size] = {t.name: t.ask({"payload": size, "core": True}) for t in trees}
     finally:
         for t in trees:
             t.close()
         shutil.rmtree(base, ignore_errors=True)
     doc["machine"]["loadavg_end"] = os.getloadavg()
-    text = json.dumps(doc, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    if args.json:
-        print(text)
-    else:
-        print(json.dumps(doc["core"], indent=1))
-    return 0
+    return harness.emit(doc, args, lambda d: json.dumps(d["core"], indent=1))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tools import harness  # noqa: E402
+
 NSID = b"o" * 16
 PAYLOAD = 4096
 CHUNK = 1 << 20  # records written at a time by the build
@@ -259,18 +261,16 @@ def main() -> None:
     for ph in args.phases.split(","):
         if ph == "victims":
             victims = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_victims.py")
-            cmd = [sys.executable, victims, "--dir", args.dir, "--n", str(args.n), "--tenants", str(args.tenants)]
-            got = subprocess.run([*cmd, "--json"], check=True, capture_output=True, text=True)
+            got = harness.child(
+                [victims, "--dir", args.dir, "--n", str(args.n), "--tenants", str(args.tenants), "--json"],
+                "bench_victims",
+            )
         else:
             subprocess.run(me + ["--phase", "build"], check=True)
-            got = subprocess.run(me + ["--phase", ph], check=True, capture_output=True, text=True)
-        out.update({k: v for k, v in json.loads(got.stdout.strip().splitlines()[-1]).items() if k not in out})
+            got = harness.child(me[1:] + ["--phase", ph], f"bench_ops: phase {ph}")
+        out.update({k: v for k, v in got.items() if k not in out})
     shutil.rmtree(args.dir, ignore_errors=True)
-    if args.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            print(f"{k:28s} {v:.4g}" if isinstance(v, float) else f"{k:28s} {v}")
+    harness.flat(out, args)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,6 @@ hooks when there is nothing to do.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
 import os
 import random
@@ -44,6 +42,8 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tools import harness  # noqa: E402
 
 BLOCK = 32
 
@@ -162,7 +162,9 @@ def _connector(store_dir: str):
     conn._connector_metadata = None
     role._queried, role._queried_tokens = {}, 0
     # what AioKVConnector.__init__ sets that these methods read (getattr: older checkouts lack some)
-    role.epoch, role._remote_tokens, role._failed_recv, role._failed_now = None, {}, set(), set()
+    role._remote_tokens, role._failed_recv, role._failed_now = {}, set(), set()
+    if not isinstance(getattr(type(role), "epoch", None), property):
+        role.epoch = None  # (since connector/roots.py the epoch is the roots', set below)
     role._bucket_tokens = {}  # _remote_tokens before the bucket tier had its one name
     role.layerwise, role._layers, role.worker, role.offer_hits = False, None, None, True
     role.events, role._drives = None, None  # (KV events off; one drive)
@@ -170,6 +172,12 @@ def _connector(store_dir: str):
         from aiokv.connector.adapters import Adapters
 
         role.adapters, role._lora_misses = Adapters(2.0), 0
+    except ImportError:
+        pass
+    try:  # the requests' key roots (the epoch, the adapters' fingerprints) since connector/roots.py
+        from aiokv.connector.roots import Roots
+
+        role.roots = Roots(nsid, role.adapters)
     except ImportError:
         pass
     return conn, role, store, ns
@@ -214,8 +222,12 @@ def scheduler_side(running: list[int], base: str) -> dict:
         prompts = []
         for i in range(200):
             toks = [1] + [rnd.randrange(3, 500) for _ in range(2047)]
-            root = role._root(_request(f"p{i}", toks))
-            role._roots.clear()
+            if hasattr(role, "roots"):  # since connector/roots.py
+                root = role.roots.of(_request(f"p{i}", toks))
+                role.roots._of.clear()
+            else:
+                root = role._root(_request(f"p{i}", toks))
+                role._roots.clear()
             keys = extend_keys([], root, toks, BLOCK, 32)
             _fill(store, ns, keys)
             prompts.append(toks)
@@ -351,9 +363,7 @@ def hooks(layers: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=None)
+    ap = harness.parser(__doc__)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=96)
@@ -366,10 +376,7 @@ def main() -> int:
     base = tempfile.mkdtemp(prefix="aiokv-overhead-")
     t0 = time.monotonic()
     try:
-        doc = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        }
+        doc = harness.document()
         doc["scheduler"] = scheduler_side([int(x) for x in args.running.split(",")], base)
         doc["hooks"] = hooks(args.layers)
         if not args.skip_throughput:
@@ -381,10 +388,7 @@ def main() -> int:
         doc["seconds"] = round(time.monotonic() - t0, 1)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bench_store as bs
-
-    return bs.emit(doc, args, render)
+    return harness.emit(doc, args, render)
 
 
 def render(doc: dict) -> str:

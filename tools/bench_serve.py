@@ -36,8 +36,6 @@ decoding (temperature 0) on both sides.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import hashlib
 import json
 import os
@@ -54,6 +52,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tools import harness  # noqa: E402
 from tools.servers import Server  # noqa: E402
 
 # the sdists the multi-turn client is taken from: version -> SHA-256 (PyPI's digest, checked too)
@@ -363,10 +362,7 @@ def table(doc: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true", help="print the result as JSON")
-    ap.add_argument("--out", help="write the result (JSON) here")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = harness.parser(__doc__, rounds=3)
     ap.add_argument("--reserved", default="1", help="VLLM_CPU_NUM_OF_RESERVED_CPU for both sides, or 'default'")
     ap.add_argument("--dir", default=os.path.join(ROOT, "work-tmp", "bench_serve"), help="work folder (ignored)")
     ap.add_argument("--layers", type=int, default=8)
@@ -414,19 +410,16 @@ def main() -> None:
             lives[(side, r)] = life(side, r, model, a.dir, client, conf, a)
     import vllm
 
-    doc = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "vllm": vllm.__version__,
-        "cpus": os.cpu_count(),
-        "reserved": a.reserved,
-        "args": {k: v for k, v in vars(a).items() if k not in ("json", "out", "dir", "profile")},
-        "lives": {f"{s}/{r}": lv for (s, r), lv in lives.items()},
-        "summary": summarize(lives, sides),
-    }
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(doc, f, indent=1)
-    print(json.dumps(doc, indent=1) if a.json else table(doc))
+    doc = harness.document(
+        vllm=vllm.__version__,
+        cpus=os.cpu_count(),
+        reserved=a.reserved,
+        args={k: v for k, v in vars(a).items() if k not in ("json", "out", "dir", "profile")},
+        lives={f"{s}/{r}": lv for (s, r), lv in lives.items()},
+        summary=summarize(lives, sides),
+        machine_path=a.dir,
+    )
+    harness.emit(doc, a, table)
 
 
 if __name__ == "__main__":

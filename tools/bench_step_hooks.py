@@ -172,10 +172,11 @@ def table(runs: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sys.path.append(ROOT)  # last: a --child's aiokv is its PYTHONPATH's (--base runs another tree's)
+    from tools import harness
+
+    ap = harness.parser(__doc__)
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out")
     ap.add_argument("--base", help="another aiokv tree to run first, side by side")
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=512)
@@ -208,10 +209,7 @@ def main() -> None:
         runs["base"] = life(os.path.abspath(a.base), a)
     runs["this"] = life(ROOT, a)
     doc = {"args": {k: v for k, v in vars(a).items() if k not in ("child", "json", "out")}, "runs": runs}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(doc, f, indent=1)
-    print(json.dumps(doc, indent=1) if a.json else table(runs))
+    harness.emit(doc, a, lambda d: table(d["runs"]))
 
 
 if __name__ == "__main__":

@@ -53,20 +53,16 @@ operation at once: the CPU aiokv spends per block outside the kernel's I/O;
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import ctypes
 import datetime
 import errno
 import functools
-import json
 import os
-import platform
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,24 +71,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aiokv import _native  # noqa: E402
 from aiokv.config import parse_size  # noqa: E402
-from aiokv.data import blockio  # noqa: E402
 from aiokv.data import format as fmt  # noqa: E402
 from aiokv.data.backend import IOBackend  # noqa: E402
 from aiokv.data.buffers import BufferPool  # noqa: E402
 from aiokv.data.choice import open_backend  # noqa: E402
 from aiokv.data.window import read_through, shape  # noqa: E402
+from tools import harness, peers  # noqa: E402
 from tools.storeio import StoreIO  # noqa: E402
 
 NSID = bytes.fromhex("be0c" * 8)
-HUGE = 2 << 20
-NR_HUGE = "/proc/sys/vm/nr_hugepages"
 SUBMIT_GROUP = None  # --submit-group (None: the ring's default)
 # --settle: before every timed phase of every contender the file system is synced (on a file system mounted
 # with `discard` a delete's discards are issued when the journal commits: a previous round's files, freed
 # just before, otherwise land in the next phase), then this many seconds of quiet
 SETTLE = 0.0
-# the optional extra `peers` (pyproject.toml), installed without its dependencies (tools/peers.py)
-PEERS_INSTALL = "pip install --no-deps 'lmcache-rust-raw-block-io==0.5.7rc2' 'lmcache==0.5.7rc2'"
 
 
 # ------------------------------------------------------------------ aiokv side
@@ -202,7 +194,7 @@ async def _aiokv_round(
                     if any(res):
                         raise RuntimeError(f"aiokv: {getattr(call, '__name__', 'load')} failed: {res}")
 
-            _phase_sync(SETTLE)
+            harness.phase_sync(SETTLE)
             p0, s0, t0 = time.process_time(), _sys_s(), time.perf_counter()
             await asyncio.gather(*(loop(w) for w in range(workers)))
             return time.perf_counter() - t0, time.process_time() - p0, _sys_s() - s0
@@ -299,10 +291,10 @@ def _time_data_path(io, reads: bool = True, crc: bool = True) -> dict:
     spent = {"write": [0.0, 0.0], "read": [0.0, 0.0]}
 
     def timed(rw: str, fn):
-        async def call(items, crc_in_copy: bool = False):
+        async def call(items, crc_in_copy: bool = False, **kw):
             p0, t0 = time.process_time(), time.perf_counter()
             try:
-                return await fn(items, crc_in_copy or not crc)  # not crc: as if a device copy had made it
+                return await fn(items, crc_in_copy or not crc, **kw)  # not crc: as if a device copy had made it
             finally:
                 spent[rw][0] += time.perf_counter() - t0
                 spent[rw][1] += time.process_time() - p0
@@ -337,108 +329,22 @@ def crc_us(payload: int, reps: int = 50) -> float:
 
 
 def fio_round(path: str, slot: int, n: int, depth: int, mem: str, fixedbufs: bool = False) -> dict:
+    """fio writing then reading a fresh file of n slots (the same I/Os as aiokv's)."""
     out = {}
+    harness.unlink(path)
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    try:
-        for rw, key in (("write", "write"), ("read", "read")):
-            cmd = [
-                "fio",
-                "--name=bench",
-                f"--filename={path}",
-                f"--size={n * slot}",
-                f"--bs={slot}",
-                f"--rw={rw}",
-                "--ioengine=io_uring",
-                "--direct=1",
-                f"--iodepth={depth}",
-                "--output-format=json",
-            ]
-            if mem == "mmaphuge":
-                cmd += ["--mem=mmaphuge", "--hugepage-size=2M"]
-            if fixedbufs:
-                cmd += ["--fixedbufs"]
-            _phase_sync(SETTLE)
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            if p.returncode != 0:
-                raise RuntimeError(f"fio failed: {p.stderr.strip() or p.stdout.strip()}")
-            j = json.loads(p.stdout[p.stdout.index("{") :])["jobs"][0]
-            io = j[key]
-            secs = io["runtime"] / 1000
-            if io["io_bytes"] != n * slot:
-                raise RuntimeError(f"fio moved {io['io_bytes']} bytes, not {n * slot}")
-            out[f"{rw}_gbps"] = n * slot / secs / 1e9
-            out[f"{rw}_cpu_us"] = (j["usr_cpu"] + j["sys_cpu"]) / 100 * j["job_runtime"] / 1000 / n * 1e6
-            out[f"{rw}_s"] = secs
+        for rw in ("write", "read"):
+            harness.phase_sync(SETTLE)
+            f = harness.fio([path], slot, n * slot, rw, depth, mem, fixedbufs)
+            out[f"{rw}_gbps"] = n * slot / f["s"] / 1e9
+            out[f"{rw}_cpu_us"] = f["cpu_s"] / n * 1e6
+            out[f"{rw}_s"] = f["s"]
         return out
     finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
-class HugePages:
-    """Raise nr_hugepages for fio's buffers, and set it back."""
-
-    def __init__(self, pages: int):
-        self.want, self.orig, self.ok, self.note = pages, None, False, ""
-
-    def __enter__(self):
-        try:
-            with open(NR_HUGE) as f:
-                self.orig = int(f.read())
-            with open(NR_HUGE, "w") as f:
-                f.write(str(self.orig + self.want))
-            with open(NR_HUGE) as f:
-                got = int(f.read())
-            self.ok = got >= self.orig + self.want
-            if not self.ok:
-                self.note = f"asked for {self.want} huge pages, the kernel gave {got - self.orig}"
-        except OSError as e:
-            self.note = f"cannot raise {NR_HUGE} ({e.strerror}; needs root)"
-        return self
-
-    def __exit__(self, *exc):
-        if self.orig is not None:
-            with open(NR_HUGE, "w") as f:
-                f.write(str(self.orig))
+        harness.unlink(path)
 
 
 # ------------------------------------------------------------------ LMCache's raw_block side
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEER_DIR = os.path.join(ROOT, ".bench-peer")  # ignored by git: the benchmark's own install of the peer
-RAW_BLOCK_PKG = "lmcache-rust-raw-block-io==0.5.7rc2"
-
-
-def raw_block_available(install: bool = True) -> str:
-    """'' if LMCache's RawBlockDevice (lmcache_rust_raw_block_io) imports, from PEER_DIR
-    (installed there with pip --target when missing), else why not."""
-    if PEER_DIR not in sys.path:
-        sys.path.append(PEER_DIR)
-    try:
-        import lmcache_rust_raw_block_io  # noqa: F401
-
-        return ""
-    except ImportError:
-        pass
-    if not install:
-        return f"lmcache_rust_raw_block_io missing (pip install --target {PEER_DIR} {RAW_BLOCK_PKG})"
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", PEER_DIR, RAW_BLOCK_PKG]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0:
-        return f"{' '.join(cmd[2:])} failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}"
-    import importlib
-
-    importlib.invalidate_caches()
-    try:
-        import lmcache_rust_raw_block_io  # noqa: F401, F811
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"
-    return ""
 
 
 def raw_block_round(path: str, payload: int, n: int, depth: int) -> dict:
@@ -451,7 +357,7 @@ def raw_block_round(path: str, payload: int, n: int, depth: int) -> dict:
     try:
         if not held:
             _fill(pool, payload)
-        got = _rbd_peer(path, slot, n, depth, pool, SETTLE)
+        got = peers.device_phases(path, slot, n, depth, [pool.addr(i) for i in range(n)], SETTLE)
     finally:
         if not held:
             pool.close()
@@ -508,397 +414,12 @@ def vllm_fs_round(root: str, payload: int, n: int, depth: int, arena) -> dict:
             if bad:
                 raise RuntimeError(f"vllm-fs: {len(bad)} {rw} jobs failed")
             out[f"{rw}_gbps"] = n * payload / dt / 1e9
-            out[f"{rw}_cpu_s_per_gb"] = dc / (n * payload / 1e9)
+            out[f"{rw}_cpu_s_per_gb"] = harness.cpu_s_per_gb(dc, n * payload)
             out[f"{rw}_s"] = dt
     finally:
         pool.shutdown()
         shutil.rmtree(root, ignore_errors=True)
     return out
-
-
-# ------------------------------------------------------------------ peers (--peers)
-
-# aiokv's payload CRC32C: on 2 checksum threads (a CUDA worker), in the device copy (the CPU build), on the loop
-# thread; "before": on 2 checksum threads, scheduled as before issue 36 (chunks of CHUNK_MIN_BYTES, stamped or
-# written within one queue depth: blockio.SPREAD_CHUNK_BYTES = STAMP_AHEAD_DEPTHS = 0)
-PEER_CRC = ("threads", "copy", "loop", "before")
-
-
-def _peer_fill(pool: BufferPool, payload: int) -> None:
-    """A random payload in every buffer (each its own: no two slots alike)."""
-    chunk = os.urandom(payload + 64 * 1024)
-    for s in range(pool.count):
-        off = (s * 4099) % (64 * 1024)
-        ctypes.memmove(pool.addr(s) + fmt.HEADER_BYTES, chunk[off : off + payload], payload)
-
-
-def _phase_sync(settle: float) -> None:
-    """Before each timed phase of every contender: the file system synced, then `settle` s of quiet."""
-    os.sync()
-    if settle > 0:
-        time.sleep(settle)
-
-
-async def _aiokv_peer(root: str, payload: int, n: int, depth: int, salt: int, pool, crc: str, settle: float) -> dict:
-    """aiokv's store and data path, one call of all n blocks (a buffer each, held): reserve
-    (the scheduler's), BlockIO.write (the worker's), commit; pin, BlockIO.read, unpin.
-    crc: "threads" (payload CRC32C stamped and verified on 2 checksum threads, as a CUDA
-    worker) or "copy" (the CPU build: the device copy, not timed here, leaves each payload's
-    CRC in its header and checks it on the way in; the data path stamps/checks the rest)."""
-    shutil.rmtree(root, ignore_errors=True)
-    cpu = concurrent.futures.ThreadPoolExecutor(2, "bench-crc") if crc in ("threads", "before") else None
-    st = StoreIO(root, cpu=cpu)
-    knobs = (blockio.SPREAD_CHUNK_BYTES, blockio.STAMP_AHEAD_DEPTHS)
-    if crc == "before":
-        blockio.SPREAD_CHUNK_BYTES = blockio.STAMP_AHEAD_DEPTHS = 0
-    try:
-        be = st._backend = open_backend(asyncio.get_running_loop(), depth=depth)
-        if hasattr(be, "min_bytes"):
-            be.min_bytes = 0  # exactly `depth` operations in flight
-        ns = st.namespace(NSID, payload, fields={"bench": "bench_store peers"})
-        keys = _keys(n, salt)
-        io = st.blockio(ns)
-        in_copy = crc == "copy"
-        if in_copy:  # the device copy's part, before the timed phases: each header holds its payload's CRC
-            for i, k in enumerate(keys):
-                io.stamp(k, pool.addr(i))
-        out = {}
-        for rw in ("write", "read"):
-            _phase_sync(settle)
-            p0, t0 = time.process_time(), time.perf_counter()
-            where = [st.reserve(ns, k) for k in keys] if rw == "write" else st.pin(ns, keys)
-            if None in where:
-                raise RuntimeError(f"aiokv: {'reserve' if rw == 'write' else 'pin'} refused a block")
-            p1, t1 = time.process_time(), time.perf_counter()
-            call = io.write if rw == "write" else io.read
-            res = await call([(w, k, pool.addr(i)) for i, (w, k) in enumerate(zip(where, keys))], in_copy)
-            p2, t2 = time.process_time(), time.perf_counter()
-            if rw == "write":
-                st.commit(ns, list(zip(keys, where)))
-            else:
-                st.unpin(ns, keys)
-            p3, t3 = time.process_time(), time.perf_counter()
-            if any(res):
-                raise RuntimeError(f"aiokv: {rw} failed: {sorted(set(res))}")
-            out[f"io_{rw}_s"], out[f"io_{rw}_cpu_s"] = t2 - t1, p2 - p1  # the data path (a worker's call)
-            out[f"{rw}_s"], out[f"{rw}_cpu_s"] = t3 - t0, p3 - p0  # the store: with reserve/commit, pin/unpin
-        return out
-    finally:
-        blockio.SPREAD_CHUNK_BYTES, blockio.STAMP_AHEAD_DEPTHS = knobs
-        st.close()
-        if cpu is not None:
-            cpu.shutdown()
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _rbd_peer(path: str, slot: int, n: int, depth: int, pool, settle: float) -> dict:
-    """RawBlockDevice: the same slot images (header + payload) from the same buffers to a
-    fresh allocated file, depth-sized batches (tools/peers.py)."""
-    from tools import peers
-
-    peers.make_file(path, n * slot)
-    dev = peers.open_device(path, depth)
-    try:
-        bufs = [peers.view(pool.addr(i), slot) for i in range(n)]
-        offs = [i * slot for i in range(n)]
-        out = {}
-        for rw in ("write", "read"):
-            _phase_sync(settle)
-            p0, t0 = time.process_time(), time.perf_counter()
-            ok = peers.device_io(dev, rw == "write", offs, bufs, slot, depth)
-            out[f"{rw}_s"], out[f"{rw}_cpu_s"] = time.perf_counter() - t0, time.process_time() - p0
-            if not all(ok):
-                raise RuntimeError(f"RawBlockDevice: {ok.count(False)} {rw}s failed")
-        return out
-    finally:
-        dev.close()
-        os.unlink(path)
-
-
-def _rbc_peer(path: str, payload: int, n: int, depth: int, salt: int, pool, settle: float, per_call: int) -> dict:
-    """RawBlockCore: put_many / load_many_into of `per_call` keys a call (its header and
-    payload writes, its index), payloads in place in the same buffers (tools/peers.py)."""
-    from tools import peers
-
-    slot = fmt.slot_bytes(payload)
-    peers.make_file(path, peers.META_BYTES + n * slot)
-    core = peers.open_core(path, slot, n, depth)
-    try:
-        keys = [peers.core_key(i, salt) for i in range(n)]
-        objs = [peers.Obj(pool.addr(i) + fmt.HEADER_BYTES, payload) for i in range(n)]
-        out = {}
-        _phase_sync(settle)
-        p0, t0 = time.process_time(), time.perf_counter()
-        ok = []
-        for i in range(0, n, per_call):
-            ok += core.put_many(keys[i : i + per_call], objs[i : i + per_call]).results
-        out["write_s"], out["write_cpu_s"] = time.perf_counter() - t0, time.process_time() - p0
-        if not all(ok):
-            raise RuntimeError(f"RawBlockCore: {ok.count(False)} puts failed")
-        enc = [k.encoded for k in keys]
-        _phase_sync(settle)
-        p0, t0 = time.process_time(), time.perf_counter()
-        ok = []
-        for i in range(0, n, per_call):
-            ok += core.load_many_into(enc[i : i + per_call], objs[i : i + per_call])
-        out["read_s"], out["read_cpu_s"] = time.perf_counter() - t0, time.process_time() - p0
-        if not all(ok):
-            raise RuntimeError(f"RawBlockCore: {ok.count(False)} loads failed")
-        return out
-    finally:
-        core.close()
-        os.unlink(path)
-
-
-def peers_main(args, sizes: list[int], depth: int, log) -> dict:
-    """aiokv (CRC on checksum threads, and in the copy) against RawBlockDevice and
-    RawBlockCore (and fio), interleaved rounds on one directory; see the module docstring."""
-    import uvloop
-
-    from tools import peers
-
-    no_dev, no_core = peers.available()
-    if no_dev:
-        raise SystemExit(f"bench_store --peers: RawBlockDevice unavailable: {no_dev}")
-    if no_core:
-        raise SystemExit(f"bench_store --peers: RawBlockCore unavailable: {no_core}")
-    base = args.dir or tempfile.mkdtemp(prefix="aiokv-bench-")
-    os.makedirs(base, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="peers-", dir=base)
-    modes = [c for c in args.peer_crc.split(",") if c]
-    who = [f"aiokv_{c}" for c in modes] + ["rbd", "rbc"] + ([] if args.no_fio else ["fio"])
-    per_call = args.peer_keys or depth
-    results = []
-    t_start = time.monotonic()
-    mach = machine(base)
-    hp = HugePages(max(-(-depth * fmt.slot_bytes(s) // HUGE) for s in sizes) + 4)
-    fio_mem = "mmaphuge" if "fio" in who and hp.__enter__().ok else "malloc"
-    try:
-        for size in sizes:
-            slot = fmt.slot_bytes(size)
-            n = args.blocks or max(2 * depth, (args.mib << 20) // slot)
-            pool = BufferPool(slot, n, populate=True)  # held for all rounds, as a worker's arena
-            _peer_fill(pool, size)
-            rounds = {w: [] for w in who}
-            try:
-                for r in range(args.rounds):
-                    order = who[r % len(who) :] + who[: r % len(who)]  # each contender first in turn
-                    for w in order:
-                        if w.startswith("aiokv_"):
-                            got = uvloop.run(
-                                _aiokv_peer(os.path.join(work, "store"), size, n, depth, r, pool, w[6:], args.settle)
-                            )
-                        elif w == "rbd":
-                            got = _rbd_peer(os.path.join(work, "rbd.dat"), slot, n, depth, pool, args.settle)
-                        elif w == "rbc":
-                            got = _rbc_peer(
-                                os.path.join(work, "rbc.dat"), size, n, depth, r, pool, args.settle, per_call
-                            )
-                        else:
-                            _phase_sync(args.settle)
-                            f = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, fio_mem)
-                            got = {f"{rw}_s": f[f"{rw}_s"] for rw in ("write", "read")}
-                            got.update({f"{rw}_cpu_s": f[f"{rw}_cpu_us"] * n / 1e6 for rw in ("write", "read")})
-                        rounds[w].append(got)
-                    log(
-                        f"{size >> 10:>5} KiB round {r + 1}: "
-                        + " | ".join(
-                            f"{w} W {n * slot / rounds[w][-1][('io_' if w.startswith('aiokv') else '') + 'write_s'] / 1e9:.2f}"
-                            f" R {n * slot / rounds[w][-1][('io_' if w.startswith('aiokv') else '') + 'read_s'] / 1e9:.2f}"
-                            for w in who
-                        )
-                        + " GB/s"
-                    )
-            finally:
-                pool.close()
-            row = {"size": size, "slot_bytes": slot, "blocks": n, "depth": depth, "rounds": rounds}
-            for w, rs in rounds.items():
-                m = {}
-                for k in rs[0]:
-                    m[k] = statistics.median(x[k] for x in rs)
-                for pre in ("", "io_"):
-                    for rw in ("write", "read"):
-                        if f"{pre}{rw}_s" in m:
-                            m[f"{pre}{rw}_gbps"] = statistics.median(n * slot / x[f"{pre}{rw}_s"] / 1e9 for x in rs)
-                            m[f"{pre}{rw}_cpu_s_per_gb"] = statistics.median(
-                                x[f"{pre}{rw}_cpu_s"] / (n * size / 1e9) for x in rs
-                            )
-                row[w] = m
-
-            # each round's aiokv run against the same round's peer run (the disk's speed drifts between
-            # rounds by more than the differences measured): the median of those ratios
-            def paired(a: str, b: str, ka: str, kb: str, rw: str, rounds=rounds) -> float:
-                return statistics.median(y[f"{kb}{rw}_s"] / x[f"{ka}{rw}_s"] for x, y in zip(rounds[a], rounds[b]))
-
-            row["paired"] = {
-                c: {
-                    "rbd": {rw: paired(f"aiokv_{c}", "rbd", "io_", "", rw) for rw in ("write", "read")},
-                    "rbc": {rw: paired(f"aiokv_{c}", "rbc", "", "", rw) for rw in ("write", "read")},
-                    **(
-                        {"fio": {rw: paired(f"aiokv_{c}", "fio", "io_", "", rw) for rw in ("write", "read")}}
-                        if "fio" in rounds
-                        else {}
-                    ),
-                }
-                for c in modes
-            }
-            # ratios of medians: aiokv's data path / RawBlockDevice, aiokv's store / RawBlockCore
-            row["ratios"] = {
-                c: {
-                    "rbd": {
-                        rw: row[f"aiokv_{c}"][f"io_{rw}_gbps"] / row["rbd"][f"{rw}_gbps"] for rw in ("write", "read")
-                    },
-                    "rbc": {rw: row[f"aiokv_{c}"][f"{rw}_gbps"] / row["rbc"][f"{rw}_gbps"] for rw in ("write", "read")},
-                    **(
-                        {
-                            "fio": {
-                                rw: row[f"aiokv_{c}"][f"io_{rw}_gbps"] / row["fio"][f"{rw}_gbps"]
-                                for rw in ("write", "read")
-                            }
-                        }
-                        if "fio" in row
-                        else {}
-                    ),
-                }
-                for c in modes
-            }
-            results.append(row)
-    finally:
-        hp.__exit__()
-        shutil.rmtree(work, ignore_errors=True)
-        if args.dir is None:
-            shutil.rmtree(base, ignore_errors=True)
-    import importlib.metadata as md
-
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "peers": True,
-        "params": {
-            "mib": args.mib,
-            "blocks": args.blocks,
-            "sizes": sizes,
-            "depth": depth,
-            "rounds": args.rounds,
-            "settle": args.settle,
-            "rbc_keys_per_call": per_call,
-            "fio_mem": fio_mem if "fio" in who else None,
-            "dir": base,
-        },
-        "versions": {p: md.version(p) for p in ("lmcache", "lmcache-rust-raw-block-io")},
-        "crc32c": _native_crc_note(),
-        "machine": mach,
-        "seconds": round(time.monotonic() - t_start, 1),
-        "results": results,
-    }
-
-
-def _native_crc_note() -> dict:
-    """The checksum speed this run had (the native CRC32C may change under this tool:
-    compare within a run): GB/s of one thread over 256 MiB of 1 MiB payloads read once
-    (cold, as the bench's), and over one 1 MiB payload again and again (hot)."""
-    pool = BufferPool(1 << 20, 256, populate=True)
-    try:
-        addrs = [pool.addr(i) for i in range(pool.count)]
-        t = time.perf_counter()
-        for a in addrs:
-            _native.crc32c(a, 1 << 20)
-        cold = pool.count * (1 << 20) / (time.perf_counter() - t) / 1e9
-    finally:
-        pool.close()
-    return {"cold_gbps": round(cold, 1), "hot_gbps": round((1 << 20) / crc_us(1 << 20) / 1e3, 1)}
-
-
-def render_peers(doc: dict) -> str:
-    p = doc["params"]
-    res = doc["results"]
-    modes = [w[6:] for w in res[0] if w.startswith("aiokv_")]
-    fio = "fio" in res[0]
-    wr = lambda x, k="": f"{x[k + 'write_gbps']:.2f} / {x[k + 'read_gbps']:.2f}"  # noqa: E731
-    q2 = lambda x: f"{x['write']:.2f} / {x['read']:.2f}"  # noqa: E731
-    cpu = lambda x, k="": f"{x[k + 'write_cpu_s_per_gb']:.3f} / {x[k + 'read_cpu_s_per_gb']:.3f}"  # noqa: E731
-    head = (
-        "| payload |" + "".join(f" aiokv {m}: data path | store |" for m in modes) + " RawBlockDevice | RawBlockCore |"
-    )
-    head += " fio |" if fio else ""
-    rule = "|---|" + "---|---|" * len(modes) + "---|---|" + ("---|" if fio else "")
-    lines = [
-        f"aiokv vs LMCache raw_block ({', '.join(f'{k} {v}' for k, v in doc['versions'].items())}); depth {p['depth']}, "
-        f"{p['mib']} MiB per phase, median of {p['rounds']} interleaved rounds; RawBlockCore {p['rbc_keys_per_call']} "
-        f"keys a call; CRC32C one thread {doc['crc32c']['cold_gbps']} GB/s cold, {doc['crc32c']['hot_gbps']} hot",
-        "",
-        "GB/s write / read (slot bytes; aiokv's data path beside RawBlockDevice, its store beside RawBlockCore)",
-        "",
-        head,
-        rule,
-    ]
-    for r in res:
-        line = f"| {r['size'] >> 10} KiB |" + "".join(
-            f" {wr(r['aiokv_' + m], 'io_')} | {wr(r['aiokv_' + m])} |" for m in modes
-        )
-        line += f" {wr(r['rbd'])} | {wr(r['rbc'])} |" + (f" {wr(r['fio'])} |" if fio else "")
-        lines.append(line)
-    lines += [
-        "",
-        "Ratios, write / read: aiokv's data path / RawBlockDevice, aiokv's store / RawBlockCore"
-        + (", aiokv's data path / fio" if fio else ""),
-        "",
-        "| payload |" + "".join(f" {m} / RBD | {m} store / RBC |" + (f" {m} / fio |" if fio else "") for m in modes),
-        "|---|" + ("---|---|" + ("---|" if fio else "")) * len(modes),
-    ]
-    for key, what in (("ratios", "ratio of the medians"), ("paired", "median of each round's ratio")):
-        for r in res:
-            q = r[key]
-            lines.append(
-                f"| {r['size'] >> 10} KiB, {what} |"
-                + "".join(
-                    f" {q2(q[m]['rbd'])} | {q2(q[m]['rbc'])} |" + (f" {q2(q[m]['fio'])} |" if fio else "")
-                    for m in modes
-                )
-            )
-    lines += ["", "CPU core-s per GB of payload, write / read (process CPU, all threads)", "", head, rule]
-    for r in res:
-        line = f"| {r['size'] >> 10} KiB |" + "".join(
-            f" {cpu(r['aiokv_' + m], 'io_')} | {cpu(r['aiokv_' + m])} |" for m in modes
-        )
-        line += f" {cpu(r['rbd'])} | {cpu(r['rbc'])} |" + (f" {cpu(r['fio'])} |" if fio else "")
-        lines.append(line)
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------ machine
-
-
-def _sh(cmd: list[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-
-
-def machine(path: str) -> dict:
-    mem = ""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem = f"{int(line.split()[1]) / 2**20:.1f} GiB"
-    df = _sh(["df", "-hT", path]).splitlines()
-    dev = df[-1].split()[0] if len(df) > 1 else ""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = f.read().strip()
-    except OSError:
-        thp = "?"
-    return {
-        "nproc": os.cpu_count(),
-        "memory": mem,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "fio": _sh(["fio", "--version"]),
-        "df": df[-1] if df else "",
-        "lsblk": _sh(["lsblk", "-dno", "NAME,SIZE,ROTA,MODEL", dev]) if dev else "",
-        "thp": thp,
-    }
 
 
 # ------------------------------------------------------------------ main
@@ -908,53 +429,47 @@ def _sizes(text: str) -> list[int]:
     return [parse_size(x) for x in text.split(",") if x]
 
 
-def _rounds(args, work, size, n, depth, workers, mem, arena, peers, log) -> dict:
-    """One size and depth: args.rounds rounds of every contender (`peers`: aiokv, fio,
-    raw_block, vllm_fs, fio_fixedbufs, those run), each round in another order."""
-    rounds: dict[str, list] = {w: [] for w in peers}
+def _rounds(args, work, size, n, depth, workers, mem, arena, who, log) -> dict:
+    """One size and depth: args.rounds interleaved rounds of every contender (`who`: aiokv,
+    fio, raw_block, vllm_fs, fio_fixedbufs, those run), each round in another order."""
     # a CUDA worker's checksum threads (worker/device.py: 2), or None: every checksum on the loop thread
     cpu = concurrent.futures.ThreadPoolExecutor(args.checksum_threads, "bench-crc") if args.checksum_threads else None
-    try:
-        return _rounds_run(args, work, size, n, depth, workers, mem, arena, peers, log, rounds, cpu)
-    finally:
-        if cpu is not None:
-            cpu.shutdown()
-
-
-def _rounds_run(args, work, size, n, depth, workers, mem, arena, peers, log, rounds, cpu) -> dict:
-    """_rounds' rounds, aiokv with the checksum threads `cpu`."""
     slot = fmt.slot_bytes(size)
-    for r in range(args.rounds):
-        for who in peers[r % len(peers) :] + peers[: r % len(peers)]:
-            if who in ("aiokv", "aiokv_blocks", "aiokv_nocrc"):
-                got = aiokv_round(
-                    os.path.join(work, "store"),
-                    size,
-                    n,
-                    depth,
-                    workers,
-                    r,
-                    mode=args.mode,
-                    secret=args.secret,
-                    cpu=cpu,
-                    reads="block" if who == "aiokv_blocks" else "window",
-                    crc=who != "aiokv_nocrc",
-                )
-            elif who == "fio":
-                got = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem)
-            elif who == "fio_fixedbufs":
-                got = fio_round(os.path.join(work, "fio.dat"), slot, n, depth, mem, fixedbufs=True)
-            elif who == "raw_block":
-                got = raw_block_round(os.path.join(work, "rbd.dat"), size, n, depth)
-            else:
-                got = vllm_fs_round(os.path.join(work, "vllmfs"), size, n, depth, arena)
-            rounds[who].append(got)
+    fio_at = os.path.join(work, "fio.dat")
+
+    def aiokv(w: str):
+        return lambda r: aiokv_round(
+            os.path.join(work, "store"),
+            size,
+            n,
+            depth,
+            workers,
+            r,
+            mode=args.mode,
+            secret=args.secret,
+            cpu=cpu,
+            reads="block" if w == "aiokv_blocks" else "window",
+            crc=w != "aiokv_nocrc",
+        )
+
+    runs = {w: aiokv(w) for w in MINE}
+    runs["fio"] = lambda r: fio_round(fio_at, slot, n, depth, mem)
+    runs["fio_fixedbufs"] = lambda r: fio_round(fio_at, slot, n, depth, mem, fixedbufs=True)
+    runs["raw_block"] = lambda r: raw_block_round(os.path.join(work, "rbd.dat"), size, n, depth)
+    runs["vllm_fs"] = lambda r: vllm_fs_round(os.path.join(work, "vllmfs"), size, n, depth, arena)
+
+    def progress(r: int, rounds: dict) -> None:
         log(
             f"{size >> 10:>5} KiB depth {depth:>2} round {r + 1}: "
             + " | ".join(f"{w} W {rs[-1]['write_gbps']:.2f} R {rs[-1]['read_gbps']:.2f}" for w, rs in rounds.items())
             + " GB/s"
         )
-    return rounds
+
+    try:
+        return harness.interleave({w: runs[w] for w in who}, args.rounds, progress)
+    finally:
+        if cpu is not None:
+            cpu.shutdown()
 
 
 # aiokv and its variants (--per-block-reads, --no-crc-too), and the prefix of their ratios in a row
@@ -990,19 +505,14 @@ def _row(size: int, n: int, depth: int, workers: int, rounds: dict) -> dict:
                 if f"{pre}write_gbps" not in rounds[mine][0]:
                     continue
                 row[f"{head}ratio_{who}{suffix}"] = {
-                    rw: statistics.median(
-                        a[f"{pre}{rw}_gbps"] * scale / b[f"{rw}_gbps"] for a, b in zip(rounds[mine], rounds[who])
-                    )
+                    rw: harness.paired(rounds[mine], rounds[who], f"{pre}{rw}_gbps", f"{rw}_gbps", scale)
                     for rw in ("write", "read")
                 }
     return row
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    ap.add_argument("--out", default=None, help="also write the JSON document to this file")
-    ap.add_argument("--plot", default=None, help="write PNG plots into this directory (needs matplotlib)")
+    ap = harness.parser(__doc__, rounds=3, plot=True)
     ap.add_argument("--mib", type=int, default=64, help="MiB moved per phase (write, then read) and contender")
     ap.add_argument("--blocks", type=int, default=None, help="blocks per phase (overrides --mib)")
     ap.add_argument("--sizes", default="64K,256K,1M,2M", help="payload sizes, comma separated")
@@ -1022,14 +532,13 @@ def main() -> int:
         help="aiokv: concurrent save()/load() loops sharing the depth (default: depth, one block "
         "per call; see docs/benchmarks-history.md, section 1)",
     )
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--no-null", action="store_true", help="skip the null-I/O overhead runs")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's fs tier")
     ap.add_argument(
         "--no-raw-block",
         action="store_true",
-        help=f"skip LMCache's RawBlockDevice (by default installed with pip --target into {PEER_DIR} if missing)",
+        help=f"skip LMCache's RawBlockDevice (by default installed with pip --target into {peers.PEER_DIR} if missing)",
     )
     ap.add_argument("--only", default=None, help="run only these contenders: aiokv,fio,raw_block,vllm_fs (for tracing)")
     ap.add_argument("--secret", default=None, help="aiokv: a secret, so every slot carries the MAC and is checked")
@@ -1067,7 +576,7 @@ def main() -> int:
         action="store_true",
         help="aiokv (CRC on 2 checksum threads, and in the copy) against LMCache's RawBlockDevice and "
         "RawBlockCore (and fio) at one depth (default 16), sizes default 256K,1M,2M,4M, 5 rounds "
-        f"(needs the optional extra: {PEERS_INSTALL})",
+        f"(needs the optional extra: {peers.INSTALL})",
     )
     ap.add_argument("--no-fio", action="store_true", help="--peers: leave fio out")
     ap.add_argument(
@@ -1094,8 +603,9 @@ def main() -> int:
         if not args.no_fio and shutil.which("fio") is None:
             ap.error("fio is not installed (or --no-fio)")
         log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
-        doc = peers_main(args, _sizes(args.sizes), depths[0], log)
-        return emit(doc, args, render_peers)
+        from tools import bench_store_peers as bp
+
+        return harness.emit(bp.peers_main(args, _sizes(args.sizes), depths[0], log), args, bp.render_peers)
     global SUBMIT_GROUP, SETTLE
     SUBMIT_GROUP = args.submit_group
     SETTLE = args.settle
@@ -1111,25 +621,25 @@ def main() -> int:
     vllm_note = "skipped" if args.no_vllm or (only and "vllm_fs" not in only) else vllm_fs_available()
     use_vllm = not vllm_note
     want_rb = not args.no_raw_block and (only is None or "raw_block" in only)
-    rb_note = raw_block_available() if want_rb else "skipped"
-    peers = ["aiokv", "fio"] + (["raw_block"] if not rb_note else []) + (["vllm_fs"] if use_vllm else [])
-    peers += ["aiokv_blocks"] if args.per_block_reads else []
-    peers += ["aiokv_nocrc"] if args.no_crc_too else []
-    peers += ["fio_fixedbufs"] if args.fixedbufs else []
+    rb_note = peers.install_device() if want_rb else "skipped"
+    who = ["aiokv", "fio"] + (["raw_block"] if not rb_note else []) + (["vllm_fs"] if use_vllm else [])
+    who += ["aiokv_blocks"] if args.per_block_reads else []
+    who += ["aiokv_nocrc"] if args.no_crc_too else []
+    who += ["fio_fixedbufs"] if args.fixedbufs else []
     if only is not None:
-        peers = [w for w in peers if w in only]
+        who = [w for w in who if w in only]
     base = args.dir or tempfile.mkdtemp(prefix="aiokv-bench-")
     os.makedirs(base, exist_ok=True)
     work = tempfile.mkdtemp(prefix="run-", dir=base)
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     backend_name = asyncio.run(_backend_name())
-    pages = max(-(-d * fmt.slot_bytes(s) // HUGE) for s in sizes for d in depths) + 4
+    pages = max(harness.huge_pages(d * fmt.slot_bytes(s)) for s in sizes for d in depths)
     results = []
     overhead = []
     t_start = time.monotonic()
-    mach = machine(base)
+    mach = harness.machine(base)
     try:
-        with HugePages(pages) as hp:
+        with harness.HugePages(pages) as hp:
             mem = "mmaphuge" if hp.ok else "malloc"
             for size in sizes:
                 slot = fmt.slot_bytes(size)
@@ -1148,7 +658,7 @@ def main() -> int:
                 try:
                     for depth in depths:
                         workers = args.workers or depth
-                        rounds = _rounds(args, work, size, n, depth, workers, mem, arena, peers, log)
+                        rounds = _rounds(args, work, size, n, depth, workers, mem, arena, who, log)
                         results.append(_row(size, n, depth, workers, rounds))
                 finally:
                     if arena is not None:
@@ -1189,8 +699,8 @@ def main() -> int:
         "fio_mem": mem,
         "fio_mem_note": hp.note or (f"nr_hugepages raised by {pages} for the run and set back" if hp.ok else ""),
         "vllm_fs": vllm_note or "vllm.fs_io_C (C helper), DualQueueThreadPool",
-        "raw_block": rb_note or f"{RAW_BLOCK_PKG}: RawBlockDevice, batches of depth waited for whole",
-        "contenders": peers,
+        "raw_block": rb_note or f"{peers.RAW_BLOCK_PKG}: RawBlockDevice, batches of depth waited for whole",
+        "contenders": who,
         "secret": bool(args.secret),
         "checksum_threads": args.checksum_threads,
         "machine": mach,
@@ -1198,7 +708,7 @@ def main() -> int:
         "results": results,
         "overhead": overhead,
     }
-    return emit(doc, args, render, plot)
+    return harness.emit(doc, args, render, plot)
 
 
 async def _backend_name() -> str:
@@ -1336,21 +846,6 @@ def plot(doc: dict, outdir: str) -> list[str]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]
-
-
-def emit(doc: dict, args, render, plot=None) -> int:
-    """The benchmarks' common output: --out FILE (JSON), --plot DIR, --json or a table."""
-    if getattr(args, "out", None):
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-    if plot is not None and getattr(args, "plot", None):
-        plot(doc, args.plot)
-    if args.json:
-        json.dump(doc, sys.stdout, indent=1)
-        print()
-    else:
-        print(render(doc))
-    return 0
 
 
 if __name__ == "__main__":

@@ -34,12 +34,15 @@ import gc
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(ROOT)  # last: the aiokv measured is PYTHONPATH's (--against runs another tree's)
+
+from tools import harness  # noqa: E402
+
 NSID = b"o" * 16
 PAYLOAD = 4096
 BATCH = 1000
@@ -176,11 +179,7 @@ def run_phase(name: str, args, tree: str = ROOT) -> dict:
     env = dict(os.environ, PYTHONPATH=tree)
     argv = [sys.executable, os.path.abspath(__file__), "--phase", name, "--dir", args.dir, "--n", str(args.n)]
     argv += ["--tenants", str(args.tenants), "--calls", str(args.calls)]
-    p = subprocess.run(argv, capture_output=True, text=True, env=env)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        raise SystemExit(f"bench_ops: phase {name} ({tree}) failed (rc {p.returncode}):\n{p.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    return harness.child(argv[1:], f"bench_ops: phase {name} ({tree})", env)
 
 
 def parse_args(argv=None):
@@ -220,11 +219,7 @@ def main() -> None:
         shutil.rmtree(os.path.join(args.dir, "store"), ignore_errors=True)
         if own:
             shutil.rmtree(args.dir, ignore_errors=True)
-    if args.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            print(f"{k}: {v}")
+    harness.flat(out, args)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sys
+import time
 import types
 
 INSTALL = "pip install --no-deps 'lmcache-rust-raw-block-io==0.5.7rc2' 'lmcache==0.5.7rc2'"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEER_DIR = os.path.join(ROOT, ".bench-peer")  # ignored by git: the benchmarks' own install of the peer
+RAW_BLOCK_PKG = "lmcache-rust-raw-block-io==0.5.7rc2"
 META_BYTES = 16 << 20  # RawBlockCore's checkpoint region here (its default is 256 MiB; the JSON fits)
 
 
@@ -51,6 +57,33 @@ def available() -> tuple[str, str]:
     except Exception as e:  # noqa: BLE001
         return "", f"{type(e).__name__}: {e} (install: {INSTALL})"
     return "", ""
+
+
+def install_device(install: bool = True) -> str:
+    """'' if LMCache's RawBlockDevice (lmcache_rust_raw_block_io) imports, from PEER_DIR
+    (installed there with pip --target when missing), else why not."""
+    if PEER_DIR not in sys.path:
+        sys.path.append(PEER_DIR)
+    try:
+        import lmcache_rust_raw_block_io  # noqa: F401
+
+        return ""
+    except ImportError:
+        pass
+    if not install:
+        return f"lmcache_rust_raw_block_io missing (pip install --target {PEER_DIR} {RAW_BLOCK_PKG})"
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", PEER_DIR, RAW_BLOCK_PKG]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        return f"{' '.join(cmd[2:])} failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}"
+    import importlib
+
+    importlib.invalidate_caches()
+    try:
+        import lmcache_rust_raw_block_io  # noqa: F401, F811
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def _quiet() -> None:
@@ -95,6 +128,31 @@ def device_io(dev, write: bool, offsets: list[int], bufs: list[memoryview], leng
         ok, _errors = dev.wait_iouring(bid)
         out += [bool(x) for x in ok]
     return out
+
+
+def device_phases(path: str, slot: int, n: int, depth: int, addrs: list[int], settle: float) -> dict:
+    """RawBlockDevice writing then reading n slot images (header + payload) from the buffers at
+    `addrs` to a fresh allocated file, depth-sized batches; each phase after the file system is
+    synced and `settle` s of quiet. {write_s, write_cpu_s, read_s, read_cpu_s}."""
+    make_file(path, n * slot)
+    dev = open_device(path, depth)
+    try:
+        bufs = [view(a, slot) for a in addrs[:n]]
+        offs = [i * slot for i in range(n)]
+        out = {}
+        for rw in ("write", "read"):
+            os.sync()
+            if settle > 0:
+                time.sleep(settle)
+            p0, t0 = time.process_time(), time.perf_counter()
+            ok = device_io(dev, rw == "write", offs, bufs, slot, depth)
+            out[f"{rw}_s"], out[f"{rw}_cpu_s"] = time.perf_counter() - t0, time.process_time() - p0
+            if not all(ok):
+                raise RuntimeError(f"RawBlockDevice: {ok.count(False)} {rw}s failed")
+        return out
+    finally:
+        dev.close()
+        os.unlink(path)
 
 
 class Obj:
