@@ -12,7 +12,7 @@ either cleared or intact (never indexed with its space punched), and is finished
 run or the next engine to open those files; an index rebuilt from the slots is cleared again,
 of the blocks written before the clear only.
 The fix: aiokv/store/control.py (orders in DIR/control, applied by each engine with FREE and
-MARK records in one journal write), aiokv/cli/operate.py (the command).
+MARK records in one journal write), aiokv/ops/orders.py (the command).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 
 from aiokv.cli import operate
 from aiokv.data import format as fmt
-from aiokv.store import Store
+from aiokv.store import Store, offline
 from aiokv.store.table import tag_of
 from tests.conftest import NS, PAYLOAD, key
 from tests.stallfs import mounted
@@ -112,7 +112,7 @@ async def test_a_clear_reaches_every_running_engine_and_only_its_tenant(tmp_path
     # the other namespace was not named: untouched
     assert _live(e0, other0, range(20, 23)) == [True] * 3
     # both engines say so in their journals: the command sees it
-    assert operate._mark_of(root, NS, 0) == operate._mark_of(root, NS, 1) == 1
+    assert offline.applied_mark(root, NS, 0) == offline.applied_mark(root, NS, 1) == 1
     e0.close()
     e1.close()
     st = Store(root, readonly=True)

@@ -36,7 +36,7 @@ import numpy as np
 
 from aiokv.cli import operate
 from aiokv.data import format as fmt
-from aiokv.store import Store, applying, bulk, journal, logrecords
+from aiokv.store import Store, applying, bulk, journal, logrecords, offline
 from aiokv.store import reclaim as reclaim_mod
 from aiokv.store.control import append_order
 from aiokv.store.journal import IndexLog
@@ -276,7 +276,7 @@ async def test_a_clear_reaches_a_dead_engines_files_another_engine_holds(tmp_pat
         os.path.join(root, "ns", NS.hex()), os.open(os.path.join(root, "ns", NS.hex()), os.O_RDONLY), readonly=True
     ).load()
     assert left and not any(key(i) in left for i in range(1, 16, 2)), "alice's blocks stayed in the dead engine's files"
-    assert operate._mark_of(root, NS, 0) == 1
+    assert offline.applied_mark(root, NS, 0) == 1
     assert not any(nb.has(key(i)) for i in range(1, 16, 2))
     b.close()
     st = Store(root)  # the engine adopting number 0 next serves none of them
@@ -371,7 +371,7 @@ async def test_an_engine_killed_mid_clear_leaves_each_block_cleared_or_whole(tmp
         own = set(st.index.namespaces[NS].keys(0))
         st.close()
         assert not own & alice and len(own) == n - len(alice), trial
-        assert operate._mark_of(root, NS, 0) == 1
+        assert offline.applied_mark(root, NS, 0) == 1
     assert "part" in seen, seen
 
 

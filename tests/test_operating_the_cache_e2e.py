@@ -14,7 +14,7 @@ tenant's blocks all hits (in the same life and the next), while the same flood w
 evicts them; a prompt pinned by kv_transfer_params {"aiokv": {"pin": true}} (its tenant named in
 `request_pins`) survives a flood that evicts everything else.
 Tokens equal a run without aiokv in every life.
-The fix: aiokv/store/control.py and aiokv/cli/operate.py (clear, pin, unpin),
+The fix: aiokv/store/control.py and aiokv/ops/orders.py (clear, pin, unpin),
 aiokv/store/quotas.py, the PINNED flag (aiokv/store/table.py), scheduler_role.wants_pin.
 """
 

@@ -11,7 +11,7 @@ the fix, and follows the other engines and starts as before; `aiokv clear`, `pin
 create and write their files as the directory's owner (run as root, they act as that user),
 and refuse, in one line naming the fix, to run as any other user.
 The fix: control.py `read_io` keeps its position and says once when the file does not read;
-cli/operate.py acts with the directory owner's ids (and gives back a control file an earlier
+ops/owner.py makes the command act with the directory owner's ids (and gives back a control file an earlier
 run as root left root's), or refuses.
 
 The tests run as root: the engines run in forked children that take the directory owner's uid

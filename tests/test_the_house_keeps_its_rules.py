@@ -43,7 +43,8 @@ LAYERS = {  # folder (or top-level module) -> the folders it may import besides 
     "store": {"data"},
     "bucket": {"data"},
     "data": set(),
-    "cli": {"store", "bucket", "data"},
+    "ops": {"store", "bucket", "data"},
+    "cli": {"ops", "store", "bucket", "data"},
     "demo": set(),
     "__main__": {"cli"},
     "__init__": set(),
@@ -367,3 +368,26 @@ def test_the_checkers_catch_a_synthetic_house(tmp_path):
     assert on_the_map(root, "aiokv/data/up.py") and not on_the_map(root, "aiokv/data/big.py")
     assert on_the_map(root, "aiokv/data/ok.py") and not on_the_map(root, "native/x.c")  # its own row only
     assert _grew("split it; 80 lines today", "81 lines, at most 80") and not _grew("80 lines today", "80 lines")
+
+
+OPERATOR_CLI = ("aiokv/cli/operate.py", "aiokv/cli/warm.py")  # aiokv clear, pin, unpin; aiokv warm
+
+
+def _aiokv_imports(path: str) -> list[str]:
+    """Every aiokv module a file imports, deferred imports too."""
+    out = []
+    for node in ast.walk(_tree(ROOT, path)):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+    return [m for m in out if m.split(".")[0] == "aiokv"]
+
+
+def test_the_operator_commands_reach_the_store_only_through_ops():
+    """Following `aiokv clear` (or warm) from the command line to the engines stays in aiokv/ops/ and
+    the store: the CLI's modules of the operators' commands import nothing of the store, and call ops."""
+    for path in OPERATOR_CLI:
+        mods = _aiokv_imports(path)
+        assert not [m for m in mods if m.startswith("aiokv.store")], f"{path} imports the store: go through aiokv/ops/"
+        assert any(m.startswith("aiokv.ops") for m in mods), f"{path} does not call aiokv/ops/"

@@ -18,7 +18,7 @@ pins treat it as the engines' own); the labels engines published reach
 the warmed blocks' labels file (so engines announce them: docs/operations.md, "Warm-up"); no
 secret, or a bucket that does not answer, is one line and exit status 2; progress is a bar on a
 terminal and plain lines (no control characters) in a log.
-Fix: aiokv/cli/warm.py, aiokv/bucket/catalog.py, meta.py, publisher.py.
+Fix: aiokv/ops/warm.py, aiokv/bucket/catalog.py, meta.py, publisher.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ directory hits every block of its first requests on its local disk, with zero bu
 start announcement names each warmed block with the hash, parent and tokens vLLM computes for
 it (the labels the first engine published beside its blocks); each block stays its tenant's
 (the cache_salt its request had), and `--tenant` warms only that tenant's blocks.
-Fix: aiokv/cli/warm.py (the copy), aiokv/bucket/publisher.py (namespace descriptions and labels
+Fix: aiokv/ops/warm.py (the copy), aiokv/bucket/publisher.py (namespace descriptions and labels
 published by engines), aiokv/bucket/catalog.py (read back by the warm).
 """
 

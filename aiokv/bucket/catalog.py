@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What a bucket holds, read by listing it (for `aiokv warm`, aiokv/cli/warm.py):
+"""What a bucket holds, read by listing it (for `aiokv warm`, aiokv/ops/warmplan.py):
 
 - its namespaces: the folders `PREFIX/<nsid hex>/`, each described by its namespace.json
   (meta.py) when an engine published one;

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the bucket holds beside the blocks, for `aiokv warm` (aiokv/cli/warm.py):
+"""What the bucket holds beside the blocks, for `aiokv warm` (aiokv/ops/warm.py):
 
     PREFIX/<nsid hex>/namespace.json          what the namespace holds (as the local one,
                                               docs/format.md): written once, by the first

@@ -12,7 +12,7 @@
                                          copy the fleet's blocks from the bucket before the node serves
                                          (docs/operations.md, "Warm-up"); run again after an interrupt
     aiokv clear DIR [--model NAME|--namespace ID] [--tenant SALT] [--older-than DURATION] [--dry-run]
-                                         remove blocks, also while engines serve (cli/operate.py)
+                                         remove blocks, also while engines serve (ops/orders.py)
     aiokv pin DIR --tenant SALT [--model NAME|--namespace ID]    keep a tenant's blocks (pin_capacity)
     aiokv unpin DIR --tenant SALT [--model NAME|--namespace ID]  and let them go again
 
@@ -153,12 +153,13 @@ def _operate_parser(sub, op: str, text: str) -> None:
 def _warm(args) -> int:
     from aiokv.cli import warm
     from aiokv.config import parse_size
+    from aiokv.ops.errors import WarmError
 
     try:
         limit = None if args.limit is None else parse_size(args.limit)
         capacity = parse_size(args.capacity)
     except ValueError as e:
-        raise warm.WarmError(f"aiokv: {e}") from None
+        raise WarmError(f"aiokv: {e}") from None
     doc = warm.warm(
         warm.Args(
             args.dir,
@@ -280,13 +281,13 @@ def _one_line(e: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from aiokv.cli.inspect import InspectError
-    from aiokv.cli.warm import WarmError
     from aiokv.data import format as fmt
+    from aiokv.ops.errors import OpsError
 
     try:
         run = {"inspect": _inspect, "warm": _warm}.get(args.command, _operate)
         return run(args)
-    except (InspectError, WarmError) as e:
+    except (InspectError, OpsError) as e:
         print(_one_line(e), file=sys.stderr)
         return e.code
     except KeyboardInterrupt:

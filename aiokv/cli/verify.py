@@ -16,7 +16,8 @@ import time
 
 from aiokv.cli.bads import Bads
 from aiokv.cli.opening import SCHEMA, InspectError, check_root, engines_running, open_readonly
-from aiokv.cli.slots import Progress, recheck, run_loop, still_bad, verify_store
+from aiokv.cli.progress import Progress
+from aiokv.cli.slots import recheck, run_loop, still_bad, verify_store
 from aiokv.data import format as fmt
 from aiokv.store.lock import StoreLocked
 from aiokv.store.store import Store

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The operators' orders to a live directory: clear, pin, unpin (issues 34, 40).
 
-`aiokv clear`, `aiokv pin` and `aiokv unpin` (aiokv/cli/operate.py) do not touch an engine's
+`aiokv clear`, `aiokv pin` and `aiokv unpin` (aiokv/ops/orders.py) do not touch an engine's
 files while it runs (each engine writes only its own): they append an **order** to DIR/control
 (data/format/sidefiles.py: numbered records, written and synced under an flock of the file), and every engine
 takes it at its next look at the other engines (following.py: every 0.1 s, on the I/O thread;
@@ -301,13 +301,6 @@ class Control:
 
     def _filter(self, ns, order: Order, written_before: bool = False):
         return bulk.filter_of(order, self._mask(order), written_before) if order.for_ns(ns.nsid) else None
-
-    def _matching(self, table, order: Order, written_before: bool = False) -> np.ndarray:
-        """The slots of a table's blocks an order is for (at once: tools, a dry run)."""
-        slots, _ = bulk.select(
-            table, bulk.filter_of(order, self._mask(order), written_before), 0, table.slots, table.slots
-        )
-        return slots
 
     def catch_up(self, ns, old=frozenset()) -> None:
         """Our own blocks of ns given the orders past its MARK (as orders come, at install of

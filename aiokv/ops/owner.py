@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The commands that write to a cache directory (`aiokv clear`, `pin`, `unpin`) act as its owner.
+"""The commands that write to a cache directory (`aiokv clear`, `pin`, `unpin`: orders.py) act as its owner.
 
 The engines run as the directory's owner (meta.py refuses any other user), so every file such a
 command creates or rewrites there (DIR/control; a stopped engine's journal and checkpoint) must
 be that user's, or the engines cannot read it (issue 40: `sudo aiokv clear` left DIR/control
 root's, mode 0600; the engines stopped following each other and failed at their next start).
 Run as root, the command takes the owner's user and group ids for its work, and first gives back
-a control file an earlier run as root left root's; run as any other user, it refuses in one line.
+a control file an earlier run as root left root's; run as any other user, it refuses in one line
+(the caller's error type: errors.py).
 
 Threading: one thread (the CLI's); the effective ids are the whole process's.
 """
@@ -19,9 +20,9 @@ import pwd
 import stat
 import sys
 
-from aiokv.cli.opening import InspectError
 from aiokv.data import format as fmt
 from aiokv.data.dirs import DIR_FLAGS
+from aiokv.ops.errors import OpsError
 
 
 def _who(uid: int) -> tuple[str, str]:
@@ -34,8 +35,9 @@ def _who(uid: int) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def as_owner(root: str):
-    """The block runs with the effective ids of the directory's owner (see above)."""
+def as_owner(root: str, error: type[OpsError] = OpsError):
+    """The block runs with the effective ids of the directory's owner (see above); error: the
+    type raised when the command may not act as that user."""
     st = os.stat(root)
     uid, euid = st.st_uid, os.geteuid()
     if uid == euid:
@@ -43,7 +45,7 @@ def as_owner(root: str):
         return
     owner, sudo = _who(uid)
     if euid != 0:
-        raise InspectError(
+        raise error(
             f"aiokv: {root} belongs to {owner}, the user its engines run as, not to {_who(euid)[0]}; "
             f"run the command as that user: sudo -u {sudo} aiokv ..."
         )
