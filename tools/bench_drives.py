@@ -211,7 +211,7 @@ async def _aiokv(
             out[f"{name}_gbps"] = n * slot / (t3 - t0) / 1e9  # the whole: bookkeeping and data path
             out[f"{name}_io_gbps"] = n * slot / (t2 - t1) / 1e9  # the data path alone (a worker's calls)
             out[f"{name}_book_us"] = (t3 - t0 - (t2 - t1)) / n * 1e6
-        out["per_drive"] = [len(s.index.namespaces[NSID].own) for s in st.stores.values()]
+        out["per_drive"] = [s.index.namespaces[NSID].count(s.engine) for _, _, s in st.drives()]
         out["buffers"] = pool.count
         return out
     finally:

@@ -117,7 +117,7 @@ def bench_lookups(root: str, writers: int, blocks: int, seconds: float, rate: in
     if hasattr(st, "refresh"):
         st.following.followed = 0
         st.refresh()
-    seen = len(ns.entries) - blocks
+    seen = ns.count() - blocks
     st.close()
     shutil.rmtree(root, ignore_errors=True)
     samples.sort()
@@ -188,7 +188,7 @@ def bench_sqlite(root: str, batches: int = 2000) -> None:
         t = time.perf_counter_ns()
         ro.following.follow(rns)
         t_poll += time.perf_counter_ns() - t
-    assert len(rns.entries) == batches * BATCH
+    assert rns.count() == batches * BATCH
     t = time.perf_counter_ns()
     for _ in range(batches):
         fl.poll()
@@ -220,7 +220,7 @@ def bench_roll(root: str, n: int) -> None:
     t = time.perf_counter()
     me.following.follow_all()
     t_roll = time.perf_counter() - t
-    assert len(rns.entries) == n + BATCH
+    assert rns.count() == n + BATCH
     print(
         f"another engine with {n} blocks: first look (full replay) {t_replay:.2f} s; after its checkpoint, "
         f"the look that rolls over {t_roll * 1000:.2f} ms"

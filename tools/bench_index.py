@@ -117,7 +117,7 @@ def phase_replay(root: str, n: int) -> dict:
     ns = st.namespace(NSID, PAYLOAD)
     _ready(st, ns)
     replay = time.perf_counter() - t
-    got = len(ns.entries)
+    got = ns.count()
     t = time.perf_counter()
     st.close()
     return {"replay_s": replay, "replayed": got, "checkpoint_s": time.perf_counter() - t}
@@ -135,7 +135,7 @@ def phase_open(root: str, n: int) -> dict:
     open_s = time.perf_counter() - t
     gc.collect()
     grown = rss() - before
-    got = len(ns.entries)
+    got = ns.count()
     rnd = random.Random(1)
     # lookups: runs of 64 stored keys (a request's prefix), each run from a random start
     runs = [keys(s, s + 64) for s in (rnd.randrange(0, max(1, n - 64)) for _ in range(2000))]
@@ -235,7 +235,7 @@ def phase_follow(root: str, n: int) -> None:
     ns = st.namespace(NSID, PAYLOAD)
     open_s = time.perf_counter() - t
     gc.collect()
-    assert len(ns.entries) >= n, (len(ns.entries), n)
+    assert ns.count() >= n, (ns.count(), n)
     print(json.dumps({"rss": rss() - before, "pss": pss() - before_pss, "open_s": open_s}), flush=True)
     done = os.path.join(os.path.dirname(root), "go")
     while not os.path.exists(done):

@@ -231,7 +231,7 @@ def scheduler_side(running: list[int], base: str) -> dict:
             keys = extend_keys([], root, toks, BLOCK, 32)
             _fill(store, ns, keys)
             prompts.append(toks)
-        out["stored_blocks"] = len(ns.entries)
+        out["stored_blocks"] = ns.count()
         # lookups: a new request, first call (hashes 63 keys, 32 hit) and a repeat call (memoised keys)
         first, repeat, hits = [], [], 0
         for i, toks in enumerate(prompts):

@@ -287,7 +287,7 @@ def life(args) -> dict:
         # next lives, fault-free ones included, are not offered a slot it rewrote
         for g in conn.sched.groups:
             mine = {x.split(":")[1] for x in spoiled if x.split(":")[0] == g.ns.nsid.hex()}
-            conn.sched.store.drop(g.ns, [k for k in list(g.ns.own) if k.hex() in mine], corrupt=False)
+            conn.sched.store.drop(g.ns, [k for k in g.ns.keys(g.ns.engine) if k.hex() in mine], corrupt=False)
     res = {
         "outs": {str(k): v for k, v in outs.items()},
         "steps": steps,
@@ -340,7 +340,7 @@ def spoil_slot(conn, rnd: random.Random) -> list[str]:
 
     g = rnd.choice(conn.sched.groups)
     ns = g.ns
-    own = sorted(ns.own.items())
+    own = sorted((k, ns.block(k)[0]) for k in ns.keys(ns.engine))
     if len(own) < 2:
         return []
     (key, slot), (_, other) = rnd.sample(own, 2)
@@ -477,7 +477,7 @@ def check_stored_bytes(args) -> dict:
     for p in spec["prompts"]:
         keys = extend_keys([], root, p, bs, (len(p) - 1) // bs)
         for i, k in enumerate(keys):
-            if k in ns.entries and f"{ns.nsid.hex()}:{k.hex()}" not in spoiled:
+            if ns.has(k) and f"{ns.nsid.hex()}:{k.hex()}" not in spoiled:
                 by_key.setdefault(k, (p, i))
     sample = sorted(by_key.items())[: spec.get("sample", 40)]
     manager = sched.kv_cache_manager.coordinator.single_type_managers[group]
@@ -505,7 +505,7 @@ def check_stored_bytes(args) -> dict:
                 f"request {rid} was not prefilled in one step: {r.status} {r.num_computed_tokens} {len(prompt)} {idx}"
             )
         block = manager.req_to_blocks[internal][idx].block_id
-        raw = os.pread(fd, ns.slot_bytes, ns.entries[key] * ns.slot_bytes)
+        raw = os.pread(fd, ns.slot_bytes, ns.where(key) * ns.slot_bytes)
         off = fmt.HEADER_BYTES
         for layer in layers:
             stored = torch.frombuffer(bytearray(raw[off : off + layer.nbytes]), dtype=layer.dtype)

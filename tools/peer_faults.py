@@ -146,21 +146,21 @@ async def aiokv_child(phase: str, root: str, arg: str) -> None:
             for i in range(N):
                 fill(pool, i, i)
             res = await st.save(ns, [(akey(i), pool.addr(i)) for i in range(N)])
-            where = {i: ns.entries[akey(i)] & fmt.SLOT_MASK for i in range(N)}
+            where = {i: ns.where(akey(i)) & fmt.SLOT_MASK for i in range(N)}
             say(saved=res, slots=where, data=data_path(ns_dir(root, NSID), 0))
             if arg == "hang":  # the parent kills this process now
                 signal.pause()
         elif phase == "reuse" and arg.endswith("-stale"):
             # the same on-disk state with the index still naming the old key in that slot (as
             # RawBlockCore's, whose delete waits for its next checkpoint): B's stamped image, half landed
-            old = ns.entries[akey(VICTIM)] & fmt.SLOT_MASK
+            old = ns.where(akey(VICTIM)) & fmt.SLOT_MASK
             fill(pool, 0, NEW)
             st.blockio(ns).stamp(akey(NEW), pool.addr(0))
             say(reused=True)
             land_half(data_path(ns_dir(root, NSID), 0), old * SLOT, ctypes.string_at(pool.addr(0), SLOT), arg[:4])
             os.kill(os.getpid(), signal.SIGKILL)
         elif phase == "reuse":
-            old = ns.entries[akey(VICTIM)] & fmt.SLOT_MASK
+            old = ns.where(akey(VICTIM)) & fmt.SLOT_MASK
             st.drop(ns, [akey(VICTIM)], corrupt=False)
             st._backend = TornWrites(open_backend(asyncio.get_running_loop(), depth=16), arg)
             fill(pool, 0, NEW)

@@ -77,7 +77,7 @@ class StoreIO(Store):
             fmt.check_key(key)
             slot = self.reserve(ns, key, tenant)
             if slot is None:
-                res[i] = -errno.EEXIST if (key in ns.entries or key in ns.pending) else -errno.ENOSPC
+                res[i] = -errno.EEXIST if (ns.has(key) or ns.reserved(key)) else -errno.ENOSPC
             else:
                 todo.append((i, slot, key, addr))
         try:
@@ -88,7 +88,7 @@ class StoreIO(Store):
         self.commit(ns, [(k, s) for (_, s, k, _), r in zip(todo, out) if r == 0], tenant, pin)
         self.abort(ns, [(k, s) for (_, s, k, _), r in zip(todo, out) if r != 0])
         for (i, _, k, _), r in zip(todo, out):
-            res[i] = r if r or k in ns.entries else -errno.EIO  # written but not committed
+            res[i] = r if r or ns.has(k) else -errno.EIO  # written but not committed
         return res
 
     async def load(self, ns: Namespace, items, rank: int = 0) -> list[int]:
