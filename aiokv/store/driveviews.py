@@ -10,7 +10,6 @@ Threading contract: a Store's: one owner thread (the EngineCore scheduler thread
 from __future__ import annotations
 
 from aiokv.data import format as fmt
-from aiokv.store import legacy
 
 
 class DriveNamespace:
@@ -24,10 +23,6 @@ class DriveNamespace:
         self.ranks, self.fields = first.ranks, first.fields
         self.parts = parts
         self.on = dict(parts)  # drive -> its Namespace
-
-    # the old dict-like reads, until the callers on other branches ask the calls below (legacy.py)
-    entries = property(legacy.entries)
-    pending = property(legacy.pending)
 
     def has(self, key: bytes) -> bool:
         """Whether any drive's part holds a committed block of key."""

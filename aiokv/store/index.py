@@ -24,7 +24,7 @@ import numpy as np
 
 from aiokv import _index
 from aiokv.data.format import loc
-from aiokv.store import legacy, nskeys
+from aiokv.store import nskeys
 from aiokv.store.allocator import SlotAllocator
 from aiokv.store.journal import KeyMap, apply_records, record_key, record_tags
 from aiokv.store.table import Table, tag_of
@@ -70,10 +70,6 @@ class Namespace:
         self._order: tuple = ()
         self._probes: tuple = ()
         self._reorder()
-
-    # the old dict-like reads, until the callers on other branches ask the calls below (legacy.py)
-    entries = property(legacy.entries)
-    own = property(legacy.own)
 
     def _reorder(self) -> None:
         peers = sorted(self.tables)
