@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 
 from aiokv.data import format as fmt
-from aiokv.data.dirs import open_dir
+from aiokv.data.dirs import FILE_FLAGS, open_dir
 from aiokv.store.lock import StoreLocked
 from aiokv.store.logrecords import marks, parse_records
 from aiokv.store.meta import ns_dir
@@ -53,7 +53,7 @@ def applied_mark(root: str, nsid: bytes, engine: int) -> int | None:
             if name != "checkpoint" and not name.startswith("journal."):
                 continue
             try:
-                f = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=fd)
+                f = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=fd)
             except OSError:
                 continue
             try:
