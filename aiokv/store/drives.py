@@ -57,6 +57,7 @@ from aiokv.data import format as fmt
 from aiokv.store import persist
 from aiokv.store.driveviews import DriveNamespace
 from aiokv.store.fsthread import at_once, bounded
+from aiokv.store.index import Namespace
 from aiokv.store.store import StoreStats
 from aiokv.util import counting
 from aiokv.util.breaker import Breaker
@@ -191,10 +192,7 @@ class Drives:
         parts = [(d, n) for d, n in ns.parts if d in serving]
         for d, n in parts:
             self.stores[d].lookup(n, (), 0)  # applies the last look at the other engines (store.py)
-        n, stop = 0, len(keys) if limit is None else min(limit, len(keys))
-        while n < stop and any(part.has(keys[n]) for _, part in parts):
-            n += 1
-        return n
+        return Namespace.run_of([part for _, part in parts], keys, limit)
 
     def served(self, ns: DriveNamespace, keys) -> list[bool]:
         """Whether each key's block is a hit now on a drive serving hits (as lookup and pin see
