@@ -9,6 +9,7 @@ import pytest
 
 from aiokv.data import format as fmt
 from aiokv.data.buffers import BufferPool
+from tests.fakecuda import fake_cuda  # noqa: F401 (a fixture: CudaDevice on CPU tensors)
 
 PAYLOAD = 64 << 10
 

@@ -80,7 +80,7 @@ def test_gpu_check_runs_without_a_gpu(tmp_path, blake3):
         cwd=str(tmp_path),
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "the CUDA parts (overlap, bandwidth) are skipped" in p.stdout
+    assert "the CUDA parts (overlap, bandwidth, device_crc) are skipped" in p.stdout
     r = json.loads(report.read_text())
     assert json.loads(p.stdout.strip().splitlines()[-2]) == r  # the same report, printed last
     parts = r["parts"]
@@ -109,5 +109,5 @@ def test_gpu_check_runs_without_a_gpu(tmp_path, blake3):
     else:  # the rest still runs; the secret's round trips are left out, said in one line
         assert not any(c.endswith("/secret") for c in cases) and parts["layouts"]["secret"] is False
         assert "the secret's MAC is not checked here: no blake3 package (pip install blake3)" in p.stdout
-    assert parts["overlap"]["ok"] is None and parts["bandwidth"]["ok"] is None
+    assert parts["overlap"]["ok"] is None and parts["bandwidth"]["ok"] is None and parts["device_crc"]["ok"] is None
     assert r["vllm_imported"] is False and r["ok"] is True

@@ -19,7 +19,6 @@ runs the real thing).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import pytest
@@ -31,6 +30,7 @@ from aiokv.worker import device as devmod
 from aiokv.worker.device import CpuDevice, CudaDevice, gather_rows
 from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS
+from tests.fakecuda import FakeEvent
 
 NB = 40
 
@@ -60,60 +60,6 @@ def test_worker_that_fails_to_start_leaves_nothing(tmp_path):
     assert Recording.closed == 1, "the device (pinning) was not given back"
 
 
-class _FakeStream:
-    def __init__(self, device=None):
-        pass
-
-    def wait_stream(self, other):
-        pass
-
-    def wait_event(self, ev):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-class _FakeEvent:
-    made = 0
-
-    def __init__(self):
-        _FakeEvent.made += 1
-
-    def record(self, stream=None):
-        pass
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-
-class _Cudart:
-    registered: list = []
-
-    def cudaHostRegister(self, addr, size, flags):
-        self.registered.append(addr)
-        return 0
-
-    def cudaHostUnregister(self, addr):
-        self.registered.remove(addr)
-        return 0
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    cudart = _Cudart()
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    return cudart
-
-
 def test_cuda_save_gathers_through_one_bounded_buffer(fake_cuda, monkeypatch):
     kv = _kv()
     payload = sum(t[0].numel() * t.element_size() for t in kv.values())
@@ -132,12 +78,12 @@ def test_cuda_save_gathers_through_one_bounded_buffer(fake_cuda, monkeypatch):
     allocs = []
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: allocs.append(a) or real_empty(*a, **k))
-    _FakeEvent.made = 0
+    FakeEvent.made = 0
     for _ in range(3):  # three steps' saves
         dev.copy_out(blocks, slots)
         dev.after_step()
     assert allocs == [], "a save allocated device memory beyond the fixed buffer"
-    assert _FakeEvent.made == 3 and not hasattr(dev, "_keep"), "one event per save, only the last kept"
+    assert FakeEvent.made == 3 and not hasattr(dev, "_keep"), "one event per save, only the last kept"
     ref_slots = ref_pool.acquire(30)
     ref.copy_out(blocks, ref_slots)
     h = fmt.HEADER_BYTES

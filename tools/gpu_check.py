@@ -383,6 +383,7 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
             "payload_bytes": w.device.payload_bytes,
             "device": type(w.device).__name__,
             "memory_hit_blocks": rep.counters.get("memory_hit_blocks", 0),
+            "crc_on_device": bool(w.device.asynchronous and w.device.crc_in_copy),  # CUDA: worker/devcrc.py
         }
         if mode == "secret":  # every slot on disk carries the MAC (scheme 1) of the secret's key
             from aiokv.data import format as fmt
@@ -562,8 +563,14 @@ def part_bandwidth(root: str) -> dict:
             dev.copy_out(ids, slots)
             dev.wait_out()
 
+        def out_crc():
+            dev.copy_out(ids, slots, crc_in_copy=True)
+            dev.wait_out()
+
         t_out = timed(out)
         t_in = timed(lambda: dev.copy_in(ids, slots))
+        t_out_crc = timed(out_crc) if dev.crc_in_copy else float("nan")
+        t_in_crc = timed(lambda: dev.copy_in(ids, slots, crc_in_copy=True)) if dev.crc_in_copy else float("nan")
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         t_d2h = timed(lambda: host.copy_(gpu, non_blocking=True))
@@ -574,12 +581,42 @@ def part_bandwidth(root: str) -> dict:
             "block_bytes": dev.payload_bytes,
             "aiokv_device_to_pinned_GBps": round(gb / t_out, 2),
             "aiokv_pinned_to_device_GBps": round(gb / t_in, 2),
+            "with_device_crc_out_GBps": round(gb / t_out_crc, 2),  # the CRC made on the GPU (devcrc.py)
+            "with_device_crc_in_GBps": round(gb / t_in_crc, 2),
             "plain_copy_device_to_pinned_GBps": round(gb / t_d2h, 2),
             "plain_copy_pinned_to_device_GBps": round(gb / t_h2d, 2),
         }
     finally:
         dev.close()
         pool.close()
+
+
+def part_device_crc(root: str) -> dict:
+    """worker/devcrc.py on the GPU: equal to the host's CRC32C, its GB/s, and the host CPU its
+    kernel launches take (CudaDevice.copy_out queues them on vLLM's thread)."""
+    torch = _need_cuda()
+    from aiokv import _native
+    from aiokv.worker.devcrc import RowCrc
+
+    out = {}
+    for row in (256 << 10, 2 << 20):
+        crc = RowCrc(row, "cuda")
+        x = torch.randint(0, 256, (32 << 20) // row, row, dtype=torch.uint8, device="cuda")  # 32 MiB: a gather
+        got = [int(v) & 0xFFFFFFFF for v in crc.rows(x).cpu()]
+        host = x.cpu()
+        if got != [_native.crc32c(host[i].data_ptr(), row) for i in range(x.shape[0])]:  # no numpy here
+            raise AssertionError(f"the device CRC32C differs from the host's at {row} bytes a row")
+        best_wall, best_cpu = float("inf"), float("inf")
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0, c0 = time.perf_counter(), time.process_time()
+            crc.rows(x)
+            c1 = time.process_time()
+            torch.cuda.synchronize()
+            best_wall, best_cpu = min(best_wall, time.perf_counter() - t0), min(best_cpu, c1 - c0)
+        gb = x.numel() / 1e9
+        out[f"{row >> 10}KiB"] = {"GBps": round(gb / best_wall, 1), "host_cpu_s_per_GB": round(best_cpu / gb, 4)}
+    return out
 
 
 def main(argv=None) -> int:
@@ -602,13 +639,15 @@ def main(argv=None) -> int:
         cuda = env.get("cuda_available")
         if not cuda:
             say(
-                "no CUDA device (torch.cuda.is_available() is False): the CUDA parts (overlap, bandwidth) are skipped "
+                "no CUDA device (torch.cuda.is_available() is False): the CUDA parts (overlap, bandwidth, device_crc) "
+                "are skipped "
                 "and the layouts run on CPU tensors through the CPU device"
             )
         run_part("io", lambda: part_io(root), left(30))
         run_part("layouts", lambda: part_layouts(root, "cuda" if cuda else "cpu"), left(180))
         run_part("overlap", lambda: part_overlap(root), left(90))
         run_part("bandwidth", lambda: part_bandwidth(root), left(90))
+        run_part("device_crc", lambda: part_device_crc(root), left(60))
     # layering: nothing the worker side imports may import vLLM
     REPORT["vllm_imported"] = "vllm" in sys.modules
     return finish(args, root)

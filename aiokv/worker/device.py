@@ -23,8 +23,10 @@ in its header's payload-CRC field (then BlockIO.write(..., crc_in_copy=True));
 copy_in(..., crc_in_copy=True) copies and returns, per block, whether the payload
 matched the CRC in its header (after BlockIO.read(..., crc_in_copy=True)).
 A block that did not match has been copied all the same: the caller must
-report it as a failed load. Other devices (the torch-gather fallback, CUDA)
-have crc_in_copy False and are never asked.
+report it as a failed load. CudaDevice makes and checks the CRC on the GPU
+(worker/devcrc.py) over the rows its copies gather, where its answer equals
+the host's at attach (device_crc). The torch-gather fallback of CpuDevice has
+crc_in_copy False and is never asked.
 
 Layer by layer (aiokv/worker/layerwise.py): copy_in_layer (CPU) copies one
 layer of verified blocks; copy_in_layer_async (CUDA) queues one layer's copies
@@ -40,13 +42,17 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 
 import torch
 
 from aiokv import _native
 from aiokv.data import format as fmt
 from aiokv.data.buffers import BufferPool
+from aiokv.worker.devcrc import RowCrc
 from aiokv.worker.kv_layout import Layer, LayoutError
+
+log = logging.getLogger("aiokv")
 
 GATHER_BYTES = 32 << 20  # device memory a CUDA save gathers through, at most (outside vLLM's budget)
 
@@ -211,7 +217,8 @@ class CudaDevice(Device):
     """Saves gather through one fixed device buffer of `gather_rows` blocks, reused
     chunk after chunk on the copy stream (stream order makes the reuse safe), so a
     save of any size takes GATHER_BYTES of device memory at most, allocated once at
-    start; only the last copy's event is kept."""
+    start, and the CRC's temporaries (devcrc.py: about 9 x its 8 MiB pieces) while it
+    runs; a load copies GATHER_BYTES of blocks at a time. Only the last copy's event is kept."""
 
     asynchronous = True
     # the copies are DMA and the host's cores are free: the checksums of a node's several
@@ -235,9 +242,11 @@ class CudaDevice(Device):
         rows = min(gather_rows(self.payload_bytes, GATHER_BYTES), pool.count)
         with torch.cuda.stream(self.out_stream):  # its memory belongs to the copy stream
             self._gather = torch.empty(rows, self.payload_bytes, dtype=torch.uint8, device=self.device)
+        self._crc = device_crc(self.payload_bytes, self.device)
+        self.crc_in_copy = self._crc is not None
 
-    def copy_out(self, block_ids, bufs, crc_in_copy=False):  # crc_in_copy is never True here
-        h = fmt.HEADER_BYTES
+    def copy_out(self, block_ids, bufs, crc_in_copy=False):
+        h, at = fmt.HEADER_BYTES, fmt.PAYLOAD_CRC_OFFSET
         compute = torch.cuda.current_stream(self.device)
         buf = self._gather
         with torch.cuda.stream(self.out_stream):
@@ -252,6 +261,10 @@ class CudaDevice(Device):
                     buf[:n, a - h : b - h] = layer.view.index_select(0, idx).reshape(n, -1).view(torch.uint8)
                 for i, s in enumerate(part):
                     self._rows[s, h : h + self.payload_bytes].copy_(buf[i], non_blocking=True)
+                if crc_in_copy:  # each payload's CRC32C, made here, into its header (devcrc.py)
+                    crc = self._crc.rows(buf[:n]).view(torch.uint8).view(n, 4)
+                    for i, s in enumerate(part):
+                        self._rows[s, at : at + 4].copy_(crc[i], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.out_stream)
         self._out_event = ev  # the copy stream is in order: the last event covers every copy
@@ -273,19 +286,29 @@ class CudaDevice(Device):
         ev.record(torch.cuda.current_stream(self.device))
         self._compute_event = ev
 
-    def copy_in(self, block_ids, bufs, crc_in_copy=False):  # crc_in_copy is never True here
+    def copy_in(self, block_ids, bufs, crc_in_copy=False):
         torch.cuda.set_device(self.device)  # called from the loop thread
-        rows = torch.tensor(bufs, dtype=torch.long)
-        n = len(block_ids)
+        h, at, step = fmt.HEADER_BYTES, fmt.PAYLOAD_CRC_OFFSET, len(self._gather)
+        ok: list[bool] = []
         with torch.cuda.stream(self.in_stream):
             if getattr(self, "_compute_event", None) is not None:
                 self.in_stream.wait_event(self._compute_event)
-            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-            for layer, a, b in self._cols():
-                host = self._rows[rows, a:b]  # gathered on the host (pageable)
-                dev = host.to(self.device).view(layer.dtype).view(n, *layer.block_shape)
-                layer.view.index_copy_(0, idx, dev)
+            for c in range(0, len(block_ids), step):  # as many blocks at a time as a save gathers
+                part = bufs[c : c + step]
+                n = len(part)
+                idx = torch.tensor(block_ids[c : c + step], dtype=torch.long, device=self.device)
+                # allocated on the side stream: the allocator reuses it only after this stream's work
+                dev = torch.empty(n, self.payload_bytes, dtype=torch.uint8, device=self.device)
+                for i, s in enumerate(part):  # rows of the pinned arena: DMA, no pass of the host's over them
+                    dev[i].copy_(self._rows[s, h : h + self.payload_bytes], non_blocking=True)
+                if crc_in_copy:  # checked against each header's CRC (a mismatch: copied, and a failed load)
+                    want = self._rows[torch.tensor(part, dtype=torch.long), at : at + 4].contiguous()
+                    want = want.view(torch.int32).view(n)
+                    ok += (self._crc.rows(dev).cpu() == want).tolist()
+                for layer, a, b in self._cols():
+                    layer.view.index_copy_(0, idx, dev[:, a - h : b - h].view(layer.dtype).view(n, *layer.block_shape))
         self.in_stream.synchronize()
+        return ok if crc_in_copy else None
 
     def begin_layers(self, block_ids):
         """Start of a layer-by-layer copy-in (vLLM's thread, before the forward):
@@ -319,6 +342,24 @@ class CudaDevice(Device):
             torch.cuda.cudart().cudaHostUnregister(self.pool.arena.addr)
             self._registered = False
             self.pool.pinned_by = None
+
+
+def device_crc(payload_bytes: int, device) -> RowCrc | None:
+    """The payloads' CRC32C on `device` (devcrc.py), or None where it cannot serve: a payload
+    not a multiple of 4 bytes, or a device whose answer differs from aiokv._native's on two
+    random payloads here at start (then BlockIO's pass on the host checks them, as before)."""
+    if payload_bytes % 4:
+        return None
+    try:
+        crc = RowCrc(payload_bytes, device)
+        sample = torch.randint(0, 256, (2, payload_bytes), dtype=torch.uint8)
+        got = [int(v) & 0xFFFFFFFF for v in crc.rows(sample.to(device)).cpu()]
+        if got == [_native.crc32c_bytes(_raw(row)) for row in sample]:
+            return crc
+        log.warning("aiokv: the device's CRC32C disagreed with the host's at start; the host checks payloads")
+    except Exception:
+        log.exception("aiokv: the device's CRC32C failed at start; the host checks payloads")
+    return None
 
 
 def make_device(kv_caches, num_blocks: int, dims=None) -> Device:

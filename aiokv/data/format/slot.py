@@ -37,6 +37,7 @@ __all__ = [
     "BLOCK_MAGIC",
     "HDR",
     "HDR_USED",
+    "PAYLOAD_CRC_OFFSET",
     "MAC_SCHEME_OFFSET",
     "MAC_SCHEME",
     "MAC_OFFSET",
@@ -73,6 +74,9 @@ BLOCK_MAGIC = b"AIOKVBLK"
 # magic, version, header bytes, rank, nsid, key len, MAC scheme, payload crc, payload len, key, seq, layout tag
 HDR = struct.Struct("<8sHHI16sBB2xIQ32sQQ")
 _HDR_CRC = struct.Struct("<I")
+# where HDR's payload crc sits (little-endian uint32; native/aiokv.h's HDR_OFF_PCRC): a device
+# that makes the CRC in its copy writes it there (worker/device.py)
+PAYLOAD_CRC_OFFSET = struct.calcsize("<8sHHI16sBB2x")
 HDR_USED = HDR.size + _HDR_CRC.size
 # With a secret (docs/sharing.md), the header carries a MAC after its CRC: byte
 # MAC_SCHEME_OFFSET names the scheme, MAC_BYTES at MAC_OFFSET hold it. Scheme 1
