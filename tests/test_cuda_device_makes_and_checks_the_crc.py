@@ -27,6 +27,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from aiokv import _native
 from aiokv.data import format as fmt
@@ -165,3 +166,29 @@ def test_a_device_whose_crc_disagrees_at_start_is_not_used(fake_cuda, tmp_path, 
 
 def test_payloads_not_a_multiple_of_four_bytes_are_checked_on_the_host():
     assert device_crc(4098, "cpu") is None and device_crc(4096, "cpu") is not None
+
+
+class _Kernels(TorchDispatchMode):
+    """Counts the ops that would launch a kernel on a GPU (not views, slices, detaches)."""
+
+    FREE = ("view", "slice", "detach", "_unsafe_view", "alias", "reshape", "expand", "select")
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] not in self.FREE:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("row", [256 << 10, 1 << 20, 2 << 20, 4 << 20])
+def test_a_gathers_crc_is_a_bounded_number_of_kernels(row):
+    """On CUDA each op is a launch on vLLM's thread (copy_out): the CRC of a save's 32 MiB
+    gather must stay a few dozen launches, whatever the block size, not one per block or row."""
+    x = torch.zeros((32 << 20) // row, row, dtype=torch.uint8)
+    crc = devcrc.RowCrc(row)
+    with _Kernels() as k:
+        crc.rows(x)
+    assert 0 < k.n <= 80, f"{k.n} kernels for one gather"

@@ -22,8 +22,12 @@ Finally crc32c(row) = lin(row) ^ crc32c(L zero bytes).
 The arithmetic is the bit-reflected one of native/crc32c.c (bit 31 of a register is x^0);
 tables are made once per row length, on the CPU, and moved to the device.
 
-Memory: a round's input is cut into pieces of at most `piece_bytes` (default 8 MiB) of
-entries, and a piece takes about 9 times its size in temporaries while it runs.
+Cost: a round's input is cut into pieces of at most `piece_bytes` (default 16 MiB) of
+entries, and a piece takes about 9 times its size in temporaries while it runs; a piece of a
+round is about 10 torch ops (kernels on a GPU), so a 32 MiB gather of 256 KiB-2 MiB rows is
+55-67 kernels (tests/test_cuda_device_makes_and_checks_the_crc.py counts them; 1 MiB pieces
+would be about 370): on CUDA,
+their launches are the host's whole share of the checksum.
 
 Threading contract: a RowCrc is immutable after construction; rows() may run on any
 thread, several at once, on the caller's current stream (CUDA: the ops are queued in order
@@ -93,7 +97,7 @@ class RowCrc:
     """CRC32C of every row of an (n, row_bytes) uint8 tensor (row_bytes a multiple of 4), on
     the tensor's device. Threading: see the module docstring."""
 
-    def __init__(self, row_bytes: int, device: torch.device | str = "cpu", piece_bytes: int = 8 << 20):
+    def __init__(self, row_bytes: int, device: torch.device | str = "cpu", piece_bytes: int = 16 << 20):
         if row_bytes <= 0 or row_bytes % 4:
             raise ValueError(f"aiokv: device CRC rows are a positive multiple of 4 bytes, not {row_bytes}")
         self.row_bytes = row_bytes
@@ -112,7 +116,6 @@ class RowCrc:
             if entries == 1:
                 break
         self.zero_crc = _signed(crc32c_of_zeros(row_bytes))
-        self._shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=self.device)
         self._offsets = (torch.arange(RADIX * 4, dtype=torch.int32, device=self.device) * 256).view(RADIX, 4)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,8 +146,8 @@ class RowCrc:
 
     def _groups(self, v: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
         n = v.shape[0]
-        g = v.reshape(n, -1, RADIX, 1)
-        idx = ((g >> self._shifts) & 255) + self._offsets  # (n, groups, RADIX, 4): table row of each byte
+        g = v.reshape(n, -1, RADIX).view(torch.uint8).view(n, -1, RADIX, 4)  # each entry's bytes, low first
+        idx = g.to(torch.int32) + self._offsets  # (n, groups, RADIX, 4): the table entry of each byte
         x = tabs.index_select(0, idx.reshape(-1)).view(n, -1, RADIX * 4)
         width = RADIX * 4
         while width > 1:  # XOR the group's values together, halving
