@@ -23,11 +23,10 @@ The arithmetic is the bit-reflected one of native/crc32c.c (bit 31 of a register
 tables are made once per row length, on the CPU, and moved to the device.
 
 Cost: a round's input is cut into pieces of at most `piece_bytes` (default 16 MiB) of
-entries, and a piece takes about 9 times its size in temporaries while it runs; a piece of a
-round is about 10 torch ops (kernels on a GPU), so a 32 MiB gather of 256 KiB-2 MiB rows is
-55-67 kernels (tests/test_cuda_device_makes_and_checks_the_crc.py counts them; 1 MiB pieces
-would be about 370): on CUDA,
-their launches are the host's whole share of the checksum.
+entries, and a piece takes about 9 times its size in temporaries while it runs. A piece of a
+round is about 10 torch ops (kernels on a GPU): a 32 MiB gather of 256 KiB-4 MiB rows is 55-67
+kernels (counted by tests/test_cuda_device_makes_and_checks_the_crc.py; 1 MiB pieces would be
+about 370). On CUDA their launches are the host's whole share of the checksum.
 
 Threading contract: a RowCrc is immutable after construction; rows() may run on any
 thread, several at once, on the caller's current stream (CUDA: the ops are queued in order

@@ -217,7 +217,7 @@ class CudaDevice(Device):
     """Saves gather through one fixed device buffer of `gather_rows` blocks, reused
     chunk after chunk on the copy stream (stream order makes the reuse safe), so a
     save of any size takes GATHER_BYTES of device memory at most, allocated once at
-    start, and the CRC's temporaries (devcrc.py: about 9 x its 8 MiB pieces) while it
+    start, and the CRC's temporaries (devcrc.py: about 9 x its 16 MiB pieces) while it
     runs; a load copies GATHER_BYTES of blocks at a time. Only the last copy's event is kept."""
 
     asynchronous = True
