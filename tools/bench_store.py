@@ -563,8 +563,9 @@ def main() -> int:
     ap.add_argument(
         "--no-crc-too",
         action="store_true",
-        help="also run aiokv without its payload CRC32C pass (aiokv_nocrc; benchmark only: each header "
-        "holds its payload's CRC already, as the CPU build's device copy leaves it): what the checksum costs",
+        help="also run aiokv without its payload CRC32C pass (aiokv_nocrc: each header holds its payload's "
+        "CRC already, as the device copy leaves it, on the CPU build inside its memcpy and on CUDA made on the "
+        "GPU, worker/devcrc.py): what the checksum costs, and a CUDA worker's host side",
     )
     ap.add_argument(
         "--fixedbufs",
@@ -725,7 +726,7 @@ NAMES = {
     "vllm_fs": "vLLM fs",
     "fio_fixedbufs": "fio --fixedbufs",
     "aiokv_blocks": "aiokv, a buffer per block",
-    "aiokv_nocrc": "aiokv without the CRC",
+    "aiokv_nocrc": "aiokv, the CRC made by the device",
 }
 
 
@@ -776,7 +777,12 @@ def render(doc: dict) -> str:
             line += "".join(f" {r[f'blocks_ratio_{w}_data_path']['read']:.2f} |" for w in peers)
             lines.append(line + f" {b['io_read_cpu_s_per_gb']:.3f} |")
     if "aiokv_nocrc" in res[0]:
-        lines += ["", "aiokv without its payload CRC32C pass (aiokv_nocrc; benchmark only), data path:", ""]
+        lines += [
+            "",
+            "aiokv without its payload CRC32C pass (aiokv_nocrc: the CRC made by the device copy, as a CUDA "
+            "worker's GPU makes it), data path:",
+            "",
+        ]
         peers = [w for w in others if f"nocrc_ratio_{w}_data_path" in res[0]]
         head = "| payload | depth | W/R GB/s |" + "".join(f" /{NAMES[w]} W/R |" for w in peers)
         head += " CPU s/GB W/R | with the CRC | CRC's share |"
