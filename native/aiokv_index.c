@@ -15,7 +15,8 @@
  * the whole key) makes that a miss, never a wrong block (key_tag: native/index.h).
  *
  * The module's units (native/index.h lists them) each add their part here; this one holds
- * the key tags, the lookups over several probes and the victims found by age.
+ * the key tags, the lookups over several probes (one key, a run, many at once) and the victims
+ * found by age.
  *
  * Threading: a Probe is used by one thread at a time (the store's owner, or the
  * thread that builds a table before handing it over); bulk calls release the GIL.
@@ -137,6 +138,43 @@ static PyObject *py_locate(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* locate_all(probes, keys, out int64) -> how many keys any probe holds; out[i] = the index of
+ * the first probe holding keys[i] (as locate answers), -1: none. A key that is not bytes is
+ * held by none (as Namespace.has answers). One pass for a scheduler call's keys. */
+static PyObject *py_locate_all(PyObject *mod, PyObject *args) {
+    PyObject *probes, *keys, *oo;
+    if (!PyArg_ParseTuple(args, "OOO", &probes, &keys, &oo)) return NULL;
+    PyObject *pf, *kf = PySequence_Fast(keys, "keys: a sequence of bytes");
+    if (!kf) return NULL;
+    Py_buffer o;
+    if (get_buf(oo, &o, 8, "out") < 0) {
+        Py_DECREF(kf);
+        return NULL;
+    }
+    Py_ssize_t nk = PySequence_Fast_GET_SIZE(kf), hits = 0;
+    if (o.len / 8 != nk) {
+        PyErr_SetString(PyExc_ValueError, "keys and out differ in length");
+    } else if (probes_arg(probes, &pf) == 0) {
+        Py_ssize_t np = PySequence_Fast_GET_SIZE(pf);
+        PyObject **ks = PySequence_Fast_ITEMS(kf), **ps = PySequence_Fast_ITEMS(pf);
+        int64_t *out = o.buf;
+        for (Py_ssize_t i = 0; i < nk; i++) {
+            Py_ssize_t j = np;
+            if (PyBytes_Check(ks[i])) {
+                uint64_t h = key_tag((const uint8_t *)PyBytes_AS_STRING(ks[i]), PyBytes_GET_SIZE(ks[i]));
+                j = 0;
+                while (j < np && probe_find((Probe *)ps[j], h) < 0) j++;
+            }
+            out[i] = j < np ? (int64_t)j : -1;
+            hits += j < np;
+        }
+        Py_DECREF(pf);
+    }
+    PyBuffer_Release(&o);
+    Py_DECREF(kf);
+    return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(hits);
+}
+
 static PyObject *py_tag(PyObject *mod, PyObject *key) {
     const uint8_t *k;
     Py_ssize_t n;
@@ -231,6 +269,8 @@ static PyMethodDef module_methods[] = {
     {"tags", py_tags, METH_O, "tags(keys) -> bytes of their uint64 tags"},
     {"run", py_run, METH_VARARGS, "run(probes, keys, limit) -> keys from the first found in any probe"},
     {"locate", py_locate, METH_VARARGS, "locate(probes, key) -> (probe index, slot) or None"},
+    {"locate_all", py_locate_all, METH_VARARGS,
+     "locate_all(probes, keys, out int64) -> keys held; out[i]: the first probe holding keys[i], -1: none"},
     {"older", py_older, METH_VARARGS, "older(tags, atimes, thr, out) -> slots used at or before thr (-1: out short)"},
     {NULL}};
 

@@ -2,7 +2,8 @@
 /*
  * aiokv._index: what its units share (native/recipe.py's INDEX_UNITS lists them).
  *
- *   aiokv_index.c  the module: its init, key tags, lookups over several probes, victims by age
+ *   aiokv_index.c  the module: its init, key tags, lookups over several probes (one key, a run,
+ *                  many at once), victims by age
  *   probe.c        Probe: a table's open-addressing hash of tags to slots (lookups, inserts,
  *                  erases, bulk builds, bulk puts)
  *   records.c      journal records: COMMIT records made, records checked and sealed by their

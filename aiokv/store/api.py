@@ -122,7 +122,8 @@ class StoreApi(Protocol):
             ns: the namespace.
             keys: block keys.
         Returns:
-            For each key, whether a committed block of it is served now (one probe per key).
+            For each key, whether a committed block of it is served now (one call into
+            aiokv._index for them all: no Python per key on the scheduler thread).
         """
 
     def holds(self, ns: Any, key: bytes, where: int) -> bool:

@@ -53,6 +53,8 @@ import os
 import threading
 from typing import Any
 
+import numpy as np
+
 from aiokv.data import format as fmt
 from aiokv.store import persist
 from aiokv.store.driveviews import DriveNamespace
@@ -196,13 +198,13 @@ class Drives:
 
     def served(self, ns: DriveNamespace, keys) -> list[bool]:
         """Whether each key's block is a hit now on a drive serving hits (as lookup and pin see
-        them)."""
+        them): one call into aiokv._index over every serving drive's probes."""
         serving = self._serving()
         parts = [n for d, n in ns.parts if d in serving]
         for d, n in ns.parts:
             if d in serving:
                 self.stores[d].lookup(n, (), 0)  # applies the last look at the other engines (store.py)
-        return [any(n.has(k) for n in parts) for k in keys]
+        return (Namespace.holders(parts, keys) >= 0).tolist()
 
     def holds(self, ns: DriveNamespace, key: bytes, where: int) -> bool:
         """Whether key's committed copy on the drive `where` names is the one at `where`."""
@@ -210,18 +212,18 @@ class Drives:
         return d in ns.on and self.stores[d].holds(ns.on[d], key, w)
 
     def pin(self, ns: DriveNamespace, keys) -> list[int | None]:
+        """Each key pinned on the first serving drive holding it (one call into aiokv._index
+        finds them all), its location carrying that drive's index; None: no drive serves it."""
         serving = self._serving()
+        parts = [(d, n) for d, n in ns.parts if d in serving]
+        first = Namespace.holders([n for _, n in parts], keys)
         out: list[int | None] = [None] * len(keys)
-        by: dict[int, list[int]] = {}
-        for j, k in enumerate(keys):
-            for d, n in ns.parts:
-                if d in serving and n.has(k):
-                    by.setdefault(d, []).append(j)
-                    break
-        for d, idx in by.items():
-            got = self.stores[d].pin(ns.on[d], [keys[j] for j in idx])
-            for j, w in zip(idx, got):
-                out[j] = None if w is None else fmt.on_drive(d, w)
+        for i, (d, n) in enumerate(parts):
+            idx = np.flatnonzero(first == i).tolist()
+            if idx:
+                got = self.stores[d].pin(n, [keys[j] for j in idx])
+                for j, w in zip(idx, got):
+                    out[j] = None if w is None else fmt.on_drive(d, w)
         return out
 
     def unpin(self, ns: DriveNamespace, keys) -> None:

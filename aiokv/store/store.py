@@ -238,9 +238,9 @@ class Store:
 
     def served(self, ns: Namespace, keys) -> list[bool]:
         """Whether each key's block is a hit now (the other engines' last look applied, as by
-        lookup): one probe per key."""
+        lookup): one call into aiokv._index."""
         self.lookup(ns, (), 0)
-        return [ns.has(k) for k in keys]
+        return (Namespace.holders([ns], keys) >= 0).tolist()
 
     def holds(self, ns: Namespace, key: bytes, where: int) -> bool:
         """Whether key's committed copy is the one at location `where`."""
