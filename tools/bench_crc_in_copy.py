@@ -97,7 +97,7 @@ def contenders(args) -> list[tuple[str, object, object]]:
 def run(args) -> dict:
     blk = args.heads * args.block * 2 * args.head_dim * 2  # bf16
     payload = blk * args.layers
-    n = max(8, (args.gib << 30) // payload)
+    n = max(8, int(args.gib * (1 << 30)) // payload)
     buf = torch.randn(args.layers, n + 1, args.heads, args.block, 2 * args.head_dim).to(torch.bfloat16)
     kv = {f"l{i}": buf[i] for i in range(args.layers)}
     root = tempfile.mkdtemp(dir=args.dir, prefix="bench_crc_in_copy.")
@@ -176,7 +176,7 @@ def run(args) -> dict:
 
 def main() -> int:
     ap = harness.parser(__doc__, rounds=3)
-    ap.add_argument("--gib", type=int, default=1, help="payload moved each way per round (and KV cache size)")
+    ap.add_argument("--gib", type=float, default=1.0, help="payload moved each way per round (and KV cache size)")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--heads", type=int, default=4, help="KV heads")
     ap.add_argument("--head-dim", type=int, default=128)
