@@ -150,19 +150,24 @@ def test_bench_ceiling_moves_slots_over_the_null_backend(tmp_path):
 
 
 def test_bench_crc_times_each_path_against_the_memory_floor(tmp_path):
-    doc = document(tmp_path, "bench_crc.py", "--hot-mib", "1", "--cold-mib", "4", "--rounds", "1")
-    assert "floor (sum u64)" in doc["gbps"] and len(doc["gbps"]) >= 2, doc["gbps"]
-    for path, got in doc["gbps"].items():
+    doc = document(tmp_path, "bench_crc.py", "--hot-mib", "1", "--cold-mib", "4", "--rounds", "1", "--baseline", ROOT)
+    paths = doc["gbps"]
+    assert "floor (sum u64)" in paths and f"base {doc['path_default']}" in paths, sorted(paths)
+    assert f"new {doc['path_default']}" in paths, sorted(paths)
+    for path, got in paths.items():
         positive(path, got, "hot", "cold")
 
 
 def test_bench_crc_in_copy_times_separate_and_in_copy_checksums(tmp_path):
-    doc = document(tmp_path, "bench_crc_in_copy.py", "--gib", "0.02", "--layers", "2", "--rounds", "1")
-    assert doc["blocks"] >= 8 and doc["contenders"], doc
+    # --baseline: this tree's own build loaded beside it, as another build would be
+    doc = document(
+        tmp_path, "bench_crc_in_copy.py", "--gib", "0.02", "--layers", "2", "--rounds", "1", "--baseline", ROOT
+    )
+    assert doc["blocks"] >= 8 and [c.split()[0] for c in doc["contenders"]] == ["new", "base"], doc["contenders"]
     for where in ("disk save", "disk load", "memory save", "memory load", "copy in"):
         for how in ("separate", "in copy"):
             rows = [v for k, v in doc["results"].items() if k.startswith(f"{where}|") and k.endswith(f"|{how}")]
-            assert rows, f"no {where} | {how} in {sorted(doc['results'])}"
+            assert len(rows) == 2, f"not both builds' {where} | {how} in {sorted(doc['results'])}"
             for core_s_per_gb, gbps in rows:
                 positive(f"{where} {how}", {"core_s_per_gb": core_s_per_gb, "gbps": gbps}, "core_s_per_gb", "gbps")
 

@@ -78,12 +78,24 @@ def contenders(args) -> list[tuple[str, object, object]]:
     if args.baseline:
         base = load_build(args.baseline)
 
+        keyed = []  # [True] once known: the baseline takes a MAC key (None) where this build takes the scheme
+
+        def base_stamp(*a):
+            if not keyed:  # decided by the first call: a build of the same signature takes `a` as it is
+                try:
+                    out = base.stamp_slots(*a)
+                except TypeError:
+                    keyed.append(True)
+                else:
+                    keyed.append(False)
+                    return out
+            return base.stamp_slots(*a[:7], *([None] if len(a) > 7 else [])) if keyed[0] else base.stamp_slots(*a)
+
         def bstart():
             was = {name: getattr(_native, name) for name in (*SWAPPED, "stamp_slots")}
             for name in SWAPPED:
                 setattr(_native, name, getattr(base, name))
-            # earlier builds took a MAC key (None) where this one takes the MAC scheme (0: none)
-            _native.stamp_slots = lambda *a: base.stamp_slots(*a[:7], *([None] if len(a) > 7 else []))
+            _native.stamp_slots = base_stamp
             return was
 
         def bstop(was):
