@@ -78,12 +78,24 @@ def contenders(args) -> list[tuple[str, object, object]]:
     if args.baseline:
         base = load_build(args.baseline)
 
+        keyed = []  # [True] once known: the baseline takes a MAC key (None) where this build takes the scheme
+
+        def base_stamp(*a):
+            if not keyed:  # decided by the first call: a build of the same signature takes `a` as it is
+                try:
+                    out = base.stamp_slots(*a)
+                except TypeError:
+                    keyed.append(True)
+                else:
+                    keyed.append(False)
+                    return out
+            return base.stamp_slots(*a[:7], *([None] if len(a) > 7 else [])) if keyed[0] else base.stamp_slots(*a)
+
         def bstart():
             was = {name: getattr(_native, name) for name in (*SWAPPED, "stamp_slots")}
             for name in SWAPPED:
                 setattr(_native, name, getattr(base, name))
-            # earlier builds took a MAC key (None) where this one takes the MAC scheme (0: none)
-            _native.stamp_slots = lambda *a: base.stamp_slots(*a[:7], *([None] if len(a) > 7 else []))
+            _native.stamp_slots = base_stamp
             return was
 
         def bstop(was):
@@ -97,7 +109,7 @@ def contenders(args) -> list[tuple[str, object, object]]:
 def run(args) -> dict:
     blk = args.heads * args.block * 2 * args.head_dim * 2  # bf16
     payload = blk * args.layers
-    n = max(8, (args.gib << 30) // payload)
+    n = max(8, int(args.gib * (1 << 30)) // payload)
     buf = torch.randn(args.layers, n + 1, args.heads, args.block, 2 * args.head_dim).to(torch.bfloat16)
     kv = {f"l{i}": buf[i] for i in range(args.layers)}
     root = tempfile.mkdtemp(dir=args.dir, prefix="bench_crc_in_copy.")
@@ -176,7 +188,7 @@ def run(args) -> dict:
 
 def main() -> int:
     ap = harness.parser(__doc__, rounds=3)
-    ap.add_argument("--gib", type=int, default=1, help="payload moved each way per round (and KV cache size)")
+    ap.add_argument("--gib", type=float, default=1.0, help="payload moved each way per round (and KV cache size)")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--heads", type=int, default=4, help="KV heads")
     ap.add_argument("--head-dim", type=int, default=128)

@@ -15,10 +15,10 @@ index, like tools/bench_index.py). `--writers 0` runs on an aiokv from before
 several engines too (PYTHONPATH=that checkout), for the single-engine baseline. Prints per-lookup mean/p50/p99/max, the
 refresh cost, and how many of the writers' blocks engine 0 saw.
 
---roll N times what another engine's checkpoint of N blocks costs this one.
---sqlite also times the alternative design of a shared index in SQLite (WAL
-mode): a writer's commit of a batch of 32 rows, and a follower's poll for new
-rows, against this store's journal append and Follower.poll. Results in
+--roll N times what another engine's checkpoint of N blocks costs this one (the
+document's `roll`). --sqlite also times the alternative design of a shared index in
+SQLite (WAL mode): a writer's commit of a batch of 32 rows, and a follower's poll for
+new rows, against this store's journal append and Follower.poll (`sqlite`). Results in
 docs/benchmarks.md and docs/design.md.
 """
 
@@ -140,7 +140,7 @@ def bench_lookups(root: str, writers: int, blocks: int, seconds: float, rate: in
     }
 
 
-def bench_sqlite(root: str, batches: int = 2000) -> None:
+def bench_sqlite(root: str, batches: int = 2000) -> dict:
     """Commit latency and follower poll cost: SQLite WAL vs this store's journal."""
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
@@ -166,10 +166,12 @@ def bench_sqlite(root: str, batches: int = 2000) -> None:
     for _ in range(batches):
         reader.execute("SELECT rowid FROM blocks WHERE rowid > ?", (last,)).fetchall()
     t_idle = time.perf_counter_ns() - t
-    print(
-        f"sqlite WAL: commit of {BATCH} rows {t_commit / batches / 1000:.1f} us, follower poll with new rows "
-        f"{t_poll / batches / 1000:.1f} us, without {t_idle / batches / 1000:.1f} us"
-    )
+    out = {
+        "batches": batches,
+        "sqlite_commit_us": t_commit / batches / 1000,
+        "sqlite_poll_us": t_poll / batches / 1000,
+        "sqlite_idle_poll_us": t_idle / batches / 1000,
+    }
     db.close()
     reader.close()
     shutil.rmtree(root, ignore_errors=True)
@@ -193,16 +195,16 @@ def bench_sqlite(root: str, batches: int = 2000) -> None:
     for _ in range(batches):
         fl.poll()
     t_idle = time.perf_counter_ns() - t
-    print(
-        f"aiokv journal: commit of {BATCH} records {t_commit / batches / 1000:.1f} us, follow with new records "
-        f"{t_poll / batches / 1000:.1f} us, journal poll without {t_idle / batches / 1000:.1f} us"
-    )
+    out["journal_commit_us"] = t_commit / batches / 1000
+    out["journal_follow_us"] = t_poll / batches / 1000
+    out["journal_idle_poll_us"] = t_idle / batches / 1000
     st.close()
     ro.close()
     shutil.rmtree(root, ignore_errors=True)
+    return out
 
 
-def bench_roll(root: str, n: int) -> None:
+def bench_roll(root: str, n: int) -> dict:
     """What another engine's checkpoint costs this engine's scheduler thread: a full
     replay of its files (first look) vs rolling over to the new generation."""
     shutil.rmtree(root, ignore_errors=True)
@@ -221,13 +223,10 @@ def bench_roll(root: str, n: int) -> None:
     me.following.follow_all()
     t_roll = time.perf_counter() - t
     assert rns.count() == n + BATCH
-    print(
-        f"another engine with {n} blocks: first look (full replay) {t_replay:.2f} s; after its checkpoint, "
-        f"the look that rolls over {t_roll * 1000:.2f} ms"
-    )
     st.close()
     me.close()
     shutil.rmtree(root, ignore_errors=True)
+    return {"blocks": n, "first_look_s": t_replay, "roll_ms": t_roll * 1000}
 
 
 def main() -> int:
@@ -241,21 +240,36 @@ def main() -> int:
     ap.add_argument("--roll", type=int, default=0, help="also time following a checkpoint of N blocks")
     args = ap.parse_args()
     base = args.dir or tempfile.mkdtemp(prefix="aiokv-engines-")
+    more = {}
     if args.sqlite:
-        bench_sqlite(os.path.join(base, "sqlite"))
+        more["sqlite"] = bench_sqlite(os.path.join(base, "sqlite"))
     if args.roll:
-        bench_roll(os.path.join(base, "roll"), args.roll)
+        more["roll"] = bench_roll(os.path.join(base, "roll"), args.roll)
     rows = []
     for w in [int(x) for x in args.writers.split(",") if x]:
         r = bench_lookups(os.path.join(base, "store"), w, args.blocks, args.seconds, args.rate)
         rows.append({"writers": w, "rate": args.rate, **r})
     if not args.dir:
         shutil.rmtree(base, ignore_errors=True)
-    return harness.emit(harness.document(rows=rows), args, render)
+    return harness.emit(harness.document(rows=rows, **more), args, render)
 
 
 def render(doc: dict) -> str:
     lines = []
+    sq = doc.get("sqlite")
+    if sq:
+        lines += [
+            f"sqlite WAL: commit of {BATCH} rows {sq['sqlite_commit_us']:.1f} us, follower poll with new rows "
+            f"{sq['sqlite_poll_us']:.1f} us, without {sq['sqlite_idle_poll_us']:.1f} us",
+            f"aiokv journal: commit of {BATCH} records {sq['journal_commit_us']:.1f} us, follow with new records "
+            f"{sq['journal_follow_us']:.1f} us, journal poll without {sq['journal_idle_poll_us']:.1f} us",
+        ]
+    ro = doc.get("roll")
+    if ro:
+        lines.append(
+            f"another engine with {ro['blocks']} blocks: first look (full replay) {ro['first_look_s']:.2f} s; after "
+            f"its checkpoint, the look that rolls over {ro['roll_ms']:.2f} ms"
+        )
     for r in doc["rows"]:
         rf = (
             f"mean {r['refresh_mean_us']:.1f} us, p50 {r['refresh_p50_us']:.1f}, p99 {r['refresh_p99_us']:.1f}"

@@ -30,7 +30,8 @@ not the disk):
    the time until they are answered -> answered_after_s (about open_s: the index in).
 
 5. with --engines K: K more engines open the directory at once, each a process of its
-   own following engine 0's N blocks (engine 0 is not running); while all K are up,
+   own following the blocks engine 0 left (N, plus phase 3's commits, less its evictions:
+   blocks_left; engine 0 is not running); while all K are up,
    their RSS growth and PSS (/proc/PID/smaps_rollup: shared pages split among the
    processes mapping them) are summed -> engines_rss_mb, engines_pss_mb, and each
    one's open (its first look at engine 0) -> engines_open_s (the slowest).
@@ -170,6 +171,7 @@ def phase_open(root: str, n: int) -> dict:
         "commit_us": took / more * 1e6,
         "evict_us": evict_us,
         "evict_worst_ms": worst * 1e3,
+        "blocks_left": ns.count(),  # N + the commits - the evictions: what the engines of phase 5 follow
     }
     print(json.dumps(out), flush=True)
     os._exit(0)  # (no checkpoint of the extra commits: the directory stays as measured)
@@ -235,7 +237,7 @@ def phase_follow(root: str, n: int) -> None:
     ns = st.namespace(NSID, PAYLOAD)
     open_s = time.perf_counter() - t
     gc.collect()
-    assert ns.count() >= n, (ns.count(), n)
+    assert ns.count() == n, f"an engine sees {ns.count()} of the {n} blocks engine 0 left"
     print(json.dumps({"rss": rss() - before, "pss": pss() - before_pss, "open_s": open_s}), flush=True)
     done = os.path.join(os.path.dirname(root), "go")
     while not os.path.exists(done):
@@ -377,7 +379,7 @@ def main() -> None:
             for phase in ("build", "replay", "open", "wait"):
                 out.update(run_phase(phase, root, args.n))
             if args.engines:
-                out.update(engines(root, args.n, args.engines))
+                out.update(engines(root, out["blocks_left"], args.engines))
         finally:
             shutil.rmtree(root, ignore_errors=True)
     harness.flat(out, args, 4)
