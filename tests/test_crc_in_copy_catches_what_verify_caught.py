@@ -25,7 +25,6 @@ MAC is computed in the stamp and check calls, tests/test_slot_mac_is_keyed_blake
 from __future__ import annotations
 
 import ctypes
-import os
 import random
 
 import pytest
@@ -34,12 +33,10 @@ import torch
 from aiokv import _native
 from aiokv.data import format as fmt
 from aiokv.data.buffers import BufferPool
-from aiokv.data.slotfile import data_path
 from aiokv.jobs import Transfer
-from aiokv.store.store import ns_dir
 from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS, key
-from tests.workers import cpu_worker, run_jobs
+from tests.workers import cpu_worker, data_file, flip_payload_bytes, run_jobs
 
 RANK, LAYOUT = 0, 0x0123_4567_89AB_CDEF
 
@@ -168,19 +165,12 @@ def test_a_payload_flip_on_disk_fails_only_that_block_and_is_not_kept(tmp_path, 
         saved = {i: [t[i + 1].clone() for t in kv.values()] for i in ids}
     finally:
         w.close()
-    path, sb = data_path(ns_dir(root, NS), 0), w.slot_bytes
-    with open(path, "rb") as f:
-        disk = f.read()
+    (path, disk), sb = data_file(root), w.slot_bytes
     for i in ids:  # what the save with the CRC in the copy wrote is a valid slot of docs/format.md
         h = fmt.check_slot(disk[i * sb : (i + 1) * sb], NS, 0, w.device.payload_bytes, key(i), w.device.layout_tag, mk)
         assert h["mac_scheme"] == (fmt.MAC_SCHEME if secret else 0)
     bad = {3: 0, 7: w.device.payload_bytes - 1}  # slot -> payload byte flipped
-    with open(path, "r+b") as f:
-        for s, off in bad.items():
-            f.seek(s * sb + fmt.HEADER_BYTES + off)
-            b = f.read(1)[0]
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([b ^ 0x20]))
+    flip_payload_bytes(path, sb, bad, 0x20)
 
     if secret:  # the MAC alone catches the flips: a slot whose CRC was fixed up after them is bad still
         with open(path, "r+b") as f:

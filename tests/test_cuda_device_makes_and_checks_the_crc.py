@@ -31,14 +31,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from aiokv import _native
 from aiokv.data import format as fmt
-from aiokv.data.slotfile import data_path
 from aiokv.jobs import Transfer
 from aiokv.store.store import ns_dir
 from aiokv.worker import devcrc
 from aiokv.worker.device import CudaDevice, device_crc
 from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS, key
-from tests.workers import run_jobs
+from tests.workers import data_file, flip_payload_bytes, run_jobs
 
 NB = 40
 
@@ -108,9 +107,7 @@ def test_cuda_saves_carry_the_payload_crc_made_on_the_device_and_loads_flag_exac
         saved = {i: [t[i + 1].clone() for t in kv.values()] for i in ids}
     finally:
         w.close()
-    path, sb = data_path(ns_dir(root, NS), 0), w.slot_bytes
-    with open(path, "rb") as f:
-        disk = f.read()
+    (path, disk), sb = data_file(root), w.slot_bytes
     plen = w.device.payload_bytes
     for i in ids:  # a valid slot of docs/format.md: its header's CRC is its payload's
         slot = disk[i * sb : (i + 1) * sb]
@@ -118,12 +115,7 @@ def test_cuda_saves_carry_the_payload_crc_made_on_the_device_and_loads_flag_exac
         crc = int.from_bytes(slot[fmt.PAYLOAD_CRC_OFFSET : fmt.PAYLOAD_CRC_OFFSET + 4], "little")
         assert crc == _native.crc32c_bytes(slot[fmt.HEADER_BYTES : fmt.HEADER_BYTES + plen])
     bad = {3: 0, 7: plen - 1}  # slot -> payload byte flipped
-    with open(path, "r+b") as f:
-        for s, off in bad.items():
-            f.seek(s * sb + fmt.HEADER_BYTES + off)
-            b = f.read(1)[0]
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([b ^ 0x10]))
+    flip_payload_bytes(path, sb, bad, 0x10)
     kv = _kv()
     w = _worker(root, kv, kept=16)
     try:

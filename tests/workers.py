@@ -8,6 +8,7 @@ import os
 import time
 
 from aiokv.data import format as fmt
+from aiokv.data.slotfile import data_path
 from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker
@@ -23,6 +24,23 @@ def cpu_worker(root: str, kv: dict, staging_bufs: int, kept: int = 0, **kw) -> T
     return TransferWorker(
         dev, ns_dir(root, NS), NS, 0, staging_bytes=staging_bufs * slot, memory_bytes=kept * slot, **kw
     )
+
+
+def data_file(root: str) -> tuple[str, bytes]:
+    """The path of rank 0's data file of namespace NS under root, and its bytes."""
+    path = data_path(ns_dir(root, NS), 0)
+    with open(path, "rb") as f:
+        return path, f.read()
+
+
+def flip_payload_bytes(path: str, slot_bytes: int, bad: dict[int, int], mask: int = 0x20) -> None:
+    """In the data file at path, XOR `mask` into payload byte `off` of slot `s`, for each s: off of bad."""
+    with open(path, "r+b") as f:
+        for s, off in bad.items():
+            f.seek(s * slot_bytes + fmt.HEADER_BYTES + off)
+            b = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b ^ mask]))
 
 
 def run_jobs(w: TransferWorker, fn, arg, timeout: float = 10.0):
