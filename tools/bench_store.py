@@ -788,12 +788,17 @@ def render(doc: dict) -> str:
         head += " CPU s/GB W/R | with the CRC | CRC's share |"
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for r in res:
-            b, a = r["aiokv_nocrc"], r["aiokv"]
+            b, a = r["aiokv_nocrc"], r.get("aiokv")  # (no aiokv with --only: its columns say -)
             line = f"| {r['size'] >> 10} KiB | {r['depth']} | {b['io_write_gbps']:.2f} / {b['io_read_gbps']:.2f} |"
             line += "".join(f" {rq(r[f'nocrc_ratio_{w}_data_path'])} |" for w in peers)
-            cpu = [(b[f"io_{rw}_cpu_s_per_gb"], a[f"io_{rw}_cpu_s_per_gb"]) for rw in ("write", "read")]
-            line += f" {cpu[0][0]:.3f} / {cpu[1][0]:.3f} | {cpu[0][1]:.3f} / {cpu[1][1]:.3f} |"
-            lines.append(line + f" {cpu[0][1] - cpu[0][0]:.3f} / {cpu[1][1] - cpu[1][0]:.3f} |")
+            mine = [b[f"io_{rw}_cpu_s_per_gb"] for rw in ("write", "read")]
+            line += f" {mine[0]:.3f} / {mine[1]:.3f} |"
+            if a is None:
+                lines.append(line + " - | - |")
+                continue
+            full = [a[f"io_{rw}_cpu_s_per_gb"] for rw in ("write", "read")]
+            line += f" {full[0]:.3f} / {full[1]:.3f} |"
+            lines.append(line + f" {full[0] - mine[0]:.3f} / {full[1] - mine[1]:.3f} |")
     if doc.get("overhead"):
         lines += ["", "| payload | null-I/O CPU µs/block W/R (depth 16) | CRC32C µs |", "|---|---|---|"]
         for o in doc["overhead"]:
