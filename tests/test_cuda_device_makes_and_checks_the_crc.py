@@ -17,8 +17,8 @@ that format.check_slot accepts; its loads flag exactly the blocks whose payload 
 disk, copy the rest bit-exact and keep no corrupt one in memory; a device whose CRC
 disagrees with the host's at attach is not used (the host's pass checks, as before).
 
-The fix: worker/devcrc.py, and CudaDevice.crc_in_copy (worker/device.py: device_crc at attach,
-copy_out and copy_in).
+The fix: worker/devcrc.py, and CudaDevice.crc_in_copy (worker/cuda.py: device_crc at attach,
+copy_out, wait_out and copy_in).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from aiokv.data import format as fmt
 from aiokv.jobs import Transfer
 from aiokv.store.store import ns_dir
 from aiokv.worker import devcrc
-from aiokv.worker.device import CudaDevice, device_crc
+from aiokv.worker.cuda import CudaDevice, device_crc
 from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS, key
 from tests.workers import data_file, flip_payload_bytes, run_jobs

@@ -294,7 +294,7 @@ def test_cuda_ordering_side_stream_events(tmp_path, backend_kind, monkeypatch):
             self.queued.append(ev)
             return ev
 
-        def wait_out(self):
+        def wait_out(self, bufs=None):
             pass
 
     dev = FakeCuda(kv, NB)

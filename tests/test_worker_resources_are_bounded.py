@@ -26,8 +26,9 @@ import torch
 
 from aiokv.data import format as fmt
 from aiokv.data.buffers import BufferPool
-from aiokv.worker import device as devmod
-from aiokv.worker.device import CpuDevice, CudaDevice, gather_rows
+from aiokv.worker import cuda as cudamod
+from aiokv.worker.cuda import CudaDevice, gather_rows
+from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS
 from tests.fakecuda import FakeEvent
@@ -63,13 +64,13 @@ def test_worker_that_fails_to_start_leaves_nothing(tmp_path):
 def test_cuda_save_gathers_through_one_bounded_buffer(fake_cuda, monkeypatch):
     kv = _kv()
     payload = sum(t[0].numel() * t.element_size() for t in kv.values())
-    monkeypatch.setattr(devmod, "GATHER_BYTES", 3 * payload)  # 3 blocks: a 30-block save takes 10 rounds
+    monkeypatch.setattr(cudamod, "GATHER_BYTES", 3 * payload)  # 3 blocks: a 30-block save takes 10 rounds
     assert gather_rows(payload, 3 * payload) == 3 and gather_rows(payload, 1) == 1
     dev = CudaDevice(kv, NB)
     pool = BufferPool(fmt.slot_bytes(payload), 32)
     dev.attach(pool)
     assert tuple(dev._gather.shape) == (3, payload), "one fixed gather buffer of GATHER_BYTES"
-    assert fake_cuda.registered == [pool.arena.addr]
+    assert fake_cuda.registered == [pool.arena.addr, dev._crc_host.data_ptr()], "the arena and the CRC array pinned"
     ref = CpuDevice(kv, NB)
     ref_pool = BufferPool(fmt.slot_bytes(payload), 32)
     ref.attach(ref_pool)

@@ -432,7 +432,7 @@ def _sizes(text: str) -> list[int]:
 def _rounds(args, work, size, n, depth, workers, mem, arena, who, log) -> dict:
     """One size and depth: args.rounds interleaved rounds of every contender (`who`: aiokv,
     fio, raw_block, vllm_fs, fio_fixedbufs, those run), each round in another order."""
-    # a CUDA worker's checksum threads (worker/device.py: 2), or None: every checksum on the loop thread
+    # a CUDA worker's checksum threads (worker/cuda.py: 2), or None: every checksum on the loop thread
     cpu = concurrent.futures.ThreadPoolExecutor(args.checksum_threads, "bench-crc") if args.checksum_threads else None
     slot = fmt.slot_bytes(size)
     fio_at = os.path.join(work, "fio.dat")

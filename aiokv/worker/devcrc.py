@@ -6,7 +6,7 @@ the one pass of the host's cores over them was the payload CRC32C (0.06-0.12 cor
 GB, docs/benchmarks.md "Where the time goes"). CudaDevice computes it here instead, on the
 GPU, over the rows of its gather buffer (saves) and of the rows it copies in (loads): the
 CRC the slot format defines (docs/format.md), equal bit for bit to aiokv._native.crc32c,
-which CudaDevice checks at attach before it relies on this (worker/device.py).
+which CudaDevice checks at attach before it relies on this (worker/cuda.py).
 
 How, with no kernel of our own (any device torch runs on, this machine's CPU included, so
 every line is tested here): a CRC without its two inversions ("lin") is linear over GF(2),

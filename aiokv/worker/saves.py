@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import functools
 import logging
 import time
 
@@ -101,7 +102,8 @@ class Saves:
         uploader = self.life.uploader
         try:
             if self.device.asynchronous:  # the device copy may still be landing
-                await asyncio.get_running_loop().run_in_executor(None, self.device.wait_out)
+                wait = functools.partial(self.device.wait_out, bufs if crc_in_copy else None)
+                await asyncio.get_running_loop().run_in_executor(None, wait)
             addr = self.staging.addr
             items = [(s, k, addr(b)) for s, k, b in zip(t.locations, t.keys, bufs)]
             # the tenant is stamped into each slot's header (data/blockio.py); a timed-out save

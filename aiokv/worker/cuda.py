@@ -1,0 +1,206 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The CUDA device: whole KV blocks between vLLM's KV tensors on a GPU and pinned staging buffers.
+
+Saves gather on the GPU and copy to pinned staging memory on a side stream; copy_out records
+an event that the compute stream waits on before the next step's kernels can overwrite any
+block (so blocks freed after the step are safe), and the save pipeline waits for the event
+(wait_out) before writing to disk. copy_in copies on another side stream and synchronises
+before the load is reported. Layer by layer: begin_layers and copy_in_layer_async.
+
+The payload CRC32C is made and checked on the GPU (devcrc.py), where its answer equals the
+host's at attach (device_crc); else BlockIO's pass on the host checks, as before. A save's
+CRCs are scattered into a device array indexed by staging buffer, which one copy per save
+brings to a pinned host array; wait_out(bufs) puts each buffer's into its header, on the
+caller's thread, so vLLM's thread queues a few ops per gather for the CRC, not a copy per block.
+
+Checked by tools/gpu_check.py on a CUDA machine; here on CPU tensors with torch.cuda's streams
+and events stood in for (tests/fakecuda.py).
+
+Threading contract: attach, copy_out, after_step, before_loads, begin_layers and
+copy_in_layer_async run on the vLLM worker's main thread; copy_in on the worker's event-loop
+thread; wait_out on a thread of the loop's executor. The CRC arrays are written by the copy
+stream and read by wait_out after the event of the save that wrote them: a buffer's entry
+changes only when a later save holds that buffer, after this save's wait_out.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from aiokv import _native
+from aiokv.data import format as fmt
+from aiokv.data.buffers import BufferPool
+from aiokv.worker.devcrc import RowCrc
+from aiokv.worker.device import Device, raw_bytes
+
+log = logging.getLogger("aiokv")
+GATHER_BYTES = 32 << 20  # device memory a CUDA save gathers through, at most (outside vLLM's budget)
+
+
+def gather_rows(payload_bytes: int, limit: int = GATHER_BYTES) -> int:
+    """Blocks the fixed device gather buffer holds (at least one)."""
+    return max(1, limit // payload_bytes)
+
+
+class CudaDevice(Device):
+    """Saves gather through one fixed device buffer of `gather_rows` blocks, reused
+    chunk after chunk on the copy stream (stream order makes the reuse safe), so a
+    save of any size takes GATHER_BYTES of device memory at most, allocated once at
+    start, and the CRC's temporaries (devcrc.py: about 9 x its 16 MiB pieces) while it
+    runs; a load copies GATHER_BYTES of blocks at a time. Only the last copy's event is kept."""
+
+    asynchronous = True
+    # the copies are DMA and the host's cores are free: the checksums of a node's several
+    # drives would be more than one loop thread can do (docs/benchmarks.md, "One worker's ceiling")
+    checksum_threads = 2
+
+    def attach(self, pool: BufferPool) -> None:
+        super().attach(pool)
+        # pin the staging arena once (not many small pinned buffers) so copies are DMA; the
+        # KV-cache groups of one process share it (worker/host.py): the first device pins it
+        if getattr(pool, "pinned_by", None) is None:
+            rc = torch.cuda.cudart().cudaHostRegister(pool.arena.addr, pool.arena.size, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"aiokv: cudaHostRegister of the staging arena failed ({rc})")
+            self._registered = True
+            pool.pinned_by = self
+        self.device = self.layers[0].view.device
+        self.out_stream = torch.cuda.Stream(self.device)
+        self.in_stream = torch.cuda.Stream(self.device)
+        self._out_event = None
+        rows = min(gather_rows(self.payload_bytes, GATHER_BYTES), pool.count)
+        with torch.cuda.stream(self.out_stream):  # its memory belongs to the copy stream
+            self._gather = torch.empty(rows, self.payload_bytes, dtype=torch.uint8, device=self.device)
+        self._crc = device_crc(self.payload_bytes, self.device)
+        self.crc_in_copy = self._crc is not None
+        if self.crc_in_copy:  # each staging buffer's CRC: on the device, then pinned on the host
+            self._crc_dev = torch.zeros(pool.count, dtype=torch.int32, device=self.device)
+            self._crc_host = torch.zeros(pool.count, dtype=torch.int32)
+            rc = torch.cuda.cudart().cudaHostRegister(self._crc_host.data_ptr(), 4 * pool.count, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"aiokv: cudaHostRegister of the CRC array failed ({rc})")
+
+    def copy_out(self, block_ids, bufs, crc_in_copy=False):
+        h = fmt.HEADER_BYTES
+        compute = torch.cuda.current_stream(self.device)
+        buf = self._gather
+        with torch.cuda.stream(self.out_stream):
+            self.out_stream.wait_stream(compute)  # the forward that wrote the blocks comes first
+            for c in range(0, len(block_ids), len(buf)):
+                ids, part = block_ids[c : c + len(buf)], bufs[c : c + len(buf)]
+                n = len(ids)
+                # allocated on this stream, so the allocator cannot hand its memory to the
+                # compute stream while our gathers still read it
+                idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+                for layer, a, b in self._cols():
+                    buf[:n, a - h : b - h] = layer.view.index_select(0, idx).reshape(n, -1).view(torch.uint8)
+                for i, s in enumerate(part):
+                    self._rows[s, h : h + self.payload_bytes].copy_(buf[i], non_blocking=True)
+                if crc_in_copy:  # each payload's CRC32C, made here (devcrc.py), by staging buffer
+                    slots = torch.tensor(part, dtype=torch.long, device=self.device)
+                    self._crc_dev.index_copy_(0, slots, self._crc.rows(buf[:n]))
+            if crc_in_copy:  # one copy for the save; wait_out puts them into the headers
+                self._crc_host.copy_(self._crc_dev, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.out_stream)
+        self._out_event = ev  # the copy stream is in order: the last event covers every copy
+
+    def after_step(self) -> None:
+        # the next step's kernels may overwrite freed blocks only after our reads
+        if self._out_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._out_event)
+
+    def wait_out(self, bufs: list[int] | None = None) -> None:
+        ev = self._out_event
+        if ev is not None:
+            ev.synchronize()
+        if bufs and self.crc_in_copy:  # their CRCs (copy_out(..., crc_in_copy=True)) into their headers
+            at, idx = fmt.PAYLOAD_CRC_OFFSET, torch.tensor(bufs, dtype=torch.long)
+            self._rows[idx, at : at + 4] = self._crc_host[idx].view(torch.uint8).view(len(bufs), 4)
+
+    def before_loads(self) -> None:
+        # vLLM computes on its own (non-default) stream: the loads' copies must come
+        # after the kernels already queued there, which may still touch freed blocks
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._compute_event = ev
+
+    def copy_in(self, block_ids, bufs, crc_in_copy=False):
+        torch.cuda.set_device(self.device)  # called from the loop thread
+        h, at, step = fmt.HEADER_BYTES, fmt.PAYLOAD_CRC_OFFSET, len(self._gather)
+        ok: list[bool] = []
+        with torch.cuda.stream(self.in_stream):
+            if getattr(self, "_compute_event", None) is not None:
+                self.in_stream.wait_event(self._compute_event)
+            for c in range(0, len(block_ids), step):  # as many blocks at a time as a save gathers
+                part = bufs[c : c + step]
+                n = len(part)
+                idx = torch.tensor(block_ids[c : c + step], dtype=torch.long, device=self.device)
+                # allocated on the side stream: the allocator reuses it only after this stream's work
+                dev = torch.empty(n, self.payload_bytes, dtype=torch.uint8, device=self.device)
+                for i, s in enumerate(part):  # rows of the pinned arena: DMA, no pass of the host's over them
+                    dev[i].copy_(self._rows[s, h : h + self.payload_bytes], non_blocking=True)
+                if crc_in_copy:  # checked against each header's CRC (a mismatch: copied, and a failed load)
+                    want = self._rows[torch.tensor(part, dtype=torch.long), at : at + 4].contiguous()
+                    want = want.view(torch.int32).view(n)
+                    ok += (self._crc.rows(dev).cpu() == want).tolist()
+                for layer, a, b in self._cols():
+                    layer.view.index_copy_(0, idx, dev[:, a - h : b - h].view(layer.dtype).view(n, *layer.block_shape))
+        self.in_stream.synchronize()
+        return ok if crc_in_copy else None
+
+    def begin_layers(self, block_ids):
+        """Start of a layer-by-layer copy-in (vLLM's thread, before the forward):
+        the side stream first waits for the kernels already queued on the compute
+        stream (they may still touch blocks freed earlier). Returns the block ids
+        on the device, for copy_in_layer_async."""
+        compute = torch.cuda.current_stream(self.device)  # (inside the context it would be in_stream)
+        with torch.cuda.stream(self.in_stream):
+            self.in_stream.wait_stream(compute)
+            return torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def copy_in_layer_async(self, index: int, idx, bufs: list[int]):
+        """Queue layer `index` of verified blocks, pinned staging -> KV cache, on
+        the side stream; returns the event recorded after it. Nothing here waits:
+        the compute stream waits on the event before that layer's attention, and
+        the staging buffers are given back once the last event has completed."""
+        layer, a, b = list(self._cols())[index]
+        n = len(bufs)
+        with torch.cuda.stream(self.in_stream):
+            # allocated on the side stream: the allocator reuses it only after this stream's work
+            dev = torch.empty(n, b - a, dtype=torch.uint8, device=self.device)
+            for i, s in enumerate(bufs):  # rows of the pinned arena: DMA, no host gather
+                dev[i].copy_(self._rows[s, a:b], non_blocking=True)
+            layer.view.index_copy_(0, idx, dev.view(layer.dtype).view(n, *layer.block_shape))
+            ev = torch.cuda.Event()
+            ev.record(self.in_stream)
+        return ev
+
+    def close(self) -> None:
+        if getattr(self, "_crc_host", None) is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._crc_host.data_ptr())
+            self._crc_host = None
+        if getattr(self, "_registered", False):  # attach may have failed before pinning (or another device pinned)
+            torch.cuda.cudart().cudaHostUnregister(self.pool.arena.addr)
+            self._registered = False
+            self.pool.pinned_by = None
+
+
+def device_crc(payload_bytes: int, device) -> RowCrc | None:
+    """The payloads' CRC32C on `device` (devcrc.py), or None where it cannot serve: a payload
+    not a multiple of 4 bytes, or a device whose answer differs from aiokv._native's on two
+    random payloads here at start (then BlockIO's pass on the host checks them, as before)."""
+    if payload_bytes % 4:
+        return None
+    try:
+        crc = RowCrc(payload_bytes, device)
+        sample = torch.randint(0, 256, (2, payload_bytes), dtype=torch.uint8)
+        got = [int(v) & 0xFFFFFFFF for v in crc.rows(sample.to(device)).cpu()]
+        if got == [_native.crc32c_bytes(raw_bytes(row)) for row in sample]:
+            return crc
+        log.warning("aiokv: the device's CRC32C disagreed with the host's at start; the host checks payloads")
+    except Exception:
+        log.exception("aiokv: the device's CRC32C failed at start; the host checks payloads")
+    return None
