@@ -42,13 +42,13 @@ static int release1(PyObject *pins, PyObject *tags, PyObject *pk, PyObject *t) {
     long c = count_of(pins, pk, &present);
     if (c == -1 && PyErr_Occurred()) return -1;
     if (!present) return 0;
-    if (c > 1) return set_count(pins, pk, c - 1);
-    if (PyDict_DelItem(pins, pk) < 0) return -1;
+    int last = c <= 1;
+    if (last ? PyDict_DelItem(pins, pk) < 0 : set_count(pins, pk, c - 1) < 0) return -1;
     if (c == 0) return 0; /* (a count of 0 held nothing) */
     long tc = count_of(tags, t, &present);
     if (tc == -1 && PyErr_Occurred()) return -1;
-    if (tc > 1) return set_count(tags, t, tc - 1) < 0 ? -1 : 1;
-    return present && PyDict_DelItem(tags, t) < 0 ? -1 : 1;
+    if (tc > 1) return set_count(tags, t, tc - 1) < 0 ? -1 : last;
+    return present && PyDict_DelItem(tags, t) < 0 ? -1 : last;
 }
 
 /* the args both calls share: pins, tags (dicts), nsid, keys (a sequence of bytes) */
