@@ -19,6 +19,7 @@ import random
 import time
 import types
 
+import numpy as np
 import pytest
 
 from aiokv.data import format as fmt
@@ -28,6 +29,7 @@ from aiokv.store import loadpins as loadpins_mod
 from aiokv.store import saves as saves_mod
 from aiokv.store import store as store_mod
 from aiokv.store.drives import Drives
+from aiokv.store.index import Namespace
 from aiokv.store.table import tag_of
 from tests.conftest import NS, PAYLOAD, key
 
@@ -299,6 +301,30 @@ def test_a_held_key_is_never_a_victim_and_is_one_after_its_last_unpin(tmp_path, 
     st.close()
 
 
+def _loop_pin(st: Drives, ns, keys) -> list:
+    """The loop per key that Drives.pin routed each drive's answers with (the reference)."""
+    serving = st._serving()
+    parts = [(d, n) for d, n in ns.parts if d in serving]
+    first = Namespace.holders([n for _, n in parts], keys)
+    out = [None] * len(keys)
+    for i, (d, n) in enumerate(parts):
+        idx = np.flatnonzero(first == i).tolist()
+        if idx:
+            got = st.stores[d].pin(n, [keys[j] for j in idx])
+            for j, w in zip(idx, got):
+                out[j] = None if w is None else fmt.on_drive(d, w)
+    return out
+
+
+def _loop_unpin(st: Drives, ns, keys) -> None:
+    """The loop per key and drive that Drives.unpin made (the reference)."""
+    for d, n in ns.parts:
+        pins = st.stores[d].index.pins
+        mine = [k for k in keys if pins[(n.nsid, k)]]
+        if mine:
+            st.stores[d].unpin(n, mine)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_pin_and_unpin_on_several_drives_leave_what_the_loop_per_key_left(tmp_path, clock, seed):
     def drives(name: str, bulk: bool):
@@ -316,7 +342,7 @@ def test_pin_and_unpin_on_several_drives_leave_what_the_loop_per_key_left(tmp_pa
         if rnd.random() < 0.55 or not loads:
             keys = [key(rnd.randrange(190)) for _ in range(rnd.randrange(1, 30))]
             keys += keys[:2]
-            got = loop.pin(lns, keys)
+            got = _loop_pin(loop, lns, keys)
             assert bulk.pin(bns, keys) == got
             hits += sum(g is not None for g in got)
             drives |= {d for d, st in loop.stores.items() if st.load_pinned()}
@@ -324,11 +350,7 @@ def test_pin_and_unpin_on_several_drives_leave_what_the_loop_per_key_left(tmp_pa
         else:
             keys = loads.pop(rnd.randrange(len(loads)))
             keys = keys[::-1] + [key(500 + step)]
-            for d, n in lns.parts:  # the loop per key and drive that Drives.unpin made
-                pins = loop.stores[d].index.pins
-                mine = [k for k in keys if pins[(n.nsid, k)]]
-                if mine:
-                    loop.stores[d].unpin(n, mine)
+            _loop_unpin(loop, lns, keys)
             bulk.unpin(bns, keys)
         clock[0] += rnd.choice([0, EVERY // 2, EVERY])
         assert [w.state() for w in lw.values()] == [w.state() for w in bw.values()], step

@@ -46,6 +46,13 @@ def objects(keys) -> np.ndarray:
     return out
 
 
+def as_list(where: np.ndarray) -> list[int | None]:
+    """Locations (int64, -1: none) as `pin` answers them: a list, None for a miss."""
+    out = where.astype(object)
+    out[where < 0] = None
+    return out.tolist()
+
+
 class LoadPins:
     """pin and unpin for a Store (pins on several drives: drives.py asks each drive's). Threading
     contract: the owner's (the Store's thread); TOUCH records written by the I/O thread."""
@@ -56,16 +63,18 @@ class LoadPins:
     def pin(self, ns: Namespace, keys) -> list[int | None]:
         """Locations of committed keys (None: a miss), protected from eviction (by this engine;
         another engine may evict its own: a miss on read) until unpin; refreshes LRU."""
+        return as_list(self.locations(ns, keys))
+
+    def locations(self, ns: Namespace, keys) -> np.ndarray:
+        """pin, its answer as int64 locations (-1: a miss): for Drives.pin, no Python per key."""
         if not ns.ready:
-            return [None] * len(keys)
+            return np.full(len(keys), -1, np.int64)
         where = locate(ns, keys)
         _index.hold(self.index.pins, ns.pinned_tags, ns.nsid, keys, where)
         now = time.time_ns()
         self.touch_own(ns, keys, where, now)
         self.touch_peers(ns, keys, where, now)
-        out = where.astype(object)
-        out[where < 0] = None
-        return out.tolist()
+        return where
 
     def touch_own(self, ns: Namespace, keys, where: np.ndarray, now: int) -> None:
         """Our blocks of these keys were used now: each at an access time later than any before
