@@ -138,39 +138,46 @@ static PyObject *py_locate(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* locate_all(probes, keys, out int64) -> how many keys any probe holds; out[i] = the index of
- * the first probe holding keys[i] (as locate answers), -1: none. A key that is not bytes is
- * held by none (as Namespace.has answers). One pass for a scheduler call's keys. */
+/* locate_all(probes, keys, out int64[, slots int64]) -> how many keys any probe holds; out[i] =
+ * the index of the first probe holding keys[i] (as locate answers), -1: none; slots[i] (where
+ * given) its slot there, -1: none. A key that is not bytes is held by none (as Namespace.has
+ * answers). One pass for a scheduler call's keys. */
 static PyObject *py_locate_all(PyObject *mod, PyObject *args) {
-    PyObject *probes, *keys, *oo;
-    if (!PyArg_ParseTuple(args, "OOO", &probes, &keys, &oo)) return NULL;
+    PyObject *probes, *keys, *oo, *so = NULL;
+    if (!PyArg_ParseTuple(args, "OOO|O", &probes, &keys, &oo, &so)) return NULL;
     PyObject *pf, *kf = PySequence_Fast(keys, "keys: a sequence of bytes");
     if (!kf) return NULL;
-    Py_buffer o;
+    Py_buffer o, sb = {0};
     if (get_buf(oo, &o, 8, "out") < 0) {
         Py_DECREF(kf);
         return NULL;
     }
+    if (so && get_buf(so, &sb, 8, "slots") < 0) {
+        PyBuffer_Release(&o);
+        Py_DECREF(kf);
+        return NULL;
+    }
     Py_ssize_t nk = PySequence_Fast_GET_SIZE(kf), hits = 0;
-    if (o.len / 8 != nk) {
+    if (o.len / 8 != nk || (so && sb.len / 8 != nk)) {
         PyErr_SetString(PyExc_ValueError, "keys and out differ in length");
     } else if (probes_arg(probes, &pf) == 0) {
         Py_ssize_t np = PySequence_Fast_GET_SIZE(pf);
         PyObject **ks = PySequence_Fast_ITEMS(kf), **ps = PySequence_Fast_ITEMS(pf);
-        int64_t *out = o.buf;
+        int64_t *out = o.buf, *slot = so ? sb.buf : NULL, s = -1;
         for (Py_ssize_t i = 0; i < nk; i++) {
             Py_ssize_t j = np;
             if (PyBytes_Check(ks[i])) {
                 uint64_t h = key_tag((const uint8_t *)PyBytes_AS_STRING(ks[i]), PyBytes_GET_SIZE(ks[i]));
-                j = 0;
-                while (j < np && probe_find((Probe *)ps[j], h) < 0) j++;
+                for (j = 0; j < np && (s = probe_find((Probe *)ps[j], h)) < 0;) j++;
             }
             out[i] = j < np ? (int64_t)j : -1;
+            if (slot) slot[i] = j < np ? s : -1;
             hits += j < np;
         }
         Py_DECREF(pf);
     }
     PyBuffer_Release(&o);
+    if (so) PyBuffer_Release(&sb);
     Py_DECREF(kf);
     return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(hits);
 }
@@ -270,7 +277,8 @@ static PyMethodDef module_methods[] = {
     {"run", py_run, METH_VARARGS, "run(probes, keys, limit) -> keys from the first found in any probe"},
     {"locate", py_locate, METH_VARARGS, "locate(probes, key) -> (probe index, slot) or None"},
     {"locate_all", py_locate_all, METH_VARARGS,
-     "locate_all(probes, keys, out int64) -> keys held; out[i]: the first probe holding keys[i], -1: none"},
+     "locate_all(probes, keys, out int64[, slots int64]) -> keys held; out[i]: the first probe holding keys[i] "
+     "(slots[i]: its slot there), -1: none"},
     {"older", py_older, METH_VARARGS, "older(tags, atimes, thr, out) -> slots used at or before thr (-1: out short)"},
     {NULL}};
 
@@ -280,7 +288,8 @@ static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "aiokv._index",
 PyMODINIT_FUNC PyInit__index(void) {
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
-    if (records_add(m) < 0 || probe_add(m) < 0 || apply_add(m) < 0 || aiokv_order_register(m) < 0 || bulk_add(m) < 0) {
+    if (records_add(m) < 0 || probe_add(m) < 0 || apply_add(m) < 0 || aiokv_order_register(m) < 0 || bulk_add(m) < 0 ||
+        holds_add(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -12,6 +12,7 @@
  *   apply.c        journal records applied to a table, a helper per record kind
  *   order.c        Order, the eviction order (order.h: its units)
  *   bulk.c         an operator's order applied to a window of slots
+ *   holds.c        the keys loads hold, counted in bulk (aiokv/store/loadpins.py)
  *
  * Every unit is built with hidden visibility, so only PyInit__index leaves the module.
  */
@@ -113,5 +114,6 @@ int records_add(PyObject *m);         /* records.c: its functions; crc_init firs
 int apply_add(PyObject *m);           /* apply.c: apply */
 int aiokv_order_register(PyObject *m); /* order.c: Order */
 int bulk_add(PyObject *m);            /* bulk.c: an order's bulk changes */
+int holds_add(PyObject *m);           /* holds.c: a load's holds counted in bulk */
 
 #endif /* AIOKV_INDEX_H */

@@ -23,7 +23,8 @@ ISAL_LIB = "isal"
 # (native/index.h says what each unit does): the hash (probe.c), the journal records made and
 # checked (records.c, by crc32c.c's CRC32C, the one of aiokv._native, built with the same
 # ISA-L macro and library) and applied (apply.c), the eviction order (order.c and its units:
-# native/order.h) and an operator's order's bulk changes (bulk.c: aiokv/store/bulk.py)
+# native/order.h), an operator's order's bulk changes (bulk.c: aiokv/store/bulk.py) and the keys
+# loads hold, counted in bulk (holds.c: aiokv/store/loadpins.py)
 INDEX_UNITS = [
     os.path.join("native", n)
     for n in (
@@ -36,6 +37,7 @@ INDEX_UNITS = [
         "order_search.c",
         "order_build.c",
         "bulk.c",
+        "holds.c",
         "crc32c.c",
     )
 ]

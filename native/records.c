@@ -14,14 +14,15 @@
 /* a record's CRC32C: over its first n bytes, from a zero seed */
 static inline uint32_t record_crc(const uint8_t *p, size_t n) { return crc32c(0, p, n); }
 
-/* commit_records(keys, slots, atime, tenant=0, flags=0) -> bytes: a COMMIT record per key
- * (format.pack_record), each naming the tenant (bytes 56..57) and flags (byte 58) */
+/* commit_records(keys, slots, atime, tenant=0, flags=0, kind=1) -> bytes: a COMMIT record per
+ * key (format.pack_record), each naming the tenant (bytes 56..57) and flags (byte 58); another
+ * kind's records where kind says (3: TOUCH, with slot 0, tenant 0, flags 0: loadpins.py) */
 static PyObject *py_commit_records(PyObject *mod, PyObject *args) {
     PyObject *keys, *slots;
     unsigned long long at;
     unsigned short tenant = 0;
-    unsigned char flags = 0;
-    if (!PyArg_ParseTuple(args, "OOK|Hb", &keys, &slots, &at, &tenant, &flags)) return NULL;
+    unsigned char flags = 0, kind = 1;
+    if (!PyArg_ParseTuple(args, "OOK|Hbb", &keys, &slots, &at, &tenant, &flags, &kind)) return NULL;
     PyObject *kf = PySequence_Fast(keys, "keys: a sequence of bytes");
     if (!kf) return NULL;
     PyObject *sf = PySequence_Fast(slots, "slots: a sequence of int");
@@ -58,7 +59,7 @@ static PyObject *py_commit_records(PyObject *mod, PyObject *args) {
         }
         uint32_t s32 = (uint32_t)s;
         uint64_t a = at;
-        o[0] = 1;
+        o[0] = kind;
         o[1] = (uint8_t)kl;
         memcpy(o + 4, &s32, 4);
         memcpy(o + 8, &a, 8);
@@ -161,7 +162,7 @@ static PyObject *py_seal(PyObject *mod, PyObject *args) {
 }
 
 static PyMethodDef records_methods[] = {
-    {"commit_records", py_commit_records, METH_VARARGS, "commit_records(keys, slots, atime, tenant=0, flags=0) -> COMMIT records"},
+    {"commit_records", py_commit_records, METH_VARARGS, "commit_records(keys, slots, atime, tenant=0, flags=0, kind=1) -> COMMIT (kind) records"},
     {"record_tags", py_record_tags, METH_VARARGS, "record_tags(records, recbytes, klen_at, key_at, out)"},
     {"records_valid", py_records_valid, METH_VARARGS, "records_valid(buf, recbytes, kinds, klens) -> count"},
     {"seal", py_seal, METH_VARARGS, "seal(records, recbytes): each record's CRC32C into its last 4 bytes"},

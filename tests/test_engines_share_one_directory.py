@@ -33,8 +33,8 @@ from aiokv.cli import inspect as insp
 from aiokv.data import format as fmt
 from aiokv.store import Store, StoreLocked
 from aiokv.store import index as index_mod
+from aiokv.store import loadpins as loadpins_mod
 from aiokv.store import meta as meta_mod
-from aiokv.store import pins as pins_mod
 from aiokv.store import reclaim as reclaim_mod
 from aiokv.store import saves as saves_mod
 from aiokv.store import store as store_mod
@@ -319,7 +319,7 @@ def _fake_wall_clock(monkeypatch) -> list[int]:
     now = [time.time_ns()]
     fake = types.SimpleNamespace(**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")})
     fake.time_ns = lambda: now[0]
-    for mod in (store_mod, saves_mod, pins_mod):  # (commits in saves.py, a load's pins in pins.py)
+    for mod in (store_mod, saves_mod, loadpins_mod):  # (commits in saves.py, a load's pins in loadpins.py)
         monkeypatch.setattr(mod, "time", fake)
     monkeypatch.setattr(index_mod, "time", fake)
     return now
@@ -327,7 +327,7 @@ def _fake_wall_clock(monkeypatch) -> list[int]:
 
 async def test_hits_from_another_engine_keep_a_block_young(tmp_path, blocks, monkeypatch):
     now = _fake_wall_clock(monkeypatch)
-    every = pins_mod.TOUCH_EVERY_NS
+    every = loadpins_mod.TOUCH_EVERY_NS
     root = str(tmp_path / "s")
     cap = 16 * SB + 64 * 1024
     a, b = _following(StoreIO(root, capacity=cap)), _following(StoreIO(root, capacity=cap))

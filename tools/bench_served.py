@@ -12,10 +12,12 @@ One process; --blocks keys committed (by fiat: no data written, the data files s
 on one directory, and as many spread over --drives directories (key i on drive i mod D); each
 directory shared with a second engine holding a tenth of them (a namespace then has two tables
 to probe, as on a host of several engines). Each rep asks --keys keys, a --hits share of them
-stored, the rest never saved, in a random order: `served` timed, then `pin` timed, then unpin
-(not timed). Figures per layout (one: a Store, drives: a Drives): served_ms, pin_ms (medians of
-the reps), served_worst_ms, pin_worst_ms (the slowest rep: the step a request's match may cost),
-served_us_key, pin_us_key. The answers are checked: served's count of hits is the hits asked.
+stored, the rest never saved, in a random order: `served` timed, then `pin` timed, then `unpin`
+of every key asked timed (what a finished load gives back). Figures per layout (one: a Store,
+drives: a Drives): served_ms, pin_ms, unpin_ms (medians of the reps), served_worst_ms,
+pin_worst_ms, unpin_worst_ms (the slowest rep: the step a request's match may cost),
+served_us_key, pin_us_key, unpin_us_key. The answers are checked: served's and pin's count of
+hits is the hits asked, and nothing is held after the unpin.
 
 The store measured is PYTHONPATH's tree's (this script puts its own tree last on sys.path), so
 tools/ab.py can run this one script against two trees by its absolute path.
@@ -82,7 +84,7 @@ def layout(base: str, name: str, drives: int, blocks: int) -> tuple:
 
 
 def measure(st, ns, args, rnd: random.Random) -> dict:
-    served, pinned = [], []
+    served, pinned, unpinned = [], [], []
     hits = int(args.keys * args.hits)
     for _ in range(args.reps):
         asked = [key(i) for i in rnd.sample(range(args.blocks), hits)]
@@ -95,11 +97,15 @@ def measure(st, ns, args, rnd: random.Random) -> dict:
         t = time.perf_counter()
         where = st.pin(ns, asked)
         pinned.append(time.perf_counter() - t)
+        t = time.perf_counter()
         st.unpin(ns, asked)
+        unpinned.append(time.perf_counter() - t)
+        if st.load_pinned():
+            raise SystemExit(f"bench_served: {st.load_pinned()} keys still held after unpin")
         if sum(got) != hits or sum(w is not None for w in where) != hits:
             raise SystemExit(f"bench_served: {sum(got)} served, {hits} stored")
     out = {}
-    for name, took in (("served", served), ("pin", pinned)):
+    for name, took in (("served", served), ("pin", pinned), ("unpin", unpinned)):
         out[f"{name}_ms"] = statistics.median(took) * 1e3
         out[f"{name}_worst_ms"] = max(took) * 1e3
         out[f"{name}_us_key"] = statistics.median(took) / args.keys * 1e6

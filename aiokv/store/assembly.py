@@ -20,9 +20,10 @@ from aiokv.store.following import Following
 from aiokv.store.index import Namespace
 from aiokv.store.labels import Labels
 from aiokv.store.loading import Loader
+from aiokv.store.loadpins import LoadPins
 from aiokv.store.meta import Dirs, Opener
 from aiokv.store.persist import Persist
-from aiokv.store.pins import LoadPins, Pins
+from aiokv.store.pins import Pins
 from aiokv.store.reclaim import Reclaim
 from aiokv.store.replay import Replay
 from aiokv.store.saves import Saves
@@ -52,7 +53,7 @@ def make_parts(store: Store, capacity, sync_interval: float, checkpoint_every: i
         store.persist,
         store.following.peer_bytes,
     )
-    # pin_capacity, request_pins, pin_blocks; the keys loads hold (pins.py)
+    # pin_capacity, request_pins, pin_blocks; the keys loads hold (loadpins.py)
     store.pins = Pins(store.index, store.tenants, store.stats, store.space, store.persist)
     store.load_pins = LoadPins(store.index, store.persist, store.dirs, store.readonly)
     store.scan = Scan(store.dirs, store.space, fs, store.persist)

@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from aiokv.data import format as fmt
-from aiokv.store import persist
+from aiokv.store import loadpins, persist
 from aiokv.store.driveviews import DriveNamespace
 from aiokv.store.fsthread import at_once, bounded
 from aiokv.store.index import Namespace
@@ -213,25 +213,24 @@ class Drives:
 
     def pin(self, ns: DriveNamespace, keys) -> list[int | None]:
         """Each key pinned on the first serving drive holding it (one call into aiokv._index
-        finds them all), its location carrying that drive's index; None: no drive serves it."""
+        finds them all, a call a drive pins them), its location carrying that drive's index;
+        None: no drive serves it."""
         serving = self._serving()
         parts = [(d, n) for d, n in ns.parts if d in serving]
         first = Namespace.holders([n for _, n in parts], keys)
-        out: list[int | None] = [None] * len(keys)
-        for i, (d, n) in enumerate(parts):
-            idx = np.flatnonzero(first == i).tolist()
-            if idx:
-                got = self.stores[d].pin(n, [keys[j] for j in idx])
-                for j, w in zip(idx, got):
-                    out[j] = None if w is None else fmt.on_drive(d, w)
-        return out
+        out, every = np.full(len(keys), -1, np.int64), loadpins.objects(keys)
+        for i, (d, n) in enumerate(parts):  # each drive's keys pinned at once (loadpins.py)
+            idx = np.flatnonzero(first == i)
+            if len(idx):
+                got = self.stores[d].load_pins.locations(n, every[idx].tolist())
+                out[idx] = np.where(got >= 0, d << fmt.DRIVE_SHIFT | got, -1)  # (fmt.on_drive)
+        return loadpins.as_list(out)
 
     def unpin(self, ns: DriveNamespace, keys) -> None:
+        """Every drive gives back its holds of these keys (a key it holds none of is left as it
+        is: loadpins.py), one call into aiokv._index a drive."""
         for d, n in ns.parts:
-            pins = self.stores[d].index.pins
-            mine = [k for k in keys if pins[(n.nsid, k)]]
-            if mine:
-                self.stores[d].unpin(n, mine)
+            self.stores[d].unpin(n, keys)
 
     # ---- tenants: by name or tag (each drive's store registers them at their first commit) ----
     def tag(self, name: str) -> bytes:

@@ -12,9 +12,8 @@ capacity by themselves, and a tenant no setting names never pins. A refusal is s
 minute at most) and counted (`pins_refused`, per block), the block stored unpinned.
 `Pins.pin_blocks` pins stored blocks (FLAGS records in our journal).
 
-A load's pins are another kind (`LoadPins`, the store's `pin` and `unpin`): a key a load is
-reading is held in memory (index.pins, counted per key) and not evicted by this engine until
-unpinned; a hit on another engine's block is told to it by a TOUCH record in our journal.
+A load's pins are another kind (loadpins.py `LoadPins`, the store's `pin` and `unpin`): a key a
+load is reading is held in memory and not evicted by this engine until unpinned.
 
 Threading contract: the owner's (the Store's thread), like the index it reads; the journal
 records they make are written by the Store's I/O thread (persist.py), never on this thread.
@@ -26,13 +25,12 @@ import logging
 import time
 
 from aiokv.data import format as fmt
-from aiokv.store.table import PINNED, tag_of
+from aiokv.store.table import PINNED
 
 log = logging.getLogger("aiokv")
 PIN_SHARE = 10  # without pin_capacity, pinned blocks may take this share of the capacity (1/10)
 REQUEST_SHARE = 4  # a tenant named in request_pins without a size: this share of the pin limit (1/4)
 SAY_EVERY = 60.0  # seconds between the log lines of refused pins
-TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
 
 
 class Pins:
@@ -179,65 +177,3 @@ class Pins:
         if now - self._said.get(what, -SAY_EVERY) >= SAY_EVERY:
             self._said[what] = now
             log.warning(msg, *args)
-
-
-class LoadPins:
-    """The keys loads hold (index.pins: (nsid, key) -> how many loads; ns.pinned_tags), never
-    evicted by this engine while held. Threading contract: the owner's (the Store's thread); the
-    TOUCH records go to our journal through persist (written on the Store's I/O thread)."""
-
-    def __init__(self, index, persist, dirs, readonly: bool):
-        self.index, self.persist, self.dirs, self.readonly = index, persist, dirs, readonly
-
-    def pin(self, ns, keys) -> list[int | None]:
-        """Locations of committed keys, protected from eviction (by this engine; another
-        engine may evict its own: a miss on read) until unpin; refreshes LRU."""
-        out = []
-        if not ns.ready:
-            return [None] * len(keys)
-        for k in keys:
-            slot = ns.where(k)
-            if slot is not None:
-                self.index.pins[(ns.nsid, k)] += 1
-                ns.pinned_tags[tag_of(k)] += 1
-            out.append(slot)
-        now = time.time_ns()
-        self.index.touch(ns, keys, now)
-        engine = self.dirs.engine
-        self.touch_peers(ns, [k for k, w in zip(keys, out) if w is not None and w >> fmt.ENGINE_SHIFT != engine], now)
-        return out
-
-    def touch_peers(self, ns, keys, now: int) -> None:
-        """Tell the engines holding these keys that we used them (TOUCH records in
-        our journal, best effort), so the directory's LRU sees hits from every
-        engine. At most once a second per key."""
-        if self.readonly or not keys:
-            return
-        recs = []
-        for k in keys:
-            where = ns.where(k)
-            if where is None:
-                continue
-            t = ns.tables.get(where >> fmt.ENGINE_SHIFT)
-            s = t.find(k) if t is not None else -1
-            if s >= 0 and now - t.atime_at(s) >= TOUCH_EVERY_NS:
-                ns.peer_touch(k, now)
-                recs.append(fmt.pack_record(fmt.REC_TOUCH, k, 0, now))
-        self.persist.append(ns, recs)
-
-    def unpin(self, ns, keys) -> None:
-        """Give back the loads' holds of these keys (the last one's: evictable again)."""
-        pins, tags = self.index.pins, ns.pinned_tags
-        for k in keys:
-            pk = (ns.nsid, k)
-            if pins[pk] > 1:
-                pins[pk] -= 1
-            elif pins.pop(pk, None):
-                self.index.unpinned(ns, k)
-            else:
-                continue
-            t = tag_of(k)
-            if tags[t] > 1:
-                tags[t] -= 1
-            else:
-                tags.pop(t, None)

@@ -65,7 +65,7 @@ our journals, syncs, checkpoints, close), `Following` (following.py: the other
 engines' journals and bytes), `Reclaim` (reclaim.py: a dead engine's blocks),
 `Labels` (labels.py: a description per key for the KV events), `Saves` (saves.py:
 reservations, commits, aborts), `Drops` (drops.py: keys that did not verify),
-`Pins` and `LoadPins` (pins.py: pins that last, the keys loads hold), `Quotas`
+`Pins` (pins.py: pins that last) and `LoadPins` (loadpins.py: the keys loads hold), `Quotas`
 (quotas.py: bytes per tenant, its victims), `Loader` (loading.py: indexes read in
 the background). The index, the stats and the I/O thread are the Store's, handed
 to the parts.
@@ -284,14 +284,14 @@ class Store:
         self.saves.abort(ns, items, failed)
 
     def pin(self, ns: Namespace, keys) -> list[int | None]:
-        """Locations of committed keys, held for a load until unpin (pins.py LoadPins)."""
+        """Locations of committed keys, held for a load until unpin (loadpins.py LoadPins)."""
         return self.load_pins.pin(ns, keys)
 
     def unpin(self, ns: Namespace, keys) -> None:
         self.load_pins.unpin(ns, keys)
 
     def load_pinned(self) -> int:
-        """Keys loads hold pinned now (pins.py LoadPins)."""
+        """Keys loads hold pinned now (loadpins.py LoadPins)."""
         return len(self.index.pins)
 
     # ---- pins that last: blocks never evicted (issue 34), bounded by pin_capacity (pins.py) ----
