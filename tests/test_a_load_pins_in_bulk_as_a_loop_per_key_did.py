@@ -29,7 +29,7 @@ from aiokv.store import loadpins as loadpins_mod
 from aiokv.store import saves as saves_mod
 from aiokv.store import store as store_mod
 from aiokv.store.drives import Drives
-from aiokv.store.index import Namespace
+from aiokv.store.locate import holders
 from aiokv.store.table import tag_of
 from tests.conftest import NS, PAYLOAD, key
 
@@ -305,7 +305,7 @@ def _loop_pin(st: Drives, ns, keys) -> list:
     """The loop per key that Drives.pin routed each drive's answers with (the reference)."""
     serving = st._serving()
     parts = [(d, n) for d, n in ns.parts if d in serving]
-    first = Namespace.holders([n for _, n in parts], keys)
+    first = holders([n for _, n in parts], keys)
     out = [None] * len(keys)
     for i, (d, n) in enumerate(parts):
         idx = np.flatnonzero(first == i).tolist()

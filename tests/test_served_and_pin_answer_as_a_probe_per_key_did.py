@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """`served` (which of these keys are hits now: sliding-window and recurrent-state groups'
 matching) and `Drives.pin` (which serving drive holds each key) ask aiokv._index once per call
-(`_index.locate_all` through `Namespace.holders`) instead of a Python probe per key and drive on
+(`_index.locate_all` through `store/locate.py`'s `holders`) instead of a Python probe per key and drive on
 the scheduler thread (30M blocks a node: nothing per block in Python there). Invariant: they
 answer exactly what the probe per key answered, on one Store and on several drives, for hits,
 misses, reservations not committed, dropped keys, another engine's blocks, a drive whose breaker
@@ -19,7 +19,7 @@ from aiokv import _index
 from aiokv.data import format as fmt
 from aiokv.store import Store
 from aiokv.store.drives import Drives
-from aiokv.store.index import Namespace
+from aiokv.store.locate import holders
 from tests.conftest import NS, PAYLOAD, key
 
 
@@ -128,7 +128,7 @@ def test_with_no_drive_serving_nothing_is_served_or_pinned(drives):
 
 
 def test_holders_name_the_first_space_holding_each_key(tmp_path):
-    """Namespace.holders against `has` per key and space, spaces of one and two tables mixed."""
+    """locate.holders against `has` per key and space, spaces of one and two tables mixed."""
     sts = [Store(str(tmp_path / f"s{i}"), capacity="16MiB") for i in range(3)]
     spaces = [s.namespace(NS, PAYLOAD) for s in sts]
     rnd = random.Random(7)
@@ -139,7 +139,7 @@ def test_holders_name_the_first_space_holding_each_key(tmp_path):
     for pick in ([0], [2, 0], [1, 2, 0], []):
         sub = [spaces[i] for i in pick]
         want = [next((j for j, n in enumerate(sub) if n.has(k)), -1) for k in keys]
-        got = Namespace.holders(sub, keys)
+        got = holders(sub, keys)
         assert got.dtype == np.int64 and got.tolist() == want
     out = np.empty(3, np.int64)
     with pytest.raises(ValueError, match="differ in length"):

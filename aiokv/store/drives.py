@@ -60,6 +60,7 @@ from aiokv.store import loadpins, persist
 from aiokv.store.driveviews import DriveNamespace
 from aiokv.store.fsthread import at_once, bounded
 from aiokv.store.index import Namespace
+from aiokv.store.locate import first_holders, holders
 from aiokv.store.store import StoreStats
 from aiokv.util import counting
 from aiokv.util.breaker import Breaker
@@ -204,7 +205,7 @@ class Drives:
         for d, n in ns.parts:
             if d in serving:
                 self.stores[d].lookup(n, (), 0)  # applies the last look at the other engines (store.py)
-        return (Namespace.holders(parts, keys) >= 0).tolist()
+        return (holders(parts, keys) >= 0).tolist()
 
     def holds(self, ns: DriveNamespace, key: bytes, where: int) -> bool:
         """Whether key's committed copy on the drive `where` names is the one at `where`."""
@@ -217,12 +218,12 @@ class Drives:
         None: no drive serves it."""
         serving = self._serving()
         parts = [(d, n) for d, n in ns.parts if d in serving]
-        first = Namespace.holders([n for _, n in parts], keys)
+        first, where = first_holders([n for _, n in parts], keys)  # located once, for every drive
         out, every = np.full(len(keys), -1, np.int64), loadpins.objects(keys)
         for i, (d, n) in enumerate(parts):  # each drive's keys pinned at once (loadpins.py)
             idx = np.flatnonzero(first == i)
             if len(idx):
-                got = self.stores[d].load_pins.locations(n, every[idx].tolist())
+                got = self.stores[d].load_pins.locations(n, every[idx].tolist(), where[idx])
                 out[idx] = np.where(got >= 0, d << fmt.DRIVE_SHIFT | got, -1)  # (fmt.on_drive)
         return loadpins.as_list(out)
 

@@ -101,18 +101,6 @@ class Namespace:
         probes = tuple(p for n in spaces for p in n._probes)
         return _index.run(probes, keys, -1 if limit is None else limit) if probes else 0
 
-    @staticmethod
-    def holders(spaces: list[Namespace], keys) -> np.ndarray:
-        """For each key, the index in `spaces` of the first holding it (as `has` answers), -1:
-        none (int64): one call into aiokv._index, no Python per key."""
-        probes = tuple(p for n in spaces for p in n._probes)
-        out = np.full(len(keys), -1, np.int64)
-        if probes and len(keys):
-            _index.locate_all(probes, keys, out)
-            owner = np.repeat(np.arange(len(spaces) + 1), [len(n._probes) for n in spaces] + [1])
-            out = np.where(out >= 0, owner[out], -1)
-        return out
-
     def reserved(self, key: bytes) -> bool:
         """Whether key has a reservation of ours not yet committed (`pending`)."""
         return key in self.pending

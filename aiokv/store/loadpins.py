@@ -25,18 +25,9 @@ import numpy as np
 from aiokv import _index
 from aiokv.data import format as fmt
 from aiokv.store.index import Namespace
+from aiokv.store.locate import first_holders
 
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
-
-
-def locate(ns: Namespace, keys) -> np.ndarray:
-    """Each key's location as `ns.where` answers it (int64; -1: none), one call into aiokv._index
-    over the namespace's probes (its tables, ours first, in `where`'s order)."""
-    which, slot = np.full(len(keys), -1, np.int64), np.full(len(keys), -1, np.int64)
-    if len(keys):
-        _index.locate_all(ns._probes, keys, which, slot)
-    engines = np.array(ns._order + (0,), np.int64)  # (which -1 reads the last: masked below)
-    return np.where(which >= 0, engines[which] << fmt.ENGINE_SHIFT | slot, -1)
 
 
 def objects(keys) -> np.ndarray:
@@ -65,11 +56,13 @@ class LoadPins:
         another engine may evict its own: a miss on read) until unpin; refreshes LRU."""
         return as_list(self.locations(ns, keys))
 
-    def locations(self, ns: Namespace, keys) -> np.ndarray:
-        """pin, its answer as int64 locations (-1: a miss): for Drives.pin, no Python per key."""
+    def locations(self, ns: Namespace, keys, where: np.ndarray | None = None) -> np.ndarray:
+        """pin, its answer as int64 locations (-1: a miss): for Drives.pin, no Python per key.
+        where: the keys' locations in ns already found (locate.first_holders), else found here."""
         if not ns.ready:
             return np.full(len(keys), -1, np.int64)
-        where = locate(ns, keys)
+        if where is None:
+            where = first_holders([ns], keys)[1]
         _index.hold(self.index.pins, ns.pinned_tags, ns.nsid, keys, where)
         now = time.time_ns()
         self.touch_own(ns, keys, where, now)

@@ -88,6 +88,7 @@ from aiokv.store import assembly
 from aiokv.store import quotas as quotas_mod
 from aiokv.store.fsthread import FsThread
 from aiokv.store.index import Index, Namespace
+from aiokv.store.locate import holders
 from aiokv.store.meta import ns_dir  # noqa: F401  (callers name a namespace's directory)
 from aiokv.store.quotas import Quotas
 from aiokv.util import counters, counting
@@ -240,7 +241,7 @@ class Store:
         """Whether each key's block is a hit now (the other engines' last look applied, as by
         lookup): one call into aiokv._index."""
         self.lookup(ns, (), 0)
-        return (Namespace.holders([ns], keys) >= 0).tolist()
+        return (holders([ns], keys) >= 0).tolist()
 
     def holds(self, ns: Namespace, key: bytes, where: int) -> bool:
         """Whether key's committed copy is the one at location `where`."""
