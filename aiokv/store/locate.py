@@ -26,17 +26,36 @@ def first_holders(spaces: list, keys) -> tuple[np.ndarray, np.ndarray]:
         the key's location there as that namespace's `where` answers it (engine <<
         ENGINE_SHIFT | slot); -1 in both for a key none of them holds.
     """
-    which, slot = np.full(len(keys), -1, np.int64), np.full(len(keys), -1, np.int64)
-    probes = tuple(p for n in spaces for p in n._probes)
-    if not probes or not len(keys):
-        return which, slot
-    _index.locate_all(probes, keys, which, slot)
-    space = np.repeat(np.arange(len(spaces) + 1), [len(n._probes) for n in spaces] + [1])
+    slot = np.full(len(keys), -1, np.int64)
+    which = _probe_of(spaces, keys, slot)
+    if which is None:
+        return slot, slot.copy()
     engine = np.array([e for n in spaces for e in n._order] + [0], np.int64)  # (which -1: masked below)
     found = which >= 0
-    return np.where(found, space[which], -1), np.where(found, engine[which] << fmt.ENGINE_SHIFT | slot, -1)
+    return _space_of(spaces, which), np.where(found, engine[which] << fmt.ENGINE_SHIFT | slot, -1)
 
 
 def holders(spaces: list, keys) -> np.ndarray:
     """For each key, the index in `spaces` of the first holding it (as `has` answers), -1: none."""
-    return first_holders(spaces, keys)[0]
+    which = _probe_of(spaces, keys)
+    return np.full(len(keys), -1, np.int64) if which is None else _space_of(spaces, which)
+
+
+def _probe_of(spaces: list, keys, slot: np.ndarray | None = None) -> np.ndarray | None:
+    """Each key's first probe holding it, over the spaces' probes in order (-1: none; slot, if
+    given: its slot there), or None when there is nothing to ask."""
+    probes = tuple(p for n in spaces for p in n._probes)
+    if not probes or not len(keys):
+        return None
+    which = np.full(len(keys), -1, np.int64)
+    if slot is None:
+        _index.locate_all(probes, keys, which)
+    else:
+        _index.locate_all(probes, keys, which, slot)
+    return which
+
+
+def _space_of(spaces: list, which: np.ndarray) -> np.ndarray:
+    """Probe indexes (-1: none) as indexes into `spaces` (-1: none)."""
+    space = np.repeat(np.arange(len(spaces) + 1), [len(n._probes) for n in spaces] + [1])
+    return np.where(which >= 0, space[which], -1)
