@@ -77,10 +77,11 @@ class CudaDevice(Device):
         self.crc_in_copy = self._crc is not None
         if self.crc_in_copy:  # each staging buffer's CRC: on the device, then pinned on the host
             self._crc_dev = torch.zeros(pool.count, dtype=torch.int32, device=self.device)
-            self._crc_host = torch.zeros(pool.count, dtype=torch.int32)
-            rc = torch.cuda.cudart().cudaHostRegister(self._crc_host.data_ptr(), 4 * pool.count, 0)
+            host = torch.zeros(pool.count, dtype=torch.int32)
+            rc = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), 4 * pool.count, 0)
             if int(rc) != 0:
                 raise RuntimeError(f"aiokv: cudaHostRegister of the CRC array failed ({rc})")
+            self._crc_host = host  # (close unregisters it: only once registered)
 
     def copy_out(self, block_ids, bufs, crc_in_copy=False):
         h = fmt.HEADER_BYTES
