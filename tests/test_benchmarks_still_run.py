@@ -118,6 +118,25 @@ def test_bench_store_times_aiokv_and_fio_on_the_same_blocks(tmp_path):
     assert os.listdir(tmp_path / "plots"), "--plot drew nothing"
 
 
+def test_plot_without_matplotlib_is_refused_before_the_run(tmp_path):
+    """CI's fresh machine had no matplotlib (tools/setup.sh did not install it): bench_store ran its
+    whole benchmark, then died in the plot with a traceback. Now setup installs it, and where it is
+    absent --plot is refused when parsing, in one line naming the fix, before any I/O."""
+    shadow = tmp_path / "shadow" / "matplotlib"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named matplotlib (hidden by the test)')\n")
+    env = dict(os.environ, PYTHONPATH=f"{shadow.parent}{os.pathsep}{ROOT}", TMPDIR=str(tmp_path))
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "bench_store.py"), "--sizes", "64K", "--mib", "16",
+         "--no-raw-block", "--no-vllm", "--plot", str(tmp_path / "plots")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    last = p.stderr.strip().splitlines()[-1]
+    assert "--plot" in last and "pip install matplotlib" in last and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "plots").exists() and not any(tmp_path.glob("aiokv*")), os.listdir(tmp_path)
+
+
 def test_bench_store_times_concurrent_calls_alone(tmp_path):
     doc = document(
         tmp_path, "bench_store.py", "--sizes", "64K", "--depth", "4", "--mib", "16", "--rounds", "1",

