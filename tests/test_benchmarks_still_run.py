@@ -285,6 +285,15 @@ def test_bench_ops_times_clear_pin_unpin_and_victims(tmp_path):
     positive("victims", out, "victim_calls", "victim_us_median", "victim_us_max", "victim_examined_max")
 
 
+def test_bench_served_times_the_scheduler_threads_bulk_asks(tmp_path):
+    for how in ((), ("--inline",)):  # the engine's store (its I/O thread), and a tool's (inline)
+        doc = document(tmp_path, "bench_served.py", "--blocks", "3000", "--keys", "200", "--reps", "3", *how)
+        assert [r["name"] for r in doc["layouts"]] == ["one", "drives"] and doc["params"]["inline"] == bool(how)
+        for r in doc["layouts"]:
+            for ask in ("served", "pin", "unpin"):
+                positive(f"{how} {r['name']}", r, f"{ask}_ms", f"{ask}_worst_ms", f"{ask}_us_key")
+
+
 def test_bench_victims_times_each_kind_of_victim(tmp_path):
     out = line(tmp_path, "bench_victims.py", "--dir", str(tmp_path / "v"), "--n", "2000", "--tenants", "10",
                "--calls", "10")  # fmt: skip

@@ -3,7 +3,7 @@
 """The operators' orders at node scale: what `aiokv clear`, `pin` and `unpin` cost an engine's
 scheduler thread, its memory and the wall clock, on a directory of N blocks (issue 40).
 
-    PYTHONPATH=. .venv/bin/python tools/bench_ops.py --dir /work/ops --n 10000000 --json
+    PYTHONPATH=. .venv/bin/python tools/bench_ops.py --dir /mnt/nvme/ops --n 10000000 --json
 
 The directory is built in bulk (`build`: its checkpoint written directly, N blocks of `--tenants`
 tenants in turn, every 1/--pinned-th pinned, the data file sparse: this measures the index, the

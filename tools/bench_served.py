@@ -5,10 +5,11 @@ sliding-window and recurrent-state groups' matching) and `pin` (each key's locat
 load) for K keys at once, on one directory (a Store) and on D drives (a Drives).
 
     PYTHONPATH=. .venv/bin/python tools/bench_served.py [--blocks 300000] [--keys 6000]
-        [--hits 0.5] [--drives 3] [--reps 40] [--json]
+        [--hits 0.5] [--drives 3] [--reps 40] [--inline] [--json]
     PYTHONPATH=. .venv/bin/python tools/ab.py --before OLD --after . -- $PWD/tools/bench_served.py
 
-One process; --blocks keys committed (by fiat: no data written, the data files stay sparse)
+One process; the measured engine's store has its I/O thread, as an engine's does (its journal
+written there; --inline: on the caller's thread, as tools open a store); --blocks keys committed (by fiat: no data written, the data files stay sparse)
 on one directory, and as many spread over --drives directories (key i on drive i mod D); each
 directory shared with a second engine holding a tenth of them (a namespace then has two tables
 to probe, as on a host of several engines). Each rep asks --keys keys, a --hits share of them
@@ -55,30 +56,37 @@ def commit(st, ns, ids) -> None:
         st.commit(ns, batch)
 
 
-def directory(root: str, ids: list[int]):
+def directory(root: str, ids: list[int], io_thread: bool = True):
     """(the engine measured, its namespace, the second engine) on `root`: the second engine
-    holds every tenth of `ids`, the first the rest, seen (followed) by the first."""
+    holds every tenth of `ids`, the first the rest, seen (followed) by the first. io_thread: the
+    engine's store writes its journal on its I/O thread, as an engine's does (False: inline)."""
     from aiokv.store import Store
 
-    st, peer = Store(root, checkpoint_every=10**12), Store(root, checkpoint_every=10**12)
+    st = Store(root, checkpoint_every=10**12, io_thread=io_thread)
+    peer = Store(root, checkpoint_every=10**12)
     ns, pns = st.namespace(NSID, PAYLOAD), peer.namespace(NSID, PAYLOAD)
     commit(peer, pns, ids[::10])
     commit(st, ns, [i for n, i in enumerate(ids) if n % 10])
-    st.follow_interval = 0
-    st.lookup(ns, (), 0)  # follows the second engine
+    st.follow_interval = 0  # follows the second engine (with the I/O thread: its looks, applied at a lookup)
+    theirs, until = len(ids[::10]), time.monotonic() + 60
+    while sum(t.count for e, t in ns.tables.items() if e != ns.engine) < theirs:
+        if time.monotonic() > until:
+            raise SystemExit(f"bench_served: the second engine's {theirs} blocks not seen in 60 s")
+        st.lookup(ns, (), 0)
+        time.sleep(0.001)
     st.follow_interval = 10**9  # no more looks while timed
     return st, ns, peer
 
 
-def layout(base: str, name: str, drives: int, blocks: int) -> tuple:
+def layout(base: str, name: str, drives: int, blocks: int, io_thread: bool) -> tuple:
     """(store, namespace, closers): one directory (a Store) or `drives` (a Drives)."""
     from aiokv.store.drives import Drives
 
     if name == "one":
-        st, ns, peer = directory(os.path.join(base, "one"), list(range(blocks)))
+        st, ns, peer = directory(os.path.join(base, "one"), list(range(blocks)), io_thread)
         return st, ns, [st, peer]
     paths = [os.path.join(base, f"d{d}") for d in range(drives)]
-    opened = [directory(p, list(range(d, blocks, drives))) for d, p in enumerate(paths)]
+    opened = [directory(p, list(range(d, blocks, drives)), io_thread) for d, p in enumerate(paths)]
     st = Drives(paths, {d: o[0] for d, o in enumerate(opened)})
     return st, st.namespace(NSID, PAYLOAD), [st] + [o[2] for o in opened]
 
@@ -119,6 +127,9 @@ def main() -> int:
     ap.add_argument("--hits", type=float, default=0.5, help="share of the keys asked that are stored")
     ap.add_argument("--drives", type=int, default=3, help="drives of the Drives layout")
     ap.add_argument("--reps", type=int, default=40, help="calls timed (medians and the worst)")
+    ap.add_argument(
+        "--inline", action="store_true", help="the store's file-system calls on the caller's thread (no I/O thread)"
+    )
     ap.add_argument("--dir", default=None, help="the run's directory (default: a temp one, removed)")
     args = ap.parse_args()
     say = harness.say(args)
@@ -127,7 +138,7 @@ def main() -> int:
     rows = []
     with harness.workdir(args.dir, "aiokv-served-") as base:
         for name, drives in (("one", 1), ("drives", args.drives)):
-            st, ns, closers = layout(base, name, drives, args.blocks)
+            st, ns, closers = layout(base, name, drives, args.blocks, not args.inline)
             row = {"name": name, "drives": drives, **measure(st, ns, args, random.Random(1))}
             say(f"{name}: {row}")
             rows.append(row)

@@ -3,7 +3,7 @@
 """Victims at node scale (issue 40): what the scheduler thread pays to choose a block to evict
 (tools/bench_ops.py runs it as its `victims` phase).
 
-    PYTHONPATH=. .venv/bin/python tools/bench_victims.py --dir /work/ops --n 10000000 --tenants 100 --json \\
+    PYTHONPATH=. .venv/bin/python tools/bench_victims.py --dir /mnt/nvme/ops --n 10000000 --tenants 100 --json \\
         [--against /tmp/quota-base]
 
 Builds, in a fresh process, a directory of --n blocks (default 10M) of --tenants tenants (five
@@ -24,7 +24,7 @@ and the tenant commits a new one, so the order keeps changing. Each call timed:
 the median of each kind (`victim_us_median_own`, `_quota`, `_capacity`); the most entries one
 call read: `victim_examined_max` (Table.examined; -1 in a tree without it).
 
-One JSON line with --json. Run it under /work/bin/heavy -x (both slots: timings).
+One JSON line with --json. Time it with nothing else running on the machine.
 """
 
 from __future__ import annotations
