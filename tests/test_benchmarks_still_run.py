@@ -294,6 +294,12 @@ def test_bench_served_times_the_scheduler_threads_bulk_asks(tmp_path):
                 positive(f"{how} {r['name']}", r, f"{ask}_ms", f"{ask}_worst_ms", f"{ask}_us_key")
 
 
+def test_bench_row_copies_times_a_row_at_a_time_against_one_batch(tmp_path):
+    out = line(tmp_path, "bench_row_copies.py", "--blocks", "200", "--rounds", "1")
+    assert (out["blocks"], out["rounds"]) == (200, 1)
+    positive("row copies", out, "rows_us_per_block", "batch_us_per_block", "rows_over_batch")
+
+
 def test_bench_victims_times_each_kind_of_victim(tmp_path):
     out = line(tmp_path, "bench_victims.py", "--dir", str(tmp_path / "v"), "--n", "2000", "--tenants", "10",
                "--calls", "10")  # fmt: skip

@@ -579,6 +579,7 @@ def part_bandwidth(root: str) -> dict:
         return {
             "bytes": nbytes,
             "block_bytes": dev.payload_bytes,
+            "batch_copy": dev._batch is not None,  # (no vLLM here: a copy_ a row, worker/cuda.py)
             "aiokv_device_to_pinned_GBps": round(gb / t_out, 2),
             "aiokv_pinned_to_device_GBps": round(gb / t_in, 2),
             "with_device_crc_out_GBps": round(gb / t_out_crc, 2),  # the CRC made on the GPU (devcrc.py)

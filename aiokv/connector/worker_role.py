@@ -47,6 +47,21 @@ def load_failures(per_block: bool, errors: set[int], failed: set[str]) -> tuple[
     return set(), set(failed)
 
 
+def vllm_batch_copy():
+    """vLLM's swap_blocks_batch (a list of raw copies in one driver call, CUDA builds) where this
+    build of vLLM registered it, else None: a CUDA device then copies a row at a time
+    (worker/cuda.py, which checks it at attach before relying on it)."""
+    try:
+        import torch
+        from vllm import _custom_ops as ops
+
+        if hasattr(torch.ops._C_cache_ops, "swap_blocks_batch"):
+            return getattr(ops, "swap_blocks_batch", None)
+    except Exception:  # another vLLM, or no compiled ops: rows one by one
+        pass
+    return None
+
+
 def block_dims(kv_cache_config, index: int, tensors) -> list[int | None]:
     """Per KV tensor of group `index` ([(layer name, tensor)], as kv_tensors gives them): the
     dimension that counts blocks, as vLLM lays the layer's tensor out; None where vLLM does not
@@ -150,11 +165,11 @@ class WorkerRole:
         from aiokv.worker.device import make_device
         from aiokv.worker.kv_layout import kv_tensors
 
-        devices = []
+        devices, batch = [], vllm_batch_copy()
         for g in self.groups:
             tensors = kv_tensors(kv_caches, g.layer_names)
             dims = block_dims(self.kv_cache_config, g.index, tensors)
-            device = make_device(tensors, self.kv_cache_config.num_blocks, dims)
+            device = make_device(tensors, self.kv_cache_config.num_blocks, dims, batch_copy=batch)
             if device.payload_bytes != g.payload_bytes:
                 raise ValueError(
                     f"aiokv: the KV tensors of group {g.index} hold {device.payload_bytes} bytes "

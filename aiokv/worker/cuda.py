@@ -13,6 +13,12 @@ CRCs are scattered into a device array indexed by staging buffer, which one copy
 brings to a pinned host array; wait_out(bufs) puts each buffer's into its header, on the
 caller's thread, so vLLM's thread queues a few ops per gather for the CRC, not a copy per block.
 
+The rows between the device and the pinned arena: with `batch_copy` (vLLM's swap_blocks_batch,
+handed in by the connector: one driver call for a list of (source, destination, size) copies,
+cuMemcpyBatchAsync on CUDA 12.8 and later), one call a gather, its addresses computed by tensor
+ops, no Python per block on vLLM's thread; it is used only where it copied a test pattern right
+at attach (batch_copy_checked), else each row is its own copy_, as before.
+
 Checked by tools/gpu_check.py on a CUDA machine; here on CPU tensors with torch.cuda's streams
 and events stood in for (tests/fakecuda.py).
 
@@ -49,7 +55,13 @@ class CudaDevice(Device):
     chunk after chunk on the copy stream (stream order makes the reuse safe), so a
     save of any size takes GATHER_BYTES of device memory at most, allocated once at
     start, and the CRC's temporaries (devcrc.py: about 9 x its 16 MiB pieces) while it
-    runs; a load copies GATHER_BYTES of blocks at a time. Only the last copy's event is kept."""
+    runs; a load copies GATHER_BYTES of blocks at a time. Only the last copy's event is kept.
+    batch_copy: vLLM's swap_blocks_batch(src_ptrs, dst_ptrs, sizes), or None (a copy_ a row)."""
+
+    def __init__(self, kv_caches, num_blocks: int, pool: BufferPool | None = None, dims=None, batch_copy=None):
+        super().__init__(kv_caches, num_blocks, pool, dims)
+        self._batch_offered = batch_copy
+        self._batch = None  # the batch copy, once attach has seen it copy right
 
     asynchronous = True
     # the copies are DMA and the host's cores are free: the checksums of a node's several
@@ -73,6 +85,7 @@ class CudaDevice(Device):
         rows = min(gather_rows(self.payload_bytes, GATHER_BYTES), pool.count)
         with torch.cuda.stream(self.out_stream):  # its memory belongs to the copy stream
             self._gather = torch.empty(rows, self.payload_bytes, dtype=torch.uint8, device=self.device)
+        self._batch = batch_copy_checked(self._batch_offered, self.device, self.out_stream)
         self._crc = device_crc(self.payload_bytes, self.device)
         self.crc_in_copy = self._crc is not None
         if self.crc_in_copy:  # each staging buffer's CRC: on the device, then pinned on the host
@@ -97,8 +110,7 @@ class CudaDevice(Device):
                 idx = torch.tensor(ids, dtype=torch.long, device=self.device)
                 for layer, a, b in self._cols():
                     buf[:n, a - h : b - h] = layer.view.index_select(0, idx).reshape(n, -1).view(torch.uint8)
-                for i, s in enumerate(part):
-                    self._rows[s, h : h + self.payload_bytes].copy_(buf[i], non_blocking=True)
+                self._rows_out(buf, part)
                 if crc_in_copy:  # each payload's CRC32C, made here (devcrc.py), by staging buffer
                     slots = torch.tensor(part, dtype=torch.long, device=self.device)
                     self._crc_dev.index_copy_(0, slots, self._crc.rows(buf[:n]))
@@ -141,8 +153,7 @@ class CudaDevice(Device):
                 idx = torch.tensor(block_ids[c : c + step], dtype=torch.long, device=self.device)
                 # allocated on the side stream: the allocator reuses it only after this stream's work
                 dev = torch.empty(n, self.payload_bytes, dtype=torch.uint8, device=self.device)
-                for i, s in enumerate(part):  # rows of the pinned arena: DMA, no pass of the host's over them
-                    dev[i].copy_(self._rows[s, h : h + self.payload_bytes], non_blocking=True)
+                self._rows_in(dev, part, h)  # rows of the pinned arena: DMA, no pass of the host's over them
                 if crc_in_copy:  # checked against each header's CRC (a mismatch: copied, and a failed load)
                     want = self._rows[torch.tensor(part, dtype=torch.long), at : at + 4].contiguous()
                     want = want.view(torch.int32).view(n)
@@ -172,12 +183,35 @@ class CudaDevice(Device):
         with torch.cuda.stream(self.in_stream):
             # allocated on the side stream: the allocator reuses it only after this stream's work
             dev = torch.empty(n, b - a, dtype=torch.uint8, device=self.device)
-            for i, s in enumerate(bufs):  # rows of the pinned arena: DMA, no host gather
-                dev[i].copy_(self._rows[s, a:b], non_blocking=True)
+            self._rows_in(dev, bufs, a)  # rows of the pinned arena: DMA, no host gather
             layer.view.index_copy_(0, idx, dev.view(layer.dtype).view(n, *layer.block_shape))
             ev = torch.cuda.Event()
             ev.record(self.in_stream)
         return ev
+
+    def _rows_out(self, buf, bufs: list[int]) -> None:
+        """On the current (copy) stream: buf's first len(bufs) rows into the payloads of these
+        staging buffers."""
+        h, n = fmt.HEADER_BYTES, len(bufs)
+        if self._batch is None:
+            for i, s in enumerate(bufs):
+                self._rows[s, h : h + self.payload_bytes].copy_(buf[i], non_blocking=True)
+            return
+        src = row_addrs(buf, torch.arange(n))
+        self._batch(
+            src, row_addrs(self._rows, torch.tensor(bufs), h), torch.full((n,), buf.shape[1], dtype=torch.int64)
+        )
+
+    def _rows_in(self, dev, bufs: list[int], at: int) -> None:
+        """On the current (side) stream: bytes [at, at + row) of these staging buffers into the
+        rows of dev (contiguous, a row per buffer)."""
+        n, width = len(bufs), dev.shape[1]
+        if self._batch is None:
+            for i, s in enumerate(bufs):
+                dev[i].copy_(self._rows[s, at : at + width], non_blocking=True)
+            return
+        src = row_addrs(self._rows, torch.tensor(bufs), at)
+        self._batch(src, row_addrs(dev, torch.arange(n)), torch.full((n,), width, dtype=torch.int64))
 
     def close(self) -> None:
         if getattr(self, "_crc_host", None) is not None:
@@ -187,6 +221,43 @@ class CudaDevice(Device):
             torch.cuda.cudart().cudaHostUnregister(self.pool.arena.addr)
             self._registered = False
             self.pool.pinned_by = None
+
+
+def row_addrs(rows: torch.Tensor, index: torch.Tensor, at: int = 0) -> torch.Tensor:
+    """The addresses (int64, on the CPU) of byte `at` of these rows of a 2-D byte tensor."""
+    return index.to(torch.int64) * rows.stride(0) + (rows.data_ptr() + at)
+
+
+def batch_copy_checked(batch, device, stream):
+    """`batch` (swap_blocks_batch(src_ptrs, dst_ptrs, sizes)) where it copies rows right between
+    `device` and pinned host memory, both ways, on `stream`: a scattered pattern out and back,
+    compared here at start; else None (each row is then its own copy_), said in one line."""
+    if batch is None:
+        return None
+    n, width = 3, 4096
+    host = torch.zeros(2 * n, width, dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(host.data_ptr(), host.numel(), 0)) != 0:
+        return None
+    try:
+        want = torch.randint(0, 256, (n, width), dtype=torch.uint8)
+        where, back = torch.tensor([4, 1, 3]), torch.zeros(n, width, dtype=torch.uint8, device=device)
+        src = want.to(device)
+        with torch.cuda.stream(stream):
+            sizes = torch.full((n,), width, dtype=torch.int64)
+            batch(row_addrs(src, torch.arange(n)), row_addrs(host, where), sizes)
+            batch(row_addrs(host, where.flip(0)), row_addrs(back, torch.arange(n)), sizes)
+        stream.synchronize()
+        if torch.equal(host[where], want) and not host[[0, 2, 5]].any() and torch.equal(back.cpu(), want.flip(0)):
+            return batch
+        log.warning(
+            "aiokv: the batch copy (vLLM's swap_blocks_batch) copied wrong at start; rows are copied one by one"
+        )
+    except Exception:
+        log.exception("aiokv: the batch copy (vLLM's swap_blocks_batch) failed at start; rows are copied one by one")
+    finally:
+        cudart.cudaHostUnregister(host.data_ptr())
+    return None
 
 
 def device_crc(payload_bytes: int, device) -> RowCrc | None:

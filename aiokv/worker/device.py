@@ -200,9 +200,10 @@ def raw_bytes(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
-def make_device(kv_caches, num_blocks: int, dims=None) -> Device:
+def make_device(kv_caches, num_blocks: int, dims=None, batch_copy=None) -> Device:
     """kv_caches: {layer name: tensor} or [(layer name, tensor)]; dims: per tensor, the
-    dimension that counts blocks, or None (Layer)."""
+    dimension that counts blocks, or None (Layer); batch_copy: for a CUDA device, vLLM's
+    swap_blocks_batch where the connector found it (worker/cuda.py), or None."""
     items = list(kv_caches.items() if isinstance(kv_caches, dict) else kv_caches)
     if not items:
         raise LayoutError("aiokv: no KV tensor was registered for this KV-cache group's layers")
@@ -215,5 +216,5 @@ def make_device(kv_caches, num_blocks: int, dims=None) -> Device:
     if items[0][1].is_cuda:
         from aiokv.worker.cuda import CudaDevice  # (it builds on Device: imported here, not at the top)
 
-        return CudaDevice(items, num_blocks, dims=dims)
+        return CudaDevice(items, num_blocks, dims=dims, batch_copy=batch_copy)
     return CpuDevice(items, num_blocks, dims=dims)
