@@ -238,11 +238,13 @@ def batch_copy_checked(batch, device, stream):
     host = torch.zeros(2 * n, width, dtype=torch.uint8)
     cudart = torch.cuda.cudart()
     if int(cudart.cudaHostRegister(host.data_ptr(), host.numel(), 0)) != 0:
+        log.warning("aiokv: pinning the batch copy's check at start failed; rows are copied one by one")
         return None
     try:
         want = torch.randint(0, 256, (n, width), dtype=torch.uint8)
         where, back = torch.tensor([4, 1, 3]), torch.zeros(n, width, dtype=torch.uint8, device=device)
         src = want.to(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # src and back are made on that stream
         with torch.cuda.stream(stream):
             sizes = torch.full((n,), width, dtype=torch.int64)
             batch(row_addrs(src, torch.arange(n)), row_addrs(host, where), sizes)
