@@ -236,6 +236,8 @@ def fio(
     io = j[rw]
     if io["io_bytes"] != size * len(files):
         raise RuntimeError(f"fio moved {io['io_bytes']} bytes, not {size * len(files)}")
+    if io["runtime"] <= 0:  # (fio reports whole milliseconds)
+        raise RuntimeError(f"fio moved {io['io_bytes']} bytes in under 1 ms, too few to time: ask for more bytes")
     cpu = (j["usr_cpu"] + j["sys_cpu"]) / 100 * j["job_runtime"] / 1000
     return {"bytes": io["io_bytes"], "s": io["runtime"] / 1000, "cpu_s": cpu}
 
