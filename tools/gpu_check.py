@@ -24,11 +24,16 @@ Parts (one JSON report, printed last and written to --out):
   (blocks outermost), and its kernel-block split): save -> disk -> load into
   other blocks, bit-exact and no other block touched; again through the
   host-memory tier; with a secret (its MAC on every slot, where blake3 is
-  installed); and layer by layer (`layerwise`) for the attention layouts;
+  installed); and layer by layer (`layerwise`) for the attention layouts; on CUDA
+  the disk and layerwise round trips move a gather's rows in one batch call
+  (`cudart_batch_copy`, standing in for vLLM's swap_blocks_batch), the others a row
+  at a time;
 - overlap (CUDA): a load's copies on aiokv's stream while a compute kernel runs on
   the default stream: results and KV unchanged, overlap measured;
 - bandwidth (CUDA): device <-> pinned staging GB/s through aiokv's copies against
-  a plain tensor.copy_ of the same bytes between pinned host memory and the GPU.
+  a plain tensor.copy_ of the same bytes between pinned host memory and the GPU, and
+  the calling thread's CPU per block of a save's copies, a row at a time and batched;
+- device_crc (CUDA): the GPU's CRC32C against the host's, its GB/s and host CPU.
 
 Without CUDA the CUDA parts are skipped (said on one line) and the layouts run on
 CPU tensors through the CPU device: the suite runs it that way
@@ -319,13 +324,43 @@ def _blocks(dev, ids) -> list:
 SECRET = "gpu-check-secret-0123456789"
 
 
-def _worker(root: str, items, nb: int, memory_bufs: int = 0, layerwise: bool = False, secret=None):
+def cudart_batch_copy():
+    """A stand-in for vLLM's swap_blocks_batch (vLLM is not installed here): a cudaMemcpyAsync
+    per entry, called through ctypes, on the current stream. It exercises every address the
+    CUDA device computes for its one-call copies, on a real GPU; None where no CUDA runtime
+    library loads."""
+    import ctypes
+
+    import torch
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            fn = ctypes.CDLL(name).cudaMemcpyAsync
+            break
+        except (OSError, AttributeError):
+            continue
+    else:
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+
+    def batch(src, dst, sizes, is_src_access_order_any=False):
+        stream = torch.cuda.current_stream().cuda_stream
+        for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+            rc = fn(d, s, n, 4, stream)  # cudaMemcpyDefault: the direction from the addresses
+            if rc:
+                raise RuntimeError(f"cudaMemcpyAsync failed (error {rc})")
+
+    return batch
+
+
+def _worker(root: str, items, nb: int, memory_bufs: int = 0, layerwise: bool = False, secret=None, batch=None):
     from aiokv.data import format as fmt
     from aiokv.worker.device import make_device
     from aiokv.worker.transfer import TransferWorker
 
     os.makedirs(ns_dir(root, NS), exist_ok=True)
-    dev = make_device(_tensors(items), nb)
+    dev = make_device(_tensors(items), nb, batch_copy=batch)
     slot = fmt.slot_bytes(dev.payload_bytes)
     return TransferWorker(
         dev,
@@ -360,6 +395,8 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
     n = 12
     src, dst = list(range(1, 1 + n)), list(range(nb - n, nb))
     keys = [os.urandom(32) for _ in src]
+    # CUDA: a gather's rows in one batch call (worker/cuda.py) in these modes, a copy_ a row in the others
+    batch = cudart_batch_copy() if mode in ("disk", "layerwise") and _tensors(items)[0][1].is_cuda else None
     w = _worker(
         root,
         items,
@@ -367,6 +404,7 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
         memory_bufs=2 * n if mode == "memory" else 0,
         layerwise=mode == "layerwise",
         secret=SECRET if mode == "secret" else None,
+        batch=batch,
     )
     try:
         _fill(items)
@@ -384,7 +422,10 @@ def _roundtrip(root: str, items, nb: int, mode: str) -> dict:
             "device": type(w.device).__name__,
             "memory_hit_blocks": rep.counters.get("memory_hit_blocks", 0),
             "crc_on_device": bool(w.device.asynchronous and w.device.crc_in_copy),  # CUDA: worker/devcrc.py
+            "batch_copy": getattr(w.device, "_batch", None) is not None,  # CUDA: one call a gather
         }
+        if batch is not None and not out["batch_copy"]:
+            raise AssertionError("the batch copy failed its check at attach (the log says why)")
         if mode == "secret":  # every slot on disk carries the MAC (scheme 1) of the secret's key
             from aiokv.data import format as fmt
             from aiokv.data.slotfile import data_path
@@ -541,7 +582,7 @@ def part_bandwidth(root: str) -> dict:
         (f"model.layers.{i}.self_attn.attn", torch.empty(2, nb, 16, 8, 128, dtype=torch.bfloat16, device="cuda"))
         for i in range(8)
     ]  # 256 KiB per block
-    dev = make_device(items, nb)
+    dev = make_device(items, nb, batch_copy=cudart_batch_copy())
     n = 1024  # 256 MiB
     pool = BufferPool(fmt.slot_bytes(dev.payload_bytes), n)
     dev.attach(pool)
@@ -567,6 +608,17 @@ def part_bandwidth(root: str) -> dict:
             dev.copy_out(ids, slots, crc_in_copy=True)
             dev.wait_out(slots)  # the CRCs into the headers too
 
+        batch, host_s = dev._batch, {}
+        for way in ("rows", "batch"):  # the calling thread's CPU for a save's copy_out, each way
+            dev._batch = batch if way == "batch" else None
+            if way == "batch" and batch is None:
+                continue
+            torch.cuda.synchronize()
+            c0 = time.process_time()
+            dev.copy_out(ids, slots)
+            host_s[way] = time.process_time() - c0
+            dev.wait_out()
+        dev._batch = batch
         t_out = timed(out)
         t_in = timed(lambda: dev.copy_in(ids, slots))
         t_out_crc = timed(out_crc) if dev.crc_in_copy else float("nan")
@@ -579,7 +631,8 @@ def part_bandwidth(root: str) -> dict:
         return {
             "bytes": nbytes,
             "block_bytes": dev.payload_bytes,
-            "batch_copy": dev._batch is not None,  # (no vLLM here: a copy_ a row, worker/cuda.py)
+            "batch_copy": dev._batch is not None,  # cudart_batch_copy: a cudaMemcpyAsync an entry
+            "copy_out_host_us_per_block": {k: round(v / n * 1e6, 2) for k, v in host_s.items()},
             "aiokv_device_to_pinned_GBps": round(gb / t_out, 2),
             "aiokv_pinned_to_device_GBps": round(gb / t_in, 2),
             "with_device_crc_out_GBps": round(gb / t_out_crc, 2),  # the CRC made on the GPU (devcrc.py)
