@@ -53,7 +53,10 @@ class PerKey:
                 ns.pinned_tags[tag_of(k)] += 1
             out.append(slot)
         now = time.time_ns()
-        self.index.touch(ns, keys, now)
+        for k in keys:  # (Index.touch, as it was)
+            s = ns.table.find(k)
+            if s >= 0:
+                ns.table.touch(s, self.index.now(now))
         engine = self.dirs.engine
         self.touch_peers(ns, [k for k, w in zip(keys, out) if w is not None and w >> fmt.ENGINE_SHIFT != engine], now)
         return out
@@ -69,7 +72,10 @@ class PerKey:
             t = ns.tables.get(where >> fmt.ENGINE_SHIFT)
             s = t.find(k) if t is not None else -1
             if s >= 0 and now - t.atime_at(s) >= EVERY:
-                ns.peer_touch(k, now)
+                for pt in ns.tables.values():  # (Namespace.peer_touch, as it was)
+                    ps = pt.find_tag(tag_of(k))
+                    if ps >= 0:
+                        pt.touch(ps, now)
                 recs.append(fmt.pack_record(fmt.REC_TOUCH, k, 0, now))
         self.persist.append(ns, recs)
 

@@ -300,6 +300,13 @@ def test_bench_row_copies_times_a_row_at_a_time_against_one_batch(tmp_path):
     positive("row copies", out, "rows_us_per_block", "batch_us_per_block", "rows_over_batch")
 
 
+def test_bench_touches_times_another_engines_hits_applied(tmp_path):
+    out = line(tmp_path, "bench_touches.py", "--blocks", "3000", "--touches", "1000", "--rounds", "1")
+    assert (out["blocks"], out["touches"]) == (3000, 1000)
+    for way in ("records", "replay"):
+        positive(way, out, f"{way}_io_ms", f"{way}_apply_ms", f"{way}_apply_us_touch")
+
+
 def test_bench_victims_times_each_kind_of_victim(tmp_path):
     out = line(tmp_path, "bench_victims.py", "--dir", str(tmp_path / "v"), "--n", "2000", "--tenants", "10",
                "--calls", "10")  # fmt: skip

@@ -201,6 +201,8 @@ op_ = hst.one_of(
         hst.just("order"), hst.sampled_from(["clear", "pin", "unpin"]), hst.lists(slot_, max_size=8, unique=True)
     ),
     hst.tuples(hst.just("empty")),
+    # other engines' hits in bulk (TOUCH records: Table.touch_tags): tags held or not, a tag twice, older times
+    hst.tuples(hst.just("touches"), hst.lists(hst.tuples(hst.integers(1, 80), hst.integers(1, 120)), max_size=8)),
 )
 
 
@@ -244,6 +246,15 @@ def test_the_order_agrees_with_a_sort_after_any_changes(ops, held):
                 bulk.flag_slots(t, slots, op[1] == "pin")
         elif op[0] == "empty":
             bulk.empty(t)
+        elif op[0] == "touches" and op[1]:  # as a touch() a record did, one by one: each block its latest time
+            want = t.atime.copy()
+            for tag, at in op[1]:
+                slot = t.find_tag(tag)
+                if slot >= 0:
+                    want[slot] = max(int(want[slot]), at)
+            tags, ats = (np.array(c, np.uint64) for c in zip(*op[1]))
+            t.touch_tags(tags, ats)
+            assert np.array_equal(t.atime, want), op
         live = t.tag != 0
         pinned = live & (t.flags & PINNED != 0)
         assert t.count == int(live.sum()) and t.pinned == int(pinned.sum()), op
@@ -254,3 +265,22 @@ def test_the_order_agrees_with_a_sort_after_any_changes(ops, held):
             assert got == _expected(t, filt, held), (op, filt)
     t.forget_order()
     assert t.oldest() == _expected(t, None, ()) and t._order.check() is None
+
+
+def test_bulk_touches_keep_each_blocks_latest_time_and_the_lru_exact():
+    """Table.touch_tags (other engines' TOUCH records, a look's at once): a tag named twice keeps
+    the later of its times whatever their order, an older time leaves a block as it was, a tag
+    held by none is passed over; the victims come out in LRU order after it, one by one."""
+    t = Table()
+    for s in range(10):
+        t.put(s, 100 + s, 10 + s)  # tag 100 + s, slot s, time 10 + s: slot 0 the oldest
+    tags = np.array([100, 103, 100, 105, 999, 101], np.uint64)
+    ats = np.array([50, 12, 40, 60, 70, 5], np.uint64)  # 100: 50 then 40; 103 older; 999 none; 101 older
+    t.touch_tags(tags, ats)
+    assert t.atime[:10].tolist() == [50, 11, 12, 13, 14, 60, 16, 17, 18, 19]
+    t._order.check()
+    out = []
+    while (v := t.oldest()) >= 0:
+        out.append(v)
+        t.clear(v)
+    assert out == [1, 2, 3, 4, 6, 7, 8, 9, 0, 5]

@@ -167,7 +167,7 @@ class Following:
         except FileNotFoundError:
             return None  # a checkpoint replaced under us: the next look replays it
         try:
-            touches = list(fl.log.touches) if got is not None and got[0] == "reset" and fl.log is not None else []
+            touches = fl.log.touches if got is not None and got[0] == "reset" and fl.log is not None else None
             if got is not None and got[0] == "reset" and got[1] is not None and not self.dirs.readonly:
                 got[1].build_order()  # its eviction order, here on the I/O thread (O(blocks))
             tenants = self.tenants.read_peer_io(e)
@@ -253,18 +253,15 @@ class Following:
                     if self.control is not None:
                         self.control.filter_peer(ns, what, getattr(what, "mark", 0))
                 ns.peer_reset(e, what)
-                touched = ns.peer_touches(touches)
+                if touches is not None:  # (tags, atimes) of the replay's TOUCH records
+                    ns.touch_tags(*touches)
             else:
-                touched = ns.peer_apply(
+                ns.peer_apply(
                     e, what, self.dirs.max_slots(ns), self.tenants.remap(e, what["tenant"]) if len(what) else None
                 )
                 if kind == "roll" and got[2] != (ns.tables[e].count if e in ns.tables else 0):
                     # our view of that engine drifted: replay its files next time
                     fl.forget() if self.fs.inline else self.fs.submit(fl.forget)
-            for k, atime in touched:
-                s = ns.table.find(k)
-                if s >= 0 and atime > ns.table.atime_at(s):  # another engine hit our block
-                    self.index.touch(ns, [k], atime, exact=True)
         self.peer_bytes[(ns.nsid, e)] = nbytes
 
     def start(self) -> None:

@@ -26,7 +26,7 @@ from aiokv import _index
 from aiokv.data.format import loc
 from aiokv.store import nskeys
 from aiokv.store.allocator import SlotAllocator
-from aiokv.store.journal import KeyMap, apply_records, record_key, record_tags
+from aiokv.store.journal import KeyMap, apply_records, record_tags
 from aiokv.store.table import Table, tag_of
 
 
@@ -160,38 +160,24 @@ class Namespace:
             self._reorder()
         return t
 
-    def peer_apply(self, engine: int, records, max_slot: int, tenants=None) -> list[tuple[bytes, int]]:
+    def peer_apply(self, engine: int, records, max_slot: int, tenants=None) -> None:
         """Apply another engine's journal records (a numpy array: journal.parse_records),
         in order; a slot at or past max_slot (beyond the file system) is damage and
-        skipped; tenants: the records' tenant ids as ours (tenants.py). Returns the (key,
-        atime) of TOUCH records for keys we hold (Index.touch them)."""
-        t = self._peer(engine)
-        touch, changes = apply_records(
-            t, records, record_tags(records), max_slot, watch=self.changes is not None, tenants=tenants
-        )
+        skipped; tenants: the records' tenant ids as ours (tenants.py). Its TOUCH records
+        make every copy of their keys young, ours too (touch_tags)."""
+        t, tags = self._peer(engine), record_tags(records)
+        touch, changes = apply_records(t, records, tags, max_slot, watch=self.changes is not None, tenants=tenants)
         for tag, added in changes:
             self._added(tag, None, engine) if added else self._gone(tag)
-        touched = []
-        for i in touch.tolist():  # TOUCH: whoever holds the key saw it used
-            touched += self.peer_touches([(record_key(records[i]), int(records[i]["atime"]))])
-        return touched
+        if len(touch):  # TOUCH: whoever holds the key saw it used
+            self.touch_tags(tags[touch], records["atime"][touch].astype(np.uint64))
 
-    def peer_touches(self, touches) -> list[tuple[bytes, int]]:
-        """Apply another engine's hits [(key, atime)]; return those on keys we hold."""
-        out = []
-        for key, atime in touches:
-            self.peer_touch(key, atime)
-            if self.table.find(key) >= 0:
-                out.append((key, atime))
-        return out
-
-    def peer_touch(self, key: bytes, atime: int) -> None:
-        """Another engine's copies of key were used at atime: to the young end."""
-        tag = tag_of(key)
-        for t in self.tables.values():
-            s = t.find_tag(tag)
-            if s >= 0:
-                t.touch(s, atime)
+    def touch_tags(self, tags: np.ndarray, atimes: np.ndarray, own: bool = True) -> None:
+        """Blocks of these tags were used at these times (another engine's hits): every engine's
+        copy (ours too, unless `own` is False) to at least that time, in bulk (Table.touch_tags)."""
+        for e in self._order:
+            if own or e != self.engine:
+                self.table_of(e).touch_tags(tags, atimes)
 
     def peer_drop(self, engine: int, key: bytes) -> None:
         t = self.tables.get(engine)
@@ -307,15 +293,6 @@ class Index:
         if not ns.ready:
             return 0
         return _index.run(ns._probes, keys, -1 if limit is None else limit)
-
-    def touch(self, ns: Namespace, keys, now: int | None = None, exact: bool = False) -> None:
-        """Our blocks of these keys were used now (exact: at `now`, another engine's hit)."""
-        now = now or time.time_ns()
-        t = ns.table
-        for k in keys:
-            s = t.find(k)
-            if s >= 0:
-                t.touch(s, now if exact else self.now(now))
 
     def commit(self, ns: Namespace, key: bytes, slot: int, now: int, tenant: int = 0, flags: int = 0) -> int:
         """Our block of key (of `tenant`, with `flags`) is in slot now; returns its access time."""

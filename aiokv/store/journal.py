@@ -33,11 +33,12 @@ import time
 
 import numpy as np
 
+from aiokv import _index
 from aiokv.data import format as fmt
 from aiokv.data.dirs import FILE_FLAGS
 from aiokv.store import checkpoint as ckpt_file
 from aiokv.store.indeximage import index_image_bytes, read_image
-from aiokv.store.logrecords import REC, marks, parse_records, read_file, record_key, record_tags
+from aiokv.store.logrecords import REC, marks, parse_records, read_file, record_tags
 from aiokv.store.logrecords import KeyMap as KeyMap  # (index.py reads it here)
 from aiokv.store.logreplay import apply_records, entries_of, table_of
 from aiokv.store.table import Table
@@ -66,7 +67,8 @@ class IndexLog:
         self.ckpt_bytes = 0  # size of the current checkpoint file
         self._dirty = False
         self.sync_failures = 0  # fdatasync failures in a row (sync_if_due)
-        self.touches: list[tuple[bytes, int]] = []  # TOUCH records of keys this journal does not hold
+        # TOUCH records of keys this journal does not hold: (tags, atimes), uint64 arrays
+        self.touches = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
         self.beyond = 0  # records naming slots past the file system's size, left out (load_table)
         self.image_bytes = index_image_bytes(dir_fd)  # the index image's size (capacity counts it)
         self.mark = 0  # the control records its index has applied (checkpoint header, MARK records)
@@ -87,8 +89,13 @@ class IndexLog:
         ckpt, jrecs = self._read(chunked=False)
         entries, mark, touches = entries_of(ckpt, jrecs)
         self.mark = max(self.mark, mark)
-        self.touches += touches
+        if touches:
+            keys, atimes = zip(*touches)
+            self._touched(np.frombuffer(_index.tags(list(keys)), np.uint64), np.array(atimes, np.uint64))
         return entries
+
+    def _touched(self, tags: np.ndarray, atimes: np.ndarray) -> None:
+        self.touches = (np.concatenate([self.touches[0], tags]), np.concatenate([self.touches[1], atimes]))
 
     def load_table(self, max_slot: int) -> Table:
         """Replay checkpoint then journal into a Table (slots at or past max_slot, beyond the
@@ -106,7 +113,8 @@ class IndexLog:
             table, touch = table_of(got[0], got[1], max_slot)
         jrecs = got[1]
         self.mark = max(self.mark, marks(jrecs))
-        self.touches += [(record_key(jrecs[i]), int(jrecs[i]["atime"])) for i in touch.tolist()]
+        if len(touch):
+            self._touched(record_tags(jrecs)[touch], jrecs["atime"][touch].astype(np.uint64))
         return table
 
     def _read(self, chunked: bool, max_slot: int = 1 << 32):

@@ -105,14 +105,8 @@ class LoadPins:
             tags[mine] = t.tag[slot[mine]]
         if not due.any():
             return
-        tags = tags[due]
-        for t in ns.tables.values():  # every engine's copy of them made young (Namespace.peer_touch)
-            found = np.full(len(tags), -1, np.int64)
-            t.probe.find_many(tags, found)
-            s = found[found >= 0]
-            if len(s):
-                t.atime[s] = np.maximum(t.atime[s], np.uint64(now))
-                t.changed(s)
+        # every other engine's copy of them made young at once (our view; theirs at their next look)
+        ns.touch_tags(tags[due], np.full(int(due.sum()), now, np.uint64), own=False)
         told = objects(keys)[peer[due]].tolist()
         self.persist.append(ns, _index.commit_records(told, [0] * len(told), now, 0, 0, fmt.REC_TOUCH))
 

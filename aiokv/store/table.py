@@ -253,6 +253,26 @@ class Table(TableCounts):
             return True
         return False
 
+    def touch_tags(self, tags: np.ndarray, atimes: np.ndarray) -> None:
+        """touch() of the blocks of these tags (uint64) at these times (uint64), in bulk: one
+        probe call, each block kept at the latest of its time and theirs (a tag twice: its
+        latest), and only the blocks that moved resorted."""
+        found = np.full(len(tags), -1, np.int64)
+        self.probe.find_many(tags, found)
+        hit = found >= 0
+        if not hit.any():
+            return
+        slots, times = found[hit], atimes[hit]
+        later = times > self.atime[slots]
+        if not later.any():
+            return
+        slots, times = slots[later], times[later]
+        self.atime[slots] = times  # a slot named twice keeps the last write here...
+        short = self.atime[slots] < times
+        if short.any():  # ...and the later of its times (rare: a key touched twice in one batch)
+            np.maximum.at(self.atime, slots[short], times[short])
+        self.changed(slots)  # (it takes a slot named twice once)
+
     def retenant(self, tenants: np.ndarray) -> None:
         """Every slot's tenant id renamed (another engine's ids as ours: each old id to one new)."""
         self.tenant[:] = tenants
