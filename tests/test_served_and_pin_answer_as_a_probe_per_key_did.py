@@ -79,7 +79,7 @@ def test_served_on_one_store_answers_as_a_probe_per_key(store, seed):
     _fill(st, ns, rnd, range(300), peer, peer_ns)
     keys = _asked(rnd, 300)
     got = st.served(ns, keys)
-    assert len(ns._probes) == 2, "the other engine's blocks are a table of their own"
+    assert len(ns.probes) == 2, "the other engine's blocks are a table of their own"
     assert got == [ns.has(k) for k in keys] and type(got) is list and all(type(b) is bool for b in got)
     assert True in got and False in got and not any(st.served(ns, [k for k in keys if ns.reserved(k)]))
     assert st.served(ns, []) == [] and st.served(ns, [keys[0], 7, None]) == [ns.has(keys[0]), False, False]
@@ -100,7 +100,7 @@ def test_served_and_pin_on_several_drives_answer_as_a_probe_per_key_and_drive(dr
         _fill(st.stores[d], n, rnd, range(d * 100, d * 100 + 300), peers[d], peers[d].namespace(NS, PAYLOAD))
     keys = _asked(rnd, 500)
     st.served(dns, keys)  # every drive looks at its other engine
-    assert all(len(n._probes) == 2 for _, n in dns.parts), "each drive's namespace has the peer's table"
+    assert all(len(n.probes) == 2 for _, n in dns.parts), "each drive's namespace has the peer's table"
     if down is not None:
         st.record({down: [3, 0]})  # three I/O errors in a row: its breaker opens
         assert st.breakers[down].is_open and down not in st._serving()
@@ -143,7 +143,7 @@ def test_holders_name_the_first_space_holding_each_key(tmp_path):
         assert got.dtype == np.int64 and got.tolist() == want
     out = np.empty(3, np.int64)
     with pytest.raises(ValueError, match="differ in length"):
-        _index.locate_all(spaces[0]._probes, keys[:2], out)
+        _index.locate_all(spaces[0].probes, keys[:2], out)
     with pytest.raises(TypeError, match="Probe"):
         _index.locate_all((1,), keys[:3], out)
     for s in sts:

@@ -67,15 +67,17 @@ class Namespace:
         self.changes: list[tuple[bool, int, bytes | None]] | None = None
         # keys_of(engine) -> journal.KeyMap: the keys an engine's files name (set by the store)
         self.keys_of = lambda engine: KeyMap()
-        self._order: tuple = ()
-        self._probes: tuple = ()
+        # the engines whose tables a lookup asks, in its order (ours first, then by number), and
+        # those tables' probes (locate.py and run_of read them; _reorder sets them): read-only
+        self.engines: tuple = ()
+        self.probes: tuple = ()
         self._reorder()
 
     def _reorder(self) -> None:
         peers = sorted(self.tables)
         own = [] if self.engine is None else [self.engine]
-        self._order = tuple(own + peers)
-        self._probes = tuple(self.table_of(e).probe for e in self._order)
+        self.engines = tuple(own + peers)
+        self.probes = tuple(self.table_of(e).probe for e in self.engines)
 
     def table_of(self, engine: int) -> Table:
         return self.table if engine == self.engine else self.tables[engine]
@@ -92,13 +94,13 @@ class Namespace:
     # ---- lookups ----
     def has(self, key: bytes) -> bool:
         """Whether any engine's committed block of key is a hit here (as `where` finds it)."""
-        return isinstance(key, bytes) and _index.locate(self._probes, key) is not None
+        return isinstance(key, bytes) and _index.locate(self.probes, key) is not None
 
     @staticmethod
     def run_of(spaces: list[Namespace], keys, limit: int | None = None) -> int:
         """Length of the run of keys at the start of `keys` (at most `limit`) each held by one of
         `spaces` (as `has` answers): one call into aiokv._index, no Python per key."""
-        probes = tuple(p for n in spaces for p in n._probes)
+        probes = tuple(p for n in spaces for p in n.probes)
         return _index.run(probes, keys, -1 if limit is None else limit) if probes else 0
 
     def reserved(self, key: bytes) -> bool:
@@ -108,19 +110,19 @@ class Namespace:
     def where(self, key: bytes) -> int | None:
         """The location lookups should use for key: our own copy first, else another
         engine's (the lowest-numbered; a newer commit elsewhere may also take its place)."""
-        got = _index.locate(self._probes, key)
-        return None if got is None else loc(self._order[got[0]], got[1])
+        got = _index.locate(self.probes, key)
+        return None if got is None else loc(self.engines[got[0]], got[1])
 
     def held(self, tag: int, but: int | None = None) -> bool:
         """Whether any engine (other than `but`) holds a block of this tag."""
-        return any(e != but and self.table_of(e).find_tag(tag) >= 0 for e in self._order)
+        return any(e != but and self.table_of(e).find_tag(tag) >= 0 for e in self.engines)
 
     def count(self, engine: int | None = None) -> int:
         """Blocks every engine holds (a block two engines hold counts twice); or, given an
         engine's number, that engine's blocks."""
         if engine is None:
             return self.table.count + sum(t.count for t in self.tables.values())
-        return self.table_of(engine).count if engine in self._order else 0
+        return self.table_of(engine).count if engine in self.engines else 0
 
     def block(self, key: bytes, engine: int | None = None) -> tuple[int, int] | None:
         """(slot, access time) of an engine's block of key (default: ours), None: it holds none."""
@@ -175,7 +177,7 @@ class Namespace:
     def touch_tags(self, tags: np.ndarray, atimes: np.ndarray, own: bool = True) -> None:
         """Blocks of these tags were used at these times (another engine's hits): every engine's
         copy (ours too, unless `own` is False) to at least that time, in bulk (Table.touch_tags)."""
-        for e in self._order:
+        for e in self.engines:
             if own or e != self.engine:
                 self.table_of(e).touch_tags(tags, atimes)
 
@@ -292,7 +294,7 @@ class Index:
         No side effects."""
         if not ns.ready:
             return 0
-        return _index.run(ns._probes, keys, -1 if limit is None else limit)
+        return _index.run(ns.probes, keys, -1 if limit is None else limit)
 
     def commit(self, ns: Namespace, key: bytes, slot: int, now: int, tenant: int = 0, flags: int = 0) -> int:
         """Our block of key (of `tenant`, with `flags`) is in slot now; returns its access time."""

@@ -3,7 +3,7 @@
 and where (as Namespace.has and Namespace.where answer one key), in one call into aiokv._index:
 no Python per key on the scheduler thread (served, a load's pins, on one drive or several).
 
-It reads each namespace's probes and their engines (Namespace._probes, _order: the tables a
+It reads each namespace's probes and their engines (Namespace.probes, engines: the tables a
 lookup asks, ours first), as Namespace.run_of does for runs of keys.
 
 Threading contract: the owner's (the Store's thread), like the index it reads.
@@ -30,7 +30,7 @@ def first_holders(spaces: list, keys) -> tuple[np.ndarray, np.ndarray]:
     which = _probe_of(spaces, keys, slot)
     if which is None:
         return slot, slot.copy()
-    engine = np.array([e for n in spaces for e in n._order] + [0], np.int64)  # (which -1: masked below)
+    engine = np.array([e for n in spaces for e in n.engines] + [0], np.int64)  # (which -1: masked below)
     found = which >= 0
     return _space_of(spaces, which), np.where(found, engine[which] << fmt.ENGINE_SHIFT | slot, -1)
 
@@ -44,7 +44,7 @@ def holders(spaces: list, keys) -> np.ndarray:
 def _probe_of(spaces: list, keys, slot: np.ndarray | None = None) -> np.ndarray | None:
     """Each key's first probe holding it, over the spaces' probes in order (-1: none; slot, if
     given: its slot there), or None when there is nothing to ask."""
-    probes = tuple(p for n in spaces for p in n._probes)
+    probes = tuple(p for n in spaces for p in n.probes)
     if not probes or not len(keys):
         return None
     which = np.full(len(keys), -1, np.int64)
@@ -57,5 +57,5 @@ def _probe_of(spaces: list, keys, slot: np.ndarray | None = None) -> np.ndarray 
 
 def _space_of(spaces: list, which: np.ndarray) -> np.ndarray:
     """Probe indexes (-1: none) as indexes into `spaces` (-1: none)."""
-    space = np.repeat(np.arange(len(spaces) + 1), [len(n._probes) for n in spaces] + [1])
+    space = np.repeat(np.arange(len(spaces) + 1), [len(n.probes) for n in spaces] + [1])
     return np.where(which >= 0, space[which], -1)

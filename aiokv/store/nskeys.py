@@ -29,6 +29,6 @@ def keys(ns: Namespace, engine: int | None = None) -> list[bytes]:
     if engine is not None:
         return of_engine(ns, engine)
     seen: dict[bytes, None] = {}
-    for e in ns._order:
+    for e in ns.engines:
         seen.update(dict.fromkeys(of_engine(ns, e)))
     return list(seen)
