@@ -410,3 +410,35 @@ def test_an_engine_stuck_creating_files_does_not_hang_the_others(tmp_path, monke
     finally:
         os.close(fd)
     StoreIO(root).close()
+
+
+async def test_an_engine_that_opens_later_sees_the_hits_of_a_lower_numbered_engine(tmp_path, blocks, monkeypatch):
+    """Bug: a look applied a replay's TOUCH records as it came to their engine. An engine opening
+    a directory replays every engine in number order, so the hits engine 0 recorded on engine
+    1's blocks were applied before engine 1's blocks were there, and lost: the newcomer saw those
+    blocks as old as their commits (its LRU view of the directory wrong until engine 0's files
+    were replayed again). Invariant: a look applies the hits it found once every engine's table
+    is in. Fix: following.py applies a look's TOUCH records after all its engines (touch_tags)."""
+    now = _fake_wall_clock(monkeypatch)
+    root = str(tmp_path / "s")
+    b, a = _following(StoreIO(root)), _following(StoreIO(root))  # b: engine 0 (it hits), a: engine 1 (it holds)
+    assert (b.engine, a.engine) == (0, 1)
+    nb, na = b.namespace(NS, PAYLOAD), a.namespace(NS, PAYLOAD)
+    assert await _save(a, na, blocks, range(6)) == [0] * 6
+    b.refresh()
+    now[0] += loadpins_mod.TOUCH_EVERY_NS  # a TOUCH interval later, b hits 0..2 of a's blocks
+    assert await _loads_intact(b, nb, blocks, range(3))
+    a.refresh()  # a sees the hits on its own blocks
+    held = {i: na.block(key(i))[1] for i in range(6)}
+    assert all(held[i] == now[0] for i in range(3)) and all(held[i] < now[0] for i in range(3, 6))
+    c = StoreIO(root)  # engine 2: its first look replays engines 0 and 1
+    try:
+        nc = c.namespace(NS, PAYLOAD)
+        c.refresh()
+        assert c.engine == 2
+        seen = {i: nc.block(key(i), engine=1)[1] for i in range(6)}
+        assert all(seen[i] == now[0] for i in range(3)), ("it sees b's hits on a's blocks", seen, now[0])
+        assert all(seen[i] < now[0] for i in range(3, 6)), "and the blocks nobody hit as old as they are"
+    finally:
+        for st in (c, a, b):
+            st.close()

@@ -225,10 +225,14 @@ class Following:
 
     def _apply(self, ns: Namespace, found: list) -> None:
         """The in-memory half (the owner's thread), each engine apart: one whose records could
-        not be applied is replayed whole at a later look (its tenants file read again too)."""
+        not be applied is replayed whole at a later look (its tenants file read again too).
+        The hits the engines recorded (TOUCH) are applied last, once every engine's blocks of
+        this look are in: an engine's hits on a higher-numbered engine's blocks replayed in the
+        same look are not lost."""
+        hits = []
         for f in found:
             try:
-                self._apply_engine(ns, *f)
+                hits.append(self._apply_engine(ns, *f))
             except Exception as err:
                 e, fl = f[0], f[1]
 
@@ -241,8 +245,13 @@ class Following:
                     redo() if self.fs.inline else self.fs.submit(redo)
                 except OSError:
                     pass  # the store is closed
+        for touched in hits:
+            if touched is not None and len(touched[0]):
+                ns.touch_tags(*touched)
 
-    def _apply_engine(self, ns: Namespace, e, fl, got, touches, nbytes, tenants) -> None:
+    def _apply_engine(self, ns: Namespace, e, fl, got, touches, nbytes, tenants):
+        """One engine's part of a look; returns its hits (tags, atimes) for _apply, or None."""
+        touched = None
         if tenants is not None:
             self.tenants.adopt(e, tenants)
         if got is not None:
@@ -253,16 +262,16 @@ class Following:
                     if self.control is not None:
                         self.control.filter_peer(ns, what, getattr(what, "mark", 0))
                 ns.peer_reset(e, what)
-                if touches is not None:  # (tags, atimes) of the replay's TOUCH records
-                    ns.touch_tags(*touches)
+                touched = touches  # (tags, atimes) of the replay's TOUCH records, or None
             else:
-                ns.peer_apply(
+                touched = ns.peer_apply(
                     e, what, self.dirs.max_slots(ns), self.tenants.remap(e, what["tenant"]) if len(what) else None
                 )
                 if kind == "roll" and got[2] != (ns.tables[e].count if e in ns.tables else 0):
                     # our view of that engine drifted: replay its files next time
                     fl.forget() if self.fs.inline else self.fs.submit(fl.forget)
         self.peer_bytes[(ns.nsid, e)] = nbytes
+        return touched
 
     def start(self) -> None:
         """With the I/O thread: it looks at the other engines every interval on its own."""

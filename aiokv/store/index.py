@@ -162,17 +162,17 @@ class Namespace:
             self._reorder()
         return t
 
-    def peer_apply(self, engine: int, records, max_slot: int, tenants=None) -> None:
+    def peer_apply(self, engine: int, records, max_slot: int, tenants=None) -> tuple[np.ndarray, np.ndarray]:
         """Apply another engine's journal records (a numpy array: journal.parse_records),
         in order; a slot at or past max_slot (beyond the file system) is damage and
-        skipped; tenants: the records' tenant ids as ours (tenants.py). Its TOUCH records
-        make every copy of their keys young, ours too (touch_tags)."""
+        skipped; tenants: the records' tenant ids as ours (tenants.py). Returns its TOUCH
+        records of keys it does not hold, (tags, atimes), for touch_tags once every engine's
+        records of the look are in (whoever holds the key saw it used)."""
         t, tags = self._peer(engine), record_tags(records)
         touch, changes = apply_records(t, records, tags, max_slot, watch=self.changes is not None, tenants=tenants)
         for tag, added in changes:
             self._added(tag, None, engine) if added else self._gone(tag)
-        if len(touch):  # TOUCH: whoever holds the key saw it used
-            self.touch_tags(tags[touch], records["atime"][touch].astype(np.uint64))
+        return tags[touch], records["atime"][touch].astype(np.uint64)
 
     def touch_tags(self, tags: np.ndarray, atimes: np.ndarray, own: bool = True) -> None:
         """Blocks of these tags were used at these times (another engine's hits): every engine's
