@@ -27,9 +27,12 @@ tensors' real addresses, so every address the device computes is exercised.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -42,7 +45,8 @@ from aiokv.worker import cuda
 from aiokv.worker.cuda import CudaDevice
 from aiokv.worker.transfer import TransferWorker
 from tests.conftest import NS, key
-from tests.workers import data_file, flip_payload_bytes, run_jobs
+from tests.fakecuda import FakeEvent, FakeStream
+from tests.workers import Polled, data_file, flip_payload_bytes, run_jobs, until
 
 NB = 40
 
@@ -180,3 +184,75 @@ def test_the_connector_hands_down_vllms_batch_copy_only_where_this_build_registe
     assert vllm_batch_copy() is None
     monkeypatch.setattr(torch.ops._C_cache_ops, "swap_blocks_batch", BatchCopy(), raising=False)
     assert vllm_batch_copy() is ops.swap_blocks_batch
+
+
+def test_a_loads_copies_land_while_the_worker_loop_runs_other_work(fake_cuda, tmp_path, monkeypatch):
+    """Bug: CudaDevice.copy_in waited on the GPU (the stream's synchronize, and a .cpu() per
+    gather for the CRC checks) on the worker's loop thread: while a load's DMA landed no other
+    job's I/O completion was reaped and nothing else on the loop ran. Invariant: the loop runs
+    other work while a load's copies are still landing, and the load completes bit-exact once
+    they have. Fix: copy_in_queued queues the copies and one event; Reads.copy_in waits for the
+    event on a thread of the loop's executor (reads.landed). Here a wait on the device (an
+    event's or a stream's synchronize) does not return until a task on the worker's loop has run,
+    after the wait began: on a loop held by the wait that task never runs, and the wait gives up
+    after 10 s (the load then fails)."""
+    ids, kv = range(6), _kv()
+    w = _worker(str(tmp_path), kv, BatchCopy())
+    try:
+        _, _, rep = run_jobs(w, w.save, [Transfer("s", [key(i) for i in ids], list(ids), [i + 1 for i in ids])])
+        assert len(rep.written()) == 6
+        waiting, ran = threading.Event(), threading.Event()
+
+        def synchronize(self):
+            waiting.set()
+            if not ran.wait(10):
+                raise RuntimeError("no task ran on the worker's loop while the copies landed")
+
+        async def other_work():  # on the worker's loop: runs once the copy's wait has begun
+            while not waiting.is_set():
+                await asyncio.sleep(0.001)
+            ran.set()
+
+        monkeypatch.setattr(FakeEvent, "synchronize", synchronize)  # (and a stream's, which waits the same)
+        monkeypatch.setattr(FakeStream, "synchronize", synchronize)
+        asyncio.run_coroutine_threadsafe(other_work(), w.host.lt.loop)
+        done, errors, rep = run_jobs(
+            w, w.load, [Transfer("r", [key(i) for i in ids], list(ids), [21 + i for i in ids])], timeout=30
+        )
+        assert ran.is_set() and done == {"r"} and not errors, (done, errors)
+        assert rep.counters["loads_ok_blocks"] == 6
+        assert all(torch.equal(t[21 + i], t[i + 1]) for t in kv.values() for i in ids)
+    finally:
+        w.close()
+
+
+def test_a_load_cancelled_while_its_copies_land_gives_nothing_back_before_they_have(fake_cuda, tmp_path, monkeypatch):
+    """The wait for a load's copies moved off the loop can be cancelled (an aborted request). The
+    copies still write its KV blocks and read its staging buffers: neither may go back (to vLLM,
+    to the pool) before they have landed. Invariant: a load cancelled during the wait is reported
+    (every block failed) and its buffers freed only once the device's wait returned."""
+    ids, kv = range(6), _kv()
+    w = _worker(str(tmp_path), kv, BatchCopy())
+    try:
+        _, _, rep = run_jobs(w, w.save, [Transfer("s", [key(i) for i in ids], list(ids), [i + 1 for i in ids])])
+        assert len(rep.written()) == 6
+        waiting, landed = threading.Event(), threading.Event()
+
+        def synchronize(self):
+            waiting.set()
+            assert landed.wait(30), "the test never let the copies land"
+
+        monkeypatch.setattr(FakeEvent, "synchronize", synchronize)
+        monkeypatch.setattr(FakeStream, "synchronize", synchronize)
+        w.load([Transfer("r", [key(i) for i in ids], list(ids), [21 + i for i in ids])])
+        assert waiting.wait(10), "the load's copies were queued"
+        w.cancel(["r"])
+        time.sleep(0.3)  # (on a correct worker nothing below changes however long this is)
+        polled = Polled(w)
+        held, early = w.staging_in_use, polled.finished("r")
+        landed.set()
+        assert until(lambda: polled.finished("r"), 10)
+        assert held == 6 and not early, "nothing went back while the copies were landing"
+        assert polled.errors == {21 + i for i in ids} and until(lambda: w.staging_in_use == 0, 10)
+    finally:
+        w.close()

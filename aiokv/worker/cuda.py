@@ -5,7 +5,8 @@ Saves gather on the GPU and copy to pinned staging memory on a side stream; copy
 an event that the compute stream waits on before the next step's kernels can overwrite any
 block (so blocks freed after the step are safe), and the save pipeline waits for the event
 (wait_out) before writing to disk. copy_in copies on another side stream and synchronises
-before the load is reported. Layer by layer: begin_layers and copy_in_layer_async.
+before the load is reported; copy_in_queued leaves the wait to the caller (the worker's loop
+waits off its thread: worker/reads.py). Layer by layer: begin_layers and copy_in_layer_async.
 
 The payload CRC32C is made and checked on the GPU (devcrc.py), where its answer equals the
 host's at attach (device_crc); else BlockIO's pass on the host checks, as before. A save's
@@ -23,8 +24,9 @@ Checked by tools/gpu_check.py on a CUDA machine; here on CPU tensors with torch.
 and events stood in for (tests/fakecuda.py).
 
 Threading contract: attach, copy_out, after_step, before_loads, begin_layers and
-copy_in_layer_async run on the vLLM worker's main thread; copy_in on the worker's event-loop
-thread; wait_out on a thread of the loop's executor. The CRC arrays are written by the copy
+copy_in_layer_async run on the vLLM worker's main thread; copy_in and copy_in_queued on the
+worker's event-loop thread (the latter's event waited for on a thread of the loop's executor);
+wait_out on a thread of the loop's executor. The CRC arrays are written by the copy
 stream and read by wait_out after the event of the save that wrote them: a buffer's entry
 changes only when a later save holds that buffer, after this save's wait_out.
 """
@@ -141,9 +143,18 @@ class CudaDevice(Device):
         self._compute_event = ev
 
     def copy_in(self, block_ids, bufs, crc_in_copy=False):
+        ev, result = self.copy_in_queued(block_ids, bufs, crc_in_copy)
+        ev.synchronize()
+        return result()
+
+    def copy_in_queued(self, block_ids, bufs, crc_in_copy=False):
+        """copy_in's copies and checks queued on the side stream, nothing waited for: (the event
+        recorded after them, result), where result(), once the event has completed, is copy_in's
+        answer. The worker's loop waits for the event off its thread (worker/reads.py), so the
+        DMA does not hold up the completions of other jobs' I/O."""
         torch.cuda.set_device(self.device)  # called from the loop thread
         h, at, step = fmt.HEADER_BYTES, fmt.PAYLOAD_CRC_OFFSET, len(self._gather)
-        ok: list[bool] = []
+        checks = []
         with torch.cuda.stream(self.in_stream):
             if getattr(self, "_compute_event", None) is not None:
                 self.in_stream.wait_event(self._compute_event)
@@ -156,12 +167,15 @@ class CudaDevice(Device):
                 self._rows_in(dev, part, h)  # rows of the pinned arena: DMA, no pass of the host's over them
                 if crc_in_copy:  # checked against each header's CRC (a mismatch: copied, and a failed load)
                     want = self._rows[torch.tensor(part, dtype=torch.long), at : at + 4].contiguous()
-                    want = want.view(torch.int32).view(n)
-                    ok += (self._crc.rows(dev).cpu() == want).tolist()
+                    want = want.view(torch.int32).view(n).to(self.device, non_blocking=True)
+                    checks.append(self._crc.rows(dev) == want)
                 for layer, a, b in self._cols():
                     layer.view.index_copy_(0, idx, dev[:, a - h : b - h].view(layer.dtype).view(n, *layer.block_shape))
-        self.in_stream.synchronize()
-        return ok if crc_in_copy else None
+            # the checks' answers, one copy to the host for the whole load (pinned: it lands in stream order)
+            ok = torch.cat(checks).to("cpu", non_blocking=True) if checks else None
+            ev = torch.cuda.Event()
+            ev.record(self.in_stream)
+        return ev, (lambda: ok.tolist() if ok is not None else [] if crc_in_copy else None)
 
     def begin_layers(self, block_ids):
         """Start of a layer-by-layer copy-in (vLLM's thread, before the forward):

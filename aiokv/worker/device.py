@@ -31,8 +31,10 @@ on the side stream and returns its event, for the compute stream to wait on
 before that layer's attention.
 
 Threading contract: copy_out/after_step/begin_layers/copy_in_layer_async run on
-the vLLM worker's main thread; copy_in on the worker's event-loop thread; wait_out on
-a thread of the loop's executor; copy_in_layer on the layerwise copy thread.
+the vLLM worker's main thread; copy_in on the worker's event-loop thread (CUDA: its copies
+queued there, CudaDevice.copy_in_queued, and waited for on a thread of the loop's executor,
+worker/reads.py); wait_out on a thread of the loop's executor; copy_in_layer on the layerwise
+copy thread.
 """
 
 from __future__ import annotations

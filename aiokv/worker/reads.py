@@ -6,10 +6,13 @@ Whole-request loads (worker/loads.py) and layer-by-layer loads (worker/layerwise
 both read through this object; the second copies in by itself, on vLLM's thread.
 
 Threading contract: `read` and `copy_in` run on the worker's event-loop thread
-(the data file is opened there at the first job); `count` on any thread.
+(the data file is opened there at the first job; an asynchronous device's copies are waited
+for on a thread of the loop's executor); `count` on any thread.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from aiokv.data.backend import NOT_IO_ERRORS  # noqa: F401  (saves.py reads it here)
 from aiokv.data.window import shape
@@ -45,9 +48,26 @@ class Reads:
     async def copy_in(self, block_ids, bufs, crc_in_copy: bool = False) -> list[bool]:
         """Per block whether it may count as loaded: always, unless `crc_in_copy` (the
         payload CRCs are checked in the copy, Device.copy_in) found it corrupt."""
-        # On the loop thread, in one go: a cancellation cannot interrupt it half-way,
-        # and no hop to another thread waits for the GIL a second time.
+        if self.device.asynchronous:  # DMA: queued here, waited for off the loop (CudaDevice.copy_in_queued)
+            ev, result = self.device.copy_in_queued(block_ids, bufs, crc_in_copy)
+            await landed(ev)
+            ok = result()
+            return ok if crc_in_copy else [True] * len(block_ids)
+        # The CPU's copy, on the loop thread, in one go: a cancellation cannot interrupt it
+        # half-way, and no hop to another thread waits for the GIL a second time.
         if crc_in_copy:
             return self.device.copy_in(block_ids, bufs, crc_in_copy=True)
         self.device.copy_in(block_ids, bufs)
         return [True] * len(block_ids)
+
+
+async def landed(ev) -> None:
+    """Wait for a device event (copies queued on a side stream) without holding the loop: on a
+    thread of the loop's executor. A cancellation still waits for it before it is raised: the
+    copies write KV blocks and read staging buffers that the caller gives back once we return."""
+    fut = asyncio.get_running_loop().run_in_executor(None, ev.synchronize)
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        ev.synchronize()
+        raise
