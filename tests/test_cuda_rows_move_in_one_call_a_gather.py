@@ -186,6 +186,29 @@ def test_the_connector_hands_down_vllms_batch_copy_only_where_this_build_registe
     assert vllm_batch_copy() is ops.swap_blocks_batch
 
 
+def _saved(tmp_path, kv: dict, ids) -> TransferWorker:
+    """A worker (batch copies) that has saved blocks 1.. as keys of ids."""
+    w = _worker(str(tmp_path), kv, BatchCopy())
+    _, _, rep = run_jobs(w, w.save, [Transfer("s", [key(i) for i in ids], list(ids), [i + 1 for i in ids])])
+    assert len(rep.written()) == len(ids)
+    return w
+
+
+def _device_waits_until(released: threading.Event, timeout: float, monkeypatch) -> threading.Event:
+    """From now on a wait on the device (an event's or a stream's synchronize) returns only once
+    `released` is set (it raises after `timeout`); returns the Event set when a wait began."""
+    waiting = threading.Event()
+
+    def synchronize(self):
+        waiting.set()
+        if not released.wait(timeout):
+            raise RuntimeError("the device's wait was never released (nothing ran on the worker's loop)")
+
+    monkeypatch.setattr(FakeEvent, "synchronize", synchronize)
+    monkeypatch.setattr(FakeStream, "synchronize", synchronize)
+    return waiting
+
+
 def test_a_loads_copies_land_while_the_worker_loop_runs_other_work(fake_cuda, tmp_path, monkeypatch):
     """Bug: CudaDevice.copy_in waited on the GPU (the stream's synchronize, and a .cpu() per
     gather for the CRC checks) on the worker's loop thread: while a load's DMA landed no other
@@ -197,24 +220,16 @@ def test_a_loads_copies_land_while_the_worker_loop_runs_other_work(fake_cuda, tm
     after the wait began: on a loop held by the wait that task never runs, and the wait gives up
     after 10 s (the load then fails)."""
     ids, kv = range(6), _kv()
-    w = _worker(str(tmp_path), kv, BatchCopy())
+    w = _saved(tmp_path, kv, ids)
     try:
-        _, _, rep = run_jobs(w, w.save, [Transfer("s", [key(i) for i in ids], list(ids), [i + 1 for i in ids])])
-        assert len(rep.written()) == 6
-        waiting, ran = threading.Event(), threading.Event()
-
-        def synchronize(self):
-            waiting.set()
-            if not ran.wait(10):
-                raise RuntimeError("no task ran on the worker's loop while the copies landed")
+        ran = threading.Event()
+        waiting = _device_waits_until(ran, 10, monkeypatch)
 
         async def other_work():  # on the worker's loop: runs once the copy's wait has begun
             while not waiting.is_set():
                 await asyncio.sleep(0.001)
             ran.set()
 
-        monkeypatch.setattr(FakeEvent, "synchronize", synchronize)  # (and a stream's, which waits the same)
-        monkeypatch.setattr(FakeStream, "synchronize", synchronize)
         asyncio.run_coroutine_threadsafe(other_work(), w.host.lt.loop)
         done, errors, rep = run_jobs(
             w, w.load, [Transfer("r", [key(i) for i in ids], list(ids), [21 + i for i in ids])], timeout=30
@@ -232,18 +247,10 @@ def test_a_load_cancelled_while_its_copies_land_gives_nothing_back_before_they_h
     to the pool) before they have landed. Invariant: a load cancelled during the wait is reported
     (every block failed) and its buffers freed only once the device's wait returned."""
     ids, kv = range(6), _kv()
-    w = _worker(str(tmp_path), kv, BatchCopy())
+    w = _saved(tmp_path, kv, ids)
     try:
-        _, _, rep = run_jobs(w, w.save, [Transfer("s", [key(i) for i in ids], list(ids), [i + 1 for i in ids])])
-        assert len(rep.written()) == 6
-        waiting, landed = threading.Event(), threading.Event()
-
-        def synchronize(self):
-            waiting.set()
-            assert landed.wait(30), "the test never let the copies land"
-
-        monkeypatch.setattr(FakeEvent, "synchronize", synchronize)
-        monkeypatch.setattr(FakeStream, "synchronize", synchronize)
+        landed = threading.Event()
+        waiting = _device_waits_until(landed, 30, monkeypatch)
         w.load([Transfer("r", [key(i) for i in ids], list(ids), [21 + i for i in ids])])
         assert waiting.wait(10), "the load's copies were queued"
         w.cancel(["r"])

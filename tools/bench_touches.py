@@ -33,14 +33,9 @@ import time
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # last: PYTHONPATH's aiokv
 
 from tools import harness  # noqa: E402
+from tools.bench_served import PAYLOAD, commit, key  # noqa: E402 (its keys, committed by fiat)
 
 NSID = b"t" * 16
-PAYLOAD = 4096
-BATCH = 1000
-
-
-def key(i: int) -> bytes:
-    return (i * 0x9E3779B1).to_bytes(8, "little") * 4
 
 
 def look(st, ns) -> tuple[float, float]:
@@ -58,11 +53,7 @@ def one_round(base: str, args, r: int) -> dict:
     root = os.path.join(base, f"r{r}")
     a, b = Store(root, checkpoint_every=10**12), Store(root, checkpoint_every=10**12)
     na, nb = a.namespace(NSID, PAYLOAD), b.namespace(NSID, PAYLOAD)
-    na.alloc.grow(na.alloc.plan_grow(args.blocks))
-    for i in range(0, args.blocks, BATCH):
-        batch = [(key(j), na.base | na.alloc.take()) for j in range(i, min(i + BATCH, args.blocks))]
-        na.pending.update(batch)
-        a.commit(na, batch)
+    commit(a, na, range(args.blocks))
     look(b, nb)  # B sees A's blocks
     look(a, na)  # A has followed B: the next look reads B's new records
     time.sleep(1.05)  # A's blocks are a TOUCH interval old in B's view
