@@ -333,7 +333,10 @@ def cudart_batch_copy():
 
     import torch
 
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+    torch.cuda.init()
+    with open("/proc/self/maps") as f:  # the CUDA runtime torch loaded, before any other by name
+        loaded = sorted({ln.split()[-1] for ln in f if "libcudart" in ln and ln.split()[-1].startswith("/")})
+    for name in (*loaded, "libcudart.so.13", "libcudart.so.12", "libcudart.so"):
         try:
             fn = ctypes.CDLL(name).cudaMemcpyAsync
             break
