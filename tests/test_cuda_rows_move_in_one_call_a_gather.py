@@ -215,7 +215,7 @@ def test_a_loads_copies_land_while_the_worker_loop_runs_other_work(fake_cuda, tm
     job's I/O completion was reaped and nothing else on the loop ran. Invariant: the loop runs
     other work while a load's copies are still landing, and the load completes bit-exact once
     they have. Fix: copy_in_queued queues the copies and one event; Reads.copy_in waits for the
-    event on a thread of the loop's executor (reads.landed). Here a wait on the device (an
+    event on a thread of the loop's executor (util/loops.waited). Here a wait on the device (an
     event's or a stream's synchronize) does not return until a task on the worker's loop has run,
     after the wait began: on a loop held by the wait that task never runs, and the wait gives up
     after 10 s (the load then fails)."""

@@ -6,6 +6,7 @@ uvloop where it is installed, asyncio's own loop elsewhere (a bare GPU node).
 Threading contract: `submit`, `call_soon` and `stop` are called from any thread; the
 loop runs on its own thread only what was handed to it. `stop` returns within its bound
 whatever the loop runs: a loop that does not stop is left to the process exit.
+`waited` runs on a loop; its blocking call on a thread of that loop's executor.
 """
 
 from __future__ import annotations
@@ -66,3 +67,23 @@ class LoopThread:
             context.get("message"),
             exc_info=context.get("exception"),
         )
+
+
+async def waited(wait):
+    """wait() (a blocking wait on a device: its copies landing) on a thread of the running loop's
+    executor, so the loop goes on meanwhile; its result. A cancellation is raised only once wait()
+    has returned: what the copies write and read is the caller's to give back after us."""
+    done = threading.Event()
+
+    def run():
+        try:
+            return wait()
+        finally:
+            done.set()
+
+    fut = asyncio.get_running_loop().run_in_executor(None, run)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        done.wait()
+        raise

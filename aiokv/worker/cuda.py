@@ -75,9 +75,7 @@ class CudaDevice(Device):
         # pin the staging arena once (not many small pinned buffers) so copies are DMA; the
         # KV-cache groups of one process share it (worker/host.py): the first device pins it
         if getattr(pool, "pinned_by", None) is None:
-            rc = torch.cuda.cudart().cudaHostRegister(pool.arena.addr, pool.arena.size, 0)
-            if int(rc) != 0:
-                raise RuntimeError(f"aiokv: cudaHostRegister of the staging arena failed ({rc})")
+            pin_host(pool.arena.addr, pool.arena.size, "the staging arena")
             self._registered = True
             pool.pinned_by = self
         self.device = self.layers[0].view.device
@@ -93,9 +91,7 @@ class CudaDevice(Device):
         if self.crc_in_copy:  # each staging buffer's CRC: on the device, then pinned on the host
             self._crc_dev = torch.zeros(pool.count, dtype=torch.int32, device=self.device)
             host = torch.zeros(pool.count, dtype=torch.int32)
-            rc = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), 4 * pool.count, 0)
-            if int(rc) != 0:
-                raise RuntimeError(f"aiokv: cudaHostRegister of the CRC array failed ({rc})")
+            pin_host(host.data_ptr(), 4 * pool.count, "the CRC array")
             self._crc_host = host  # (close unregisters it: only once registered)
 
     def copy_out(self, block_ids, bufs, crc_in_copy=False):
@@ -237,6 +233,13 @@ class CudaDevice(Device):
             self.pool.pinned_by = None
 
 
+def pin_host(addr: int, size: int, what: str) -> None:
+    """Page-lock host memory for DMA (cudaHostRegister); RuntimeError naming `what` if refused."""
+    rc = torch.cuda.cudart().cudaHostRegister(addr, size, 0)
+    if int(rc) != 0:
+        raise RuntimeError(f"aiokv: cudaHostRegister of {what} failed ({rc})")
+
+
 def row_addrs(rows: torch.Tensor, index: torch.Tensor, at: int = 0) -> torch.Tensor:
     """The addresses (int64, on the CPU) of byte `at` of these rows of a 2-D byte tensor."""
     return index.to(torch.int64) * rows.stride(0) + (rows.data_ptr() + at)
@@ -250,9 +253,10 @@ def batch_copy_checked(batch, device, stream):
         return None
     n, width = 3, 4096
     host = torch.zeros(2 * n, width, dtype=torch.uint8)
-    cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(host.data_ptr(), host.numel(), 0)) != 0:
-        log.warning("aiokv: pinning the batch copy's check at start failed; rows are copied one by one")
+    try:
+        pin_host(host.data_ptr(), host.numel(), "the batch copy's check")
+    except RuntimeError as e:
+        log.warning("%s; rows are copied one by one", e)
         return None
     try:
         want = torch.randint(0, 256, (n, width), dtype=torch.uint8)
@@ -272,7 +276,7 @@ def batch_copy_checked(batch, device, stream):
     except Exception:
         log.exception("aiokv: the batch copy (vLLM's swap_blocks_batch) failed at start; rows are copied one by one")
     finally:
-        cudart.cudaHostUnregister(host.data_ptr())
+        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
     return None
 
 

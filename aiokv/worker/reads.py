@@ -12,10 +12,9 @@ for on a thread of the loop's executor); `count` on any thread.
 
 from __future__ import annotations
 
-import asyncio
-
 from aiokv.data.backend import NOT_IO_ERRORS  # noqa: F401  (saves.py reads it here)
 from aiokv.data.window import shape
+from aiokv.util.loops import waited
 
 
 class Reads:
@@ -50,7 +49,7 @@ class Reads:
         payload CRCs are checked in the copy, Device.copy_in) found it corrupt."""
         if self.device.asynchronous:  # DMA: queued here, waited for off the loop (CudaDevice.copy_in_queued)
             ev, result = self.device.copy_in_queued(block_ids, bufs, crc_in_copy)
-            await landed(ev)
+            await waited(ev.synchronize)
             ok = result()
             return ok if crc_in_copy else [True] * len(block_ids)
         # The CPU's copy, on the loop thread, in one go: a cancellation cannot interrupt it
@@ -59,15 +58,3 @@ class Reads:
             return self.device.copy_in(block_ids, bufs, crc_in_copy=True)
         self.device.copy_in(block_ids, bufs)
         return [True] * len(block_ids)
-
-
-async def landed(ev) -> None:
-    """Wait for a device event (copies queued on a side stream) without holding the loop: on a
-    thread of the loop's executor. A cancellation still waits for it before it is raised: the
-    copies write KV blocks and read staging buffers that the caller gives back once we return."""
-    fut = asyncio.get_running_loop().run_in_executor(None, ev.synchronize)
-    try:
-        await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        ev.synchronize()
-        raise

@@ -25,6 +25,7 @@ import time
 
 from aiokv.data.format import NO_TENANT
 from aiokv.jobs import SaveResult, Transfer, WorkerReport
+from aiokv.util.loops import waited
 from aiokv.worker.latency import latency_counts
 from aiokv.worker.reads import NOT_IO_ERRORS
 
@@ -102,8 +103,7 @@ class Saves:
         uploader = self.life.uploader
         try:
             if self.device.asynchronous:  # the device copy may still be landing
-                wait = functools.partial(self.device.wait_out, bufs if crc_in_copy else None)
-                await asyncio.get_running_loop().run_in_executor(None, wait)
+                await waited(functools.partial(self.device.wait_out, bufs if crc_in_copy else None))
             addr = self.staging.addr
             items = [(s, k, addr(b)) for s, k, b in zip(t.locations, t.keys, bufs)]
             # the tenant is stamped into each slot's header (data/blockio.py); a timed-out save
