@@ -62,11 +62,11 @@ static void Ring_dealloc(RingObject *self) {
 }
 
 static int Ring_init(RingObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"entries", "depth", "max_ops", "min_bytes", "submit_group", NULL};
-    unsigned entries = 128, depth = 0, max_ops = 0, submit_group = SUBMIT_GROUP;
+    static char *kwlist[] = {"entries", "depth", "max_ops", "min_bytes", "submit_group", "merge_bytes", NULL};
+    unsigned entries = 128, depth = 0, max_ops = 0, submit_group = SUBMIT_GROUP, merge_bytes = 0;
     unsigned long long min_bytes = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|IIIKI", kwlist, &entries, &depth, &max_ops, &min_bytes,
-                                     &submit_group))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|IIIKII", kwlist, &entries, &depth, &max_ops, &min_bytes,
+                                     &submit_group, &merge_bytes))
         return -1;
     if (self->open) {
         PyErr_SetString(PyExc_RuntimeError, "Ring already initialised");
@@ -99,6 +99,7 @@ static int Ring_init(RingObject *self, PyObject *args, PyObject *kwds) {
     self->max_ops = max_ops;
     self->min_bytes = min_bytes;
     self->submit_group = submit_group;
+    self->merge_bytes = merge_bytes;
     self->free_head = self->qhead = self->qtail = -1;
     self->open = 1;
     return 0;
@@ -156,6 +157,7 @@ static PyObject *Ring_start(RingObject *self, PyObject *arg) {
         o->op = (uint8_t)op;
         o->fd = (int32_t)fd;
         o->len = (uint32_t)len;
+        o->span = 1;
         b->res[i] = -ECANCELED; /* what a queued operation gets when its batch is cancelled */
     }
     Py_DECREF(seq);
@@ -221,7 +223,8 @@ static PyObject *Ring_cancel(RingObject *self, PyObject *arg) {
         b->next = b->n;
     }
     int ok = 1;
-    for (uint32_t i = 0; ok && i < b->n; i++) {
+    /* one request per kernel entry: a merged write's first operation names it */
+    for (uint32_t i = 0; ok && i < b->n; i += b->ops[i].span) {
         if (b->res[i] != RES_PENDING) continue;
         struct io_uring_sqe *sqe = io_uring_get_sqe(&self->ring);
         if (!sqe && (ok = ring_enter_nogil(self) == 0)) sqe = io_uring_get_sqe(&self->ring);
@@ -298,12 +301,26 @@ static int Ring_set_submit_group(RingObject *self, PyObject *v, void *unused) {
     return PyErr_Occurred() ? -1 : (self->submit_group = (unsigned)x, 0);
 }
 
+static PyObject *Ring_get_merge_bytes(RingObject *self, void *unused) {
+    return PyLong_FromUnsignedLong(self->merge_bytes);
+}
+
+static int Ring_set_merge_bytes(RingObject *self, PyObject *v, void *unused) {
+    unsigned long x = v ? PyLong_AsUnsignedLong(v) : 0;
+    if (!v) PyErr_SetString(PyExc_AttributeError, "merge_bytes cannot be deleted");
+    else if (!PyErr_Occurred() && x > UINT32_MAX) PyErr_SetString(PyExc_OverflowError, "merge_bytes over 4 GiB");
+    return PyErr_Occurred() ? -1 : (self->merge_bytes = (unsigned)x, 0);
+}
+
 static PyGetSetDef Ring_getset[] = {
     {"in_flight", (getter)Ring_get_in_flight, NULL, "operations the kernel owns (prepared, not yet reaped)", NULL},
     {"min_bytes", (getter)Ring_get_min_bytes, (setter)Ring_set_min_bytes,
      "below this many bytes in flight, up to max_ops operations go to the kernel, else depth", NULL},
     {"submit_group", (getter)Ring_get_submit_group, (setter)Ring_set_submit_group,
      "operations per io_uring_enter (0: all prepared at once)", NULL},
+    {"merge_bytes", (getter)Ring_get_merge_bytes, (setter)Ring_set_merge_bytes,
+     "adjacent writes of one batch go to the kernel as one vectored write of up to this many bytes (0: never)",
+     NULL},
     {NULL}};
 
 static PyMethodDef Ring_methods[] = {

@@ -34,14 +34,19 @@ typedef struct {
     uint64_t addr, off;
     int32_t fd;
     uint32_t len;
+    uint16_t span; /* operations the kernel entry prepared from this one covers (writes merged: ring_pump) */
     uint8_t op;
 } ring_op;
+
+/* Most operations one merged write covers (an iovec each). */
+#define MERGE_MAX_OPS 64
 
 /* A batch: the unit Python sees. Its operations are queued in order, handed to
  * the kernel within the ring's limits, and the batch is reported (and its slot
  * freed) once every operation has a result. */
 typedef struct {
-    ring_op *ops;  /* n operations, then n int32 results (one allocation) */
+    ring_op *ops;  /* n operations, then n iovecs, then n int32 results (one allocation) */
+    struct iovec *iov; /* per operation: its buffer, for a merged write's vector */
     int32_t *res;  /* per operation: byte count, -errno, or RES_PENDING */
     uint32_t n;
     uint32_t next; /* operations [next, n) are queued: not prepared yet */
@@ -66,6 +71,7 @@ typedef struct {
     unsigned depth, max_ops, in_flight; /* in_flight: operations the kernel owns */
     unsigned long long min_bytes, bytes; /* bytes: of the operations in flight */
     unsigned submit_group; /* operations per io_uring_enter (0: all prepared at once); see ring_pump */
+    unsigned merge_bytes;  /* adjacent writes of a batch merged into one entry up to this many bytes (0: never) */
 } RingObject;
 
 /* user_data of operation i of the batch in slot s, and the batch id Python sees */

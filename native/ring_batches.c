@@ -32,13 +32,14 @@ int32_t batch_alloc(RingObject *self, uint32_t n) {
     }
     int32_t s = self->free_head;
     ring_batch *b = &self->b[s];
-    b->ops = PyMem_Malloc(n * (sizeof(ring_op) + sizeof(int32_t)));
+    b->ops = PyMem_Malloc(n * (sizeof(ring_op) + sizeof(struct iovec) + sizeof(int32_t)));
     if (!b->ops) {
         PyErr_NoMemory();
         return -1;
     }
     self->free_head = b->link;
-    b->res = (int32_t *)(b->ops + n);
+    b->iov = (struct iovec *)(b->ops + n);
+    b->res = (int32_t *)(b->iov + n);
     b->n = b->left = n;
     b->next = 0;
     b->live = 1;
@@ -50,6 +51,7 @@ void batch_free(RingObject *self, int32_t s) {
     ring_batch *b = &self->b[s];
     PyMem_Free(b->ops);
     b->ops = NULL;
+    b->iov = NULL;
     b->res = NULL;
     b->live = 0;
     b->gen++;
@@ -100,18 +102,35 @@ int batch_report(RingObject *self, int32_t s, PyObject *done) {
     return rc;
 }
 
-/* The operation a kernel entry's user_data names has left the kernel with `res` (a
- * completion reaped, or an entry a refused submission voided: the one path both take):
- * it is no longer in flight, and its batch is reported if it was the last. Internal
- * no-ops and entries of batches already gone are skipped. 0, or -1 on a Python error. */
+/* The kernel entry a user_data names has left the kernel with `res` (a completion
+ * reaped, or an entry a refused submission voided: the one path both take): it is no
+ * longer in flight, and its batch is reported if it was the last. An entry that merged
+ * `span` writes gives each its share: an error is each one's; a count covers them in
+ * order, and one it does not reach whole gets what reached it (short: the caller's
+ * error). Internal no-ops and entries of batches already gone are skipped. 0, or -1
+ * on a Python error. */
 int op_left_kernel(RingObject *self, uint64_t ud, int32_t res, PyObject *done) {
     if (ud == INTERNAL_TAG) return 0;
     int32_t s = batch_find(self, (ud >> 32) & 0xffff, ud >> 48);
     if (s < 0) return 0;
-    uint32_t i = (uint32_t)ud;
+    uint32_t i = (uint32_t)ud, span = self->b[s].ops[i].span;
     self->in_flight--;
-    self->bytes -= self->b[s].ops[i].len;
-    return op_done(self, s, i, res, done);
+    if (span <= 1) {
+        self->bytes -= self->b[s].ops[i].len;
+        return op_done(self, s, i, res, done);
+    }
+    int64_t left = res; /* bytes not yet handed to an operation of the span */
+    for (uint32_t j = i; j < i + span; j++) {
+        /* read before op_done: the last one may report the batch and free it */
+        uint32_t len = self->b[s].ops[j].len;
+        int32_t r = res < 0 ? res : (int32_t)(left >= len ? len : left);
+        if (res >= 0) left -= r;
+        self->bytes -= len;
+        int last = j + 1 == i + span;
+        if (op_done(self, s, j, r, done) < 0) return -1;
+        if (last) break;
+    }
+    return 0;
 }
 
 /* Operation i of batch s has its result; the batch is reported if it was the last. */

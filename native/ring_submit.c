@@ -84,6 +84,25 @@ int ring_refused(RingObject *self, int err, PyObject *done) {
     return rc;
 }
 
+/* How many operations from i of batch b one kernel entry takes: 1, or the run of
+ * writes from i to the same file at adjacent offsets, up to merge_bytes in all and
+ * MERGE_MAX_OPS (a vectored write over their buffers). Reads are never merged: the
+ * virtual disk of docs/benchmarks.md serves a merged read whole and loses bandwidth
+ * ("Where the time goes"); a merged write there is served faster than its parts. */
+static uint32_t merged_span(RingObject *self, ring_batch *b, uint32_t i) {
+    ring_op *o = &b->ops[i];
+    if (o->op != OP_WRITE || self->merge_bytes <= o->len) return 1;
+    uint64_t bytes = o->len;
+    uint32_t j = i + 1;
+    for (; j < b->n && j - i < MERGE_MAX_OPS; j++) {
+        ring_op *p = &b->ops[j - 1], *q = &b->ops[j];
+        if (q->op != OP_WRITE || q->fd != o->fd || q->off != p->off + p->len || bytes + q->len > self->merge_bytes)
+            break;
+        bytes += q->len;
+    }
+    return j - i;
+}
+
 /* Hands queued operations to the kernel, in submission order, up to `depth` in
  * flight, or up to max_ops while fewer than min_bytes are in flight: one
  * io_uring_enter per submit_group operations (all at once if 0). Entries voided
@@ -102,18 +121,30 @@ int ring_pump(RingObject *self, PyObject *done) {
         if (!sqe) break;
         int32_t s = self->qhead;
         ring_batch *b = &self->b[s];
-        ring_op *o = &b->ops[b->next];
-        if (o->op == OP_READ)
+        uint32_t i = b->next, span = merged_span(self, b, i);
+        ring_op *o = &b->ops[i];
+        if (span > 1) {
+            /* adjacent writes of this batch as one vectored write: one request for the disk */
+            for (uint32_t j = i; j < i + span; j++) {
+                b->iov[j].iov_base = (void *)(uintptr_t)b->ops[j].addr;
+                b->iov[j].iov_len = b->ops[j].len;
+            }
+            io_uring_prep_writev(sqe, o->fd, &b->iov[i], span, o->off);
+        } else if (o->op == OP_READ)
             io_uring_prep_read(sqe, o->fd, (void *)(uintptr_t)o->addr, o->len, o->off);
         else if (o->op == OP_WRITE)
             io_uring_prep_write(sqe, o->fd, (const void *)(uintptr_t)o->addr, o->len, o->off);
         else
             io_uring_prep_nop(sqe);
-        io_uring_sqe_set_data(sqe, (void *)(uintptr_t)op_ud(self, s, b->next));
-        b->res[b->next] = RES_PENDING; /* the ring owns it until its completion is reaped */
+        io_uring_sqe_set_data(sqe, (void *)(uintptr_t)op_ud(self, s, i));
+        o->span = (uint16_t)span;
+        for (uint32_t j = i; j < i + span; j++) {
+            b->res[j] = RES_PENDING; /* the ring owns it until its completion is reaped */
+            self->bytes += b->ops[j].len;
+        }
         self->in_flight++;
-        self->bytes += o->len;
         count++;
+        b->next += span - 1;
         if (++b->next == b->n) {
             self->qhead = b->link;
             if (self->qhead < 0) self->qtail = -1;

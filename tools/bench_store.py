@@ -81,6 +81,7 @@ from tools.storeio import StoreIO  # noqa: E402
 
 NSID = bytes.fromhex("be0c" * 8)
 SUBMIT_GROUP = None  # --submit-group (None: the ring's default)
+MERGE_BYTES = None  # --merge-bytes (None: the ring's default)
 # --settle: before every timed phase of every contender the file system is synced (on a file system mounted
 # with `discard` a delete's discards are issued when the journal commits: a previous round's files, freed
 # just before, otherwise land in the next phase), then this many seconds of quiet
@@ -167,6 +168,8 @@ async def _aiokv_round(
                 st._backend.min_bytes = 0  # exactly `depth` operations in flight, as fio's iodepth
             if SUBMIT_GROUP is not None and hasattr(st._backend, "ring"):
                 st._backend.ring.submit_group = SUBMIT_GROUP  # --submit-group: operations per io_uring_enter
+            if MERGE_BYTES is not None and hasattr(st._backend, "ring"):
+                st._backend.ring.merge_bytes = MERGE_BYTES  # --merge-bytes: adjacent writes merged up to this
         ns = st.namespace(NSID, payload, fields={"bench": "bench_store"})
         if not held:  # random payloads (written once; save stamps only the header of each slot)
             _fill(pool, payload)
@@ -555,6 +558,13 @@ def main() -> int:
         help="aiokv's operations per io_uring_enter (0: all at once; default: the ring's, 2)",
     )
     ap.add_argument(
+        "--merge-bytes",
+        type=lambda t: _sizes(t)[0],
+        default=None,
+        help="aiokv: adjacent writes of one batch merged into one vectored write up to this many bytes "
+        "(0: never; default: the ring's, data/uring.py MERGE_WRITE_BYTES)",
+    )
+    ap.add_argument(
         "--per-block-reads",
         action="store_true",
         help="also run aiokv reading each block into a buffer of its own (the memory tier's pattern: "
@@ -607,8 +617,9 @@ def main() -> int:
         from tools import bench_store_peers as bp
 
         return harness.emit(bp.peers_main(args, _sizes(args.sizes), depths[0], log), args, bp.render_peers)
-    global SUBMIT_GROUP, SETTLE
+    global SUBMIT_GROUP, SETTLE, MERGE_BYTES
     SUBMIT_GROUP = args.submit_group
+    MERGE_BYTES = args.merge_bytes
     SETTLE = args.settle
     sizes = _sizes(args.sizes)
     depths = [int(x) for x in args.depth.split(",") if x]
