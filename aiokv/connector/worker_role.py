@@ -182,9 +182,9 @@ class WorkerRole:
     def _host(self, devices: list, rank: int):
         """One event loop and one staging arena for every group (slots of the largest group's size)."""
         from aiokv.data import format as fmt
-        from aiokv.worker.host import WorkerHost
+        from aiokv.worker.host import WorkerHost, checksum_threads_for
 
-        threads = devices[0].checksum_threads if self.cfg.checksum_threads is None else self.cfg.checksum_threads
+        threads = checksum_threads_for(devices[0], self.cfg.secret, self.cfg.checksum_threads)
         return WorkerHost(
             max(fmt.slot_bytes(d.payload_bytes) for d in devices),
             max(1, self.cfg.staging),

@@ -86,6 +86,11 @@ class UringBackend(IOBackend):
         self.ring.min_bytes = n
 
     @property
+    def merge_bytes(self) -> int:
+        """Adjacent writes of a batch go to the kernel as one, up to this many bytes (0: never)."""
+        return self.ring.merge_bytes
+
+    @property
     def in_flight(self) -> int:
         return self.ring.in_flight if self.ring is not None else 0
 

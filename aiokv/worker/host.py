@@ -26,6 +26,17 @@ from aiokv.worker.staging import Staging
 log = logging.getLogger("aiokv")
 
 
+def checksum_threads_for(device, secret, asked: int | None) -> int:
+    """Checksum threads a worker runs: `asked` (the checksum_threads setting), or the device's
+    default (2 on CUDA; 0 on the CPU build, whose copy makes the CRC and whose cores run the
+    model), and at least 1 with a secret: the MAC reads every payload, and on the loop thread
+    it holds back the completions that keep the disk busy (docs/benchmarks.md, "What a secret
+    costs")."""
+    if asked is not None:
+        return asked
+    return max(device.checksum_threads, 1 if secret else 0)
+
+
 class WorkerHost:
     def __init__(self, slot_bytes: int, staging_bytes: int, memory_bytes: int, checksum_threads: int, rank: int):
         kept = memory_bytes // slot_bytes  # the memory tier shares the staging arena

@@ -59,7 +59,7 @@ from aiokv.data import format as fmt
 from aiokv.jobs import Transfer, WorkerReport
 from aiokv.util.counters import WORKER
 from aiokv.util.counting import names as counter_names
-from aiokv.worker.host import WorkerHost
+from aiokv.worker.host import WorkerHost, checksum_threads_for
 from aiokv.worker.layerwise import LayerwiseLoads
 from aiokv.worker.lifecycle import CLOSE_DRAIN_S, START_TIMEOUT, Lifecycle  # noqa: F401 (START_TIMEOUT: here too)
 from aiokv.worker.loads import Loads
@@ -104,9 +104,8 @@ class TransferWorker:
         self.slot_bytes = slot_bytes = fmt.slot_bytes(device.payload_bytes)
         self._owns_host = host is None
         if host is None:
-            # threads that stamp and verify big chunks off the loop thread (aiokv/data/blockio.py);
-            # None: the device's default (0 on the CPU build, whose cores run the model)
-            threads = device.checksum_threads if checksum_threads is None else checksum_threads
+            # threads that stamp and verify big chunks off the loop thread (aiokv/data/blockio.py)
+            threads = checksum_threads_for(device, secret, checksum_threads)
             host = WorkerHost(slot_bytes, staging_bytes, memory_bytes, threads, rank)
         self.host = host
         if host.reporter is None:
