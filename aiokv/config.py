@@ -57,7 +57,8 @@ class AioKVConfig:
     breaker_cooldown: float = 30.0  # seconds hits and saves stay off before one probe
     strict_load_failures: bool = False  # keep vLLM's kv_load_failure_policy="fail"
     layerwise: bool = False  # copy verified loads in layer by layer during the next forward
-    checksum_threads: int | None = None  # threads per worker checksumming off its loop (None: 0 on CPU, 1 there with a secret, 2 on CUDA)
+    # threads per worker checksumming off its loop (None: 0 on CPU, 1 there with a secret, 2 on CUDA)
+    checksum_threads: int | None = None
     # bucket tier (docs/sharing.md): "s3://BUCKET/PREFIX"; endpoint and credentials from AWS_* variables
     bucket: str | None = None
     bucket_timeout: float = 5.0  # seconds any one request to the bucket may take

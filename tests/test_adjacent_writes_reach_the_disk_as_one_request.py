@@ -61,9 +61,19 @@ def test_adjacent_writes_of_a_batch_go_to_the_kernel_as_one_entry(tmp_path, merg
         ctypes.memset(b, 0x40 + i, BS)
     # buffers in no order: op i writes bufs[k[i]] (a worker's staging buffers are anywhere)
     k = [12, 3, 7, 0, 9, 1, 11, 5, 2, 4, 6, 8, 10]
-    where = [(fd, 0), (fd, 1), (fd, 2), (fd, 3), (fd, 4), (fd, 5),  # 0-3, then 4-5 (4 at most)
-             (fd, 20), (fd, 21), (fd, 22),  # a gap before: a run of its own
-             (fd2, 23), (fd2, 24)]  # another file at the next offsets: its own
+    where = [
+        (fd, 0),
+        (fd, 1),
+        (fd, 2),
+        (fd, 3),
+        (fd, 4),
+        (fd, 5),  # 0-3, then 4-5 (4 at most)
+        (fd, 20),
+        (fd, 21),
+        (fd, 22),  # a gap before: a run of its own
+        (fd2, 23),
+        (fd2, 24),
+    ]  # another file at the next offsets: its own
     ops = [(OP_WRITE, f, addr(bufs[k[i]]), BS, s * BS) for i, (f, s) in enumerate(where)]
     ops += [(OP_READ, fd, addr(bufs[k[11]]), BS, 8 * BS), (OP_READ, fd, addr(bufs[k[12]]), BS, 9 * BS)]
     ring = _native.Ring(8, depth=1, max_ops=1, merge_bytes=merge)
@@ -108,8 +118,13 @@ def test_a_merged_write_shares_its_error_and_a_short_count_in_order(tmp_path):
         print(run(rw))
         print(os.path.getsize(path))
     """)
-    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.split("\n")
     assert lines[0] == str([-errno.EBADF] * 4)
@@ -132,8 +147,10 @@ def test_cancelling_a_batch_cancels_its_merged_write_once(tmp_path):
     os.set_blocking(w, True)
     bufs = [ctypes.create_string_buffer(BS) for _ in range(6)]
     ring = _native.Ring(8, depth=1, max_ops=1, merge_bytes=4 * BS)
-    bid = ring.start([(OP_WRITE, w, addr(b), BS, 0) for b in bufs[:1]]
-                     + [(OP_WRITE, w, addr(b), BS, (i + 1) * BS) for i, b in enumerate(bufs[1:])])
+    bid = ring.start(
+        [(OP_WRITE, w, addr(b), BS, 0) for b in bufs[:1]]
+        + [(OP_WRITE, w, addr(b), BS, (i + 1) * BS) for i, b in enumerate(bufs[1:])]
+    )
     assert ring.pump() == [] and ring.in_flight == 1
     assert ring.cancel(bid) == [], "the merged write is still the kernel's"
     done = []

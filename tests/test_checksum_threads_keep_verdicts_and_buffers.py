@@ -240,8 +240,10 @@ def test_checksum_threads_setting_is_checked():
             AioKVConfig.from_extra({"checksum_threads": bad})
 
 
-@pytest.mark.parametrize("secret, asked, threads", [(None, None, 0), ("a-secret-of-16-chars", None, 1),
-                                                    ("a-secret-of-16-chars", 0, 0), (None, 3, 3)])
+@pytest.mark.parametrize(
+    "secret, asked, threads",
+    [(None, None, 0), ("a-secret-of-16-chars", None, 1), ("a-secret-of-16-chars", 0, 0), (None, 3, 3)],
+)
 def test_a_secret_gives_the_cpu_build_a_checksum_thread_by_default(tmp_path, secret, asked, threads):
     """On the CPU build the CRC is the copy's, so no thread is the default; a secret's MAC
     reads every payload, and on the loop thread it held back the completions of reads (secret
@@ -250,8 +252,9 @@ def test_a_secret_gives_the_cpu_build_a_checksum_thread_by_default(tmp_path, sec
     nb = 4
     dev = CpuDevice({"l0": torch.zeros(nb, 2, 16, 64)}, nb)
     os.makedirs(ns_dir(str(tmp_path), NS), exist_ok=True)
-    w = TransferWorker(dev, ns_dir(str(tmp_path), NS), NS, 0, staging_bytes=1 << 20, secret=secret,
-                       checksum_threads=asked)
+    w = TransferWorker(
+        dev, ns_dir(str(tmp_path), NS), NS, 0, staging_bytes=1 << 20, secret=secret, checksum_threads=asked
+    )
     try:
         assert w.checksum_threads == threads
         assert (w.cpu is None) == (threads == 0)

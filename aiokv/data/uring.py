@@ -71,7 +71,13 @@ class UringBackend(IOBackend):
     def __init__(self, loop, depth: int = 64):
         super().__init__(loop)
         self.depth = depth
-        self.ring = _native.Ring(max(2 * depth, 8), depth=depth, max_ops=2 * depth, min_bytes=MIN_BYTES_IN_FLIGHT, merge_bytes=MERGE_WRITE_BYTES)
+        self.ring = _native.Ring(
+            max(2 * depth, 8),
+            depth=depth,
+            max_ops=2 * depth,
+            min_bytes=MIN_BYTES_IN_FLIGHT,
+            merge_bytes=MERGE_WRITE_BYTES,
+        )
         self._batches: dict[int, _Batch] = {}  # Ring batch id -> batch
         self._pump_soon = False
         loop.add_reader(self.ring.fileno(), self._on_ready)
