@@ -313,7 +313,7 @@ static int Ring_set_merge_bytes(RingObject *self, PyObject *v, void *unused) {
 }
 
 static PyGetSetDef Ring_getset[] = {
-    {"in_flight", (getter)Ring_get_in_flight, NULL, "operations the kernel owns (prepared, not yet reaped)", NULL},
+    {"in_flight", (getter)Ring_get_in_flight, NULL, "entries the kernel owns (prepared, not yet reaped; a merged write counts once)", NULL},
     {"min_bytes", (getter)Ring_get_min_bytes, (setter)Ring_set_min_bytes,
      "below this many bytes in flight, up to max_ops operations go to the kernel, else depth", NULL},
     {"submit_group", (getter)Ring_get_submit_group, (setter)Ring_set_submit_group,

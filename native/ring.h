@@ -68,7 +68,7 @@ typedef struct {
     uint32_t cap;
     int32_t free_head;
     int32_t qhead, qtail; /* batches with queued operations, in submission order */
-    unsigned depth, max_ops, in_flight; /* in_flight: operations the kernel owns */
+    unsigned depth, max_ops, in_flight; /* in_flight: entries the kernel owns (a merged write: one) */
     unsigned long long min_bytes, bytes; /* bytes: of the operations in flight */
     unsigned submit_group; /* operations per io_uring_enter (0: all prepared at once); see ring_pump */
     unsigned merge_bytes;  /* adjacent writes of a batch merged into one entry up to this many bytes (0: never) */
