@@ -88,7 +88,7 @@ int ring_refused(RingObject *self, int err, PyObject *done) {
  * writes from i to the same file at adjacent offsets, up to merge_bytes in all and
  * MERGE_MAX_OPS (a vectored write over their buffers). Reads are never merged: the
  * virtual disk of docs/benchmarks.md serves a merged read whole and loses bandwidth
- * ("Where the time goes"); a merged write there is served faster than its parts. */
+ * ("Where the time goes"); fed merged writes it is idle less of the time. */
 static uint32_t merged_span(RingObject *self, ring_batch *b, uint32_t i) {
     ring_op *o = &b->ops[i];
     if (o->op != OP_WRITE || self->merge_bytes <= o->len) return 1;

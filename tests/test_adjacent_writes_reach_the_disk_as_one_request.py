@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Bug: a save's slots, one after another in its data file, went to the disk as one
-request each. The virtual disk of docs/benchmarks.md serves one larger request
-faster than its parts, so at 256 KiB and depth 4-16 aiokv wrote at 0.88-1.03 x
+request each. The virtual disk of docs/benchmarks.md, fed fewer and larger writes,
+is idle less of the time; unmerged, at 256 KiB and depth 4-16 aiokv wrote at 0.88-1.03 x
 LMCache's RawBlockDevice, whose batches the block layer merges.
 Invariant: a batch's writes to adjacent offsets of one file, up to the ring's
 merge_bytes, go to the kernel as one vectored write (one entry against the

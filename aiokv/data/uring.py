@@ -56,9 +56,10 @@ from aiokv.data.backend import IOBackend, _Batch
 
 MIN_BYTES_IN_FLIGHT = 16 << 20
 # adjacent writes of one batch (a save's slots, one after another in its data file) go to the
-# kernel as one vectored write of up to this many bytes: the virtual disk of docs/benchmarks.md
-# serves one such request faster than its parts (256 KiB saves at depth 4-16: 0.88-1.03 x
-# RawBlockDevice unmerged, 1.13-1.33 merged; "How close to the drive"). 2 MiB: 256 KiB slots merge
+# kernel as one vectored write of up to this many bytes: the virtual disk of docs/benchmarks.md,
+# fed fewer and larger writes, is idle less (3-9 % of a phase against 9-12 %; 256 KiB saves at
+# depth 4-16: 0.88-1.03 x RawBlockDevice unmerged, 1.13-1.33 merged; "How close to the drive",
+# "Where the time goes"). 2 MiB: 256 KiB slots merge
 # by 7, 512 KiB by 3; slots of 1 MiB and more stay as they are (merging them measured no gain).
 MERGE_WRITE_BYTES = 2 << 20
 
