@@ -115,16 +115,12 @@ int op_left_kernel(RingObject *self, uint64_t ud, int32_t res, PyObject *done) {
     if (s < 0) return 0;
     uint32_t i = (uint32_t)ud, span = self->b[s].ops[i].span;
     self->in_flight--;
-    if (span <= 1) {
-        self->bytes -= self->b[s].ops[i].len;
-        return op_done(self, s, i, res, done);
-    }
-    int64_t left = res; /* bytes not yet handed to an operation of the span */
+    int64_t left = res; /* bytes not yet handed to an operation of the span (one, unmerged) */
     for (uint32_t j = i; j < i + span; j++) {
         /* read before op_done: the last one may report the batch and free it */
         uint32_t len = self->b[s].ops[j].len;
         int32_t r = res < 0 ? res : (int32_t)(left >= len ? len : left);
-        if (res >= 0) left -= r;
+        left -= r;
         self->bytes -= len;
         int last = j + 1 == i + span;
         if (op_done(self, s, j, r, done) < 0) return -1;

@@ -61,19 +61,9 @@ def test_adjacent_writes_of_a_batch_go_to_the_kernel_as_one_entry(tmp_path, merg
         ctypes.memset(b, 0x40 + i, BS)
     # buffers in no order: op i writes bufs[k[i]] (a worker's staging buffers are anywhere)
     k = [12, 3, 7, 0, 9, 1, 11, 5, 2, 4, 6, 8, 10]
-    where = [
-        (fd, 0),
-        (fd, 1),
-        (fd, 2),
-        (fd, 3),
-        (fd, 4),
-        (fd, 5),  # 0-3, then 4-5 (4 at most)
-        (fd, 20),
-        (fd, 21),
-        (fd, 22),  # a gap before: a run of its own
-        (fd2, 23),
-        (fd2, 24),
-    ]  # another file at the next offsets: its own
+    # slots 0-5 (0-3, then 4-5: 4 at most); 20-22 after a gap (a run of their own); 23-24 in
+    # another file at the next offsets (their own)
+    where = [(fd, s) for s in range(6)] + [(fd, s) for s in (20, 21, 22)] + [(fd2, 23), (fd2, 24)]
     ops = [(OP_WRITE, f, addr(bufs[k[i]]), BS, s * BS) for i, (f, s) in enumerate(where)]
     ops += [(OP_READ, fd, addr(bufs[k[11]]), BS, 8 * BS), (OP_READ, fd, addr(bufs[k[12]]), BS, 9 * BS)]
     ring = _native.Ring(8, depth=1, max_ops=1, merge_bytes=merge)

@@ -80,8 +80,8 @@ from tools import harness, peers  # noqa: E402
 from tools.storeio import StoreIO  # noqa: E402
 
 NSID = bytes.fromhex("be0c" * 8)
-SUBMIT_GROUP = None  # --submit-group (None: the ring's default)
-MERGE_BYTES = None  # --merge-bytes (None: the ring's default)
+# the io_uring ring's settings given on the command line (--submit-group, --merge-bytes), set on aiokv's ring
+RING: dict[str, int] = {}
 # --settle: before every timed phase of every contender the file system is synced (on a file system mounted
 # with `discard` a delete's discards are issued when the journal commits: a previous round's files, freed
 # just before, otherwise land in the next phase), then this many seconds of quiet
@@ -166,10 +166,8 @@ async def _aiokv_round(
             st._backend = open_backend(asyncio.get_running_loop(), depth=depth)
             if hasattr(st._backend, "min_bytes"):
                 st._backend.min_bytes = 0  # exactly `depth` operations in flight, as fio's iodepth
-            if SUBMIT_GROUP is not None and hasattr(st._backend, "ring"):
-                st._backend.ring.submit_group = SUBMIT_GROUP  # --submit-group: operations per io_uring_enter
-            if MERGE_BYTES is not None and hasattr(st._backend, "ring"):
-                st._backend.ring.merge_bytes = MERGE_BYTES  # --merge-bytes: adjacent writes merged up to this
+            for name, value in RING.items() if hasattr(st._backend, "ring") else ():
+                setattr(st._backend.ring, name, value)  # --submit-group, --merge-bytes
         ns = st.namespace(NSID, payload, fields={"bench": "bench_store"})
         if not held:  # random payloads (written once; save stamps only the header of each slot)
             _fill(pool, payload)
@@ -617,9 +615,10 @@ def main() -> int:
         from tools import bench_store_peers as bp
 
         return harness.emit(bp.peers_main(args, _sizes(args.sizes), depths[0], log), args, bp.render_peers)
-    global SUBMIT_GROUP, SETTLE, MERGE_BYTES
-    SUBMIT_GROUP = args.submit_group
-    MERGE_BYTES = args.merge_bytes
+    global SETTLE
+    RING.update(
+        (k, v) for k, v in (("submit_group", args.submit_group), ("merge_bytes", args.merge_bytes)) if v is not None
+    )
     SETTLE = args.settle
     sizes = _sizes(args.sizes)
     depths = [int(x) for x in args.depth.split(",") if x]

@@ -35,6 +35,8 @@ import asyncio
 import errno
 import logging
 
+from aiokv.util.loops import settle
+
 OP_READ = 0
 OP_WRITE = 1
 
@@ -49,18 +51,6 @@ def say_once(msg: str) -> None:
     if msg not in _said:
         _said.add(msg)
         log.warning(msg)
-
-
-async def settle(futs) -> None:
-    """Wait until every future of `futs` is done, even if the waiting task is
-    cancelled meanwhile (asyncio.wait cancels none of them): whatever a call
-    started that may still touch its buffers has ended when this returns. The
-    caller raises its own error after. Exceptions stay in the futures."""
-    while not all(f.done() for f in futs):
-        try:
-            await asyncio.wait(futs)
-        except asyncio.CancelledError:
-            continue
 
 
 class _Batch:
@@ -101,6 +91,7 @@ class IOBackend(abc.ABC):
     """Runs batches of reads and writes; see the module docstring for the contract."""
 
     name = "abstract"
+    merge_bytes = 0  # adjacent writes of a batch go to the kernel as one up to this many bytes (uring.py)
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop

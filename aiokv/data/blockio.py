@@ -58,9 +58,10 @@ import ctypes
 import errno
 
 from aiokv.data import format as fmt
-from aiokv.data.backend import OP_READ, OP_WRITE, settle
+from aiokv.data.backend import OP_READ, OP_WRITE
 from aiokv.data.datafiles import DataFiles
 from aiokv.data.slotfile import check_slot
+from aiokv.util.loops import settle, waited
 
 EBADMSG = -errno.EBADMSG
 PIPELINE_MIN = 4  # up to this many items: one backend batch
@@ -157,16 +158,7 @@ class BlockIO:
         free them then)."""
         if not self._spreads(payloads):
             return fn(*args)
-        fut = asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
-        try:
-            # shielded: cancelling an executor future that is running would mark it done
-            # while its thread still writes the headers
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await settle([fut])
-            if not fut.cancelled():
-                fut.exception()  # retrieved: the cancellation is what the caller gets
-            raise
+        return await waited(fn, *args, executor=self.cpu)
 
     def verify(self, key: bytes, addr: int) -> bool:
         """Whether the staging buffer at addr holds `key` intact (check_slot: the format's checks, then the MAC)."""
@@ -202,7 +194,7 @@ class BlockIO:
     def _entries(self, n: int) -> int:
         """Kernel entries (the depth's unit) a batch of n adjacent slots takes: n, or fewer
         where the backend merges adjacent writes (data/uring.py, MERGE_WRITE_BYTES)."""
-        per = getattr(self.backend, "merge_bytes", 0) // self.slot_bytes
+        per = self.backend.merge_bytes // self.slot_bytes
         return -(-n // per) if per > 1 else n
 
     async def write(

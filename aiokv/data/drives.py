@@ -29,7 +29,8 @@ import asyncio
 import errno
 
 from aiokv.data import format as fmt
-from aiokv.data.backend import NOT_IO_ERRORS, settle
+from aiokv.data.backend import NOT_IO_ERRORS
+from aiokv.util.loops import settle
 
 
 class DriveIO:

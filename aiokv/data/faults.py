@@ -103,6 +103,10 @@ class FaultyBackend(IOBackend):
     def in_flight(self) -> int:
         return self.inner.in_flight
 
+    @property
+    def merge_bytes(self) -> int:
+        return self.inner.merge_bytes
+
     async def run(self, ops, abandon=None) -> list[int]:
         rules = [next((r for r in self.rules if r.hits(op)), None) for op in ops]
         plan = [r.kind if r is not None else None for r in rules]

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 
-from aiokv.data.backend import settle
+from aiokv.util.loops import settle
 
 SLACK_CHUNKS = 2
 

@@ -6,7 +6,7 @@ uvloop where it is installed, asyncio's own loop elsewhere (a bare GPU node).
 Threading contract: `submit`, `call_soon` and `stop` are called from any thread; the
 loop runs on its own thread only what was handed to it. `stop` returns within its bound
 whatever the loop runs: a loop that does not stop is left to the process exit.
-`waited` runs on a loop; its blocking call on a thread of that loop's executor.
+`settle` and `waited` run on a loop; `waited`'s blocking call on a thread of an executor.
 """
 
 from __future__ import annotations
@@ -69,21 +69,29 @@ class LoopThread:
         )
 
 
-async def waited(wait):
-    """wait() (a blocking wait on a device: its copies landing) on a thread of the running loop's
-    executor, so the loop goes on meanwhile; its result. A cancellation is raised only once wait()
-    has returned: what the copies write and read is the caller's to give back after us."""
-    done = threading.Event()
-
-    def run():
+async def settle(futs) -> None:
+    """Wait until every future of `futs` is done, even if the waiting task is
+    cancelled meanwhile (asyncio.wait cancels none of them): whatever a call
+    started that may still touch its buffers has ended when this returns. The
+    caller raises its own error after. Exceptions stay in the futures."""
+    while not all(f.done() for f in futs):
         try:
-            return wait()
-        finally:
-            done.set()
+            await asyncio.wait(futs)
+        except asyncio.CancelledError:
+            continue
 
-    fut = asyncio.get_running_loop().run_in_executor(None, run)
+
+async def waited(fn, *args, executor=None):
+    """fn(*args) (a blocking call: a device's copies landing, a slot call reading staging
+    buffers) on a thread of `executor` (None: the running loop's default), so the loop goes
+    on meanwhile; its result. A cancellation is raised only once fn has returned: what it
+    writes and reads is the caller's to give back after us. Shielded, because cancelling an
+    executor future that is running would mark it done while its thread still works."""
+    fut = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
-        done.wait()
+        await settle([fut])
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the cancellation is what the caller gets
         raise
