@@ -80,7 +80,13 @@ async def test_blocks_are_placed_by_key_and_found_again_after_a_restart_in_any_o
     assert await _save(st, ns, blocks, keys) == [0] * N
     on = [_drive(st, ns, k) for k in keys]
     assert on == [place(k, st.seeds, [0, 1, 2]) for k in keys]
-    assert all(on.count(d) >= N // 6 for d in range(3)), f"spread over every drive: {on}"
+    # spread over every drive. The seeds come from the paths, which pytest's tmp_path changes
+    # each run: at least N // 6 of these N blocks on each drive failed about once in 110 runs
+    # (one drive had 7 of 48), so the evenness is checked on 4,800 keys (each drive's share
+    # 0.33 +- 0.007) and these N only for a block on every drive
+    assert all(on.count(d) for d in range(3)), f"a block on every drive: {on}"
+    many = [place(key(i, salt=1), st.seeds, [0, 1, 2]) for i in range(4800)]
+    assert all(many.count(d) >= 4800 // 6 for d in range(3)), [many.count(d) for d in range(3)]
     for d, p in enumerate(paths):  # each drive has its own files and journal
         assert os.path.exists(os.path.join(p, "ns", NS.hex(), "rank0.data")), p
         assert st.stores[d].index.namespaces[NS].table.count == on.count(d)
