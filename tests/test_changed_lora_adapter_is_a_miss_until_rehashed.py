@@ -94,6 +94,27 @@ def test_a_resaved_adapter_is_a_miss_while_its_new_files_are_hashed(tmp_path):
             adapters.close()
 
 
+def test_a_look_finished_since_the_last_step_does_not_stop_the_next_one(tmp_path):
+    """A look that ended on the I/O thread after the step's poll left the adapter marked as
+    being looked at until the next poll, so a request asking between them queued no look: files
+    re-saved by then were first noticed one request later (and the end-to-end test's held
+    re-hash never started: tests/test_resaved_lora_adapter_e2e.py waited 300 s for it)."""
+    path = _adapter(tmp_path / "a", os.urandom(4096))
+    adapters = Adapters(60.0)
+    try:
+        old = _fp(path)
+        _wait(lambda: (adapters.poll(), adapters.get("mine", path))[1] == old, "first look")
+        adapters.get("mine", path)  # queues a look that finds the same files
+        _wait(lambda: adapters.fs.pending == 0, "the look did not end")  # ended, not yet polled
+        _adapter(path, os.urandom(8192))  # re-saved (another size) before the next step's poll
+        assert adapters.get("mine", path) in (old, None)  # (the look that sees it is queued now)
+        _wait(lambda: adapters.fs.pending == 0, "the look did not end")
+        assert adapters.poll() == {path}, "no look saw the re-saved files"
+        assert adapters.get("mine", path) == _fp(path) != old
+    finally:
+        adapters.close()
+
+
 def test_an_adapter_changed_while_hashed_is_hashed_again(tmp_path, monkeypatch):
     """Files re-saved during the hash itself: the fingerprint of a mix of two versions is never
     served; the next look hashes the files as they are."""

@@ -12,7 +12,8 @@ on a hung mount must not hold up the journal behind it.
 - `get(name, path)`: the fingerprint of the adapter's files, or None (the connector then
   gives the request no key root yet: a miss that saves nothing until it has one) before
   the first look finished, and from the moment a look saw the files change until their
-  new fingerprint is known; either way a look is queued unless one is. The first look
+  new fingerprint is known; either way a look is queued unless one is (a look already
+  finished is applied first, without waiting for the step's poll). The first look
   hashes the files; later ones stat them and hash again only if their signature (names,
   sizes, modification times) changed. A look that sees a change says so before it
   hashes (the `changing` flag `get` reads, and the path `poll` hands back), so no
@@ -87,6 +88,8 @@ class Adapters:
                 self._known.popitem(last=False)  # (a look still running for it updates a forgotten record)
         else:
             self._known.move_to_end(path)
+        if a.looking and self.fs is not None:
+            self.fs.poll()  # a look that ended since the step's poll: applied, so a new one is queued
         if not a.looking:
             self._look(name, path, a)
         return None if a.changing else a.fp
