@@ -92,6 +92,8 @@ class IOBackend(abc.ABC):
 
     name = "abstract"
     merge_bytes = 0  # adjacent writes of a batch go to the kernel as one up to this many bytes (uring.py)
+    depth = 16  # operations it keeps in the kernel or its threads (BlockIO sizes its batches by it)
+    min_bytes = 0  # below this many bytes in flight it keeps up to twice `depth` (uring.py)
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop

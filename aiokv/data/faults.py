@@ -107,6 +107,14 @@ class FaultyBackend(IOBackend):
     def merge_bytes(self) -> int:
         return self.inner.merge_bytes
 
+    @property
+    def depth(self) -> int:
+        return self.inner.depth
+
+    @property
+    def min_bytes(self) -> int:
+        return self.inner.min_bytes
+
     async def run(self, ops, abandon=None) -> list[int]:
         rules = [next((r for r in self.rules if r.hits(op)), None) for op in ops]
         plan = [r.kind if r is not None else None for r in rules]

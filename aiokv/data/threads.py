@@ -9,8 +9,16 @@ is handed back (or, in abandon mode, hands the wait to the caller; backend.py).
 Such a thread also holds its pool place until it returns: a hung disk fills the
 pool, and later operations queue behind it (their callers' timeouts end them).
 
+A batch's writes to adjacent offsets of one file go to one thread as one
+`os.pwritev` over their buffers, up to `merge_bytes` (as the io_uring ring merges
+them: uring.py); each operation still gets its own result (an error is every
+merged write's; a short count covers them in file order). Reads are never merged.
+A batch is handed back to the loop once, by the thread that ends its last system
+call (one wake-up of the loop per batch, not per operation).
+
 Threading contract: `run` is called from the loop thread; the pool threads only
-touch the operation they run and hand the result back with call_soon_threadsafe.
+touch the operations they run and their batch's `_Pending` (under the backend's
+lock), and the last one hands the results back with call_soon_threadsafe.
 """
 
 from __future__ import annotations
@@ -21,15 +29,48 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from aiokv.data.backend import OP_READ, IOBackend, _Batch
+from aiokv.data.backend import OP_READ, OP_WRITE, IOBackend, _Batch
+
+# adjacent writes of a batch merged into one pwritev up to this many bytes (docs/benchmarks.md,
+# "The thread-pool backend")
+MERGE_WRITE_BYTES = 2 << 20
+
+
+class _Pending:
+    """A batch's results as its threads leave them, and the runs of operations still out."""
+
+    __slots__ = ("results", "left")
+
+    def __init__(self, n: int, runs: int):
+        self.results = [-errno.ECANCELED] * n
+        self.left = runs
+
+
+def runs(ops, merge_bytes: int) -> list[tuple[int, int]]:
+    """(first, count) of each system call a batch makes: a write joins the run before it where
+    it is to the same file at the offset where that run ends, within merge_bytes in all."""
+    out: list[tuple[int, int]] = []
+    end = fd = -1
+    size = 0
+    for i, (kind, f, _, length, offset) in enumerate(ops):
+        if kind == OP_WRITE and f == fd and offset == end and size + length <= merge_bytes:
+            first, k = out[-1]
+            out[-1] = (first, k + 1)
+            size += length
+        else:
+            out.append((i, 1))
+            fd, size = (f, length) if kind == OP_WRITE else (-1, 0)
+        end = offset + length
+    return out
 
 
 class ThreadBackend(IOBackend):
     name = "threads"
 
-    def __init__(self, loop, threads: int = 8):
+    def __init__(self, loop, threads: int = 8, merge_bytes: int = MERGE_WRITE_BYTES):
         super().__init__(loop)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="aiokv-io")
+        self.merge_bytes = merge_bytes
         self._lock = threading.Lock()
         self._running = 0  # operations inside their system call
         self._out = 0  # operations handed to the pool and not yet completed (queued or running)
@@ -39,35 +80,41 @@ class ThreadBackend(IOBackend):
         return self._out
 
     def _start(self, batch: _Batch, ops) -> None:
+        parts = runs(ops, self.merge_bytes)
+        pending = _Pending(len(ops), len(parts))
         with self._lock:
             self._out += len(ops)
-        for i, op in enumerate(ops):
-            self.pool.submit(self._one, batch, i, op)
+        for first, k in parts:
+            self.pool.submit(self._call, batch, pending, ops, first, k)
 
-    def _one(self, batch: _Batch, i: int, op) -> None:
-        if batch.cancelled:
-            res = -errno.ECANCELED
-        else:
+    def _call(self, batch: _Batch, pending: _Pending, ops, first: int, k: int) -> None:
+        """One system call for ops[first:first + k] (one operation, or adjacent writes)."""
+        if not batch.cancelled:
             with self._lock:
-                self._running += 1
-            kind, fd, addr, length, offset = op
-            buf = (ctypes.c_char * length).from_address(addr)
+                self._running += k
+            kind, fd, _, _, offset = ops[first]
+            mine = ops[first : first + k]
             try:
-                if kind == OP_READ:
-                    res = os.preadv(fd, [buf], offset)
-                else:
-                    res = os.pwritev(fd, [buf], offset)
+                bufs = [(ctypes.c_char * op[3]).from_address(op[2]) for op in mine]
+                got = os.preadv(fd, bufs, offset) if kind == OP_READ else os.pwritev(fd, bufs, offset)
             except OSError as e:
-                res = -(e.errno or errno.EIO)
+                got = -(e.errno or errno.EIO)
             finally:
                 with self._lock:
-                    self._running -= 1
+                    self._running -= k
+            res = pending.results
+            for i, op in enumerate(mine, first):  # (written before the last run's hand-back, under the lock)
+                res[i] = got if got < 0 else min(op[3], got)
+                got = got if got < 0 else got - res[i]
         with self._lock:
-            self._out -= 1
-        try:
-            self.loop.call_soon_threadsafe(batch.complete, i, res)
-        except RuntimeError:
-            pass  # loop closed while shutting down
+            self._out -= k
+            pending.left -= 1
+            last = pending.left == 0
+        if last:
+            try:
+                self.loop.call_soon_threadsafe(batch.finish, pending.results)
+            except RuntimeError:
+                pass  # loop closed while shutting down
 
     def _cancel(self, batch: _Batch) -> None:
         pass  # batch.cancelled makes threads skip what they have not started
