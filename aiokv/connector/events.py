@@ -228,6 +228,11 @@ class KVEvents:
         return self._started and not self._reading and not self._next_start and not self._backlog
 
     @property
+    def behind(self) -> bool:
+        """Changes of the store (commits, removals, a clear's) not yet handed to vLLM."""
+        return bool(self._removing) or any(part.changes for parts in self._parts.values() for _, part in parts)
+
+    @property
     def announcing(self) -> int:
         """Stored blocks of the start announcement not yet handed to vLLM."""
         return len(self._backlog)
