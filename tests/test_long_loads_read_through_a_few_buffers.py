@@ -2,8 +2,8 @@
 """Bug: a load of N blocks read each block into a staging buffer of its own, N
 buffers at once. On a virtual disk, whose reads are copies the host makes into
 guest memory, a read into memory no read touched lately takes 1.3-1.5 x
-longer than into a few buffers read into again and again (docs/benchmarks.md,
-"Reads and the buffers they land in"); and a long load held most of the pool.
+longer than into a few buffers read into again and again (docs/benchmarks-history.md:
+the buffer footprint); and a long load held most of the pool.
 
 Invariants: a load reads through a window of buffers (data/window.py): it
 holds at most `step` x `ahead` staging buffers at once however many blocks it

@@ -16,7 +16,7 @@ into guest memory, and it takes 1.3-1.5 x longer per request into memory no
 read touched lately (one buffer per block of a 128 MiB load) than into a few
 MiB read into again and again (fio's `iodepth` buffers): 0.69-0.77 x fio's
 bandwidth at depth 4 for a bare C loop with one buffer per block, 0.95-1.05 x
-with 8 MiB of buffers reused ("Reads and the buffers they land in"). The
+with 8 MiB of buffers reused (docs/benchmarks-history.md: the buffer footprint). The
 checksum pass after the read then finds the payload in cache too.
 `ahead` = the chunks that keep the disk's queue full, plus SLACK_CHUNKS (one
 being checked and copied out while the others are in the kernel, one queued
