@@ -257,3 +257,44 @@ async def test_a_short_merged_write_on_threads_covers_its_writes_in_file_order(t
     res = await asyncio.wait_for(be.run([(OP_WRITE, 1, addr(b), BS, i * BS) for i, b in enumerate(bufs)]), 10)
     assert res == [BS, BS, BS // 2, 0]
     be.close()
+
+
+async def test_a_bad_operation_on_threads_fails_alone_and_its_batch_ends(tmp_path):
+    """An operation no system call can take (a programming error: no fd) made the pool thread
+    raise before the batch was counted off: the batch never ended and its caller waited for ever."""
+    import asyncio
+
+    from aiokv.data.threads import ThreadBackend
+
+    be = ThreadBackend(asyncio.get_running_loop(), threads=2)
+    fd = os.open(tmp_path / "data", os.O_RDWR | os.O_CREAT, 0o600)
+    b = ctypes.create_string_buffer(BS)
+    try:
+        res = await asyncio.wait_for(
+            be.run([(OP_WRITE, fd, addr(b), BS, 0), (OP_WRITE, None, addr(b), BS, 4 * BS)]), 10
+        )
+        assert res == [BS, -errno.EINVAL]
+        assert be.in_flight == 0
+    finally:
+        be.close()
+        os.close(fd)
+
+
+async def test_thousands_of_small_adjacent_writes_stay_below_the_iovec_limit(tmp_path):
+    """1,100 adjacent writes of 512 bytes fit in merge_bytes, but not in one pwritev (IOV_MAX is
+    1,024: EINVAL for all): a merged write takes at most MERGE_MAX_OPS buffers."""
+    import asyncio
+
+    from aiokv.data.threads import MERGE_MAX_OPS, ThreadBackend, runs
+
+    ops = [(OP_WRITE, 3, 0, 512, i * 512) for i in range(1100)]
+    assert max(k for _, k in runs(ops, 2 << 20)) == MERGE_MAX_OPS
+    be = ThreadBackend(asyncio.get_running_loop(), threads=2)
+    fd = os.open(tmp_path / "data", os.O_RDWR | os.O_CREAT, 0o600)
+    b = ctypes.create_string_buffer(512)
+    try:
+        res = await asyncio.wait_for(be.run([(OP_WRITE, fd, addr(b), 512, i * 512) for i in range(1100)]), 10)
+        assert res == [512] * 1100
+    finally:
+        be.close()
+        os.close(fd)

@@ -98,7 +98,9 @@ def test_a_look_finished_since_the_last_step_does_not_stop_the_next_one(tmp_path
     """A look that ended on the I/O thread after the step's poll left the adapter marked as
     being looked at until the next poll, so a request asking between them queued no look: files
     re-saved by then were first noticed one request later (and the end-to-end test's held
-    re-hash never started: tests/test_resaved_lora_adapter_e2e.py waited 300 s for it)."""
+    re-hash never started: tests/test_resaved_lora_adapter_e2e.py waited 300 s for it). A look
+    applied that way hands out no fingerprint until the step's poll has named the change (the
+    connector retires the path's requests there: one given the new fingerprint would be too)."""
     path = _adapter(tmp_path / "a", os.urandom(4096))
     adapters = Adapters(60.0)
     try:
@@ -109,6 +111,9 @@ def test_a_look_finished_since_the_last_step_does_not_stop_the_next_one(tmp_path
         _adapter(path, os.urandom(8192))  # re-saved (another size) before the next step's poll
         assert adapters.get("mine", path) in (old, None)  # (the look that sees it is queued now)
         _wait(lambda: adapters.fs.pending == 0, "the look did not end")
+        # ended and applied by this ask, but the step's poll has not named the change yet: that poll
+        # retires the path's requests (roots.py), so none may get the new fingerprint before it
+        assert adapters.get("mine", path) is None, "the new fingerprint was handed out before the poll"
         assert adapters.poll() == {path}, "no look saw the re-saved files"
         assert adapters.get("mine", path) == _fp(path) != old
     finally:

@@ -12,8 +12,9 @@ on a hung mount must not hold up the journal behind it.
 - `get(name, path)`: the fingerprint of the adapter's files, or None (the connector then
   gives the request no key root yet: a miss that saves nothing until it has one) before
   the first look finished, and from the moment a look saw the files change until their
-  new fingerprint is known; either way a look is queued unless one is (a look already
-  finished is applied first, without waiting for the step's poll). The first look
+  new fingerprint is known, and until the step's poll has named that change (the
+  connector retires the path's requests there); either way a look is queued unless
+  one is (a look already finished is applied first, without waiting for the poll). The first look
   hashes the files; later ones stat them and hash again only if their signature (names,
   sizes, modification times) changed. A look that sees a change says so before it
   hashes (the `changing` flag `get` reads, and the path `poll` hands back), so no
@@ -92,7 +93,10 @@ class Adapters:
             self.fs.poll()  # a look that ended since the step's poll: applied, so a new one is queued
         if not a.looking:
             self._look(name, path, a)
-        return None if a.changing else a.fp
+        # (a change the step's poll has not named yet: that poll retires the path's requests, so a
+        # request given the new fingerprint before it would be retired too; it waits a step instead.
+        # Without a thread, tests' and tools' looks end inside this call and nothing polls.)
+        return None if a.changing or (self._thread and path in self._seen) else a.fp
 
     def poll(self) -> set:
         """Apply the looks finished since the last poll; the paths whose files a look saw change."""

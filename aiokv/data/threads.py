@@ -29,11 +29,12 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from aiokv.data.backend import OP_READ, OP_WRITE, IOBackend, _Batch
+from aiokv.data.backend import OP_READ, OP_WRITE, IOBackend, _Batch, say_once
 
 # adjacent writes of a batch merged into one pwritev up to this many bytes (docs/benchmarks.md,
-# "The thread-pool backend")
+# "The thread-pool backend"), and this many buffers (far below IOV_MAX, as the ring's MERGE_MAX_OPS)
 MERGE_WRITE_BYTES = 2 << 20
+MERGE_MAX_OPS = 64
 
 
 class _Pending:
@@ -53,7 +54,13 @@ def runs(ops, merge_bytes: int) -> list[tuple[int, int]]:
     end = fd = -1
     size = 0
     for i, (kind, f, _, length, offset) in enumerate(ops):
-        if kind == OP_WRITE and f == fd and offset == end and size + length <= merge_bytes:
+        if (
+            kind == OP_WRITE
+            and f == fd
+            and offset == end
+            and size + length <= merge_bytes
+            and out[-1][1] < MERGE_MAX_OPS
+        ):
             first, k = out[-1]
             out[-1] = (first, k + 1)
             size += length
@@ -88,24 +95,15 @@ class ThreadBackend(IOBackend):
             self.pool.submit(self._call, batch, pending, ops, first, k)
 
     def _call(self, batch: _Batch, pending: _Pending, ops, first: int, k: int) -> None:
-        """One system call for ops[first:first + k] (one operation, or adjacent writes)."""
-        if not batch.cancelled:
-            with self._lock:
-                self._running += k
-            kind, fd, _, _, offset = ops[first]
-            mine = ops[first : first + k]
-            try:
-                bufs = [(ctypes.c_char * op[3]).from_address(op[2]) for op in mine]
-                got = os.preadv(fd, bufs, offset) if kind == OP_READ else os.pwritev(fd, bufs, offset)
-            except OSError as e:
-                got = -(e.errno or errno.EIO)
-            finally:
-                with self._lock:
-                    self._running -= k
-            res = pending.results
-            for i, op in enumerate(mine, first):  # (written before the last run's hand-back, under the lock)
-                res[i] = got if got < 0 else min(op[3], got)
-                got = got if got < 0 else got - res[i]
+        """One system call for ops[first:first + k] (one operation, or adjacent writes). Whatever
+        happens here, the run is counted off, so the batch always ends (an operation that is not
+        one, a programming error, fails with -EINVAL rather than leave its batch waiting)."""
+        try:
+            if not batch.cancelled:
+                self._syscall(pending.results, ops, first, k)
+        except Exception as e:
+            say_once(f"aiokv: a thread-pool I/O operation could not run ({e!r}); it fails with EINVAL")
+            pending.results[first : first + k] = [-errno.EINVAL] * k
         with self._lock:
             self._out -= k
             pending.left -= 1
@@ -115,6 +113,26 @@ class ThreadBackend(IOBackend):
                 self.loop.call_soon_threadsafe(batch.finish, pending.results)
             except RuntimeError:
                 pass  # loop closed while shutting down
+
+    def _syscall(self, res: list, ops, first: int, k: int) -> None:
+        """Run ops[first:first + k] as one preadv or pwritev; each operation's result into res (an
+        error is each one's, a short count covers them in order). Written before the last run of
+        the batch hands `res` back, which it does after taking the lock."""
+        mine = ops[first : first + k]
+        kind, fd, _, _, offset = mine[0]
+        bufs = [(ctypes.c_char * op[3]).from_address(op[2]) for op in mine]
+        with self._lock:
+            self._running += k
+        try:
+            got = os.preadv(fd, bufs, offset) if kind == OP_READ else os.pwritev(fd, bufs, offset)
+        except OSError as e:
+            got = -(e.errno or errno.EIO)
+        finally:
+            with self._lock:
+                self._running -= k
+        for i, op in enumerate(mine, first):
+            res[i] = got if got < 0 else min(op[3], got)
+            got = got if got < 0 else got - res[i]
 
     def _cancel(self, batch: _Batch) -> None:
         pass  # batch.cancelled makes threads skip what they have not started
