@@ -57,8 +57,9 @@ class _Batch:
     """Completion state of one `run` call (loop thread only). `fut` (awaited by
     run) gets the results; `ended`, made only once run was cancelled with
     operations still out, completes when the last of them has. A backend
-    completes it per operation (`complete`: the thread pool) or whole
-    (`finish`: io_uring, whose ring counts the operations in C); `remaining`
+    completes it per operation (`complete`: the benchmarks' null backend) or whole
+    (`finish`: io_uring, whose ring counts the operations in C, and the thread
+    pool, whose last system call of the batch hands it back); `remaining`
     is non-zero while any operation is out. `tag` is the backend's handle."""
 
     __slots__ = ("results", "remaining", "fut", "cancelled", "ended", "tag")
@@ -92,7 +93,9 @@ class IOBackend(abc.ABC):
 
     name = "abstract"
     merge_bytes = 0  # adjacent writes of a batch go to the kernel as one up to this many bytes (uring.py)
-    depth = 16  # operations it keeps in the kernel or its threads (BlockIO sizes its batches by it)
+    # operations it keeps in the kernel (BlockIO sizes its batches by it); the thread pool keeps
+    # this default whatever its number of threads (choice.py: min(depth, 16))
+    depth = 16
     min_bytes = 0  # below this many bytes in flight it keeps up to twice `depth` (uring.py)
 
     def __init__(self, loop: asyncio.AbstractEventLoop):

@@ -193,7 +193,7 @@ class BlockIO:
 
     def _entries(self, n: int) -> int:
         """Kernel entries (the depth's unit) a batch of n adjacent slots takes: n, or fewer
-        where the backend merges adjacent writes (data/uring.py, MERGE_WRITE_BYTES)."""
+        where the backend merges adjacent writes (its merge_bytes: data/uring.py, data/threads.py)."""
         per = self.backend.merge_bytes // self.slot_bytes
         return -(-n // per) if per > 1 else n
 
