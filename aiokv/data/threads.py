@@ -17,8 +17,8 @@ A batch is handed back to the loop once, by the thread that ends its last system
 call (one wake-up of the loop per batch, not per operation).
 
 Threading contract: `run` is called from the loop thread; the pool threads only
-touch the operations they run and their batch's `_Pending` (under the backend's
-lock), and the last one hands the results back with call_soon_threadsafe.
+touch the operations they run, their batch's results and its count of runs left (`tag`,
+under the backend's lock), and the last one hands the results back with call_soon_threadsafe.
 """
 
 from __future__ import annotations
@@ -35,16 +35,6 @@ from aiokv.data.backend import OP_READ, OP_WRITE, IOBackend, _Batch, say_once
 # "The thread-pool backend"), and this many buffers (far below IOV_MAX, as the ring's MERGE_MAX_OPS)
 MERGE_WRITE_BYTES = 2 << 20
 MERGE_MAX_OPS = 64
-
-
-class _Pending:
-    """A batch's results as its threads leave them, and the runs of operations still out."""
-
-    __slots__ = ("results", "left")
-
-    def __init__(self, n: int, runs: int):
-        self.results = [-errno.ECANCELED] * n
-        self.left = runs
 
 
 def runs(ops, merge_bytes: int) -> list[tuple[int, int]]:
@@ -88,29 +78,29 @@ class ThreadBackend(IOBackend):
 
     def _start(self, batch: _Batch, ops) -> None:
         parts = runs(ops, self.merge_bytes)
-        pending = _Pending(len(ops), len(parts))
+        batch.tag = len(parts)  # system calls of the batch still to end (counted off under the lock)
         with self._lock:
             self._out += len(ops)
         for first, k in parts:
-            self.pool.submit(self._call, batch, pending, ops, first, k)
+            self.pool.submit(self._call, batch, ops, first, k)
 
-    def _call(self, batch: _Batch, pending: _Pending, ops, first: int, k: int) -> None:
+    def _call(self, batch: _Batch, ops, first: int, k: int) -> None:
         """One system call for ops[first:first + k] (one operation, or adjacent writes). Whatever
         happens here, the run is counted off, so the batch always ends (an operation that is not
         one, a programming error, fails with -EINVAL rather than leave its batch waiting)."""
         try:
             if not batch.cancelled:
-                self._syscall(pending.results, ops, first, k)
+                self._syscall(batch.results, ops, first, k)
         except Exception as e:
             say_once(f"aiokv: a thread-pool I/O operation could not run ({e!r}); it fails with EINVAL")
-            pending.results[first : first + k] = [-errno.EINVAL] * k
+            batch.results[first : first + k] = [-errno.EINVAL] * k
         with self._lock:
             self._out -= k
-            pending.left -= 1
-            last = pending.left == 0
+            batch.tag -= 1
+            last = batch.tag == 0
         if last:
             try:
-                self.loop.call_soon_threadsafe(batch.finish, pending.results)
+                self.loop.call_soon_threadsafe(batch.finish, batch.results)
             except RuntimeError:
                 pass  # loop closed while shutting down
 
