@@ -3,8 +3,11 @@
  * aiokv._native: what its units share (native/recipe.py lists the units).
  *
  *   module.c  the module: its init, fallocate
+ *   ops.c     an I/O operation parsed, and which adjacent writes merge (ops.h)
  *   ring.c    Ring, the io_uring ring that runs batches (aiokv/data/uring.py); its
  *             batches in ring_batches.c, its submissions in ring_submit.c (ring.h)
+ *   pool.c    Pool, threads of our own that run batches where io_uring is not used
+ *             (aiokv/data/threads.py)
  *   crc32c.c  CRC32C, the checksum of every slot, header and journal record (crc32c.h;
  *             aiokv._index links it too); crc32c_py.c its Python functions
  *   slots.c   slot headers: stamp_slots, verify_slots, check_slot (aiokv/data/format/slot.py)
@@ -36,6 +39,9 @@ int crc_add(PyObject *m); /* CRC32C's functions and constants; 0 or -1 */
 
 /* ---- ring.c ---- */
 int ring_add(PyObject *m); /* Ring (where built with liburing) and HAVE_URING; 0 or -1 */
+
+/* ---- pool.c ---- */
+int pool_add(PyObject *m); /* Pool; 0 or -1 */
 
 /* ---- slots.c ---- */
 int slots_add(PyObject *m);

@@ -5,7 +5,7 @@
  *
  * Threading contract: nothing in the module is shared between threads but the
  * CRC tables crc_init fills before any call; a Ring belongs to one thread
- * (ring.c). Calls over many bytes or that wait on the kernel release the GIL.
+ * (ring.c), and so does a Pool, whose own threads share only its core (pool.c). Calls over many bytes or that wait on the kernel release the GIL.
  */
 #include "aiokv.h"
 
@@ -36,7 +36,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     crc_init();
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
-    if (ring_add(m) < 0 || crc_add(m) < 0 || slots_add(m) < 0 || copies_add(m) < 0 ||
+    if (ring_add(m) < 0 || pool_add(m) < 0 || crc_add(m) < 0 || slots_add(m) < 0 || copies_add(m) < 0 ||
         PyModule_AddIntConstant(m, "FALLOC_FL_KEEP_SIZE", 0x01) < 0 ||
         PyModule_AddIntConstant(m, "FALLOC_FL_PUNCH_HOLE", 0x02) < 0) {
         Py_DECREF(m);

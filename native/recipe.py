@@ -15,7 +15,18 @@ import os
 
 CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-fvisibility=hidden"]
 EXPORTS = os.path.join("native", "exports.map")
-UNITS = ("module.c", "ring.c", "ring_batches.c", "ring_submit.c", "crc32c.c", "crc32c_py.c", "slots.c", "copies.c")
+UNITS = (
+    "module.c",
+    "ops.c",
+    "ring.c",
+    "ring_batches.c",
+    "ring_submit.c",
+    "pool.c",
+    "crc32c.c",
+    "crc32c_py.c",
+    "slots.c",
+    "copies.c",
+)
 ISAL_HEADER = os.path.join("isa-l", "crc.h")
 ISAL_MACRO = ("AIOKV_HAVE_ISAL", "1")
 ISAL_LIB = "isal"

@@ -136,28 +136,7 @@ static PyObject *Ring_start(RingObject *self, PyObject *arg) {
     }
     ring_batch *b = &self->b[s];
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 5) {
-            PyErr_SetString(PyExc_TypeError, "an operation is a tuple (op, fd, addr, length, offset)");
-            break;
-        }
-        ring_op *o = &b->ops[i];
-        long op, fd;
-        unsigned long long len;
-        if (((op = PyLong_AsLong(PyTuple_GET_ITEM(item, 0))) == -1 && PyErr_Occurred()) ||
-            ((fd = PyLong_AsLong(PyTuple_GET_ITEM(item, 1))) == -1 && PyErr_Occurred()) ||
-            ((o->addr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 2))) == (uint64_t)-1 && PyErr_Occurred()) ||
-            ((len = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 3))) == (uint64_t)-1 && PyErr_Occurred()) ||
-            ((o->off = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 4))) == (uint64_t)-1 && PyErr_Occurred()))
-            break;
-        if (op < OP_READ || op > OP_NOP || fd < INT32_MIN || fd > INT32_MAX || len > UINT32_MAX) {
-            PyErr_Format(PyExc_ValueError, "bad operation (op %ld, fd %ld, length %llu)", op, fd, len);
-            break;
-        }
-        o->op = (uint8_t)op;
-        o->fd = (int32_t)fd;
-        o->len = (uint32_t)len;
-        o->span = 1;
+        if (op_parse(PySequence_Fast_GET_ITEM(seq, i), &b->ops[i]) < 0) break;
         b->res[i] = -ECANCELED; /* what a queued operation gets when its batch is cancelled */
     }
     Py_DECREF(seq);

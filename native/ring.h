@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Ring's units share this (ring.c says what a Ring is and does): the operation codes, and
+ * Ring's units share this (ring.c says what a Ring is and does): the operation (ops.h), and
  * where built with liburing the ring's structures, its batch ids and what each unit gives the
  * others.
  *
@@ -11,11 +11,7 @@
 #ifndef AIOKV_RING_H
 #define AIOKV_RING_H
 
-#include "aiokv.h"
-
-#define OP_READ 0
-#define OP_WRITE 1
-#define OP_NOP 2
+#include "ops.h"
 
 #ifdef AIOKV_HAVE_URING
 #include <errno.h>
@@ -29,23 +25,11 @@
 #define RES_PENDING INT32_MIN /* an operation without a result yet */
 #define MAX_BATCHES 0xfffe    /* batch slots; a slot number fits 16 bits and is never 0xffff */
 
-/* One operation of a batch, as Ring.start parsed it. */
-typedef struct {
-    uint64_t addr, off;
-    int32_t fd;
-    uint32_t len;
-    uint16_t span; /* operations the kernel entry prepared from this one covers (writes merged: ring_pump) */
-    uint8_t op;
-} ring_op;
-
-/* Most operations one merged write covers (an iovec each). */
-#define MERGE_MAX_OPS 64
-
 /* A batch: the unit Python sees. Its operations are queued in order, handed to
  * the kernel within the ring's limits, and the batch is reported (and its slot
  * freed) once every operation has a result. */
 typedef struct {
-    ring_op *ops;  /* n operations, then n iovecs, then n int32 results (one allocation) */
+    io_op *ops;        /* n operations, then n iovecs, then n int32 results (one allocation) */
     struct iovec *iov; /* per operation: its buffer, for a merged write's vector */
     int32_t *res;  /* per operation: byte count, -errno, or RES_PENDING */
     uint32_t n;

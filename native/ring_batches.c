@@ -32,7 +32,7 @@ int32_t batch_alloc(RingObject *self, uint32_t n) {
     }
     int32_t s = self->free_head;
     ring_batch *b = &self->b[s];
-    b->ops = PyMem_Malloc(n * (sizeof(ring_op) + sizeof(struct iovec) + sizeof(int32_t)));
+    b->ops = PyMem_Malloc(n * (sizeof(io_op) + sizeof(struct iovec) + sizeof(int32_t)));
     if (!b->ops) {
         PyErr_NoMemory();
         return -1;

@@ -84,25 +84,6 @@ int ring_refused(RingObject *self, int err, PyObject *done) {
     return rc;
 }
 
-/* How many operations from i of batch b one kernel entry takes: 1, or the run of
- * writes from i to the same file at adjacent offsets, up to merge_bytes in all and
- * MERGE_MAX_OPS (a vectored write over their buffers). Reads are never merged: the
- * virtual disk of docs/benchmarks.md serves a merged read whole and loses bandwidth
- * ("Where the time goes"); fed merged writes it is idle less of the time. */
-static uint32_t merged_span(RingObject *self, ring_batch *b, uint32_t i) {
-    ring_op *o = &b->ops[i];
-    if (o->op != OP_WRITE || self->merge_bytes <= o->len) return 1;
-    uint64_t bytes = o->len;
-    uint32_t j = i + 1;
-    for (; j < b->n && j - i < MERGE_MAX_OPS; j++) {
-        ring_op *p = &b->ops[j - 1], *q = &b->ops[j];
-        if (q->op != OP_WRITE || q->fd != o->fd || q->off != p->off + p->len || bytes + q->len > self->merge_bytes)
-            break;
-        bytes += q->len;
-    }
-    return j - i;
-}
-
 /* Hands queued operations to the kernel, in submission order, up to `depth` in
  * flight, or up to max_ops while fewer than min_bytes are in flight: one
  * io_uring_enter per submit_group operations (all at once if 0). Entries voided
@@ -121,8 +102,8 @@ int ring_pump(RingObject *self, PyObject *done) {
         if (!sqe) break;
         int32_t s = self->qhead;
         ring_batch *b = &self->b[s];
-        uint32_t i = b->next, span = merged_span(self, b, i);
-        ring_op *o = &b->ops[i];
+        uint32_t i = b->next, span = op_run(b->ops, b->n, i, self->merge_bytes);
+        io_op *o = &b->ops[i];
         if (span > 1) {
             /* adjacent writes of this batch as one vectored write: one request for the disk */
             for (uint32_t j = i; j < i + span; j++) {

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 
 import pytest
 
@@ -33,6 +34,22 @@ def every_life_is_checked(request):
             f"{left} engine li{'fe' if left == 1 else 'ves'} with aiokv never passed to tests.e2e.happened(): "
             "assert what it shows (tokens against a run without aiokv, aiokv's counters)"
         )
+
+
+@pytest.fixture
+def stallfs(tmp_path):
+    """(mountpoint, stall, resume): a FUSE passthrough (tests/stallfs.py) whose .data reads
+    hang after stall() ("rw": writes too) until resume()."""
+    from tests.stallfs import mounted
+
+    control = str(tmp_path / "stall")
+    with mounted(str(tmp_path / "src"), str(tmp_path / "mnt"), control):
+
+        def stall(what: str = "r") -> None:
+            with open(control, "w") as f:
+                f.write(what)
+
+        yield str(tmp_path / "mnt"), stall, lambda: os.unlink(control)
 
 
 @pytest.fixture(params=["uring", "threads"])

@@ -15,7 +15,8 @@ it on (MERGE_WRITE_BYTES). Real io_uring, real files and pipes.
 The thread-pool backend (where io_uring is refused) wrote and handed back each
 operation alone: one pwritev and one wake-up of the loop per slot (256 KiB saves:
 0.18-0.21 core-s per GB against 0.07-0.09 merged). It now makes one pwritev per
-run of adjacent writes (threads.py, runs) and hands a batch back once.
+run of adjacent writes (native/pool.c, by native/ops.c's op_run, the ring's rule)
+and hands a batch back once.
 """
 
 from __future__ import annotations
@@ -38,6 +39,29 @@ BS = 4096
 
 def addr(buf) -> int:
     return ctypes.addressof(buf)
+
+
+# a file-size limit (RLIMIT_FSIZE) of 2.5 blocks, set in a process of its own
+LIMITED = f"""
+import ctypes, os, resource, signal, sys
+BS = {BS}
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit is cut, not a signal
+resource.setrlimit(resource.RLIMIT_FSIZE, (BS * 5 // 2, resource.RLIM_INFINITY))
+bufs = [ctypes.create_string_buffer(BS) for _ in range(4)]
+"""
+
+
+def under_size_limit(script: str, path) -> list[str]:
+    """The lines the script (given `path` as argv[1], and LIMITED's names) printed under the limit."""
+    out = subprocess.run(
+        [sys.executable, "-c", LIMITED + script, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split("\n")
 
 
 def entries(ring, bid) -> tuple[int, list]:
@@ -89,13 +113,8 @@ def test_a_merged_write_shares_its_error_and_a_short_count_in_order(tmp_path):
     (the process's file-size limit cuts it) covers them in order: the first whole, one
     cut, the rest nothing. BlockIO calls anything short an I/O error (blockio.py)."""
     path = tmp_path / "data"
-    script = textwrap.dedent(f"""
-        import ctypes, os, resource, signal, sys
+    script = textwrap.dedent("""
         from aiokv import _native
-        BS = {BS}
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit is cut, not a signal
-        resource.setrlimit(resource.RLIMIT_FSIZE, (BS * 5 // 2, resource.RLIM_INFINITY))
-        bufs = [ctypes.create_string_buffer(BS) for _ in range(4)]
         ring = _native.Ring(8, depth=1, max_ops=1, merge_bytes=4 * BS)
         def run(fd):
             ring.start([(1, fd, ctypes.addressof(b), BS, i * BS) for i, b in enumerate(bufs)])
@@ -112,15 +131,7 @@ def test_a_merged_write_shares_its_error_and_a_short_count_in_order(tmp_path):
         print(run(rw))
         print(os.path.getsize(path))
     """)
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.split("\n")
+    lines = under_size_limit(script, path)
     assert lines[0] == str([-errno.EBADF] * 4)
     assert lines[1] == str([BS, BS, BS // 2, 0])
     assert lines[2] == str(BS * 5 // 2)
@@ -188,43 +199,64 @@ async def test_the_engine_backend_merges_a_saves_writes(tmp_path):
 # ---- the thread-pool backend (where io_uring is refused): the same merge, one pwritev per run ----
 
 
-def test_the_thread_backend_plans_one_system_call_per_run_of_adjacent_writes():
-    from aiokv.data.threads import runs
-
-    w = [(OP_WRITE, 5, 0, BS, i * BS) for i in range(6)]
-    assert runs(w, 4 * BS) == [(0, 4), (4, 2)]  # capped at merge_bytes
-    assert runs(w, 0) == [(i, 1) for i in range(6)]
-    gap = w[:2] + [(OP_WRITE, 5, 0, BS, 9 * BS), (OP_WRITE, 5, 0, BS, 10 * BS)]
-    assert runs(gap, 8 * BS) == [(0, 2), (2, 2)]
-    other = w[:2] + [(OP_WRITE, 6, 0, BS, 2 * BS)]
-    assert runs(other, 8 * BS) == [(0, 2), (2, 1)]
-    reads = [(OP_READ, 5, 0, BS, i * BS) for i in range(3)]
-    assert runs(reads, 8 * BS) == [(0, 1), (1, 1), (2, 1)]
-    assert runs(reads[:1] + w[1:3], 8 * BS) == [(0, 1), (1, 2)]  # a write after a read starts a run
-
-
-async def test_the_thread_backend_merges_writes_and_hands_each_its_result(tmp_path, monkeypatch):
-    """Adjacent writes of a batch are one pwritev, read back byte for byte; the batch comes
-    back to the loop once; an error is every merged write's."""
+async def test_the_thread_backend_makes_one_system_call_per_run_of_adjacent_writes(tmp_path):
+    """The runs the ring makes (capped at merge_bytes; a gap, another file or a read starts a
+    new one), counted as the pool's system calls, each written where it belongs."""
     import asyncio
 
-    from aiokv.data import threads
     from aiokv.data.threads import ThreadBackend
 
-    calls, real = [], os.pwritev
-    monkeypatch.setattr(threads.os, "pwritev", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
-    loop, wakes = asyncio.get_running_loop(), []
+    be = ThreadBackend(asyncio.get_running_loop(), threads=2, merge_bytes=4 * BS)
+    fd = os.open(tmp_path / "data", os.O_RDWR | os.O_CREAT, 0o600)
+    fd2 = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o600)
+    bufs = [ctypes.create_string_buffer(BS) for _ in range(12)]
+    for i, b in enumerate(bufs):
+        ctypes.memset(b, 0x40 + i, BS)
 
-    class Loop:  # the loop, counting the pool threads' hand-backs
-        def __getattr__(self, name):
-            return getattr(loop, name)
+    async def calls(ops) -> int:
+        before = be.pool.calls
+        assert await asyncio.wait_for(be.run(ops), 10) == [op[3] for op in ops]
+        return be.pool.calls - before
 
-        def call_soon_threadsafe(self, *a):
-            wakes.append(a)
-            return loop.call_soon_threadsafe(*a)
+    w = [(OP_WRITE, fd, addr(bufs[i]), BS, i * BS) for i in range(6)]
+    assert await calls(w) == 2  # [0-3] [4-5]: capped at merge_bytes
+    gap = w[:2] + [(OP_WRITE, fd, addr(bufs[6]), BS, 9 * BS), (OP_WRITE, fd, addr(bufs[7]), BS, 10 * BS)]
+    assert await calls(gap) == 2
+    other = w[:2] + [(OP_WRITE, fd2, addr(bufs[8]), BS, 2 * BS)]
+    assert await calls(other) == 2
+    reads = [(OP_READ, fd, addr(bufs[9 + i]), BS, s * BS) for i, s in enumerate((9, 10, 0))]
+    assert await calls(reads) == 3  # reads never merge
+    assert await calls(reads[:1] + w[1:3]) == 2  # a write after a read starts a run
+    assert [os.pread(fd, BS, i * BS) for i in (0, 1, 2, 9, 10)] == [bytes([0x40 + b]) * BS for b in (0, 1, 2, 6, 7)]
+    assert os.pread(fd2, BS, 2 * BS) == bytes([0x48]) * BS
+    assert bufs[9].raw == bytes([0x40 + 6]) * BS, "read 9 landed in its buffer"
+    be.close()
+    assert ThreadBackend(asyncio.get_running_loop(), threads=1, merge_bytes=0).merge_bytes == 0
+    os.close(fd)
+    os.close(fd2)
 
-    be = ThreadBackend(Loop(), threads=4, merge_bytes=8 * BS)
+
+async def test_the_thread_backend_merges_writes_and_hands_each_its_result(tmp_path):
+    """Adjacent writes of a batch are one pwritev, read back byte for byte; the batch comes
+    back to the loop whole, once; an error is every merged write's."""
+    import asyncio
+
+    from aiokv.data.threads import ThreadBackend
+
+    be = ThreadBackend(asyncio.get_running_loop(), threads=4, merge_bytes=8 * BS)
     assert be.merge_bytes == 8 * BS
+    reaps, reap = [], be.pool.reap
+
+    class Counted:  # the pool, counting the batches each reap hands back
+        def __getattr__(self, name):
+            return getattr(pool, name)
+
+        def reap(self):
+            done = reap()
+            reaps.append(len(done))
+            return done
+
+    pool, be.pool = be.pool, Counted()
     fd = os.open(tmp_path / "data", os.O_RDWR | os.O_CREAT, 0o600)
     bufs = [ctypes.create_string_buffer(BS) for _ in range(20)]
     for i, b in enumerate(bufs):
@@ -232,36 +264,46 @@ async def test_the_thread_backend_merges_writes_and_hands_each_its_result(tmp_pa
     ops = [(OP_WRITE, fd, addr(bufs[19 - i]), BS, i * BS) for i in range(20)]  # buffers in any order
     res = await asyncio.wait_for(be.run(ops), 10)
     assert res == [BS] * 20
-    assert sorted(calls) == [4, 8, 8], calls
-    assert len(wakes) == 1, f"{len(wakes)} hand-backs to the loop for one batch"
+    assert pool.calls == 3, f"{pool.calls} system calls for runs of 8 + 8 + 4"
+    assert sum(reaps) == 1, f"the batch was handed back {sum(reaps)} times"
     assert all(os.pread(fd, BS, i * BS) == bytes([19 - i]) * BS for i in range(20))
     assert be.in_flight == 0
 
     ro = os.open(tmp_path / "data", os.O_RDONLY)
     res = await asyncio.wait_for(be.run([(OP_WRITE, ro, addr(bufs[i]), BS, i * BS) for i in range(3)]), 10)
     assert res == [-errno.EBADF] * 3
+    be.pool = pool
     be.close()
     os.close(fd)
     os.close(ro)
 
 
-async def test_a_short_merged_write_on_threads_covers_its_writes_in_file_order(tmp_path, monkeypatch):
-    import asyncio
+def test_a_short_merged_write_on_threads_covers_its_writes_in_file_order(tmp_path):
+    """A merged pwritev cut short (the process's file-size limit) covers its writes in order:
+    the first two whole, one cut, the last nothing."""
+    path = tmp_path / "data"
+    script = textwrap.dedent("""
+        import asyncio
+        from aiokv.data.threads import ThreadBackend
+        async def main():
+            be = ThreadBackend(asyncio.get_running_loop(), threads=2, merge_bytes=8 * BS)
+            fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+            res = await be.run([(1, fd, ctypes.addressof(b), BS, i * BS) for i, b in enumerate(bufs)])
+            print(res, be.pool.calls)
+            be.close()
+        asyncio.run(main())
+        print(os.path.getsize(sys.argv[1]))
+    """)
+    lines = under_size_limit(script, path)
+    assert lines[0] == f"{[BS, BS, BS // 2, 0]} 1"
+    assert lines[1] == str(BS * 5 // 2)
 
-    from aiokv.data import threads
-    from aiokv.data.threads import ThreadBackend
 
-    monkeypatch.setattr(threads.os, "pwritev", lambda fd, bufs, off: 2 * BS + BS // 2)  # a full disk's short count
-    be = ThreadBackend(asyncio.get_running_loop(), threads=2, merge_bytes=8 * BS)
-    bufs = [ctypes.create_string_buffer(BS) for _ in range(4)]
-    res = await asyncio.wait_for(be.run([(OP_WRITE, 1, addr(b), BS, i * BS) for i, b in enumerate(bufs)]), 10)
-    assert res == [BS, BS, BS // 2, 0]
-    be.close()
-
-
-async def test_a_bad_operation_on_threads_fails_alone_and_its_batch_ends(tmp_path):
-    """An operation no system call can take (a programming error: no fd) made the pool thread
-    raise before the batch was counted off: the batch never ended and its caller waited for ever."""
+async def test_a_bad_operation_on_threads_is_refused_at_start_and_nothing_runs(tmp_path):
+    """An operation no system call can take (a programming error: no fd) made a pool thread
+    raise before the batch was counted off: the batch never ended and its caller waited for
+    ever. The batch is now refused whole when it starts, on the loop thread, and the pool
+    goes on."""
     import asyncio
 
     from aiokv.data.threads import ThreadBackend
@@ -269,12 +311,14 @@ async def test_a_bad_operation_on_threads_fails_alone_and_its_batch_ends(tmp_pat
     be = ThreadBackend(asyncio.get_running_loop(), threads=2)
     fd = os.open(tmp_path / "data", os.O_RDWR | os.O_CREAT, 0o600)
     b = ctypes.create_string_buffer(BS)
+    ctypes.memset(b, 0x5A, BS)
     try:
-        res = await asyncio.wait_for(
-            be.run([(OP_WRITE, fd, addr(b), BS, 0), (OP_WRITE, None, addr(b), BS, 4 * BS)]), 10
-        )
-        assert res == [BS, -errno.EINVAL]
-        assert be.in_flight == 0
+        with pytest.raises(TypeError):
+            await asyncio.wait_for(be.run([(OP_WRITE, fd, addr(b), BS, 0), (OP_WRITE, None, addr(b), BS, BS)]), 10)
+        with pytest.raises(ValueError, match="bad operation"):
+            await asyncio.wait_for(be.run([(7, fd, addr(b), BS, 0)]), 10)
+        assert be.in_flight == 0 and be.pool.calls == 0 and os.fstat(fd).st_size == 0, "nothing ran"
+        assert await asyncio.wait_for(be.run([(OP_WRITE, fd, addr(b), BS, 0)]), 10) == [BS]
     finally:
         be.close()
         os.close(fd)
@@ -282,19 +326,18 @@ async def test_a_bad_operation_on_threads_fails_alone_and_its_batch_ends(tmp_pat
 
 async def test_thousands_of_small_adjacent_writes_stay_below_the_iovec_limit(tmp_path):
     """1,100 adjacent writes of 512 bytes fit in merge_bytes, but not in one pwritev (IOV_MAX is
-    1,024: EINVAL for all): a merged write takes at most MERGE_MAX_OPS buffers."""
+    1,024: EINVAL for all): a merged write takes at most 64 buffers (native/ops.h)."""
     import asyncio
 
-    from aiokv.data.threads import MERGE_MAX_OPS, ThreadBackend, runs
+    from aiokv.data.threads import ThreadBackend
 
-    ops = [(OP_WRITE, 3, 0, 512, i * 512) for i in range(1100)]
-    assert max(k for _, k in runs(ops, 2 << 20)) == MERGE_MAX_OPS
     be = ThreadBackend(asyncio.get_running_loop(), threads=2)
     fd = os.open(tmp_path / "data", os.O_RDWR | os.O_CREAT, 0o600)
     b = ctypes.create_string_buffer(512)
     try:
         res = await asyncio.wait_for(be.run([(OP_WRITE, fd, addr(b), 512, i * 512) for i in range(1100)]), 10)
         assert res == [512] * 1100
+        assert be.pool.calls == -(-1100 // 64), f"{be.pool.calls} system calls for 1,100 writes of 64 at most"
     finally:
         be.close()
         os.close(fd)

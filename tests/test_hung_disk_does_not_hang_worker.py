@@ -32,7 +32,6 @@ from aiokv.store.store import ns_dir
 from aiokv.worker.device import CpuDevice
 from aiokv.worker.transfer import CLOSE_DRAIN_S, TransferWorker
 from tests.conftest import NS, key
-from tests.stallfs import mounted
 from tests.workers import Polled
 from tests.workers import until as _until
 
@@ -42,19 +41,6 @@ TIMEOUT = 1.0  # the load and save timeouts of the tests below
 # for a busy 2-core machine. What it tells apart is a wait that never ends (the reads hang until the
 # test resumes them): the polls below give up well after it.
 SLACK = 4.0
-
-
-@pytest.fixture
-def stallfs(tmp_path):
-    """(mountpoint, stall, resume): a FUSE passthrough whose .data reads can hang."""
-    control = str(tmp_path / "stall")
-    with mounted(str(tmp_path / "src"), str(tmp_path / "mnt"), control):
-
-        def stall(what: str = "r") -> None:
-            with open(control, "w") as f:
-                f.write(what)
-
-        yield str(tmp_path / "mnt"), stall, lambda: os.unlink(control)
 
 
 async def test_abandoned_read_returns_at_once_and_hands_back_later(stallfs, backend_kind):
@@ -77,7 +63,7 @@ async def test_abandoned_read_returns_at_once_and_hands_back_later(stallfs, back
     task = asyncio.ensure_future(load())
     # the read is inside its system call (threads) or the kernel's (io_uring): it cannot answer
     # while the daemon holds it
-    in_kernel = (lambda: backend._running > 0) if backend.name == "threads" else (lambda: backend.in_flight > 0)
+    in_kernel = (lambda: backend.running > 0) if backend.name == "threads" else (lambda: backend.in_flight > 0)
     end = time.monotonic() + 10
     while not in_kernel():
         assert time.monotonic() < end and not task.done(), "the read never reached the kernel"
@@ -176,7 +162,7 @@ def test_close_returns_while_reads_hang(stallfs, io):
     finished, errors, _ = w.poll()
     assert finished == {"r"} and errors == {3, 4}, "a load cut short by close is still reported"
     resume()
-    assert _until(lambda: w.backend.in_flight == 0 or io == "uring", 10)  # (the ring is no longer reaped)
+    assert _until(lambda: io == "uring" or w.backend.running == 0, 10)  # (neither backend is reaped any more)
     time.sleep(0.2)
     for fd in w.io.fds():  # close left them open for the stuck read: let the file system go
         if fd >= 0:
