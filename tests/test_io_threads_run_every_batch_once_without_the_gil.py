@@ -26,6 +26,8 @@ import select
 import sys
 import time
 
+import pytest
+
 from aiokv import _native
 from aiokv.data.backend import OP_READ, OP_WRITE
 from aiokv.data.threads import ThreadBackend
@@ -108,6 +110,41 @@ def test_a_cancelled_batch_drops_what_no_thread_took_and_waits_for_the_rest(stal
     assert a[:] == b"\x42" * BS and b[:] == bytes(BS), "the dropped read touched its buffer"
     assert pool.in_flight == 0 and pool.cancel(bid) == [], "a stale id matches nothing"
     pool.close()
+    os.close(fd)
+
+
+async def test_a_cancelled_batch_no_thread_took_gives_its_buffers_back_at_once(stallfs):
+    """Behind a thread stuck in a read, a batch cancelled before any thread took it ends at
+    once: its buffers are the caller's again, not set aside for a read that never began (the
+    Python pool ended such a batch only when a thread reached it: never, on a hung disk)."""
+    mnt, stall, resume = stallfs
+    fd = stalled(mnt, stall, 2)
+    be = ThreadBackend(asyncio.get_running_loop(), threads=1)
+    a, b = aligned(2)
+    handed: list = []
+
+    def abandon(addrs, done):
+        handed.append(addrs)
+
+    first = asyncio.ensure_future(be.run([(OP_READ, fd, maddr(a), BS, 0)], abandon=abandon))
+    while be.running < 1:
+        await asyncio.sleep(0.005)
+    second = asyncio.ensure_future(be.run([(OP_READ, fd, maddr(b), BS, BS)], abandon=abandon))
+    while be.in_flight < 2:
+        await asyncio.sleep(0.005)
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    assert handed == [], "a batch no thread had taken was set aside as if the disk held it"
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert handed == [[maddr(a)]], "the read the disk holds keeps its buffer set aside"
+    resume()
+    while be.running:
+        await asyncio.sleep(0.005)
+    assert b[:] == bytes(BS), "the dropped read ran"
+    be.close()
     os.close(fd)
 
 
