@@ -12,6 +12,13 @@ int op_parse(PyObject *item, io_op *o) {
         PyErr_SetString(PyExc_TypeError, "an operation is a tuple (op, fd, addr, length, offset)");
         return -1;
     }
+    /* ints only: PyLong_AsLong would call an __index__, Python code that could close the
+     * Ring or Pool parsing into its own memory */
+    for (Py_ssize_t k = 0; k < 5; k++)
+        if (!PyLong_Check(PyTuple_GET_ITEM(item, k))) {
+            PyErr_SetString(PyExc_TypeError, "an operation's fields are ints");
+            return -1;
+        }
     long op, fd;
     unsigned long long len;
     if (((op = PyLong_AsLong(PyTuple_GET_ITEM(item, 0))) == -1 && PyErr_Occurred()) ||

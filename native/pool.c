@@ -16,20 +16,22 @@
  *
  * Threading contract: a Pool object belongs to one thread (the asyncio loop that owns it),
  * which calls start, reap, cancel and close with the GIL held. Its threads touch only the
- * shared core, under the core's mutex (never held across a system call), and the buffers
- * and results of the operations they run: a result is written before the mutex is taken to
- * count the operation off, and read by reap after the batch was taken off the done list
- * under it.
+ * shared core, under the core's mutex (held across no system call but the eventfd's
+ * non-blocking write), and the buffers and results of the operations they run: a result is
+ * written before the mutex is taken to count the operation off, and read by reap after the
+ * batch was taken off the done list under it.
  *
  * Failure contract: an operation's error is its own result (-errno, EINTR retried). A
  * thread stuck in a system call for ever (a hung disk, a dead FUSE daemon) holds only its
  * own place; the others go on, and later operations queue behind the busy ones. cancel()
  * drops a batch's operations no thread has taken (-ECANCELED) and cannot interrupt those in
  * a system call: the batch is reported once they end, and only then may its buffers be
- * reused (backend.py's contract). close() drops what is queued and does not wait for a
- * stuck thread: the batches still running become orphans, freed by the thread that ends
- * them, never reported; the core is freed by whichever of the Pool and its threads lets go
- * last.
+ * reused (backend.py's contract). close() drops what is queued (-ECANCELED), returns every
+ * batch then complete, and does not wait for a stuck thread: the batches a thread is still
+ * in become orphans, freed by the thread that ends them, never reported (their buffers are
+ * never safe to hand back); the core is freed by whichever of the Pool and its threads lets
+ * go last. A failed report (no memory) leaves its batches to the next reap. Operation fields
+ * must be ints (no Python code runs while a batch is parsed).
  */
 #include "ops.h"
 
@@ -81,7 +83,8 @@ typedef struct {
     unsigned nthreads;
     pool_batch **slots; /* batch by slot (NULL: free) */
     uint16_t *gens;     /* bumped when a slot is freed: a stale id never matches */
-    uint32_t cap;
+    uint32_t *frees;    /* the free slots, a stack */
+    uint32_t cap, nfree;
 } PoolObject;
 
 static void core_free(pool_core *c) {
@@ -175,39 +178,68 @@ static void *pool_thread(void *arg) {
     return NULL;
 }
 
-/* The done list taken and reported: [(id, [result, ...]), ...], each batch's slot freed. */
-static PyObject *pool_report(PoolObject *self) {
-    pool_core *c = self->core;
-    pthread_mutex_lock(&c->mu);
-    pool_batch *b = c->dhead;
-    c->dhead = c->dtail = NULL;
-    pthread_mutex_unlock(&c->mu);
+/* Chain b (linked by qnext) reported: [(id, [result, ...]), ...], each batch freed and its
+ * slot released; or NULL with a Python error and every batch of b left as it was. */
+static PyObject *report_chain(PoolObject *self, pool_batch *b) {
     PyObject *done = PyList_New(0);
-    uint64_t ended = 0;
-    for (pool_batch *nx; b; b = nx) {
-        nx = b->qnext;
-        PyObject *res = done ? PyList_New(b->n) : NULL;
-        for (uint32_t i = 0; res && i < b->n; i++) {
-            PyObject *v = PyLong_FromLong(b->res[i]);
+    for (pool_batch *x = b; done && x; x = x->qnext) {
+        PyObject *res = PyList_New(x->n);
+        for (uint32_t i = 0; res && i < x->n; i++) {
+            PyObject *v = PyLong_FromLong(x->res[i]);
             if (!v) Py_CLEAR(res);
             else PyList_SET_ITEM(res, i, v);
         }
-        PyObject *t = res ? Py_BuildValue("(lN)", (long)self->gens[b->slot] << 16 | b->slot, res) : NULL;
+        PyObject *t = res ? Py_BuildValue("(lN)", (long)self->gens[x->slot] << 16 | x->slot, res) : NULL;
         if (!t || PyList_Append(done, t) < 0) Py_CLEAR(done);
         Py_XDECREF(t);
+    }
+    if (!done) return NULL;
+    uint64_t ended = 0;
+    for (pool_batch *nx; b; b = nx) {
+        nx = b->qnext;
         ended += b->n;
         self->slots[b->slot] = NULL;
         self->gens[b->slot]++;
+        self->frees[self->nfree++] = b->slot;
         free(b);
     }
-    pthread_mutex_lock(&c->mu);
-    c->out -= ended;
-    pthread_mutex_unlock(&c->mu);
+    if (self->core) {
+        pthread_mutex_lock(&self->core->mu);
+        self->core->out -= ended;
+        pthread_mutex_unlock(&self->core->mu);
+    }
     return done;
 }
 
-static void pool_close_impl(PoolObject *self) {
+/* The done list taken and reported (report_chain). Where the list cannot be built, its
+ * batches go back to the head of the done list and the eventfd is signalled: a later reap
+ * reports them. */
+static PyObject *pool_report(PoolObject *self) {
     pool_core *c = self->core;
+    pthread_mutex_lock(&c->mu);
+    pool_batch *b = c->dhead, *tail = c->dtail;
+    c->dhead = c->dtail = NULL;
+    pthread_mutex_unlock(&c->mu);
+    if (!b) return PyList_New(0);
+    PyObject *done = report_chain(self, b);
+    if (!done) {
+        pthread_mutex_lock(&c->mu);
+        tail->qnext = c->dhead;
+        if (!c->dhead) c->dtail = tail;
+        c->dhead = b;
+        uint64_t one = 1;
+        if (write(c->efd, &one, sizeof one) < 0) {
+        }
+        pthread_mutex_unlock(&c->mu);
+    }
+    return done;
+}
+
+/* report: NULL (the batches complete are freed), or where to put them reported (a list,
+ * or NULL with a Python error) */
+static void pool_close_impl(PoolObject *self, PyObject **report) {
+    pool_core *c = self->core;
+    if (report) *report = PyList_New(0);
     if (!c) return;
     self->core = NULL;
     pthread_mutex_lock(&c->mu);
@@ -219,11 +251,15 @@ static void pool_close_impl(PoolObject *self) {
     c->qhead = c->qtail = NULL;
     c->dhead = c->dtail = NULL; /* those complete are in the table: freed below */
     int idle = c->running == 0;
-    for (uint32_t s = 0; s < self->cap; s++) {
+    pool_batch *complete = NULL; /* the batches every operation of which has a result */
+    for (uint32_t s = self->cap; s-- > 0;) {
         pool_batch *b = self->slots[s];
         if (!b) continue;
-        if (b->left == 0) free(b);
-        else b->orphan = 1; /* a thread is in its system call: it frees it */
+        if (b->left == 0) {
+            b->qnext = complete;
+            complete = b;
+        } else
+            b->orphan = 1; /* a thread is in its system call: it frees it */
     }
     pthread_cond_broadcast(&c->work);
     core_unref_unlock(c);
@@ -237,30 +273,42 @@ static void pool_close_impl(PoolObject *self) {
         } else
             pthread_detach(self->threads[t]);
     }
+    if (report && *report && complete) {
+        PyObject *rep = report_chain(self, complete);
+        Py_SETREF(*report, rep);
+        if (rep) complete = NULL; /* freed by report_chain; else freed below, the error raised */
+    }
+    for (pool_batch *nx; complete; complete = nx) {
+        nx = complete->qnext;
+        free(complete);
+    }
     PyMem_Free(self->threads);
     PyMem_Free(self->slots);
     PyMem_Free(self->gens);
+    PyMem_Free(self->frees);
     self->threads = NULL;
     self->slots = NULL;
     self->gens = NULL;
-    self->nthreads = self->cap = 0;
+    self->frees = NULL;
+    self->nthreads = self->cap = self->nfree = 0;
 }
 
 static void Pool_dealloc(PoolObject *self) {
-    pool_close_impl(self);
+    pool_close_impl(self, NULL);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static int Pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"threads", "merge_bytes", NULL};
-    unsigned threads = 8, merge_bytes = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|II", kwlist, &threads, &merge_bytes)) return -1;
+    unsigned long threads = 8, merge_bytes = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|kk", kwlist, &threads, &merge_bytes)) return -1;
     if (self->core) {
         PyErr_SetString(PyExc_RuntimeError, "Pool already initialised");
         return -1;
     }
-    if (threads < 1 || threads > POOL_MAX_THREADS) {
-        PyErr_Format(PyExc_ValueError, "a Pool takes 1 to %d threads, not %u", POOL_MAX_THREADS, threads);
+    if (threads < 1 || threads > POOL_MAX_THREADS || merge_bytes > UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "a Pool takes 1 to %d threads (not %lu) and merges up to 4 GiB (not %lu)",
+                     POOL_MAX_THREADS, threads, merge_bytes);
         return -1;
     }
     pool_core *c = calloc(1, sizeof *c);
@@ -282,7 +330,7 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     }
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->work, NULL);
-    c->merge_bytes = merge_bytes;
+    c->merge_bytes = (unsigned)merge_bytes;
     c->refs = 1;
     self->core = c;
     /* the threads take no signal (Python's handlers run on the main thread) */
@@ -310,7 +358,7 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     pthread_attr_destroy(&attr);
     if (err) {
-        pool_close_impl(self);
+        pool_close_impl(self, NULL);
         errno = err;
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
@@ -331,8 +379,7 @@ static PyObject *Pool_fileno(PoolObject *self, PyObject *unused) {
 
 /* A free slot of the table (grown as needed), or -1 with a Python error. */
 static int32_t slot_alloc(PoolObject *self) {
-    for (uint32_t s = 0; s < self->cap; s++)
-        if (!self->slots[s]) return (int32_t)s;
+    if (self->nfree) return (int32_t)self->frees[--self->nfree];
     if (self->cap >= POOL_MAX_BATCHES) {
         PyErr_SetString(PyExc_RuntimeError, "aiokv: too many I/O batches in flight at once");
         return -1;
@@ -342,13 +389,16 @@ static int32_t slot_alloc(PoolObject *self) {
     pool_batch **ns = PyMem_Realloc(self->slots, ncap * sizeof *ns);
     if (ns) self->slots = ns;
     uint16_t *ng = ns ? PyMem_Realloc(self->gens, ncap * sizeof *ng) : NULL;
-    if (!ng) {
+    if (ng) self->gens = ng;
+    uint32_t *nf = ng ? PyMem_Realloc(self->frees, ncap * sizeof *nf) : NULL;
+    if (!nf) {
         PyErr_NoMemory();
         return -1;
     }
-    self->gens = ng;
+    self->frees = nf;
     memset(ns + self->cap, 0, (ncap - self->cap) * sizeof *ns);
     memset(ng + self->cap, 0, (ncap - self->cap) * sizeof *ng);
+    for (uint32_t f = ncap; f-- > self->cap + 1;) self->frees[self->nfree++] = f;
     int32_t s = (int32_t)self->cap;
     self->cap = ncap;
     return s;
@@ -446,9 +496,12 @@ static PyObject *Pool_cancel(PoolObject *self, PyObject *arg) {
     return pool_report(self);
 }
 
+/* close() -> [(id, results), ...]: the batches complete (their queued operations dropped:
+ * -ECANCELED), reported; those a thread is still in are never reported. */
 static PyObject *Pool_close(PoolObject *self, PyObject *unused) {
-    pool_close_impl(self);
-    Py_RETURN_NONE;
+    PyObject *rep;
+    pool_close_impl(self, &rep);
+    return rep;
 }
 
 /* a counter of the core, read under its mutex (0 once closed) */

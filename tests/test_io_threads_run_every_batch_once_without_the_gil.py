@@ -8,7 +8,8 @@ Invariant: the native Pool's threads (native/pool.c) never take the GIL, and eve
 still reported exactly once, each operation with its own result, whatever the interleaving of
 batches, threads and cancellations; a cancelled batch is reported only once no thread can
 touch its buffers; a pool closed while one of its threads is stuck in a system call returns
-at once, and that thread ends later without touching what was freed.
+at once, ends every batch no thread is in, and the stuck thread ends later without touching
+what was freed; a report that fails (no memory) loses no batch.
 Fix: native/pool.c (threads of its own, an eventfd for completed batches, the batch shape of
 the io_uring Ring); aiokv/data/threads.py drives it as uring.py drives the Ring.
 Real threads, real files and pipes.
@@ -23,7 +24,9 @@ import mmap
 import os
 import random
 import select
+import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -209,3 +212,175 @@ async def test_many_batches_from_many_tasks_end_once_each_with_their_own_bytes(t
     assert be.in_flight == 0 and be.running == 0 and not be._batches
     be.close()
     os.close(fd)
+
+
+# ---- found by review: close, a failed report, Python code run while a batch is parsed ----
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child(code: str, timeout: float = 20):
+    """Runs `code` in a Python process of its own (one that may crash)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_closing_reports_a_batch_already_complete(tmp_path):
+    """A batch every operation of which has ended, but not reaped yet, when the backend is
+    closed: its run() must still get its one completion (uring.py's close drains; the old
+    Python pool's queued work still ran and reported)."""
+    path = tmp_path / "data"
+    path.write_bytes(b"\x42" * BS)
+    fd = os.open(path, os.O_RDONLY)
+    buf = ctypes.create_string_buffer(BS)
+
+    async def main():
+        bk = ThreadBackend(asyncio.get_running_loop(), threads=2)
+        task = asyncio.ensure_future(bk.run([(OP_READ, fd, ctypes.addressof(buf), BS, 0)]))
+        await asyncio.sleep(0)  # started
+        end = time.monotonic() + 5
+        while bk.pool.running or bk.pool.calls == 0:  # ends in C; the loop does not reap
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        time.sleep(0.05)
+        bk.close()
+        return await asyncio.wait_for(task, 2)
+
+    try:
+        assert asyncio.run(main()) == [BS]
+    finally:
+        os.close(fd)
+
+
+def test_closing_ends_the_batches_it_dropped(tmp_path):
+    """Batches queued behind a busy thread when the backend is closed: dropped by close, their
+    run() must end (with -ECANCELED) rather than await for ever."""
+    path = tmp_path / "data"
+    path.write_bytes(b"\x42" * BS * 64)
+    fd = os.open(path, os.O_RDONLY)
+    bufs = [ctypes.create_string_buffer(BS) for _ in range(64)]
+
+    async def main():
+        bk = ThreadBackend(asyncio.get_running_loop(), threads=1)
+        tasks = [
+            asyncio.ensure_future(bk.run([(OP_READ, fd, ctypes.addressof(b), BS, i * BS)])) for i, b in enumerate(bufs)
+        ]
+        await asyncio.sleep(0)
+        bk.close()  # one thread: most of the 64 batches are still queued
+        done, pending = await asyncio.wait(tasks, timeout=2)
+        for t in pending:
+            t.cancel()
+        return len(pending)
+
+    try:
+        # at most the one batch the thread was in when closed stays out (never reported)
+        assert asyncio.run(main()) <= 1, "run() of a batch close dropped never returned"
+    finally:
+        os.close(fd)
+
+
+def test_a_failed_report_loses_no_batch(tmp_path):
+    """reap() failing to build its list (MemoryError) must leave the batches to a later reap,
+    not free them: their run() would await for ever."""
+    pytest.importorskip("_testcapi")  # the allocator's failure hook (CPython's test module)
+    path = tmp_path / "data"
+    path.write_bytes(b"\x42" * BS)
+    r = child(
+        f"""
+        import ctypes, os, time, _testcapi
+        from aiokv import _native
+        fd = os.open({str(path)!r}, os.O_RDONLY)
+        buf = ctypes.create_string_buffer(4096)
+        pool = _native.Pool(1)
+        bid = pool.start([(0, fd, ctypes.addressof(buf), 4096, 0)])
+        while pool.running or pool.calls == 0:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        reap = pool.reap
+        _testcapi.set_nomemory(0)
+        try:
+            reap()
+            err = None
+        except MemoryError as e:
+            err = e
+        finally:
+            _testcapi.remove_mem_hooks()
+        print("first reap failed:", err is not None)
+        print("in_flight", pool.in_flight)
+        print("second reap", pool.reap() == [(bid, [4096])])
+        """
+    )
+    assert "first reap failed: True" in r.stdout, (r.stdout, r.stderr)
+    assert "second reap True" in r.stdout, r.stdout
+
+
+def test_an_operation_closing_the_pool_while_parsed_does_not_crash():
+    """op_parse calls __index__ (PyLong_AsLong): Python code that closes the pool in the
+    middle of start() must get an error, not a NULL core dereference."""
+    r = child(
+        """
+        from aiokv import _native
+        pool = _native.Pool(1)
+        class Evil:
+            def __index__(self):
+                pool.close()
+                return 0
+        try:
+            pool.start([(Evil(), -1, 0, 0, 0)])
+        except Exception as e:
+            print("raised", type(e).__name__, e)
+        print("alive")
+        """
+    )
+    assert r.returncode == 0 and "alive" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def test_a_forked_child_can_drop_an_inherited_pool():
+    """A process that forks with a Pool open: the child has none of its threads; dropping the
+    Pool there (or exiting, which drops it) must not join threads that do not exist."""
+    r = child(
+        """
+        import os, sys
+        from aiokv import _native
+        pool = _native.Pool(2)
+        pid = os.fork()
+        if pid == 0:
+            del pool
+            os._exit(0)
+        for _ in range(50):
+            got, status = os.waitpid(pid, os.WNOHANG)
+            if got:
+                print("child exited", status)
+                break
+            import time; time.sleep(0.1)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            print("child hung")
+        """
+    )
+    assert "child exited 0" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_an_operation_closing_the_ring_while_parsed_does_not_crash():
+    """The same through the Ring (op_parse is shared; pre-existing, moved by this commit)."""
+    if not _native.HAVE_URING:
+        pytest.skip("built without io_uring: no Ring")
+    r = child(
+        """
+        from aiokv import _native
+        ring = _native.Ring(8)
+        class Evil:
+            def __index__(self):
+                ring.close()
+                return 0
+        try:
+            ring.start([(Evil(), -1, 0, 0, 0)])
+        except Exception as e:
+            print("raised", type(e).__name__, e)
+        print("alive")
+        """
+    )
+    assert r.returncode == 0 and "alive" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])

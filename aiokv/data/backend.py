@@ -21,6 +21,9 @@ Failure contract (both backends):
   that completes once none of them can be touched any more, then raises
   CancelledError at once. The callback's owner sets those buffers aside until
   `done` completes.
+- `close` ends every batch it can: io_uring's waits for what the kernel holds; the thread
+  pool's drops what is queued (-ECANCELED) and reports it, but never reports a batch one of
+  its threads is still in (a hung disk: those buffers are never safe to reuse).
 
 Threading contract: a backend belongs to one asyncio event loop and is called from
 that loop's thread only.

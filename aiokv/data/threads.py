@@ -72,7 +72,8 @@ class ThreadBackend(IOBackend):
         self._finish(self.pool.reap())
 
     def _cancel(self, batch: _Batch) -> None:
-        self._finish(self.pool.cancel(batch.tag))
+        if self.pool is not None:  # closed: a batch still out is one a stuck thread holds
+            self._finish(self.pool.cancel(batch.tag))
 
     def close(self) -> None:
         # What is queued is dropped; a thread stuck in a system call (a hung disk) is left to
@@ -80,5 +81,7 @@ class ThreadBackend(IOBackend):
         if self.pool is None:
             return
         self.loop.remove_reader(self.pool.fileno())
-        self.pool.close()
-        self.pool = None
+        pool, self.pool = self.pool, None
+        # every batch complete gets its results (those close dropped: -ECANCELED); one a
+        # thread is stuck in is never reported (its buffer is the kernel's)
+        self._finish(pool.close())
