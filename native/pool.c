@@ -79,6 +79,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     pool_core *core;
+    pid_t owner;        /* the process that made it: a child of fork has none of its threads */
     pthread_t *threads;
     unsigned nthreads;
     pool_batch **slots; /* batch by slot (NULL: free) */
@@ -242,6 +243,20 @@ static void pool_close_impl(PoolObject *self, PyObject **report) {
     if (report) *report = PyList_New(0);
     if (!c) return;
     self->core = NULL;
+    if (self->owner != getpid()) {
+        /* a copy made by fork: the threads are the parent's, and one may have held the mutex
+         * at the fork; nothing of the core is touched (its memory is the child's to lose) */
+        PyMem_Free(self->threads);
+        PyMem_Free(self->slots);
+        PyMem_Free(self->gens);
+        PyMem_Free(self->frees);
+        self->threads = NULL;
+        self->slots = NULL;
+        self->gens = NULL;
+        self->frees = NULL;
+        self->nthreads = self->cap = self->nfree = 0;
+        return;
+    }
     pthread_mutex_lock(&c->mu);
     c->closing = 1;
     for (pool_batch *b = c->qhead; b; b = b->qnext) { /* queued operations never run */
@@ -333,6 +348,7 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     c->merge_bytes = (unsigned)merge_bytes;
     c->refs = 1;
     self->core = c;
+    self->owner = getpid();
     /* the threads take no signal (Python's handlers run on the main thread) */
     sigset_t all, old;
     sigfillset(&all);
@@ -366,10 +382,17 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-#define REQUIRE_OPEN(self)                                   \
-    if (!(self)->core) {                                     \
-        PyErr_SetString(PyExc_ValueError, "Pool is closed"); \
-        return NULL;                                         \
+#define REQUIRE_OPEN(self)                                                                       \
+    if (!(self)->core) {                                                                         \
+        PyErr_SetString(PyExc_ValueError, "Pool is closed");                                     \
+        return NULL;                                                                             \
+    }                                                                                            \
+    if ((self)->owner != getpid()) {                                                             \
+        PyErr_Format(PyExc_RuntimeError,                                                         \
+                     "aiokv: this I/O pool belongs to process %d, the parent of a fork; open a " \
+                     "backend in this process",                                                  \
+                     (int)(self)->owner);                                                        \
+        return NULL;                                                                             \
     }
 
 static PyObject *Pool_fileno(PoolObject *self, PyObject *unused) {
@@ -507,7 +530,7 @@ static PyObject *Pool_close(PoolObject *self, PyObject *unused) {
 /* a counter of the core, read under its mutex (0 once closed) */
 static PyObject *pool_count(PoolObject *self, size_t field) {
     uint64_t v = 0;
-    if (self->core) {
+    if (self->core && self->owner == getpid()) {
         pthread_mutex_lock(&self->core->mu);
         v = *(uint64_t *)((char *)self->core + field);
         pthread_mutex_unlock(&self->core->mu);
