@@ -236,6 +236,19 @@ static PyObject *pool_report(PoolObject *self) {
     return done;
 }
 
+/* The Pool's own arrays (its threads' handles, the batch table) freed. */
+static void table_free(PoolObject *self) {
+    PyMem_Free(self->threads);
+    PyMem_Free(self->slots);
+    PyMem_Free(self->gens);
+    PyMem_Free(self->frees);
+    self->threads = NULL;
+    self->slots = NULL;
+    self->gens = NULL;
+    self->frees = NULL;
+    self->nthreads = self->cap = self->nfree = 0;
+}
+
 /* report: NULL (the batches complete are freed), or where to put them reported (a list,
  * or NULL with a Python error) */
 static void pool_close_impl(PoolObject *self, PyObject **report) {
@@ -246,15 +259,7 @@ static void pool_close_impl(PoolObject *self, PyObject **report) {
     if (self->owner != getpid()) {
         /* a copy made by fork: the threads are the parent's, and one may have held the mutex
          * at the fork; nothing of the core is touched (its memory is the child's to lose) */
-        PyMem_Free(self->threads);
-        PyMem_Free(self->slots);
-        PyMem_Free(self->gens);
-        PyMem_Free(self->frees);
-        self->threads = NULL;
-        self->slots = NULL;
-        self->gens = NULL;
-        self->frees = NULL;
-        self->nthreads = self->cap = self->nfree = 0;
+        table_free(self);
         return;
     }
     pthread_mutex_lock(&c->mu);
@@ -297,15 +302,7 @@ static void pool_close_impl(PoolObject *self, PyObject **report) {
         nx = complete->qnext;
         free(complete);
     }
-    PyMem_Free(self->threads);
-    PyMem_Free(self->slots);
-    PyMem_Free(self->gens);
-    PyMem_Free(self->frees);
-    self->threads = NULL;
-    self->slots = NULL;
-    self->gens = NULL;
-    self->frees = NULL;
-    self->nthreads = self->cap = self->nfree = 0;
+    table_free(self);
 }
 
 static void Pool_dealloc(PoolObject *self) {
