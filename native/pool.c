@@ -30,7 +30,8 @@
  * batch then complete, and does not wait for a stuck thread: the batches a thread is still
  * in become orphans, freed by the thread that ends them, never reported (their buffers are
  * never safe to hand back); the core is freed by whichever of the Pool and its threads lets
- * go last. A failed report (no memory) leaves its batches to the next reap. Operation fields
+ * go last. A reap or cancel that cannot build its report (no memory) leaves its batches to
+ * the next reap; close, which has no next, frees them and raises. Operation fields
  * must be ints (no Python code runs while a batch is parsed).
  */
 #include "ops.h"
@@ -258,7 +259,9 @@ static void pool_close_impl(PoolObject *self, PyObject **report) {
     self->core = NULL;
     if (self->owner != getpid()) {
         /* a copy made by fork: the threads are the parent's, and one may have held the mutex
-         * at the fork; nothing of the core is touched (its memory is the child's to lose) */
+         * at the fork; nothing of the core is touched (its memory is the child's to lose) but
+         * the child's own descriptor of the eventfd (the parent's stays open, and registered) */
+        if (c->efd >= 0) close(c->efd);
         table_free(self);
         return;
     }
@@ -312,14 +315,14 @@ static void Pool_dealloc(PoolObject *self) {
 
 static int Pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"threads", "merge_bytes", NULL};
-    unsigned long threads = 8, merge_bytes = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|kk", kwlist, &threads, &merge_bytes)) return -1;
+    Py_ssize_t threads = 8, merge_bytes = 0; /* "n": an int beyond its range raises ("k" wraps) */
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|nn", kwlist, &threads, &merge_bytes)) return -1;
     if (self->core) {
         PyErr_SetString(PyExc_RuntimeError, "Pool already initialised");
         return -1;
     }
-    if (threads < 1 || threads > POOL_MAX_THREADS || merge_bytes > UINT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "a Pool takes 1 to %d threads (not %lu) and merges up to 4 GiB (not %lu)",
+    if (threads < 1 || threads > POOL_MAX_THREADS || merge_bytes < 0 || merge_bytes > UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "a Pool takes 1 to %d threads (not %zd) and merges 0 to 2**32-1 bytes (not %zd)",
                      POOL_MAX_THREADS, threads, merge_bytes);
         return -1;
     }

@@ -394,3 +394,87 @@ def test_an_operation_closing_the_ring_while_parsed_does_not_crash():
         """
     )
     assert r.returncode == 0 and "alive" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+# ---- found by a second review: argument ranges, a table that fails to grow, a fork's eventfd ----
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(threads=2**64 + 3),  # "k" masks: 3 threads
+        dict(threads=-(2**64) + 2),  # 2 threads
+        dict(merge_bytes=2**64 + 5),  # merges up to 5 bytes
+        dict(merge_bytes=-(2**64) + 7),
+    ],
+)
+def test_an_out_of_range_thread_count_or_merge_size_is_refused_not_wrapped(kw):
+    """Pool_init parses with "kk" (unsigned long, no overflow check: the value is taken modulo
+    2**64), so the range check sees the wrapped value and a nonsense argument is accepted."""
+    with pytest.raises((ValueError, OverflowError)):
+        pool = _native.Pool(**kw)
+        pool.close()
+
+
+def test_a_table_growth_that_fails_part_way_leaves_every_slot_usable_once():
+    """slot_alloc grows three arrays; whichever realloc fails (the 1st, 2nd or 3rd allocation
+    of that start(): checked, the 4th is not slot_alloc's), the Pool stays consistent: later
+    starts grow it, every batch is reported once, and every slot is handed out again once."""
+    pytest.importorskip("_testcapi")
+    r = child(
+        """
+        import select, time, _testcapi
+        from aiokv import _native
+        NOP = [(2, -1, 0, 0, 0)]
+        for fail in (1, 2, 3):
+            pool = _native.Pool(1)
+            start, reap = pool.start, pool.reap
+            live = {start(NOP) for _ in range(16)}  # the table full (16), the stack empty
+            _testcapi.set_nomemory(fail - 1, fail)
+            try:
+                start(NOP)
+                raised = False
+            except MemoryError:
+                raised = True
+            finally:
+                _testcapi.remove_mem_hooks()
+            live |= {start(NOP) for _ in range(100)}
+            got, end = [], time.monotonic() + 10
+            while len(got) < len(live) and time.monotonic() < end:
+                select.select([pool.fileno()], [], [], 1)
+                got += reap()
+            again = {start(NOP) & 0xFFFF for _ in range(128)}
+            print(fail, raised, len(live), sorted(i for i, _ in got) == sorted(live), again == set(range(128)))
+            pool.close()
+        """
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines() == [f"{f} True 116 True True" for f in (1, 2, 3)], r.stdout
+
+
+def test_a_forked_child_dropping_the_pool_lets_go_of_its_eventfd():
+    """The child's close touches nothing of the parent's core, but keeps its own descriptor of
+    the parent's eventfd open for the rest of its life (closing the child's copy is safe: the
+    parent's descriptor and the parent's epoll registration stay)."""
+    r = child(
+        """
+        import os, select
+        from aiokv import _native
+        pool = _native.Pool(2)
+        efd = pool.fileno()
+        pid = os.fork()
+        if pid == 0:
+            pool.close()
+            try:
+                os.fstat(efd)
+                os._exit(5)  # still open
+            except OSError:
+                os._exit(0)
+        print("child", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        bid = pool.start([(2, -1, 0, 0, 0)])
+        select.select([pool.fileno()], [], [], 10)
+        print("parent", pool.reap() == [(bid, [0])])
+        """
+    )
+    assert "parent True" in r.stdout, (r.stdout, r.stderr)
+    assert "child 0" in r.stdout, r.stdout

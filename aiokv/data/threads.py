@@ -80,6 +80,9 @@ class ThreadBackend(IOBackend):
         # end when it can (the kernel owns its buffer), the others leave now.
         if self.pool is None:
             return
+        # the eventfd is asked of the Pool, never kept: in a child of fork the Pool refuses it
+        # (RuntimeError), as it must, since a remove_reader there would take it off the epoll
+        # the child shares with its parent, whose loop would then never wake for it again
         self.loop.remove_reader(self.pool.fileno())
         pool, self.pool = self.pool, None
         # every batch complete gets its results (those close dropped: -ECANCELED); one a
