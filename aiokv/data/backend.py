@@ -133,6 +133,13 @@ class IOBackend(abc.ABC):
     @abc.abstractmethod
     def _start(self, batch: _Batch, ops) -> None: ...
 
+    def _finish(self, done) -> None:
+        """The batches a native runner reported, [(tag, results), ...], each given its results:
+        for the backends that keep their batches by tag in `_batches` (uring.py, threads.py)."""
+        batches = self._batches
+        for tag, results in done:
+            batches.pop(tag).finish(results)
+
     @abc.abstractmethod
     def _cancel(self, batch: _Batch) -> None: ...
 

@@ -63,11 +63,6 @@ class ThreadBackend(IOBackend):
         batch.tag = self.pool.start(ops)
         self._batches[batch.tag] = batch
 
-    def _finish(self, done) -> None:
-        batches = self._batches
-        for tag, results in done:
-            batches.pop(tag).finish(results)
-
     def _on_ready(self) -> None:
         self._finish(self.pool.reap())
 

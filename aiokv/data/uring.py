@@ -115,11 +115,6 @@ class UringBackend(IOBackend):
         if self.ring is not None:
             self._pump()
 
-    def _finish(self, done) -> None:
-        batches = self._batches
-        for tag, results in done:
-            batches.pop(tag).finish(results)
-
     def _pump(self) -> None:
         self._finish(self.ring.pump())
 
