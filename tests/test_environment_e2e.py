@@ -85,15 +85,12 @@ def test_disk_fills_up_during_a_run(tiny_model, tmp_path):
     try:
         cache = str(mnt / "c")
         many = prompts(40, 250, seed=92)  # 40 x 7 blocks = 280 blocks > the disk
-        base = run(dict(model=tiny_model, phases=[dict(prompts=many, max_tokens=4)]))
-        cold = run(
-            dict(
-                model=tiny_model,
-                cache=cache,
-                extra={"capacity": "1GiB"},
-                phases=[dict(prompts=many, max_tokens=4, stagger=True)],
-            )
-        )
+        # the second half starts once the first half's blocks are written (settle): its saves find
+        # committed blocks to evict however slow the disk (test_capacity_bound_holds_during_a_run)
+        phases = [dict(prompts=many[:20], max_tokens=4), dict(prompts=many[20:], max_tokens=4)]
+        base = run(dict(model=tiny_model, phases=phases))
+        phases[0]["stagger"] = phases[1]["stagger"] = phases[1]["settle"] = True
+        cold = run(dict(model=tiny_model, cache=cache, extra={"capacity": "1GiB"}, phases=phases))
         happened(cold, base, store_enospc=">0", store_evictions=">0")
         st = os.statvfs(str(mnt))
         assert st.f_bfree > 0
@@ -105,23 +102,22 @@ def test_disk_fills_up_during_a_run(tiny_model, tmp_path):
                 phases=[dict(prompts=many[-8:], max_tokens=4)],
             )
         )
-        happened(warm, part(base, requests=range(32, 40)), hit_blocks=">0")  # what stayed on the full disk
+        happened(warm, part(base, phases=[1], requests=range(12, 20)), hit_blocks=">0")  # what stayed on the full disk
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_capacity_bound_holds_during_a_run(tiny_model, tmp_path):
+    """2 MiB holds about 30 slots; 30 prompts of 7 blocks each are saved. The first ten fill it;
+    the other twenty, started once those were committed (settle), must evict for each of theirs.
+    (Without settle, on a slow disk every block of the capacity could still be being written when
+    the last prompts were saved: nothing evictable, their saves dropped as no_space, no eviction.)"""
     cache = str(tmp_path / "c")
     many = prompts(30, 250, seed=93)
-    base = run(dict(model=tiny_model, phases=[dict(prompts=many, max_tokens=4)]))
-    res = run(
-        dict(
-            model=tiny_model,
-            cache=cache,
-            extra={"capacity": "2MiB"},
-            phases=[dict(prompts=many, max_tokens=4, stagger=True)],
-        )
-    )
+    phases = [dict(prompts=many[:10], max_tokens=4), dict(prompts=many[10:], max_tokens=4)]
+    base = run(dict(model=tiny_model, phases=phases))
+    phases[0]["stagger"] = phases[1]["stagger"] = phases[1]["settle"] = True
+    res = run(dict(model=tiny_model, cache=cache, extra={"capacity": "2MiB"}, phases=phases))
     happened(res, base, store_evictions=">0")
     ns = os.path.join(cache, "ns", os.listdir(os.path.join(cache, "ns"))[0])
     on_disk = sum(os.stat(os.path.join(ns, f)).st_blocks * 512 for f in os.listdir(ns) if f.endswith(".data"))

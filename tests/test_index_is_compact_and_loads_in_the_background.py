@@ -202,7 +202,7 @@ def test_an_engine_serves_at_once_while_its_index_loads(tmp_path, monkeypatch, c
     assert time.monotonic() - t < 2, "opening waited for the index"
     assert not ns.ready and st.loading == 1
     assert st.lookup(ns, [key(0)]) == 0, "no hits while loading"
-    assert st.reserve(ns, key(1000)) is None and st.skipped_loading == 1, "saves are dropped while loading"
+    assert st.reserve(ns, key(1000)) is None and st.stats.skipped_loading == 1, "saves are dropped while loading"
     go.set()
     end = time.monotonic() + 10
     while not ns.ready and time.monotonic() < end:

@@ -5,8 +5,9 @@
 growing our files: space.py); `commit` makes the written blocks visible to lookups at once and
 durable when the journal record is written (one that cannot be written is taken back: `undo`);
 `abort` gives back reservations whose data was not (fully) written. A save of a namespace whose
-index is still loading is dropped (`skipped_loading`), one whose space is still being reserved is
-skipped (`skipped_fs_busy`). Reservations made before a clear we have taken are given back at
+index is still loading is dropped (the stats' `skipped_loading`), one whose space is still being
+reserved is skipped (`skipped_fs_busy`), one with no free slot and nothing evictable (every block
+held pinned or still being written) is dropped (`skipped_no_space`). Reservations made before a clear we have taken are given back at
 commit (control.py).
 
 Threading contract: the owner's (the Store's thread), like the index it changes; the journal
@@ -36,15 +37,13 @@ class Saves:
         self.space, self.persist, self.pins, self.control = space, persist, pins, control
         self.quotas = None  # bytes per tenant (quotas.py; the store's set_quotas)
         self.wear = None  # bytes committed (wear.py; None read-only)
-        self.skipped_fs_busy = 0  # reservations skipped: the space for them was still being reserved
-        self.skipped_loading = 0  # reservations skipped: the namespace's index was still loading
 
     def reserve(self, ns: Namespace, key: bytes, tenant: str | bytes = "") -> int | None:
         """A location (in our engine's files) for `key` of `tenant` (a cache_salt, or a tenant's
         tag), evicting if needed; None if present (in any engine's files), pending, no space,
         or no tenant id free for a new tenant (tenants.py)."""
         if not ns.ready:
-            self.skipped_loading += 1  # the index is loading: the save is dropped
+            self.stats.skipped_loading += 1  # the index is loading: the save is dropped
             return None
         if key in ns.pending or ns.where(key) is not None:
             return None
@@ -60,7 +59,7 @@ class Saves:
         while slot is None:
             grown = space.grow(ns)
             if grown is None:  # space is being reserved: this save is skipped, not evicted for
-                self.skipped_fs_busy += 1
+                self.stats.skipped_fs_busy += 1
                 return None
             if not grown:
                 victim = self.quotas.victim(tid) if self.quotas is not None else self.index.victim()

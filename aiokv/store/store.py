@@ -123,8 +123,6 @@ class Store:
     _loader = _part("loader", "thread")  # the loader thread (loading.py), None without one
     quotas = _part("saves", "quotas")  # bytes per tenant (quotas.py; set_quotas), None: no quota
     wear = _part("saves", "wear")  # bytes committed (wear.py), None read-only
-    skipped_fs_busy = _part("saves", "skipped_fs_busy")  # reservations skipped: their space was being reserved
-    skipped_loading = _part("saves", "skipped_loading")  # reservations skipped: the index was still loading
 
     def __init__(
         self,

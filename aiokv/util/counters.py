@@ -184,7 +184,8 @@ TABLE: tuple[Row, ...] = (
         "KV blocks not saved, by cause: staging_full = no free staging memory (raise `staging`); "
         "no_space = nothing evictable or the disk is full; timeout = a write over save_timeout; "
         "breaker = the circuit breaker was open; quota = its tenant's quota left nothing to evict; "
-        "tenants = a new tenant and no tenant id free (65,534 tenants holding blocks).",
+        "tenants = a new tenant and no tenant id free (65,534 tenants holding blocks); index_loading = "
+        "the index was still loading at start; space_busy = the disk space for it was still being reserved.",
         WORKER,
         labels=(("cause", "staging_full"),),
         per_rank=True,
@@ -202,6 +203,8 @@ TABLE: tuple[Row, ...] = (
     ),
     Row("store_skipped_quota", "save_dropped_blocks", COUNTER, "", STORE, labels=(("cause", "quota"),)),
     Row("store_skipped_tenants", "save_dropped_blocks", COUNTER, "", STORE, labels=(("cause", "tenants"),)),
+    Row("store_skipped_loading", "save_dropped_blocks", COUNTER, "", STORE, labels=(("cause", "index_loading"),)),
+    Row("store_skipped_fs_busy", "save_dropped_blocks", COUNTER, "", STORE, labels=(("cause", "space_busy"),)),
     Row(
         "store_cleared",
         "cleared_blocks",
