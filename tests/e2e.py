@@ -181,10 +181,13 @@ def _named_in_aiokv(name: str, _src: list = []) -> bool:  # noqa: B006 (the list
     return any(name in s for s in _src)
 
 
-def _log_tail(res: dict) -> str:
-    """The end of the life's log (its warnings: why a path was not taken), for a failure's message."""
+def _why(res: dict) -> str:
+    """For a failure's message: the life's non-zero counters (which path a figure took instead: saves
+    dropped by cause, evictions, timeouts) and the end of its log (its warnings)."""
+    c = res.get("counters") or res.get("metrics") or {}
+    nonzero = {k: v for k, v in sorted(c.items()) if v and not isinstance(v, dict) and "_seconds_b" not in k}
     tail = res.get("log", "")[-2000:]
-    return f"\nthe end of its log:\n{tail}" if tail else ""
+    return f"\nits non-zero counters: {nonzero}" + (f"\nthe end of its log:\n{tail}" if tail else "")
 
 
 def happened(
@@ -231,9 +234,9 @@ def happened(
         got = figure(res, name)
         if isinstance(want, str):
             op = want.rstrip("0123456789.-")
-            assert _OPS[op](got, float(want[len(op) :])), f"{name} = {got}, expected {want}{_log_tail(res)}"
+            assert _OPS[op](got, float(want[len(op) :])), f"{name} = {got}, expected {want}{_why(res)}"
         else:
-            assert got == want, f"{name} = {got}, expected {want}{_log_tail(res)}"
+            assert got == want, f"{name} = {got}, expected {want}{_why(res)}"
 
 
 def assert_clean(res: dict, *, allow_load_errors: bool = False, allow_save_errors: bool = False) -> None:

@@ -70,7 +70,7 @@ def test_no_o_direct_file_system(tiny_model, tmp_path, base):
 
 
 def test_disk_fills_up_during_a_run(tiny_model, tmp_path):
-    mnt = _mount("ext4", tmp_path / "d", "8M")  # ~6 MiB usable: ~170 of our 36 KiB slots
+    mnt = _mount("ext4", tmp_path / "d", "8M")  # ~6 MiB usable: ~90 of our 68 KiB slots
     try:
         cache = str(mnt / "c")
         many = prompts(40, 250, seed=92)  # 40 x 7 blocks = 280 blocks > the disk
