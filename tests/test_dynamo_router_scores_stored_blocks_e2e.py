@@ -82,7 +82,7 @@ def test_a_fresh_router_scores_the_disk_after_a_restart_and_forgets_it_after_a_c
                 ready_file=ready[i],
                 phases=[
                     dict(prompts=TAIL, wait_for=go[0], announce=True, done_file=done.format(i)),
-                    dict(prompts=TAIL, wait_for=go[1]),
+                    dict(prompts=TAIL, wait_for=go[1], orders=1),  # the clear below applied on both drives
                 ],
             ),
             env=HOST,
@@ -128,7 +128,6 @@ def test_a_fresh_router_scores_the_disk_after_a_restart_and_forgets_it_after_a_c
                 timeout=120,
             )
             assert c.returncode == 0, c.stderr
-        time.sleep(1.0)  # the engines' I/O threads read the order at their next look (every 0.1 s)
         open(go[1], "w").close()
         res = [result(p) for p in lives]
         for r in (router, weighted):

@@ -85,7 +85,7 @@ def test_late_reads_within_timeout_still_hit(tiny_model, stored, tmp_path):
         {"op": "write", "kind": "eio", "every": 2},
         {"op": "write", "kind": "enospc", "every": 3},
         {"op": "write", "kind": "short", "every": 2},
-        {"op": "write", "kind": "late", "delay": 2.0},  # far longer than the 8 steps a request lives
+        {"op": "write", "kind": "late", "delay": 5.0},  # far longer than the 8 steps a request lives
     ],
 )
 def test_write_faults_drop_only_those_saves(tiny_model, stored, tmp_path, rule):

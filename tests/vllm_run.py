@@ -54,7 +54,7 @@ idle until that file exists (tests that run two engines at once use it to order
 them); peer_blocks waits, after that, until this engine's store sees at least n
 blocks the other engines on the directory committed (it looks every
 FOLLOW_INTERVAL, so a file on disk is not yet a hit here); orders waits, after that, until
-this engine has read and applied the operators' first n orders (aiokv clear, pin: DIR/control) and, with
+this engine has read and applied the operators' first n orders (aiokv clear, pin: DIR/control; on every drive) and, with
 kv_events, handed the events of what they removed to vLLM (idle steps publish them); settle waits, before the phase, until the previous phases' saves and
 bucket-tier uploads are done (one process, TP 1; spec settle_at_end: after the last phase, before
 the counters are read, so an upload figure counts every upload); kill_at_step kills -9 that
@@ -212,7 +212,7 @@ def main(spec: dict) -> dict:
             until = time.monotonic() + spec.get("phase_timeout", 300)
             _refresh_until(
                 aio.sched.store,
-                lambda n=phase["orders"]: aio.sched.store.control.last >= n,
+                lambda n=phase["orders"]: all(s.control.last >= n for _, _, s in aio.sched.store.drives()),
                 until,
                 f"this engine did not apply {phase['orders']} order(s)",
             )
@@ -357,8 +357,8 @@ def main(spec: dict) -> dict:
         result["prompt_ids"].append(pids)
         result["finish"].append(fin)
         result.setdefault("seconds", []).append(round(time.monotonic() - t_phase, 3))
-        if phase.get("announce"):  # until aiokv's start announcement is all published (KV events)
-            _announce(engine, aio, deadline)
+        if phase.get("announce") and aio is not None:  # until aiokv's start announcement is all published
+            _announce(engine, aio, deadline)  # (KV events; a baseline's phases have no aiokv to wait for)
         if phase.get("done_file"):
             open(phase["done_file"], "w").close()
         if phase.get("stall") and not phase.get("stall_keep") and os.path.exists(phase["stall"]):
