@@ -105,6 +105,7 @@ def test_aborted_requests_mid_load(tiny_model, stored, tmp_path, delay):
             model=tiny_model,
             cache=mine,
             extra=LW,
+            ready_file=str(tmp_path / "ready"),  # (the index loaded first: the aborts land while loads run)
             phases=[dict(prompts=PS, abort_after={0: 1, 1: 2, 2: 3}), dict(prompts=PS)],
         ),
         env=env,
