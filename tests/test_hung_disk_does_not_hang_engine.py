@@ -92,7 +92,7 @@ def test_warm_requests_finish_while_reads_hang(tiny_model, tmp_path):
         spec = dict(
             model=tiny_model,
             cache=cache,
-            extra={"load_timeout": 3, "breaker_cooldown": 600},
+            extra={"load_timeout": 3, "breaker_cooldown": 600, "fs_timeout": 2},
             phases=[dict(prompts=PS), dict(prompts=PS2)],
         )
         t0 = time.monotonic()

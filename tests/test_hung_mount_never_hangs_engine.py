@@ -72,7 +72,7 @@ def test_requests_finish_while_the_mount_hangs(tiny_model, tmp_path, stored, mod
             model=tiny_model,
             cache=cache,
             ready_file=ready,
-            extra={"load_timeout": LOAD_TIMEOUT, "breaker_cooldown": 600},
+            extra={"load_timeout": LOAD_TIMEOUT, "breaker_cooldown": 600, "fs_timeout": 2},
             phases=[dict(prompts=PS, wait_for=go), dict(prompts=PS2)],
         )
         p, lines = _start(spec, mp)
@@ -155,7 +155,7 @@ def test_server_answers_health_and_completions_while_the_mount_hangs(tiny_model,
             tiny_model,
             str(tmp_path / "mnt" / "c"),
             str(tmp_path / "serve.log"),
-            extra={"load_timeout": LOAD_TIMEOUT, "breaker_cooldown": 600},
+            extra={"load_timeout": LOAD_TIMEOUT, "breaker_cooldown": 600, "fs_timeout": 2},
         )
         health = _Health(srv.url)
         try:

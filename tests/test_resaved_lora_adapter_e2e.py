@@ -104,7 +104,9 @@ def test_a_resaved_adapter_is_never_served_or_saved_under_its_old_keys(tiny_mode
         release = threading.Timer(HUNG_BOUND, lambda: os.path.exists(control) and os.unlink(control))
         release.start()
         try:
-            res = run(dict(SPEC, model=tiny_model, cache=cache, phases=_phases(path, new, control)))
+            res = run(
+                dict(SPEC, model=tiny_model, cache=cache, extra={"fs_timeout": 2}, phases=_phases(path, new, control))
+            )
         finally:
             release.cancel()
 
