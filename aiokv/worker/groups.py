@@ -128,6 +128,13 @@ class GroupedWorker:
             return self.host.staging.in_use
         return sum(w.staging_in_use for w in self.workers.values())
 
+    @property
+    def stuck(self) -> int:
+        """Staging buffers set aside until the kernel gives them back (worker/staging.py)."""
+        if self.host is not None:
+            return self.host.staging.stuck
+        return sum(w.stuck for w in self.workers.values())
+
     def drain(self, timeout: float = 30.0) -> None:
         for w in self.workers.values():
             w.drain(timeout)
