@@ -36,7 +36,9 @@ FULL = 229 // 32
 
 
 def _start(spec: dict, mp: bool = False) -> tuple[subprocess.Popen, list[str]]:
-    """One engine life in a new process (in vLLM's multiprocess mode with `mp`); its output lines."""
+    """One engine life in a new process (in vLLM's multiprocess mode with `mp`); its output lines.
+    Its counters are read at once: buffers set aside by I/O stuck on the hung disk stay so."""
+    spec = dict(spec, stuck_wait=0)
     env = dict(
         os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="1" if mp else "0", VLLM_LOGGING_LEVEL="WARNING"
     )

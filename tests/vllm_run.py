@@ -411,8 +411,10 @@ def main(spec: dict) -> dict:
             _settle(engine, time.monotonic() + spec.get("phase_timeout", 300))
         # a job that ran out of its time limit set its staging buffers aside while the kernel still
         # held them (worker/staging.py): they come back once its I/O ends, which on a loaded disk may
-        # be after the last step (CI: staging_in_use = 2 after a save over a least save_timeout)
-        while wc.worker is not None and wc.worker.stuck and time.monotonic() < end:
+        # be after the last step (CI: staging_in_use = 2 after a save over a least save_timeout);
+        # spec stuck_wait (seconds, 30 unless given): at most this long (0 where the disk hangs)
+        back = min(end, time.monotonic() + spec.get("stuck_wait", 30))
+        while wc.worker is not None and wc.worker.stuck and time.monotonic() < back:
             time.sleep(0.01)
         result["counters"] = {**conn.counters(), **wc.counters()}
         result["end_wait"] = [steps, round(time.monotonic() - t_end, 3)]
