@@ -25,7 +25,6 @@ import time
 from array import array
 
 from aiokv.store import persist as persist_mod
-from aiokv.store.space import GROW_AHEAD
 from aiokv.store.table import give_back_scratch
 
 log = logging.getLogger("aiokv")
@@ -93,8 +92,8 @@ class Loader:
                 ns.alloc.free.extend(holes)  # they may still hold space: counted, and reused first
 
         self.fs.submit(lambda: self.replay.give_back_io(ns, holes, hwm), unbacked)
-        if len(ns.alloc.free) < GROW_AHEAD:  # space for this life's first saves, reserved now, as a new
-            self.space.grow(ns, ahead=True)  # namespace's is (meta.py): not by them, which would skip them
+        self.space.grow_ahead(ns)  # space for this life's first saves, reserved now (as a new namespace's
+        # is, meta.py), not by the first of them, which would skip them while it runs
         log.info(
             "aiokv: the index of namespace %s is loaded (%d blocks, %.2f s); its hits begin",
             ns.hex[:12],

@@ -34,7 +34,6 @@ from aiokv.data import format as fmt
 from aiokv.data.dirs import NotAStore, _exists, _read_json, _write_json, check_private, open_dir
 from aiokv.store.index import Namespace
 from aiokv.store.lock import DirLock
-from aiokv.store.space import GROW_AHEAD
 
 NAMESPACE_WAIT = 60.0  # seconds opening a namespace may take on the I/O thread (at start)
 SETUP_WAIT = 30.0  # seconds an engine waits for another one creating the store or a namespace
@@ -287,8 +286,7 @@ class Opener:
                 raise ValueError(f"aiokv: cannot create namespace {nsid.hex()}: {e}") from None
             self.dirs.create_namespace(nsid, info)
             ns = self.load(nsid)
-            if not self.fs.inline and len(ns.alloc.free) < GROW_AHEAD:
-                self.space.grow(ns, ahead=True)  # space for the first saves, reserved at start (on the I/O thread)
+            self.space.grow_ahead(ns)  # space for the first saves, reserved at start (on the I/O thread)
         if ns.payload_bytes != payload_bytes or ns.ranks != ranks:
             raise ValueError(
                 f"aiokv: namespace {nsid.hex()} holds {ns.payload_bytes}-byte blocks on "

@@ -7,8 +7,8 @@ durable when the journal record is written (one that cannot be written is taken 
 `abort` gives back reservations whose data was not (fully) written. A save of a namespace whose
 index is still loading is dropped (the stats' `skipped_loading`), one whose space is still being
 reserved is skipped (`skipped_fs_busy`), one with no free slot and nothing evictable (every block
-held pinned or still being written) is dropped (`skipped_no_space`). Reservations made before a clear we have taken are given back at
-commit (control.py).
+held pinned or still being written) is dropped (`skipped_no_space`). Reservations made before a
+clear we have taken are given back at commit (control.py).
 
 Threading contract: the owner's (the Store's thread), like the index it changes; the journal
 records go to the Store's I/O thread (persist.py), and `undo` runs back on the owner's thread
