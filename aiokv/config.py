@@ -49,7 +49,8 @@ class AioKVConfig:
     load_timeout: float = 30.0  # seconds before a load is abandoned and recomputed
     save_timeout: float = 60.0  # seconds before a save is abandoned (dropped)
     fs_timeout: float = 2.0  # seconds a store operation (journal, grow, punch...) may take before the
-    # file system counts as hung: no hits or saves until it answers
+    # file system counts as hung: no hits or saves until it answers; at shutdown, how long the store
+    # waits for an answer to write what it queued (at least 5 s, 30 s in all: persist.py)
     start_timeout: float = 60.0  # seconds opening the cache directory may take at start; past it aiokv is off
     # seconds requests wait (vLLM asks again each step) for an index still loading at start; past it, misses
     index_wait: float = 5.0

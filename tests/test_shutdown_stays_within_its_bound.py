@@ -9,7 +9,7 @@ engine's lock were closed under a loader that was still reading (and may still c
 write a rebuilt checkpoint): another engine could take that engine number and its files while
 the old loader wrote them.
 The invariant: the whole close returns within the documented bound (docs/design.md, "Bounded
-start and shutdown": CLOSE_WAIT without an answer, CLOSE_MAX in all), whatever the loader does
+start and shutdown": close_wait, max(CLOSE_WAIT, fs_timeout), without an answer, CLOSE_MAX in all), whatever the loader does
 and however many drives there are; the engine's lock is given back last, never while its loader
 may still read or write its files: by close if the loader has ended, else by the loader when it
 ends.
@@ -33,7 +33,7 @@ from tests.stallfs import mounted
 from tests.workers import until
 
 DRIVES = 3
-CLOSE_WAIT, CLOSE_MAX = 1.0, 3.0  # (the bounds, shortened for the test)
+CLOSE_WAIT, CLOSE_MAX = 1.0, 3.0  # (the bounds, shortened for the test; fs_timeout is CLOSE_WAIT)
 
 
 def _fill(path: str) -> None:
@@ -65,7 +65,9 @@ def test_close_with_hung_index_loaders_on_several_drives_returns_within_its_boun
             _fill(p)
         with open(control, "w") as f:
             f.write("i")  # the index files' reads hang from now on (the journals still take writes)
-        drives, _ = open_drives(paths, lambda p, n: (Store(p, capacity="64MiB", io_thread=True), []), 20.0)
+        drives, _ = open_drives(
+            paths, lambda p, n: (Store(p, capacity="64MiB", io_thread=True, fs_timeout=CLOSE_WAIT), []), 20.0
+        )
         try:
             stores = list(drives.stores.values())
             assert len(stores) == DRIVES

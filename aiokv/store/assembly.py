@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from aiokv.config import parse_size
 from aiokv.data import format as fmt
+from aiokv.store import persist as persist_mod
 from aiokv.store.control import Control
 from aiokv.store.drops import Drops
 from aiokv.store.following import Following
@@ -36,12 +37,15 @@ if TYPE_CHECKING:
     from aiokv.store.store import Store
 
 
-def make_parts(store: Store, capacity, sync_interval: float, checkpoint_every: int, secret) -> None:
-    """The parts, one job each, handed the others they read (nothing opened yet)."""
+def make_parts(store: Store, capacity, sync_interval: float, checkpoint_every: int, secret, fs_timeout: float) -> None:
+    """The parts, one job each, handed the others they read (nothing opened yet); fs_timeout:
+    the I/O thread's deadline, from which the close's wait for an answer is derived (persist.py)."""
     fs = store.fs
     store.dirs = Dirs(store.root, store.readonly)
     store.tenants = Tenants(store.dirs, fs, fmt.tenant_key(secret), store.index)  # tenant tags <-> ids (tenants.py)
-    store.persist = Persist(fs, store.index, sync_interval, checkpoint_every)
+    store.persist = Persist(
+        fs, store.index, sync_interval, checkpoint_every, persist_mod.close_wait_for(fs_timeout), persist_mod.CLOSE_MAX
+    )
     store.tenants.checkpoint = store.persist.checkpoint
     store.following = Following(store.dirs, store.index, fs, store.tenants)
     store.space = Space(

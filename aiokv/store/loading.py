@@ -24,7 +24,6 @@ import threading
 import time
 from array import array
 
-from aiokv.store import persist as persist_mod
 from aiokv.store.table import give_back_scratch
 
 log = logging.getLogger("aiokv")
@@ -119,12 +118,13 @@ class Loader:
         """Namespaces whose index is still loading (no hits, no saves from them meanwhile)."""
         return sum(not ns.ready and not ns.load_failed for ns in self.index.namespaces.values())
 
-    def wait(self, deadline: float, root: str) -> None:
-        """At close, after the journals: a load in progress is waited for, at most CLOSE_WAIT and
-        never past `deadline` (time.monotonic); one still reading then keeps our files (said)."""
+    def wait(self, close_wait: float, deadline: float, root: str) -> None:
+        """At close, after the journals: a load in progress is waited for, at most close_wait (the
+        store's wait for an answer, persist.py) and never past `deadline` (time.monotonic); one
+        still reading then keeps our files (said)."""
         loader = self.thread
         if loader is not None and loader is not threading.current_thread() and loader.is_alive():
-            loader.join(max(0.0, min(persist_mod.CLOSE_WAIT, deadline - time.monotonic())))
+            loader.join(max(0.0, min(close_wait, deadline - time.monotonic())))
             if loader.is_alive():
                 log.warning(
                     "aiokv: the index of %s is still being read at shutdown (a file system that does not "

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Persistence and close: our journals (one per namespace: records appended,
 syncs due, checkpoints), and closing every file, with the I/O thread bounded by
-CLOSE_WAIT without an answer from the file system and CLOSE_MAX in all.
+`close_wait` without an answer from the file system and `close_max` in all
+(the store's own: `close_wait_for(fs_timeout)` and CLOSE_MAX).
 
 `Persist` owns our journals (the IndexLogs, and the JournalQueues the owner
 writes through) and the close deadline; it is handed the I/O thread and the
@@ -12,6 +13,15 @@ journals on the same thread.
 Threading contract: called on the owner's thread; the writes are queued to the
 store's I/O thread (journalq.py, fsthread.py) where it has one, else run at once.
 `_close_files` runs on the I/O thread (or inline) as the last operation.
+
+Failure contract at close: what was queued is written while the file system
+answers, i.e. as long as the store itself would call it answering: an answer
+within `close_wait` = max(CLOSE_WAIT, fs_timeout) (past fs_timeout the store
+counts it as hung; never less than CLOSE_WAIT, because giving up at close loses
+records, where during serving a stall only pauses hits). Whatever fs_timeout
+says, close returns within `close_max` (CLOSE_MAX) of its first call: never the
+reason the engine hung at shutdown. What is not written by then is lost, and
+said (one warning): its blocks are misses after a restart, never wrong.
 """
 
 from __future__ import annotations
@@ -24,16 +34,25 @@ from aiokv.store.index import Namespace
 from aiokv.store.journal import IndexLog
 from aiokv.store.journalq import JournalQueue
 
-CLOSE_WAIT = 5.0  # seconds close (and the last verifications) wait for the file system to answer (io_thread)
+CLOSE_WAIT = 5.0  # seconds close (and the last verifications) wait for an answer at least (io_thread)
 CLOSE_MAX = 30.0  # seconds close waits in all for a file system that answers, slowly (io_thread)
 _log = logging.getLogger("aiokv")  # (`log` names a journal here)
 
 
+def close_wait_for(fs_timeout: float) -> float:
+    """Seconds close waits for the file system to answer, for a store whose operations count as
+    hung past fs_timeout: as long as that, and never less than CLOSE_WAIT."""
+    return max(CLOSE_WAIT, fs_timeout)
+
+
 class Persist:
-    def __init__(self, fs, index, sync_interval: float, checkpoint_every: int):
+    def __init__(self, fs, index, sync_interval: float, checkpoint_every: int, close_wait: float, close_max: float):
+        """close_wait, close_max: the close's bounds (seconds without an answer, in all; see the
+        module's failure contract)."""
         self.fs, self.index = fs, index
         self.sync_interval = sync_interval
         self.checkpoint_every = checkpoint_every
+        self.close_wait, self.close_max = close_wait, close_max
         self.logs: dict[bytes, IndexLog] = {}  # our journals (the I/O thread's once it has started)
         self.journals: dict[bytes, JournalQueue] = {}  # our journals, as the owner writes them
         self._close_by: float | None = None
@@ -102,13 +121,13 @@ class Persist:
     def close_deadline(self) -> float:
         """With the I/O thread: when close stops waiting for the file system in all (set at the first call)."""
         if self._close_by is None:
-            self._close_by = time.monotonic() + CLOSE_MAX
+            self._close_by = time.monotonic() + self.close_max
         return self._close_by
 
     def close(self, checkpoint: bool, close_rest) -> None:
         """Checkpoint (if asked) and close the journals, then close_rest(), the other
         files. With the I/O thread: what was queued is written first; returns once the
-        file system has not answered for CLOSE_WAIT, or CLOSE_MAX after the first
+        file system has not answered for close_wait, or close_max after the first
         close-time call (verify_slot or this), whatever the file system does; records
         not written by then are lost, and said so (their blocks are misses after a
         restart: the journal never named them)."""
@@ -124,13 +143,13 @@ class Persist:
         fs.poll()
         queued = fs.pending
         op = fs.submit(lambda: self._close_files(snaps, close_rest), lambda r, e: None)
-        if not fs.drain(op, CLOSE_WAIT, self.close_deadline()):
+        if not fs.drain(op, self.close_wait, self.close_deadline()):
             _log.warning(
-                "aiokv: the cache directory's file system did not answer at shutdown (%.0f s without an "
-                "answer, or %.0f s in all); %d queued operation(s) may not be written (blocks committed "
+                "aiokv: the cache directory's file system did not answer at shutdown (%g s without an "
+                "answer, or %g s in all); %d queued operation(s) may not be written (blocks committed "
                 "since are misses after a restart) and its files are left to the process exit",
-                CLOSE_WAIT,
-                CLOSE_MAX,
+                min(self.close_wait, self.close_max),
+                self.close_max,
                 queued,
             )
             fs.close(0)

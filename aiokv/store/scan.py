@@ -10,7 +10,7 @@ shutdown).
 
 Threading contract: `scan` runs where replay runs (the opener's thread or the
 I/O thread); `verify_slot` is called on the owner's thread and, with the I/O
-thread, reads there (bounded by persist.CLOSE_WAIT and the close deadline).
+thread, reads there (bounded by the store's close_wait and close deadline: persist.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import os
 
 from aiokv.data import format as fmt
 from aiokv.data.slotfile import read_slot
-from aiokv.store import persist as persist_mod
 from aiokv.store.fsthread import FsTimeout
 from aiokv.store.index import Namespace
 
@@ -55,7 +54,7 @@ class Scan:
                 op = self.fs.submit(lambda: self._verify_io(ns, key, where))
             except FsTimeout:
                 return False
-            done = self.fs.drain(op, persist_mod.CLOSE_WAIT, self.persist.close_deadline())
+            done = self.fs.drain(op, self.persist.close_wait, self.persist.close_deadline())
             return done and op.error is None and bool(op.result)
         return self._verify_io(ns, key, where)
 

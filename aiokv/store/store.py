@@ -44,8 +44,9 @@ file system is stalled. A commit is in the index at once (its data is written)
 and reaches the journal, so other engines and restarts, when the I/O thread
 writes it; one that cannot be written is taken back. `stalled` says the file
 system has not answered for the deadline. `close` lets what is queued be written
-while the file system answers: at most CLOSE_WAIT without an answer, CLOSE_MAX
-in all. Without io_thread (tools, inspect, unit tests) every call runs at once on the
+while the file system answers: at most max(CLOSE_WAIT, fs_timeout) without an
+answer (as long as the deadline calls it answering), CLOSE_MAX in all whatever
+fs_timeout says (persist.py). Without io_thread (tools, inspect, unit tests) every call runs at once on the
 caller's thread, as before.
 
 Opening with io_thread (the engine's scheduler side): each namespace's index is
@@ -120,6 +121,7 @@ class Store:
     follow_interval = _part("following", "interval")  # seconds between looks at the other engines
     followers = _part("following", "followers")  # (nsid, engine) -> its files
     logs = _part("persist", "logs")  # nsid -> our journal
+    close_max = _part("persist", "close_max")  # seconds close waits in all, with the I/O thread (persist.py)
     _loader = _part("loader", "thread")  # the loader thread (loading.py), None without one
     quotas = _part("saves", "quotas")  # bytes per tenant (quotas.py; set_quotas), None: no quota
     wear = _part("saves", "wear")  # bytes committed (wear.py), None read-only
@@ -137,14 +139,15 @@ class Store:
         secret: str | bytes | None = None,
     ):
         """engine: the engine number to own (default: the lowest free one); io_thread: after
-        opening, file-system calls run on the store's I/O thread (fs_timeout: its deadline);
+        opening, file-system calls run on the store's I/O thread (fs_timeout: its deadline,
+        and how long close waits for an answer, at least persist.CLOSE_WAIT);
         secret: the `secret` setting (tenants are named on disk by tags keyed by it)."""
         self.root = os.path.abspath(root)
         self.readonly = readonly
         self.stats = StoreStats()
         self.index = Index()
         self.fs = FsThread(None)  # opening runs on the caller's thread
-        assembly.make_parts(self, capacity, sync_interval, checkpoint_every, secret)
+        assembly.make_parts(self, capacity, sync_interval, checkpoint_every, secret, fs_timeout)
         assembly.make_orders(self, sync_interval)
         background = io_thread and not readonly
         try:
@@ -332,16 +335,16 @@ class Store:
 
     def close(self, checkpoint: bool = True) -> None:
         """Checkpoint and close everything (persist.py; with the I/O thread bounded by
-        CLOSE_WAIT without an answer and CLOSE_MAX in all). A load in progress is not
-        installed; it is waited for, after the journals, at most CLOSE_WAIT within that
-        bound: one still reading then keeps our data files, directories and lock, and gives
-        them back when it ends (never our lock while it may write our files)."""
+        close_wait, max(CLOSE_WAIT, fs_timeout), without an answer and CLOSE_MAX in all). A
+        load in progress is not installed; it is waited for, after the journals, at most
+        close_wait within that bound: one still reading then keeps our data files, directories
+        and lock, and gives them back when it ends (never our lock while it may write our files)."""
         self.loader.closing = True
         lock = self.dirs.lock
         self.persist.close(
             checkpoint and not self.readonly and lock is not None and lock.fd is not None, self._close_files
         )
-        self.loader.wait(self.persist.close_deadline(), self.root)
+        self.loader.wait(self.persist.close_wait, self.persist.close_deadline(), self.root)
 
     def _close_dirs(self) -> None:
         """Our data files and directories closed, our engine's lock given back (by the last of
