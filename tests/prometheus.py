@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A real Prometheus for tests: Debian's `prometheus` package (tools/setup.sh installs it),
-started on a free local port with its own configuration and storage in a temporary directory,
-scraping the targets given every SCRAPE_S; queried through its HTTP API."""
+started on a port the kernel picks as it binds (port 0), with its own configuration and storage
+in a temporary directory, scraping the targets given every SCRAPE_S; queried through its HTTP API."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+
+from tools.servers import only_port
 
 SCRAPE_S = 1  # scrape (and evaluation) interval, seconds
 
@@ -26,18 +27,12 @@ def prometheus_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Prometheus:
     def __init__(self, root: str, targets: list[str]):
         """targets: host:port of each /metrics endpoint."""
         self.root = root
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port: int | None = None  # and url: known once it listens (start)
+        self.url = ""
         os.makedirs(os.path.join(root, "data"), exist_ok=True)
         self.config = os.path.join(root, "prometheus.yml")
         with open(self.config, "w") as f:
@@ -58,7 +53,7 @@ class Prometheus:
                 prometheus_binary(),
                 f"--config.file={self.config}",
                 f"--storage.tsdb.path={os.path.join(self.root, 'data')}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--web.listen-address=127.0.0.1:0",  # the kernel's pick as it binds; only_port reads it
                 "--storage.tsdb.retention.time=1h",
                 "--web.enable-lifecycle",
             ],
@@ -70,10 +65,14 @@ class Prometheus:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited with {self.proc.returncode}: {self.text()[-3000:]}")
+            if self.port is None:
+                self.port = only_port(self.proc.pid)
+                self.url = f"http://127.0.0.1:{self.port}"
             try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return self
+                if self.port is not None:
+                    with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as r:
+                        if r.status == 200:
+                            return self
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             if time.monotonic() > end:

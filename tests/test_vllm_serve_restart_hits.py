@@ -32,7 +32,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ import aiokv
 from aiokv import __version__
 from tests.e2e import ROOT, prompts, run
 from tests.stallfs import mounted
+from tools.servers import only_port
 
 pytestmark = pytest.mark.vllm
 
@@ -54,18 +54,12 @@ START_TIMEOUT = 300
 STOP_TIMEOUT = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """One `vllm serve` life in a subprocess; its output goes to a log file."""
 
     def __init__(self, model: str, cache: str, log_path: str, extra: dict | None = None):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port: int | None = None  # and url: known once it listens (wait_ready)
+        self.url = ""
         self.log_path = log_path
         ktc = {
             "kv_connector": "AioKVConnector",
@@ -81,7 +75,7 @@ class Server:
             "--host",
             "127.0.0.1",
             "--port",
-            str(self.port),
+            "0",  # the kernel picks a free port as vLLM binds: tools/servers.py's only_port reads it
             "--served-model-name",
             "tiny",
             "--enforce-eager",
@@ -119,10 +113,17 @@ class Server:
             return f.read()
 
     def wait_ready(self) -> None:
+        """Until the server answers /health; sets port and url (the port it listens on)."""
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.text()[-6000:]}")
+            if self.port is None:
+                self.port = only_port(self.proc.pid)
+                if self.port is None:
+                    time.sleep(1)
+                    continue
+                self.url = f"http://127.0.0.1:{self.port}"
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:

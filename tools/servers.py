@@ -25,9 +25,49 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 when asked: only a guess, since it is released at once and
+    another process may bind it (a server, or a connection's local end) before the caller's server
+    does. A server that can bind port 0 should, and tell its port through listen_ports; one given
+    a port ahead must be seen listening on it (listen_ports) before anyone talks to it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def listen_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on now (its sockets in LISTEN state in /proc/net/tcp and
+    tcp6; empty for a process that has exited). A port listed is that process's alone: a second
+    listener on a port needs SO_REUSEPORT on both sockets, and none of these servers sets it."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return set()
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()  # sl, local address:port (hex), remote, state (0A: LISTEN), ..., inode
+                if cols[3] == "0A" and cols[9] in inodes:
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def only_port(pid: int) -> int | None:
+    """The one TCP port process `pid` listens on: a server's started on port 0 (the kernel's pick,
+    as it binds: no race); None while it listens on none. vLLM's API server listens once its
+    engine is up."""
+    ports = listen_ports(pid)
+    if len(ports) > 1:
+        raise RuntimeError(f"the server listens on several ports: {sorted(ports)}")
+    return ports.pop() if ports else None
 
 
 def proc_stats():
@@ -74,11 +114,12 @@ class Server:
         env: dict | None = None,
         reserved: str | None = "1",
     ):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port: int | None = None  # and url: known once it listens (wait_ready)
+        self.url = ""
         self.log_path = log_path
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny", *flags]
+        # port 0: the kernel picks a free one as vLLM binds (no other process can take it first)
+        cmd += ["--host", "127.0.0.1", "--port", "0", "--served-model-name", "tiny", *flags]
         if ktc is not None:
             cmd += ["--kv-transfer-config", json.dumps(ktc)]
         e = dict(os.environ, PYTHONPATH=ROOT, VLLM_LOGGING_LEVEL="WARNING", PYTHONUNBUFFERED="1")
@@ -97,10 +138,17 @@ class Server:
             return f.read()
 
     def wait_ready(self, timeout: float = 600) -> None:
+        """Until the server answers /health; sets port and url (the port it listens on)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise SystemExit(f"the server exited with {self.proc.returncode}:\n{self.text()[-6000:]}")
+            if self.port is None:
+                self.port = only_port(self.proc.pid)
+                if self.port is None:
+                    time.sleep(1)
+                    continue
+                self.url = f"http://127.0.0.1:{self.port}"
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
