@@ -15,10 +15,11 @@ ready_file (created once the engine is up and, in one process, aiokv's index has
 background: a test that then makes the mount hang; "index_wait_s" the seconds that took; the
 phases themselves never wait for the index: aiokv's requests do, scheduler/index_wait.py; it
 holds the KV events' endpoint with kv_events "tcp"),
-kv_events (a socket path: vLLM publishes its KV events there over ZMQ (ipc://), or "tcp": on
-a port of VLLM_HOST_IP the kernel picks ("kv_events_endpoint"); a subscriber
-here collects them in "events": [type, medium, group, hashes,
-parent, token ids] each, in order), audit_fs (RESULT lists the file-system
+kv_events (one process only; a socket path: vLLM publishes its KV events there over ZMQ
+(ipc://), or "tcp": on a port of VLLM_HOST_IP the kernel picks ("kv_events_endpoint"); a subscriber
+here collects them in "events": [type, medium, group, hashes, parent, token ids] each, in order;
+nothing is published before kv_events_subscribers subscriptions (1 unless given: this one; more
+where others subscribe once ready_file gives the endpoint) reached the publisher), audit_fs (RESULT lists the file-system
 calls aiokv made on vLLM's thread while the phases ran), audit_saves (RESULT's "save_violations":
 every step's saves checked against vLLM's own scheduler output, _audit_saves),
 lora ({max_lora_rank, max_loras}: LoRA served), refuse_io_uring (io_uring_setup fails with EPERM in
@@ -148,6 +149,9 @@ def main(spec: dict) -> dict:
     if spec.get("kv_events"):  # vLLM's ZMQ publisher, and a subscriber connected before the first request
         import zmq
 
+        if MP:
+            raise ValueError("kv_events needs the engine core in this process (its publisher's subscriptions are read)")
+        _xpub_publisher()
         # "tcp": a port the kernel picks on 127.0.0.1 (VLLM_HOST_IP; for subscribers that speak TCP only)
         where = "tcp://*:0" if spec["kv_events"] == "tcp" else f"ipc://{spec['kv_events']}"
         kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": where, "topic": "kv"}
@@ -171,7 +175,6 @@ def main(spec: dict) -> dict:
             where = engine.engine_core.engine_core.scheduler.kv_event_publisher.get_publisher_config().endpoint
             result["kv_events_endpoint"] = where
             sub.connect(where)
-        time.sleep(0.5)  # the subscription reaches the publisher before anything is published
         result["events"] = []
     aio = None
     if not MP:  # the engine core lives in this process: look inside
@@ -191,6 +194,12 @@ def main(spec: dict) -> dict:
         with open(spec["ready_file"] + ".tmp", "w") as f:  # (the KV events' endpoint, if any)
             f.write(result.get("kv_events_endpoint", ""))
         os.replace(spec["ready_file"] + ".tmp", spec["ready_file"])
+    if sub is not None:  # nothing is published before every subscriber is in (none was: no step yet)
+        _wait_for_subscribers(
+            engine.engine_core.engine_core.scheduler.kv_event_publisher,
+            spec.get("kv_events_subscribers", 1),
+            time.monotonic() + spec.get("phase_timeout", 300),
+        )
     audit = _audit_fs() if spec.get("audit_fs") else None
     if spec.get("audit_saves") and not MP:
         result["save_violations"] = _audit_saves(aio)
@@ -371,8 +380,6 @@ def main(spec: dict) -> dict:
     if audit is not None:
         result["fs_calls_on_engine_thread"] = sorted(audit.pop())
     if MP:  # aiokv's counters live in the engine core process: read them as vLLM exports them
-        if sub is not None:
-            _take_events(sub, result["events"], 1.0)
         if spec.get("metrics"):
             result["metrics"] = {
                 m.name: m.value
@@ -501,6 +508,39 @@ def _reset(llm, aio, what: dict) -> list:
     except Exception as e:
         got = type(e).__name__
     return [got, aio.scheduler_role.epoch != epoch]
+
+
+def _xpub_publisher() -> None:
+    """vLLM's ZMQ KV-event publisher from now on in this process, with an XPUB socket for its PUB:
+    it sends alike, and hands over each subscription that reaches it (_wait_for_subscribers).
+    vLLM's config accepts only its own publishers' names: this one takes "zmq" in its registry."""
+    import zmq
+    from vllm.distributed.kv_events import EventPublisherFactory, ZmqEventPublisher
+
+    class Publisher(ZmqEventPublisher):
+        def _socket_setup(self) -> None:
+            self._pub = self._ctx.socket(zmq.XPUB)
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not a topic's first only
+            self._pub.set_hwm(self._hwm)
+            self._endpoint = self._bind(self._pub, self._endpoint)
+            super()._socket_setup()  # (it makes a PUB only where there is none)
+
+    EventPublisherFactory._registry["zmq"] = Publisher
+
+
+def _wait_for_subscribers(publisher, n: int, deadline: float) -> None:
+    """Until n subscriptions reached the publisher (_xpub_publisher's). ZMQ drops what a publisher
+    sends before a subscription reaches it, however long ago the subscriber connected; from the
+    moment the XPUB socket hands a subscription over, it sends that subscriber every batch. Only
+    before the engine's first step: the publisher's thread sends on that socket once there are
+    events, and a ZMQ socket serves one thread at a time."""
+    seen = 0
+    while seen < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"{seen} of {n} subscriptions reached the KV-event publisher")
+        if publisher._pub.poll(int(left * 1000)):
+            seen += publisher._pub.recv()[:1] == b"\x01"  # (an unsubscription starts with 0)
 
 
 def _take_events(sub, into: list, quiet: float) -> None:
