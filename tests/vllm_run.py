@@ -401,7 +401,9 @@ def main(spec: dict) -> dict:
             steps += 1
             time.sleep(0.005)
         result["counters"] = conn.counters()
-        result["rank_counters"] = llm.collective_rpc(_worker_counters)  # each rank's worker side
+        # each rank's worker side, once its set-aside staging buffers are back (stuck_wait: below)
+        wait = max(0.0, min(end, time.monotonic() + spec.get("stuck_wait", 30)) - time.monotonic())
+        result["rank_counters"] = llm.collective_rpc(_worker_counters, args=(wait,))
         result["end_wait"] = [steps, round(time.monotonic() - t_end, 3)]  # (steps, s) after the last phase
     elif conn is not None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -420,9 +422,7 @@ def main(spec: dict) -> dict:
         # held them (worker/staging.py): they come back once its I/O ends, which on a loaded disk may
         # be after the last step (CI: staging_in_use = 2 after a save over a least save_timeout);
         # spec stuck_wait (seconds, 30 unless given): at most this long (0 where the disk hangs)
-        back = min(end, time.monotonic() + spec.get("stuck_wait", 30))
-        while wc.worker is not None and wc.worker.stuck and time.monotonic() < back:
-            time.sleep(0.01)
+        _wait_unstuck(wc, min(end, time.monotonic() + spec.get("stuck_wait", 30)))
         result["counters"] = {**conn.counters(), **wc.counters()}
         result["end_wait"] = [steps, round(time.monotonic() - t_end, 3)]
         result["pool_size"] = wc.worker.pool.count if wc.worker is not None else 0
@@ -563,11 +563,21 @@ def _take_events(sub, into: list, quiet: float) -> None:
                 into.append(["cleared", None, None, [], None, []])
 
 
-def _worker_counters(worker) -> dict:
-    """Runs in each TP worker process (collective_rpc): its worker-side connector's counters."""
+def _worker_counters(worker, stuck_wait: float) -> dict:
+    """Runs in each TP worker process (collective_rpc): its worker-side connector's counters, once
+    the staging buffers its timed-out jobs set aside are back, or after stuck_wait seconds."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return _aiokv(get_kv_transfer_group()).counters()
+    wc = _aiokv(get_kv_transfer_group())
+    _wait_unstuck(wc, time.monotonic() + stuck_wait)
+    return wc.counters()
+
+
+def _wait_unstuck(wc, deadline: float) -> None:
+    """Until worker-side connector wc has no staging buffer set aside (a job past its time limit
+    leaves it to the kernel's I/O, worker/staging.py), or the deadline passed."""
+    while wc.worker is not None and wc.worker.stuck and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _aiokv(conn):
