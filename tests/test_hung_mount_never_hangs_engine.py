@@ -112,17 +112,18 @@ def test_requests_finish_while_the_mount_hangs(tiny_model, tmp_path, stored, mod
 
 
 class _Health(threading.Thread):
-    """Polls the server's /health while the mount hangs: the slowest answer, and the failures."""
+    """Polls the server's /health (once started: its url is known once it is ready) while the
+    mount hangs: the slowest answer, and the failures."""
 
-    def __init__(self, url: str):
+    def __init__(self, srv):
         super().__init__(daemon=True)
-        self.url, self.stop, self.slowest, self.failures, self.answers = url, threading.Event(), 0.0, [], 0
+        self.srv, self.stop, self.slowest, self.failures, self.answers = srv, threading.Event(), 0.0, [], 0
 
     def run(self) -> None:
         while not self.stop.is_set():
             t = time.monotonic()
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=HEALTH_TIMEOUT) as r:
+                with urllib.request.urlopen(self.srv.url + "/health", timeout=HEALTH_TIMEOUT) as r:
                     assert r.status == 200
                 self.answers += 1
             except Exception as e:  # noqa: BLE001 - every failure is reported by the test
@@ -157,7 +158,7 @@ def test_server_answers_health_and_completions_while_the_mount_hangs(tiny_model,
             str(tmp_path / "serve.log"),
             extra={"load_timeout": LOAD_TIMEOUT, "breaker_cooldown": 600, "fs_timeout": 2},
         )
-        health = _Health(srv.url)
+        health = _Health(srv)
         try:
             srv.wait_ready()
             health.start()
