@@ -19,7 +19,8 @@ kv_events (one process only; a socket path: vLLM publishes its KV events there o
 (ipc://), or "tcp": on a port of VLLM_HOST_IP the kernel picks ("kv_events_endpoint"); a subscriber
 here collects them in "events": [type, medium, group, hashes, parent, token ids] each, in order;
 nothing is published before kv_events_subscribers subscriptions (1 unless given: this one; more
-where others subscribe once ready_file gives the endpoint) reached the publisher), audit_fs (RESULT lists the file-system
+where others subscribe once ready_file gives the endpoint) reached the publisher),
+audit_fs (RESULT lists the file-system
 calls aiokv made on vLLM's thread while the phases ran), audit_saves (RESULT's "save_violations":
 every step's saves checked against vLLM's own scheduler output, _audit_saves),
 lora ({max_lora_rank, max_loras}: LoRA served), refuse_io_uring (io_uring_setup fails with EPERM in
