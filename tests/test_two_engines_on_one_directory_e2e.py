@@ -95,6 +95,9 @@ def test_two_live_engines_hit_each_others_blocks(tiny_model, tmp_path):
     try:
         wait_until(lambda: _blocks_of(cache).get(0, 0) >= full, "engine A's saves", [a])
         # B starts while A lives: a_prompts hit A's blocks; it computes b_prompts, then waits alive.
+        # B's first phase waits until B sees A's blocks (peer_blocks): an engine follows the others
+        # from its I/O thread's first look, applied at a later lookup, not before its first one
+        # (docs/design.md, the loader thread); a loaded machine could ask before that look was in.
         # B's writes end 3 s late, so its last saves finish after its last output, as they did on
         # a loaded machine: an engine waiting idle must still step until they are reported and
         # committed (the test driver stepped only while outputs were due, and B's blocks stayed
@@ -104,7 +107,7 @@ def test_two_live_engines_hit_each_others_blocks(tiny_model, tmp_path):
                 model=tiny_model,
                 cache=cache,
                 phases=[
-                    dict(prompts=a_prompts, max_tokens=4),
+                    dict(prompts=a_prompts, max_tokens=4, peer_blocks=full),
                     dict(prompts=b_prompts, max_tokens=4),
                     dict(prompts=[], wait_for=go_b),
                 ],
