@@ -21,7 +21,7 @@ from aiokv.store import Store
 from aiokv.store.api import SpaceApi, StoreApi
 from aiokv.store.drives import Drives
 from aiokv.store.driveviews import DriveNamespace
-from aiokv.store.index import Namespace
+from aiokv.store.namespace import Namespace
 from tests.conftest import NS, PAYLOAD, key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,8 +5,8 @@ Store (store.py) owns the index; the data path below it (aiokv/data/: BlockIO) m
 slot bytes; the on-disk format is in aiokv/data/format/ and docs/format.md.
 """
 
-from aiokv.store.index import Namespace
 from aiokv.store.lock import StoreLocked
+from aiokv.store.namespace import Namespace
 from aiokv.store.store import NotAStore, Store, StoreStats
 
 __all__ = ["Namespace", "NotAStore", "Store", "StoreLocked", "StoreStats"]

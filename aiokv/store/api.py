@@ -2,7 +2,7 @@
 """The store's interface: what the scheduler side, the connector and the operators' tools
 call, one typed Protocol that `Store` (one cache directory, store.py) and `Drives` (one
 Store per drive, drives.py) both implement, so that no caller asks which of them it has.
-`SpaceApi` is a namespace's side of it: `index.Namespace` and `driveviews.DriveNamespace`.
+`SpaceApi` is a namespace's side of it: `namespace.Namespace` and `driveviews.DriveNamespace`.
 
 A single Store is one drive: `drives()` is [(0, its directory, itself)], `parts(ns)` is
 [(0, itself, ns)], and `record` has nothing to judge (the scheduler side's breaker does).

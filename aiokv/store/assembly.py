@@ -18,11 +18,11 @@ from aiokv.store import persist as persist_mod
 from aiokv.store.control import Control
 from aiokv.store.drops import Drops
 from aiokv.store.following import Following
-from aiokv.store.index import Namespace
 from aiokv.store.labels import Labels
 from aiokv.store.loading import Loader
 from aiokv.store.loadpins import LoadPins
 from aiokv.store.meta import Dirs, Opener
+from aiokv.store.namespace import Namespace
 from aiokv.store.persist import Persist
 from aiokv.store.pins import Pins
 from aiokv.store.reclaim import Reclaim

@@ -59,8 +59,8 @@ from aiokv.data import format as fmt
 from aiokv.store import loadpins
 from aiokv.store.driveviews import DriveNamespace
 from aiokv.store.fsthread import at_once, bounded
-from aiokv.store.index import Namespace
 from aiokv.store.locate import first_holders, holders
+from aiokv.store.namespace import Namespace
 from aiokv.store.store import StoreStats
 from aiokv.util import counting
 from aiokv.util.breaker import Breaker

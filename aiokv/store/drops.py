@@ -12,7 +12,7 @@ are written by the Store's I/O thread (persist.py), never on this thread.
 from __future__ import annotations
 
 from aiokv.data import format as fmt
-from aiokv.store.index import Namespace
+from aiokv.store.namespace import Namespace
 
 
 class Drops:

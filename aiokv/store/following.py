@@ -49,7 +49,7 @@ import time
 from aiokv.data import format as fmt
 from aiokv.data.dirs import NotAStore, open_dir
 from aiokv.store.follower import Follower
-from aiokv.store.index import Namespace
+from aiokv.store.namespace import Namespace
 
 log = logging.getLogger("aiokv")
 FOLLOW_INTERVAL = 0.1  # seconds between looks at the other engines' journals

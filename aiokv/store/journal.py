@@ -39,7 +39,7 @@ from aiokv.data.dirs import FILE_FLAGS
 from aiokv.store import checkpoint as ckpt_file
 from aiokv.store.indeximage import index_image_bytes, read_image
 from aiokv.store.logrecords import REC, marks, parse_records, read_file, record_tags
-from aiokv.store.logrecords import KeyMap as KeyMap  # (index.py reads it here)
+from aiokv.store.logrecords import KeyMap as KeyMap  # (namespace.py reads it here)
 from aiokv.store.logreplay import apply_records, entries_of, table_of
 from aiokv.store.table import Table
 

@@ -24,8 +24,8 @@ import numpy as np
 
 from aiokv import _index
 from aiokv.data import format as fmt
-from aiokv.store.index import Namespace
 from aiokv.store.locate import first_holders
+from aiokv.store.namespace import Namespace
 
 TOUCH_EVERY_NS = 10**9  # a hit on another engine's block is recorded at most this often per key
 

@@ -19,7 +19,7 @@ from aiokv.data import format as fmt
 
 def first_holders(spaces: list, keys) -> tuple[np.ndarray, np.ndarray]:
     """Args:
-        spaces: namespaces (index.Namespace), in the order they are asked.
+        spaces: namespaces (namespace.Namespace), in the order they are asked.
         keys: block keys (a key that is not bytes is held by none).
     Returns:
         (space, where), int64 each: the index in `spaces` of the first holding each key, and

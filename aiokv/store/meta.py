@@ -32,8 +32,8 @@ import time
 
 from aiokv.data import format as fmt
 from aiokv.data.dirs import NotAStore, _exists, _read_json, _write_json, check_private, open_dir
-from aiokv.store.index import Namespace
 from aiokv.store.lock import DirLock
+from aiokv.store.namespace import Namespace
 
 NAMESPACE_WAIT = 60.0  # seconds opening a namespace may take on the I/O thread (at start)
 SETUP_WAIT = 30.0  # seconds an engine waits for another one creating the store or a namespace

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from aiokv.store.index import Namespace
+    from aiokv.store.namespace import Namespace
 
 
 def of_engine(ns: Namespace, engine: int) -> list[bytes]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from aiokv.store import bulk
 from aiokv.store.control import Order, append_order
-from aiokv.store.index import Namespace
+from aiokv.store.namespace import Namespace
 from aiokv.store.store import Store
 from aiokv.store.tenants import read_file
 

@@ -30,9 +30,9 @@ import logging
 import os
 import time
 
-from aiokv.store.index import Namespace
 from aiokv.store.journal import IndexLog
 from aiokv.store.journalq import JournalQueue
+from aiokv.store.namespace import Namespace
 
 CLOSE_WAIT = 5.0  # seconds close (and the last verifications) wait for an answer at least (io_thread)
 CLOSE_MAX = 30.0  # seconds close waits in all for a file system that answers, slowly (io_thread)

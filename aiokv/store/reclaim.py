@@ -41,9 +41,9 @@ from aiokv.data import format as fmt
 from aiokv.data.slotfile import open_data_file
 from aiokv.store import bulk
 from aiokv.store.following import data_bytes
-from aiokv.store.index import Namespace
 from aiokv.store.journal import IndexLog
 from aiokv.store.lock import DirLock, StoreLocked
+from aiokv.store.namespace import Namespace
 from aiokv.store.tenants import read_file
 
 PUNCH = _native.FALLOC_FL_PUNCH_HOLE | _native.FALLOC_FL_KEEP_SIZE

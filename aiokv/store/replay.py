@@ -25,9 +25,9 @@ from array import array
 import numpy as np
 
 from aiokv.data import format as fmt
-from aiokv.store.index import Namespace
 from aiokv.store.journal import IndexLog
 from aiokv.store.meta import ns_dir
+from aiokv.store.namespace import Namespace
 from aiokv.store.table import Table, give_back_scratch, tag_of
 
 _log = logging.getLogger("aiokv")  # (`log` names a journal here)

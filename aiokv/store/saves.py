@@ -24,7 +24,7 @@ import time
 
 from aiokv import _index
 from aiokv.data import format as fmt
-from aiokv.store.index import Namespace
+from aiokv.store.namespace import Namespace
 from aiokv.store.table import PINNED
 from aiokv.store.tenantsfile import TenantsNotWritten
 

@@ -20,7 +20,7 @@ import os
 from aiokv.data import format as fmt
 from aiokv.data.slotfile import read_slot
 from aiokv.store.fsthread import FsTimeout
-from aiokv.store.index import Namespace
+from aiokv.store.namespace import Namespace
 
 
 class Scan:

@@ -33,7 +33,7 @@ from aiokv import _native
 from aiokv.data import format as fmt
 from aiokv.data.slotfile import open_data_file
 from aiokv.store import bulk
-from aiokv.store.index import Namespace
+from aiokv.store.namespace import Namespace
 from aiokv.store.reclaim import PUNCH
 
 GROW_BYTES = 64 << 20  # disk space is reserved for new slots this much at a time

@@ -88,9 +88,10 @@ from aiokv.data.dirs import NotAStore  # noqa: F401  (re-exported: aiokv.store)
 from aiokv.store import assembly
 from aiokv.store import quotas as quotas_mod
 from aiokv.store.fsthread import FsThread
-from aiokv.store.index import Index, Namespace
+from aiokv.store.index import Index
 from aiokv.store.locate import holders
 from aiokv.store.meta import ns_dir  # noqa: F401  (callers name a namespace's directory)
+from aiokv.store.namespace import Namespace
 from aiokv.store.quotas import Quotas
 from aiokv.util import counters, counting
 

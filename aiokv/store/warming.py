@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 
 from aiokv.store.drives import DriveNamespace, Drives, open_drives, place
-from aiokv.store.index import Namespace
 from aiokv.store.meta import ns_dir
+from aiokv.store.namespace import Namespace
 from aiokv.store.space import HEADROOM
 from aiokv.store.store import Store
 
