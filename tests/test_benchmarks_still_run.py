@@ -118,6 +118,20 @@ def test_bench_store_times_aiokv_and_fio_on_the_same_blocks(tmp_path):
     assert os.listdir(tmp_path / "plots"), "--plot drew nothing"
 
 
+def test_bench_store_loads_can_copy_into_a_kv_cache(tmp_path):
+    """--copy-in (each chunk copied out as a worker's load does: a failed CRC in the copy would fail
+    the load, and the run) on the loop thread and on a thread, with --window-slack recorded."""
+    for where in ("loop", "thread"):
+        doc = document(
+            tmp_path, "bench_store.py", "--sizes", "64K", "--depth", "4", "--mib", "8", "--rounds", "1",
+            "--no-raw-block", "--no-vllm", "--no-crc-too", "--copy-in", where, "--window-slack", "1",
+        )  # fmt: skip
+        assert (doc["params"]["copy_in"], doc["params"]["window_slack"]) == (where, 1), doc["params"]
+        (row,) = doc["results"]
+        for who in ("aiokv", "aiokv_nocrc"):
+            positive(f"results.{who}", row[who], "write_gbps", "read_gbps")
+
+
 def test_plot_without_matplotlib_is_refused_before_the_run(tmp_path):
     """CI's fresh machine had no matplotlib (tools/setup.sh did not install it): bench_store ran its
     whole benchmark, then died in the plot with a traceback. Now setup installs it, and where it is

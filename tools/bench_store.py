@@ -66,12 +66,14 @@ import statistics
 import sys
 import tempfile
 import time
+from array import array
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aiokv import _native  # noqa: E402
 from aiokv.config import parse_size  # noqa: E402
 from aiokv.data import format as fmt  # noqa: E402
+from aiokv.data import window  # noqa: E402
 from aiokv.data.backend import IOBackend  # noqa: E402
 from aiokv.data.buffers import BufferPool  # noqa: E402
 from aiokv.data.choice import open_backend  # noqa: E402
@@ -86,6 +88,11 @@ RING: dict[str, int] = {}
 # with `discard` a delete's discards are issued when the journal commits: a previous round's files, freed
 # just before, otherwise land in the next phase), then this many seconds of quiet
 SETTLE = 0.0
+# --copy-in loop|thread: each chunk a load read is copied into a "KV cache" (KV[slot], a payload per block)
+# before its buffers go back, the payload's CRC checked in the copy; "loop": on the loop thread, as the
+# CPU worker's load does (worker/loads.py, Device.copy_in); "thread": on a thread of the loop's executor
+COPY_IN: str | None = None
+KV: dict[int, BufferPool] = {}
 
 
 # ------------------------------------------------------------------ aiokv side
@@ -268,6 +275,12 @@ async def _load_through(st, pool: BufferPool, spent: dict, crc: bool, ns, items)
     async def run(part, bufs) -> None:
         try:
             res = await io.read([(s, k, pool.addr(b)) for (_, s, k), b in zip(part, bufs)], not crc)
+            if COPY_IN == "thread":
+                await asyncio.get_running_loop().run_in_executor(
+                    None, _copy_in, pool, io.payload_bytes, [i for i, _, _ in part], bufs, res, crc
+                )
+            elif COPY_IN:
+                _copy_in(pool, io.payload_bytes, [i for i, _, _ in part], bufs, res, crc)
             for (i, _, _), r in zip(part, res):
                 out[i] = r
         finally:
@@ -275,6 +288,8 @@ async def _load_through(st, pool: BufferPool, spent: dict, crc: bool, ns, items)
 
     try:
         todo = [(i, s, k) for i, (s, k) in enumerate(zip(slots, keys)) if s is not None]
+        if COPY_IN:
+            _kv(pool, io.payload_bytes)
         p0, t0 = time.process_time(), time.perf_counter()
         await read_through(todo, take, give, run, *shape(io))
         spent["read"][0] += time.perf_counter() - t0
@@ -282,6 +297,28 @@ async def _load_through(st, pool: BufferPool, spent: dict, crc: bool, ns, items)
     finally:
         st.unpin(ns, [k for k, s in zip(keys, slots) if s is not None])
     return out
+
+
+def _kv(pool: BufferPool, payload: int) -> BufferPool:
+    """--copy-in's KV cache for `pool`'s slots: made (its pages touched) once, before a load is timed."""
+    if pool.slot_bytes not in KV:
+        KV[pool.slot_bytes] = BufferPool(payload, pool.count, populate=True)
+    return KV[pool.slot_bytes]
+
+
+def _copy_in(pool: BufferPool, payload: int, blocks: list[int], bufs: list[int], res: list[int], crc: bool) -> None:
+    """--copy-in: the payloads of `bufs` into KV blocks `blocks` (as CpuDevice.copy_in): a plain copy
+    where the read checked the payloads' CRC (`crc`), else their CRC checked in the copy (a mismatch
+    is a failed read)."""
+    kv = _kv(pool, payload)
+    dst = array("q", [kv.addr(b % kv.count) for b in blocks]).tobytes()
+    if crc:
+        _native.memcpy_many(dst, array("q", [pool.addr(b) + fmt.HEADER_BYTES for b in bufs]).tobytes(), payload)
+        return
+    verdicts = _native.memcpy_crc_in(dst, array("q", [pool.addr(b) for b in bufs]).tobytes(), payload)
+    for j, v in enumerate(verdicts):
+        if v and res[j] == 0:
+            res[j] = -errno.EBADMSG
 
 
 def _time_data_path(io, reads: bool = True, crc: bool = True) -> dict:
@@ -576,6 +613,20 @@ def main() -> int:
         "GPU, worker/devcrc.py): what the checksum costs, and a CUDA worker's host side",
     )
     ap.add_argument(
+        "--copy-in",
+        choices=("loop", "thread"),
+        default=None,
+        help="aiokv's loads copy each chunk into a KV cache (the payload CRC checked in the copy) before its "
+        "buffers go back: on the loop thread, as a CPU worker's do (loop), or on a thread of the loop's "
+        "executor (thread); fio and raw_block copy nothing",
+    )
+    ap.add_argument(
+        "--window-slack",
+        type=int,
+        default=None,
+        help="aiokv's loads: chunks read ahead past those that fill the queue (data/window.py SLACK_CHUNKS)",
+    )
+    ap.add_argument(
         "--fixedbufs",
         action="store_true",
         help="also run fio with registered buffers (--fixedbufs): what registering would gain",
@@ -615,11 +666,13 @@ def main() -> int:
         from tools import bench_store_peers as bp
 
         return harness.emit(bp.peers_main(args, _sizes(args.sizes), depths[0], log), args, bp.render_peers)
-    global SETTLE
+    global SETTLE, COPY_IN
     RING.update(
         (k, v) for k, v in (("submit_group", args.submit_group), ("merge_bytes", args.merge_bytes)) if v is not None
     )
-    SETTLE = args.settle
+    SETTLE, COPY_IN = args.settle, args.copy_in
+    if args.window_slack is not None:
+        window.SLACK_CHUNKS = args.window_slack
     sizes = _sizes(args.sizes)
     depths = [int(x) for x in args.depth.split(",") if x]
     if any(s % 4096 for s in sizes):
@@ -704,6 +757,8 @@ def main() -> int:
             "workers": args.workers,
             "mode": args.mode,
             "rounds": args.rounds,
+            "copy_in": args.copy_in,
+            "window_slack": window.SLACK_CHUNKS,
             "dir": base,
         },
         "aiokv_backend": backend_name,
