@@ -7,7 +7,8 @@ both read through this object; the second copies in by itself, on vLLM's thread.
 
 Threading contract: `read` and `copy_in` run on the worker's event-loop thread
 (the data file is opened there at the first job; an asynchronous device's copies are waited
-for on a thread of the loop's executor); `count` on any thread.
+for on a thread of the loop's executor, and so is a synchronous device's copy of at least
+COPY_THREAD_BYTES); `count` on any thread.
 """
 
 from __future__ import annotations
@@ -15,6 +16,15 @@ from __future__ import annotations
 from aiokv.data.backend import NOT_IO_ERRORS  # noqa: F401  (saves.py reads it here)
 from aiokv.data.window import shape
 from aiokv.util.loops import waited
+
+# A CPU copy into the KV cache of at least this many bytes (a chunk of a load: data/window.py) runs
+# on a thread of the loop's executor, so the loop thread reaps the reads that complete meanwhile and
+# refills the ring; a smaller one runs on the loop thread, where the hop to a thread and back costs
+# more than the copy holds the ring up. Loads with the copy (tools/bench_store.py --copy-in, CRC in
+# the copy), read bandwidth x fio's, on the loop thread / on a thread: 1 MiB blocks at depth 32
+# (8 MiB chunks) 0.71 / 0.84, 2 MiB at depth 16-32 (8-16 MiB) 0.67-0.71 / 0.81-0.82; chunks of
+# 1-4 MiB 0.69-0.86 / 0.69-0.76 (docs/benchmarks.md, "Where the time goes").
+COPY_THREAD_BYTES = 8 << 20
 
 
 class Reads:
@@ -52,8 +62,16 @@ class Reads:
             await waited(ev.synchronize)
             ok = result()
             return ok if crc_in_copy else [True] * len(block_ids)
-        # The CPU's copy, on the loop thread, in one go: a cancellation cannot interrupt it
-        # half-way, and no hop to another thread waits for the GIL a second time.
+        # The CPU's copy, in one go: a cancellation cannot interrupt it half-way (on a thread,
+        # `waited` raises it only once the copy is done). Small ones on the loop thread: no hop to
+        # another thread waits for the GIL a second time. Big ones (COPY_THREAD_BYTES) on a thread,
+        # so the ring is refilled meanwhile.
+        if len(block_ids) * self.slot_bytes >= COPY_THREAD_BYTES:
+            return await waited(self._copy_in_now, block_ids, bufs, crc_in_copy)
+        return self._copy_in_now(block_ids, bufs, crc_in_copy)
+
+    def _copy_in_now(self, block_ids, bufs, crc_in_copy: bool) -> list[bool]:
+        """A synchronous device's copy_in (its answer per block, as copy_in's)."""
         if crc_in_copy:
             return self.device.copy_in(block_ids, bufs, crc_in_copy=True)
         self.device.copy_in(block_ids, bufs)
