@@ -95,9 +95,9 @@ def test_two_live_engines_hit_each_others_blocks(tiny_model, tmp_path):
     try:
         wait_until(lambda: _blocks_of(cache).get(0, 0) >= full, "engine A's saves", [a])
         # B starts while A lives: a_prompts hit A's blocks; it computes b_prompts, then waits alive.
-        # B's first phase waits until B sees A's blocks (peer_blocks): an engine follows the others
-        # from its I/O thread's first look, applied at a later lookup, not before its first one
-        # (docs/design.md, the loader thread); a loaded machine could ask before that look was in.
+        # B's first phase waits until B sees A's blocks (peer_blocks): B's open applies a first look
+        # at A's journal (tests/test_a_starting_engine_sees_the_others_blocks_at_open.py), and any
+        # record of A's that lands after that look is followed later, on B's I/O thread.
         # B's writes end 3 s late, so its last saves finish after its last output, as they did on
         # a loaded machine: an engine waiting idle must still step until they are reported and
         # committed (the test driver stepped only while outputs were due, and B's blocks stayed
@@ -137,10 +137,13 @@ def test_kill9_of_one_engine_mid_save_leaves_the_other_unaffected(tiny_model, tm
     # B starts first and waits alive; A saves a burst and is killed in the middle of it: every
     # write of A's after its first 40 completes an hour late and A waits alive after its burst,
     # so A can neither finish nor commit those before the kill, however fast the machine (the
-    # test raced A's burst before: "engine A finished before it could be killed")
-    b = _start(
-        dict(model=tiny_model, cache=cache, phases=[dict(prompts=[], wait_for=go), dict(prompts=ps[:4], max_tokens=4)])
-    )
+    # test raced A's burst before: "engine A finished before it could be killed"). B's second
+    # phase waits until B sees A's 28 blocks (peer_blocks) before asking: B opened the directory
+    # before A's first commit, so its open's first look at the others did not see them; B follows
+    # them every 0.1 s on its I/O thread, applied at its next lookup, and nothing else orders that
+    # before its first request
+    phase2 = dict(prompts=ps[:4], max_tokens=4, peer_blocks=28)
+    b = _start(dict(model=tiny_model, cache=cache, phases=[dict(prompts=[], wait_for=go), phase2]))
     a = None
     try:
         wait_until(lambda: os.path.exists(os.path.join(cache, "lock")), "engine B's start", [b])
