@@ -44,7 +44,7 @@ import aiokv
 from aiokv import __version__
 from tests.e2e import ROOT, prompts, run
 from tests.stallfs import mounted
-from tools.servers import only_port
+from tools.servers import wait_healthy
 
 pytestmark = pytest.mark.vllm
 
@@ -114,24 +114,12 @@ class Server:
 
     def wait_ready(self) -> None:
         """Until the server answers /health; sets port and url (the port it listens on)."""
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.text()[-6000:]}")
-            if self.port is None:
-                self.port = only_port(self.proc.pid)
-                if self.port is None:
-                    time.sleep(1)
-                    continue
-                self.url = f"http://127.0.0.1:{self.port}"
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1)
-        raise AssertionError(f"server not ready in {START_TIMEOUT} s:\n{self.text()[-6000:]}")
+
+        def fail(message: str):
+            raise AssertionError(message)
+
+        self.port = wait_healthy(self.proc, self.text, START_TIMEOUT, fail)
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_log(self, text: str, timeout: float = 120) -> None:
         """Until the server's log says `text` (the engine core logs there too)."""

@@ -70,6 +70,26 @@ def only_port(pid: int) -> int | None:
     return ports.pop() if ports else None
 
 
+def wait_healthy(proc, text, timeout: float, fail) -> int:
+    """Until the HTTP server process `proc` answers /health on the one port it listens on
+    (only_port); that port. fail(message) raises: the process exited, or `timeout` seconds
+    passed (text(): its log so far, the message's tail)."""
+    deadline, port = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            fail(f"the server exited with {proc.returncode}:\n{text()[-6000:]}")
+        port = port or only_port(proc.pid)
+        if port is not None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return port
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+        time.sleep(1)
+    fail(f"the server was not ready in {timeout} s:\n{text()[-6000:]}")
+
+
 def proc_stats():
     """(pid, command name, the fields after it) of every process alive now (/proc/PID/stat)."""
     for d in os.listdir("/proc"):
@@ -139,24 +159,12 @@ class Server:
 
     def wait_ready(self, timeout: float = 600) -> None:
         """Until the server answers /health; sets port and url (the port it listens on)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the server exited with {self.proc.returncode}:\n{self.text()[-6000:]}")
-            if self.port is None:
-                self.port = only_port(self.proc.pid)
-                if self.port is None:
-                    time.sleep(1)
-                    continue
-                self.url = f"http://127.0.0.1:{self.port}"
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1)
-        raise SystemExit(f"the server was not ready in {timeout} s:\n{self.text()[-6000:]}")
+
+        def fail(message: str):
+            raise SystemExit(message)
+
+        self.port = wait_healthy(self.proc, self.text, timeout, fail)
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def metrics(self, prefix: str = "vllm:") -> dict[str, float]:
         """Samples whose name starts with `prefix`, summed over their labels but the engine's own."""
