@@ -12,8 +12,8 @@ The invariant: with each journal call answering within fs_timeout, every block c
 close is in the journal a restart reads; a file system that does not answer still lets close
 return within its bound, with one warning line; and whatever fs_timeout says (86400: "never
 hung"), close returns within CLOSE_MAX in all: never the reason the engine hung.
-The fix: persist.py: the close bounds are a Store's own (`Persist(close_wait=, close_max=)`):
-close waits for an answer max(CLOSE_WAIT, fs_timeout) (`close_wait`), still at most CLOSE_MAX
+The fix: persist.py: the close's wait for an answer is a Store's own (`Persist.close_wait`):
+max(CLOSE_WAIT, fs_timeout), still at most CLOSE_MAX
 in all; the load joined at close (loading.py) and the last verifications (scan.py) use the same.
 """
 

@@ -20,6 +20,8 @@ import time
 import urllib.error
 import urllib.request
 
+import psutil
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -35,29 +37,14 @@ def free_port() -> int:
 
 
 def listen_ports(pid: int) -> set[int]:
-    """The TCP ports process `pid` listens on now (its sockets in LISTEN state in /proc/net/tcp and
-    tcp6; empty for a process that has exited). A port listed is that process's alone: a second
-    listener on a port needs SO_REUSEPORT on both sockets, and none of these servers sets it."""
-    inodes = set()
+    """The TCP ports process `pid` listens on now (psutil: its sockets in LISTEN state; empty for a
+    process that has exited). A port listed is that process's alone: a second listener on a port
+    needs SO_REUSEPORT on both sockets, and none of these servers sets it."""
     try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.Error:
         return set()
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()  # sl, local address:port (hex), remote, state (0A: LISTEN), ..., inode
-                if cols[3] == "0A" and cols[9] in inodes:
-                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
+    return {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
 
 
 def only_port(pid: int) -> int | None:

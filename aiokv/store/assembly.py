@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from aiokv.config import parse_size
 from aiokv.data import format as fmt
-from aiokv.store import persist as persist_mod
 from aiokv.store.control import Control
 from aiokv.store.drops import Drops
 from aiokv.store.following import Following
@@ -43,9 +42,7 @@ def make_parts(store: Store, capacity, sync_interval: float, checkpoint_every: i
     fs = store.fs
     store.dirs = Dirs(store.root, store.readonly)
     store.tenants = Tenants(store.dirs, fs, fmt.tenant_key(secret), store.index)  # tenant tags <-> ids (tenants.py)
-    store.persist = Persist(
-        fs, store.index, sync_interval, checkpoint_every, persist_mod.close_wait_for(fs_timeout), persist_mod.CLOSE_MAX
-    )
+    store.persist = Persist(fs, store.index, sync_interval, checkpoint_every, fs_timeout)
     store.tenants.checkpoint = store.persist.checkpoint
     store.following = Following(store.dirs, store.index, fs, store.tenants)
     store.space = Space(

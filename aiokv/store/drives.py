@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from aiokv.data import format as fmt
-from aiokv.store import loadpins
+from aiokv.store import loadpins, persist
 from aiokv.store.driveviews import DriveNamespace
 from aiokv.store.fsthread import at_once, bounded
 from aiokv.store.locate import first_holders, holders
@@ -66,7 +66,7 @@ from aiokv.util import counting
 from aiokv.util.breaker import Breaker
 
 log = logging.getLogger("aiokv")
-CLOSE_SLACK = 2.0  # seconds past their close_max the drives' closes are waited for (each is bounded by its own)
+CLOSE_SLACK = 2.0  # seconds past CLOSE_MAX the drives' closes are waited for (each is bounded by CLOSE_MAX on its own)
 
 
 def seed(path: str) -> bytes:
@@ -321,13 +321,12 @@ class Drives:
         return d in ns.on and self.stores[d].verify_slot(ns.on[d], key, w)
 
     def close(self, checkpoint: bool = True) -> None:
-        """Every drive's Store closed at once, each on a thread of its own (each bounded by its
-        close_max, CLOSE_MAX: persist.py, so the whole close is; CLOSE_SLACK past it, they are
-        left running)."""
+        """Every drive's Store closed at once, each on a thread of its own (each bounded by
+        CLOSE_MAX: persist.py, so the whole close is; CLOSE_SLACK past it, they are left running)."""
         calls = [
             (f"closing the cache directory {s.root}", lambda s=s: s.close(checkpoint)) for s in self.stores.values()
         ]
-        at_once(calls, max((s.close_max for s in self.stores.values()), default=0.0) + CLOSE_SLACK)
+        at_once(calls, persist.CLOSE_MAX + CLOSE_SLACK)
 
 
 def open_drives(paths: list[str], open_one, timeout: float, failures: int = 3, cooldown: float = 30.0):

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Persistence and close: our journals (one per namespace: records appended,
 syncs due, checkpoints), and closing every file, with the I/O thread bounded by
-`close_wait` without an answer from the file system and `close_max` in all
-(the store's own: `close_wait_for(fs_timeout)` and CLOSE_MAX).
+`close_wait` (the store's own: max(CLOSE_WAIT, fs_timeout)) without an answer
+from the file system and CLOSE_MAX in all.
 
 `Persist` owns our journals (the IndexLogs, and the JournalQueues the owner
 writes through) and the close deadline; it is handed the I/O thread and the
@@ -19,7 +19,7 @@ answers, i.e. as long as the store itself would call it answering: an answer
 within `close_wait` = max(CLOSE_WAIT, fs_timeout) (past fs_timeout the store
 counts it as hung; never less than CLOSE_WAIT, because giving up at close loses
 records, where during serving a stall only pauses hits). Whatever fs_timeout
-says, close returns within `close_max` (CLOSE_MAX) of its first call: never the
+says, close returns within CLOSE_MAX of its first call: never the
 reason the engine hung at shutdown. What is not written by then is lost, and
 said (one warning): its blocks are misses after a restart, never wrong.
 """
@@ -39,23 +39,23 @@ CLOSE_MAX = 30.0  # seconds close waits in all for a file system that answers, s
 _log = logging.getLogger("aiokv")  # (`log` names a journal here)
 
 
-def close_wait_for(fs_timeout: float) -> float:
-    """Seconds close waits for the file system to answer, for a store whose operations count as
-    hung past fs_timeout: as long as that, and never less than CLOSE_WAIT."""
-    return max(CLOSE_WAIT, fs_timeout)
-
-
 class Persist:
-    def __init__(self, fs, index, sync_interval: float, checkpoint_every: int, close_wait: float, close_max: float):
-        """close_wait, close_max: the close's bounds (seconds without an answer, in all; see the
+    def __init__(self, fs, index, sync_interval: float, checkpoint_every: int, fs_timeout: float):
+        """fs_timeout: the store's I/O-thread deadline, from which close_wait is derived (the
         module's failure contract)."""
         self.fs, self.index = fs, index
         self.sync_interval = sync_interval
         self.checkpoint_every = checkpoint_every
-        self.close_wait, self.close_max = close_wait, close_max
+        self.fs_timeout = fs_timeout
         self.logs: dict[bytes, IndexLog] = {}  # our journals (the I/O thread's once it has started)
         self.journals: dict[bytes, JournalQueue] = {}  # our journals, as the owner writes them
         self._close_by: float | None = None
+
+    @property
+    def close_wait(self) -> float:
+        """Seconds close waits for the file system to answer: as long as the store would still
+        call it answering (fs_timeout), and never less than CLOSE_WAIT."""
+        return max(CLOSE_WAIT, self.fs_timeout)
 
     def add(self, nsid: bytes, log: IndexLog) -> None:
         """A namespace's journal, replayed (replay.py)."""
@@ -121,13 +121,13 @@ class Persist:
     def close_deadline(self) -> float:
         """With the I/O thread: when close stops waiting for the file system in all (set at the first call)."""
         if self._close_by is None:
-            self._close_by = time.monotonic() + self.close_max
+            self._close_by = time.monotonic() + CLOSE_MAX
         return self._close_by
 
     def close(self, checkpoint: bool, close_rest) -> None:
         """Checkpoint (if asked) and close the journals, then close_rest(), the other
         files. With the I/O thread: what was queued is written first; returns once the
-        file system has not answered for close_wait, or close_max after the first
+        file system has not answered for close_wait, or CLOSE_MAX after the first
         close-time call (verify_slot or this), whatever the file system does; records
         not written by then are lost, and said so (their blocks are misses after a
         restart: the journal never named them)."""
@@ -148,8 +148,8 @@ class Persist:
                 "aiokv: the cache directory's file system did not answer at shutdown (%g s without an "
                 "answer, or %g s in all); %d queued operation(s) may not be written (blocks committed "
                 "since are misses after a restart) and its files are left to the process exit",
-                min(self.close_wait, self.close_max),
-                self.close_max,
+                min(self.close_wait, CLOSE_MAX),
+                CLOSE_MAX,
                 queued,
             )
             fs.close(0)

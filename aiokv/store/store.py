@@ -122,7 +122,6 @@ class Store:
     follow_interval = _part("following", "interval")  # seconds between looks at the other engines
     followers = _part("following", "followers")  # (nsid, engine) -> its files
     logs = _part("persist", "logs")  # nsid -> our journal
-    close_max = _part("persist", "close_max")  # seconds close waits in all, with the I/O thread (persist.py)
     _loader = _part("loader", "thread")  # the loader thread (loading.py), None without one
     quotas = _part("saves", "quotas")  # bytes per tenant (quotas.py; set_quotas), None: no quota
     wear = _part("saves", "wear")  # bytes committed (wear.py), None read-only
