@@ -44,6 +44,8 @@ assert m.version('pytest-asyncio') == '$PYTEST_ASYNCIO' and m.version('ruff') ==
       "ruff==$RUFF"
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
+# a test that hangs fails after its timeout (pyproject.toml) with its stacks, not at CI's limit
+.venv/bin/python -c "import pytest_timeout" 2>/dev/null || .venv/bin/pip install -q "pytest-timeout>=2.1"
 .venv/bin/python -c "import mfusepy" 2>/dev/null || .venv/bin/pip install -q "mfusepy>=3.1"  # tests/stallfs.py
 # io_uring refused to one engine life (a seccomp filter, as a container's default profile does):
 # tests/vllm_run.py, refuse_io_uring
