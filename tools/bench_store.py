@@ -90,8 +90,10 @@ RING: dict[str, int] = {}
 SETTLE = 0.0
 # --copy-in loop|thread: each chunk a load read is copied into a "KV cache" (KV[slot], a payload per block)
 # before its buffers go back, the payload's CRC checked in the copy; "loop": on the loop thread, as the
-# CPU worker's load does (worker/loads.py, Device.copy_in); "thread": on a thread of the loop's executor
+# CPU worker's load does (worker/loads.py, Device.copy_in); "thread": on a thread of the loop's executor;
+# "pumped": on the loop thread in pieces of PUMP_BYTES, the ring reaped and refilled between them
 COPY_IN: str | None = None
+PUMP_BYTES = 1 << 20
 KV: dict[int, BufferPool] = {}
 
 
@@ -279,6 +281,14 @@ async def _load_through(st, pool: BufferPool, spent: dict, crc: bool, ns, items)
                 await asyncio.get_running_loop().run_in_executor(
                     None, _copy_in, pool, io.payload_bytes, [i for i, _, _ in part], bufs, res, crc
                 )
+            elif COPY_IN == "pumped":
+                ids, per = [i for i, _, _ in part], max(1, PUMP_BYTES // io.payload_bytes)
+                for j in range(0, len(ids), per):
+                    if j:
+                        io.backend._on_ready()  # what the loop's wake-up would do: reap, refill the ring
+                    piece = res[j : j + per]
+                    _copy_in(pool, io.payload_bytes, ids[j : j + per], bufs[j : j + per], piece, crc)
+                    res[j : j + per] = piece
             elif COPY_IN:
                 _copy_in(pool, io.payload_bytes, [i for i, _, _ in part], bufs, res, crc)
             for (i, _, _), r in zip(part, res):
@@ -614,11 +624,18 @@ def main() -> int:
     )
     ap.add_argument(
         "--copy-in",
-        choices=("loop", "thread"),
+        choices=("loop", "thread", "pumped"),
         default=None,
         help="aiokv's loads copy each chunk into a KV cache (the payload CRC checked in the copy) before its "
         "buffers go back: on the loop thread, as a CPU worker's do (loop), or on a thread of the loop's "
-        "executor (thread); fio and raw_block copy nothing",
+        "executor (thread), or on the loop thread in pieces of --pump-bytes with the ring reaped and refilled "
+        "between them (pumped: measured, not kept); fio and raw_block copy nothing",
+    )
+    ap.add_argument(
+        "--pump-bytes",
+        type=lambda t: _sizes(t)[0],
+        default=1 << 20,
+        help="--copy-in pumped: bytes copied between two reaps of the ring (at least one block)",
     )
     ap.add_argument(
         "--window-slack",
@@ -666,11 +683,11 @@ def main() -> int:
         from tools import bench_store_peers as bp
 
         return harness.emit(bp.peers_main(args, _sizes(args.sizes), depths[0], log), args, bp.render_peers)
-    global SETTLE, COPY_IN
+    global SETTLE, COPY_IN, PUMP_BYTES
     RING.update(
         (k, v) for k, v in (("submit_group", args.submit_group), ("merge_bytes", args.merge_bytes)) if v is not None
     )
-    SETTLE, COPY_IN = args.settle, args.copy_in
+    SETTLE, COPY_IN, PUMP_BYTES = args.settle, args.copy_in, args.pump_bytes
     if args.window_slack is not None:
         window.SLACK_CHUNKS = args.window_slack
     sizes = _sizes(args.sizes)
