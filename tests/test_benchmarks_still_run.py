@@ -120,8 +120,9 @@ def test_bench_store_times_aiokv_and_fio_on_the_same_blocks(tmp_path):
 
 def test_bench_store_loads_can_copy_into_a_kv_cache(tmp_path):
     """--copy-in (each chunk copied out as a worker's load does: a failed CRC in the copy would fail
-    the load, and the run) on the loop thread and on a thread, with --window-slack recorded."""
-    for where in ("loop", "thread"):
+    the load, and the run) on the loop thread (whole, or in pieces with the ring reaped between them) and on a
+    thread, with --window-slack recorded."""
+    for where in ("loop", "pumped", "thread"):
         doc = document(
             tmp_path, "bench_store.py", "--sizes", "64K", "--depth", "4", "--mib", "8", "--rounds", "1",
             "--no-raw-block", "--no-vllm", "--no-crc-too", "--copy-in", where, "--window-slack", "1",

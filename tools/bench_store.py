@@ -281,16 +281,15 @@ async def _load_through(st, pool: BufferPool, spent: dict, crc: bool, ns, items)
                 await asyncio.get_running_loop().run_in_executor(
                     None, _copy_in, pool, io.payload_bytes, [i for i, _, _ in part], bufs, res, crc
                 )
-            elif COPY_IN == "pumped":
-                ids, per = [i for i, _, _ in part], max(1, PUMP_BYTES // io.payload_bytes)
+            elif COPY_IN:  # on the loop thread: whole ("loop"), or in pieces with the ring reaped between them
+                ids = [i for i, _, _ in part]
+                per = max(1, PUMP_BYTES // io.payload_bytes) if COPY_IN == "pumped" else len(ids)
                 for j in range(0, len(ids), per):
                     if j:
                         io.backend._on_ready()  # what the loop's wake-up would do: reap, refill the ring
                     piece = res[j : j + per]
                     _copy_in(pool, io.payload_bytes, ids[j : j + per], bufs[j : j + per], piece, crc)
                     res[j : j + per] = piece
-            elif COPY_IN:
-                _copy_in(pool, io.payload_bytes, [i for i, _, _ in part], bufs, res, crc)
             for (i, _, _), r in zip(part, res):
                 out[i] = r
         finally:
