@@ -13,6 +13,14 @@ server that accepts connections and never answers; after the cooldown, with
 the server back, uploads and loads work again.
 Fix: aiokv/util/breaker.py (the bucket's instance), the deadlines in aiokv/bucket/client.py, the
 bounded lossy queue in aiokv/bucket/uploader.py.
+
+Bug guarded against, at close: an engine shut down while its prober waits on a hung server
+left the probes pending on the prober's loop as it closed; obstore's runtime answered each
+request later, onto the closed loop: a "RuntimeError: Event loop is closed" traceback on
+stderr per request, after the engine had said it stopped.
+Invariant: nothing of a closed prober runs or prints after `close`.
+Fix: LoopThread.stop (aiokv/util/loops.py) cancels the tasks left on its loop first, so
+obstore drops the requests they await.
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ import gc
 import os
 import signal
 import time
+from urllib.parse import urlsplit
+
+import psutil
 
 from aiokv.bucket.client import BucketClient, bucket_breaker
 from aiokv.bucket.loader import OK, UNAVAILABLE, BucketLoader
@@ -159,3 +170,25 @@ async def test_hung_server_costs_at_most_the_timeout(tmp_path, blocks, s3env):
             prober.close()
     finally:
         os.killpg(s3env.proc.pid, signal.SIGCONT)
+
+
+def test_a_prober_closed_mid_probe_prints_nothing_later(s3env, capfd):
+    late = 2.0  # the requests' own deadline: a late answer arrives by then
+    client = BucketClient(s3env.url("hung"), timeout=late, breaker=bucket_breaker(failures=100))
+    port = urlsplit(os.environ["AWS_ENDPOINT_URL"]).port
+    me = psutil.Process()
+    os.killpg(s3env.proc.pid, signal.SIGSTOP)
+    try:
+        prober = Prober(client, timeout=late)
+        assert prober.lookup("r", [[(object_name(client.prefix, NS, 0, key(i)), SB)] for i in range(8)]) is None
+        t0 = time.monotonic()  # the HEADs are in obstore's runtime once it has connected
+        while not any(c.raddr and c.raddr.port == port for c in me.net_connections(kind="tcp")):
+            assert time.monotonic() - t0 < 10, "no request reached the server"
+            time.sleep(0.01)
+        prober.close()
+        assert prober.loop.is_closed()
+        time.sleep(late + 1.0)  # past their deadline
+    finally:
+        os.killpg(s3env.proc.pid, signal.SIGCONT)
+    err = capfd.readouterr().err
+    assert "Event loop is closed" not in err and "Task was destroyed" not in err, err[-2000:]

@@ -5,7 +5,10 @@ uvloop where it is installed, asyncio's own loop elsewhere (a bare GPU node).
 
 Threading contract: `submit`, `call_soon` and `stop` are called from any thread; the
 loop runs on its own thread only what was handed to it. `stop` returns within its bound
-whatever the loop runs: a loop that does not stop is left to the process exit.
+whatever the loop runs: a loop that does not stop is left to the process exit. Before it
+stops, the loop cancels the tasks still on it, as `asyncio.run` does: a bucket request
+still awaited is then dropped by obstore's runtime, which would otherwise hand its late
+answer to a closed loop (a "loop is closed" traceback on stderr, per request).
 `settle` and `waited` run on a loop; `waited`'s blocking call on a thread of an executor.
 """
 
@@ -22,6 +25,8 @@ except ImportError:  # a machine without it: asyncio's own loop, slower per job
     uvloop = None
 
 log = logging.getLogger("aiokv")
+
+WIND_DOWN = 1.0  # s a stopping loop gives the tasks it cancelled to end
 
 
 class LoopThread:
@@ -52,13 +57,29 @@ class LoopThread:
         """Stops the loop and its thread; True when they stopped within `timeout`
         (the loop is then closed), False when the thread is still running."""
         if self.thread.is_alive():
-            self.call_soon(self.loop.stop)
+            wind_down = self._wind_down(min(WIND_DOWN, timeout / 2))
+            try:
+                asyncio.run_coroutine_threadsafe(wind_down, self.loop)
+            except RuntimeError:
+                wind_down.close()  # closed meanwhile
             self.thread.join(timeout)
             if self.thread.is_alive():
                 return False
         if not self.loop.is_closed():
             self.loop.close()
         return True
+
+    async def _wind_down(self, bound: float) -> None:
+        """Cancel every other task, give them `bound` s to end, then stop the loop."""
+        try:
+            me = asyncio.current_task()
+            others = [t for t in asyncio.all_tasks() if t is not me]
+            for t in others:
+                t.cancel()
+            if others:  # (an error one raises as it ends reaches _on_error, as any task's)
+                await asyncio.wait(others, timeout=bound)
+        finally:
+            self.loop.stop()
 
     def _on_error(self, loop, context) -> None:
         log.error(
