@@ -13,6 +13,14 @@ from aiokv.data.buffers import BufferPool
 from tests.fakecuda import fake_cuda  # noqa: F401 (a fixture: CudaDevice on CPU tensors)
 
 PAYLOAD = 64 << 10
+LONG_TIMEOUT = 1800  # s: a long run's bound (the longest takes about 4 minutes here; pyproject's 600 s is the rest's)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Long runs (pytest -m long) get LONG_TIMEOUT unless they set their own."""
+    for item in items:
+        if item.get_closest_marker("long") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(LONG_TIMEOUT))
 
 
 @pytest.hookimpl(hookwrapper=True)

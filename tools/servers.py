@@ -23,7 +23,6 @@ import urllib.request
 import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -77,31 +76,24 @@ def wait_healthy(proc, text, timeout: float, fail) -> int:
     fail(f"the server was not ready in {timeout} s:\n{text()[-6000:]}")
 
 
-def proc_stats():
-    """(pid, command name, the fields after it) of every process alive now (/proc/PID/stat)."""
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        yield int(d), raw[raw.index("(") + 1 : raw.rindex(")")], raw[raw.rindex(")") + 2 :].split()
+def _tree(pid: int) -> list[psutil.Process]:
+    """Process `pid` and every descendant alive now (psutil); empty once it has exited."""
+    try:
+        top = psutil.Process(pid)
+        return [top, *top.children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def tree_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid` and every descendant alive now."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    for p, _, rest in proc_stats():
-        parents[p] = int(rest[1])
-        times[p] = (int(rest[11]) + int(rest[12])) / TICK
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        total += times.get(p, 0.0)
-        todo.extend(c for c, pp in parents.items() if pp == p)
+    total = 0.0
+    for p in _tree(pid):
+        try:
+            t = p.cpu_times()
+        except psutil.Error:  # exited meanwhile
+            continue
+        total += t.user + t.system
     return total
 
 
@@ -170,22 +162,13 @@ class Server:
     def pids(self) -> dict[str, int]:
         """The server's processes by role: api (this process), engine (EngineCore), workers."""
         out = {"api": self.proc.pid}
-        for d, name, _ in proc_stats():
-            if d != self.proc.pid and self._descends(d):
-                out[name if name not in out else f"{name}-{d}"] = d
-        return out
-
-    def _descends(self, pid: int) -> bool:
-        while pid > 1:
-            if pid == self.proc.pid:
-                return True
+        for p in _tree(self.proc.pid)[1:]:
             try:
-                with open(f"/proc/{pid}/stat") as f:
-                    raw = f.read()
-            except OSError:
-                return False
-            pid = int(raw[raw.rindex(")") + 2 :].split()[1])
-        return False
+                name = p.name()
+            except psutil.Error:  # exited meanwhile
+                continue
+            out[name if name not in out else f"{name}-{p.pid}"] = p.pid
+        return out
 
     def stop(self, timeout: float = 120) -> int:
         """SIGTERM, as a service manager stops it; the exit status (killed if it does not exit)."""
