@@ -13,7 +13,7 @@ from aiokv.data.buffers import BufferPool
 from tests.fakecuda import fake_cuda  # noqa: F401 (a fixture: CudaDevice on CPU tensors)
 
 PAYLOAD = 64 << 10
-LONG_TIMEOUT = 1800  # s: a long run's bound (the longest takes about 4 minutes here; pyproject's 600 s is the rest's)
+LONG_TIMEOUT = 1800  # s: a long run's bound (the longest: 4 min on an Intel machine, 10 on an AMD one; the rest: pyproject's 600 s)
 
 
 def pytest_collection_modifyitems(config, items):
