@@ -7,7 +7,8 @@
 # engines, on two workers, a test file each: an engine life on the CPU leaves a
 # core idle about half its time (imports, start-up, waits on the disk), so two
 # at once take about two thirds of the time one after the other.
-# AIOKV_TEST_WORKERS sets the number of workers (1: one after the other, as before).
+# AIOKV_TEST_WORKERS sets the number of workers (1: one after the other, as before). The
+# end-to-end run lists its 15 slowest steps: where to look when it grows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # lint and format check first (ruff, configured in pyproject.toml): seconds
@@ -17,9 +18,9 @@ lint=$?
 units=$?
 workers=${AIOKV_TEST_WORKERS:-2}
 if [ "$workers" = 1 ]; then
-  .venv/bin/python -m pytest -q -m "vllm and not long"
+  .venv/bin/python -m pytest -q --durations=15 -m "vllm and not long"
 else
-  .venv/bin/python -m pytest -q -n "$workers" --dist loadfile -m "vllm and not long"
+  .venv/bin/python -m pytest -q -n "$workers" --dist loadfile --durations=15 -m "vllm and not long"
 fi
 e2e=$?
 [ $lint = 0 ] && [ $units = 0 ] && [ $e2e = 0 ]
