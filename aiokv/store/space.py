@@ -14,6 +14,10 @@ engine evicts its own blocks while they are the directory's oldest, and an
 engine short of room whose blocks are newer than another's may overshoot by
 capacity / SHARE_SLACK meanwhile.
 
+On a file system that cannot punch holes (EOPNOTSUPP: ramfs) nothing given back
+frees a byte: after the first refusal (`punch_refused`, said once) no space is
+given back and no block is evicted for it; the slots held are reused.
+
 Threading contract: the decisions (`grow`, `_shrink_to`, `evict`,
 `make_room`, `_regain_space`) run on the owner's thread and change only
 in-memory state there; their file-system halves (`_grow_io`, `_punch`,
@@ -54,6 +58,9 @@ class Space:
         self._rank_fds: dict[tuple[bytes, int], int] = {}
         self._punching = 0  # bytes of slots queued for punching (not counted as used)
         self._growing: dict[bytes, object] = {}  # nsid -> the grow in flight
+        # the file system refused a punch as unsupported (ramfs: EOPNOTSUPP): no space can be given
+        # back, so none is tried (set once, by whichever thread punched; read by the owner)
+        self.punch_refused = False
         self.victims = index.victim  # which of our blocks the capacity gives up first (the store's quotas set it)
 
     def used(self) -> int:
@@ -73,6 +80,8 @@ class Space:
 
     def evict(self, ns: Namespace, slot: int, punch: bool) -> bool:
         """Forget our LRU block in `slot`; False if its space was to be punched and could not be."""
+        if punch and self.punch_refused:
+            return False  # (its space would stay taken: the block is kept)
         tag = self.index.remove_slot(ns, slot)
         self.persist.append(ns, [fmt.pack_free(slot, tag)])
         self.stats.evictions += 1
@@ -103,7 +112,7 @@ class Space:
         """Punch free slots, then LRU blocks, until at most `target` bytes are used
         or nothing more can be given back; with oldest_only, only while our LRU
         block is the directory's oldest."""
-        while self.used() > target:
+        while self.used() > target and not self.punch_refused:
             for ns in self.index.namespaces.values():
                 while ns.alloc.free and self.used() > target:  # unused backed slots go first
                     if not self._unback(ns, ns.alloc.take()):
@@ -189,7 +198,8 @@ class Space:
                 fd = self.rank_fd(ns, rank)
                 for first, count in zip(*runs):
                     _native.fallocate(fd, PUNCH, first * sb, count * sb)
-        except OSError:
+        except OSError as e:
+            self._refused(e)
             return False
         return True
 
@@ -197,9 +207,21 @@ class Space:
         """Punch one slot on every rank; False if any rank refused."""
         try:
             self.fallocate(ns, PUNCH, [slot], punch=True)
-        except OSError:
+        except OSError as e:
+            self._refused(e)
             return False
         return True
+
+    def _refused(self, e: OSError) -> None:
+        """A punch failed: where the file system cannot punch at all, no more is tried."""
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS) and not self.punch_refused:
+            self.punch_refused = True
+            log.warning(
+                "aiokv: %s",
+                f"this file system cannot punch holes ({os.strerror(e.errno)}): the cache directory keeps "
+                f"the disk space it has taken and reuses it, over its capacity if need be; put it on a "
+                f"file system that can (ext4, xfs) to give space back",
+            )
 
     def grow(self, ns: Namespace, ahead: bool = False) -> bool | None:
         """Reserve disk space for more slots: a chunk, halved on ENOSPC down to one slot.
