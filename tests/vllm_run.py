@@ -42,7 +42,7 @@ abort_loading?: n (abort requests seen waiting for their load, WAITING_FOR_REMOT
 they are, until n aborts landed there),
 wait_for?: path, announce?: bool (after the phase, step until aiokv's start announcement is all
 published), done_file?: path (created once the phase, and its announce, is over), peer_blocks?: n, orders?: n,
-settle?: bool, kill_at_step?: [step, process group], reload_weights?: path,
+settle?: bool, room?: bool, kill_at_step?: [step, process group], reload_weights?: path,
 reset_prefix_cache?: {kwargs}, kill_when_loading?: process group (killed -9 at the first step
 that starts with one of aiokv's loads in flight; "killed_at_step"), resets?: [{when, kwargs}]
 (LLM.reset_prefix_cache(**kwargs) in the middle of the phase, one after the other, each at the
@@ -59,7 +59,9 @@ FOLLOW_INTERVAL, so a file on disk is not yet a hit here); orders waits, after t
 this engine has read and applied the operators' first n orders (aiokv clear, pin: DIR/control; on every drive) and, with
 kv_events, handed the events of what they removed to vLLM (idle steps publish them); settle waits, before the phase, until the previous phases' saves and
 bucket-tier uploads are done (one process, TP 1; spec settle_at_end: after the last phase, before
-the counters are read, so an upload figure counts every upload); kill_at_step kills -9 that
+the counters are read, so an upload figure counts every upload); room waits, before the phase, until
+aiokv's index has loaded and no disk space is being reserved (the first saves of a life whose free
+slots were all given back find room, none skipped while a slow disk grows the files); kill_at_step kills -9 that
 process group at that step of the phase; reload_weights loads other weights into
 the running engine (collective_rpc) and reset_prefix_cache then calls
 LLM.reset_prefix_cache(**kwargs), both before the phase (its result in "reset").
@@ -209,6 +211,8 @@ def main(spec: dict) -> dict:
     for phase in spec["phases"]:
         if phase.get("settle"):
             _settle(engine, time.monotonic() + spec.get("phase_timeout", 300))
+        if phase.get("room") and not MP:
+            _wait_for_room(aio.sched.store, time.monotonic() + spec.get("phase_timeout", 300))
         if phase.get("wait_for"):
             until = time.monotonic() + spec.get("phase_timeout", 300)
             if not MP:
@@ -740,6 +744,13 @@ def _wait_for_index(store, deadline: float) -> float:
         return False
 
     return _refresh_until(store, holds, deadline, "aiokv's index did not load")
+
+
+def _wait_for_room(store, deadline: float) -> None:
+    """Until every namespace's index has loaded and no grow of the data files is in flight."""
+    _wait_for_index(store, deadline)
+    stores = [s for _, _, s in store.drives()]
+    _refresh_until(store, lambda: not any(s.space.growing for s in stores), deadline, "aiokv's space was not reserved")
 
 
 def _wait_for_peer_blocks(store, n: int, deadline: float) -> None:

@@ -69,6 +69,11 @@ class Space:
         last refresh)."""
         return self.index.physical_bytes - self._punching + self.persist.disk_bytes() + sum(self._peer_bytes.values())
 
+    @property
+    def growing(self) -> int:
+        """Grows in flight (namespaces whose new space is still being reserved)."""
+        return len(self._growing)
+
     def peers_older(self) -> bool:
         """Whether another engine holds a block older than our LRU victim (it, not
         we, should give space back)."""
