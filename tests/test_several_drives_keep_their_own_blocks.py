@@ -197,6 +197,13 @@ async def test_a_hung_drive_file_system_stops_only_its_own_hits_and_saves(tmp_pa
     st.close()
     st = DrivesIO(paths, capacity="1GiB", io_thread=True, fs_timeout=0.1)
     ns = st.namespace(NS, PAYLOAD)
+    end = time.monotonic() + 20
+    while not ns.ready or any(
+        s.space.growing for s in st.stores.values()
+    ):  # every drive's index in place, its space reserved
+        assert time.monotonic() < end, "the drives' indexes did not load"
+        st.refresh()
+        await asyncio.sleep(0.01)
     hang = threading.Event()
     st.stores[0].fs.submit(lambda: hang.wait(30))  # drive 0's I/O thread is stuck in its file system
     end = time.monotonic() + 20
