@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 import pytest
 
@@ -95,6 +96,16 @@ def blocks():
     b = Blocks(PAYLOAD, 64)
     yield b
     b.pool.close()
+
+
+def refresh_until(st, cond, what: str, timeout: float = 20.0) -> None:
+    """st.refresh() (as the scheduler's step: it applies what the loader and I/O threads
+    finished) until cond() holds; fails naming `what` past the timeout."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"{what} (after {timeout:.0f} s)"
+        st.refresh()
+        time.sleep(0.01)
 
 
 def key(i: int, salt: int = 0) -> bytes:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 
 from aiokv.data import format as fmt
-from tests.conftest import NS, PAYLOAD, key
+from tests.conftest import NS, PAYLOAD, key, refresh_until
 from tests.test_journal_errors_keep_capacity_and_blocks import ramfs  # noqa: F401 (fixture)
 from tools.storeio import StoreIO
 
@@ -53,11 +53,7 @@ async def test_refreshes_over_the_capacity_evict_nothing_where_punching_is_refus
 
     st = StoreIO(root, capacity=8 * SB, io_thread=True)  # lower than what the directory holds
     ns = st.namespace(NS, PAYLOAD)
-    end = time.monotonic() + 10
-    while not ns.ready and time.monotonic() < end:
-        st.refresh()
-        time.sleep(0.01)
-    assert ns.ready
+    refresh_until(st, lambda: ns.ready, "the index did not load")
     _drain(st, ns)  # the first give-back tried (the refusal learnt)
     assert "cannot punch holes" in caplog.text
     # every free slot reserved by a save in flight: a shrink could only evict blocks now

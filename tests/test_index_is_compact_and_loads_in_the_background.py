@@ -34,6 +34,7 @@ from aiokv.store import Store
 from aiokv.store import replay as replay_mod
 from aiokv.store.logrecords import parse_records
 from aiokv.store.table import Table, tag_of
+from tests.conftest import refresh_until
 
 NS = b"c" * 16
 PAYLOAD = 4096
@@ -211,9 +212,8 @@ def test_an_engine_serves_at_once_while_its_index_loads(tmp_path, monkeypatch, c
     assert ns.ready and st.loading == 0
     assert st.lookup(ns, [key(i) for i in range(500)]) == 500, "hits once loaded"
     assert any("is loaded (500 blocks" in r.getMessage() for r in caplog.records)
-    while st.space.growing and time.monotonic() < end:  # its first space (a loaded disk may take past a step's wait)
-        st.refresh()
-        time.sleep(0.01)
+    # its first space reserved (on a loaded disk it may take past a step's wait)
+    refresh_until(st, lambda: not st.space.growing, "the data file did not grow")
     where = st.reserve(ns, key(1000))
     assert where is not None
     st.close()

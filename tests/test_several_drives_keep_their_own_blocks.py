@@ -40,7 +40,7 @@ from aiokv.config import AioKVConfig, ConfigError
 from aiokv.data import format as fmt
 from aiokv.data.faults import ACK
 from aiokv.store.drives import place
-from tests.conftest import NS, PAYLOAD, key
+from tests.conftest import NS, PAYLOAD, key, refresh_until
 from tools.storeio import DrivesIO
 
 N = 48
@@ -197,13 +197,10 @@ async def test_a_hung_drive_file_system_stops_only_its_own_hits_and_saves(tmp_pa
     st.close()
     st = DrivesIO(paths, capacity="1GiB", io_thread=True, fs_timeout=0.1)
     ns = st.namespace(NS, PAYLOAD)
-    end = time.monotonic() + 20
-    while not ns.ready or any(
-        s.space.growing for s in st.stores.values()
-    ):  # every drive's index in place, its space reserved
-        assert time.monotonic() < end, "the drives' indexes did not load"
-        st.refresh()
-        await asyncio.sleep(0.01)
+    # every drive's index in place, its space reserved
+    refresh_until(
+        st, lambda: ns.ready and not any(s.space.growing for s in st.stores.values()), "the drives did not load"
+    )
     hang = threading.Event()
     st.stores[0].fs.submit(lambda: hang.wait(30))  # drive 0's I/O thread is stuck in its file system
     end = time.monotonic() + 20
