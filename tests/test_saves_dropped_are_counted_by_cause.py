@@ -70,9 +70,9 @@ def test_saves_while_space_is_being_reserved_are_counted_as_space_busy(tmp_path,
     go = threading.Event()
     grow_io = Space._grow_io
 
-    def slow(self, ns, plans, hwm):
+    def slow(self, *a, **kw):
         assert go.wait(10)
-        return grow_io(self, ns, plans, hwm)
+        return grow_io(self, *a, **kw)
 
     st = Store(str(tmp_path / "s"), io_thread=True)
     ns = st.namespace(NS, PAYLOAD)  # (its first space is reserved while it opens)
@@ -109,9 +109,9 @@ def test_each_cause_is_a_labelled_series_of_save_dropped_blocks():
 def test_a_namespace_reopened_in_the_background_has_space_for_its_first_saves(tmp_path, monkeypatch):
     grow_io = Space._grow_io
 
-    def slow(self, ns, plans, hwm):  # a busy disk: longer than a step may wait (store.WAIT_PER_STEP)
+    def slow(self, *a, **kw):  # a busy disk: longer than a step may wait (store.WAIT_PER_STEP)
         time.sleep(0.5)
-        return grow_io(self, ns, plans, hwm)
+        return grow_io(self, *a, **kw)
 
     monkeypatch.setattr(Space, "_grow_io", slow)
     root = str(tmp_path / "s")

@@ -81,18 +81,26 @@ class Loader:
         # the slots being given back are neither holes nor free until the punch ran (as in
         # Space._unback): a grow planned meanwhile must not take them, or, where the punch is
         # refused, they would become free twice (once here, once by the grow): one slot, two saves
-        holes, hwm = ns.alloc.holes, ns.alloc.hwm  # (an array of 8 bytes a slot, replaced below: ours now)
-        ns.alloc.holes = array("q")
+        holes, hwm = ns.alloc.holes, ns.alloc.hwm  # (an array of 8 bytes a slot, descending: ours now)
+        # The space for this life's first saves is reserved now, not by the first of them, which would
+        # skip them while it runs; and by the first I/O queued, not behind the punch of the rest (a
+        # clear's millions of slots): the lowest unnamed slots (the last life's free ones are backed
+        # already) are kept for it; it cuts the last life's tail first, so the give-back does not.
+        keep = len(holes) - min(len(holes), self.space.grow_slots(ns, ahead=True))
+        ns.alloc.holes = holes[keep:]
+        del holes[keep:]
+        cut = not self.space.growing_in(ns) and self.space.grow(ns, ahead=True, cut=True) is not False
+        if not cut:  # (no room for a grow: all is given back)
+            holes.extend(ns.alloc.holes)
+            ns.alloc.holes = array("q")
 
         def unbacked(ok, e):
             if ok:
-                ns.alloc.holes = array("q", holes) + ns.alloc.holes  # at the front: a grow in flight planned the end
+                ns.alloc.holes = array("q", holes) + ns.alloc.holes  # at the front: the grow planned the end
             else:
                 ns.alloc.free.extend(holes)  # they may still hold space: counted, and reused first
 
-        self.fs.submit(lambda: self.replay.give_back_io(ns, holes, hwm), unbacked)
-        self.space.grow_ahead(ns)  # space for this life's first saves, reserved now (as a new namespace's
-        # is, meta.py), not by the first of them, which would skip them while it runs
+        self.fs.submit(lambda: self.replay.give_back_io(ns, holes, hwm, truncate=not cut), unbacked)
         log.info(
             "aiokv: the index of namespace %s is loaded (%d blocks, %.2f s); its hits begin",
             ns.hex[:12],

@@ -64,15 +64,17 @@ class Replay:
         if not self.give_back_io(ns, holes, ns.alloc.hwm):
             ns.alloc.grow(holes)  # they may still hold space: counted, and reused first
 
-    def give_back_io(self, ns: Namespace, holes, hwm: int) -> bool:
+    def give_back_io(self, ns: Namespace, holes, hwm: int, truncate: bool = True) -> bool:
         """The file-system half of give_back (the I/O thread's, where there is one: queued
-        at install, so before any grow of the namespace); False if the holes could not be
-        punched. holes (slot numbers: an array) and hwm are the owner's, at install; they
-        are punched a run of consecutive slots a call (a clear applied at opening leaves
-        millions: no Python object each)."""
+        at install, behind only the first grow, which keeps its own slots and cuts the tail
+        itself: truncate False); False if the holes could not be punched. holes (slot
+        numbers: an array) and hwm are the owner's, at install; they are punched a run of
+        consecutive slots a call (a clear applied at opening leaves millions: no Python
+        object each)."""
         ok = self.space.punch_runs(ns, np.sort(np.asarray(holes, np.int64)))
-        for rank in range(ns.ranks):
-            os.ftruncate(self.space.rank_fd(ns, rank), hwm * ns.slot_bytes)
+        if truncate:
+            for rank in range(ns.ranks):
+                os.ftruncate(self.space.rank_fd(ns, rank), hwm * ns.slot_bytes)
         return ok
 
     def read_own(self, ns: Namespace):

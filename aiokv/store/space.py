@@ -74,6 +74,10 @@ class Space:
         """Grows in flight (namespaces whose new space is still being reserved)."""
         return len(self._growing)
 
+    def growing_in(self, ns: Namespace) -> bool:
+        """Whether a grow of this namespace is in flight."""
+        return ns.nsid in self._growing
+
     def peers_older(self) -> bool:
         """Whether another engine holds a block older than our LRU victim (it, not
         we, should give space back)."""
@@ -228,20 +232,27 @@ class Space:
                 f"file system that can (ext4, xfs) to give space back",
             )
 
-    def grow(self, ns: Namespace, ahead: bool = False) -> bool | None:
+    def grow_slots(self, ns: Namespace, ahead: bool = False) -> int:
+        """How many slots a grow would reserve now (0: no room under the limit)."""
+        room = (self.limit - self.used()) if self.limit is not None else GROW_BYTES
+        n = min(max(1, GROW_BYTES // ns.slot_cost), room // ns.slot_cost)
+        if n <= 0 and self.peers_older() and not ahead:
+            # another engine holds older blocks and sheds them at its next refresh:
+            # overshoot by a slot rather than evict our newer ones, up to a bound
+            n = 1 if room + max(self.limit // SHARE_SLACK, ns.slot_cost) >= ns.slot_cost else 0
+        return max(n, 0)
+
+    def grow(self, ns: Namespace, ahead: bool = False, cut: bool = False) -> bool | None:
         """Reserve disk space for more slots: a chunk, halved on ENOSPC down to one slot.
         None: a grow is in flight on the I/O thread (not waited for past this step's
-        budget); ahead: only if there is room, and without waiting."""
+        budget); ahead: only if there is room, and without waiting; cut: the data files
+        are first cut at the high-water mark (an install's: the last life's tail,
+        loading.py), in the same I/O."""
         if self.limit is not None and self.limit != self.capacity:
             self._regain_space()
         op = self._growing.get(ns.nsid)
         if op is None:
-            room = (self.limit - self.used()) if self.limit is not None else GROW_BYTES
-            n = min(max(1, GROW_BYTES // ns.slot_cost), room // ns.slot_cost)
-            if n <= 0 and self.peers_older() and not ahead:
-                # another engine holds older blocks and sheds them at its next refresh:
-                # overshoot by a slot rather than evict our newer ones, up to a bound
-                n = 1 if room + max(self.limit // SHARE_SLACK, ns.slot_cost) >= ns.slot_cost else 0
+            n = self.grow_slots(ns, ahead)
             if n <= 0:
                 return False
             plans = []
@@ -249,7 +260,7 @@ class Space:
                 plans.append(ns.alloc.plan_grow(n))
                 n //= 2
             hwm = ns.alloc.hwm
-            op = self.fs.submit(lambda: self._grow_io(ns, plans, hwm), lambda r, e: self._grow_done(ns, r, e))
+            op = self.fs.submit(lambda: self._grow_io(ns, plans, hwm, cut), lambda r, e: self._grow_done(ns, r, e))
             if op.applied:  # ran at once (inline, or from an operation on the I/O thread)
                 return bool(op.result and op.result[0])
             # (finished on the I/O thread but not applied yet counts as in flight: its slots
@@ -268,9 +279,15 @@ class Space:
         ):
             self.grow(ns, ahead=True)
 
-    def _grow_io(self, ns: Namespace, plans: list[list[int]], hwm: int):
+    def _grow_io(self, ns: Namespace, plans: list[list[int]], hwm: int, cut: bool = False):
         """The I/O of grow: (slots backed or None, ENOSPC count, errno of another failure)."""
         enospc = 0
+        if cut:
+            try:
+                for rank in range(ns.ranks):
+                    os.ftruncate(self.rank_fd(ns, rank), hwm * ns.slot_bytes)
+            except OSError as e:
+                return None, 0, e.errno or errno.EIO
         for slots in plans:
             try:
                 self.fallocate(ns, 0, slots)
