@@ -58,6 +58,7 @@ class Loader:
                 t = time.monotonic()
                 try:
                     table, jlog = self.replay.read_own(ns)
+                    self.space.probe_punch(ns)  # (before a lower capacity evicts for space it cannot give back)
                 except BaseException as e:
                     self.fs.post(lambda r, err, ns=ns, e=e: self.failed(ns, e))
                     continue

@@ -14,9 +14,10 @@ engine evicts its own blocks while they are the directory's oldest, and an
 engine short of room whose blocks are newer than another's may overshoot by
 capacity / SHARE_SLACK meanwhile.
 
-On a file system that cannot punch holes (EOPNOTSUPP: ramfs) nothing given back
-frees a byte: after the first refusal (`punch_refused`, said once) no space is
-given back and no block is evicted for it; the slots held are reused.
+On a file system that cannot punch holes (EOPNOTSUPP: ramfs, NFSv3) nothing given
+back frees a byte: after the first refusal (`punch_refused`, said once; probed
+before a loaded index is installed) no space is given back and no block is evicted
+for it; the slots held are reused.
 
 Threading contract: the decisions (`grow`, `_shrink_to`, `evict`,
 `make_room`, `_regain_space`) run on the owner's thread and change only
@@ -220,6 +221,24 @@ class Space:
             self._refused(e)
             return False
         return True
+
+    def probe_punch(self, ns: Namespace) -> None:
+        """Learn whether the file system can punch holes before a block is evicted for space
+        (a lower capacity at start: with the I/O thread the blocks were gone before the first
+        punch failed): a punch past the end of the namespace's first data file, which changes
+        nothing. The loader thread's, before it hands the index over (it owns the files then)."""
+        if self.punch_refused:
+            return
+        try:
+            fd = open_data_file(self.dirs.own_dir_fd(ns.nsid), 0, write=True)[0]
+        except OSError:
+            return  # no data file yet: no block to lose
+        try:
+            _native.fallocate(fd, PUNCH, os.fstat(fd).st_size + ns.slot_bytes, ns.slot_bytes)
+        except OSError as e:
+            self._refused(e)
+        finally:
+            os.close(fd)
 
     def _refused(self, e: OSError) -> None:
         """A punch failed: where the file system cannot punch at all, no more is tried."""
