@@ -12,7 +12,7 @@ not the disk):
    then exits as a crash would (os._exit: every record in the journal, no checkpoint).
 2. replay: opens the directory (the whole journal replayed: N records; after a crash the
    store replays at most its checkpoint interval, an eighth of the blocks past 1.6M)
-   -> replay_s; closes (a checkpoint) -> checkpoint_s.
+   -> replay_s; checkpoints and closes -> checkpoint_s.
 3. open: a fresh process opens the directory from its checkpoint -> open_s (the time a
    background load takes; the engine serves meanwhile), its RSS growth / N ->
    bytes_per_block; lookups of 64 stored keys at a time (what a request's lookup does)
@@ -120,6 +120,7 @@ def phase_replay(root: str, n: int) -> dict:
     replay = time.perf_counter() - t
     got = ns.count()
     t = time.perf_counter()
+    st.checkpoint()  # (close checkpoints only up to persist.CLOSE_CHECKPOINT_BLOCKS)
     st.close()
     return {"replay_s": replay, "replayed": got, "checkpoint_s": time.perf_counter() - t}
 

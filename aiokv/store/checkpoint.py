@@ -46,11 +46,13 @@ def entry_chunks(entries):
     yield records_of(entries)
 
 
-def write(dfd: int, gen: int, mark: int, chunks, image_slots: int | None) -> tuple[int, int]:
+def write(dfd: int, gen: int, mark: int, chunks, image_slots: int | None, progress=None) -> tuple[int, int]:
     """Write checkpoint generation `gen` from `chunks` (record arrays sorted by slot) and
     put it in place of the old one, with an index image of `image_slots` slots beside it
     (None: no image; an old one is removed); (records written, the image's bytes). The
-    directory is not synced here (the caller does)."""
+    directory is not synced here (the caller does). progress(): called after each chunk
+    written (a checkpoint of tens of millions of blocks takes seconds: the file system
+    answers meanwhile)."""
     image = IndexImage(dfd, image_slots) if image_slots is not None else None
     fd = os.open("checkpoint.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dfd)
     try:
@@ -67,6 +69,8 @@ def write(dfd: int, gen: int, mark: int, chunks, image_slots: int | None) -> tup
                 w = os.pwrite(fd, data, off)
                 data, off = data[w:], off + w
             count += len(recs)
+            if progress is not None:
+                progress()
         os.pwrite(fd, fmt.pack_file_header(fmt.CKPT_MAGIC, gen, count, crc, mark=mark), 0)
         os.fsync(fd)
         if image is not None:

@@ -91,7 +91,7 @@ class FsThread:
         self._every = None  # (interval, fn, done) of the periodic operation
         self._every_due = 0.0
         self._wait_left = 0.0  # what wait_in_step may still wait in this step
-        self.answers = 0  # operations finished (the I/O thread counts them, under the lock)
+        self.answers = 0  # operations finished, and long ones' progress (the I/O thread counts them, under the lock)
         self.thread = None
         if name is not None:
             self.start(name, deadline)
@@ -141,6 +141,15 @@ class FsThread:
                 if op.result is not None or op.error is not None or op.fn is not self._every_fn():
                     self._done.append(op)  # (a periodic look that found nothing new hands nothing over)
                 op.finished = True  # with its done callback queued: poll() applies it
+                self.answers += 1
+                self._cond.notify_all()
+
+    def progress(self) -> None:
+        """A long operation still running got an answer from the file system (a checkpoint's
+        chunk written): `drain` counts it as answering, as it counts an operation finished.
+        The I/O thread's (from inside the operation), or a no-op without one."""
+        if self.thread is not None:
+            with self._cond:
                 self.answers += 1
                 self._cond.notify_all()
 
@@ -279,7 +288,7 @@ class FsThread:
 
     def drain(self, op: Op, quiet: float, until: float) -> bool:
         """Wait for op while the file system answers: give up once no operation has
-        finished for `quiet` seconds (it does not answer), or at time.monotonic()
+        finished or progressed (`progress`) for `quiet` seconds (it does not answer), or at time.monotonic()
         `until` (slow, but answering); True if op finished (its done callback has run).
         For close: whatever was queued before op is written first if it can be."""
         if self.thread is not None and not op.finished:

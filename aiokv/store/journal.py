@@ -274,10 +274,11 @@ class IndexLog:
             self._dirty = False
             self.sync_failures = 0
 
-    def checkpoint(self, entries) -> None:
+    def checkpoint(self, entries, progress=None) -> None:
         """Write a snapshot and start an empty journal. `entries`: [(key, slot, atime)], or
         the owner's Table of this namespace, whose keys are found in this log's files (the
-        checkpoint and journal now on disk) by slot: see _merged."""
+        checkpoint and journal now on disk) by slot: see _merged. progress(): after each
+        chunk written (checkpoint.write)."""
         gen = self.gen + 1
         dfd = self.dir_fd
         if isinstance(entries, Table):
@@ -285,7 +286,7 @@ class IndexLog:
             slots, chunks = int(live[-1]) + 1 if len(live) else 0, self._merged(entries)
         else:
             slots, chunks = None, ckpt_file.entry_chunks(entries)
-        count, self.image_bytes = ckpt_file.write(dfd, gen, self.mark, chunks, slots)
+        count, self.image_bytes = ckpt_file.write(dfd, gen, self.mark, chunks, slots, progress)
         os.fsync(dfd)
         self.ckpt_bytes = fmt.FILE_HDR_BYTES + count * fmt.REC_BYTES
         old = self.fd

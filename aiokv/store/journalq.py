@@ -128,7 +128,7 @@ class JournalQueue:
             failed(e)
 
         def write():
-            log.checkpoint(snapshot)
+            log.checkpoint(snapshot, self.fs.progress)
             return log.disk_bytes
 
         self.fs.once(key, write, done, deadline=max(CHECKPOINT_DEADLINE, self.fs.deadline))
