@@ -132,11 +132,12 @@ class Persist:
     def close(self, checkpoint: bool, close_rest) -> None:
         """Checkpoint (if asked; namespaces of at most CLOSE_CHECKPOINT_BLOCKS blocks, or
         whose journal missed a write) and close the journals, then close_rest(), the other
-        files. A checkpoint that makes progress counts as the file system answering. With the I/O thread: what was queued is written first; returns once the
-        file system has not answered for close_wait, or CLOSE_MAX after the first
-        close-time call (verify_slot or this), whatever the file system does; records
-        not written by then are lost, and said so (their blocks are misses after a
-        restart: the journal never named them)."""
+        files. With the I/O thread: what was queued is written first (a checkpoint making
+        progress counts as the file system answering); returns once the file system has
+        not answered for close_wait, or CLOSE_MAX after the first close-time call
+        (verify_slot or this), whatever the file system does; records not written by then
+        are lost, and said so (their blocks are misses after a restart: the journal never
+        named them)."""
         fs = self.fs
         if not fs.inline and fs._closed:
             return  # closed already
