@@ -17,7 +17,8 @@ a namespace of more than persist.CLOSE_CHECKPOINT_BLOCKS blocks is not checkpoin
 Its journal keeps every record, as after a crash, and the next start replays it.
 
 The fix: FsThread.progress, called by checkpoint.write after each chunk; Persist.close
-checkpoints only namespaces up to CLOSE_CHECKPOINT_BLOCKS (or whose journal missed a write).
+checkpoints only namespaces up to CLOSE_CHECKPOINT_BLOCKS, or whose journal missed a write, or
+holds more records than its checkpoints allow (records that came without a commit).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import os
 import threading
 import time
 
+from aiokv import _index
+from aiokv.data import format as fmt
 from aiokv.store import Store
 from aiokv.store import journal as journal_mod
 from aiokv.store import persist as persist_mod
@@ -98,3 +101,22 @@ def test_a_namespace_past_close_checkpoint_blocks_is_not_rewritten_at_close(tmp_
         ns = st.namespace(NS, PAYLOAD)
         assert st.lookup(ns, keys) == n
         st.close()
+
+
+def test_a_big_namespace_whose_journal_outgrew_its_checkpoints_is_checkpointed_at_close(tmp_path, monkeypatch):
+    # records that came without a commit (TOUCHes of other engines' blocks this one loaded) are not
+    # checkpointed while serving (only a commit checks): close folds them past the journal's bound
+    monkeypatch.setattr(persist_mod, "CLOSE_CHECKPOINT_BLOCKS", 10)
+    root = str(tmp_path / "s")
+    st = Store(root, io_thread=True, checkpoint_every=16)
+    ns = st.namespace(NS, PAYLOAD)
+    assert until(lambda: not st.fs.pending, 10)
+    keys = [key(i) for i in range(11)]
+    _commit(st, ns, keys)  # 11 records: within the bound, no checkpoint
+    st.persist.append(ns, _index.commit_records(keys[:6], [0] * 6, time.time_ns(), 0, 0, fmt.REC_TOUCH))
+    st.close()  # 17 records, past max(checkpoint_every, blocks / 8)
+    assert os.path.exists(os.path.join(root, "ns", NS.hex(), "checkpoint"))
+    st = Store(root)
+    ns = st.namespace(NS, PAYLOAD)
+    assert st.lookup(ns, keys) == 11 and st.persist.journals[NS].records == 0
+    st.close()

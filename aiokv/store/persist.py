@@ -85,6 +85,17 @@ class Persist:
         taken from the files it replaces (checkpoint.py, `merged`)."""
         return ns.table
 
+    def _checkpoint_at_close(self, nsid: bytes, log: IndexLog) -> bool:
+        """Whether close checkpoints this namespace: a small one (CLOSE_CHECKPOINT_BLOCKS), one whose
+        journal missed a write, or one whose journal holds more than its checkpoints allow (records
+        that came without a commit, which checks: TOUCHes of the blocks other engines loaded)."""
+        n = self.index.namespaces[nsid].table.count
+        return (
+            n <= CLOSE_CHECKPOINT_BLOCKS
+            or log.diverged
+            or self.journals[nsid].records > max(self.checkpoint_every, n // 8)
+        )
+
     def checkpoint_if_due(self, ns: Namespace) -> None:
         """After a commit: checkpoint a journal grown past checkpoint_every records and past
         the blocks it indexes, or past an eighth of them for a large index (a replay after a
@@ -146,7 +157,7 @@ class Persist:
             snaps = [
                 (log, self._snapshot(self.index.namespaces[nsid]))
                 for nsid, log in self.logs.items()
-                if log.diverged or self.index.namespaces[nsid].table.count <= CLOSE_CHECKPOINT_BLOCKS
+                if self._checkpoint_at_close(nsid, log)
             ]
         if fs.inline:
             self._close_files(snaps, close_rest)
