@@ -90,19 +90,19 @@ class Persist:
         journal missed a write, or one whose journal holds more than its checkpoints allow (records
         that came without a commit, which checks: TOUCHes of the blocks other engines loaded)."""
         n = self.index.namespaces[nsid].table.count
-        return (
-            n <= CLOSE_CHECKPOINT_BLOCKS
-            or log.diverged
-            or self.journals[nsid].records > max(self.checkpoint_every, n // 8)
-        )
+        return n <= CLOSE_CHECKPOINT_BLOCKS or log.diverged or self._due(self.journals[nsid].records, n)
+
+    def _due(self, records: int, n: int) -> bool:
+        """A journal of `records` over an index of n blocks is due a checkpoint: past
+        checkpoint_every and the blocks it indexes, or an eighth of them for a large index."""
+        return records > self.checkpoint_every and records > min(n, max(self.checkpoint_every, n // 8))
 
     def checkpoint_if_due(self, ns: Namespace) -> None:
         """After a commit: checkpoint a journal grown past checkpoint_every records and past
         the blocks it indexes, or past an eighth of them for a large index (a replay after a
         crash reads at most that many records)."""
         jq = self.journals[ns.nsid]
-        n = ns.table.count
-        if jq.records > self.checkpoint_every and jq.records > min(n, max(self.checkpoint_every, n // 8)):
+        if self._due(jq.records, ns.table.count):
             jq.checkpoint(self._snapshot(ns), self._checkpoint_failed)
 
     @staticmethod

@@ -73,8 +73,7 @@ class Replay:
         object each)."""
         ok = self.space.punch_runs(ns, np.sort(np.asarray(holes, np.int64)))
         if truncate:
-            for rank in range(ns.ranks):
-                os.ftruncate(self.space.rank_fd(ns, rank), hwm * ns.slot_bytes)
+            self.space.cut(ns, hwm)
         return ok
 
     def read_own(self, ns: Namespace):

@@ -199,6 +199,11 @@ class Space:
                     if not mode:  # no fallocate here: extend the file sparsely
                         os.ftruncate(fd, max(os.fstat(fd).st_size, (first + count) * sb))
 
+    def cut(self, ns: Namespace, hwm: int) -> None:
+        """Truncate the namespace's data files (every rank) at `hwm` slots."""
+        for rank in range(ns.ranks):
+            os.ftruncate(self.rank_fd(ns, rank), hwm * ns.slot_bytes)
+
     def punch_runs(self, ns: Namespace, slots) -> bool:
         """Punch `slots` (sorted slot numbers, an array: millions after a clear, no Python object
         each) on every rank, a call per run of consecutive ones; False if any was refused."""
@@ -303,8 +308,7 @@ class Space:
         enospc = 0
         if cut:
             try:
-                for rank in range(ns.ranks):
-                    os.ftruncate(self.rank_fd(ns, rank), hwm * ns.slot_bytes)
+                self.cut(ns, hwm)
             except OSError as e:
                 return None, 0, e.errno or errno.EIO
         for slots in plans:
@@ -315,8 +319,7 @@ class Space:
                     return None, enospc, e.errno or errno.EIO
                 # a failed fallocate may have allocated part of the range: give it back
                 self.fallocate(ns, PUNCH, slots, ignore_errors=True)
-                for rank in range(ns.ranks):
-                    os.ftruncate(self.rank_fd(ns, rank), hwm * ns.slot_bytes)
+                self.cut(ns, hwm)
                 enospc += 1
                 continue
             return slots, enospc, 0
